@@ -1,0 +1,29 @@
+"""titan-nvfp4: NVFP4 (4-bit) pretraining for TorchTitan.
+
+Importing the package registers the `quantize.linear.nvfp4` model converter with TorchTitan.
+"""
+
+from .linear_function import nvfp4_linear
+from .numerics import MXFP8Tensor, NVFP4Tensor, quantize_mxfp8, quantize_nvfp4, rht, rht_signs
+from .nvfp4_linear import NVFP4Linear
+from .recipe import NVFP4Recipe, available_presets, build_recipe
+
+try:
+    from .integration import converter as _converter  # noqa: F401
+except ImportError as _e:  # torchtitan missing: the numerics and modules still work
+    if "torchtitan" not in str(_e):
+        raise
+
+__all__ = [
+    "MXFP8Tensor",
+    "NVFP4Linear",
+    "NVFP4Recipe",
+    "NVFP4Tensor",
+    "available_presets",
+    "build_recipe",
+    "nvfp4_linear",
+    "quantize_mxfp8",
+    "quantize_nvfp4",
+    "rht",
+    "rht_signs",
+]

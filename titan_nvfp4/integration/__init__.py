@@ -1,0 +1,1 @@
+"""TorchTitan integration: the job-config section and the model converter."""

@@ -1,0 +1,91 @@
+"""The `quantize.linear.nvfp4` model converter: swaps a meta-device model's nn.Linear layers for
+NVFP4Linear, registered in TorchTitan's converter registry on import."""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+from torchtitan.components.quantization import QuantizationConverter
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
+from torchtitan.tools.logging import logger
+
+from ..nvfp4_linear import NVFP4Linear, check_linear_dims
+from ..recipe import NVFP4Recipe
+
+CONVERTER_NAME = "quantize.linear.nvfp4"
+_BLOCK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _section(job_config: JobConfig):
+    """The parsed `[quantize.linear.nvfp4]` section, or None when the config module was not loaded."""
+    return getattr(getattr(getattr(job_config, "quantize", None), "linear", None), "nvfp4", None)
+
+
+def skip_reason(fqn: str, filter_fqns: list[str], recipe: NVFP4Recipe, n_blocks: int) -> str | None:
+    """Why the Linear at ``fqn`` stays BF16, or None to convert it."""
+    hits = [f for f in filter_fqns if f in fqn]
+    if hits:
+        return f"filter_fqns {hits}"
+    m = _BLOCK_RE.search(fqn)
+    if m and n_blocks:
+        i = int(m.group(1))
+        if i < recipe.bf16_first_blocks:
+            return f"block {i} < bf16_first_blocks={recipe.bf16_first_blocks}"
+        if i >= n_blocks - recipe.bf16_last_blocks:
+            return f"block {i} in the last bf16_last_blocks={recipe.bf16_last_blocks}"
+    return None
+
+
+def convert_linears(model: nn.Module, recipe: NVFP4Recipe, filter_fqns: list[str]) -> dict[str, list]:
+    """Swap every eligible nn.Linear of ``model`` in place; returns {"converted": [...], "skipped": [(fqn, why)]}."""
+    layers = getattr(model, "layers", None)
+    n_blocks = len(layers) if isinstance(layers, (nn.ModuleDict, nn.ModuleList)) else 0
+    report: dict[str, list] = {"converted": [], "skipped": []}
+    for fqn, mod in list(model.named_modules()):
+        if type(mod) is not nn.Linear:
+            continue
+        why = skip_reason(fqn, filter_fqns, recipe, n_blocks)
+        if why:
+            report["skipped"].append((fqn, why))
+            continue
+        check_linear_dims(fqn, mod.in_features, mod.out_features)
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, NVFP4Linear.from_linear(mod, recipe, layer_id=len(report["converted"]), name=fqn))
+        report["converted"].append(fqn)
+    return report
+
+
+class NVFP4LinearConverter(QuantizationConverter):
+    """Converts dense Linears to NVFP4 per the `[quantize.linear.nvfp4]` section."""
+
+    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims):
+        super().__init__(job_config, parallel_dims)
+        section = _section(job_config)
+        if section is None:
+            from .job_config import NVFP4LinearConfig
+
+            logger.warning(
+                "[quantize.linear.nvfp4] section not available (set [job] custom_config_module = "
+                '"titan_nvfp4.integration.job_config"); using the default nvidia_paper recipe'
+            )
+            section = NVFP4LinearConfig()
+        self.recipe = section.build_recipe()
+        self.filter_fqns = list(section.filter_fqns)
+        self.enabled = True
+
+    def convert(self, model: nn.Module) -> None:
+        report = convert_linears(model, self.recipe, self.filter_fqns)
+        logger.info(f"NVFP4: converted {len(report['converted'])} Linear layers with {self.recipe}")
+        for fqn, why in report["skipped"]:
+            logger.info(f"NVFP4: kept {fqn} in high precision ({why})")
+
+    def post_optimizer_hook(self, model) -> None:
+        return None
+
+
+if CONVERTER_NAME not in _registry_model_converter_cls:
+    register_model_converter(NVFP4LinearConverter, CONVERTER_NAME)

@@ -1,0 +1,102 @@
+"""Element formats: FP4 E2M1 (round-to-nearest-even and stochastic), FP8 E4M3, E8M0, nibble packing.
+
+Everything here is elementwise fp32 math with one defined result per input, so that the Triton
+kernels can reproduce it bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+F4_E2M1_MAX = 6.0
+F8_E4M3_MAX = 448.0
+FP32_MAX = torch.finfo(torch.float32).max
+
+#: Magnitudes of the eight non-negative E2M1 codes 0b000..0b111.
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+# Round-to-nearest-even decision points between neighbouring grid values. A magnitude moves up one
+# code when it passes a midpoint; at an exact midpoint it moves up only if the upper neighbour has
+# an even mantissa (codes 0b010, 0b100, 0b110 = 1, 2, 4), hence ">=" there and ">" elsewhere.
+_RNE_STRICT = (0.25, 1.25, 2.5, 5.0)  # midpoint ties stay down (lower code has even mantissa)
+_RNE_INCLUSIVE = (0.75, 1.75, 3.5)  # midpoint ties go up (upper code has even mantissa)
+
+
+def _grid(device: torch.device) -> torch.Tensor:
+    return torch.tensor(E2M1_GRID, dtype=torch.float32, device=device)
+
+
+def e2m1_encode_rne(v: torch.Tensor) -> torch.Tensor:
+    """Round fp32 values to E2M1 codes (uint8, sign in bit 3), nearest-even, saturating at ±6.
+
+    NaN encodes as (signed) zero: callers mark non-finite blocks through the block scale instead.
+    """
+    v = v.float()
+    a = v.abs()
+    code = torch.zeros_like(a, dtype=torch.uint8)
+    for t in _RNE_STRICT:
+        code += (a > t).to(torch.uint8)
+    for t in _RNE_INCLUSIVE:
+        code += (a >= t).to(torch.uint8)
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def e2m1_encode_stochastic(v: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Stochastically round fp32 values to E2M1 codes: up with probability equal to the distance
+    from the lower grid neighbour over the gap, so E[decode(code)] = v for |v| <= 6 (unbiased).
+
+    ``uniform`` holds independent U[0, 1) draws, one per element. Saturates at ±6.
+    """
+    v = v.float()
+    a = v.abs().clamp(max=F4_E2M1_MAX)
+    grid = _grid(v.device)
+    lo_idx = (a.unsqueeze(-1) >= grid[1:]).sum(-1).to(torch.uint8)  # index of largest grid <= a
+    hi_idx = (lo_idx + 1).clamp(max=7)
+    lo = grid[lo_idx.long()]
+    hi = grid[hi_idx.long()]
+    gap = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
+    frac = (a - lo) / gap
+    code = lo_idx + (uniform < frac).to(torch.uint8)
+    code = torch.where(torch.isnan(v), torch.zeros_like(code), code)
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8, low nibble) to fp32 values."""
+    code = code.to(torch.uint8)
+    mag = _grid(code.device)[(code & 0x7).long()]
+    return torch.where((code & 0x8) != 0, -mag, mag)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Pack pairs of 4-bit codes along the last dim into bytes: element 2i in the low nibble,
+    2i+1 in the high nibble (the order of torch.float4_e2m1fn_x2 and the FP4 tensor cores)."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"cannot pack an odd number ({codes.shape[-1]}) of FP4 codes into bytes")
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_nibbles`: bytes to codes, last dim doubled."""
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+def to_e4m3_saturating(x: torch.Tensor) -> torch.Tensor:
+    """fp32 to float8_e4m3fn, round-to-nearest-even, clamping finite values to ±448 first
+    (torch's own cast turns out-of-range values into NaN). NaN stays NaN."""
+    return x.float().clamp(-F8_E4M3_MAX, F8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def e8m0_from_exponent(exp: torch.Tensor) -> torch.Tensor:
+    """Unbiased int exponents in [-127, 127] (or 128 meaning NaN) to float8_e8m0fnu."""
+    return (exp + 127).clamp(0, 255).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """float8_e8m0fnu to fp32 (2**(byte - 127); byte 255 is NaN)."""
+    byte = scale.view(torch.uint8).to(torch.int32)
+    val = torch.ldexp(torch.ones_like(byte, dtype=torch.float32), byte - 127)
+    return torch.where(byte == 255, torch.full_like(val, float("nan")), val)

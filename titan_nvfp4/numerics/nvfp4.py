@@ -1,0 +1,208 @@
+"""NVFP4 quantization, the reference every kernel is checked against.
+
+The arithmetic follows Transformer Engine's NVFP4 recipe (the one the NVIDIA report trained with),
+step by step in fp32:
+
+    S   = min(6·448 / amax, FP32_MAX)            global encode scale; S = 1 when amax == 0
+    e_b = e4m3_rne_sat(amax_b · (S · fp32(1/6)))   block decode scale, stored as float8_e4m3fn
+    r_b = min(1 / (float(e_b) · (1/S)), FP32_MAX)  block encode factor
+    q   = e2m1(x · r_b)                           nearest-even or stochastic, saturating at ±6
+    x̂   = q · float(e_b) · (1/S)                  decode; `global_scale` stores 1/S
+
+Edge cases (defined here, tested in tests/test_nvfp4_numerics.py):
+  * amax == 0 (all zeros): S = 1, every scale and code is 0, x̂ = 0.
+  * a block of zeros, or a block whose scale underflows E4M3 (amax_b·S/6 < 2⁻¹⁰): e_b = 0, the
+    block decodes to exact zeros (codes may be saturated, as in Transformer Engine; they are
+    multiplied by a zero scale).
+  * a passed-in amax smaller than the data's: block scales saturate at 448 and codes at ±6.
+  * NaN or ±Inf in a block: that block's scale is E4M3 NaN, so it decodes to NaN and any GEMM that
+    reads it yields NaN. A non-finite amax makes `global_scale` NaN: the whole tensor decodes to
+    NaN. Non-finite inputs never produce finite garbage (Transformer Engine would saturate them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .formats import (
+    F4_E2M1_MAX,
+    F8_E4M3_MAX,
+    FP32_MAX,
+    e2m1_decode,
+    e2m1_encode_rne,
+    e2m1_encode_stochastic,
+    pack_nibbles,
+    to_e4m3_saturating,
+    unpack_nibbles,
+)
+
+BLOCK = 16
+#: Block shapes: (1, 16) rowwise along the last dim; (16, 1) along dim 0 (stored transposed, so the
+#: packed codes run along dim 0 of x); (16, 16) square tiles whose quantization is transpose-symmetric.
+BLOCK_SHAPES = ((1, BLOCK), (BLOCK, 1), (BLOCK, BLOCK))
+
+
+def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """S = 6·448/amax in fp32, capped at FP32_MAX; 1 for amax == 0; NaN for a non-finite amax."""
+    amax = amax.float()
+    s = torch.clamp(torch.tensor(F4_E2M1_MAX * F8_E4M3_MAX, dtype=torch.float32, device=amax.device) / amax, max=FP32_MAX)
+    s = torch.where(amax == 0, torch.ones_like(s), s)
+    return torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
+
+
+def block_decode_scale(block_amax: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
+    """e_b = e4m3(amax_b · (S · fp32(1/6))), NaN for non-finite blocks; returns float8_e4m3fn."""
+    inv6 = torch.tensor(1.0 / F4_E2M1_MAX, dtype=torch.float32, device=block_amax.device)
+    e = to_e4m3_saturating(block_amax.float() * (s_enc * inv6))
+    bad = ~torch.isfinite(block_amax) | ~torch.isfinite(s_enc)
+    nan = torch.full_like(block_amax, float("nan"), dtype=torch.float32).to(torch.float8_e4m3fn)
+    return torch.where(bad, nan, e)
+
+
+def block_encode_factor(e_b: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
+    """r_b = min(1 / (float(e_b) · (1/S)), FP32_MAX): what each element is multiplied by before E2M1."""
+    s_dec = torch.reciprocal(s_enc)
+    return torch.clamp(torch.reciprocal(e_b.float() * s_dec), max=FP32_MAX)
+
+
+@dataclass
+class NVFP4Tensor:
+    """A quantized tensor: packed E2M1 codes, E4M3 block scales, and the fp32 global decode scale.
+
+    Storage is a 2D matrix whose rows hold consecutive 16-element blocks along its last dim:
+    x reshaped to (-1, shape[-1]) for block shapes (1, 16) and (16, 16), and xᵀ for (16, 1).
+    ``data`` is (rows, cols/2) uint8; ``scale`` is (rows, cols/16), or (rows/16, cols/16) for
+    16×16 tiles; ``global_scale`` is a 0-d fp32 tensor equal to 1/S.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor
+    shape: torch.Size
+    block_shape: tuple[int, int]
+
+    @property
+    def transposed(self) -> bool:
+        """True when the storage holds xᵀ (blocks of 16 along dim 0 of x)."""
+        return tuple(self.block_shape) == (BLOCK, 1)
+
+    @property
+    def storage_shape(self) -> tuple[int, int]:
+        return (self.data.shape[0], self.data.shape[1] * 2)
+
+    def codes(self) -> torch.Tensor:
+        """Unpacked E2M1 codes (uint8) in the storage layout."""
+        return unpack_nibbles(self.data)
+
+    def row_scales(self) -> torch.Tensor:
+        """E4M3 block scales expanded to one per (storage row, 16-column block)."""
+        if tuple(self.block_shape) == (BLOCK, BLOCK):
+            return self.scale.repeat_interleave(BLOCK, dim=0)
+        return self.scale
+
+    def scaled_codes(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """q · e_b in the storage layout, without the global scale: exact in fp32, bf16 and fp16
+        (a 2-significant-bit code times a 4-bit-significand scale), the operand an emulated FP4
+        tensor core multiplies."""
+        rows, cols = self.storage_shape
+        vals = e2m1_decode(self.codes()).view(rows, cols // BLOCK, BLOCK)
+        out = vals * self.row_scales().float().unsqueeze(-1)
+        return out.view(rows, cols).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """x̂ = q · e_b · global_scale, in x's shape."""
+        out = self.scaled_codes(torch.float32) * self.global_scale.float()
+        if self.transposed:
+            out = out.t()
+        return out.reshape(self.shape).to(dtype)
+
+    def t(self) -> "NVFP4Tensor":
+        """The same quantized values as an NVFP4Tensor of xᵀ; for 16×16 tiles this is exact
+        (the tiles of xᵀ are the transposed tiles of x), which is why weights use them."""
+        if tuple(self.block_shape) != (BLOCK, BLOCK) or len(self.shape) != 2:
+            raise ValueError(f"only 2D tensors with 16x16 blocks transpose exactly, got block_shape={self.block_shape}")
+        codes = self.codes().t().contiguous()
+        return NVFP4Tensor(
+            data=pack_nibbles(codes),
+            scale=self.scale.t().contiguous(),
+            global_scale=self.global_scale,
+            shape=torch.Size((self.shape[1], self.shape[0])),
+            block_shape=(BLOCK, BLOCK),
+        )
+
+
+def _as_storage(x: torch.Tensor, block_shape: tuple[int, int]) -> torch.Tensor:
+    """x as the 2D fp32 storage matrix, after checking that its dims fit the block shape."""
+    if not x.is_floating_point():
+        raise TypeError(f"NVFP4 quantization needs a floating-point tensor, got {x.dtype}")
+    if block_shape not in BLOCK_SHAPES:
+        raise ValueError(f"block_shape must be one of {BLOCK_SHAPES}, got {block_shape}")
+    if x.dim() == 0:
+        raise ValueError("cannot quantize a 0-d tensor to NVFP4")
+    if block_shape != (1, BLOCK) and x.dim() != 2:
+        raise ValueError(f"block_shape {block_shape} needs a 2D tensor, got shape {tuple(x.shape)}")
+    if block_shape == (1, BLOCK):
+        if x.shape[-1] % BLOCK:
+            raise ValueError(f"NVFP4 1x16 blocks need the last dim to be a multiple of 16, got shape {tuple(x.shape)}")
+        return x.reshape(-1, x.shape[-1]).float()
+    if block_shape == (BLOCK, 1):
+        if x.shape[0] % BLOCK:
+            raise ValueError(f"NVFP4 16x1 blocks need dim 0 to be a multiple of 16, got shape {tuple(x.shape)}")
+        return x.t().float()
+    if x.shape[0] % BLOCK or x.shape[1] % BLOCK:
+        raise ValueError(f"NVFP4 16x16 blocks need both dims to be multiples of 16, got shape {tuple(x.shape)}")
+    return x.float()
+
+
+def _uniform_like(a: torch.Tensor, seed: int | None, generator: torch.Generator | None) -> torch.Tensor:
+    if generator is None and seed is not None:
+        generator = torch.Generator(device=a.device).manual_seed(int(seed))
+    return torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
+
+
+def quantize_nvfp4(
+    x: torch.Tensor,
+    block_shape: tuple[int, int] = (1, BLOCK),
+    stochastic: bool = False,
+    seed: int | None = None,
+    amax: torch.Tensor | float | None = None,
+    generator: torch.Generator | None = None,
+) -> NVFP4Tensor:
+    """Quantize x to NVFP4 (see the module docstring for the exact arithmetic).
+
+    block_shape: (1, 16), (16, 1) or (16, 16). stochastic: stochastic rounding of the elements
+    (scales always round to nearest), reproducible with ``seed`` or a ``generator``. amax: a
+    global amax to use instead of max|x| (e.g. one all-reduced across ranks).
+    """
+    block_shape = tuple(block_shape)
+    a = _as_storage(x, block_shape)
+    rows, cols = a.shape
+    if amax is None:
+        amax_t = a.abs().amax() if a.numel() else torch.zeros((), device=a.device)
+    else:
+        amax_t = torch.as_tensor(amax, dtype=torch.float32, device=a.device).reshape(())
+        if bool(amax_t < 0):
+            raise ValueError(f"amax must be non-negative, got {float(amax_t)}")
+    s_enc = global_encode_scale(amax_t)
+
+    if block_shape == (BLOCK, BLOCK):
+        tiles = a.view(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
+        e_b = block_decode_scale(tiles.abs().amax(dim=(1, 3)), s_enc)  # (rows/16, cols/16)
+        factor = block_encode_factor(e_b, s_enc).repeat_interleave(BLOCK, dim=0)
+    else:
+        e_b = block_decode_scale(a.view(rows, cols // BLOCK, BLOCK).abs().amax(dim=-1), s_enc)
+        factor = block_encode_factor(e_b, s_enc)
+    v = (a.view(rows, cols // BLOCK, BLOCK) * factor.unsqueeze(-1)).view(rows, cols)
+    if stochastic:
+        codes = e2m1_encode_stochastic(v, _uniform_like(v, seed, generator))
+    else:
+        codes = e2m1_encode_rne(v)
+    return NVFP4Tensor(
+        data=pack_nibbles(codes),
+        scale=e_b,
+        global_scale=torch.reciprocal(s_enc),
+        shape=x.shape,
+        block_shape=block_shape,
+    )

@@ -1,0 +1,55 @@
+"""The 16-point random Hadamard transform (RHT) used on both wgrad operands.
+
+T = H16 · diag(s) / 4 is orthonormal (H16 is the ±1 Sylvester Hadamard matrix, s a ±1 sign
+vector), so transforming both operands of dW = dYᵀ X along the token dim leaves the product
+unchanged while spreading outliers across each 16-element block before FP4 quantization.
+
+The transform is defined as a fixed sequence of fp32 operations (sign flip, four butterfly stages
+of a+b / a-b, multiply by 0.25), so a kernel that performs the same stages gets the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+RHT_SIZE = 16
+
+
+def hadamard_matrix(n: int = RHT_SIZE, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The unnormalised ±1 Sylvester Hadamard matrix of order n (a power of two)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard order must be a power of two, got {n}")
+    h = torch.ones(1, 1, dtype=dtype)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h
+
+
+def rht_signs(seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A reproducible ±1 fp32 sign vector of length 16 from ``seed`` (same on every rank)."""
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    bits = torch.randint(0, 2, (RHT_SIZE,), generator=gen)
+    return (1.0 - 2.0 * bits.float()).to(device)
+
+
+def rht_matrix(signs: torch.Tensor) -> torch.Tensor:
+    """The transform as a float64 matrix M with ``rht(x) == x @ M`` on 16-blocks (for tests)."""
+    return torch.diag(signs.double().cpu()) @ hadamard_matrix() / 4.0
+
+
+def rht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """Apply the RHT to consecutive 16-element blocks of the last dim of x; returns fp32.
+
+    Each block b becomes H16 · (s ⊙ b) / 4, computed as sign flip, four butterfly stages and an
+    exact scaling by 1/4.
+    """
+    if x.shape[-1] % RHT_SIZE:
+        raise ValueError(f"RHT needs the last dim to be a multiple of 16, got shape {tuple(x.shape)}")
+    y = x.float().reshape(-1, RHT_SIZE) * signs.to(device=x.device, dtype=torch.float32)
+    h = 1
+    while h < RHT_SIZE:
+        y = y.reshape(-1, RHT_SIZE // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return (y.reshape(x.shape) * 0.25).contiguous()

@@ -1,0 +1,56 @@
+"""NVFP4Linear: a drop-in nn.Linear whose three GEMMs run in NVFP4.
+
+It subclasses nn.Linear and keeps its parameters (`weight`, `bias`), so state_dict keys, init_weights
+code that touches `.weight`, and BF16 checkpoints all carry over unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .linear_function import SRState, nvfp4_linear
+from .recipe import NVFP4Recipe
+
+
+def check_linear_dims(name: str, in_features: int, out_features: int) -> None:
+    """NVFP4 blocks are 16 wide along both weight dims: reject other sizes with the layer's name."""
+    bad = [f"{d}={v}" for d, v in (("in_features", in_features), ("out_features", out_features)) if v % 16]
+    if bad:
+        raise ValueError(
+            f"cannot convert Linear {name!r} to NVFP4: {', '.join(bad)} not a multiple of 16 "
+            "(exclude it with filter_fqns)"
+        )
+
+
+class NVFP4Linear(nn.Linear):
+    """nn.Linear computing Y = X Wᵀ + b with the NVFP4 recipe in forward and backward."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 recipe: NVFP4Recipe | None = None, layer_id: int = 0, name: str = "",
+                 device=None, dtype=None) -> None:
+        check_linear_dims(name or "NVFP4Linear", in_features, out_features)
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = recipe or NVFP4Recipe()
+        self.sr_state = SRState(layer_id)
+
+    @classmethod
+    def from_linear(cls, mod: nn.Linear, recipe: NVFP4Recipe, layer_id: int = 0, name: str = "") -> "NVFP4Linear":
+        """Swap in for ``mod`` reusing its Parameter objects (no allocation, works on meta)."""
+        check_linear_dims(name, mod.in_features, mod.out_features)
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = mod.in_features, mod.out_features
+        new.weight = mod.weight
+        new.bias = mod.bias
+        new.recipe = recipe
+        new.sr_state = SRState(layer_id)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nvfp4_linear(x, self.weight, self.bias, self.recipe, self.sr_state)
+
+    def extra_repr(self) -> str:
+        r = self.recipe
+        return (f"{super().extra_repr()}, nvfp4(weight_2d={r.weight_2d}, sr={r.stochastic_rounding}, "
+                f"rht={r.rht}, backend={r.gemm_backend})")

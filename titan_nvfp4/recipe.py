@@ -1,0 +1,104 @@
+"""The NVFP4 training recipe: one dataclass holding every numerics switch, and named presets.
+
+Presets are TOML files in the repo's configs/ directory (installed as ``titan_nvfp4.presets``);
+a job file picks one with ``recipe = "nvidia_paper"`` and may override any field next to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from .ops.gemm import BACKEND_NAMES
+
+
+@dataclass(frozen=True)
+class NVFP4Recipe:
+    """What each NVFP4 GEMM does (defaults: the NVIDIA report's recipe, every block in NVFP4)."""
+
+    weight_2d: bool = True
+    """16×16 weight blocks, so forward and dgrad read one quantized weight (else 1×16 along K for
+    forward and 1×16 along N for dgrad)."""
+    stochastic_rounding: bool = True
+    """Stochastic rounding of dY in dgrad and wgrad (else nearest-even)."""
+    rht: bool = True
+    """16-point random Hadamard transform on both wgrad operands along the token dim."""
+    rht_seed: int = 0
+    """Seed of the RHT sign vector, identical on every rank."""
+    sr_seed: int = 0
+    """Base seed of the stochastic-rounding streams (mixed with layer index and call count)."""
+    bf16_first_blocks: int = 0
+    """Keep the Linears of the first N transformer blocks in BF16."""
+    bf16_last_blocks: int = 0
+    """Keep the Linears of the last N transformer blocks in BF16."""
+    gemm_backend: str = "auto"
+    """NVFP4 GEMM implementation: "auto" picks per device; see titan_nvfp4.ops.gemm."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            validate_field(f.name, getattr(self, f.name))
+
+
+_BOOL_FIELDS = ("weight_2d", "stochastic_rounding", "rht")
+_INT_FIELDS = ("rht_seed", "sr_seed", "bf16_first_blocks", "bf16_last_blocks")
+RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(NVFP4Recipe))
+
+
+def validate_field(name: str, value: Any, where: str = "quantize.linear.nvfp4") -> None:
+    """Raise a ValueError naming the key and value unless ``value`` is valid for recipe field ``name``."""
+    if name not in RECIPE_FIELDS:
+        raise ValueError(f"[{where}] unknown recipe key {name!r}; valid keys: {', '.join(RECIPE_FIELDS)}")
+    if name in _BOOL_FIELDS and not isinstance(value, bool):
+        raise ValueError(f"[{where}] {name} must be true or false, got {value!r}")
+    if name in _INT_FIELDS and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"[{where}] {name} must be a non-negative integer, got {value!r}")
+    if name == "gemm_backend" and value not in BACKEND_NAMES:
+        raise ValueError(f"[{where}] gemm_backend must be one of {list(BACKEND_NAMES)}, got {value!r}")
+
+
+def _preset_dirs() -> list[Path]:
+    dirs = []
+    try:
+        from importlib.resources import files
+
+        dirs.append(Path(str(files("titan_nvfp4.presets"))))
+    except (ModuleNotFoundError, TypeError):
+        pass
+    dirs.append(Path(__file__).resolve().parent.parent / "configs")  # a source checkout
+    return [d for d in dirs if d.is_dir()]
+
+
+def available_presets() -> list[str]:
+    """Names of the recipe presets shipped with the package."""
+    return sorted({p.stem for d in _preset_dirs() for p in d.glob("*.toml")})
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    """The fields of preset ``name`` (a shipped name, or a path to a .toml file)."""
+    path = Path(name)
+    if not (name.endswith(".toml") and path.is_file()):
+        candidates = [d / f"{name}.toml" for d in _preset_dirs()]
+        found = [p for p in candidates if p.is_file()]
+        if not found:
+            raise ValueError(f"[quantize.linear.nvfp4] unknown recipe {name!r}; available: {available_presets()}")
+        path = found[0]
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    data.pop("description", None)
+    for key, value in data.items():
+        validate_field(key, value, where=f"recipe preset {path.name}")
+    return data
+
+
+def build_recipe(preset: str | None, overrides: dict[str, Any]) -> NVFP4Recipe:
+    """A recipe from a preset (or the dataclass defaults) with explicit overrides on top."""
+    fields = load_preset(preset) if preset else {}
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return NVFP4Recipe(**fields)
