@@ -56,12 +56,21 @@ class NVFP4LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 recipe: NVFP4Recipe, sr_state: SRState) -> torch.Tensor:
+        # Under autocast the output takes the autocast dtype, as nn.Linear's would; the NVFP4 math
+        # itself must not be autocast (its fp32 accumulator would be rounded to 16 bits).
+        dev = x.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        with torch.autocast(dev, enabled=False):
+            return NVFP4LinearFunction._forward(ctx, x, weight, bias, recipe, sr_state, out_dtype)
+
+    @staticmethod
+    def _forward(ctx, x, weight, bias, recipe, sr_state, out_dtype):
         in_features = weight.shape[1]
         x2d = x.reshape(-1, in_features)
         w_blocks = (16, 16) if recipe.weight_2d else (1, 16)
         xq = quantize_rowwise(x2d)
         wq = quantize_rowwise(weight, block_shape=w_blocks)
-        y = nvfp4_gemm(xq, wq, out_dtype=x.dtype, bias=bias, backend=recipe.gemm_backend)
+        y = nvfp4_gemm(xq, wq, out_dtype=out_dtype, bias=bias, backend=recipe.gemm_backend)
 
         need_wgrad = weight.requires_grad
         if need_wgrad:
@@ -80,6 +89,11 @@ class NVFP4LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
+        with torch.autocast(dy.device.type, enabled=False):
+            return NVFP4LinearFunction._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx, dy: torch.Tensor):
         recipe: NVFP4Recipe = ctx.recipe
         weight, *saved = ctx.saved_tensors
         wq = _repack(*saved[:3], *ctx.wq_meta)

@@ -6,7 +6,6 @@ checked when TorchTitan parses the TOML file, so a bad value stops the job befor
 misspelt keys are rejected by TorchTitan's own parser, which names them.
 """
 
-from __future__ import annotations
 
 from dataclasses import dataclass, field
 

@@ -15,6 +15,8 @@ Edge cases (defined here, tested in tests/test_nvfp4_numerics.py):
     block decodes to exact zeros (codes may be saturated, as in Transformer Engine; they are
     multiplied by a zero scale).
   * a passed-in amax smaller than the data's: block scales saturate at 448 and codes at ±6.
+  * e_b rounds to nearest, so a block's largest element may map slightly above 6 (by up to half
+    an E4M3 step, 6.25%) and saturate; stochastic rounding is unbiased for everything else.
   * NaN or ±Inf in a block: that block's scale is E4M3 NaN, so it decodes to NaN and any GEMM that
     reads it yields NaN. A non-finite amax makes `global_scale` NaN: the whole tensor decodes to
     NaN. Non-finite inputs never produce finite garbage (Transformer Engine would saturate them).
