@@ -1,0 +1,36 @@
+"""The log reader used to compare training runs."""
+
+import pytest
+
+from titan_nvfp4.tools.loss_log import main, parse_log, summarize
+
+_LOG = """[titan] 2026-11-22 23:00:00,000 - root - INFO - Training starts at step 1
+[titan] 2026-11-22 23:00:01,000 - root - INFO - \x1b[31mstep:  1  \x1b[32mloss:  7.65430  \x1b[33mgrad_norm:  2.1000  \x1b[34mmemory:  1.23GiB(1.55%)  \x1b[34mtps: 1,234  \x1b[36mtflops: 0.10  \x1b[35mmfu: 0.01%\x1b[39m
+[titan] 2026-11-22 23:00:02,000 - root - INFO - step: 10  loss:  6.00000  grad_norm:  1.5000  memory:  1.50GiB(1.90%)  tps: 50,000  tflops: 1.00  mfu: 0.10%
+[titan] 2026-11-22 23:00:03,000 - root - INFO - step: 20  loss:  5.00000  grad_norm:  1.0000  memory:  1.40GiB(1.80%)  tps: 52,000  tflops: 1.00  mfu: 0.10%
+"""
+
+
+def test_parse_colored_and_plain_lines():
+    steps = parse_log(_LOG)
+    assert [s.step for s in steps] == [1, 10, 20]
+    assert steps[0].loss == pytest.approx(7.6543) and steps[0].tps == 1234
+    assert steps[1].memory_gib == 1.5
+
+
+def test_summary_and_cli(tmp_path, capsys):
+    a, b = tmp_path / "bf16.log", tmp_path / "nvfp4.log"
+    a.write_text(_LOG)
+    b.write_text(_LOG.replace("5.00000", "5.50000"))
+    rows = summarize({"bf16": parse_log(a.read_text()), "nvfp4": parse_log(b.read_text())}, last=2)
+    assert rows[0]["final_loss"] == pytest.approx(5.5)
+    assert rows[1]["final_loss"] == pytest.approx(5.75) and rows[1]["delta"] == pytest.approx(0.25)
+    main([str(a), str(b), "--last", "1", "--markdown", "--csv", str(tmp_path / "m.csv")])
+    out = capsys.readouterr().out
+    assert "| nvfp4 | 20 |" in out and "+0.5000" in out
+    assert (tmp_path / "m.csv").read_text().count("\n") == 7
+
+
+def test_empty_log_is_an_error():
+    with pytest.raises(ValueError, match="no TorchTitan metric lines"):
+        summarize({"x": parse_log("nothing here")})

@@ -1,0 +1,100 @@
+"""Read per-step metrics from TorchTitan training logs and compare runs.
+
+    python -m titan_nvfp4.tools.loss_log bf16.log nvfp4.log [--last 20] [--markdown]
+
+Parses TorchTitan's metric lines ("step: N  loss: X  grad_norm: G  memory: M GiB ... tps: T"),
+colored or not, and prints the final loss (mean over the last k logged steps), its difference to
+the first run, throughput and peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_LINE = re.compile(
+    r"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>[-+0-9.eEnaif]+)\s+grad_norm:\s*(?P<gn>[-+0-9.eEnaif]+)"
+    r"\s+memory:\s*(?P<mem>[0-9.]+)GiB.*?tps:\s*(?P<tps>[0-9,]+)"
+)
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    grad_norm: float
+    memory_gib: float
+    tps: int
+
+
+def parse_log(text: str) -> list[StepMetrics]:
+    """Every metric line of a TorchTitan log, in order (later duplicates of a step win)."""
+    by_step: dict[int, StepMetrics] = {}
+    for line in _ANSI.sub("", text).splitlines():
+        m = _LINE.search(line)
+        if m:
+            s = StepMetrics(int(m["step"]), float(m["loss"]), float(m["gn"]), float(m["mem"]), int(m["tps"].replace(",", "")))
+            by_step[s.step] = s
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def summarize(runs: dict[str, list[StepMetrics]], last: int = 10) -> list[dict]:
+    """One row per run: steps, first/final loss (mean of the last k logged), Δ vs the first run, tps, memory."""
+    rows, base = [], None
+    for name, steps in runs.items():
+        if not steps:
+            raise ValueError(f"no TorchTitan metric lines found in {name}")
+        tail = steps[-last:]
+        final = sum(s.loss for s in tail) / len(tail)
+        base = final if base is None else base
+        rows.append({
+            "run": name,
+            "steps": steps[-1].step,
+            "first_loss": steps[0].loss,
+            "final_loss": final,
+            "delta": final - base,
+            "rel_delta_pct": 100.0 * (final - base) / base if base else float("nan"),
+            "tps": sorted(s.tps for s in steps[1:] or steps)[len(steps[1:] or steps) // 2],
+            "peak_memory_gib": max(s.memory_gib for s in steps),
+        })
+    return rows
+
+
+def to_markdown(rows: list[dict], last: int) -> str:
+    head = f"| run | steps | first loss | final loss (mean of last {last} logged) | Δ vs {rows[0]['run']} | tokens/s (median) | peak memory GiB |\n"
+    head += "| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n"
+    body = "".join(
+        f"| {r['run']} | {r['steps']} | {r['first_loss']:.4f} | {r['final_loss']:.4f} | "
+        f"{r['delta']:+.4f} ({r['rel_delta_pct']:+.2f}%) | {r['tps']:,} | {r['peak_memory_gib']:.2f} |\n"
+        for r in rows
+    )
+    return head + body
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("logs", nargs="+", type=Path)
+    ap.add_argument("--last", type=int, default=10, help="logged steps averaged for the final loss")
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--csv", type=Path, help="also write every run's per-step metrics here")
+    args = ap.parse_args(argv)
+    runs = {p.stem: parse_log(p.read_text(errors="replace")) for p in args.logs}
+    rows = summarize(runs, args.last)
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write("run,step,loss,grad_norm,memory_gib,tps\n")
+            for name, steps in runs.items():
+                for s in steps:
+                    f.write(f"{name},{s.step},{s.loss},{s.grad_norm},{s.memory_gib},{s.tps}\n")
+    if args.markdown:
+        print(to_markdown(rows, args.last), end="")
+    else:
+        for r in rows:
+            print(" ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+
+
+if __name__ == "__main__":
+    main()
