@@ -55,16 +55,16 @@ def _repack(data, scale, gs, like_shape, block_shape) -> NVFP4Tensor:
 class NVFP4LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                recipe: NVFP4Recipe, sr_state: SRState) -> torch.Tensor:
+                recipe: NVFP4Recipe, sr_state: SRState, need_wgrad: bool) -> torch.Tensor:
         # Under autocast the output takes the autocast dtype, as nn.Linear's would; the NVFP4 math
         # itself must not be autocast (its fp32 accumulator would be rounded to 16 bits).
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         with torch.autocast(dev, enabled=False):
-            return NVFP4LinearFunction._forward(ctx, x, weight, bias, recipe, sr_state, out_dtype)
+            return NVFP4LinearFunction._forward(ctx, x, weight, bias, recipe, sr_state, out_dtype, need_wgrad)
 
     @staticmethod
-    def _forward(ctx, x, weight, bias, recipe, sr_state, out_dtype):
+    def _forward(ctx, x, weight, bias, recipe, sr_state, out_dtype, need_wgrad):
         in_features = weight.shape[1]
         x2d = x.reshape(-1, in_features)
         w_blocks = (16, 16) if recipe.weight_2d else (1, 16)
@@ -72,7 +72,6 @@ class NVFP4LinearFunction(torch.autograd.Function):
         wq = quantize_rowwise(weight, block_shape=w_blocks)
         y = nvfp4_gemm(xq, wq, out_dtype=out_dtype, bias=bias, backend=recipe.gemm_backend)
 
-        need_wgrad = weight.requires_grad
         if need_wgrad:
             signs = _signs(recipe.rht_seed, x.device) if recipe.rht else None
             x_col = quantize_wgrad_operand(x2d, signs)
@@ -117,10 +116,13 @@ class NVFP4LinearFunction(torch.autograd.Function):
             dw = nvfp4_gemm(dy_col, x_col, out_dtype=weight.dtype, backend=recipe.gemm_backend)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(dy.dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  recipe: NVFP4Recipe, sr_state: SRState | None = None) -> torch.Tensor:
     """Functional NVFP4 linear (see the module docstring for the recipe)."""
-    return NVFP4LinearFunction.apply(x, weight, bias, recipe, sr_state or SRState())
+    # Grad mode is off inside Function.forward, so decide here whether the wgrad operand is needed:
+    # under no_grad / inference_mode the RHT + quantization of X would be thrown away.
+    need_wgrad = torch.is_grad_enabled() and weight.requires_grad
+    return NVFP4LinearFunction.apply(x, weight, bias, recipe, sr_state or SRState(), need_wgrad)

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import torch
 
 from .formats import (
@@ -148,7 +150,7 @@ def _as_storage(x: torch.Tensor, block_shape: tuple[int, int]) -> torch.Tensor:
     if block_shape == (1, BLOCK):
         if x.shape[-1] % BLOCK:
             raise ValueError(f"NVFP4 1x16 blocks need the last dim to be a multiple of 16, got shape {tuple(x.shape)}")
-        return x.reshape(-1, x.shape[-1]).float()
+        return x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).float()  # explicit: -1 is ambiguous if numel is 0
     if block_shape == (BLOCK, 1):
         if x.shape[0] % BLOCK:
             raise ValueError(f"NVFP4 16x1 blocks need dim 0 to be a multiple of 16, got shape {tuple(x.shape)}")

@@ -1,0 +1,283 @@
+"""Offline default dataset + tokenizer (titan_nvfp4.data): build, content, TorchTitan wiring, locking.
+
+The assets are built once per session (module fixture) into a temporary directory named by
+TITAN_NVFP4_DATA_DIR, exactly as `import titan_nvfp4.data.prepare` would build them for a run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import datasets
+import pytest
+import torch
+
+import titan_nvfp4.data as data
+from titan_nvfp4.data import assets as assets_mod
+from titan_nvfp4.data.corpus import SHUFFLE_SEED, build_corpus, corpus_sha256, read_jsonl
+from titan_nvfp4.data.tokenizer import BOS_TOKEN, EOS_TOKEN, VOCAB_SIZE
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+from torchtitan.config import JobConfig
+from torchtitan.hf_datasets import text_datasets
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset, build_text_dataloader
+
+REPO = Path(__file__).resolve().parents[1]
+MIN_TOKENS = 10_000_000
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pystdlib")
+    mp = pytest.MonkeyPatch()
+    mp.setenv(data.ENV_VAR, str(root / "assets"))
+    # Keep the arrow caches `datasets` writes for the JSONL files out of the user's home.
+    mp.setattr(datasets.config, "HF_DATASETS_CACHE", str(root / "hf_cache"))
+    t0 = time.perf_counter()
+    path = data.ensure_assets()  # no argument: the env var decides
+    seconds = time.perf_counter() - t0
+    data.register_datasets()
+    print(f"\n[test_data] built offline assets in {seconds:.1f} s at {path}")
+    yield SimpleNamespace(path=path, root=root, manifest=data.read_manifest(path), seconds=seconds)
+    mp.undo()
+    data.register_datasets()  # back to the default directory for anything that runs later
+
+
+@pytest.fixture(scope="module")
+def tok(built):
+    return HuggingFaceTokenizer(str(built.path))
+
+
+@pytest.fixture(scope="module")
+def splits(built):
+    return SimpleNamespace(
+        train=read_jsonl(built.path / "train.jsonl"), validation=read_jsonl(built.path / "validation.jsonl")
+    )
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_assets_dir_layout_and_manifest(built):
+    assert built.path == built.root / "assets"  # TITAN_NVFP4_DATA_DIR honoured
+    names = {p.name for p in built.path.iterdir()}
+    assert names == {"train.jsonl", "validation.jsonl", "tokenizer.json", "tokenizer_config.json", "manifest.json"}
+    m = built.manifest
+    assert m["recipe"] == assets_mod.recipe()
+    assert m["recipe"]["python_version"] == ".".join(map(str, sys.version_info[:3]))
+    for name in ("train.jsonl", "validation.jsonl", "tokenizer.json"):
+        assert m["sha256"][name] == _sha(built.path / name), name
+    assert m["sha256"]["corpus"] == hashlib.sha256(
+        (built.path / "train.jsonl").read_bytes() + (built.path / "validation.jsonl").read_bytes()
+    ).hexdigest()
+    assert m["documents"]["train"] > 1000 and m["documents"]["validation"] > 5
+    assert m["tokenizer"]["vocab_size"] == VOCAB_SIZE
+    # No temporary build directories left next to the assets; the lock file is.
+    assert sorted(p.name for p in built.root.iterdir() if p.name.startswith(".")) == []
+    assert (built.root / "assets.lock").is_file()
+    assert built.seconds < 120, f"build took {built.seconds:.0f} s"
+
+
+def test_corpus_is_deterministic_and_shuffled(built, splits):
+    a, b = build_corpus(), build_corpus()
+    assert corpus_sha256(a) == corpus_sha256(b) == built.manifest["sha256"]["corpus"]
+    assert a.train == splits.train and a.validation == splits.validation
+    # The fixed-seed shuffle is really applied: another seed gives the same documents in another order.
+    other = build_corpus(seed=SHUFFLE_SEED + 1)
+    assert sorted(other.train + other.validation) == sorted(a.train + a.validation)
+    assert other.train[:50] != a.train[:50]
+    # Neighbouring documents come from all over the stdlib: the first 20 train documents are not the
+    # alphabetically first modules (`__future__`, `__hello__`, `_aix_support`, ...).
+    assert not any(t.startswith('"""Record of phased-in incompatible language changes.') for t in a.train[:20])
+
+
+def test_corpus_has_at_least_10m_tokens(built, splits, tok):
+    # Counted EXACTLY on the full corpus (train + validation) with the built tokenizer — no
+    # extrapolation — and without BOS/EOS. Also checks the manifest's estimate is close.
+    docs = splits.train + splits.validation
+    t0 = time.perf_counter()
+    n = sum(len(e.ids) for e in tok.tokenizer.encode_batch_fast(docs))
+    print(f"\n[test_data] corpus: {n} tokens, {sum(len(d.encode()) for d in docs)} bytes, "
+          f"counted in {time.perf_counter() - t0:.1f} s")
+    assert n >= MIN_TOKENS
+    assert abs(built.manifest["tokens_estimate"]["total"] - n) / n < 0.05
+
+
+def test_tokenizer_vocab_and_bos_eos(built, tok, splits):
+    assert tok.get_vocab_size() == VOCAB_SIZE == 2048
+    assert max(tok.get_vocab().values()) == VOCAB_SIZE - 1
+    assert tok.bos_token == BOS_TOKEN and tok.eos_token == EOS_TOKEN
+    assert tok.bos_id is not None and tok.eos_id is not None and tok.bos_id != tok.eos_id
+    ids = tok.encode("import os\nprint(os.getcwd())\n", add_bos=True, add_eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert tok.bos_id not in ids[1:-1] and tok.eos_id not in ids[1:-1]
+    bare = tok.encode("import os\nprint(os.getcwd())\n", add_bos=False, add_eos=False)
+    assert bare == ids[1:-1]
+    for doc in splits.validation:
+        assert max(tok.encode(doc, add_bos=True, add_eos=True)) < VOCAB_SIZE
+    cfg = json.loads((built.path / "tokenizer_config.json").read_text())
+    assert cfg["bos_token"] == BOS_TOKEN and cfg["eos_token"] == EOS_TOKEN
+
+
+def test_tokenizer_roundtrip(tok, splits):
+    samples = splits.validation[:5] + [
+        "naïve café — 日本語 🐍\t\r\n  x = {'a': 1}\n",
+        "",
+        "    " * 7 + "return None  # trailing spaces   \n",
+    ]
+    for s in samples:
+        ids = tok.encode(s, add_bos=False, add_eos=False)
+        assert tok.decode(ids) == s
+    # Byte-level BPE actually compresses code (about 3 bytes per token), it is not bytes-as-tokens.
+    doc = splits.validation[0]
+    assert len(tok.encode(doc)) < len(doc.encode()) / 2
+
+
+def test_validation_split_is_disjoint(built, splits):
+    assert splits.train and splits.validation
+    assert not set(splits.train) & set(splits.validation)
+    total = len(splits.train) + len(splits.validation)
+    assert len(splits.validation) == total // 100
+
+
+def test_registration_is_idempotent(built):
+    n_before = len(text_datasets.DATASETS)
+    importlib.reload(data)  # importing/registering again must be harmless
+    data.register_datasets()
+    assert len(text_datasets.DATASETS) == n_before
+    assert data.default_data_dir() == built.path
+    for name in ("pystdlib", "pystdlib_validation"):
+        assert name in text_datasets.DATASETS
+        assert text_datasets.DATASETS[name].path == str(built.path)
+    assert "c4" in text_datasets.DATASETS  # TorchTitan's own entries untouched
+
+
+def test_hf_text_dataset_yields_shifted_batches(built, tok, splits):
+    ds = HuggingFaceTextDataset("pystdlib", None, tok, seq_len=64)
+    it = iter(ds)
+    (x0, y0), (x1, y1) = next(it), next(it)
+    for x, y in ((x0, y0), (x1, y1)):
+        assert x["input"].shape == y.shape == (64,)
+        assert torch.equal(x["input"][1:], y[:-1])  # labels are inputs shifted by one
+        assert int(x["input"].max()) < VOCAB_SIZE and int(y.max()) < VOCAB_SIZE
+    # Exactly the corpus text, BOS/EOS-delimited and packed: windows of seq_len + 1 tokens, no overlap.
+    stream: list[int] = []
+    for doc in splits.train:
+        stream += tok.encode(doc, add_bos=True, add_eos=True)
+        if len(stream) >= 130:
+            break
+    assert x0["input"].tolist() == stream[:64] and y0.tolist() == stream[1:65]
+    assert x1["input"].tolist() == stream[65:129] and y1.tolist() == stream[66:130]
+    assert stream[0] == tok.bos_id
+
+
+def test_build_text_dataloader_train_and_validation(built, tok, splits):
+    jc = JobConfig()
+    jc.training.dataset, jc.training.local_batch_size, jc.training.seq_len = "pystdlib", 4, 64
+    dl = build_text_dataloader(dp_world_size=1, dp_rank=0, tokenizer=tok, job_config=jc)
+    inputs, labels = next(iter(dl))
+    assert inputs["input"].shape == labels.shape == (4, 64)
+    assert torch.equal(inputs["input"][:, 1:], labels[:, :-1])
+    # Validation dataset name and an explicit dataset_path (a JSONL file) both work.
+    vds = HuggingFaceTextDataset("pystdlib_validation", None, tok, seq_len=64)
+    assert [r["text"] for r in vds._data] == splits.validation
+    override = HuggingFaceTextDataset("pystdlib", str(built.path / "validation.jsonl"), tok, seq_len=64)
+    assert len(override._data) == len(splits.validation)
+
+
+def test_ensure_assets_reuses_and_detects_stale(built, tmp_path):
+    before = (built.path / "manifest.json").read_bytes()
+    t0 = time.perf_counter()
+    assert data.ensure_assets(built.path) == built.path
+    assert time.perf_counter() - t0 < 2.0  # reused, not rebuilt
+    assert (built.path / "manifest.json").read_bytes() == before
+    copy = tmp_path / "copy"
+    shutil.copytree(built.path, copy)
+    assert assets_mod.manifest_matches(copy)
+    m = json.loads((copy / "manifest.json").read_text())
+    m["recipe"]["python_version"] = "2.7.18"
+    (copy / "manifest.json").write_text(json.dumps(m))
+    assert not assets_mod.manifest_matches(copy)
+    shutil.copy(built.path / "manifest.json", copy / "manifest.json")
+    with open(copy / "train.jsonl", "r+b") as fh:
+        fh.truncate(1000)
+    assert not assets_mod.manifest_matches(copy)
+    # A foreign non-empty directory without a manifest is never overwritten.
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "precious.txt").write_text("user data")
+    with pytest.raises(FileExistsError):
+        data.ensure_assets(foreign)
+    assert (foreign / "precious.txt").read_text() == "user data"
+
+
+def test_prepare_cli_prints_manifest(built, capsys):
+    from titan_nvfp4.data import prepare  # its import-time build finds the fixture's dir and reuses it
+
+    assert prepare.main(["--out", str(built.path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["path"] == str(built.path)
+    assert out["sha256"] == built.manifest["sha256"]
+
+
+_RANK_SCRIPT = textwrap.dedent(
+    """
+    import json, logging, os, sys, time
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    import torchtitan.hf_datasets.text_datasets as td  # heavy imports before the start barrier
+    import titan_nvfp4.data
+    print("ready", flush=True)
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.01)
+    import titan_nvfp4.data.prepare  # what TorchTitan's custom_import does on every rank
+    d = os.environ["TITAN_NVFP4_DATA_DIR"]
+    print(json.dumps({"pid": os.getpid(), "registered": td.DATASETS["pystdlib"].path,
+                      "manifest": open(os.path.join(d, "manifest.json")).read()}), flush=True)
+    """
+)
+
+
+def test_concurrent_ranks_build_once(built, tmp_path):
+    """Two 'ranks' import titan_nvfp4.data.prepare at the same instant: one builds, one waits and reuses."""
+    target = tmp_path / "shared" / "pystdlib"
+    go = tmp_path / "go"
+    env = {**os.environ, data.ENV_VAR: str(target), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, str(go)], env={**env, "PYTHONHASHSEED": seed},
+                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for seed in ("1", "2")
+    ]
+    try:
+        for p in procs:  # both have done their imports: start them together
+            assert p.stdout.readline().strip() == "ready"
+        go.touch()
+        results = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err
+    outs = [json.loads(out.strip().splitlines()[-1]) for out, _ in results]
+    errs = [err for _, err in results]
+    assert sum("Building offline corpus" in e for e in errs) == 1, errs
+    assert sum("Waiting for another process" in e for e in errs) == 1, errs
+    manifests = [json.loads(o["manifest"]) for o in outs]
+    assert manifests[0] == manifests[1]
+    assert manifests[0]["build"]["pid"] in {o["pid"] for o in outs}
+    assert all(o["registered"] == str(target) for o in outs)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["pystdlib", "pystdlib.lock"]
+    # Full-size build in other processes (other hash seeds) gives byte-identical corpus and tokenizer.
+    for key in ("corpus", "train.jsonl", "validation.jsonl", "tokenizer.json"):
+        assert manifests[0]["sha256"][key] == built.manifest["sha256"][key], key
+    assert _sha(target / "tokenizer.json") == _sha(built.path / "tokenizer.json")

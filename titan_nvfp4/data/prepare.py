@@ -1,0 +1,63 @@
+"""Make the offline corpus and tokenizer ready before TorchTitan builds its tokenizer.
+
+TorchTitan's Trainer imports ``[experimental] custom_import`` before it loads the tokenizer from
+``[model] hf_assets_path``, so importing this module builds the assets when missing (in
+``$TITAN_NVFP4_DATA_DIR`` or ``./assets/pystdlib``) and registers the ``pystdlib`` datasets::
+
+    [experimental]
+    custom_import = "titan_nvfp4.data.prepare"
+    [model]
+    hf_assets_path = "./assets/pystdlib"
+    [training]
+    dataset = "pystdlib"
+
+As a script it builds on demand and prints the manifest::
+
+    python -m titan_nvfp4.data.prepare [--out DIR] [--force]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from .assets import ensure_assets, read_manifest
+from .registry import register_datasets
+
+logger = logging.getLogger(__name__)
+
+
+def prepare(path: str | os.PathLike | None = None, force: bool = False) -> Path:
+    """Build (if needed) the assets at ``path`` or the default dir, register the datasets, return the dir."""
+    t0 = time.perf_counter()
+    data_dir = ensure_assets(path, force=force)
+    register_datasets(data_dir)
+    logger.info(
+        "Offline corpus and tokenizer ready in %s (%.1f s); datasets 'pystdlib' and "
+        "'pystdlib_validation' registered",
+        data_dir,
+        time.perf_counter() - t0,
+    )
+    return data_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point: build the assets and print their manifest as JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="assets directory (default: $TITAN_NVFP4_DATA_DIR or ./assets/pystdlib)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if a matching manifest exists")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    data_dir = ensure_assets(args.out, force=args.force)
+    print(json.dumps({"path": str(data_dir), **(read_manifest(data_dir) or {})}, indent=2, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+else:
+    prepare()
