@@ -16,7 +16,7 @@ import torch
 
 from .numerics.nvfp4 import NVFP4Tensor
 from .numerics.rht import rht_signs
-from .ops import nvfp4_gemm, quantize_rowwise, quantize_wgrad_operand
+from .ops import nvfp4_gemm, quantize_activation, quantize_gradient, quantize_weight, resolve_backend
 from .recipe import NVFP4Recipe
 
 
@@ -25,10 +25,9 @@ def _signs(seed: int, device: torch.device) -> torch.Tensor:
     return rht_signs(seed, device)
 
 
-def _sr_generator(recipe: NVFP4Recipe, layer_id: int, call: int, device: torch.device) -> torch.Generator:
-    """A generator whose stream is distinct per (sr_seed, layer, backward call) and reproducible."""
-    seed = (recipe.sr_seed * 0x9E3779B1 + layer_id * 0x85EBCA77 + call * 0xC2B2AE3D) % (2**63 - 1)
-    return torch.Generator(device=device).manual_seed(seed)
+def sr_seed(recipe: NVFP4Recipe, layer_id: int, call: int) -> int:
+    """A seed distinct per (sr_seed, layer, backward call) and reproducible."""
+    return (recipe.sr_seed * 0x9E3779B1 + layer_id * 0x85EBCA77 + call * 0xC2B2AE3D) % (2**63 - 1)
 
 
 class SRState:
@@ -38,10 +37,10 @@ class SRState:
         self.layer_id = layer_id
         self.calls = 0
 
-    def next_generator(self, recipe: NVFP4Recipe, device: torch.device) -> torch.Generator:
-        gen = _sr_generator(recipe, self.layer_id, self.calls, device)
+    def next_seed(self, recipe: NVFP4Recipe) -> int:
+        seed = sr_seed(recipe, self.layer_id, self.calls)
         self.calls += 1
-        return gen
+        return seed
 
 
 def _unpack(t: NVFP4Tensor) -> tuple[torch.Tensor, ...]:
@@ -65,25 +64,24 @@ class NVFP4LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, x, weight, bias, recipe, sr_state, out_dtype, need_wgrad):
+        backend = resolve_backend(recipe.gemm_backend, x.device)
         in_features = weight.shape[1]
         x2d = x.reshape(-1, in_features)
-        w_blocks = (16, 16) if recipe.weight_2d else (1, 16)
-        xq = quantize_rowwise(x2d)
-        wq = quantize_rowwise(weight, block_shape=w_blocks)
-        y = nvfp4_gemm(xq, wq, out_dtype=out_dtype, bias=bias, backend=recipe.gemm_backend)
+        signs = _signs(recipe.rht_seed, x.device) if recipe.rht else None
+        xq, x_col = quantize_activation(x2d, need_wgrad, signs, backend)
+        wq, w_t = quantize_weight(weight, recipe.weight_2d, backend)
+        y = nvfp4_gemm(xq, wq, out_dtype=out_dtype, bias=bias, backend=backend)
 
-        if need_wgrad:
-            signs = _signs(recipe.rht_seed, x.device) if recipe.rht else None
-            x_col = quantize_wgrad_operand(x2d, signs)
+        # Saved for backward: Wᵀ quantized for dgrad and Xᵀ in its wgrad form, never X in BF16.
+        ctx.w_t_meta = (w_t.shape, w_t.block_shape)
+        saved = list(_unpack(w_t))
+        if x_col is not None:
             ctx.x_col_meta = (x_col.shape, x_col.block_shape)
-        else:
-            x_col = None
-        ctx.wq_meta = (wq.shape, wq.block_shape)
-        saved = list(_unpack(wq)) + (list(_unpack(x_col)) if x_col is not None else [])
-        ctx.save_for_backward(weight, *saved)
+            saved += list(_unpack(x_col))
+        ctx.save_for_backward(*saved)
         ctx.has_bias = bias is not None
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.recipe, ctx.sr_state = recipe, sr_state
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.recipe, ctx.sr_state, ctx.backend = recipe, sr_state, backend
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -94,26 +92,21 @@ class NVFP4LinearFunction(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, dy: torch.Tensor):
         recipe: NVFP4Recipe = ctx.recipe
-        weight, *saved = ctx.saved_tensors
-        wq = _repack(*saved[:3], *ctx.wq_meta)
-        out_features = weight.shape[0]
+        saved = ctx.saved_tensors
+        w_t = _repack(*saved[:3], *ctx.w_t_meta)
+        out_features = w_t.shape[1]
         dy2d = dy.reshape(-1, out_features)
-        sr = recipe.stochastic_rounding
-        gen = ctx.sr_state.next_generator(recipe, dy.device) if sr else None
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and len(saved) > 3
+        seed = ctx.sr_state.next_seed(recipe) if recipe.stochastic_rounding else None
+        signs = _signs(recipe.rht_seed, dy.device) if recipe.rht else None
+        dyq, dy_col = quantize_gradient(dy2d, need_dx, need_dw, signs, seed, ctx.backend)
 
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dyq = quantize_rowwise(dy2d, stochastic=sr, generator=gen)
-            if recipe.weight_2d:
-                w_t = wq.t()  # the same 16×16-quantized weight, read along N
-            else:
-                w_t = quantize_rowwise(weight.t().contiguous())
-            dx = nvfp4_gemm(dyq, w_t, out_dtype=ctx.x_dtype, backend=recipe.gemm_backend).reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
+        if need_dx:
+            dx = nvfp4_gemm(dyq, w_t, out_dtype=ctx.x_dtype, backend=ctx.backend).reshape(ctx.x_shape)
+        if need_dw:
             x_col = _repack(*saved[3:6], *ctx.x_col_meta)
-            signs = _signs(recipe.rht_seed, dy.device) if recipe.rht else None
-            dy_col = quantize_wgrad_operand(dy2d, signs, stochastic=sr, generator=gen)
-            dw = nvfp4_gemm(dy_col, x_col, out_dtype=weight.dtype, backend=recipe.gemm_backend)
+            dw = nvfp4_gemm(dy_col, x_col, out_dtype=ctx.w_dtype, backend=ctx.backend)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(dy.dtype)
         return dx, dw, db, None, None, None

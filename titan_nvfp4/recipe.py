@@ -16,7 +16,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from .ops.gemm import BACKEND_NAMES
+from .ops.backends import BACKEND_NAMES
 
 
 @dataclass(frozen=True)

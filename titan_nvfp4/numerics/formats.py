@@ -29,7 +29,7 @@ def _grid(device: torch.device) -> torch.Tensor:
 def e2m1_encode_rne(v: torch.Tensor) -> torch.Tensor:
     """Round fp32 values to E2M1 codes (uint8, sign in bit 3), nearest-even, saturating at ±6.
 
-    NaN encodes as (signed) zero: callers mark non-finite blocks through the block scale instead.
+    NaN encodes as +0 (code 0): callers mark non-finite blocks through the block scale instead.
     """
     v = v.float()
     a = v.abs()
@@ -38,14 +38,19 @@ def e2m1_encode_rne(v: torch.Tensor) -> torch.Tensor:
         code += (a > t).to(torch.uint8)
     for t in _RNE_INCLUSIVE:
         code += (a >= t).to(torch.uint8)
-    return code | (torch.signbit(v).to(torch.uint8) << 3)
+    return code | (_sign_bit(v) << 3)
+
+
+def _sign_bit(v: torch.Tensor) -> torch.Tensor:
+    """1 for negative values and -0.0, 0 otherwise; 0 for NaN (whose sign bit is not portable)."""
+    return (torch.signbit(v) & ~torch.isnan(v)).to(torch.uint8)
 
 
 def e2m1_encode_stochastic(v: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Stochastically round fp32 values to E2M1 codes: up with probability equal to the distance
     from the lower grid neighbour over the gap, so E[decode(code)] = v for |v| <= 6 (unbiased).
 
-    ``uniform`` holds independent U[0, 1) draws, one per element. Saturates at ±6.
+    ``uniform`` holds independent U[0, 1) draws, one per element. Saturates at ±6; NaN gives +0.
     """
     v = v.float()
     a = v.abs().clamp(max=F4_E2M1_MAX)
@@ -58,7 +63,7 @@ def e2m1_encode_stochastic(v: torch.Tensor, uniform: torch.Tensor) -> torch.Tens
     frac = (a - lo) / gap
     code = lo_idx + (uniform < frac).to(torch.uint8)
     code = torch.where(torch.isnan(v), torch.zeros_like(code), code)
-    return code | (torch.signbit(v).to(torch.uint8) << 3)
+    return code | (_sign_bit(v) << 3)
 
 
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,22 @@
-"""Dispatch from the autograd functions to an implementation (reference today, kernels later)."""
+"""Dispatch from the autograd functions to an implementation: reference, emulated or native."""
 
-from .gemm import BACKEND_NAMES, nvfp4_gemm, register_backend, resolve_backend
-from .quantize import quantize_rowwise, quantize_wgrad_operand
+from .backends import BACKEND_NAMES, resolve_backend
+from .gemm import nvfp4_gemm, register_backend
+from .quantize import (
+    quantize_activation,
+    quantize_gradient,
+    quantize_rowwise,
+    quantize_weight,
+    quantize_wgrad_operand,
+)
 
 __all__ = [
     "BACKEND_NAMES",
     "nvfp4_gemm",
+    "quantize_activation",
+    "quantize_gradient",
     "quantize_rowwise",
+    "quantize_weight",
     "quantize_wgrad_operand",
     "register_backend",
     "resolve_backend",

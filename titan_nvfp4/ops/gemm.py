@@ -1,8 +1,8 @@
 """NVFP4 GEMM dispatch: out = (A_q · B_qᵀ) · (gs_A · gs_B) [+ bias], both operands NVFP4Tensors
 whose storage rows hold the contraction dim.
 
-Backends: "reference" (plain PyTorch, any device) today; the Triton-emulated (sm_80–sm_90, ROCm)
-and native (sm_100+) backends register here and are picked by :func:`resolve_backend`.
+Backends (see backends.py): "reference" (plain PyTorch, any device), "emulated" (Triton, sm_80+ and
+ROCm) and "native" (FP4 tensor cores, sm_100+); the kernels load only when their backend is used.
 """
 
 from __future__ import annotations
@@ -12,26 +12,16 @@ from typing import Callable
 import torch
 
 from ..numerics.nvfp4 import NVFP4Tensor
+from .backends import resolve_backend
 
 GemmFn = Callable[[NVFP4Tensor, NVFP4Tensor, torch.dtype, "torch.Tensor | None"], torch.Tensor]
 
 _BACKENDS: dict[str, GemmFn] = {}
-#: Names accepted by the `gemm_backend` knob ("auto" picks per device).
-BACKEND_NAMES = ("auto", "reference")
 
 
 def register_backend(name: str, fn: GemmFn) -> None:
     """Make a GEMM implementation selectable by name."""
     _BACKENDS[name] = fn
-
-
-def resolve_backend(name: str, device: torch.device) -> str:
-    """The backend that runs for knob value ``name`` on ``device``."""
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"unknown NVFP4 gemm_backend {name!r}; expected one of {BACKEND_NAMES}")
-    if name == "auto":
-        return "reference"
-    return name
 
 
 def _matmul_fp32_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -60,7 +50,19 @@ def gemm_reference(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype, bias:
     return out.to(out_dtype)
 
 
+def _gemm_emulated(a, b, out_dtype, bias=None):
+    from ..kernels.gemm import nvfp4_gemm_triton
+    return nvfp4_gemm_triton(a, b, out_dtype, bias)
+
+
+def _gemm_native(a, b, out_dtype, bias=None):
+    from ..kernels.native import nvfp4_gemm_native
+    return nvfp4_gemm_native(a, b, out_dtype, bias)
+
+
 register_backend("reference", gemm_reference)
+register_backend("emulated", _gemm_emulated)
+register_backend("native", _gemm_native)
 
 
 def nvfp4_gemm(
@@ -73,4 +75,6 @@ def nvfp4_gemm(
     """out[m, n] = Σ_k A[m, k] B[n, k] over the NVFP4 storages of a and b."""
     if a.storage_shape[1] != b.storage_shape[1]:
         raise ValueError(f"NVFP4 GEMM contraction mismatch: {a.storage_shape} vs {b.storage_shape}")
-    return _BACKENDS[resolve_backend(backend, a.data.device)](a, b, out_dtype, bias)
+    if backend not in _BACKENDS:  # "auto": resolve here for direct callers
+        backend = resolve_backend(backend, a.data.device)
+    return _BACKENDS[backend](a, b, out_dtype, bias)

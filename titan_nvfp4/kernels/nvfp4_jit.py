@@ -1,0 +1,131 @@
+"""Triton device functions for NVFP4: the same fp32 steps as titan_nvfp4/numerics, element by element.
+
+Each function here has a twin in the reference (named in its docstring); the kernel tests check the
+pair bit for bit. Shared by the quantization kernels (quantize.py) and the GEMM (gemm.py).
+"""
+
+import triton
+import triton.language as tl
+
+E4M3_MAX: tl.constexpr = 448.0
+FP32_MAX: tl.constexpr = 3.4028234663852886e38
+
+
+@triton.jit
+def nan_to_inf_abs(x):
+    """|x| with NaN mapped to +inf, so that max-reductions flag non-finite blocks reliably
+    (Triton's max does not promise NaN propagation)."""
+    return tl.where(x == x, tl.abs(x), float("inf"))
+
+
+@triton.jit
+def global_encode_scale(amax):
+    """Twin of numerics.nvfp4.global_encode_scale: S = min(2688 / amax, FP32_MAX); 1 if amax == 0;
+    NaN if amax is not finite (amax == +inf here, see nan_to_inf_abs)."""
+    s = tl.minimum(tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax), FP32_MAX)
+    s = tl.where(amax == 0.0, 1.0, s)
+    return tl.where(amax == float("inf"), float("nan"), s)
+
+
+@triton.jit
+def e4m3_round(v):
+    """Round non-negative fp32 v <= 448 to the nearest-even E4M3 value, as fp32. Done by hand because
+    the hardware-free paths (sm_80 emulation, the CPU interpreter) do not all round fp32 -> e4m3
+    correctly at mantissa carries."""
+    bits = v.to(tl.int32, bitcast=True)
+    # normals: round the 23-bit mantissa to 3 bits, ties to even; a carry bumps the exponent
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    # subnormals (below 2^-6): multiples of 2^-9, rounded by an fp32 add of 1.5·2^14 (ties to even)
+    magic = 24576.0
+    sub = (v + magic) - magic
+    return tl.where(v < 0.015625, sub, normal)
+
+
+@triton.jit
+def block_scales(block_amax, s_enc):
+    """Twin of block_decode_scale + block_encode_factor. block_amax uses nan_to_inf_abs.
+    Returns (e_b as float8e4nv, r_b fp32)."""
+    s_enc = s_enc + tl.zeros(block_amax.shape, tl.float32)  # broadcast the tensor scale
+    inv6 = 0.1666666716337204  # fp32(1/6), as the reference uses
+    v = block_amax * (s_enc * inv6)
+    e = e4m3_round(tl.minimum(v, E4M3_MAX)).to(tl.float8e4nv)  # exact: the value is already E4M3
+    bad = (block_amax == float("inf")) | (s_enc != s_enc)
+    e = tl.where(bad, tl.full(block_amax.shape, float("nan"), tl.float32).to(tl.float8e4nv), e)
+    s_dec = tl.math.div_rn(tl.full(block_amax.shape, 1.0, tl.float32), s_enc)
+    r = tl.minimum(tl.math.div_rn(tl.full(block_amax.shape, 1.0, tl.float32), e.to(tl.float32) * s_dec), FP32_MAX)
+    return e, r
+
+
+@triton.jit
+def sign_bit(v):
+    """Twin of formats._sign_bit, already shifted: 8 for negatives and -0.0, 0 for NaN (uint8)."""
+    neg = v.to(tl.int32, bitcast=True) < 0
+    return tl.where(neg & (v == v), 8, 0).to(tl.uint8)
+
+
+@triton.jit
+def e2m1_rne(v):
+    """Twin of formats.e2m1_encode_rne: fp32 to E2M1 code (uint8), ties to even, saturating; NaN -> 0."""
+    a = tl.abs(v)
+    c = (a > 0.25).to(tl.uint8) + (a >= 0.75).to(tl.uint8) + (a > 1.25).to(tl.uint8) \
+        + (a >= 1.75).to(tl.uint8) + (a > 2.5).to(tl.uint8) + (a >= 3.5).to(tl.uint8) + (a > 5.0).to(tl.uint8)
+    return c | sign_bit(v)
+
+
+@triton.jit
+def e2m1_stochastic(v, u):
+    """Twin of formats.e2m1_encode_stochastic with uniforms u in [0, 1): up with probability
+    (|v| - lo) / (hi - lo); saturating; NaN -> 0."""
+    a = tl.minimum(tl.abs(v), 6.0)
+    idx = (a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32) \
+        + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32) + (a >= 6.0).to(tl.int32)
+    # grid[idx] and the gap to grid[idx + 1]; the gaps are powers of two, so * (1/gap) == / gap exactly
+    lo = tl.where(idx < 4, idx.to(tl.float32) * 0.5, tl.where(idx < 7, (idx - 2).to(tl.float32), 6.0))
+    lo = tl.where(idx == 6, 4.0, lo)
+    inv_gap = tl.where(idx < 4, 2.0, tl.where(idx < 6, 1.0, tl.where(idx == 6, 0.5, 1.0)))
+    frac = tl.where(idx == 7, 0.0, (a - lo) * inv_gap)
+    c = idx + (u < frac).to(tl.int32)
+    c = tl.where(v == v, c, 0).to(tl.uint8)
+    return c | sign_bit(v)
+
+
+@triton.jit
+def pack_pairs(codes, R: tl.constexpr, C: tl.constexpr):
+    """[R, C] uint8 codes to [R, C // 2] bytes, element 2i in the low nibble (twin of pack_nibbles)."""
+    lo, hi = tl.split(tl.reshape(codes, (R, C // 2, 2)))
+    return lo | (hi << 4).to(tl.uint8)
+
+
+@triton.jit
+def rht16_rows(x, signs, R: tl.constexpr):
+    """Twin of numerics.rht.rht on an [R, 16] fp32 tile: sign flip, four butterfly stages, * 0.25."""
+    y = x * signs[None, :]
+    # stage h pairs element i with i + h inside groups of 2h: view (R, 16/(2h), 2, h), (a+b, a-b)
+    y = tl.reshape(y, (R, 8, 2, 1))
+    a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
+    y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+    y = tl.reshape(y, (R, 4, 2, 2))
+    a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
+    y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+    y = tl.reshape(y, (R, 2, 2, 4))
+    a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
+    y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+    y = tl.reshape(y, (R, 1, 2, 8))
+    a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
+    y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+    return tl.reshape(y, (R, 16)) * 0.25
+
+
+@triton.jit
+def quantize_rows16(v, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: tl.constexpr, seed, offs):
+    """NVFP4 of an [R, C] fp32 tile with 1×16 blocks along C: (packed [R, C/2], e4m3 [R, C/16]).
+    ``offs`` ([R, C] int32) index the Philox stream when STOCHASTIC."""
+    blocks = tl.reshape(v, (R, C // 16, 16))
+    bamax = tl.max(nan_to_inf_abs(blocks), axis=2)
+    e, r = block_scales(bamax, s_enc)
+    scaled = tl.reshape(blocks * r[:, :, None], (R, C))
+    if STOCHASTIC:
+        codes = e2m1_stochastic(scaled, tl.rand(seed, offs))
+    else:
+        codes = e2m1_rne(scaled)
+    return pack_pairs(codes, R, C), e
