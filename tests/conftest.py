@@ -2,3 +2,13 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))  # test-only helpers such as nvfp4_twin
+
+# Without a GPU the Triton kernels run in Triton's CPU interpreter; this must be set before triton is
+# imported anywhere (titan_nvfp4 imports it lazily, the first time a kernel is used).
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover
+    pass

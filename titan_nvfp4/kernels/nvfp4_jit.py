@@ -50,7 +50,7 @@ def block_scales(block_amax, s_enc):
     v = block_amax * (s_enc * inv6)
     e = e4m3_round(tl.minimum(v, E4M3_MAX)).to(tl.float8e4nv)  # exact: the value is already E4M3
     bad = (block_amax == float("inf")) | (s_enc != s_enc)
-    e = tl.where(bad, tl.full(block_amax.shape, float("nan"), tl.float32).to(tl.float8e4nv), e)
+    e = tl.where(bad, tl.full(block_amax.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True), e)  # E4M3 NaN
     s_dec = tl.math.div_rn(tl.full(block_amax.shape, 1.0, tl.float32), s_enc)
     r = tl.minimum(tl.math.div_rn(tl.full(block_amax.shape, 1.0, tl.float32), e.to(tl.float32) * s_dec), FP32_MAX)
     return e, r

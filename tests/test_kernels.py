@@ -1,0 +1,218 @@
+"""Triton kernels against their reference twins (titan_nvfp4/numerics, ops/gemm.gemm_reference).
+
+On a CPU machine the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py) at
+small shapes; on a GPU the same tests run compiled, plus larger shapes. Nearest-even quantization
+must be bit-identical (codes, scales, global scale); the GEMM must match float64 on the dequantized
+operands within 1e-5 relative (fp32 accumulation order is the only freedom).
+"""
+
+import pytest
+import torch
+
+from titan_nvfp4.kernels.gemm import nvfp4_gemm_triton
+from titan_nvfp4.kernels.native import native_operands, swizzle_scales, unswizzle_scales
+from titan_nvfp4.kernels.quantize import quantize_operand, quantize_weight_2d
+from titan_nvfp4.numerics.nvfp4 import NVFP4Tensor, quantize_nvfp4
+from titan_nvfp4.numerics.rht import rht_signs
+from titan_nvfp4.ops.backends import resolve_backend
+from titan_nvfp4.ops.gemm import gemm_reference
+from titan_nvfp4.ops.quantize import quantize_wgrad_operand
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+SHAPES = [(50, 96), (16, 16), (1, 48), (130, 80)] + ([(4096, 1024), (1000, 2000 + 48)] if GPU else [])
+
+
+def same_bits(a: NVFP4Tensor, b: NVFP4Tensor, what: str) -> None:
+    assert a.data.shape == b.data.shape and a.scale.shape == b.scale.shape, what
+    assert torch.equal(a.scale.view(torch.uint8).cpu(), b.scale.view(torch.uint8).cpu()), f"{what}: scales differ"
+    assert torch.equal(a.data.cpu(), b.data.cpu()), f"{what}: codes differ"
+    assert torch.equal(a.global_scale.cpu(), b.global_scale.cpu()), f"{what}: global scale differs"
+
+
+def inputs(m: int, k: int, kind: str, dtype=torch.bfloat16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(m * 7919 + k)
+    x = torch.randn(m, k, generator=g)
+    if kind == "heavy":  # per-row magnitudes over ~12 binades, plus a few outliers
+        x = x * torch.exp2(torch.randint(-6, 7, (m, 1), generator=g).float())
+        x.view(-1)[:: max(1, x.numel() // 7)] *= 300
+    elif kind == "adversarial":
+        x = torch.randn(m, k, generator=g)
+        x[:, :16] = 0.0  # zero blocks
+        if m > 1:
+            x[1, 16:32] = 1e-30  # scale underflow next to normal blocks
+        x.view(-1)[3::17] = 0.25 * torch.sign(x.view(-1)[3::17])  # would-be ties after scaling
+        x.view(-1)[5] = -0.0
+        x.view(-1)[-1] = 1e4  # huge
+    return x.to(dtype).to(DEV)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind", ["normal", "heavy", "adversarial"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rowwise_and_wgrad_operand_bit_identical(shape, kind, dtype):
+    x = inputs(*shape, kind, dtype)
+    signs = rht_signs(3, DEV)
+    row, col = quantize_operand(x, rowwise=True, colwise=True, signs=signs)
+    same_bits(row, quantize_nvfp4(x), "rowwise")
+    same_bits(col, quantize_wgrad_operand(x, signs), "wgrad operand (RHT)")
+    _, col_plain = quantize_operand(x, rowwise=False, colwise=True, signs=None)
+    same_bits(col_plain, quantize_wgrad_operand(x, None), "wgrad operand (no RHT)")
+
+
+def test_strided_input_and_given_amax():
+    x = inputs(64, 96, "normal", torch.float32)
+    xt = x.t()  # strided view: the weight_2d=False dgrad operand reads W like this
+    same_bits(quantize_operand(xt)[0], quantize_nvfp4(xt.contiguous()), "strided")
+    amax = x.abs().amax() * 4
+    same_bits(quantize_operand(x, amax=amax)[0], quantize_nvfp4(x, amax=amax), "given amax")
+    small = x.abs().amax() / 4  # smaller than the data's: scales and codes saturate, as the reference
+    same_bits(quantize_operand(x, amax=small)[0], quantize_nvfp4(x, amax=small), "saturating amax")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_input_poisons_like_the_reference(bad):
+    x = inputs(32, 64, "normal", torch.float32)
+    x[2, 20] = bad
+    row, col = quantize_operand(x, rowwise=True, colwise=True, signs=rht_signs(0, DEV))
+    ref = quantize_nvfp4(x)
+    assert torch.isnan(row.global_scale) and torch.isnan(ref.global_scale)
+    assert torch.equal(row.scale.float().isnan().cpu(), ref.scale.float().isnan().cpu())
+    assert torch.isnan(row.dequantize()).all() and torch.isnan(col.dequantize()).all()
+
+
+def test_all_zero_and_empty():
+    z = torch.zeros(32, 64, device=DEV)
+    row, col = quantize_operand(z, rowwise=True, colwise=True, signs=rht_signs(0, DEV))
+    same_bits(row, quantize_nvfp4(z), "zeros")
+    assert float(row.global_scale) == 1.0 and not col.data.any()
+    e = torch.zeros(0, 64, device=DEV)
+    row, col = quantize_operand(e, rowwise=True, colwise=True)
+    assert row.data.shape == (0, 32) and col.data.shape == (64, 0)
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (16, 48), (48, 16)] + ([(4096, 4096), (1024, 14336)] if GPU else []))
+@pytest.mark.parametrize("kind", ["normal", "heavy", "adversarial"])
+def test_weight_2d_and_its_transpose_bit_identical(shape, kind):
+    w = inputs(*shape, kind, torch.float32)
+    wq, wt = quantize_weight_2d(w)
+    ref = quantize_nvfp4(w, block_shape=(16, 16))
+    same_bits(wq, ref, "W 16x16")
+    same_bits(wt, ref.t(), "W^T 16x16")
+    assert torch.equal(wt.dequantize(), wq.dequantize().t())
+
+
+def test_stochastic_rounding_reproducible_unbiased_and_neighbouring():
+    x = inputs(64, 64, "normal", torch.float32)
+    signs = rht_signs(0, DEV)
+
+    def sr(seed):
+        s = torch.full((1,), seed, dtype=torch.int64, device=DEV)
+        return quantize_operand(x, rowwise=True, colwise=True, signs=signs, stochastic_row=True,
+                                stochastic_col=True, seed=s)
+
+    a, b, c = sr(1), sr(1), sr(2)
+    assert torch.equal(a[0].data, b[0].data) and torch.equal(a[1].data, b[1].data)
+    assert not torch.equal(a[0].data, c[0].data)
+    rne = quantize_nvfp4(x)
+    assert torch.equal(a[0].scale.view(torch.uint8), rne.scale.view(torch.uint8))  # scales never stochastic
+    # every SR code is one of the two grid neighbours of x·r: at most one E2M1 gap from the RNE value
+    d_sr, d_rne = a[0].dequantize(), rne.dequantize()
+    gap = 2.0 * rne.row_scales().float().repeat_interleave(16, 1) * rne.global_scale  # largest gap (2) per block
+    assert ((d_sr - d_rne).abs() <= gap * (1 + 1e-6)).all()
+    # unbiased: the mean over many seeds converges to x (excluding each block's saturating maximum)
+    n = 64 if GPU else 24
+    mean = sum(sr(100 + i)[0].dequantize() for i in range(n)) / n
+    blocks = x.view(64, 4, 16).abs()
+    not_max = (blocks < blocks.amax(-1, keepdim=True)).view(64, 64)
+    err = (mean - x)[not_max].abs() / gap[not_max]
+    assert float(err.mean()) < 0.5 / n ** 0.5 * 1.5  # each rounding's error has std <= gap/2
+
+
+@pytest.mark.parametrize("mnk", [(50, 48, 96), (16, 16, 16), (33, 70 + 2, 48 * 3)] + ([(1000, 1000, 2048 + 16), (4096, 4096, 4096)] if GPU else []))
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_emulated_gemm_matches_float64(mnk, bias, out_dtype):
+    m, n, k = mnk
+    a = quantize_nvfp4(inputs(m, k, "heavy", torch.float32))
+    b = quantize_nvfp4(inputs(n, k, "normal", torch.float32))
+    bvec = torch.randn(n, device=DEV) if bias else None
+    y = nvfp4_gemm_triton(a, b, out_dtype, bvec)
+    exact = a.dequantize(torch.float64) @ b.dequantize(torch.float64).t()
+    if bias:
+        exact = exact + bvec.double()
+    if out_dtype == torch.float32:
+        rel = (y.double() - exact).norm() / exact.norm()
+        assert rel < 1e-5
+    ref = gemm_reference(a, b, out_dtype, bvec)
+    close = torch.isclose(y.float(), ref.float(), rtol=1e-5 if out_dtype == torch.float32 else 8e-3, atol=1e-6)
+    assert close.float().mean() > 0.999
+
+
+@pytest.mark.skipif(not GPU, reason="autotuned large-tile configs only run compiled")
+def test_emulated_gemm_autotuned_tiles_on_gpu():
+    a = quantize_nvfp4(inputs(2048, 4096, "heavy", torch.bfloat16))
+    b = quantize_nvfp4(inputs(3072 + 16, 4096, "normal", torch.bfloat16), block_shape=(16, 16))
+    exact = a.dequantize(torch.float64) @ b.dequantize(torch.float64).t()
+    y = nvfp4_gemm_triton(a, b, torch.float32, autotune=True)
+    assert (y.double() - exact).norm() / exact.norm() < 1e-5
+
+
+def test_gemm_with_16x16_weight_and_its_transpose():
+    w = inputs(48, 96, "normal", torch.float32)
+    wq = quantize_nvfp4(w, block_shape=(16, 16))
+    x = quantize_nvfp4(inputs(20, 96, "normal", torch.float32))
+    dy = quantize_nvfp4(inputs(20, 48, "normal", torch.float32))
+    y = nvfp4_gemm_triton(x, wq, torch.float32)
+    dx = nvfp4_gemm_triton(dy, wq.t(), torch.float32)
+    for got, a, b in ((y, x, wq), (dx, dy, wq.t())):
+        exact = a.dequantize(torch.float64) @ b.dequantize(torch.float64).t()
+        assert (got.double() - exact).norm() / exact.norm() < 1e-5
+
+
+def test_native_layouts_round_trip_and_match_torchao():
+    from torchao.prototype.mx_formats.utils import to_blocked  # independent implementation (test oracle)
+
+    for rows, cols in ((128, 4), (130, 7), (300, 20), (16, 1)):
+        s = (torch.rand(rows, cols) * 400).to(torch.float8_e4m3fn)
+        flat = swizzle_scales(s)
+        assert torch.equal(flat.view(torch.uint8), to_blocked(s).reshape(-1).view(torch.uint8))
+        assert torch.equal(unswizzle_scales(flat, rows, cols).view(torch.uint8), s.view(torch.uint8))
+    # the operands handed to F.scaled_mm decode to the reference's values
+    a = quantize_nvfp4(torch.randn(40, 64))
+    b = quantize_nvfp4(torch.randn(48, 64), block_shape=(16, 16))
+    mat_a, mat_b, sa, sb = native_operands(a, b)
+    assert mat_a.dtype == torch.float4_e2m1fn_x2 and mat_a.shape == (40, 32) and mat_b.shape == (32, 48)
+    assert torch.equal(mat_b.view(torch.uint8).t(), b.data)  # column-major B, same bytes
+    assert torch.equal(unswizzle_scales(sb[0], 48, 4).view(torch.uint8), b.row_scales().view(torch.uint8))
+    assert float(sa[1]) == float(a.global_scale) and sa[1].dtype == torch.float32
+
+
+def test_backend_resolution_and_errors(monkeypatch):
+    assert resolve_backend("reference", torch.device("cpu")) == "reference"
+    if not GPU:
+        assert resolve_backend("auto", torch.device("cpu")) == "reference"
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(RuntimeError, match="emulated.*not on cpu"):
+            resolve_backend("emulated", torch.device("cpu"))
+        with pytest.raises(RuntimeError, match="native.*sm_100"):
+            resolve_backend("native", torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown NVFP4 gemm_backend 'fast'"):
+        resolve_backend("fast", torch.device(DEV))
+
+
+@pytest.mark.parametrize("weight_2d", [True, False])
+def test_linear_on_emulated_backend_equals_reference_backend(weight_2d):
+    from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
+
+    outs = {}
+    for backend in ("reference", "emulated"):
+        torch.manual_seed(0)
+        recipe = NVFP4Recipe(weight_2d=weight_2d, stochastic_rounding=False, gemm_backend=backend)
+        lin = NVFP4Linear(64, 48, bias=True, recipe=recipe).to(DEV)
+        x = torch.randn(3, 10, 64, device=DEV, requires_grad=True)  # 30 tokens: wgrad pads to 32
+        y = lin(x)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(DEV))
+        outs[backend] = (y.detach(), x.grad, lin.weight.grad, lin.bias.grad)
+    for name, r, e in zip(("y", "dx", "dw", "db"), outs["reference"], outs["emulated"]):
+        assert torch.allclose(r, e, rtol=1e-5, atol=1e-6), name
