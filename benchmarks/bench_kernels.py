@@ -1,0 +1,146 @@
+"""NVFP4 kernels and NVFP4Linear against this GPU's ceilings, all measured in one run.
+
+    python benchmarks/bench_kernels.py [--json out.json] [--quick]
+
+Ceilings: device-to-device copy (bytes read + written per second) and cuBLAS BF16 matmul TFLOP/s.
+Then each quantization kernel's bandwidth as a fraction of the copy ceiling, the emulated GEMM's
+TFLOP/s as a fraction of cuBLAS BF16 at the same shape, and NVFP4Linear forward+backward time and
+peak memory over BF16 nn.Linear's. Times are medians of triton.testing.do_bench (L2 flushed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import triton
+
+from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
+from titan_nvfp4.kernels.gemm import nvfp4_gemm_triton
+from titan_nvfp4.kernels.quantize import quantize_operand, quantize_weight_2d
+from titan_nvfp4.numerics.rht import rht_signs
+
+LINEAR_SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096),
+                 (2048, 4096, 4096), (2048, 4096, 14336), (2048, 14336, 4096)]
+
+
+def ms(fn, reps=50) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median")
+
+
+def copy_ceiling() -> float:
+    x = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")  # 512 MiB
+    y = torch.empty_like(x)
+    t = ms(lambda: y.copy_(x))
+    return 2 * x.numel() / (t * 1e-3)
+
+
+def bf16_tflops(m, n, k) -> float:
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    return 2 * m * n * k / (ms(lambda: a @ b.t()) * 1e-3) / 1e12
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    copy_bw = copy_ceiling()
+    res["copy_TBps"] = copy_bw / 1e12
+    res["bf16_8192_TFLOPs"] = bf16_tflops(8192, 8192, 8192)
+    print(f"# {res['gpu']}  torch {res['torch']}  triton {res['triton']}")
+    print(f"copy ceiling {copy_bw / 1e12:.2f} TB/s | cuBLAS bf16 8192^3 {res['bf16_8192_TFLOPs']:.0f} TFLOP/s\n")
+
+    # --- quantization kernels, bytes = what each launch sequence must read and write at minimum
+    print("| kernel | input | time ms | TB/s | of copy |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    rows = []
+    M, K = 16384, 4096  # 128 MiB of bf16
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    signs = rht_signs(0, "cuda")
+    seed = torch.full((1,), 7, dtype=torch.int64, device="cuda")
+    amax = x.abs().amax().float()
+    n = M * K
+    codes = n // 2 + n // 16  # packed codes + e4m3 scales of one operand
+    cases = [
+        ("amax + rowwise 1x16 (RNE)", lambda: quantize_operand(x), 2 * (2 * n) + codes),
+        ("rowwise 1x16 (RNE), amax given", lambda: quantize_operand(x, amax=amax), 2 * n + codes),
+        ("amax(x, RHT xT) + rowwise + RHT colwise (fwd X)", lambda: quantize_operand(x, rowwise=True, colwise=True, signs=signs), 4 * n + 2 * codes),
+        ("rowwise + RHT colwise, amaxes given", lambda: quantize_operand(x, rowwise=True, colwise=True, signs=signs, amax=amax, amax_col=amax), 2 * n + 2 * codes),
+        ("rowwise SR + RHT colwise SR, amaxes given (bwd dY)", lambda: quantize_operand(x, rowwise=True, colwise=True, signs=signs, stochastic_row=True, stochastic_col=True, seed=seed, amax=amax, amax_col=amax), 2 * n + 2 * codes),
+    ]
+    w = torch.randn(14336, 4096, device="cuda", dtype=torch.bfloat16)  # 112 MiB
+    nw = w.numel()
+    cases.append(("weight 16x16 + W^T codes, amax included", lambda: quantize_weight_2d(w), 2 * (2 * nw) + nw + nw // 256))
+    cases.append(("weight 16x16 + W^T codes, amax given", lambda: quantize_weight_2d(w, amax=w.abs().amax().float()), 2 * nw + nw + nw // 256))
+    for name, fn, nbytes in cases:
+        t = ms(fn)
+        bw = nbytes / (t * 1e-3)
+        rows.append({"kernel": name, "ms": t, "TBps": bw / 1e12, "of_copy": bw / copy_bw})
+        print(f"| {name} | {'x' if 'weight' not in name else 'W'} bf16 {'16384x4096' if 'weight' not in name else '14336x4096'} | {t:.3f} | {bw / 1e12:.2f} | {bw / copy_bw:.0%} |")
+    res["quantize"] = rows
+
+    # --- emulated GEMM
+    print("\n| GEMM M×N×K | NVFP4 emulated ms | TFLOP/s | cuBLAS bf16 TFLOP/s | ratio |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    gem = []
+    shapes = [(8192, 8192, 8192), (16384, 4096, 4096), (16384, 14336, 4096), (16384, 4096, 14336)]
+    if args.quick:
+        shapes = shapes[:1]
+    for m, nn_, k in shapes:
+        a, _ = quantize_operand(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+        b, _ = quantize_weight_2d(torch.randn(nn_, k, device="cuda", dtype=torch.bfloat16), emit_transpose=False)
+        t = ms(lambda: nvfp4_gemm_triton(a, b, torch.bfloat16))
+        tf = 2 * m * nn_ * k / (t * 1e-3) / 1e12
+        ref = bf16_tflops(m, nn_, k)
+        gem.append({"shape": [m, nn_, k], "ms": t, "TFLOPs": tf, "bf16_TFLOPs": ref, "ratio": tf / ref})
+        print(f"| {m}×{nn_}×{k} | {t:.3f} | {tf:.0f} | {ref:.0f} | {tf / ref:.0%} |")
+    res["gemm"] = gem
+
+    # --- NVFP4Linear vs nn.Linear, forward + backward
+    print("\n| Linear M×K×N | BF16 ms | NVFP4 ms | NVFP4/BF16 | BF16 peak GiB | NVFP4 peak GiB |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    lin_rows = []
+    for m, k, nn_ in (LINEAR_SHAPES[:1] if args.quick else LINEAR_SHAPES):
+        out = {}
+        for kind in ("bf16", "nvfp4"):
+            torch.cuda.empty_cache()
+            if kind == "bf16":
+                layer = torch.nn.Linear(k, nn_, bias=False, device="cuda", dtype=torch.bfloat16)
+            else:
+                layer = NVFP4Linear(k, nn_, bias=False, device="cuda", dtype=torch.bfloat16, recipe=NVFP4Recipe())
+            xx = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            dy = torch.randn(m, nn_, device="cuda", dtype=torch.bfloat16)
+
+            def step():
+                layer(xx).backward(dy)
+                xx.grad = None
+                layer.weight.grad = None
+
+            t = ms(step, reps=100)
+            step()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            out[kind] = (t, (torch.cuda.max_memory_allocated() - base) / 2**30)
+            del layer, xx, dy
+        ratio = out["nvfp4"][0] / out["bf16"][0]
+        lin_rows.append({"shape": [m, k, nn_], "bf16_ms": out["bf16"][0], "nvfp4_ms": out["nvfp4"][0], "ratio": ratio,
+                         "bf16_peak_GiB": out["bf16"][1], "nvfp4_peak_GiB": out["nvfp4"][1]})
+        print(f"| {m}×{k}×{nn_} | {out['bf16'][0]:.3f} | {out['nvfp4'][0]:.3f} | {ratio:.2f}× | {out['bf16'][1]:.2f} | {out['nvfp4'][1]:.2f} |")
+    res["linear"] = lin_rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
