@@ -7,8 +7,8 @@ pair bit for bit. Shared by the quantization kernels (quantize.py) and the GEMM 
 import triton
 import triton.language as tl
 
-E4M3_MAX: tl.constexpr = 448.0
-FP32_MAX: tl.constexpr = 3.4028234663852886e38
+E4M3_MAX = tl.constexpr(448.0)
+FP32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit

@@ -51,9 +51,7 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, RD, RS, CD, CS, SIGNS, SEED, Mpad,
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rm < M)[:, None] & (rk < K)[None, :]
     x = tl.load(X + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
-    seed = 0
-    if SR_ROW or SR_COL:
-        seed = tl.load(SEED)
+    seed = tl.load(SEED)  # a dummy pointer when neither rounding is stochastic
     rk2 = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
     rk16 = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
     if ROW:
