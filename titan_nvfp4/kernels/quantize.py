@@ -77,28 +77,42 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, RD, RS, CD, CS, SIGNS, SEED, Mpad,
 
 
 @triton.jit
-def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, D, S, DT, EMIT_T: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, D, S, DT, EMIT_T: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """16×16 blocks, nearest-even: D [N, K/2], S [N/16, K/16], and DT [K, N/2], the codes of Wᵀ
     (the tiles of Wᵀ are the transposed tiles of W, so they share S)."""
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rn = tl.program_id(0) * BM + tl.arange(0, BM)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rn < N)[:, None] & (rk < K)[None, :]
     w = tl.load(W + rn[:, None].to(tl.int64) * swn + rk[None, :] * swk, mask=mask, other=0.0).to(tl.float32)
     s = _jit_global_scale(tl.load(AMAX).to(tl.float32, bitcast=True))
-    tiles = tl.reshape(w, (BN // 16, 16, BK // 16, 16))
+    tiles = tl.reshape(w, (BM // 16, 16, BK // 16, 16))
     bamax = tl.max(tl.max(nan_to_inf_abs(tiles), axis=3), axis=1)
     e, r = block_scales(bamax, s)
-    codes = e2m1_rne(tl.reshape(tiles * r[:, None, :, None], (BN, BK)))
+    codes = e2m1_rne(tl.reshape(tiles * r[:, None, :, None], (BM, BK)))
     rk2 = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
-    tl.store(D + rn[:, None].to(tl.int64) * (K // 2) + rk2[None, :], pack_pairs(codes, BN, BK),
+    tl.store(D + rn[:, None].to(tl.int64) * (K // 2) + rk2[None, :], pack_pairs(codes, BM, BK),
              mask=(rn < N)[:, None] & (rk2 < K // 2)[None, :])
-    rn16 = tl.program_id(0) * (BN // 16) + tl.arange(0, BN // 16)
+    rn16 = tl.program_id(0) * (BM // 16) + tl.arange(0, BM // 16)
     rk16 = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
     tl.store(S + rn16[:, None] * (K // 16) + rk16[None, :], e, mask=(rn16 < N // 16)[:, None] & (rk16 < K // 16)[None, :])
     if EMIT_T:
-        rn2 = tl.program_id(0) * (BN // 2) + tl.arange(0, BN // 2)
-        tl.store(DT + rk[:, None].to(tl.int64) * (N // 2) + rn2[None, :], pack_pairs(tl.trans(codes), BK, BN),
+        rn2 = tl.program_id(0) * (BM // 2) + tl.arange(0, BM // 2)
+        tl.store(DT + rk[:, None].to(tl.int64) * (N // 2) + rn2[None, :], pack_pairs(tl.trans(codes), BK, BM),
                  mask=(rk < K)[:, None] & (rn2 < N // 2)[None, :])
+
+
+def _quant_configs():
+    return [triton.Config({"BM": bm, "BK": bk}, num_warps=w)
+            for bm, bk, w in ((64, 64, 4), (64, 64, 8), (64, 128, 4), (128, 64, 8), (32, 128, 4), (128, 128, 8), (32, 64, 2))]
+
+
+_quantize_autotuned = triton.autotune(_quant_configs(), key=["M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL"])(_quantize_kernel)
+_quantize_2d_autotuned = triton.autotune(_quant_configs(), key=["N", "K", "EMIT_T"])(_quantize_2d_kernel)
+
+
+def _tuned(x: torch.Tensor) -> bool:
+    """Autotune tiles on a GPU for large inputs; fixed tiles in the interpreter and for small ones."""
+    return x.is_cuda and x.numel() >= 2**22
 
 
 # ----------------------------------------------------------------------------------------------- launchers
@@ -160,10 +174,13 @@ def quantize_operand(x2d: torch.Tensor, *, rowwise: bool = True, colwise: bool =
     cd = torch.zeros((K, Mpad // 2), dtype=torch.uint8, device=dev) if colwise else amax_bits
     cs = torch.zeros((K, Mpad // 16), dtype=torch.float8_e4m3fn, device=dev) if colwise else amax_bits
     if M > 0:
-        _quantize_kernel[grid](x2d, M, K, x2d.stride(0), x2d.stride(1), amax_bits, rd, rs, cd, cs, signs_t,
-                               seed if seed is not None else amax_bits, Mpad,
-                               ROW=rowwise, COL=colwise, RHT=signs is not None,
-                               SR_ROW=stochastic_row, SR_COL=stochastic_col, BM=BM_Q, BK=BK_Q)
+        args = (x2d, M, K, x2d.stride(0), x2d.stride(1), amax_bits, rd, rs, cd, cs, signs_t,
+                seed if seed is not None else amax_bits, Mpad)
+        flags = dict(ROW=rowwise, COL=colwise, RHT=signs is not None, SR_ROW=stochastic_row, SR_COL=stochastic_col)
+        if _tuned(x2d):
+            _quantize_autotuned[lambda meta: (triton.cdiv(M, meta["BM"]), triton.cdiv(K, meta["BK"]))](*args, **flags)
+        else:
+            _quantize_kernel[grid](*args, **flags, BM=BM_Q, BK=BK_Q)
     row = col = None
     if rowwise:
         row = NVFP4Tensor(rd, rs, _decode_scale(amax_bits[0]), x2d.shape, (1, 16))
@@ -188,8 +205,12 @@ def quantize_weight_2d(w: torch.Tensor, amax: torch.Tensor | None = None,
     s = torch.empty((N // 16, K // 16), dtype=torch.float8_e4m3fn, device=w.device)
     dt = torch.empty((K, N // 2), dtype=torch.uint8, device=w.device) if emit_transpose else d
     if N > 0:
-        _quantize_2d_kernel[grid](w, N, K, w.stride(0), w.stride(1), amax_bits, d, s, dt,
-                                  EMIT_T=emit_transpose, BN=BM_Q, BK=BK_Q)
+        args = (w, N, K, w.stride(0), w.stride(1), amax_bits, d, s, dt)
+        if _tuned(w):
+            _quantize_2d_autotuned[lambda meta: (triton.cdiv(N, meta["BM"]), triton.cdiv(K, meta["BK"]))](
+                *args, EMIT_T=emit_transpose)
+        else:
+            _quantize_2d_kernel[grid](*args, EMIT_T=emit_transpose, BM=BM_Q, BK=BK_Q)
     gs = _decode_scale(amax_bits[0])
     wq = NVFP4Tensor(d, s, gs, w.shape, (16, 16))
     wt = NVFP4Tensor(dt, s.t().contiguous(), gs, torch.Size((K, N)), (16, 16)) if emit_transpose else None
