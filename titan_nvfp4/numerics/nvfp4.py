@@ -43,6 +43,7 @@ from .formats import (
 )
 
 BLOCK = 16
+_INV6_F32 = 0.1666666716337204  # fp32(1/6), written out so that no rounding of 1/6 depends on the op
 #: Block shapes: (1, 16) rowwise along the last dim; (16, 1) along dim 0 (stored transposed, so the
 #: packed codes run along dim 0 of x); (16, 16) square tiles whose quantization is transpose-symmetric.
 BLOCK_SHAPES = ((1, BLOCK), (BLOCK, 1), (BLOCK, BLOCK))
@@ -51,15 +52,16 @@ BLOCK_SHAPES = ((1, BLOCK), (BLOCK, 1), (BLOCK, BLOCK))
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     """S = 6·448/amax in fp32, capped at FP32_MAX; 1 for amax == 0; NaN for a non-finite amax."""
     amax = amax.float()
-    s = torch.clamp(torch.tensor(F4_E2M1_MAX * F8_E4M3_MAX, dtype=torch.float32, device=amax.device) / amax, max=FP32_MAX)
+    # python scalars, not torch.tensor(...): no host-to-device copy (which would stall a GPU stream);
+    # 2688 and fp32(1/6) below are exact fp32 values, so the arithmetic is the same fp32 arithmetic
+    s = torch.clamp((F4_E2M1_MAX * F8_E4M3_MAX) / amax, max=FP32_MAX)
     s = torch.where(amax == 0, torch.ones_like(s), s)
     return torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
 
 
 def block_decode_scale(block_amax: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
     """e_b = e4m3(amax_b · (S · fp32(1/6))), NaN for non-finite blocks; returns float8_e4m3fn."""
-    inv6 = torch.tensor(1.0 / F4_E2M1_MAX, dtype=torch.float32, device=block_amax.device)
-    e = to_e4m3_saturating(block_amax.float() * (s_enc * inv6))
+    e = to_e4m3_saturating(block_amax.float() * (s_enc * _INV6_F32))
     bad = ~torch.isfinite(block_amax) | ~torch.isfinite(s_enc)
     nan = torch.full_like(block_amax, float("nan"), dtype=torch.float32).to(torch.float8_e4m3fn)
     return torch.where(bad, nan, e)
