@@ -54,7 +54,8 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     amax = amax.float()
     # python scalars, not torch.tensor(...): no host-to-device copy (which would stall a GPU stream);
     # 2688 and fp32(1/6) below are exact fp32 values, so the arithmetic is the same fp32 arithmetic
-    s = torch.clamp((F4_E2M1_MAX * F8_E4M3_MAX) / amax, max=FP32_MAX)
+    # full_like fills on the device; `2688.0 / amax` would be reciprocal(amax) * 2688 (not IEEE division)
+    s = torch.clamp(torch.full_like(amax, F4_E2M1_MAX * F8_E4M3_MAX) / amax, max=FP32_MAX)
     s = torch.where(amax == 0, torch.ones_like(s), s)
     return torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
 
