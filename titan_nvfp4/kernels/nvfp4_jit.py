@@ -97,23 +97,22 @@ def pack_pairs(codes, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _butterfly(y, R: tl.constexpr, H: tl.constexpr):
+    """One stage: element i meets i + H inside groups of 2H, viewed as (R, 16/(2H), 2, H) -> (a+b, a-b)."""
+    y = tl.reshape(y, (R, 16 // (2 * H), 2, H))
+    a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (R, 16))
+
+
+@triton.jit
 def rht16_rows(x, signs, R: tl.constexpr):
     """Twin of numerics.rht.rht on an [R, 16] fp32 tile: sign flip, four butterfly stages, * 0.25."""
     y = x * signs[None, :]
-    # stage h pairs element i with i + h inside groups of 2h: view (R, 16/(2h), 2, h), (a+b, a-b)
-    y = tl.reshape(y, (R, 8, 2, 1))
-    a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
-    y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
-    y = tl.reshape(y, (R, 4, 2, 2))
-    a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
-    y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
-    y = tl.reshape(y, (R, 2, 2, 4))
-    a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
-    y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
-    y = tl.reshape(y, (R, 1, 2, 8))
-    a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
-    y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
-    return tl.reshape(y, (R, 16)) * 0.25
+    y = _butterfly(y, R, 1)
+    y = _butterfly(y, R, 2)
+    y = _butterfly(y, R, 4)
+    y = _butterfly(y, R, 8)
+    return y * 0.25
 
 
 @triton.jit
