@@ -74,6 +74,15 @@ def main() -> int:
         ("rowwise + RHT colwise, amaxes given", lambda: quantize_operand(x, rowwise=True, colwise=True, signs=signs, amax=amax, amax_col=amax), 2 * n + 2 * codes),
         ("rowwise SR + RHT colwise SR, amaxes given (bwd dY)", lambda: quantize_operand(x, rowwise=True, colwise=True, signs=signs, stochastic_row=True, stochastic_col=True, seed=seed, amax=amax, amax_col=amax), 2 * n + 2 * codes),
     ]
+    from titan_nvfp4.kernels import quantize as _q
+
+    def amax_only(rht: bool):
+        buf = torch.zeros(4, dtype=torch.int32, device="cuda")
+        _q._launch(_q._amax_kernel, _q._amax_autotuned, x, M, K, x, M, K, x.stride(0), x.stride(1), buf, signs,
+                   ROW=True, COL=rht, RHT=rht)
+
+    cases.insert(0, ("amax kernel alone, |x|", lambda: amax_only(False), 2 * n))
+    cases.insert(1, ("amax kernel alone, |x| and |RHT xT|", lambda: amax_only(True), 2 * n))
     w = torch.randn(14336, 4096, device="cuda", dtype=torch.bfloat16)  # 112 MiB
     nw = w.numel()
     cases.append(("weight 16x16 + W^T codes, amax included", lambda: quantize_weight_2d(w), 2 * (2 * nw) + nw + nw // 256))
@@ -138,7 +147,7 @@ def main() -> int:
     res["linear"] = lin_rows
     from titan_nvfp4.kernels import gemm as _g, quantize as _q
     for name, tuner in (("gemm", _g._nvfp4_gemm_autotuned), ("quantize", _q._quantize_autotuned),
-                        ("quantize_2d", _q._quantize_2d_autotuned)):
+                        ("quantize_2d", _q._quantize_2d_autotuned), ("amax", _q._amax_autotuned)):
         picked = {str(k): str(v) for k, v in tuner.cache.items()}
         res[f"tiles_{name}"] = picked
         print(f"\nautotuned {name}: " + "; ".join(f"{k} -> {v}" for k, v in picked.items()))

@@ -132,12 +132,15 @@ def test_stochastic_rounding_reproducible_unbiased_and_neighbouring():
 @pytest.mark.parametrize("mnk", [(50, 48, 96), (16, 16, 16), (33, 70 + 2, 48 * 3)] + ([(1000, 1000, 2048 + 16), (4096, 4096, 4096)] if GPU else []))
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_emulated_gemm_matches_float64(mnk, bias, out_dtype):
+@pytest.mark.parametrize("use_tma", [False, True])
+def test_emulated_gemm_matches_float64(mnk, bias, out_dtype, use_tma):
+    if use_tma and GPU and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA descriptors need sm_90+")
     m, n, k = mnk
     a = quantize_nvfp4(inputs(m, k, "heavy", torch.float32))
     b = quantize_nvfp4(inputs(n, k, "normal", torch.float32))
     bvec = torch.randn(n, device=DEV) if bias else None
-    y = nvfp4_gemm_triton(a, b, out_dtype, bvec)
+    y = nvfp4_gemm_triton(a, b, out_dtype, bvec, use_tma=use_tma)
     exact = a.dequantize(torch.float64) @ b.dequantize(torch.float64).t()
     if bias:
         exact = exact + bvec.double()
@@ -168,6 +171,24 @@ def test_gemm_with_16x16_weight_and_its_transpose():
     for got, a, b in ((y, x, wq), (dx, dy, wq.t())):
         exact = a.dequantize(torch.float64) @ b.dequantize(torch.float64).t()
         assert (got.double() - exact).norm() / exact.norm() < 1e-5
+
+
+def test_staged_operand_is_exact_and_chunking_is_invisible(monkeypatch):
+    from titan_nvfp4.kernels import gemm as g
+
+    for block in ((1, 16), (16, 16)):
+        b = quantize_nvfp4(inputs(64, 96, "adversarial", torch.float32), block_shape=block)
+        staged = g.dequantize_fp16(b)
+        assert staged.dtype == torch.float16
+        ref = b.scaled_codes(torch.float64)
+        same = (staged.double() == ref) | (staged.isnan() & ref.isnan())
+        assert bool(same.all())  # exact: no rounding in the fp16 staging
+        assert torch.equal(g.dequantize_fp16(b, slice(16, 48)).view(torch.int16), staged[16:48].view(torch.int16))
+    a = quantize_nvfp4(inputs(40, 96, "normal", torch.float32))
+    b = quantize_nvfp4(inputs(304, 96, "normal", torch.float32), block_shape=(16, 16))
+    whole = nvfp4_gemm_triton(a, b, torch.float32)
+    monkeypatch.setattr(g, "STAGE_BYTES", 96 * 2 * 16)  # forces 256-row chunks: two launches
+    assert torch.equal(nvfp4_gemm_triton(a, b, torch.float32), whole)
 
 
 def test_native_layouts_round_trip_and_match_torchao():

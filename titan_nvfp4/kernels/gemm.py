@@ -1,15 +1,17 @@
 """Emulated NVFP4 GEMM in Triton: out = (A · Bᵀ) · (gs_A · gs_B) [+ bias], for GPUs without FP4 tensor
 cores (sm_80–sm_90, ROCm) and for the CPU interpreter.
 
-Both operands arrive packed (two E2M1 codes per byte, 1×16 or 16×16 E4M3 block scales). Each K step
-loads bytes and scales, builds exact fp16 values in registers and feeds the 16-bit tensor cores:
+Structure (chosen by measurement, see benchmarks/gemm_variants.py and BENCHMARKS.md):
 
-  * the code's 3 magnitude bits shifted into fp16's exponent/mantissa give q·2⁻¹⁴ exactly (E2M1 is
-    fp16 with its exponent bias off by 14), so q·e_b·2⁻¹⁴ is one fp16 multiply, exact because
-    q·e_b has at most 5 significant bits and its smallest step, 2⁻¹⁰, times 2⁻¹⁴ is fp16's 2⁻²⁴;
-  * low and high nibbles are two K-permuted half-tiles multiplied separately (any permutation of
-    K shared by both operands leaves A·Bᵀ unchanged), so no interleave is needed;
-  * the fp32 accumulator holds 2⁻²⁸·Σ q_a e_a q_b e_b; the epilogue multiplies by 2²⁸ (exact) and by
+  * B is staged once per call as fp16 values q·e_b (``dequantize_fp16``): exact, since q·e_b is a
+    multiple of 2⁻¹⁰ below 2688 with at most 8 significant bits. The kernel reads it through TMA on
+    sm_90 (plain loads elsewhere) like a 16-bit GEMM operand. Staging runs in column chunks so its
+    buffer stays small whatever the shape.
+  * A stays packed: each K step loads bytes and E4M3 scales and builds fp16 q·e_b·2⁻¹⁴ in registers
+    (the 3 magnitude bits of a code shifted into fp16's exponent/mantissa give q·2⁻¹⁴ exactly; one
+    exact fp16 multiply applies the scale; on CUDA a PTX routine does 4 bytes per call), so the
+    16-bit tensor cores read A from registers.
+  * The fp32 accumulator holds 2⁻¹⁴·Σ q_a e_a q_b e_b; the epilogue multiplies by 2¹⁴ (exact) and
     gs_A·gs_B, adds the bias in fp32 and rounds once to the output dtype, as the reference does.
 
 Reference twin: titan_nvfp4/ops/gemm.py:gemm_reference (checked in tests/test_kernels.py).
@@ -22,34 +24,71 @@ import triton
 import triton.language as tl
 
 from ..numerics.nvfp4 import NVFP4Tensor
+from ..ops.backends import interpreting
+
+#: Staging buffer budget (bytes of fp16 B per launch); larger B is processed in column chunks.
+STAGE_BYTES = 64 * 2**20
+
+
+def _set_b_block(nargs):
+    """Autotune pre-hook: the TMA descriptor of B takes the tile shape of the config being run."""
+    desc = nargs["b_desc"]
+    if hasattr(desc, "block_shape"):
+        desc.block_shape = [nargs["BN"], nargs["BK"]]
 
 
 def _configs():
-    out = []
-    for bm, bn, bk, w, s in ((128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 64, 4, 4),
-                             (256, 128, 128, 8, 3), (128, 256, 64, 8, 4), (64, 128, 128, 4, 4),
-                             (128, 128, 256, 8, 2), (128, 256, 64, 8, 3), (256, 128, 64, 8, 4),
-                             (128, 128, 128, 4, 3), (64, 256, 128, 8, 3)):
-        out.append(triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s))
-    return out
+    return [triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s, pre_hook=_set_b_block)
+            for bm, bn, bk, w, s in ((128, 256, 128, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 4, 4),
+                                     (128, 128, 128, 8, 3), (64, 256, 128, 4, 3), (128, 256, 128, 8, 2))]
 
 
 @triton.jit
-def _fp16_operand(packed, scale16, R: tl.constexpr, BK: tl.constexpr):
-    """[R, BK/2] bytes and [R, BK/16] fp16 scales -> (low-nibble, high-nibble) fp16 tiles [R, BK/2]
-    holding q·e_b·2⁻¹⁴ exactly."""
-    b = packed.to(tl.uint16)
-    lo = (((b & 0x7) << 9) | ((b & 0x8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
-    hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True)
-    s = tl.reshape(tl.broadcast_to(scale16[:, :, None], (R, BK // 16, 8)), (R, BK // 2))
-    return lo * s, hi * s
+def _dequant_asm(raw, s):
+    """(lo, hi) fp16 q·e_b·2⁻¹⁴ of packed bytes, 4 bytes per PTX call: prmt spreads the bytes to 16-bit
+    lanes, shifts and masks place the 3 magnitude bits and the sign, mul.f16x2 applies the scales."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t<2>, x, y, l<2>, h<2>;
+        prmt.b32 t0, $4, 0, 0x4140;
+        prmt.b32 t1, $4, 0, 0x4342;
+        shl.b32 x, t0, 9; shl.b32 y, t0, 12; and.b32 y, y, 0x80008000; lop3.b32 l0, x, 0x0E000E00, y, 0xEA;
+        shl.b32 x, t1, 9; shl.b32 y, t1, 12; and.b32 y, y, 0x80008000; lop3.b32 l1, x, 0x0E000E00, y, 0xEA;
+        shl.b32 x, t0, 5; shl.b32 y, t0, 8; and.b32 y, y, 0x80008000; lop3.b32 h0, x, 0x0E000E00, y, 0xEA;
+        shl.b32 x, t1, 5; shl.b32 y, t1, 8; and.b32 y, y, 0x80008000; lop3.b32 h1, x, 0x0E000E00, y, 0xEA;
+        mul.rn.f16x2 $0, l0, $5;
+        mul.rn.f16x2 $1, l1, $6;
+        mul.rn.f16x2 $2, h0, $5;
+        mul.rn.f16x2 $3, h1, $6;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r,r,r",
+        args=[raw, s],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
-def _nvfp4_gemm_body(A, SA, B, SB, GSA, GSB, BIAS, C, M, N, K,
-                     sam, sbn, ssam, ssak, ssbn, ssbk, scm, scn,
-                     A_SCALE_DIV: tl.constexpr, B_SCALE_DIV: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+def _dequant_a(raw, s16, R: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
+    """[R, BK/2] packed bytes and [R, BK/16] fp16 scales -> [R, BK] fp16 q·e_b·2⁻¹⁴ in K order."""
+    s = tl.reshape(tl.broadcast_to(s16[:, :, None], (R, BK // 16, 8)), (R, BK // 2))
+    if USE_ASM:
+        lo, hi = _dequant_asm(raw, s)
+    else:
+        b = raw.to(tl.uint16)
+        lo = (((b & 0x7) << 9) | ((b & 0x8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True) * s
+        hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True) * s
+    return tl.reshape(tl.join(lo, hi), (R, BK))
+
+
+@triton.jit
+def _nvfp4_gemm_kernel(A, SA, B, b_desc, GSA, GSB, BIAS, C, M, N, K, sam, ssam, ssak, sbn, scm, scn,
+                       A_SCALE_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, B_TMA: tl.constexpr, USE_ASM: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """C[M, N] = A[M, K] (packed NVFP4, dequantized here) · B[N, K]ᵀ (staged fp16), scaled in the epilogue."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -63,50 +102,88 @@ def _nvfp4_gemm_body(A, SA, B, SB, GSA, GSB, BIAS, C, M, N, K,
     rn = pid_n * BN + tl.arange(0, BN)
     rb = tl.arange(0, BK // 2)
     rs = tl.arange(0, BK // 16)
+    rk = tl.arange(0, BK)
     mask_m = rm < M
     mask_n = rn < N
     a_ptr = A + rm[:, None].to(tl.int64) * sam + rb[None, :]
-    b_ptr = B + rn[:, None].to(tl.int64) * sbn + rb[None, :]
     sa_ptr = SA + (rm // A_SCALE_DIV)[:, None].to(tl.int64) * ssam + rs[None, :] * ssak
-    sb_ptr = SB + (rn // B_SCALE_DIV)[:, None].to(tl.int64) * ssbn + rs[None, :] * ssbk
+    b_ptr = B + rn[:, None].to(tl.int64) * sbn + rk[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        kb = k0 // 2 + rb
-        ks = k0 // 16 + rs
-        a_raw = tl.load(a_ptr, mask=mask_m[:, None] & (kb < K // 2)[None, :], other=0)
-        b_raw = tl.load(b_ptr, mask=mask_n[:, None] & (kb < K // 2)[None, :], other=0)
-        sa = tl.load(sa_ptr, mask=mask_m[:, None] & (ks < K // 16)[None, :], other=0.0).to(tl.float16)
-        sb = tl.load(sb_ptr, mask=mask_n[:, None] & (ks < K // 16)[None, :], other=0.0).to(tl.float16)
-        a_lo, a_hi = _fp16_operand(a_raw, sa, BM, BK)
-        b_lo, b_hi = _fp16_operand(b_raw, sb, BN, BK)
-        acc = tl.dot(a_lo, tl.trans(b_lo), acc)
-        acc = tl.dot(a_hi, tl.trans(b_hi), acc)
+        raw = tl.load(a_ptr, mask=mask_m[:, None] & (k0 // 2 + rb < K // 2)[None, :], other=0)
+        s16 = tl.load(sa_ptr, mask=mask_m[:, None] & (k0 // 16 + rs < K // 16)[None, :], other=0.0).to(tl.float16)
+        a = _dequant_a(raw, s16, BM, BK, USE_ASM)
+        if B_TMA:
+            b = b_desc.load([pid_n * BN, k0])
+        else:
+            b = tl.load(b_ptr, mask=mask_n[:, None] & (k0 + rk < K)[None, :], other=0.0)
+        acc = tl.dot(a, b.T, acc)
         a_ptr += BK // 2
-        b_ptr += BK // 2
         sa_ptr += (BK // 16) * ssak
-        sb_ptr += (BK // 16) * ssbk
+        b_ptr += BK
 
-    gs = tl.load(GSA) * tl.load(GSB)
-    out = (acc * 268435456.0) * gs  # 2^28 undoes the 2^-14 of each operand exactly
+    out = (acc * 16384.0) * (tl.load(GSA) * tl.load(GSB))  # 2^14 undoes A's 2^-14 exactly
     if HAS_BIAS:
         out = out + tl.load(BIAS + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     c_ptr = C + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
     tl.store(c_ptr, out.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-_nvfp4_gemm_autotuned = triton.autotune(configs=_configs(), key=["M", "N", "K", "A_SCALE_DIV", "B_SCALE_DIV"])(
-    _nvfp4_gemm_body)
+_nvfp4_gemm_autotuned = triton.autotune(configs=_configs(), key=["M", "N", "K", "A_SCALE_DIV", "B_TMA"])(
+    _nvfp4_gemm_kernel)
 
 #: Fixed tiles for the CPU interpreter and small problems (autotuning there would only cost time).
 SMALL_TILES = {"BM": 32, "BN": 32, "BK": 32, "GROUP_M": 4}
+
+
+@triton.jit
+def _dequant_kernel(D, S, OUT, R, C, sdr, ssr, ssc, sor, SCALE_DIV: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """OUT [R, C] fp16 = q·e_b of packed D [R, C/2] with scales S (row r uses scale row r // SCALE_DIV)."""
+    rr = tl.program_id(0) * BR + tl.arange(0, BR)
+    rb = tl.program_id(1) * (BC // 2) + tl.arange(0, BC // 2)
+    mask = (rr < R)[:, None] & (rb < C // 2)[None, :]
+    raw = tl.load(D + rr[:, None].to(tl.int64) * sdr + rb[None, :], mask=mask, other=0).to(tl.uint16)
+    s = tl.load(S + (rr // SCALE_DIV)[:, None].to(tl.int64) * ssr + (rb // 8)[None, :] * ssc, mask=mask, other=0.0)
+    s = s.to(tl.float32) * 16384.0  # the codes below carry 2^-14; fold 2^14 into the (exact) scale
+    lo = (((raw & 0x7) << 9) | ((raw & 0x8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * s
+    hi = (((raw & 0x70) << 5) | ((raw & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * s
+    vals = tl.reshape(tl.join(lo, hi), (BR, BC)).to(tl.float16)
+    rc = tl.program_id(1) * BC + tl.arange(0, BC)
+    tl.store(OUT + rr[:, None].to(tl.int64) * sor + rc[None, :], vals, mask=(rr < R)[:, None] & (rc < C)[None, :])
 
 
 def _scale_div(t: NVFP4Tensor) -> int:
     return 16 if tuple(t.block_shape) == (16, 16) else 1
 
 
+def dequantize_fp16(t: NVFP4Tensor, rows: slice | None = None) -> torch.Tensor:
+    """fp16 [R, C] of q·e_b (no global scale) over the storage rows ``rows``: exact (see module doc)."""
+    r0, r1 = (0, t.storage_shape[0]) if rows is None else (rows.start, rows.stop)
+    R, C = r1 - r0, t.storage_shape[1]
+    div = _scale_div(t)
+    if r0 % div:
+        raise ValueError(f"dequantize_fp16: row offset {r0} splits a 16x16 scale block")
+    out = torch.empty((R, C), dtype=torch.float16, device=t.data.device)
+    if R and C:
+        data, scale = t.data[r0:r1], t.scale[r0 // div:]
+        BR, BC = 32, 128
+        _dequant_kernel[(triton.cdiv(R, BR), triton.cdiv(C, BC))](
+            data, scale, out, R, C, data.stride(0), scale.stride(0), scale.stride(1), out.stride(0),
+            SCALE_DIV=div, BR=BR, BC=BC)
+    return out
+
+
+def _use_tma(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def _use_asm(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.version.hip is None
+
+
 def nvfp4_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype,
-                      bias: torch.Tensor | None = None, autotune: bool | None = None) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, autotune: bool | None = None,
+                      use_tma: bool | None = None) -> torch.Tensor:
     """out [M, N] = Σ_k A[m, k] B[n, k] over the storages of a and b (contraction along their rows)."""
     M, K = a.storage_shape
     N, Kb = b.storage_shape
@@ -121,19 +198,33 @@ def nvfp4_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype,
     if K == 0:
         out.copy_((bias.to(out_dtype).expand(M, N) if bias is not None else torch.zeros_like(out)))
         return out
-    bias_t = bias.contiguous() if bias is not None else out
+    if autotune is None:
+        autotune = a.data.is_cuda and not interpreting() and M * N >= 128 * 128
+    if use_tma is None:
+        use_tma = _use_tma(a.data)
     gsa = a.global_scale.reshape(1).float()
     gsb = b.global_scale.reshape(1).float()
-    args = (a.data, a.scale, b.data, b.scale, gsa, gsb, bias_t, out, M, N, K,
-            a.data.stride(0), b.data.stride(0), a.scale.stride(0), a.scale.stride(1),
-            b.scale.stride(0), b.scale.stride(1), out.stride(0), out.stride(1))
-    kw = dict(A_SCALE_DIV=_scale_div(a), B_SCALE_DIV=_scale_div(b), HAS_BIAS=bias is not None)
-    if autotune is None:
-        autotune = a.data.is_cuda and M * N >= 128 * 128
-    if autotune:
-        grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
-        _nvfp4_gemm_autotuned[grid](*args, **kw)
-    else:
-        grid = (triton.cdiv(M, SMALL_TILES["BM"]) * triton.cdiv(N, SMALL_TILES["BN"]),)
-        _nvfp4_gemm_body[grid](*args, **kw, **SMALL_TILES)
+    kw = dict(A_SCALE_DIV=_scale_div(a), HAS_BIAS=bias is not None, B_TMA=use_tma,
+              USE_ASM=_use_asm(a.data) and not interpreting())
+    chunk = max(256, (STAGE_BYTES // (2 * K)) // 256 * 256)  # B rows per staging; a multiple of 16
+    for n0 in range(0, N, chunk):
+        n1 = min(N, n0 + chunk)
+        b16 = dequantize_fp16(b, slice(n0, n1))
+        cols = out[:, n0:n1]
+        bias_t = bias[n0:n1].contiguous() if bias is not None else out
+        if use_tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+            block = [SMALL_TILES["BN"], SMALL_TILES["BK"]]  # autotuning resets it per config
+            b_arg = TensorDescriptor(b16, list(b16.shape), list(b16.stride()), block)
+        else:
+            b_arg = b16
+        args = (a.data, a.scale, b16, b_arg, gsa, gsb, bias_t, cols, M, n1 - n0, K, a.data.stride(0),
+                a.scale.stride(0), a.scale.stride(1), b16.stride(0), cols.stride(0), cols.stride(1))
+        if autotune:
+            grid = lambda meta, n=n1 - n0: (triton.cdiv(M, meta["BM"]) * triton.cdiv(n, meta["BN"]),)  # noqa: E731
+            _nvfp4_gemm_autotuned[grid](*args, **kw)
+        else:
+            grid = (triton.cdiv(M, SMALL_TILES["BM"]) * triton.cdiv(n1 - n0, SMALL_TILES["BN"]),)
+            _nvfp4_gemm_kernel[grid](*args, **kw, **SMALL_TILES)
+        del b16
     return out

@@ -97,34 +97,90 @@ def pack_pairs(codes, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _butterfly(y, R: tl.constexpr, H: tl.constexpr):
-    """One stage: element i meets i + H inside groups of 2H, viewed as (R, 16/(2H), 2, H) -> (a+b, a-b)."""
-    y = tl.reshape(y, (R, 16 // (2 * H), 2, H))
-    a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
-    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (R, 16))
+def rht16_slices(xs, SIGNS):
+    """Twin of numerics.rht.rht across a 16-tuple of equally shaped tiles (tile i = element i of each
+    block): sign flip, butterfly stages h = 1, 2, 4, 8 (i meets i + h: a + b, a - b), * 0.25. Every
+    stage is elementwise between tiles, so no data moves between threads."""
+    ys = ()
+    for i in tl.static_range(16):
+        ys = ys + (xs[i] * tl.load(SIGNS + i),)
+    for stage in tl.static_range(4):  # h = 2^stage
+        zs = ()
+        for i in tl.static_range(16):
+            if (i >> stage) % 2 == 0:
+                zs = zs + (ys[i] + ys[i + (1 << stage)],)
+            else:
+                zs = zs + (ys[i - (1 << stage)] - ys[i],)
+        ys = zs
+    out = ()
+    for i in tl.static_range(16):
+        out = out + (ys[i] * 0.25,)
+    return out
 
 
 @triton.jit
-def rht16_rows(x, signs, R: tl.constexpr):
-    """Twin of numerics.rht.rht on an [R, 16] fp32 tile: sign flip, four butterfly stages, * 0.25."""
-    y = x * signs[None, :]
-    y = _butterfly(y, R, 1)
-    y = _butterfly(y, R, 2)
-    y = _butterfly(y, R, 4)
-    y = _butterfly(y, R, 8)
-    return y * 0.25
+def amax16(xs):
+    """Elementwise max over a 16-tuple of tiles of nan_to_inf_abs."""
+    m = nan_to_inf_abs(xs[0])
+    for i in tl.static_range(1, 16):
+        m = tl.maximum(m, nan_to_inf_abs(xs[i]))
+    return m
 
 
 @triton.jit
-def quantize_rows16(v, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: tl.constexpr, seed, offs):
+def uniforms16(seed, counter):
+    """16 tiles of uniforms in [0, 1) (24 random bits each) from 4 Philox calls: call q at counter
+    4·counter + q gives the numbers of tiles 4q .. 4q + 3. ``counter`` must be unique per tile element."""
+    us = ()
+    for q in tl.static_range(4):
+        r0, r1, r2, r3 = tl.randint4x(seed, counter * 4 + q)
+        us = us + (_u24(r0), _u24(r1), _u24(r2), _u24(r3))
+    return us
+
+
+@triton.jit
+def _u24(r):
+    return (r.to(tl.uint32, bitcast=True) >> 8).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def pack16_along_slices(codes):
+    """16-tuple of [G, C] uint8 codes (tile i = element i of 16-blocks running along G) -> [C, G·8]
+    bytes: row c holds the 16·G codes of column c packed in order, element 2j in the low nibble."""
+    p = ()
+    for j in tl.static_range(8):
+        p = p + (codes[2 * j] | (codes[2 * j + 1] << 4).to(tl.uint8),)
+    a = _join_in_order(p[0], p[1])
+    b = _join_in_order(p[2], p[3])
+    c = _join_in_order(p[4], p[5])
+    d = _join_in_order(p[6], p[7])
+    ab = _join_in_order(a, b)
+    cd = _join_in_order(c, d)
+    abcd = _join_in_order(ab, cd)  # [G, C, 8]
+    return tl.reshape(tl.permute(abcd, (1, 0, 2)), (abcd.shape[1], abcd.shape[0] * 8))
+
+
+@triton.jit
+def _join_in_order(a, b):
+    """Concatenate along the last dim ([.., n] + [.., n] -> [.., 2n]) for n a power of two (n = 1: join)."""
+    j = tl.join(a, b)  # [.., n, 2]: element (x, y) is (a, b)[y][x]
+    if len(a.shape) == 2:
+        out = j  # a, b were [G, C]: [G, C, 2] is already in order
+    else:
+        out = tl.reshape(tl.permute(j, (0, 1, 3, 2)), (j.shape[0], j.shape[1], 2 * j.shape[2]))
+    return out
+
+
+@triton.jit
+def quantize_rows16(v, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: tl.constexpr, u):
     """NVFP4 of an [R, C] fp32 tile with 1×16 blocks along C: (packed [R, C/2], e4m3 [R, C/16]).
-    ``offs`` ([R, C] int32) index the Philox stream when STOCHASTIC."""
+    ``u``: uniforms shaped like v when STOCHASTIC (ignored otherwise)."""
     blocks = tl.reshape(v, (R, C // 16, 16))
     bamax = tl.max(nan_to_inf_abs(blocks), axis=2)
     e, r = block_scales(bamax, s_enc)
     scaled = tl.reshape(blocks * r[:, :, None], (R, C))
     if STOCHASTIC:
-        codes = e2m1_stochastic(scaled, tl.rand(seed, offs))
+        codes = e2m1_stochastic(scaled, u)
     else:
         codes = e2m1_rne(scaled)
     return pack_pairs(codes, R, C), e

@@ -3,8 +3,13 @@
 Two passes over the input: ``_amax_kernel`` reduces the tensor amax of x and, for the wgrad operand,
 of the Hadamard-transformed xᵀ; ``_quantize_kernel`` then emits, from one read of x, the rowwise
 1×16 operand (forward / dgrad) and the transposed operand with 16-element blocks along dim 0 (wgrad),
-nearest-even or stochastic (Philox). ``_quantize_2d_kernel`` emits 16×16-block weights together with
-the codes of Wᵀ. Reference twin: titan_nvfp4/numerics/nvfp4.py (checked in tests/test_kernels.py).
+nearest-even or stochastic (Philox), plus the two global decode scales. ``_quantize_2d_kernel`` emits
+16×16-block weights together with the codes of Wᵀ.
+
+Each program reads its rows as 16 tiles [G, BK], tile i holding rows 16g + i: a block along dim 0
+(the RHT, its amax, the column scales and codes) is then elementwise work between the 16 tiles, and
+no value crosses threads except for the 1×16 row blocks. Reference twin: titan_nvfp4/numerics/nvfp4.py
+(checked in tests/test_kernels.py).
 """
 
 from __future__ import annotations
@@ -15,104 +20,150 @@ import triton.language as tl
 
 from ..numerics.nvfp4 import NVFP4Tensor, global_encode_scale
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
-from .nvfp4_jit import nan_to_inf_abs, pack_pairs, quantize_rows16, rht16_rows, block_scales, e2m1_rne
+from .nvfp4_jit import (amax16, block_scales, e2m1_rne, e2m1_stochastic, nan_to_inf_abs, pack16_along_slices,
+                        pack_pairs, quantize_rows16, rht16_slices, uniforms16)
 
-BM_Q = 64  # tokens per program (a multiple of 16: whole RHT/wgrad blocks)
+G_Q = 2  # 16-row blocks per program (fixed tiles: the interpreter, small inputs)
 BK_Q = 64  # features per program
 
 
 @triton.jit
-def _amax_kernel(X, M, K, sxm, sxk, AMAX, SIGNS, ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr,
-                 BM: tl.constexpr, BK: tl.constexpr):
-    """AMAX[0] |= max|x| and AMAX[1] |= max|rht(xᵀ)| (fp32 bits in int32; non-finite -> +inf)."""
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    rk = tl.program_id(1) * BK + tl.arange(0, BK)
-    mask = (rm < M)[:, None] & (rk < K)[None, :]
-    x = tl.load(X + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
-    a = tl.max(tl.max(nan_to_inf_abs(x), axis=1), axis=0)
-    if ROW:
-        tl.atomic_max(AMAX, a.to(tl.int32, bitcast=True))
-    if COL:
-        if RHT:
-            signs = tl.load(SIGNS + tl.arange(0, 16))
-            y = rht16_rows(tl.reshape(tl.trans(x), (BK * BM // 16, 16)), signs, BK * BM // 16)
-            a = tl.max(tl.max(nan_to_inf_abs(y), axis=1), axis=0)
-        tl.atomic_max(AMAX + 1, a.to(tl.int32, bitcast=True))
+def _load16(X, blk, rk, M, K, sxm, sxk):
+    """Sixteen fp32 tiles [G, BK] of x; tile i holds rows 16·blk + i (zeros outside x)."""
+    col = rk[None, :] * sxk
+    kmask = (rk < K)[None, :]
+    xs = ()
+    for i in tl.static_range(16):
+        rows = blk * 16 + i
+        ptr = X + rows[:, None].to(tl.int64) * sxm + col
+        xs = xs + (tl.load(ptr, mask=(rows < M)[:, None] & kmask, other=0.0).to(tl.float32),)
+    return xs
 
 
 @triton.jit
-def _quantize_kernel(X, M, K, sxm, sxk, AMAX, RD, RS, CD, CS, SIGNS, SEED, Mpad,
-                     ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr,
-                     SR_ROW: tl.constexpr, SR_COL: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """Row operand: RD [M, K/2], RS [M, K/16]. Column operand of xᵀ (tokens zero-padded to Mpad):
-    CD [K, Mpad/2], CS [K, Mpad/16]. Philox offsets: row element (m, k) -> m·K + k, column element
-    (k, m) -> M·K + k·Mpad + m, so the two roundings draw independent numbers from one seed."""
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+def _amax_kernel(X, M, K, sxm, sxk, AMAX, SIGNS, ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr,
+                 G: tl.constexpr, BK: tl.constexpr):
+    """AMAX[0] |= max|x| and AMAX[1] |= max|rht(xᵀ)| (fp32 bits in int32; non-finite -> +inf)."""
+    blk = tl.program_id(0) * G + tl.arange(0, G)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
-    mask = (rm < M)[:, None] & (rk < K)[None, :]
-    x = tl.load(X + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+    xs = _load16(X, blk, rk, M, K, sxm, sxk)
+    if ROW:
+        tl.atomic_max(AMAX, tl.max(tl.max(amax16(xs), axis=1), axis=0).to(tl.int32, bitcast=True))
+    if COL:
+        if RHT:
+            xs = rht16_slices(xs, SIGNS)
+        tl.atomic_max(AMAX + 1, tl.max(tl.max(amax16(xs), axis=1), axis=0).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _store_decode_scale(GS, s_enc):
+    """The global decode scale 1/S (twin of NVFP4Tensor.global_scale), written by program (0, 0)."""
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(GS, tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc))
+
+
+@triton.jit
+def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, Mpad,
+                     ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr,
+                     SR_ROW: tl.constexpr, SR_COL: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
+    """Row operand: RD [M, K/2], RS [M, K/16]. Column operand of xᵀ (tokens zero-padded to Mpad):
+    CD [K, Mpad/2], CS [K, Mpad/16]. GS [2]: the decode scales of the two. Philox counters: the row
+    draws of rows 4r..4r+3 at column k use counter r·K + k, the column draws (Mpad/4)·K + k·Mpad/4 + r,
+    so the two roundings draw independent numbers from one seed."""
+    blk = tl.program_id(0) * G + tl.arange(0, G)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    xs = _load16(X, blk, rk, M, K, sxm, sxk)
     seed = tl.load(SEED)  # a dummy pointer when neither rounding is stochastic
-    rk2 = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
-    rk16 = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
     if ROW:
         s = _jit_global_scale(tl.load(AMAX).to(tl.float32, bitcast=True))
-        offs = rm[:, None] * K + rk[None, :]
-        packed, e = quantize_rows16(x, s, BM, BK, SR_ROW, seed, offs)
-        row = rm[:, None].to(tl.int64)
-        tl.store(RD + row * (K // 2) + rk2[None, :], packed, mask=(rm < M)[:, None] & (rk2 < K // 2)[None, :])
-        tl.store(RS + row * (K // 16) + rk16[None, :], e, mask=(rm < M)[:, None] & (rk16 < K // 16)[None, :])
+        _store_decode_scale(GS, s)
+        us = xs
+        if SR_ROW:
+            us = uniforms16(seed, (blk * 4)[:, None] * K + rk[None, :])
+        rk2 = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
+        rk16 = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
+        for i in tl.static_range(16):
+            packed, e = quantize_rows16(xs[i], s, G, BK, SR_ROW, us[i])
+            row = (blk * 16 + i)[:, None]
+            rmask = row < M
+            tl.store(RD + row.to(tl.int64) * (K // 2) + rk2[None, :], packed, mask=rmask & (rk2 < K // 2)[None, :])
+            tl.store(RS + row.to(tl.int64) * (K // 16) + rk16[None, :], e, mask=rmask & (rk16 < K // 16)[None, :])
     if COL:
-        y = tl.trans(x)  # [BK, BM]
         if RHT:
-            signs = tl.load(SIGNS + tl.arange(0, 16))
-            y = tl.reshape(rht16_rows(tl.reshape(y, (BK * BM // 16, 16)), signs, BK * BM // 16), (BK, BM))
+            xs = rht16_slices(xs, SIGNS)
         s = _jit_global_scale(tl.load(AMAX + 1).to(tl.float32, bitcast=True))
-        offs = M * K + rk[:, None] * Mpad + rm[None, :]
-        packed, e = quantize_rows16(y, s, BK, BM, SR_COL, seed, offs)
-        rm2 = tl.program_id(0) * (BM // 2) + tl.arange(0, BM // 2)
-        rm16 = tl.program_id(0) * (BM // 16) + tl.arange(0, BM // 16)
-        col = rk[:, None].to(tl.int64)
-        tl.store(CD + col * (Mpad // 2) + rm2[None, :], packed, mask=(rk < K)[:, None] & (rm2 < Mpad // 2)[None, :])
-        tl.store(CS + col * (Mpad // 16) + rm16[None, :], e, mask=(rk < K)[:, None] & (rm16 < Mpad // 16)[None, :])
+        _store_decode_scale(GS + 1, s)
+        e, r = block_scales(amax16(xs), s)  # [G, BK]: one block per (16 tokens, feature)
+        us = xs
+        if SR_COL:
+            us = uniforms16(seed, (Mpad // 4) * K + rk[None, :] * (Mpad // 4) + (blk * 4)[:, None])
+        codes = ()
+        for i in tl.static_range(16):
+            if SR_COL:
+                codes = codes + (e2m1_stochastic(xs[i] * r, us[i]),)
+            else:
+                codes = codes + (e2m1_rne(xs[i] * r),)
+        packed = pack16_along_slices(codes)  # [BK, G·8]
+        rb = tl.program_id(0) * (G * 8) + tl.arange(0, G * 8)
+        kmask = (rk < K)[:, None]
+        tl.store(CD + rk[:, None].to(tl.int64) * (Mpad // 2) + rb[None, :], packed,
+                 mask=kmask & (rb < Mpad // 2)[None, :])
+        tl.store(CS + rk[None, :].to(tl.int64) * (Mpad // 16) + blk[:, None], e,
+                 mask=(rk < K)[None, :] & (blk < Mpad // 16)[:, None])
 
 
 @triton.jit
-def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, D, S, DT, EMIT_T: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """16×16 blocks, nearest-even: D [N, K/2], S [N/16, K/16], and DT [K, N/2], the codes of Wᵀ
-    (the tiles of Wᵀ are the transposed tiles of W, so they share S)."""
-    rn = tl.program_id(0) * BM + tl.arange(0, BM)
+def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, EMIT_T: tl.constexpr,
+                        G: tl.constexpr, BK: tl.constexpr):
+    """16×16 blocks, nearest-even: D [N, K/2], S [N/16, K/16], GS the decode scale, and DT [K, N/2],
+    the codes of Wᵀ (the tiles of Wᵀ are the transposed tiles of W, so they share S)."""
+    blk = tl.program_id(0) * G + tl.arange(0, G)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
-    mask = (rn < N)[:, None] & (rk < K)[None, :]
-    w = tl.load(W + rn[:, None].to(tl.int64) * swn + rk[None, :] * swk, mask=mask, other=0.0).to(tl.float32)
+    ws = _load16(W, blk, rk, N, K, swn, swk)
     s = _jit_global_scale(tl.load(AMAX).to(tl.float32, bitcast=True))
-    tiles = tl.reshape(w, (BM // 16, 16, BK // 16, 16))
-    bamax = tl.max(tl.max(nan_to_inf_abs(tiles), axis=3), axis=1)
-    e, r = block_scales(bamax, s)
-    codes = e2m1_rne(tl.reshape(tiles * r[:, None, :, None], (BM, BK)))
+    _store_decode_scale(GS, s)
+    bamax = tl.max(tl.reshape(amax16(ws), (G, BK // 16, 16)), axis=2)
+    e, r = block_scales(bamax, s)  # [G, BK/16]
     rk2 = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
-    tl.store(D + rn[:, None].to(tl.int64) * (K // 2) + rk2[None, :], pack_pairs(codes, BM, BK),
-             mask=(rn < N)[:, None] & (rk2 < K // 2)[None, :])
-    rn16 = tl.program_id(0) * (BM // 16) + tl.arange(0, BM // 16)
+    codes = ()
+    for i in tl.static_range(16):
+        c = e2m1_rne(tl.reshape(tl.reshape(ws[i], (G, BK // 16, 16)) * r[:, :, None], (G, BK)))
+        codes = codes + (c,)
+        row = (blk * 16 + i)[:, None]
+        tl.store(D + row.to(tl.int64) * (K // 2) + rk2[None, :], pack_pairs(c, G, BK),
+                 mask=(row < N) & (rk2 < K // 2)[None, :])
     rk16 = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
-    tl.store(S + rn16[:, None] * (K // 16) + rk16[None, :], e, mask=(rn16 < N // 16)[:, None] & (rk16 < K // 16)[None, :])
+    tl.store(S + blk[:, None] * (K // 16) + rk16[None, :], e, mask=(blk < N // 16)[:, None] & (rk16 < K // 16)[None, :])
     if EMIT_T:
-        rn2 = tl.program_id(0) * (BM // 2) + tl.arange(0, BM // 2)
-        tl.store(DT + rk[:, None].to(tl.int64) * (N // 2) + rn2[None, :], pack_pairs(tl.trans(codes), BK, BM),
-                 mask=(rk < K)[:, None] & (rn2 < N // 2)[None, :])
+        rb = tl.program_id(0) * (G * 8) + tl.arange(0, G * 8)
+        tl.store(DT + rk[:, None].to(tl.int64) * (N // 2) + rb[None, :], pack16_along_slices(codes),
+                 mask=(rk < K)[:, None] & (rb < N // 2)[None, :])
 
 
 def _quant_configs():
-    return [triton.Config({"BM": bm, "BK": bk}, num_warps=w)
-            for bm, bk, w in ((64, 64, 4), (64, 64, 8), (64, 128, 4), (128, 64, 8), (32, 128, 4), (128, 128, 8), (32, 64, 2))]
+    return [triton.Config({"G": g, "BK": bk}, num_warps=w)
+            for g, bk, w in ((1, 128, 4), (2, 64, 4), (2, 128, 4), (2, 128, 8), (4, 64, 4), (1, 256, 4),
+                             (4, 128, 8), (1, 64, 2))]
 
 
-_quantize_autotuned = triton.autotune(_quant_configs(), key=["M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL"])(_quantize_kernel)
+_quantize_autotuned = triton.autotune(_quant_configs(), key=["M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL"])(
+    _quantize_kernel)
 _quantize_2d_autotuned = triton.autotune(_quant_configs(), key=["N", "K", "EMIT_T"])(_quantize_2d_kernel)
+_amax_autotuned = triton.autotune(_quant_configs(), key=["M", "K", "ROW", "COL", "RHT"], reset_to_zero=["AMAX"])(
+    _amax_kernel)
 
 
 def _tuned(x: torch.Tensor) -> bool:
     """Autotune tiles on a GPU for large inputs; fixed tiles in the interpreter and for small ones."""
     return x.is_cuda and x.numel() >= 2**22
+
+
+def _launch(kernel, tuned_kernel, x: torch.Tensor, rows: int, cols: int, *args, **flags) -> None:
+    """Run kernel over [rows, cols] with autotuned tiles (large CUDA inputs) or the fixed ones."""
+    if _tuned(x):
+        tuned_kernel[lambda meta: (triton.cdiv(rows, 16 * meta["G"]), triton.cdiv(cols, meta["BK"]))](*args, **flags)
+    else:
+        kernel[(triton.cdiv(rows, 16 * G_Q), triton.cdiv(cols, BK_Q))](*args, **flags, G=G_Q, BK=BK_Q)
 
 
 # ----------------------------------------------------------------------------------------------- launchers
@@ -154,38 +205,40 @@ def quantize_operand(x2d: torch.Tensor, *, rowwise: bool = True, colwise: bool =
     dev = x2d.device
     if (stochastic_row or stochastic_col) and seed is None:
         raise ValueError("stochastic rounding needs a seed tensor")
-    amax_bits = torch.zeros(2, dtype=torch.int32, device=dev)  # fp32 bits of the two amaxes
-    if amax is not None:
-        amax_bits[0:1] = _amax_buffer(x2d, amax, 1)
-    if amax_col is not None:
-        amax_bits[1:2] = _amax_buffer(x2d, amax_col, 1)
+    # fp32 bits of [amax_row, amax_col, decode_row, decode_col]; the kernels fill all four
+    buf = torch.zeros(4, dtype=torch.int32, device=dev)
     # Without the RHT the column operand holds the same values as the rows: one amax serves both.
-    row_needed = amax is None and (rowwise or (colwise and signs is None and amax_col is None))
+    same_amax = colwise and signs is None and amax_col is None
+    row_needed = amax is None and (rowwise or same_amax)
     col_needed = colwise and signs is not None and amax_col is None
-    grid = (triton.cdiv(max(M, 1), BM_Q), triton.cdiv(K, BK_Q))
-    signs_t = signs.to(device=dev, dtype=torch.float32).contiguous() if signs is not None else amax_bits
+    signs_t = signs.to(device=dev, dtype=torch.float32).contiguous() if signs is not None else buf
     if (row_needed or col_needed) and M > 0:
-        _amax_kernel[grid](x2d, M, K, x2d.stride(0), x2d.stride(1), amax_bits, signs_t,
-                           ROW=row_needed, COL=col_needed, RHT=True, BM=BM_Q, BK=BK_Q)
-    if colwise and signs is None and amax_col is None:
-        amax_bits[1:2] = amax_bits[0:1]
-    rd = torch.empty((M, K // 2), dtype=torch.uint8, device=dev) if rowwise else amax_bits
-    rs = torch.empty((M, K // 16), dtype=torch.float8_e4m3fn, device=dev) if rowwise else amax_bits
-    cd = torch.zeros((K, Mpad // 2), dtype=torch.uint8, device=dev) if colwise else amax_bits
-    cs = torch.zeros((K, Mpad // 16), dtype=torch.float8_e4m3fn, device=dev) if colwise else amax_bits
+        _launch(_amax_kernel, _amax_autotuned, x2d, M, K, x2d, M, K, x2d.stride(0), x2d.stride(1), buf, signs_t,
+                ROW=row_needed, COL=col_needed, RHT=True)
+    if amax is not None:  # given amaxes go in after the reduction (autotuning zeroes the buffer)
+        buf[0:1] = _amax_buffer(x2d, amax, 1)
+    if amax_col is not None:
+        buf[1:2] = _amax_buffer(x2d, amax_col, 1)
+    if same_amax:
+        buf[1:2] = buf[0:1]
+    rd = torch.empty((M, K // 2), dtype=torch.uint8, device=dev) if rowwise else buf
+    rs = torch.empty((M, K // 16), dtype=torch.float8_e4m3fn, device=dev) if rowwise else buf
+    cd = torch.empty((K, Mpad // 2), dtype=torch.uint8, device=dev) if colwise else buf
+    cs = torch.empty((K, Mpad // 16), dtype=torch.float8_e4m3fn, device=dev) if colwise else buf
+    gs = buf[2:4].view(torch.float32)
     if M > 0:
-        args = (x2d, M, K, x2d.stride(0), x2d.stride(1), amax_bits, rd, rs, cd, cs, signs_t,
-                seed if seed is not None else amax_bits, Mpad)
-        flags = dict(ROW=rowwise, COL=colwise, RHT=signs is not None, SR_ROW=stochastic_row, SR_COL=stochastic_col)
-        if _tuned(x2d):
-            _quantize_autotuned[lambda meta: (triton.cdiv(M, meta["BM"]), triton.cdiv(K, meta["BK"]))](*args, **flags)
-        else:
-            _quantize_kernel[grid](*args, **flags, BM=BM_Q, BK=BK_Q)
+        _launch(_quantize_kernel, _quantize_autotuned, x2d, Mpad, K,
+                x2d, M, K, x2d.stride(0), x2d.stride(1), buf, gs, rd, rs, cd, cs, signs_t,
+                seed if seed is not None else buf, Mpad,
+                ROW=rowwise, COL=colwise, RHT=signs is not None, SR_ROW=stochastic_row, SR_COL=stochastic_col)
+    else:  # no program ran: the decode scales of an all-zero tensor
+        gs[0] = _decode_scale(buf[0])
+        gs[1] = _decode_scale(buf[1])
     row = col = None
     if rowwise:
-        row = NVFP4Tensor(rd, rs, _decode_scale(amax_bits[0]), x2d.shape, (1, 16))
+        row = NVFP4Tensor(rd, rs, gs[0], x2d.shape, (1, 16))
     if colwise:
-        col = NVFP4Tensor(cd, cs, _decode_scale(amax_bits[1]), torch.Size((K, Mpad)), (1, 16))
+        col = NVFP4Tensor(cd, cs, gs[1], torch.Size((K, Mpad)), (1, 16))
     return row, col
 
 
@@ -196,22 +249,21 @@ def quantize_weight_2d(w: torch.Tensor, amax: torch.Tensor | None = None,
     N, K = w.shape
     if N % 16:
         raise ValueError(f"quantize_weight_2d: 16x16 blocks need both dims to be multiples of 16, got {tuple(w.shape)}")
-    amax_bits = _amax_buffer(w, amax, 1)
-    grid = (triton.cdiv(N, BM_Q), triton.cdiv(K, BK_Q))
+    buf = torch.zeros(2, dtype=torch.int32, device=w.device)  # fp32 bits of [amax, decode scale]
     if amax is None and N > 0:
-        _amax_kernel[grid](w, N, K, w.stride(0), w.stride(1), amax_bits, amax_bits,
-                           ROW=True, COL=False, RHT=False, BM=BM_Q, BK=BK_Q)
+        _launch(_amax_kernel, _amax_autotuned, w, N, K, w, N, K, w.stride(0), w.stride(1), buf, buf,
+                ROW=True, COL=False, RHT=False)
+    elif amax is not None:
+        buf[0:1] = _amax_buffer(w, amax, 1)
     d = torch.empty((N, K // 2), dtype=torch.uint8, device=w.device)
     s = torch.empty((N // 16, K // 16), dtype=torch.float8_e4m3fn, device=w.device)
     dt = torch.empty((K, N // 2), dtype=torch.uint8, device=w.device) if emit_transpose else d
+    gs = buf[1:2].view(torch.float32)
     if N > 0:
-        args = (w, N, K, w.stride(0), w.stride(1), amax_bits, d, s, dt)
-        if _tuned(w):
-            _quantize_2d_autotuned[lambda meta: (triton.cdiv(N, meta["BM"]), triton.cdiv(K, meta["BK"]))](
-                *args, EMIT_T=emit_transpose)
-        else:
-            _quantize_2d_kernel[grid](*args, EMIT_T=emit_transpose, BM=BM_Q, BK=BK_Q)
-    gs = _decode_scale(amax_bits[0])
-    wq = NVFP4Tensor(d, s, gs, w.shape, (16, 16))
-    wt = NVFP4Tensor(dt, s.t().contiguous(), gs, torch.Size((K, N)), (16, 16)) if emit_transpose else None
+        _launch(_quantize_2d_kernel, _quantize_2d_autotuned, w, N, K,
+                w, N, K, w.stride(0), w.stride(1), buf, gs, d, s, dt, EMIT_T=emit_transpose)
+    else:
+        gs[0] = _decode_scale(buf[0])
+    wq = NVFP4Tensor(d, s, gs[0], w.shape, (16, 16))
+    wt = NVFP4Tensor(dt, s.t().contiguous(), gs[0], torch.Size((K, N)), (16, 16)) if emit_transpose else None
     return wq, wt
