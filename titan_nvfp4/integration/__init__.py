@@ -1,1 +1,1 @@
-"""TorchTitan integration: the job-config section and the model converter."""
+"""TorchTitan integration: the job-config section, the model converter and extra Llama3 flavors."""

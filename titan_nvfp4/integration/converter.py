@@ -1,5 +1,6 @@
 """The `quantize.linear.nvfp4` model converter: swaps a meta-device model's nn.Linear layers for
-NVFP4Linear, registered in TorchTitan's converter registry on import."""
+NVFP4Linear, registered in TorchTitan's converter registry on import (which also registers our Llama3
+flavors, see flavors.py)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,5 @@ class NVFP4LinearConverter(QuantizationConverter):
 
 if CONVERTER_NAME not in _registry_model_converter_cls:
     register_model_converter(NVFP4LinearConverter, CONVERTER_NAME)
+
+from . import flavors  # noqa: E402,F401  (registers the llama3 "2B_bench" flavor beside the converter)

@@ -138,18 +138,20 @@ SMALL_TILES = {"BM": 32, "BN": 32, "BK": 32, "GROUP_M": 4}
 
 @triton.jit
 def _dequant_kernel(D, S, OUT, R, C, sdr, ssr, ssc, sor, SCALE_DIV: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    """OUT [R, C] fp16 = q·e_b of packed D [R, C/2] with scales S (row r uses scale row r // SCALE_DIV)."""
+    """OUT [R, C] fp16 = q·e_b of packed D [R, C/2] with scales S (row r uses scale row r // SCALE_DIV).
+    OUT is written as int32 words, one per packed byte: (fp16 of the high nibble) << 16 | (low nibble)."""
     rr = tl.program_id(0) * BR + tl.arange(0, BR)
-    rb = tl.program_id(1) * (BC // 2) + tl.arange(0, BC // 2)
+    rb = tl.program_id(1) * BC + tl.arange(0, BC)  # packed byte columns
     mask = (rr < R)[:, None] & (rb < C // 2)[None, :]
-    raw = tl.load(D + rr[:, None].to(tl.int64) * sdr + rb[None, :], mask=mask, other=0).to(tl.uint16)
+    raw = tl.load(D + rr[:, None].to(tl.int64) * sdr + rb[None, :], mask=mask, other=0).to(tl.uint32)
     s = tl.load(S + (rr // SCALE_DIV)[:, None].to(tl.int64) * ssr + (rb // 8)[None, :] * ssc, mask=mask, other=0.0)
     s = s.to(tl.float32) * 16384.0  # the codes below carry 2^-14; fold 2^14 into the (exact) scale
     lo = (((raw & 0x7) << 9) | ((raw & 0x8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * s
     hi = (((raw & 0x70) << 5) | ((raw & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * s
-    vals = tl.reshape(tl.join(lo, hi), (BR, BC)).to(tl.float16)
-    rc = tl.program_id(1) * BC + tl.arange(0, BC)
-    tl.store(OUT + rr[:, None].to(tl.int64) * sor + rc[None, :], vals, mask=(rr < R)[:, None] & (rc < C)[None, :])
+    lo16 = lo.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+    hi16 = hi.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+    tl.store(OUT + rr[:, None].to(tl.int64) * sor + rb[None, :], (lo16 | (hi16 << 16)).to(tl.int32, bitcast=True),
+             mask=mask)
 
 
 def _scale_div(t: NVFP4Tensor) -> int:
@@ -166,10 +168,11 @@ def dequantize_fp16(t: NVFP4Tensor, rows: slice | None = None) -> torch.Tensor:
     out = torch.empty((R, C), dtype=torch.float16, device=t.data.device)
     if R and C:
         data, scale = t.data[r0:r1], t.scale[r0 // div:]
-        BR, BC = 32, 128
-        _dequant_kernel[(triton.cdiv(R, BR), triton.cdiv(C, BC))](
-            data, scale, out, R, C, data.stride(0), scale.stride(0), scale.stride(1), out.stride(0),
-            SCALE_DIV=div, BR=BR, BC=BC)
+        words = out.view(torch.int32)  # [R, C/2]: one word per packed byte
+        BR, BC = (16, 256) if data.is_cuda else (16, 32)
+        _dequant_kernel[(triton.cdiv(R, BR), triton.cdiv(C // 2, BC))](
+            data, scale, words, R, C, data.stride(0), scale.stride(0), scale.stride(1), words.stride(0),
+            SCALE_DIV=div, BR=BR, BC=BC, num_warps=4)
     return out
 
 

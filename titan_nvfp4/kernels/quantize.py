@@ -67,9 +67,9 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
                      ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr,
                      SR_ROW: tl.constexpr, SR_COL: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
     """Row operand: RD [M, K/2], RS [M, K/16]. Column operand of xᵀ (tokens zero-padded to Mpad):
-    CD [K, Mpad/2], CS [K, Mpad/16]. GS [2]: the decode scales of the two. Philox counters: the row
-    draws of rows 4r..4r+3 at column k use counter r·K + k, the column draws (Mpad/4)·K + k·Mpad/4 + r,
-    so the two roundings draw independent numbers from one seed."""
+    CD [K, Mpad/2], CS [K, Mpad/16]. GS [2]: the decode scales of the two. Philox counters (see
+    uniforms16): the row draws of 16-row block b at column k use counter b·K + k, the column draws
+    (Mpad/16)·K + k·Mpad/16 + b, so the two roundings draw independent numbers from one seed."""
     blk = tl.program_id(0) * G + tl.arange(0, G)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     xs = _load16(X, blk, rk, M, K, sxm, sxk)
@@ -79,7 +79,7 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
         _store_decode_scale(GS, s)
         us = xs
         if SR_ROW:
-            us = uniforms16(seed, (blk * 4)[:, None] * K + rk[None, :])
+            us = uniforms16(seed, blk[:, None] * K + rk[None, :])
         rk2 = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
         rk16 = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
         for i in tl.static_range(16):
@@ -96,7 +96,7 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
         e, r = block_scales(amax16(xs), s)  # [G, BK]: one block per (16 tokens, feature)
         us = xs
         if SR_COL:
-            us = uniforms16(seed, (Mpad // 4) * K + rk[None, :] * (Mpad // 4) + (blk * 4)[:, None])
+            us = uniforms16(seed, (Mpad // 16) * K + rk[None, :] * (Mpad // 16) + blk[:, None])
         codes = ()
         for i in tl.static_range(16):
             if SR_COL:
@@ -141,9 +141,11 @@ def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, EMIT_T: tl.conste
 
 
 def _quant_configs():
+    # each of the 16 tiles [G, BK] gives every thread 4-16 elements: fewer would leave warps idle or
+    # make them duplicate each other's work
     return [triton.Config({"G": g, "BK": bk}, num_warps=w)
-            for g, bk, w in ((1, 128, 4), (2, 64, 4), (2, 128, 4), (2, 128, 8), (4, 64, 4), (1, 256, 4),
-                             (4, 128, 8), (1, 64, 2))]
+            for g, bk, w in ((1, 256, 1), (2, 256, 2), (4, 256, 4), (2, 128, 1), (4, 128, 2), (8, 128, 4),
+                             (1, 512, 2), (2, 512, 4), (4, 512, 8))]
 
 
 _quantize_autotuned = triton.autotune(_quant_configs(), key=["M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL"])(
@@ -163,7 +165,7 @@ def _launch(kernel, tuned_kernel, x: torch.Tensor, rows: int, cols: int, *args, 
     if _tuned(x):
         tuned_kernel[lambda meta: (triton.cdiv(rows, 16 * meta["G"]), triton.cdiv(cols, meta["BK"]))](*args, **flags)
     else:
-        kernel[(triton.cdiv(rows, 16 * G_Q), triton.cdiv(cols, BK_Q))](*args, **flags, G=G_Q, BK=BK_Q)
+        kernel[(triton.cdiv(rows, 16 * G_Q), triton.cdiv(cols, BK_Q))](*args, **flags, G=G_Q, BK=BK_Q, num_warps=1)
 
 
 # ----------------------------------------------------------------------------------------------- launchers
