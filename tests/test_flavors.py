@@ -1,0 +1,85 @@
+"""The llama3 "2B_bench" flavor our plugin registers, and the benchmark job files that use it (CPU, meta device)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("torchtitan")
+
+import titan_nvfp4  # noqa: F401  (registers the converter and the flavors)
+from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
+from titan_nvfp4.integration.converter import convert_linears
+from titan_nvfp4.integration.flavors import BENCH_FLAVOR, BENCH_VOCAB_SIZE
+from torchtitan.config import ConfigManager
+from torchtitan.models.llama3 import Transformer
+from torchtitan.protocols.train_spec import get_train_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {arm: ROOT / "train_configs" / f"llama3_2b_bench_{arm}.toml" for arm in ("bf16", "nvfp4")}
+
+
+def expected_params(dim=2048, layers=8, heads=16, kv_heads=8, vocab=2048, ffn=5632) -> int:
+    """Parameter count of a Llama3 Transformer, by hand: embedding, blocks, final norm, LM head."""
+    kv = dim // heads * kv_heads
+    attn = dim * dim * 2 + dim * kv * 2  # wq, wo; wk, wv
+    block = attn + 3 * dim * ffn + 2 * dim  # + w1, w2, w3 + two RMSNorms
+    return vocab * dim + layers * block + dim + dim * vocab
+
+
+def test_flavor_registered_on_plugin_import():
+    # What torchtitan's job-config parsing imports, in a fresh interpreter: absent before, present after.
+    code = "\n".join([
+        "from torchtitan.models.llama3 import llama3_args",
+        f"assert {BENCH_FLAVOR!r} not in llama3_args",
+        "import titan_nvfp4.integration.job_config",
+        "from torchtitan.protocols.train_spec import get_train_spec",
+        f"print(get_train_spec('llama3').model_args[{BENCH_FLAVOR!r}].dim)",
+    ])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("2048"), out.stderr[-2000:]
+    assert "debugmodel" in get_train_spec("llama3").model_args  # the built-in flavors are still there
+
+
+def test_vocab_matches_our_tokenizer():
+    tokenizer = pytest.importorskip("titan_nvfp4.data.tokenizer")
+    assert BENCH_VOCAB_SIZE == tokenizer.VOCAB_SIZE
+
+
+def test_meta_build_size_and_linear_dims():
+    args = get_train_spec("llama3").model_args[BENCH_FLAVOR]
+    with torch.device("meta"):
+        model = Transformer(args)
+    n = sum(p.numel() for p in model.parameters())
+    assert n == expected_params() == 385_910_784
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert len(linears) == 8 * 7 + 1
+    assert linears["layers.0.feed_forward.w1"].out_features == 5632  # = 22 * 256
+    for name, m in linears.items():
+        assert m.in_features % 16 == 0 and m.out_features % 16 == 0, name
+    report = convert_linears(model, NVFP4Recipe(), ["output"])  # the converter accepts every block Linear
+    assert len(report["converted"]) == 56 and [f for f, _ in report["skipped"]] == ["output"]
+    assert isinstance(model.layers["7"].attention.wk, NVFP4Linear)
+
+
+def test_bench_job_files_are_twins():
+    cfg = {arm: ConfigManager().parse_args(["--job.config_file", str(p)]) for arm, p in CONFIGS.items()}
+    for c in cfg.values():
+        assert c.model.flavor == BENCH_FLAVOR and c.training.seq_len == 2048 and c.training.steps == 40
+        assert c.metrics.log_freq == 1 and not c.checkpoint.enable and not c.compile.enable
+        assert c.activation_checkpoint.mode == "none" and c.training.dataset == "pystdlib"
+    assert cfg["bf16"].model.converters == [] and cfg["nvfp4"].model.converters == ["quantize.linear.nvfp4"]
+    assert cfg["nvfp4"].quantize.linear.nvfp4.gemm_backend == "auto"
+    a, b = cfg["bf16"].to_dict(), cfg["nvfp4"].to_dict()
+    for d in (a, b):  # everything but the converter, the file names and the job's name is the same
+        for k in ("dump_folder", "description", "config_file"):
+            d["job"].pop(k)
+        d["model"].pop("converters")
+        d.pop("quantize")
+    assert a == b
+    over = ConfigManager().parse_args(["--job.config_file", str(CONFIGS["bf16"]),
+                                       "--training.local_batch_size", "8", "--compile.enable"])
+    assert over.training.local_batch_size == 8 and over.compile.enable

@@ -1,0 +1,120 @@
+"""End-to-end throughput of TorchTitan runs (BF16 baseline first, then NVFP4) from their logs.
+
+    python -m titan_nvfp4.tools.e2e_report bf16.log nvfp4.log [--skip 5] [--json out.json]
+
+Reads TorchTitan 0.2.2's metric lines (components/metrics.py prints, per logged step,
+"step: N  loss: L  grad_norm: G  memory: M GiB(P%)  tps: T  tflops: F  mfu: U%", memory being the
+max *reserved* since the previous line) and the "Trainer is initialized with local batch size B, ...,
+gradient accumulation steps A, sequence length S, ..." line. TorchTitan's tps is the rank's tokens since
+the last log over the wall time since it, so step time = B*A*S / tps for any log_freq (one GPU, or
+pure data parallel: with TP/CP/PP tps is divided further). The first --skip steps (compilation,
+autotuning, allocator warm-up) are left out of the medians and the peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .loss_log import _ANSI, StepMetrics, parse_log
+
+_INIT = re.compile(
+    r"local batch size (?P<b>\d+), global batch size \d+, gradient accumulation steps (?P<a>\d+), "
+    r"sequence length (?P<s>\d+)"
+)
+_OOM = re.compile(r"OutOfMemoryError|CUDA out of memory")
+
+
+@dataclass
+class RunSummary:
+    name: str
+    tokens_per_step: int | None
+    steps_logged: int
+    steps_measured: int
+    step_ms: float | None = None
+    tps: float | None = None
+    peak_memory_gib: float | None = None
+    final_loss: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def tokens_per_step(text: str) -> int | None:
+    """B*A*S from TorchTitan's "Trainer is initialized with ..." line, or None when absent."""
+    m = _INIT.search(_ANSI.sub("", text))
+    return int(m["b"]) * int(m["a"]) * int(m["s"]) if m else None
+
+
+def summarize_run(name: str, text: str, skip: int, tokens: int | None = None) -> RunSummary:
+    """Median step time and tps, peak reserved memory and last loss of the steps after ``skip``."""
+    tokens = tokens or tokens_per_step(text)
+    steps: list[StepMetrics] = parse_log(text)
+    measured = [s for s in steps if s.step > skip and s.tps > 0]
+    r = RunSummary(name, tokens, len(steps), len(measured))
+    if _OOM.search(text):
+        r.notes.append("out of memory")
+    if steps:
+        r.final_loss = steps[-1].loss
+    if not measured:
+        r.notes.append(f"no step after the first {skip} logged")
+        return r
+    r.tps = statistics.median(s.tps for s in measured)
+    r.peak_memory_gib = max(s.memory_gib for s in measured)
+    if tokens:
+        r.step_ms = statistics.median(1000.0 * tokens / s.tps for s in measured)
+    else:
+        r.notes.append("no 'Trainer is initialized' line: step time unknown (pass --tokens-per-step)")
+    return r
+
+
+def ratio(run: RunSummary, base: RunSummary) -> float | None:
+    """Step-time ratio run/base (>1: run is slower), None when either is unknown."""
+    return run.step_ms / base.step_ms if run.step_ms and base.step_ms else None
+
+
+def _fmt(v, spec: str) -> str:
+    return "—" if v is None else format(v, spec)
+
+
+def to_markdown(runs: list[RunSummary], skip: int) -> str:
+    """One table row per run, step-time ratios against the first run, then the headline ratio."""
+    base = runs[0]
+    out = [
+        f"| run | tokens/step | steps measured (after {skip}) | step time ms (median) | tokens/s (median) "
+        f"| peak memory GiB (max reserved) | final loss | step time vs {base.name} | notes |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in runs:
+        out.append(
+            f"| {r.name} | {_fmt(r.tokens_per_step, ',')} | {r.steps_measured} | {_fmt(r.step_ms, '.1f')} "
+            f"| {_fmt(r.tps, ',.0f')} | {_fmt(r.peak_memory_gib, '.2f')} | {_fmt(r.final_loss, '.4f')} "
+            f"| {_fmt(ratio(r, base), '.3f')}× | {'; '.join(r.notes)} |"
+        )
+    for r in runs[1:]:
+        out.append(f"\n{r.name}/{base.name} step-time ratio: {_fmt(ratio(r, base), '.3f')}")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("logs", nargs="+", type=Path, help="baseline (BF16) log first")
+    ap.add_argument("--skip", type=int, default=5, help="warm-up steps left out (default 5)")
+    ap.add_argument("--tokens-per-step", type=int, help="override B*A*S read from the log")
+    ap.add_argument("--json", type=Path, help="also write the summaries here")
+    args = ap.parse_args(argv)
+    runs = []
+    for p in args.logs:  # a missing log (the run never started) still gets its row
+        runs.append(summarize_run(p.stem, p.read_text(errors="replace") if p.exists() else "", args.skip, args.tokens_per_step))
+        if not p.exists():
+            runs[-1].notes.insert(0, "log missing")
+    print(to_markdown(runs, args.skip), end="")
+    if args.json:
+        rows = [asdict(r) | {"step_time_ratio": ratio(r, runs[0])} for r in runs]
+        args.json.write_text(json.dumps({"skip": args.skip, "runs": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
