@@ -39,8 +39,7 @@ def _set_b_block(nargs):
 
 def _configs():
     return [triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s, pre_hook=_set_b_block)
-            for bm, bn, bk, w, s in ((128, 256, 128, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 4, 4),
-                                     (128, 128, 128, 8, 3), (64, 256, 128, 4, 3), (128, 256, 128, 8, 2))]
+            for bm, bn, bk, w, s in ((128, 256, 128, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 4, 4))]
 
 
 @triton.jit

@@ -141,11 +141,9 @@ def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, EMIT_T: tl.conste
 
 
 def _quant_configs():
-    # each of the 16 tiles [G, BK] gives every thread 4-16 elements: fewer would leave warps idle or
-    # make them duplicate each other's work
+    # 16 tiles [G, BK] are live at once: 1-4 elements per thread and tile keep them in registers
     return [triton.Config({"G": g, "BK": bk}, num_warps=w)
-            for g, bk, w in ((1, 256, 1), (2, 256, 2), (4, 256, 4), (2, 128, 1), (4, 128, 2), (8, 128, 4),
-                             (1, 512, 2), (2, 512, 4), (4, 512, 8))]
+            for g, bk, w in ((2, 64, 1), (2, 128, 2), (1, 128, 2), (2, 64, 4))]
 
 
 _quantize_autotuned = triton.autotune(_quant_configs(), key=["M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL"])(
