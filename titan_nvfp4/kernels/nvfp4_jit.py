@@ -43,15 +43,16 @@ def e4m3_round(v):
 
 @triton.jit
 def block_scales(block_amax, s_enc):
-    """Twin of block_decode_scale + block_encode_factor. block_amax uses nan_to_inf_abs.
+    """Twin of block_decode_scale + block_encode_factor. block_amax uses nan_to_inf_abs; s_enc is the
+    tensor's encode scale (a scalar, so 1/s_enc is one division per program, not per block).
     Returns (e_b as float8e4nv, r_b fp32)."""
-    s_enc = s_enc + tl.zeros(block_amax.shape, tl.float32)  # broadcast the tensor scale
+    s_dec = tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc)
     inv6 = 0.1666666716337204  # fp32(1/6), as the reference uses
     v = block_amax * (s_enc * inv6)
     e = e4m3_round(tl.minimum(v, E4M3_MAX)).to(tl.float8e4nv)  # exact: the value is already E4M3
-    bad = (block_amax == float("inf")) | (s_enc != s_enc)
-    e = tl.where(bad, tl.full(block_amax.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True), e)  # E4M3 NaN
-    s_dec = tl.math.div_rn(tl.full(block_amax.shape, 1.0, tl.float32), s_enc)
+    nan = tl.full(block_amax.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True)  # E4M3 NaN
+    e = tl.where(block_amax == float("inf"), nan, e)
+    e = tl.where(s_enc != s_enc, nan, e)
     r = tl.minimum(tl.math.div_rn(tl.full(block_amax.shape, 1.0, tl.float32), e.to(tl.float32) * s_dec), FP32_MAX)
     return e, r
 
