@@ -1,9 +1,12 @@
 """Exploration: which emulated-GEMM structure gets closest to cuBLAS BF16 on this GPU.
 
-Variants, all computing the same NVFP4 product (the first two exactly as gemm.py's kernel):
-  both    - both operands packed, dequantized in registers every K step (titan_nvfp4.kernels.gemm)
+Variants, all computing the same NVFP4 product (the kernel before 2026-11-23, both operands packed and
+dequantized in registers, reached 33-41% of cuBLAS; see BENCHMARKS.md):
   rs      - A packed and dequantized in registers (wgmma A-from-registers), B pre-dequantized to fp16
             in a pair-split layout [2N, K/2] read by TMA
+  rsa     - rs with A dequantized by PTX (4 bytes per call)
+  rsaj    - rsa with lo/hi nibbles joined into one K-ordered tile and B in its plain layout (what
+            titan_nvfp4/kernels/gemm.py ships)
   f16     - both operands fp16 via TMA: the ceiling of a Triton kernel with this epilogue
 Prints TFLOP/s per variant and tile config, and the ratio to cuBLAS BF16 in the same run.
 
@@ -20,7 +23,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from titan_nvfp4.kernels.gemm import _nvfp4_gemm_body
 from titan_nvfp4.numerics.nvfp4 import quantize_nvfp4
 
 
@@ -176,14 +178,7 @@ def main() -> None:
         out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
         for var, (bm, bn, bk, w, s) in itertools.product(args.variants.split(","), CONFIGS):
             try:
-                if var == "both":
-                    gsa, gsb = aq.global_scale.reshape(1).float(), bq.global_scale.reshape(1).float()
-                    fn = lambda: _nvfp4_gemm_body[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](  # noqa: E731
-                        aq.data, aq.scale, bq.data, bq.scale, gsa, gsb, out, out, M, N, K,
-                        aq.data.stride(0), bq.data.stride(0), aq.scale.stride(0), 1, bq.scale.stride(0), 1,
-                        out.stride(0), 1, A_SCALE_DIV=1, B_SCALE_DIV=1, HAS_BIAS=False,
-                        BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=w, num_stages=s)
-                elif var in ("rsa", "rsaj"):
+                if var in ("rsa", "rsaj"):
                     join = var == "rsaj"
                     bd = TensorDescriptor.from_tensor(b_f16 if join else b_split, [bn, bk if join else bk // 2])
                     fn = lambda: _k_rsa[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](  # noqa: E731
