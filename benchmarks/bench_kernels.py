@@ -145,7 +145,7 @@ def main() -> int:
                          "bf16_peak_GiB": out["bf16"][1], "nvfp4_peak_GiB": out["nvfp4"][1]})
         print(f"| {m}×{k}×{nn_} | {out['bf16'][0]:.3f} | {out['nvfp4'][0]:.3f} | {ratio:.2f}× | {out['bf16'][1]:.2f} | {out['nvfp4'][1]:.2f} |")
     res["linear"] = lin_rows
-    from titan_nvfp4.kernels import gemm as _g, quantize as _q
+    from titan_nvfp4.kernels import gemm as _g
     for name, tuner in (("gemm", _g._nvfp4_gemm_autotuned), ("quantize", _q._quantize_autotuned),
                         ("quantize_2d", _q._quantize_2d_autotuned), ("amax", _q._amax_autotuned)):
         picked = {str(k): str(v) for k, v in tuner.cache.items()}

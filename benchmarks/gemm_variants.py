@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from titan_nvfp4.kernels.gemm import _dequant_asm
 from titan_nvfp4.numerics.nvfp4 import quantize_nvfp4
 
 
@@ -70,34 +71,6 @@ def _k_rs(A, SA, b_desc, C, GS, M, N, K, sam, ssam, scm,
 
 
 @triton.jit
-def _deq_asm(raw, s):
-    """(lo, hi) fp16 q·e_b·2⁻¹⁴ of packed bytes with 4 bytes per PTX call: prmt spreads bytes to 16-bit
-    lanes, shifts/masks place the 3 magnitude bits and the sign, mul.f16x2 applies the scales."""
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 t<2>, x, y, l<2>, h<2>;
-        prmt.b32 t0, $4, 0, 0x4140;
-        prmt.b32 t1, $4, 0, 0x4342;
-        shl.b32 x, t0, 9; shl.b32 y, t0, 12; and.b32 y, y, 0x80008000; lop3.b32 l0, x, 0x0E000E00, y, 0xEA;
-        shl.b32 x, t1, 9; shl.b32 y, t1, 12; and.b32 y, y, 0x80008000; lop3.b32 l1, x, 0x0E000E00, y, 0xEA;
-        shl.b32 x, t0, 5; shl.b32 y, t0, 8; and.b32 y, y, 0x80008000; lop3.b32 h0, x, 0x0E000E00, y, 0xEA;
-        shl.b32 x, t1, 5; shl.b32 y, t1, 8; and.b32 y, y, 0x80008000; lop3.b32 h1, x, 0x0E000E00, y, 0xEA;
-        mul.rn.f16x2 $0, l0, $5;
-        mul.rn.f16x2 $1, l1, $6;
-        mul.rn.f16x2 $2, h0, $5;
-        mul.rn.f16x2 $3, h1, $6;
-        }
-        """,
-        constraints="=r,=r,=r,=r,r,r,r",
-        args=[raw, s],
-        dtype=(tl.float16, tl.float16),
-        is_pure=True,
-        pack=4,
-    )
-
-
-@triton.jit
 def _k_rsa(A, SA, b_desc, C, GS, M, N, K, sam, ssam, scm,
            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, JOIN: tl.constexpr):
     pid_m, pid_n = _pid(M, N, BM, BN, GROUP_M)
@@ -110,7 +83,7 @@ def _k_rsa(A, SA, b_desc, C, GS, M, N, K, sam, ssam, scm,
         raw = tl.load(a_ptr)
         s16 = tl.load(sa_ptr).to(tl.float16)
         s = tl.reshape(tl.broadcast_to(s16[:, :, None], (BM, BK // 16, 8)), (BM, BK // 2))
-        lo, hi = _deq_asm(raw, s)
+        lo, hi = _dequant_asm(raw, s)
         if JOIN:
             a = tl.reshape(tl.join(lo, hi), (BM, BK))
             b = b_desc.load([pid_n * BN, 2 * k0])

@@ -71,15 +71,24 @@ def _dequant_asm(raw, s):
 
 
 @triton.jit
+def _nibbles_fp16(raw):
+    """(low, high) nibbles of packed bytes as fp16 q·2⁻¹⁴: the 3 magnitude bits shifted into fp16's
+    exponent/mantissa, the sign bit into fp16's sign (exact)."""
+    b = raw.to(tl.uint16)
+    lo = (((b & 0x7) << 9) | ((b & 0x8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
+    hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
 def _dequant_a(raw, s16, R: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
     """[R, BK/2] packed bytes and [R, BK/16] fp16 scales -> [R, BK] fp16 q·e_b·2⁻¹⁴ in K order."""
     s = tl.reshape(tl.broadcast_to(s16[:, :, None], (R, BK // 16, 8)), (R, BK // 2))
     if USE_ASM:
         lo, hi = _dequant_asm(raw, s)
     else:
-        b = raw.to(tl.uint16)
-        lo = (((b & 0x7) << 9) | ((b & 0x8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True) * s
-        hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True) * s
+        lo, hi = _nibbles_fp16(raw)
+        lo, hi = lo * s, hi * s
     return tl.reshape(tl.join(lo, hi), (R, BK))
 
 
@@ -142,11 +151,11 @@ def _dequant_kernel(D, S, OUT, R, C, sdr, ssr, ssc, sor, SCALE_DIV: tl.constexpr
     rr = tl.program_id(0) * BR + tl.arange(0, BR)
     rb = tl.program_id(1) * BC + tl.arange(0, BC)  # packed byte columns
     mask = (rr < R)[:, None] & (rb < C // 2)[None, :]
-    raw = tl.load(D + rr[:, None].to(tl.int64) * sdr + rb[None, :], mask=mask, other=0).to(tl.uint32)
+    raw = tl.load(D + rr[:, None].to(tl.int64) * sdr + rb[None, :], mask=mask, other=0)
     s = tl.load(S + (rr // SCALE_DIV)[:, None].to(tl.int64) * ssr + (rb // 8)[None, :] * ssc, mask=mask, other=0.0)
     s = s.to(tl.float32) * 16384.0  # the codes below carry 2^-14; fold 2^14 into the (exact) scale
-    lo = (((raw & 0x7) << 9) | ((raw & 0x8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * s
-    hi = (((raw & 0x70) << 5) | ((raw & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * s
+    lo, hi = _nibbles_fp16(raw)
+    lo, hi = lo.to(tl.float32) * s, hi.to(tl.float32) * s
     lo16 = lo.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
     hi16 = hi.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
     tl.store(OUT + rr[:, None].to(tl.int64) * sor + rb[None, :], (lo16 | (hi16 << 16)).to(tl.int32, bitcast=True),

@@ -20,8 +20,8 @@ import triton.language as tl
 
 from ..numerics.nvfp4 import NVFP4Tensor, global_encode_scale
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
-from .nvfp4_jit import (amax16, block_scales, e2m1_rne, e2m1_stochastic, nan_to_inf_abs, pack16_along_slices,
-                        pack_pairs, quantize_rows16, rht16_slices, uniforms16)
+from .nvfp4_jit import (amax16, block_scales, e2m1_rne, e2m1_stochastic, pack16_along_slices, pack_pairs,
+                        quantize_rows16, rht16_slices, uniforms16)
 
 G_Q = 2  # 16-row blocks per program (fixed tiles: the interpreter, small inputs)
 BK_Q = 64  # features per program
