@@ -184,7 +184,7 @@ def test_convert_llama_debugmodel_on_meta_and_train_step(job_cfg, caplog):
     assert converted == expected and len(converted) == 42
     assert type(model.output) is nn.Linear
     assert all(m.recipe == job_cfg.quantize.linear.nvfp4.build_recipe() for n, m in lin.items() if n in converted)
-    assert len({lin[n].sr_state.layer_id for n in converted}) == 42, "SR streams must differ per layer"
+    assert len({lin[n].layer_id for n in converted}) == 42, "SR streams must differ per layer"
     # nothing allocated: the very same meta Parameters
     assert all(p.is_meta for p in model.parameters())
     assert all(p is params_before[n] for n, p in model.named_parameters())

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe, build_recipe, quantize_nvfp4, rht, rht_signs
-from titan_nvfp4.linear_function import NVFP4LinearFunction, SRState, sr_seed
+from titan_nvfp4.linear_function import sr_seed
 from titan_nvfp4.ops import nvfp4_gemm
 
 CPU = torch.device("cpu")
@@ -103,7 +103,7 @@ def run_layer(m: NVFP4Linear, x: torch.Tensor, dy: torch.Tensor | None = None, s
     if dy is None:
         g = torch.Generator().manual_seed(seed)
         dy = torch.randn(y.shape, generator=g).to(y.dtype)
-    call = m.sr_state.calls
+    call = m.sr_calls
     y.backward(dy)
     db = m.bias.grad if m.bias is not None else None
     return y.detach(), dy, x.grad, m.weight.grad, db, call
@@ -132,7 +132,7 @@ def test_matches_float64_of_dequantized_operands(recipe_name, dtype, lead, bias)
     x = (torch.randn(*lead, k, generator=g) * torch.exp(torch.randn(*lead, 1, generator=g))).to(dtype)
     y, dy, dx, dw, db, call = run_layer(m, x, seed=2)
 
-    assert call == 0 and m.sr_state.calls == (1 if recipe.stochastic_rounding else 0)
+    assert call == 0 and m.sr_calls == (1 if recipe.stochastic_rounding else 0)
     assert y.dtype == dtype and y.shape == (*lead, n)
     assert dx.dtype == dtype and dx.shape == x.shape
     assert dw.dtype == dtype and dw.shape == m.weight.shape
@@ -162,7 +162,7 @@ def test_sr_counter_advances_and_second_call_uses_next_stream():
     _, _, dx0, dw0, _, c0 = run_layer(m, x, dy)
     dw0 = dw0.clone()
     _, _, dx1, dw1, _, c1 = run_layer(m, x, dy)
-    assert (c0, c1, m.sr_state.calls) == (0, 1, 2)
+    assert (c0, c1, m.sr_calls) == (0, 1, 2)
     assert not torch.equal(dw0, dw1) and not torch.equal(dx0, dx1)
     ref = reference(x, m.weight.detach(), None, dy, recipe, 2, 1)
     assert_matches(dw1, ref["dw"], "dW call 1")
@@ -259,7 +259,7 @@ def test_sr_mean_over_calls_converges_to_unrounded_dy_product(use_rht):
         if first is None:
             first = m.weight.grad.clone()
         acc += m.weight.grad.double()
-    assert m.sr_state.calls == calls
+    assert m.sr_calls == calls
     mean = acc / calls
 
     signs = rht_signs(recipe.rht_seed) if use_rht else None
@@ -309,6 +309,8 @@ def test_saved_activations_are_nvfp4(dtype):
         if t.is_floating_point() and t.dtype not in (torch.float8_e4m3fn,):
             if t.dim() == 0:
                 assert t.dtype == torch.float32  # a global scale
+                continue
+            if t.data_ptr() == m.rht_signs.data_ptr():  # the 16 RHT signs
                 continue
             assert t.data_ptr() == m.weight.data_ptr() and t.shape == m.weight.shape, (
                 f"high-precision tensor {t.dtype} {tuple(t.shape)} saved")
@@ -377,11 +379,16 @@ def test_from_linear_on_meta_then_materialize(bias):
         assert m.bias is None
     assert all(p.is_meta for p in m.parameters())
     assert list(m.state_dict()) == list(lin.state_dict())
-    assert m.sr_state.layer_id == 4 and m.recipe is recipe
+    assert m.layer_id == 4 and m.recipe is recipe
+
+    assert m.sr_counter.is_meta and m.rht_signs.is_meta
 
     m.to_empty(device="cpu")
     m.reset_parameters()
     assert all(p.device.type == "cpu" and torch.isfinite(p).all() for p in m.parameters())
+    # the non-persistent buffers are rebuilt from the recipe, not left as to_empty's garbage
+    assert m.sr_counter.tolist() == [sr_seed(recipe, 4, 0), 0]
+    assert torch.equal(m.rht_signs, rht_signs(recipe.rht_seed))
     x = torch.randn(2, 16, 64, requires_grad=True)
     y = m(x)
     y.backward(torch.randn_like(y))
@@ -419,7 +426,7 @@ def test_autocast_bf16_output_and_fp32_accumulation():
     assert_matches(y.detach().reshape(-1, 48), ref, "y under autocast")
 
     dy = torch.randn(y.shape).to(torch.bfloat16)
-    call = m.sr_state.calls
+    call = m.sr_calls
     y.backward(dy)
     assert x.grad.dtype == torch.float32 and m.weight.grad.dtype == torch.float32
     r = reference(x2d, m.weight.detach(), m.bias.detach(), dy.reshape(-1, 48), recipe, 3, call)

@@ -25,22 +25,30 @@ def _signs(seed: int, device: torch.device) -> torch.Tensor:
     return rht_signs(seed, device)
 
 
+_SEED_MASK = 2**62 - 1
+_SEED_MIX = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D)
+
+
 def sr_seed(recipe: NVFP4Recipe, layer_id: int, call: int) -> int:
-    """A seed distinct per (sr_seed, layer, backward call) and reproducible."""
-    return (recipe.sr_seed * 0x9E3779B1 + layer_id * 0x85EBCA77 + call * 0xC2B2AE3D) % (2**63 - 1)
+    """The Philox / generator seed of backward call ``call`` of layer ``layer_id``: distinct per
+    (sr_seed, layer, call) and reproducible. Python twin of ``next_sr_seed``."""
+    base = (recipe.sr_seed * _SEED_MIX[0] + layer_id * _SEED_MIX[1]) & _SEED_MASK
+    return (base + call * _SEED_MIX[2]) & _SEED_MASK
 
 
-class SRState:
-    """Per-layer stochastic-rounding bookkeeping: a stable layer index and a backward counter."""
+def sr_counter(recipe: NVFP4Recipe, layer_id: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A layer's stochastic-rounding state: int64 [per-layer base, backward calls so far]. It lives on
+    the device so that the seed is computed there: a compiled backward reads and advances it instead
+    of baking one Python int into the graph."""
+    base = sr_seed(recipe, layer_id, 0)
+    return torch.tensor([base, 0], dtype=torch.int64, device=device)
 
-    def __init__(self, layer_id: int = 0) -> None:
-        self.layer_id = layer_id
-        self.calls = 0
 
-    def next_seed(self, recipe: NVFP4Recipe) -> int:
-        seed = sr_seed(recipe, self.layer_id, self.calls)
-        self.calls += 1
-        return seed
+def next_sr_seed(counter: torch.Tensor) -> torch.Tensor:
+    """The seed of this call as an int64 tensor [1] (sr_seed's formula), and advance the call count."""
+    seed = (counter[0:1] + counter[1:2] * _SEED_MIX[2]) & _SEED_MASK
+    counter[1:2].add_(1)
+    return seed
 
 
 def _unpack(t: NVFP4Tensor) -> tuple[torch.Tensor, ...]:
@@ -53,35 +61,38 @@ def _repack(data, scale, gs, like_shape, block_shape) -> NVFP4Tensor:
 
 class NVFP4LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                recipe: NVFP4Recipe, sr_state: SRState, need_wgrad: bool) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe,
+                counter: torch.Tensor, signs: torch.Tensor | None, need_wgrad: bool) -> torch.Tensor:
         # Under autocast the output takes the autocast dtype, as nn.Linear's would; the NVFP4 math
         # itself must not be autocast (its fp32 accumulator would be rounded to 16 bits).
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         with torch.autocast(dev, enabled=False):
-            return NVFP4LinearFunction._forward(ctx, x, weight, bias, recipe, sr_state, out_dtype, need_wgrad)
+            return NVFP4LinearFunction._forward(ctx, x, weight, bias, recipe, counter, signs, out_dtype, need_wgrad)
 
     @staticmethod
-    def _forward(ctx, x, weight, bias, recipe, sr_state, out_dtype, need_wgrad):
+    def _forward(ctx, x, weight, bias, recipe, counter, signs, out_dtype, need_wgrad):
         backend = resolve_backend(recipe.gemm_backend, x.device)
         in_features = weight.shape[1]
         x2d = x.reshape(-1, in_features)
-        signs = _signs(recipe.rht_seed, x.device) if recipe.rht else None
         xq, x_col = quantize_activation(x2d, need_wgrad, signs, backend)
         wq, w_t = quantize_weight(weight, recipe.weight_2d, backend)
         y = nvfp4_gemm(xq, wq, out_dtype=out_dtype, bias=bias, backend=backend)
 
         # Saved for backward: Wᵀ quantized for dgrad and Xᵀ in its wgrad form, never X in BF16.
         ctx.w_t_meta = (w_t.shape, w_t.block_shape)
-        saved = list(_unpack(w_t))
+        # The SR counter rides on ctx, not in save_for_backward: backward advances it in place, and
+        # with several forwards before their backwards (pipeline microbatches, a shared layer)
+        # saved-tensor version checks would reject the later backward.
+        ctx.counter = counter
+        saved = [signs] + list(_unpack(w_t))
         if x_col is not None:
             ctx.x_col_meta = (x_col.shape, x_col.block_shape)
             saved += list(_unpack(x_col))
         ctx.save_for_backward(*saved)
         ctx.has_bias = bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-        ctx.recipe, ctx.sr_state, ctx.backend = recipe, sr_state, backend
+        ctx.recipe, ctx.backend = recipe, backend
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -92,13 +103,12 @@ class NVFP4LinearFunction(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, dy: torch.Tensor):
         recipe: NVFP4Recipe = ctx.recipe
-        saved = ctx.saved_tensors
+        signs, *saved = ctx.saved_tensors
         w_t = _repack(*saved[:3], *ctx.w_t_meta)
         out_features = w_t.shape[1]
         dy2d = dy.reshape(-1, out_features)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and len(saved) > 3
-        seed = ctx.sr_state.next_seed(recipe) if recipe.stochastic_rounding else None
-        signs = _signs(recipe.rht_seed, dy.device) if recipe.rht else None
+        seed = next_sr_seed(ctx.counter) if recipe.stochastic_rounding else None
         dyq, dy_col = quantize_gradient(dy2d, need_dx, need_dw, signs, seed, ctx.backend)
 
         dx = dw = db = None
@@ -109,13 +119,18 @@ class NVFP4LinearFunction(torch.autograd.Function):
             dw = nvfp4_gemm(dy_col, x_col, out_dtype=ctx.w_dtype, backend=ctx.backend)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(dy.dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
-def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 recipe: NVFP4Recipe, sr_state: SRState | None = None) -> torch.Tensor:
-    """Functional NVFP4 linear (see the module docstring for the recipe)."""
+def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe,
+                 counter: torch.Tensor | None = None, signs: torch.Tensor | None = None) -> torch.Tensor:
+    """Functional NVFP4 linear (see the module docstring for the recipe). ``counter``: the layer's
+    ``sr_counter`` (a fresh layer-0 one if None); ``signs``: the RHT signs (from recipe.rht_seed if None)."""
     # Grad mode is off inside Function.forward, so decide here whether the wgrad operand is needed:
     # under no_grad / inference_mode the RHT + quantization of X would be thrown away.
     need_wgrad = torch.is_grad_enabled() and weight.requires_grad
-    return NVFP4LinearFunction.apply(x, weight, bias, recipe, sr_state or SRState(), need_wgrad)
+    if counter is None:
+        counter = sr_counter(recipe, 0, x.device)
+    if signs is None and recipe.rht:
+        signs = _signs(recipe.rht_seed, x.device)
+    return NVFP4LinearFunction.apply(x, weight, bias, recipe, counter, signs if recipe.rht else None, need_wgrad)

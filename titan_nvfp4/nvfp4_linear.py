@@ -1,7 +1,9 @@
 """NVFP4Linear: a drop-in nn.Linear whose three GEMMs run in NVFP4.
 
 It subclasses nn.Linear and keeps its parameters (`weight`, `bias`), so state_dict keys, init_weights
-code that touches `.weight`, and BF16 checkpoints all carry over unchanged.
+code that touches `.weight`, and BF16 checkpoints all carry over unchanged. Its two extra buffers,
+the stochastic-rounding counter and the RHT signs, are non-persistent and rebuilt from the recipe
+when a meta-device module is materialized.
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .linear_function import SRState, nvfp4_linear
+from .linear_function import nvfp4_linear, sr_counter
+from .numerics.rht import rht_signs
 from .recipe import NVFP4Recipe
 
 
@@ -31,8 +34,7 @@ class NVFP4Linear(nn.Linear):
                  device=None, dtype=None) -> None:
         check_linear_dims(name or "NVFP4Linear", in_features, out_features)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.recipe = recipe or NVFP4Recipe()
-        self.sr_state = SRState(layer_id)
+        self._init_nvfp4(recipe or NVFP4Recipe(), layer_id)
 
     @classmethod
     def from_linear(cls, mod: nn.Linear, recipe: NVFP4Recipe, layer_id: int = 0, name: str = "") -> "NVFP4Linear":
@@ -43,12 +45,40 @@ class NVFP4Linear(nn.Linear):
         new.in_features, new.out_features = mod.in_features, mod.out_features
         new.weight = mod.weight
         new.bias = mod.bias
-        new.recipe = recipe
-        new.sr_state = SRState(layer_id)
+        new._init_nvfp4(recipe, layer_id)
         return new
 
+    def _init_nvfp4(self, recipe: NVFP4Recipe, layer_id: int) -> None:
+        self.recipe, self.layer_id = recipe, layer_id
+        device = self.weight.device
+        self.register_buffer("sr_counter", torch.empty(2, dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("rht_signs", torch.empty(16, device=device) if recipe.rht else None, persistent=False)
+        self._reset_nvfp4_buffers()
+
+    def _reset_nvfp4_buffers(self) -> None:
+        """Fill the SR counter (call 0 of this layer's stream) and the RHT signs; nothing on meta."""
+        if self.sr_counter.is_meta:
+            return
+        with torch.no_grad():
+            self.sr_counter.copy_(sr_counter(self.recipe, self.layer_id))
+            if self.rht_signs is not None:
+                self.rht_signs.copy_(rht_signs(self.recipe.rht_seed))
+
+    def _apply(self, fn, recurse: bool = True):
+        # to_empty() / to() of a meta module gives uninitialized buffers: refill them
+        was_meta = self.sr_counter.is_meta
+        super()._apply(fn, recurse)
+        if was_meta:
+            self._reset_nvfp4_buffers()
+        return self
+
+    @property
+    def sr_calls(self) -> int:
+        """Backward calls that drew stochastic-rounding numbers so far (reads the device counter)."""
+        return int(self.sr_counter[1])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nvfp4_linear(x, self.weight, self.bias, self.recipe, self.sr_state)
+        return nvfp4_linear(x, self.weight, self.bias, self.recipe, self.sr_counter, self.rht_signs)
 
     def extra_repr(self) -> str:
         r = self.recipe

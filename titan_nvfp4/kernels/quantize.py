@@ -67,13 +67,18 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
                      ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr,
                      SR_ROW: tl.constexpr, SR_COL: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
     """Row operand: RD [M, K/2], RS [M, K/16]. Column operand of xᵀ (tokens zero-padded to Mpad):
-    CD [K, Mpad/2], CS [K, Mpad/16]. GS [2]: the decode scales of the two. Philox counters (see
+    CD [K, Mpad/2], CS [K, Mpad/16]. GS [2]: the decode scales of the two (from AMAX, whose entry of
+    an operand not emitted is 0, giving 1: every output is defined). Philox counters (see
     uniforms16): the row draws of 16-row block b at column k use counter b·K + k, the column draws
     (Mpad/16)·K + k·Mpad/16 + b, so the two roundings draw independent numbers from one seed."""
     blk = tl.program_id(0) * G + tl.arange(0, G)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     xs = _load16(X, blk, rk, M, K, sxm, sxk)
     seed = tl.load(SEED)  # a dummy pointer when neither rounding is stochastic
+    if not ROW:
+        _store_decode_scale(GS, _jit_global_scale(tl.load(AMAX).to(tl.float32, bitcast=True)))
+    if not COL:
+        _store_decode_scale(GS + 1, _jit_global_scale(tl.load(AMAX + 1).to(tl.float32, bitcast=True)))
     if ROW:
         s = _jit_global_scale(tl.load(AMAX).to(tl.float32, bitcast=True))
         _store_decode_scale(GS, s)
@@ -113,10 +118,10 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
 
 
 @triton.jit
-def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, EMIT_T: tl.constexpr,
+def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, EMIT_T: tl.constexpr,
                         G: tl.constexpr, BK: tl.constexpr):
-    """16×16 blocks, nearest-even: D [N, K/2], S [N/16, K/16], GS the decode scale, and DT [K, N/2],
-    the codes of Wᵀ (the tiles of Wᵀ are the transposed tiles of W, so they share S)."""
+    """16×16 blocks, nearest-even: D [N, K/2], S [N/16, K/16], GS the decode scale, and DT [K, N/2]
+    with ST = Sᵀ, the codes and scales of Wᵀ (whose tiles are the transposed tiles of W)."""
     blk = tl.program_id(0) * G + tl.arange(0, G)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     ws = _load16(W, blk, rk, N, K, swn, swk)
@@ -133,8 +138,10 @@ def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, EMIT_T: tl.conste
         tl.store(D + row.to(tl.int64) * (K // 2) + rk2[None, :], pack_pairs(c, G, BK),
                  mask=(row < N) & (rk2 < K // 2)[None, :])
     rk16 = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
-    tl.store(S + blk[:, None] * (K // 16) + rk16[None, :], e, mask=(blk < N // 16)[:, None] & (rk16 < K // 16)[None, :])
+    smask = (blk < N // 16)[:, None] & (rk16 < K // 16)[None, :]
+    tl.store(S + blk[:, None] * (K // 16) + rk16[None, :], e, mask=smask)
     if EMIT_T:
+        tl.store(ST + rk16[None, :] * (N // 16) + blk[:, None], e, mask=smask)
         rb = tl.program_id(0) * (G * 8) + tl.arange(0, G * 8)
         tl.store(DT + rk[:, None].to(tl.int64) * (N // 2) + rb[None, :], pack16_along_slices(codes),
                  mask=(rk < K)[:, None] & (rb < N // 2)[None, :])
@@ -192,21 +199,20 @@ def _check_2d(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: {x.numel()} elements exceed the kernel's 2^30 element limit")
 
 
-def quantize_operand(x2d: torch.Tensor, *, rowwise: bool = True, colwise: bool = False,
-                     signs: torch.Tensor | None = None, stochastic_row: bool = False, stochastic_col: bool = False,
-                     seed: torch.Tensor | None = None, amax: torch.Tensor | None = None,
-                     amax_col: torch.Tensor | None = None) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
-    """NVFP4 of x2d [M, K] with 1×16 blocks along K (``rowwise``) and of x2dᵀ with 16-element blocks
-    along the tokens, after the RHT when ``signs`` is given, tokens zero-padded to a multiple of 16
-    (``colwise``): both from one read of x2d. ``seed``: an int64 device tensor for Philox."""
+def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise: bool = False,
+                             signs: torch.Tensor | None = None, stochastic_row: bool = False,
+                             stochastic_col: bool = False, seed: torch.Tensor | None = None,
+                             amax: torch.Tensor | None = None, amax_col: torch.Tensor | None = None):
+    """``quantize_operand`` as plain tensors: (row codes, row scales, column codes, column scales,
+    fp32 [gs_row, gs_col]); an operand not asked for comes back as empty tensors."""
     _check_2d(x2d, "quantize_operand")
     M, K = x2d.shape
     Mpad = M + (-M) % 16
     dev = x2d.device
     if (stochastic_row or stochastic_col) and seed is None:
         raise ValueError("stochastic rounding needs a seed tensor")
-    # fp32 bits of [amax_row, amax_col, decode_row, decode_col]; the kernels fill all four
-    buf = torch.zeros(4, dtype=torch.int32, device=dev)
+    buf = torch.zeros(2, dtype=torch.int32, device=dev)  # fp32 bits of [amax_row, amax_col]
+    gs = torch.empty(2, dtype=torch.float32, device=dev)  # the decode scales, written by the kernel
     # Without the RHT the column operand holds the same values as the rows: one amax serves both.
     same_amax = colwise and signs is None and amax_col is None
     row_needed = amax is None and (rowwise or same_amax)
@@ -221,49 +227,72 @@ def quantize_operand(x2d: torch.Tensor, *, rowwise: bool = True, colwise: bool =
         buf[1:2] = _amax_buffer(x2d, amax_col, 1)
     if same_amax:
         buf[1:2] = buf[0:1]
-    rd = torch.empty((M, K // 2), dtype=torch.uint8, device=dev) if rowwise else buf
-    rs = torch.empty((M, K // 16), dtype=torch.float8_e4m3fn, device=dev) if rowwise else buf
-    cd = torch.empty((K, Mpad // 2), dtype=torch.uint8, device=dev) if colwise else buf
-    cs = torch.empty((K, Mpad // 16), dtype=torch.float8_e4m3fn, device=dev) if colwise else buf
-    gs = buf[2:4].view(torch.float32)
+    empty_u8 = x2d.new_empty((0,), dtype=torch.uint8)
+    empty_f8 = x2d.new_empty((0,), dtype=torch.float8_e4m3fn)
+    rd = torch.empty((M, K // 2), dtype=torch.uint8, device=dev) if rowwise else empty_u8
+    rs = torch.empty((M, K // 16), dtype=torch.float8_e4m3fn, device=dev) if rowwise else empty_f8
+    cd = torch.empty((K, Mpad // 2), dtype=torch.uint8, device=dev) if colwise else empty_u8
+    cs = torch.empty((K, Mpad // 16), dtype=torch.float8_e4m3fn, device=dev) if colwise else empty_f8
     if M > 0:
         _launch(_quantize_kernel, _quantize_autotuned, x2d, Mpad, K,
-                x2d, M, K, x2d.stride(0), x2d.stride(1), buf, gs, rd, rs, cd, cs, signs_t,
-                seed if seed is not None else buf, Mpad,
+                x2d, M, K, x2d.stride(0), x2d.stride(1), buf, gs, rd if rowwise else buf, rs if rowwise else buf,
+                cd if colwise else buf, cs if colwise else buf, signs_t, seed if seed is not None else buf, Mpad,
                 ROW=rowwise, COL=colwise, RHT=signs is not None, SR_ROW=stochastic_row, SR_COL=stochastic_col)
     else:  # no program ran: the decode scales of an all-zero tensor
         gs[0] = _decode_scale(buf[0])
         gs[1] = _decode_scale(buf[1])
-    row = col = None
-    if rowwise:
-        row = NVFP4Tensor(rd, rs, gs[0], x2d.shape, (1, 16))
-    if colwise:
-        col = NVFP4Tensor(cd, cs, gs[1], torch.Size((K, Mpad)), (1, 16))
+    return rd, rs, cd, cs, gs
+
+
+def quantize_operand(x2d: torch.Tensor, *, rowwise: bool = True, colwise: bool = False,
+                     signs: torch.Tensor | None = None, stochastic_row: bool = False, stochastic_col: bool = False,
+                     seed: torch.Tensor | None = None, amax: torch.Tensor | None = None,
+                     amax_col: torch.Tensor | None = None) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
+    """NVFP4 of x2d [M, K] with 1×16 blocks along K (``rowwise``) and of x2dᵀ with 16-element blocks
+    along the tokens, after the RHT when ``signs`` is given, tokens zero-padded to a multiple of 16
+    (``colwise``): both from one read of x2d. ``seed``: an int64 device tensor for Philox."""
+    rd, rs, cd, cs, gs = quantize_operand_tensors(
+        x2d, rowwise=rowwise, colwise=colwise, signs=signs, stochastic_row=stochastic_row,
+        stochastic_col=stochastic_col, seed=seed, amax=amax, amax_col=amax_col)
+    M, K = x2d.shape
+    row = NVFP4Tensor(rd, rs, gs[0], x2d.shape, (1, 16)) if rowwise else None
+    col = NVFP4Tensor(cd, cs, gs[1], torch.Size((K, M + (-M) % 16)), (1, 16)) if colwise else None
     return row, col
 
 
-def quantize_weight_2d(w: torch.Tensor, amax: torch.Tensor | None = None,
-                       emit_transpose: bool = True) -> tuple[NVFP4Tensor, NVFP4Tensor | None]:
-    """16×16-block NVFP4 of w [N, K] and, sharing its scales, of wᵀ (what dgrad reads)."""
+def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None, emit_transpose: bool = True):
+    """``quantize_weight_2d`` as plain tensors: (codes, scales, codes of Wᵀ, scales of Wᵀ, fp32 [1]
+    decode scale); without ``emit_transpose`` the last-but-one two are empty."""
     _check_2d(w, "quantize_weight_2d")
     N, K = w.shape
     if N % 16:
         raise ValueError(f"quantize_weight_2d: 16x16 blocks need both dims to be multiples of 16, got {tuple(w.shape)}")
-    buf = torch.zeros(2, dtype=torch.int32, device=w.device)  # fp32 bits of [amax, decode scale]
+    dev = w.device
+    buf = torch.zeros(1, dtype=torch.int32, device=dev)  # fp32 bits of the amax
+    gs = torch.empty(1, dtype=torch.float32, device=dev)
     if amax is None and N > 0:
         _launch(_amax_kernel, _amax_autotuned, w, N, K, w, N, K, w.stride(0), w.stride(1), buf, buf,
                 ROW=True, COL=False, RHT=False)
     elif amax is not None:
         buf[0:1] = _amax_buffer(w, amax, 1)
-    d = torch.empty((N, K // 2), dtype=torch.uint8, device=w.device)
-    s = torch.empty((N // 16, K // 16), dtype=torch.float8_e4m3fn, device=w.device)
-    dt = torch.empty((K, N // 2), dtype=torch.uint8, device=w.device) if emit_transpose else d
-    gs = buf[1:2].view(torch.float32)
+    d = torch.empty((N, K // 2), dtype=torch.uint8, device=dev)
+    s = torch.empty((N // 16, K // 16), dtype=torch.float8_e4m3fn, device=dev)
+    dt = torch.empty((K, N // 2) if emit_transpose else (0,), dtype=torch.uint8, device=dev)
+    st = torch.empty((K // 16, N // 16) if emit_transpose else (0,), dtype=torch.float8_e4m3fn, device=dev)
     if N > 0:
         _launch(_quantize_2d_kernel, _quantize_2d_autotuned, w, N, K,
-                w, N, K, w.stride(0), w.stride(1), buf, gs, d, s, dt, EMIT_T=emit_transpose)
+                w, N, K, w.stride(0), w.stride(1), buf, gs, d, s, dt if emit_transpose else d,
+                st if emit_transpose else s, EMIT_T=emit_transpose)
     else:
         gs[0] = _decode_scale(buf[0])
+    return d, s, dt, st, gs
+
+
+def quantize_weight_2d(w: torch.Tensor, amax: torch.Tensor | None = None,
+                       emit_transpose: bool = True) -> tuple[NVFP4Tensor, NVFP4Tensor | None]:
+    """16×16-block NVFP4 of w [N, K] and, sharing its scales, of wᵀ (what dgrad reads)."""
+    d, s, dt, st, gs = quantize_weight_2d_tensors(w, amax, emit_transpose)
+    N, K = w.shape
     wq = NVFP4Tensor(d, s, gs[0], w.shape, (16, 16))
-    wt = NVFP4Tensor(dt, s.t().contiguous(), gs[0], torch.Size((K, N)), (16, 16)) if emit_transpose else None
+    wt = NVFP4Tensor(dt, st, gs[0], torch.Size((K, N)), (16, 16)) if emit_transpose else None
     return wq, wt

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-import functools
+import importlib.util
 import os
 
 import torch
@@ -22,13 +22,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
+_HAS_TRITON = importlib.util.find_spec("triton") is not None  # a constant, so torch.compile traces no import
+
+
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _HAS_TRITON
 
 
 def _is_blackwell(device: torch.device) -> bool:

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from ..numerics.nvfp4 import NVFP4Tensor
+from . import library
 from .backends import resolve_backend
 
 GemmFn = Callable[[NVFP4Tensor, NVFP4Tensor, torch.dtype, "torch.Tensor | None"], torch.Tensor]
@@ -50,19 +51,21 @@ def gemm_reference(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype, bias:
     return out.to(out_dtype)
 
 
-def _gemm_emulated(a, b, out_dtype, bias=None):
-    from ..kernels.gemm import nvfp4_gemm_triton
-    return nvfp4_gemm_triton(a, b, out_dtype, bias)
+def _library_gemm(backend: str) -> GemmFn:
+    def run(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None):
+        return library.gemm(a.data, a.scale, a.global_scale, _tiles(a), b.data, b.scale, b.global_scale,
+                            _tiles(b), out_dtype, bias, backend)
+    return run
 
 
-def _gemm_native(a, b, out_dtype, bias=None):
-    from ..kernels.native import nvfp4_gemm_native
-    return nvfp4_gemm_native(a, b, out_dtype, bias)
+def _tiles(t: NVFP4Tensor) -> bool:
+    """16×16 scale blocks (one scale row per 16 storage rows) rather than one per storage row."""
+    return tuple(t.block_shape) == (16, 16)
 
 
 register_backend("reference", gemm_reference)
-register_backend("emulated", _gemm_emulated)
-register_backend("native", _gemm_native)
+register_backend("emulated", _library_gemm("emulated"))
+register_backend("native", _library_gemm("native"))
 
 
 def nvfp4_gemm(

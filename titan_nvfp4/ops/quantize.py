@@ -3,6 +3,7 @@
 Each function returns NVFP4Tensors in the reference layout whatever the backend, so the GEMM
 dispatch and the tests never see a difference: bits are identical for nearest-even; stochastic
 rounding draws from torch's generator (reference) or Philox (kernels), both seeded by ``seed``.
+The kernel backends go through the custom ops of library.py, so torch.compile sees one opaque op.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from ..numerics.nvfp4 import NVFP4Tensor, quantize_nvfp4
 from ..numerics.rht import rht
+from . import library
 
 
 def quantize_rowwise(x2d: torch.Tensor, block_shape=(1, 16), stochastic: bool = False,
@@ -34,13 +36,17 @@ def quantize_wgrad_operand(x2d: torch.Tensor, signs: torch.Tensor | None, stocha
     return quantize_nvfp4(xt.contiguous(), block_shape=(1, 16), stochastic=stochastic, generator=generator)
 
 
-def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    return None if seed is None else torch.Generator(device=device).manual_seed(seed)
+def _generator(seed: torch.Tensor | None, device: torch.device) -> torch.Generator | None:
+    return None if seed is None else torch.Generator(device=device).manual_seed(int(seed.reshape(-1)[0]))
 
 
-def _seed_tensor(seed: int | None, device: torch.device) -> torch.Tensor | None:
-    # torch.full fills on the device: no host-to-device copy, no sync
-    return None if seed is None else torch.full((1,), seed, dtype=torch.int64, device=device)
+def _operands(out, x2d: torch.Tensor, rowwise: bool, colwise: bool) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
+    """NVFP4Tensors from the outputs of the titan_nvfp4::quantize op."""
+    rd, rs, cd, cs, gs = out
+    m, k = x2d.shape
+    row = NVFP4Tensor(rd, rs, gs[0], x2d.shape, (1, 16)) if rowwise else None
+    col = NVFP4Tensor(cd, cs, gs[1], torch.Size((k, m + (-m) % 16)), (1, 16)) if colwise else None
+    return row, col
 
 
 def quantize_activation(x2d: torch.Tensor, need_col: bool, signs: torch.Tensor | None,
@@ -48,22 +54,22 @@ def quantize_activation(x2d: torch.Tensor, need_col: bool, signs: torch.Tensor |
     """Forward operand X (1×16, nearest-even) and, when ``need_col``, its wgrad operand Xᵀ."""
     if backend == "reference":
         return quantize_rowwise(x2d), (quantize_wgrad_operand(x2d, signs) if need_col else None)
-    from ..kernels.quantize import quantize_operand
-    return quantize_operand(x2d, rowwise=True, colwise=need_col, signs=signs)
+    out = library.quantize(x2d, True, need_col, signs, False, False, None)
+    return _operands(out, x2d, True, need_col)
 
 
 def quantize_gradient(dy2d: torch.Tensor, need_row: bool, need_col: bool, signs: torch.Tensor | None,
-                      seed: int | None, backend: str) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
-    """dgrad operand dY (1×16) and wgrad operand dYᵀ (RHT, 16 along tokens); stochastic iff seed is set."""
+                      seed: torch.Tensor | None, backend: str) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
+    """dgrad operand dY (1×16) and wgrad operand dYᵀ (RHT, 16 along tokens); stochastic iff ``seed``
+    (an int64 tensor [1]) is given."""
     sr = seed is not None
     if backend == "reference":
         gen = _generator(seed, dy2d.device)  # one stream: the row draws, then the column draws
         row = quantize_rowwise(dy2d, stochastic=sr, generator=gen) if need_row else None
         col = quantize_wgrad_operand(dy2d, signs, stochastic=sr, generator=gen) if need_col else None
         return row, col
-    from ..kernels.quantize import quantize_operand
-    return quantize_operand(dy2d, rowwise=need_row, colwise=need_col, signs=signs, stochastic_row=sr,
-                            stochastic_col=sr, seed=_seed_tensor(seed, dy2d.device))
+    out = library.quantize(dy2d, need_row, need_col, signs, sr, sr, seed)
+    return _operands(out, dy2d, need_row, need_col)
 
 
 def quantize_weight(w: torch.Tensor, weight_2d: bool, backend: str) -> tuple[NVFP4Tensor, NVFP4Tensor]:
@@ -74,7 +80,11 @@ def quantize_weight(w: torch.Tensor, weight_2d: bool, backend: str) -> tuple[NVF
             wq = quantize_rowwise(w, block_shape=(16, 16))
             return wq, wq.t()
         return quantize_rowwise(w), quantize_rowwise(w.t().contiguous())
-    from ..kernels.quantize import quantize_operand, quantize_weight_2d
     if weight_2d:
-        return quantize_weight_2d(w)
-    return quantize_operand(w)[0], quantize_operand(w.t())[0]
+        d, s, dt, st, gs = library.quantize_2d(w)
+        n, k = w.shape
+        return (NVFP4Tensor(d, s, gs[0], w.shape, (16, 16)),
+                NVFP4Tensor(dt, st, gs[0], torch.Size((k, n)), (16, 16)))
+    wq, _ = _operands(library.quantize(w, True, False, None, False, False, None), w, True, False)
+    wt, _ = _operands(library.quantize(w.t(), True, False, None, False, False, None), w.t(), True, False)
+    return wq, wt

@@ -1,0 +1,90 @@
+"""The kernels as torch.library custom ops, so torch.compile traces an NVFP4 model without graph breaks.
+
+Each op takes and returns plain tensors (an NVFP4 operand travels as codes, scales and global scale);
+ops/quantize.py and ops/gemm.py wrap them back into NVFP4Tensors. The fake implementations give
+inductor the output shapes, dtypes and devices without running a kernel. The ops are opaque to
+autograd: NVFP4LinearFunction calls them from its own forward and backward.
+
+  titan_nvfp4::quantize     1×16 rows and/or RHT'd 16-along-tokens columns of one 2D operand
+  titan_nvfp4::quantize_2d  16×16-block weight plus the codes and scales of its transpose
+  titan_nvfp4::gemm         (A·Bᵀ)·gs_A·gs_B [+ bias] on the emulated or the native backend
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..numerics.nvfp4 import NVFP4Tensor
+
+Tensor = torch.Tensor
+
+
+def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
+    return like.new_empty((0,), dtype=dtype)
+
+
+@torch.library.custom_op("titan_nvfp4::quantize", mutates_args=())
+def quantize(x: Tensor, rowwise: bool, colwise: bool, signs: Optional[Tensor], stochastic_row: bool,
+             stochastic_col: bool, seed: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(row codes, row scales, column codes, column scales, [gs_row, gs_col]); an operand not asked
+    for comes back as empty tensors (and its decode scale unset)."""
+    from ..kernels.quantize import quantize_operand_tensors
+
+    return quantize_operand_tensors(x, rowwise=rowwise, colwise=colwise, signs=signs, stochastic_row=stochastic_row,
+                                    stochastic_col=stochastic_col, seed=seed)
+
+
+@quantize.register_fake
+def _quantize_fake(x, rowwise, colwise, signs, stochastic_row, stochastic_col, seed):
+    m, k = x.shape
+    mpad = m + (-m) % 16
+    f8 = torch.float8_e4m3fn
+    rd = x.new_empty((m, k // 2), dtype=torch.uint8) if rowwise else _empty(x, torch.uint8)
+    rs = x.new_empty((m, k // 16), dtype=f8) if rowwise else _empty(x, f8)
+    cd = x.new_empty((k, mpad // 2), dtype=torch.uint8) if colwise else _empty(x, torch.uint8)
+    cs = x.new_empty((k, mpad // 16), dtype=f8) if colwise else _empty(x, f8)
+    return rd, rs, cd, cs, x.new_empty((2,), dtype=torch.float32)
+
+
+@torch.library.custom_op("titan_nvfp4::quantize_2d", mutates_args=())
+def quantize_2d(w: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(codes of W, 16×16 scales, codes of Wᵀ, scales of Wᵀ, global decode scale [1])."""
+    from ..kernels.quantize import quantize_weight_2d_tensors
+
+    return quantize_weight_2d_tensors(w)
+
+
+@quantize_2d.register_fake
+def _quantize_2d_fake(w):
+    n, k = w.shape
+    f8 = torch.float8_e4m3fn
+    return (w.new_empty((n, k // 2), dtype=torch.uint8), w.new_empty((n // 16, k // 16), dtype=f8),
+            w.new_empty((k, n // 2), dtype=torch.uint8), w.new_empty((k // 16, n // 16), dtype=f8),
+            w.new_empty((1,), dtype=torch.float32))
+
+
+def _operand(data: Tensor, scale: Tensor, gs: Tensor, tiles: bool) -> NVFP4Tensor:
+    rows, cols = data.shape[0], data.shape[1] * 2
+    return NVFP4Tensor(data, scale, gs.reshape(()), torch.Size((rows, cols)), (16, 16) if tiles else (1, 16))
+
+
+@torch.library.custom_op("titan_nvfp4::gemm", mutates_args=())
+def gemm(a_data: Tensor, a_scale: Tensor, a_gs: Tensor, a_tiles: bool, b_data: Tensor, b_scale: Tensor,
+         b_gs: Tensor, b_tiles: bool, out_dtype: torch.dtype, bias: Optional[Tensor], backend: str) -> Tensor:
+    """out [M, N] = (A · Bᵀ)·gs_A·gs_B [+ bias]; ``*_tiles``: the operand has 16×16 scale blocks."""
+    a = _operand(a_data, a_scale, a_gs, a_tiles)
+    b = _operand(b_data, b_scale, b_gs, b_tiles)
+    if backend == "emulated":
+        from ..kernels.gemm import nvfp4_gemm_triton
+        return nvfp4_gemm_triton(a, b, out_dtype, bias)
+    if backend == "native":
+        from ..kernels.native import nvfp4_gemm_native
+        return nvfp4_gemm_native(a, b, out_dtype, bias)
+    raise ValueError(f"titan_nvfp4::gemm: backend must be 'emulated' or 'native', got {backend!r}")
+
+
+@gemm.register_fake
+def _gemm_fake(a_data, a_scale, a_gs, a_tiles, b_data, b_scale, b_gs, b_tiles, out_dtype, bias, backend):
+    return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
