@@ -87,6 +87,11 @@ def main() -> int:
     nw = w.numel()
     cases.append(("weight 16x16 + W^T codes, amax included", lambda: quantize_weight_2d(w), 2 * (2 * nw) + nw + nw // 256))
     cases.append(("weight 16x16 + W^T codes, amax given", lambda: quantize_weight_2d(w, amax=w.abs().amax().float()), 2 * nw + nw + nw // 256))
+    from titan_nvfp4.kernels.mxfp8 import quantize_mxfp8_operand
+
+    mx = n + n // 32  # e4m3 elements + e8m0 scales of one MXFP8 operand
+    cases.append(("MXFP8 rowwise 1x32", lambda: quantize_mxfp8_operand(x), 2 * n + mx))
+    cases.append(("MXFP8 rowwise + colwise (bwd operands)", lambda: quantize_mxfp8_operand(x, colwise=True), 2 * n + 2 * mx))
     for name, fn, nbytes in cases:
         t = ms(fn)
         bw = nbytes / (t * 1e-3)

@@ -47,6 +47,13 @@ def test_quantize_2d_and_gemm_ops_pass_opcheck():
                               test_utils=utils)
 
 
+@pytest.mark.parametrize("rows", [64, 40])
+def test_quantize_mxfp8_op_passes_opcheck(rows):
+    x = _x(rows, 64, dtype=torch.bfloat16)
+    for flags in [(True, True), (True, False), (False, True)]:
+        torch.library.opcheck(library.quantize_mxfp8, (x, *flags))
+
+
 def test_gemm_op_rejects_unknown_backend():
     d, s, _, _, gs = library.quantize_2d(_x(16, 32))
     with pytest.raises(ValueError, match="backend must be 'emulated' or 'native', got 'cublas'"):

@@ -8,6 +8,7 @@ autograd: NVFP4LinearFunction calls them from its own forward and backward.
   titan_nvfp4::quantize     1×16 rows and/or RHT'd 16-along-tokens columns of one 2D operand
   titan_nvfp4::quantize_2d  16×16-block weight plus the codes and scales of its transpose
   titan_nvfp4::gemm         (A·Bᵀ)·gs_A·gs_B [+ bias] on the emulated or the native backend
+  titan_nvfp4::quantize_mxfp8  rowwise and/or columnwise MXFP8 of one 2D operand
 """
 
 from __future__ import annotations
@@ -88,3 +89,22 @@ def gemm(a_data: Tensor, a_scale: Tensor, a_gs: Tensor, a_tiles: bool, b_data: T
 @gemm.register_fake
 def _gemm_fake(a_data, a_scale, a_gs, a_tiles, b_data, b_scale, b_gs, b_tiles, out_dtype, bias, backend):
     return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("titan_nvfp4::quantize_mxfp8", mutates_args=())
+def quantize_mxfp8(x: Tensor, rowwise: bool, colwise: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """MXFP8 (row elements, row E8M0 scales, column elements, column scales) of a 2D operand; the
+    column operand holds xᵀ with tokens zero-padded to a multiple of 32."""
+    from ..kernels.mxfp8 import quantize_mxfp8_tensors
+
+    return quantize_mxfp8_tensors(x, rowwise, colwise)
+
+
+@quantize_mxfp8.register_fake
+def _quantize_mxfp8_fake(x, rowwise, colwise):
+    m, k = x.shape
+    mpad = m + (-m) % 32
+    f8, e8 = torch.float8_e4m3fn, torch.float8_e8m0fnu
+    return (x.new_empty((m, k) if rowwise else (0,), dtype=f8), x.new_empty((m, k // 32) if rowwise else (0,), dtype=e8),
+            x.new_empty((k, mpad) if colwise else (0,), dtype=f8),
+            x.new_empty((k, mpad // 32) if colwise else (0,), dtype=e8))

@@ -1,0 +1,121 @@
+"""Triton MXFP8 quantization (sm_80+, ROCm, the CPU interpreter): one read of a 2D operand emits its
+rowwise MXFP8 (1×32 blocks along K) and its columnwise MXFP8 (32-element blocks along the tokens,
+stored transposed, tokens zero-padded to a multiple of 32), the operands of an MXFP8 backward.
+
+Each program holds a [BM, BK] tile: the row blocks are its [BM, BK/32, 32] view, the column blocks its
+[BM/32, 32, BK] view, so both come from registers. The math is the reference's (numerics/mxfp8.py,
+RCEIL scales), done on fp32 bits so that every path (GPU, interpreter) gives the same bytes:
+scale exponent e = ceil(log2(amax / 448)) clamped to [-127, 127] (-127 for a zero block, 128 = NaN
+for a non-finite one), element = e4m3_rne_sat(x · 2^-e).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..numerics.mxfp8 import MX_BLOCK, MXFP8Tensor
+from .nvfp4_jit import E4M3_MAX, e4m3_round, nan_to_inf_abs
+
+
+@triton.jit
+def _ceil_log2_div448(amax):
+    """e = clamp(ceil(log2(amax / 448)), -127, 127), -127 for amax 0, 128 for amax +inf (int32)."""
+    d = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    bits = d.to(tl.int32, bitcast=True)
+    biased = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    # normal d = 1.m · 2^(E-127): ceil(log2) = E-127 for m == 0, else E-126
+    e = tl.where(mant == 0, biased - 127, biased - 126)
+    # subnormal d (E == 0) lies in (0, 2^-126): ceil(log2) is -126 above 2^-127, else <= -127
+    e = tl.where(biased == 0, tl.where(mant > 0x400000, -126, -127), e)
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    return tl.where(amax == float("inf"), 128, e)
+
+
+@triton.jit
+def _pow2_neg(e):
+    """2^-e as fp32 for e in [-127, 128] (2^-127 and 2^-128 are subnormal), from its bits."""
+    bits = tl.where(e <= 126, (127 - e) << 23, 0x400000 >> (e - 127))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_e4m3(v):
+    """Twin of formats.to_e4m3_saturating: nearest-even E4M3 of fp32 v, ±448 saturation, NaN kept."""
+    mag = e4m3_round(tl.minimum(tl.abs(v), E4M3_MAX))
+    sign = v.to(tl.int32, bitcast=True) & -0x80000000  # -0.0 stays -0
+    r = (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True).to(tl.float8e4nv)
+    nan = tl.full(v.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True)
+    return tl.where(v == v, r, nan)
+
+
+@triton.jit
+def _mxfp8_kernel(X, M, K, sxm, sxk, RD, RS, CD, CS, Mpad, ROW: tl.constexpr, COL: tl.constexpr,
+                  BM: tl.constexpr, BK: tl.constexpr):
+    """RD [M, K] e4m3 and RS [M, K/32] E8M0 bytes; CD [K, Mpad] and CS [K, Mpad/32] for xᵀ."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    mask = (rm < M)[:, None] & (rk < K)[None, :]
+    x = tl.load(X + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+    if ROW:
+        blocks = tl.reshape(x, (BM, BK // 32, 32))
+        e = _ceil_log2_div448(tl.max(nan_to_inf_abs(blocks), axis=2))  # [BM, BK/32]
+        q = tl.reshape(_to_e4m3(blocks * _pow2_neg(e)[:, :, None]), (BM, BK))
+        tl.store(RD + rm[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
+        rs = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)
+        tl.store(RS + rm[:, None].to(tl.int64) * (K // 32) + rs[None, :], (e + 127).to(tl.uint8),
+                 mask=(rm < M)[:, None] & (rs < K // 32)[None, :])
+    if COL:
+        blocks = tl.reshape(x, (BM // 32, 32, BK))
+        e = _ceil_log2_div448(tl.max(nan_to_inf_abs(blocks), axis=1))  # [BM/32, BK]
+        q = tl.reshape(_to_e4m3(blocks * _pow2_neg(e)[:, None, :]), (BM, BK))
+        cmask = (rk < K)[:, None] & (rm < Mpad)[None, :]
+        tl.store(CD + rk[:, None].to(tl.int64) * Mpad + rm[None, :], tl.trans(q), mask=cmask)
+        cb = tl.program_id(0) * (BM // 32) + tl.arange(0, BM // 32)
+        tl.store(CS + rk[:, None].to(tl.int64) * (Mpad // 32) + cb[None, :], tl.trans((e + 127).to(tl.uint8)),
+                 mask=(rk < K)[:, None] & (cb < Mpad // 32)[None, :])
+
+
+_BM, _BK = 32, 64  # fixed tiles (the interpreter, small inputs)
+
+_mxfp8_autotuned = triton.autotune(
+    [triton.Config({"BM": bm, "BK": bk}, num_warps=w)
+     for bm, bk, w in ((32, 128, 4), (64, 128, 4), (64, 64, 4), (128, 64, 8), (32, 256, 4))],
+    key=["M", "K", "ROW", "COL"])(_mxfp8_kernel)
+
+
+def quantize_mxfp8_tensors(x2d: torch.Tensor, rowwise: bool = True, colwise: bool = False):
+    """(row elements [M, K] e4m3, row scales [M, K/32] e8m0, column elements [K, Mpad] e4m3, column
+    scales [K, Mpad/32] e8m0); an operand not asked for comes back as empty tensors."""
+    if x2d.dim() != 2 or not x2d.is_floating_point():
+        raise ValueError(f"quantize_mxfp8: expected a 2D floating-point tensor, got {tuple(x2d.shape)} {x2d.dtype}")
+    M, K = x2d.shape
+    if K % MX_BLOCK:
+        raise ValueError(f"quantize_mxfp8: MXFP8 needs the last dim to be a multiple of 32, got shape {tuple(x2d.shape)}")
+    if x2d.numel() >= 2**31:
+        raise ValueError(f"quantize_mxfp8: {x2d.numel()} elements exceed the kernel's 2^31 element limit")
+    Mpad = M + (-M) % MX_BLOCK
+    dev, f8, e8 = x2d.device, torch.float8_e4m3fn, torch.uint8
+    rd = torch.empty((M, K) if rowwise else (0,), dtype=f8, device=dev)
+    rs = torch.empty((M, K // 32) if rowwise else (0,), dtype=e8, device=dev)
+    cd = torch.empty((K, Mpad) if colwise else (0,), dtype=f8, device=dev)
+    cs = torch.empty((K, Mpad // 32) if colwise else (0,), dtype=e8, device=dev)
+    if M and K and (rowwise or colwise):
+        args = (x2d, M, K, x2d.stride(0), x2d.stride(1), rd, rs, cd, cs, Mpad)
+        if x2d.is_cuda and x2d.numel() >= 2**22:
+            grid = lambda meta: (triton.cdiv(Mpad, meta["BM"]), triton.cdiv(K, meta["BK"]))  # noqa: E731
+            _mxfp8_autotuned[grid](*args, ROW=rowwise, COL=colwise)
+        else:
+            grid = (triton.cdiv(Mpad, _BM), triton.cdiv(K, _BK))
+            _mxfp8_kernel[grid](*args, ROW=rowwise, COL=colwise, BM=_BM, BK=_BK, num_warps=4)
+    e8m0 = torch.float8_e8m0fnu
+    return rd, rs.view(e8m0), cd, cs.view(e8m0)
+
+
+def quantize_mxfp8_operand(x2d: torch.Tensor, rowwise: bool = True,
+                           colwise: bool = False) -> tuple[MXFP8Tensor | None, MXFP8Tensor | None]:
+    """MXFP8 of x2d (1×32 along K) and of x2dᵀ (32 along the tokens, zero-padded), from one read."""
+    rd, rs, cd, cs = quantize_mxfp8_tensors(x2d, rowwise, colwise)
+    return (MXFP8Tensor(rd, rs) if rowwise else None), (MXFP8Tensor(cd, cs) if colwise else None)
