@@ -47,7 +47,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
+    ap.add_argument("--stage-a", type=int, choices=(0, 1), default=None,
+                    help="GEMM operand A staged as fp16 (1) or dequantized in registers (0) in the Linear rows")
     args = ap.parse_args()
+    from titan_nvfp4.kernels import gemm as _gemm_mod
+    args.stage_a = bool(_gemm_mod.STAGE_A if args.stage_a is None else args.stage_a)
     torch.manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     copy_bw = copy_ceiling()
@@ -100,8 +104,10 @@ def main() -> int:
     res["quantize"] = rows
 
     # --- emulated GEMM
-    print("\n| GEMM M×N×K | NVFP4 emulated ms | TFLOP/s | cuBLAS bf16 TFLOP/s | ratio |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    from titan_nvfp4.kernels import gemm as _g
+
+    print("\n| GEMM M×N×K | A staged ms | TFLOP/s | A in registers ms | TFLOP/s | cuBLAS bf16 TFLOP/s | staged / cuBLAS | registers / cuBLAS |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     gem = []
     shapes = [(8192, 8192, 8192), (16384, 4096, 4096), (16384, 14336, 4096), (16384, 4096, 14336)]
     if args.quick:
@@ -109,14 +115,18 @@ def main() -> int:
     for m, nn_, k in shapes:
         a, _ = quantize_operand(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
         b, _ = quantize_weight_2d(torch.randn(nn_, k, device="cuda", dtype=torch.bfloat16), emit_transpose=False)
-        t = ms(lambda: nvfp4_gemm_triton(a, b, torch.bfloat16))
-        tf = 2 * m * nn_ * k / (t * 1e-3) / 1e12
+        t = ms(lambda: nvfp4_gemm_triton(a, b, torch.bfloat16, stage_a=True))
+        t_r = ms(lambda: nvfp4_gemm_triton(a, b, torch.bfloat16, stage_a=False))
+        tf, tf_r = (2 * m * nn_ * k / (x_ * 1e-3) / 1e12 for x_ in (t, t_r))
         ref = bf16_tflops(m, nn_, k)
-        gem.append({"shape": [m, nn_, k], "ms": t, "TFLOPs": tf, "bf16_TFLOPs": ref, "ratio": tf / ref})
-        print(f"| {m}×{nn_}×{k} | {t:.3f} | {tf:.0f} | {ref:.0f} | {tf / ref:.0%} |")
+        gem.append({"shape": [m, nn_, k], "ms": t, "TFLOPs": tf, "bf16_TFLOPs": ref, "ratio": tf / ref,
+                    "registers_ms": t_r, "registers_TFLOPs": tf_r, "registers_ratio": tf_r / ref})
+        print(f"| {m}×{nn_}×{k} | {t:.3f} | {tf:.0f} | {t_r:.3f} | {tf_r:.0f} | {ref:.0f} | {tf / ref:.0%} | {tf_r / ref:.0%} |")
     res["gemm"] = gem
 
     # --- NVFP4Linear vs nn.Linear, forward + backward
+    print(f"\n(GEMM operand A staged: {args.stage_a})")
+    _g.STAGE_A = args.stage_a
     print("\n| Linear M×K×N | BF16 ms | NVFP4 ms | NVFP4/BF16 | BF16 peak GiB | NVFP4 peak GiB |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     lin_rows = []
@@ -150,7 +160,7 @@ def main() -> int:
                          "bf16_peak_GiB": out["bf16"][1], "nvfp4_peak_GiB": out["nvfp4"][1]})
         print(f"| {m}×{k}×{nn_} | {out['bf16'][0]:.3f} | {out['nvfp4'][0]:.3f} | {ratio:.2f}× | {out['bf16'][1]:.2f} | {out['nvfp4'][1]:.2f} |")
     res["linear"] = lin_rows
-    from titan_nvfp4.kernels import gemm as _g
+    res["linear_stage_a"] = args.stage_a
     for name, tuner in (("gemm", _g._nvfp4_gemm_autotuned), ("quantize", _q._quantize_autotuned),
                         ("quantize_2d", _q._quantize_2d_autotuned), ("amax", _q._amax_autotuned)):
         picked = {str(k): str(v) for k, v in tuner.cache.items()}

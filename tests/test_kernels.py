@@ -133,14 +133,15 @@ def test_stochastic_rounding_reproducible_unbiased_and_neighbouring():
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("use_tma", [False, True])
-def test_emulated_gemm_matches_float64(mnk, bias, out_dtype, use_tma):
+@pytest.mark.parametrize("stage_a", [False, True], ids=["a_in_registers", "a_staged"])
+def test_emulated_gemm_matches_float64(mnk, bias, out_dtype, use_tma, stage_a):
     if use_tma and GPU and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA descriptors need sm_90+")
     m, n, k = mnk
     a = quantize_nvfp4(inputs(m, k, "heavy", torch.float32))
     b = quantize_nvfp4(inputs(n, k, "normal", torch.float32))
     bvec = torch.randn(n, device=DEV) if bias else None
-    y = nvfp4_gemm_triton(a, b, out_dtype, bvec, use_tma=use_tma)
+    y = nvfp4_gemm_triton(a, b, out_dtype, bvec, use_tma=use_tma, stage_a=stage_a)
     exact = a.dequantize(torch.float64) @ b.dequantize(torch.float64).t()
     if bias:
         exact = exact + bvec.double()
@@ -184,11 +185,13 @@ def test_staged_operand_is_exact_and_chunking_is_invisible(monkeypatch):
         same = (staged.double() == ref) | (staged.isnan() & ref.isnan())
         assert bool(same.all())  # exact: no rounding in the fp16 staging
         assert torch.equal(g.dequantize_fp16(b, slice(16, 48)).view(torch.int16), staged[16:48].view(torch.int16))
-    a = quantize_nvfp4(inputs(40, 96, "normal", torch.float32))
+    a = quantize_nvfp4(inputs(300, 96, "normal", torch.float32))
     b = quantize_nvfp4(inputs(304, 96, "normal", torch.float32), block_shape=(16, 16))
-    whole = nvfp4_gemm_triton(a, b, torch.float32)
-    monkeypatch.setattr(g, "STAGE_BYTES", 96 * 2 * 16)  # forces 256-row chunks: two launches
-    assert torch.equal(nvfp4_gemm_triton(a, b, torch.float32), whole)
+    whole = nvfp4_gemm_triton(a, b, torch.float32, stage_a=False)
+    assert torch.equal(nvfp4_gemm_triton(a, b, torch.float32, stage_a=True), whole)  # same fp16 values, same sums
+    monkeypatch.setattr(g, "STAGE_BYTES", 96 * 2 * 16)  # forces 256-row chunks: two launches per operand
+    assert torch.equal(nvfp4_gemm_triton(a, b, torch.float32, stage_a=False), whole)
+    assert torch.equal(nvfp4_gemm_triton(a, b, torch.float32, stage_a=True), whole)
 
 
 def test_native_layouts_round_trip_and_match_torchao():

@@ -28,13 +28,16 @@ from ..ops.backends import interpreting
 
 #: Staging buffer budget (bytes of fp16 B per launch); larger B is processed in column chunks.
 STAGE_BYTES = 64 * 2**20
+#: Stage A as fp16 as well (both operands through TMA) instead of dequantizing it in registers.
+STAGE_A = False
 
 
 def _set_b_block(nargs):
-    """Autotune pre-hook: the TMA descriptor of B takes the tile shape of the config being run."""
-    desc = nargs["b_desc"]
-    if hasattr(desc, "block_shape"):
-        desc.block_shape = [nargs["BN"], nargs["BK"]]
+    """Autotune pre-hook: the TMA descriptors take the tile shape of the config being run."""
+    for name, rows in (("a_desc", "BM"), ("b_desc", "BN")):
+        desc = nargs[name]
+        if hasattr(desc, "block_shape"):
+            desc.block_shape = [nargs[rows], nargs["BK"]]
 
 
 def _configs():
@@ -93,10 +96,12 @@ def _dequant_a(raw, s16, R: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexp
 
 
 @triton.jit
-def _nvfp4_gemm_kernel(A, SA, B, b_desc, GSA, GSB, BIAS, C, M, N, K, sam, ssam, ssak, sbn, scm, scn,
-                       A_SCALE_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, B_TMA: tl.constexpr, USE_ASM: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    """C[M, N] = A[M, K] (packed NVFP4, dequantized here) · B[N, K]ᵀ (staged fp16), scaled in the epilogue."""
+def _nvfp4_gemm_kernel(A, SA, a_desc, B, b_desc, GSA, GSB, BIAS, C, M, N, K, sam, ssam, ssak, sbn, scm, scn,
+                       A_SCALE_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, B_TMA: tl.constexpr, A_STAGED: tl.constexpr,
+                       USE_ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       GROUP_M: tl.constexpr):
+    """C[M, N] = A[M, K] · B[N, K]ᵀ (B staged fp16), scaled in the epilogue. A is packed NVFP4 and
+    dequantized here, or with A_STAGED staged fp16 like B (then read through TMA when B_TMA)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -117,10 +122,17 @@ def _nvfp4_gemm_kernel(A, SA, B, b_desc, GSA, GSB, BIAS, C, M, N, K, sam, ssam, 
     sa_ptr = SA + (rm // A_SCALE_DIV)[:, None].to(tl.int64) * ssam + rs[None, :] * ssak
     b_ptr = B + rn[:, None].to(tl.int64) * sbn + rk[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    a16_ptr = A + rm[:, None].to(tl.int64) * sam + rk[None, :]
     for k0 in range(0, K, BK):
-        raw = tl.load(a_ptr, mask=mask_m[:, None] & (k0 // 2 + rb < K // 2)[None, :], other=0)
-        s16 = tl.load(sa_ptr, mask=mask_m[:, None] & (k0 // 16 + rs < K // 16)[None, :], other=0.0).to(tl.float16)
-        a = _dequant_a(raw, s16, BM, BK, USE_ASM)
+        if A_STAGED:
+            if B_TMA:
+                a = a_desc.load([pid_m * BM, k0])
+            else:
+                a = tl.load(a16_ptr, mask=mask_m[:, None] & (k0 + rk < K)[None, :], other=0.0)
+        else:
+            raw = tl.load(a_ptr, mask=mask_m[:, None] & (k0 // 2 + rb < K // 2)[None, :], other=0)
+            s16 = tl.load(sa_ptr, mask=mask_m[:, None] & (k0 // 16 + rs < K // 16)[None, :], other=0.0).to(tl.float16)
+            a = _dequant_a(raw, s16, BM, BK, USE_ASM)
         if B_TMA:
             b = b_desc.load([pid_n * BN, k0])
         else:
@@ -128,16 +140,19 @@ def _nvfp4_gemm_kernel(A, SA, B, b_desc, GSA, GSB, BIAS, C, M, N, K, sam, ssam, 
         acc = tl.dot(a, b.T, acc)
         a_ptr += BK // 2
         sa_ptr += (BK // 16) * ssak
+        a16_ptr += BK
         b_ptr += BK
 
-    out = (acc * 16384.0) * (tl.load(GSA) * tl.load(GSB))  # 2^14 undoes A's 2^-14 exactly
+    if not A_STAGED:
+        acc = acc * 16384.0  # 2^14 undoes the 2^-14 of A dequantized in registers, exactly
+    out = acc * (tl.load(GSA) * tl.load(GSB))
     if HAS_BIAS:
         out = out + tl.load(BIAS + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     c_ptr = C + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
     tl.store(c_ptr, out.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-_nvfp4_gemm_autotuned = triton.autotune(configs=_configs(), key=["M", "N", "K", "A_SCALE_DIV", "B_TMA"])(
+_nvfp4_gemm_autotuned = triton.autotune(configs=_configs(), key=["M", "N", "K", "A_SCALE_DIV", "B_TMA", "A_STAGED"])(
     _nvfp4_gemm_kernel)
 
 #: Fixed tiles for the CPU interpreter and small problems (autotuning there would only cost time).
@@ -192,10 +207,23 @@ def _use_asm(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.version.hip is None
 
 
+def _tma_desc(t: torch.Tensor):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    block = [SMALL_TILES["BN"], SMALL_TILES["BK"]]  # autotuning sets each config's tile shape
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+
+def _chunks(rows: int, K: int):
+    """Row ranges whose fp16 staging fits STAGE_BYTES (multiples of 256 rows: whole 16x16 blocks)."""
+    step = max(256, (STAGE_BYTES // (2 * K)) // 256 * 256)
+    return [(r, min(rows, r + step)) for r in range(0, rows, step)]
+
+
 def nvfp4_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype,
                       bias: torch.Tensor | None = None, autotune: bool | None = None,
-                      use_tma: bool | None = None) -> torch.Tensor:
-    """out [M, N] = Σ_k A[m, k] B[n, k] over the storages of a and b (contraction along their rows)."""
+                      use_tma: bool | None = None, stage_a: bool | None = None) -> torch.Tensor:
+    """out [M, N] = Σ_k A[m, k] B[n, k] over the storages of a and b (contraction along their rows).
+    ``stage_a``: stage A as fp16 too instead of dequantizing it in registers (default STAGE_A)."""
     M, K = a.storage_shape
     N, Kb = b.storage_shape
     if K != Kb:
@@ -213,29 +241,32 @@ def nvfp4_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype,
         autotune = a.data.is_cuda and not interpreting() and M * N >= 128 * 128
     if use_tma is None:
         use_tma = _use_tma(a.data)
+    if stage_a is None:
+        stage_a = STAGE_A
     gsa = a.global_scale.reshape(1).float()
     gsb = b.global_scale.reshape(1).float()
-    kw = dict(A_SCALE_DIV=_scale_div(a), HAS_BIAS=bias is not None, B_TMA=use_tma,
+    kw = dict(A_SCALE_DIV=_scale_div(a), HAS_BIAS=bias is not None, B_TMA=use_tma, A_STAGED=stage_a,
               USE_ASM=_use_asm(a.data) and not interpreting())
-    chunk = max(256, (STAGE_BYTES // (2 * K)) // 256 * 256)  # B rows per staging; a multiple of 16
-    for n0 in range(0, N, chunk):
-        n1 = min(N, n0 + chunk)
+    for n0, n1 in _chunks(N, K):
         b16 = dequantize_fp16(b, slice(n0, n1))
-        cols = out[:, n0:n1]
+        b_arg = _tma_desc(b16) if use_tma else b16
         bias_t = bias[n0:n1].contiguous() if bias is not None else out
-        if use_tma:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-            block = [SMALL_TILES["BN"], SMALL_TILES["BK"]]  # autotuning resets it per config
-            b_arg = TensorDescriptor(b16, list(b16.shape), list(b16.stride()), block)
-        else:
-            b_arg = b16
-        args = (a.data, a.scale, b16, b_arg, gsa, gsb, bias_t, cols, M, n1 - n0, K, a.data.stride(0),
-                a.scale.stride(0), a.scale.stride(1), b16.stride(0), cols.stride(0), cols.stride(1))
-        if autotune:
-            grid = lambda meta, n=n1 - n0: (triton.cdiv(M, meta["BM"]) * triton.cdiv(n, meta["BN"]),)  # noqa: E731
-            _nvfp4_gemm_autotuned[grid](*args, **kw)
-        else:
-            grid = (triton.cdiv(M, SMALL_TILES["BM"]) * triton.cdiv(n1 - n0, SMALL_TILES["BN"]),)
-            _nvfp4_gemm_kernel[grid](*args, **kw, **SMALL_TILES)
-        del b16
+        for m0, m1 in (_chunks(M, K) if stage_a else [(0, M)]):
+            if stage_a:
+                a_src = dequantize_fp16(a, slice(m0, m1))
+                a_arg = _tma_desc(a_src) if use_tma else a_src
+            else:
+                a_src, a_arg = a.data, b_arg
+            tile = out[m0:m1, n0:n1]
+            m, n = m1 - m0, n1 - n0
+            args = (a_src, a.scale, a_arg, b16, b_arg, gsa, gsb, bias_t, tile, m, n, K, a_src.stride(0),
+                    a.scale.stride(0), a.scale.stride(1), b16.stride(0), tile.stride(0), tile.stride(1))
+            if autotune:
+                grid = lambda meta, m=m, n=n: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)  # noqa: E731
+                _nvfp4_gemm_autotuned[grid](*args, **kw)
+            else:
+                grid = (triton.cdiv(m, SMALL_TILES["BM"]) * triton.cdiv(n, SMALL_TILES["BN"]),)
+                _nvfp4_gemm_kernel[grid](*args, **kw, **SMALL_TILES)
+            del a_src, a_arg
+        del b16, b_arg
     return out
