@@ -192,6 +192,10 @@ def test_staged_operand_is_exact_and_chunking_is_invisible(monkeypatch):
     monkeypatch.setattr(g, "STAGE_BYTES", 96 * 2 * 16)  # forces 256-row chunks: two launches per operand
     assert torch.equal(nvfp4_gemm_triton(a, b, torch.float32, stage_a=False), whole)
     assert torch.equal(nvfp4_gemm_triton(a, b, torch.float32, stage_a=True), whole)
+    # a one-chunk B: A's chunks go in the outer loop and B is staged once
+    small_b = quantize_nvfp4(inputs(48, 96, "normal", torch.float32), block_shape=(16, 16))
+    assert torch.equal(nvfp4_gemm_triton(a, small_b, torch.float32, stage_a=True),
+                       nvfp4_gemm_triton(a, small_b, torch.float32, stage_a=False))
 
 
 def test_native_layouts_round_trip_and_match_torchao():

@@ -1,18 +1,19 @@
 """Emulated NVFP4 GEMM in Triton: out = (A · Bᵀ) · (gs_A · gs_B) [+ bias], for GPUs without FP4 tensor
 cores (sm_80–sm_90, ROCm) and for the CPU interpreter.
 
-Structure (chosen by measurement, see benchmarks/gemm_variants.py and BENCHMARKS.md):
+Structure (chosen by measurement, see benchmarks/ and BENCHMARKS.md):
 
-  * B is staged once per call as fp16 values q·e_b (``dequantize_fp16``): exact, since q·e_b is a
-    multiple of 2⁻¹⁰ below 2688 with at most 8 significant bits. The kernel reads it through TMA on
-    sm_90 (plain loads elsewhere) like a 16-bit GEMM operand. Staging runs in column chunks so its
-    buffer stays small whatever the shape.
-  * A stays packed: each K step loads bytes and E4M3 scales and builds fp16 q·e_b·2⁻¹⁴ in registers
-    (the 3 magnitude bits of a code shifted into fp16's exponent/mantissa give q·2⁻¹⁴ exactly; one
-    exact fp16 multiply applies the scale; on CUDA a PTX routine does 4 bytes per call), so the
-    16-bit tensor cores read A from registers.
-  * The fp32 accumulator holds 2⁻¹⁴·Σ q_a e_a q_b e_b; the epilogue multiplies by 2¹⁴ (exact) and
-    gs_A·gs_B, adds the bias in fp32 and rounds once to the output dtype, as the reference does.
+  * Both operands are staged per call as fp16 values q·e_b (``dequantize_fp16``): exact, since q·e_b
+    is a multiple of 2⁻¹⁰ below 2688 with at most 8 significant bits. The kernel reads them through
+    TMA on sm_90 (plain loads elsewhere) like a 16-bit GEMM's operands. Staging runs in row chunks of
+    at most STAGE_BYTES per operand, so its buffers stay small whatever the shape.
+  * With ``stage_a=False`` A stays packed instead: each K step loads bytes and E4M3 scales and builds
+    fp16 q·e_b·2⁻¹⁴ in registers (the 3 magnitude bits of a code shifted into fp16's exponent and
+    mantissa give q·2⁻¹⁴ exactly; one exact fp16 multiply applies the scale; on CUDA a PTX routine
+    does 4 bytes per call). It saves the staging traffic but measured 59–68% of cuBLAS on an H100
+    against 73–86% staged; the accumulator then holds 2⁻¹⁴·Σ and the epilogue multiplies by 2¹⁴.
+  * The epilogue multiplies the fp32 accumulator by gs_A·gs_B, adds the bias in fp32 and rounds once
+    to the output dtype, as the reference does.
 
 Reference twin: titan_nvfp4/ops/gemm.py:gemm_reference (checked in tests/test_kernels.py).
 """
@@ -26,10 +27,10 @@ import triton.language as tl
 from ..numerics.nvfp4 import NVFP4Tensor
 from ..ops.backends import interpreting
 
-#: Staging buffer budget (bytes of fp16 B per launch); larger B is processed in column chunks.
+#: Staging budget per operand (bytes of fp16); larger operands are staged in row chunks.
 STAGE_BYTES = 64 * 2**20
 #: Stage A as fp16 as well (both operands through TMA) instead of dequantizing it in registers.
-STAGE_A = False
+STAGE_A = True
 
 
 def _set_b_block(nargs):
@@ -177,6 +178,12 @@ def _dequant_kernel(D, S, OUT, R, C, sdr, ssr, ssc, sor, SCALE_DIV: tl.constexpr
              mask=mask)
 
 
+_dequant_autotuned = triton.autotune(
+    [triton.Config({"BR": br, "BC": bc}, num_warps=w)
+     for br, bc, w in ((16, 256, 4), (32, 256, 8), (16, 512, 8), (64, 128, 8), (32, 128, 4))],
+    key=["R", "C", "SCALE_DIV"])(_dequant_kernel)
+
+
 def _scale_div(t: NVFP4Tensor) -> int:
     return 16 if tuple(t.block_shape) == (16, 16) else 1
 
@@ -192,10 +199,14 @@ def dequantize_fp16(t: NVFP4Tensor, rows: slice | None = None) -> torch.Tensor:
     if R and C:
         data, scale = t.data[r0:r1], t.scale[r0 // div:]
         words = out.view(torch.int32)  # [R, C/2]: one word per packed byte
-        BR, BC = (16, 256) if data.is_cuda else (16, 32)
-        _dequant_kernel[(triton.cdiv(R, BR), triton.cdiv(C // 2, BC))](
-            data, scale, words, R, C, data.stride(0), scale.stride(0), scale.stride(1), words.stride(0),
-            SCALE_DIV=div, BR=BR, BC=BC, num_warps=4)
+        args = (data, scale, words, R, C, data.stride(0), scale.stride(0), scale.stride(1), words.stride(0))
+        if data.is_cuda and not interpreting() and R * C >= 2**22:
+            grid = lambda meta: (triton.cdiv(R, meta["BR"]), triton.cdiv(C // 2, meta["BC"]))  # noqa: E731
+            _dequant_autotuned[grid](*args, SCALE_DIV=div)
+        else:
+            BR, BC = (16, 256) if data.is_cuda else (16, 32)
+            _dequant_kernel[(triton.cdiv(R, BR), triton.cdiv(C // 2, BC))](*args, SCALE_DIV=div, BR=BR, BC=BC,
+                                                                             num_warps=4)
     return out
 
 
@@ -247,26 +258,34 @@ def nvfp4_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype,
     gsb = b.global_scale.reshape(1).float()
     kw = dict(A_SCALE_DIV=_scale_div(a), HAS_BIAS=bias is not None, B_TMA=use_tma, A_STAGED=stage_a,
               USE_ASM=_use_asm(a.data) and not interpreting())
-    for n0, n1 in _chunks(N, K):
-        b16 = dequantize_fp16(b, slice(n0, n1))
-        b_arg = _tma_desc(b16) if use_tma else b16
+    # Staged chunks: the operand with fewer restaging bytes goes in the inner loop. One chunk of each
+    # operand is alive at a time.
+    a_rows = _chunks(M, K) if stage_a else [(0, M)]
+    b_rows = _chunks(N, K)
+    a_outer = stage_a and len(a_rows) * N < len(b_rows) * M
+    pairs = [(ar, br) for ar in a_rows for br in b_rows] if a_outer else [(ar, br) for br in b_rows for ar in a_rows]
+    a_cur = b_cur = None
+    for (m0, m1), (n0, n1) in pairs:
+        if b_cur is None or b_cur[0] != n0:
+            b_cur = None
+            b16 = dequantize_fp16(b, slice(n0, n1))
+            b_cur = (n0, b16, _tma_desc(b16) if use_tma else b16)
+        if stage_a and (a_cur is None or a_cur[0] != m0):
+            a_cur = None
+            a16 = dequantize_fp16(a, slice(m0, m1))
+            a_cur = (m0, a16, _tma_desc(a16) if use_tma else a16)
+        _, b16, b_arg = b_cur
+        a_src, a_arg = (a_cur[1], a_cur[2]) if stage_a else (a.data, b_arg)
         bias_t = bias[n0:n1].contiguous() if bias is not None else out
-        for m0, m1 in (_chunks(M, K) if stage_a else [(0, M)]):
-            if stage_a:
-                a_src = dequantize_fp16(a, slice(m0, m1))
-                a_arg = _tma_desc(a_src) if use_tma else a_src
-            else:
-                a_src, a_arg = a.data, b_arg
-            tile = out[m0:m1, n0:n1]
-            m, n = m1 - m0, n1 - n0
-            args = (a_src, a.scale, a_arg, b16, b_arg, gsa, gsb, bias_t, tile, m, n, K, a_src.stride(0),
-                    a.scale.stride(0), a.scale.stride(1), b16.stride(0), tile.stride(0), tile.stride(1))
-            if autotune:
-                grid = lambda meta, m=m, n=n: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)  # noqa: E731
-                _nvfp4_gemm_autotuned[grid](*args, **kw)
-            else:
-                grid = (triton.cdiv(m, SMALL_TILES["BM"]) * triton.cdiv(n, SMALL_TILES["BN"]),)
-                _nvfp4_gemm_kernel[grid](*args, **kw, **SMALL_TILES)
-            del a_src, a_arg
-        del b16, b_arg
+        tile = out[m0:m1, n0:n1]
+        m, n = m1 - m0, n1 - n0
+        args = (a_src, a.scale, a_arg, b16, b_arg, gsa, gsb, bias_t, tile, m, n, K, a_src.stride(0),
+                a.scale.stride(0), a.scale.stride(1), b16.stride(0), tile.stride(0), tile.stride(1))
+        if autotune:
+            grid = lambda meta, m=m, n=n: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)  # noqa: E731
+            _nvfp4_gemm_autotuned[grid](*args, **kw)
+        else:
+            grid = (triton.cdiv(m, SMALL_TILES["BM"]) * triton.cdiv(n, SMALL_TILES["BN"]),)
+            _nvfp4_gemm_kernel[grid](*args, **kw, **SMALL_TILES)
+        del b16, b_arg, a_src, a_arg
     return out
