@@ -244,3 +244,26 @@ def test_linear_on_emulated_backend_equals_reference_backend(weight_2d):
         outs[backend] = (y.detach(), x.grad, lin.weight.grad, lin.bias.grad)
     for name, r, e in zip(("y", "dx", "dw", "db"), outs["reference"], outs["emulated"]):
         assert torch.allclose(r, e, rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_long_contraction_splits_k_with_fp32_partials(monkeypatch, bias):
+    """wgrad-like shapes (K >= M, N) past the staging budget run as K chunks with fp32 partial sums:
+    the same fp32 accumulation in another order, so float64-close rather than bit-equal."""
+    from titan_nvfp4.kernels import gemm as g
+
+    a = quantize_nvfp4(inputs(40, 1024, "heavy", torch.float32))
+    b = quantize_nvfp4(inputs(48, 1024, "normal", torch.float32))
+    bvec = torch.randn(48, device=DEV) if bias else None
+    monkeypatch.setattr(g, "STAGE_BYTES", 2 * 1024 * 12)  # 256-column chunks: four launches
+    calls = []
+    real = g._launch_gemm
+    monkeypatch.setattr(g, "_launch_gemm", lambda *args: (calls.append(args[2]), real(*args)))
+    y = nvfp4_gemm_triton(a, b, torch.float32, bvec, stage_a=True)
+    assert [(c["ACC_IN"], c["FINAL"]) for c in calls] == [(False, False), (True, False), (True, False), (True, True)]
+    exact = a.dequantize(torch.float64) @ b.dequantize(torch.float64).t()
+    if bias:
+        exact = exact + bvec.double()
+    assert (y.double() - exact).norm() / exact.norm() < 1e-5
+    ref = gemm_reference(a, b, torch.float32, bvec)
+    assert torch.isclose(y, ref, rtol=1e-5, atol=1e-6).float().mean() > 0.999

@@ -97,12 +97,14 @@ def _dequant_a(raw, s16, R: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexp
 
 
 @triton.jit
-def _nvfp4_gemm_kernel(A, SA, a_desc, B, b_desc, GSA, GSB, BIAS, C, M, N, K, sam, ssam, ssak, sbn, scm, scn,
+def _nvfp4_gemm_kernel(A, SA, a_desc, B, b_desc, GSA, GSB, BIAS, C, P, M, N, K, sam, ssam, ssak, sbn, scm, scn,
                        A_SCALE_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, B_TMA: tl.constexpr, A_STAGED: tl.constexpr,
-                       USE_ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       GROUP_M: tl.constexpr):
+                       ACC_IN: tl.constexpr, FINAL: tl.constexpr, USE_ASM: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     """C[M, N] = A[M, K] · B[N, K]ᵀ (B staged fp16), scaled in the epilogue. A is packed NVFP4 and
-    dequantized here, or with A_STAGED staged fp16 like B (then read through TMA when B_TMA)."""
+    dequantized here, or with A_STAGED staged fp16 like B (then read through TMA when B_TMA).
+    Split along K: ACC_IN adds the fp32 partial sums in P [M, N] (contiguous) to this launch's, and a
+    launch that is not FINAL writes its unscaled sums back to P instead of C."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -146,11 +148,18 @@ def _nvfp4_gemm_kernel(A, SA, a_desc, B, b_desc, GSA, GSB, BIAS, C, M, N, K, sam
 
     if not A_STAGED:
         acc = acc * 16384.0  # 2^14 undoes the 2^-14 of A dequantized in registers, exactly
-    out = acc * (tl.load(GSA) * tl.load(GSB))
-    if HAS_BIAS:
-        out = out + tl.load(BIAS + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    c_ptr = C + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
-    tl.store(c_ptr, out.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    mask = mask_m[:, None] & mask_n[None, :]
+    p_ptr = P + rm[:, None].to(tl.int64) * N + rn[None, :]
+    if ACC_IN:
+        acc = tl.load(p_ptr, mask=mask, other=0.0) + acc
+    if FINAL:
+        out = acc * (tl.load(GSA) * tl.load(GSB))
+        if HAS_BIAS:
+            out = out + tl.load(BIAS + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        c_ptr = C + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
+        tl.store(c_ptr, out.to(C.dtype.element_ty), mask=mask)
+    else:
+        tl.store(p_ptr, acc, mask=mask)
 
 
 _nvfp4_gemm_autotuned = triton.autotune(configs=_configs(), key=["M", "N", "K", "A_SCALE_DIV", "B_TMA", "A_STAGED"])(
@@ -188,16 +197,18 @@ def _scale_div(t: NVFP4Tensor) -> int:
     return 16 if tuple(t.block_shape) == (16, 16) else 1
 
 
-def dequantize_fp16(t: NVFP4Tensor, rows: slice | None = None) -> torch.Tensor:
-    """fp16 [R, C] of q·e_b (no global scale) over the storage rows ``rows``: exact (see module doc)."""
+def dequantize_fp16(t: NVFP4Tensor, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+    """fp16 [R, C] of q·e_b (no global scale) over storage rows ``rows`` and columns ``cols`` (whole
+    16-blocks): exact (see module doc)."""
     r0, r1 = (0, t.storage_shape[0]) if rows is None else (rows.start, rows.stop)
-    R, C = r1 - r0, t.storage_shape[1]
+    c0, c1 = (0, t.storage_shape[1]) if cols is None else (cols.start, cols.stop)
+    R, C = r1 - r0, c1 - c0
     div = _scale_div(t)
-    if r0 % div:
-        raise ValueError(f"dequantize_fp16: row offset {r0} splits a 16x16 scale block")
+    if r0 % div or c0 % 16 or C % 16:
+        raise ValueError(f"dequantize_fp16: rows from {r0} / columns {c0}:{c1} split a scale block")
     out = torch.empty((R, C), dtype=torch.float16, device=t.data.device)
     if R and C:
-        data, scale = t.data[r0:r1], t.scale[r0 // div:]
+        data, scale = t.data[r0:r1, c0 // 2:c1 // 2], t.scale[r0 // div:, c0 // 16:]
         words = out.view(torch.int32)  # [R, C/2]: one word per packed byte
         args = (data, scale, words, R, C, data.stride(0), scale.stride(0), scale.stride(1), words.stride(0))
         if data.is_cuda and not interpreting() and R * C >= 2**22:
@@ -222,6 +233,16 @@ def _tma_desc(t: torch.Tensor):
     from triton.tools.tensor_descriptor import TensorDescriptor
     block = [SMALL_TILES["BN"], SMALL_TILES["BK"]]  # autotuning sets each config's tile shape
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+
+def _launch_gemm(autotune: bool, args: tuple, kw: dict) -> None:
+    m, n = args[10], args[11]
+    if autotune:
+        grid = lambda meta: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)  # noqa: E731
+        _nvfp4_gemm_autotuned[grid](*args, **kw)
+    else:
+        _nvfp4_gemm_kernel[(triton.cdiv(m, SMALL_TILES["BM"]) * triton.cdiv(n, SMALL_TILES["BN"]),)](
+            *args, **kw, **SMALL_TILES)
 
 
 def _chunks(rows: int, K: int):
@@ -258,6 +279,21 @@ def nvfp4_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype,
     gsb = b.global_scale.reshape(1).float()
     kw = dict(A_SCALE_DIV=_scale_div(a), HAS_BIAS=bias is not None, B_TMA=use_tma, A_STAGED=stage_a,
               USE_ASM=_use_asm(a.data) and not interpreting())
+    if stage_a and K >= max(M, N) and 2 * K * max(M, N) > STAGE_BYTES:
+        # wgrad-like (long contraction, small output): row chunks would give launches of a few tiles,
+        # so split K instead and carry fp32 partial sums in a [M, N] buffer
+        kc = max(256, (STAGE_BYTES // (2 * max(M, N))) // 256 * 256)
+        part = torch.empty((M, N), dtype=torch.float32, device=out.device)
+        for k0 in range(0, K, kc):
+            k1 = min(K, k0 + kc)
+            a16, b16 = dequantize_fp16(a, cols=slice(k0, k1)), dequantize_fp16(b, cols=slice(k0, k1))
+            a_arg, b_arg = (_tma_desc(a16), _tma_desc(b16)) if use_tma else (a16, b16)
+            _launch_gemm(autotune, (a16, a.scale, a_arg, b16, b_arg, gsa, gsb, bias if bias is not None else out,
+                                    out, part, M, N, k1 - k0, a16.stride(0), a.scale.stride(0), a.scale.stride(1),
+                                    b16.stride(0), out.stride(0), out.stride(1)),
+                         dict(kw, ACC_IN=k0 > 0, FINAL=k1 == K))
+            del a16, b16, a_arg, b_arg
+        return out
     # Staged chunks: the operand with fewer restaging bytes goes in the inner loop. One chunk of each
     # operand is alive at a time.
     a_rows = _chunks(M, K) if stage_a else [(0, M)]
@@ -278,14 +314,8 @@ def nvfp4_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype,
         a_src, a_arg = (a_cur[1], a_cur[2]) if stage_a else (a.data, b_arg)
         bias_t = bias[n0:n1].contiguous() if bias is not None else out
         tile = out[m0:m1, n0:n1]
-        m, n = m1 - m0, n1 - n0
-        args = (a_src, a.scale, a_arg, b16, b_arg, gsa, gsb, bias_t, tile, m, n, K, a_src.stride(0),
-                a.scale.stride(0), a.scale.stride(1), b16.stride(0), tile.stride(0), tile.stride(1))
-        if autotune:
-            grid = lambda meta, m=m, n=n: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)  # noqa: E731
-            _nvfp4_gemm_autotuned[grid](*args, **kw)
-        else:
-            grid = (triton.cdiv(m, SMALL_TILES["BM"]) * triton.cdiv(n, SMALL_TILES["BN"]),)
-            _nvfp4_gemm_kernel[grid](*args, **kw, **SMALL_TILES)
+        _launch_gemm(autotune, (a_src, a.scale, a_arg, b16, b_arg, gsa, gsb, bias_t, tile, tile, m1 - m0, n1 - n0, K,
+                                a_src.stride(0), a.scale.stride(0), a.scale.stride(1), b16.stride(0), tile.stride(0),
+                                tile.stride(1)), dict(kw, ACC_IN=False, FINAL=True))
         del b16, b_arg, a_src, a_arg
     return out
