@@ -10,6 +10,8 @@
 # Environment: BATCHES  local batch sizes tried in order until both arms run without running out of
 #                       memory (default "32 24 16"; BATCHES=16 runs one size only)
 #              SKIP     warm-up steps left out of the report (default 5)
+#              PYTORCH_ALLOC_CONF  allocator settings (default expandable_segments:True, as TorchTitan's
+#                       run_train.sh)
 #              ARM_TIMEOUT  seconds per training run before it is stopped (default 240; the report
 #                       still uses the steps logged so far)
 set -uo pipefail
@@ -21,6 +23,10 @@ mkdir -p "$out"
 source scripts/device_setup.sh > "$out/device_setup.log" 2>&1 || { cat "$out/device_setup.log"; exit 1; }
 grep -E "^versions:|^torch .*cuda|import check" "$out/device_setup.log"
 python -m titan_nvfp4.data.prepare > "$out/prepare.log" 2>&1 || { tail -20 "$out/prepare.log"; exit 1; }
+
+# TorchTitan's own launcher (run_train.sh) runs with expandable segments; so do both arms here
+export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
+echo "PYTORCH_ALLOC_CONF=$PYTORCH_ALLOC_CONF"
 
 oom() { grep -qE "OutOfMemoryError|CUDA out of memory" "$1"; }
 for bs in ${BATCHES:-32 24 16}; do
@@ -46,7 +52,7 @@ done
   echo
   echo "GPU: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -1);" \
        "$(python -c 'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}")' 2>&1 | tail -1);" \
-       "extra args: ${extra[*]:-none}"
+       "extra args: ${extra[*]:-none}; PYTORCH_ALLOC_CONF=$PYTORCH_ALLOC_CONF"
   echo
   python -m titan_nvfp4.tools.e2e_report "$out/llama3_2b_bench_bf16_bs${bs}.log" \
       "$out/llama3_2b_bench_nvfp4_bs${bs}.log" --skip "${SKIP:-5}" --json "$out/e2e_bench.json"
