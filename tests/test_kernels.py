@@ -256,6 +256,7 @@ def test_long_contraction_splits_k_with_fp32_partials(monkeypatch, bias):
     b = quantize_nvfp4(inputs(48, 1024, "normal", torch.float32))
     bvec = torch.randn(48, device=DEV) if bias else None
     monkeypatch.setattr(g, "STAGE_BYTES", 2 * 1024 * 12)  # 256-column chunks: four launches
+    monkeypatch.setattr(g, "MIN_CHUNK_ROWS", 64)  # row chunks of 256 rows would hold all 48: only K splits
     calls = []
     real = g._launch_gemm
     monkeypatch.setattr(g, "_launch_gemm", lambda *args: (calls.append(args[2]), real(*args)))

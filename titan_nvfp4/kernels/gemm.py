@@ -29,6 +29,8 @@ from ..ops.backends import interpreting
 
 #: Staging budget per operand (bytes of fp16); larger operands are staged in row chunks.
 STAGE_BYTES = 64 * 2**20
+#: Row chunks shorter than this make launches of too few tiles; long contractions then split K.
+MIN_CHUNK_ROWS = 2048
 #: Stage A as fp16 as well (both operands through TMA) instead of dequantizing it in registers.
 STAGE_A = True
 
@@ -279,9 +281,10 @@ def nvfp4_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype,
     gsb = b.global_scale.reshape(1).float()
     kw = dict(A_SCALE_DIV=_scale_div(a), HAS_BIAS=bias is not None, B_TMA=use_tma, A_STAGED=stage_a,
               USE_ASM=_use_asm(a.data) and not interpreting())
-    if stage_a and K >= max(M, N) and 2 * K * max(M, N) > STAGE_BYTES:
+    if stage_a and K >= max(M, N) and STAGE_BYTES // (2 * K) < min(MIN_CHUNK_ROWS, max(M, N)):
         # wgrad-like (long contraction, small output): row chunks would give launches of a few tiles,
-        # so split K instead and carry fp32 partial sums in a [M, N] buffer
+        # so split K instead and carry fp32 partial sums in a [M, N] buffer (whose traffic grows with
+        # the number of K chunks: hence only when the row chunks would be that small)
         kc = max(256, (STAGE_BYTES // (2 * max(M, N))) // 256 * 256)
         part = torch.empty((M, N), dtype=torch.float32, device=out.device)
         for k0 in range(0, K, kc):
