@@ -18,6 +18,7 @@ import torch
 import triton
 
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
+from titan_nvfp4.kernels import gemm as _g
 from titan_nvfp4.kernels.gemm import nvfp4_gemm_triton
 from titan_nvfp4.kernels.quantize import quantize_operand, quantize_weight_2d
 from titan_nvfp4.numerics.rht import rht_signs
@@ -50,8 +51,7 @@ def main() -> int:
     ap.add_argument("--stage-a", type=int, choices=(0, 1), default=None,
                     help="GEMM operand A staged as fp16 (1) or dequantized in registers (0) in the Linear rows")
     args = ap.parse_args()
-    from titan_nvfp4.kernels import gemm as _gemm_mod
-    args.stage_a = bool(_gemm_mod.STAGE_A if args.stage_a is None else args.stage_a)
+    args.stage_a = bool(_g.STAGE_A if args.stage_a is None else args.stage_a)
     torch.manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     copy_bw = copy_ceiling()
@@ -104,8 +104,6 @@ def main() -> int:
     res["quantize"] = rows
 
     # --- emulated GEMM
-    from titan_nvfp4.kernels import gemm as _g
-
     print("\n| GEMM M×N×K | A staged ms | TFLOP/s | A in registers ms | TFLOP/s | cuBLAS bf16 TFLOP/s | staged / cuBLAS | registers / cuBLAS |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     gem = []
@@ -161,7 +159,7 @@ def main() -> int:
         print(f"| {m}×{k}×{nn_} | {out['bf16'][0]:.3f} | {out['nvfp4'][0]:.3f} | {ratio:.2f}× | {out['bf16'][1]:.2f} | {out['nvfp4'][1]:.2f} |")
     res["linear"] = lin_rows
     res["linear_stage_a"] = args.stage_a
-    for name, tuner in (("gemm", _g._nvfp4_gemm_autotuned), ("quantize", _q._quantize_autotuned),
+    for name, tuner in (("gemm", _g._nvfp4_gemm_autotuned), ("dequant", _g._dequant_autotuned), ("quantize", _q._quantize_autotuned),
                         ("quantize_2d", _q._quantize_2d_autotuned), ("amax", _q._amax_autotuned)):
         picked = {str(k): str(v) for k, v in tuner.cache.items()}
         res[f"tiles_{name}"] = picked
