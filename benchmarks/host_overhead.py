@@ -1,0 +1,67 @@
+"""Host (CPU) time per call of each NVFP4 launcher, on inputs small enough that the GPU never limits:
+what a Linear forward+backward pays in Python and launch overhead before any kernel runs.
+
+    python benchmarks/host_overhead.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
+from titan_nvfp4.kernels import gemm as g
+from titan_nvfp4.kernels.quantize import quantize_operand, quantize_weight_2d
+from titan_nvfp4.numerics.rht import rht_signs
+from titan_nvfp4.ops import library
+
+
+def host_us(fn, n=100) -> float:  # few enough calls that the launch queue never fills
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def main() -> None:
+    x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)  # large enough to take the autotuned paths
+    signs = rht_signs(0, "cuda")
+    seed = torch.full((1,), 3, dtype=torch.int64, device="cuda")
+    a, _ = quantize_operand(x[:256])
+    b, _ = quantize_weight_2d(x[:256], emit_transpose=False)
+    layer = NVFP4Linear(4096, 4096, bias=False, device="cuda", dtype=torch.bfloat16, recipe=NVFP4Recipe())
+    xx = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def linear_step():
+        layer(xx).sum().backward()
+
+    cases = {
+        "empty kernel-free torch op (torch.empty)": lambda: torch.empty(16, device="cuda"),
+        "tiny torch kernel (x.add_(0))": lambda: x.add_(0),
+        "quantize_operand row (amax + quantize)": lambda: quantize_operand(x),
+        "quantize_operand row + RHT col": lambda: quantize_operand(x, colwise=True, signs=signs),
+        "quantize_operand SR row + col": lambda: quantize_operand(x, colwise=True, signs=signs, stochastic_row=True,
+                                                                  stochastic_col=True, seed=seed),
+        "custom op titan_nvfp4::quantize (row + col)": lambda: library.quantize(x, True, True, signs, False, False, None),
+        "quantize_weight_2d": lambda: quantize_weight_2d(x),
+        "dequantize_fp16 (staging)": lambda: g.dequantize_fp16(b),
+        "gemm, A staged, TMA": lambda: g.nvfp4_gemm_triton(a, b, torch.bfloat16, stage_a=True),
+        "gemm, A in registers, TMA": lambda: g.nvfp4_gemm_triton(a, b, torch.bfloat16, stage_a=False),
+        "gemm, A staged, no TMA": lambda: g.nvfp4_gemm_triton(a, b, torch.bfloat16, stage_a=True, use_tma=False),
+        "gemm, autotune off": lambda: g.nvfp4_gemm_triton(a, b, torch.bfloat16, autotune=False),
+        "NVFP4Linear forward+backward (2048x4096x4096)": linear_step,
+    }
+    print("| launcher | host µs per call |")
+    print("| --- | ---: |")
+    for name, fn in cases.items():
+        print(f"| {name} | {host_us(fn):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
