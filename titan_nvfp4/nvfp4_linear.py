@@ -3,7 +3,7 @@
 It subclasses nn.Linear and keeps its parameters (`weight`, `bias`), so state_dict keys, init_weights
 code that touches `.weight`, and BF16 checkpoints all carry over unchanged. Its two extra buffers,
 the stochastic-rounding counter and the RHT signs, are non-persistent and rebuilt from the recipe
-when a meta-device module is materialized.
+when a meta-device module is materialized or the module moves to another device.
 """
 
 from __future__ import annotations
@@ -65,10 +65,11 @@ class NVFP4Linear(nn.Linear):
                 self.rht_signs.copy_(rht_signs(self.recipe.rht_seed))
 
     def _apply(self, fn, recurse: bool = True):
-        # to_empty() / to() of a meta module gives uninitialized buffers: refill them
-        was_meta = self.sr_counter.is_meta
+        # to_empty() of a meta module (TorchTitan's materialization) leaves the buffers uninitialized,
+        # and so does to_empty() onto another device: refill them then (a dtype cast keeps them)
+        before = self.sr_counter.device
         super()._apply(fn, recurse)
-        if was_meta:
+        if before.type == "meta" or self.sr_counter.device != before:
             self._reset_nvfp4_buffers()
         return self
 
