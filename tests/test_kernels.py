@@ -268,3 +268,17 @@ def test_long_contraction_splits_k_with_fp32_partials(monkeypatch, bias):
     assert (y.double() - exact).norm() / exact.norm() < 1e-5
     ref = gemm_reference(a, b, torch.float32, bvec)
     assert torch.isclose(y, ref, rtol=1e-5, atol=1e-6).float().mean() > 0.999
+
+
+@pytest.mark.skipif(not GPU, reason="autotuned large-tile configs only run compiled")
+def test_autotuned_k_split_is_not_corrupted_by_benchmark_reruns(monkeypatch):
+    """The autotuner runs each config several times; a K chunk that adds into the fp32 partial sums
+    must start from the same partial sums every time (restore_value), on a fresh autotuning key."""
+    from titan_nvfp4.kernels import gemm as g
+
+    a = quantize_nvfp4(inputs(512 + 16, 8192, "heavy", torch.bfloat16))
+    b = quantize_nvfp4(inputs(384, 8192, "normal", torch.bfloat16))
+    monkeypatch.setattr(g, "STAGE_BYTES", 2 * 8192 * 64)  # 64-row budget: K splits into 768-column chunks
+    y = nvfp4_gemm_triton(a, b, torch.float32, autotune=True, stage_a=True)
+    exact = a.dequantize(torch.float64) @ b.dequantize(torch.float64).t()
+    assert (y.double() - exact).norm() / exact.norm() < 1e-5
