@@ -23,25 +23,14 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from titan_nvfp4.kernels.gemm import _dequant_asm
+from titan_nvfp4.kernels.gemm import _dequant_asm, grouped_tile
 from titan_nvfp4.numerics.nvfp4 import quantize_nvfp4
-
-
-@triton.jit
-def _pid(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    return first_m + (pid % group) % size_m, (pid % group) // size_m
 
 
 @triton.jit
 def _k_rs(A, SA, b_desc, C, GS, M, N, K, sam, ssam, scm,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, EXPAND: tl.constexpr):
-    pid_m, pid_n = _pid(M, N, BM, BN, GROUP_M)
+    pid_m, pid_n = grouped_tile(M, N, BM, BN, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rb = tl.arange(0, BK // 2)
     a_ptr = A + rm[:, None].to(tl.int64) * sam + rb[None, :]
@@ -73,7 +62,7 @@ def _k_rs(A, SA, b_desc, C, GS, M, N, K, sam, ssam, scm,
 @triton.jit
 def _k_rsa(A, SA, b_desc, C, GS, M, N, K, sam, ssam, scm,
            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, JOIN: tl.constexpr):
-    pid_m, pid_n = _pid(M, N, BM, BN, GROUP_M)
+    pid_m, pid_n = grouped_tile(M, N, BM, BN, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rb = tl.arange(0, BK // 2)
     a_ptr = A + rm[:, None].to(tl.int64) * sam + rb[None, :]
@@ -103,7 +92,7 @@ def _k_rsa(A, SA, b_desc, C, GS, M, N, K, sam, ssam, scm,
 @triton.jit
 def _k_f16(a_desc, b_desc, C, GS, M, N, K, scm,
            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    pid_m, pid_n = _pid(M, N, BM, BN, GROUP_M)
+    pid_m, pid_n = grouped_tile(M, N, BM, BN, GROUP_M)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         a = a_desc.load([pid_m * BM, k0])

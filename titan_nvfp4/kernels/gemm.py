@@ -99,6 +99,17 @@ def _dequant_a(raw, s16, R: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexp
 
 
 @triton.jit
+def grouped_tile(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """(tile row, tile column) of this program, walking GROUP_M tile rows per column so that
+    neighbouring programs share operand tiles in L2."""
+    pid = tl.program_id(0)
+    group = GROUP_M * tl.cdiv(N, BN)
+    first_m = (pid // group) * GROUP_M
+    size_m = min(tl.cdiv(M, BM) - first_m, GROUP_M)
+    return first_m + (pid % group) % size_m, (pid % group) // size_m
+
+
+@triton.jit
 def _nvfp4_gemm_kernel(A, SA, a_desc, B, b_desc, GSA, GSB, BIAS, C, P, M, N, K, sam, ssam, ssak, sbn, scm, scn,
                        A_SCALE_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, B_TMA: tl.constexpr, A_STAGED: tl.constexpr,
                        ACC_IN: tl.constexpr, FINAL: tl.constexpr, USE_ASM: tl.constexpr, BM: tl.constexpr,
@@ -107,15 +118,7 @@ def _nvfp4_gemm_kernel(A, SA, a_desc, B, b_desc, GSA, GSB, BIAS, C, P, M, N, K, 
     dequantized here, or with A_STAGED staged fp16 like B (then read through TMA when B_TMA).
     Split along K: ACC_IN adds the fp32 partial sums in P [M, N] (contiguous) to this launch's, and a
     launch that is not FINAL writes its unscaled sums back to P instead of C."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % size_m
-    pid_n = (pid % group) // size_m
-
+    pid_m, pid_n = grouped_tile(M, N, BM, BN, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rb = tl.arange(0, BK // 2)

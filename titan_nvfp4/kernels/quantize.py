@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ..numerics.nvfp4 import NVFP4Tensor, global_encode_scale
+from ..ops.library import operand_pair, weight_pair
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
 from .nvfp4_jit import (amax16, block_scales, e2m1_rne, e2m1_stochastic, pack16_along_slices, pack_pairs,
                         quantize_rows16, rht16_slices, uniforms16)
@@ -251,13 +252,9 @@ def quantize_operand(x2d: torch.Tensor, *, rowwise: bool = True, colwise: bool =
     """NVFP4 of x2d [M, K] with 1×16 blocks along K (``rowwise``) and of x2dᵀ with 16-element blocks
     along the tokens, after the RHT when ``signs`` is given, tokens zero-padded to a multiple of 16
     (``colwise``): both from one read of x2d. ``seed``: an int64 device tensor for Philox."""
-    rd, rs, cd, cs, gs = quantize_operand_tensors(
-        x2d, rowwise=rowwise, colwise=colwise, signs=signs, stochastic_row=stochastic_row,
-        stochastic_col=stochastic_col, seed=seed, amax=amax, amax_col=amax_col)
-    M, K = x2d.shape
-    row = NVFP4Tensor(rd, rs, gs[0], x2d.shape, (1, 16)) if rowwise else None
-    col = NVFP4Tensor(cd, cs, gs[1], torch.Size((K, M + (-M) % 16)), (1, 16)) if colwise else None
-    return row, col
+    out = quantize_operand_tensors(x2d, rowwise=rowwise, colwise=colwise, signs=signs, stochastic_row=stochastic_row,
+                                   stochastic_col=stochastic_col, seed=seed, amax=amax, amax_col=amax_col)
+    return operand_pair(out, x2d.shape, rowwise, colwise)
 
 
 def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None, emit_transpose: bool = True):
@@ -291,8 +288,5 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
 def quantize_weight_2d(w: torch.Tensor, amax: torch.Tensor | None = None,
                        emit_transpose: bool = True) -> tuple[NVFP4Tensor, NVFP4Tensor | None]:
     """16×16-block NVFP4 of w [N, K] and, sharing its scales, of wᵀ (what dgrad reads)."""
-    d, s, dt, st, gs = quantize_weight_2d_tensors(w, amax, emit_transpose)
-    N, K = w.shape
-    wq = NVFP4Tensor(d, s, gs[0], w.shape, (16, 16))
-    wt = NVFP4Tensor(dt, st, gs[0], torch.Size((K, N)), (16, 16)) if emit_transpose else None
-    return wq, wt
+    wq, wt = weight_pair(quantize_weight_2d_tensors(w, amax, emit_transpose), w.shape)
+    return wq, (wt if emit_transpose else None)

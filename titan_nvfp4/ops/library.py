@@ -22,6 +22,24 @@ from ..numerics.nvfp4 import NVFP4Tensor
 Tensor = torch.Tensor
 
 
+def operand_pair(out, shape: torch.Size, rowwise: bool, colwise: bool) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
+    """NVFP4Tensors from the outputs of ``quantize`` for a 2D operand of ``shape`` [M, K]: the
+    rowwise operand, and the column operand of xᵀ [K, M padded to 16]."""
+    rd, rs, cd, cs, gs = out
+    m, k = shape
+    row = NVFP4Tensor(rd, rs, gs[0], torch.Size(shape), (1, 16)) if rowwise else None
+    col = NVFP4Tensor(cd, cs, gs[1], torch.Size((k, m + (-m) % 16)), (1, 16)) if colwise else None
+    return row, col
+
+
+def weight_pair(out, shape: torch.Size) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    """NVFP4Tensors of W [N, K] and Wᵀ from the outputs of ``quantize_2d`` (16×16 blocks, one scale)."""
+    d, s, dt, st, gs = out
+    n, k = shape
+    return (NVFP4Tensor(d, s, gs[0], torch.Size(shape), (16, 16)),
+            NVFP4Tensor(dt, st, gs[0], torch.Size((k, n)), (16, 16)))
+
+
 def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
     return like.new_empty((0,), dtype=dtype)
 

@@ -40,22 +40,13 @@ def _generator(seed: torch.Tensor | None, device: torch.device) -> torch.Generat
     return None if seed is None else torch.Generator(device=device).manual_seed(int(seed.reshape(-1)[0]))
 
 
-def _operands(out, x2d: torch.Tensor, rowwise: bool, colwise: bool) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
-    """NVFP4Tensors from the outputs of the titan_nvfp4::quantize op."""
-    rd, rs, cd, cs, gs = out
-    m, k = x2d.shape
-    row = NVFP4Tensor(rd, rs, gs[0], x2d.shape, (1, 16)) if rowwise else None
-    col = NVFP4Tensor(cd, cs, gs[1], torch.Size((k, m + (-m) % 16)), (1, 16)) if colwise else None
-    return row, col
-
-
 def quantize_activation(x2d: torch.Tensor, need_col: bool, signs: torch.Tensor | None,
                         backend: str) -> tuple[NVFP4Tensor, NVFP4Tensor | None]:
     """Forward operand X (1×16, nearest-even) and, when ``need_col``, its wgrad operand Xᵀ."""
     if backend == "reference":
         return quantize_rowwise(x2d), (quantize_wgrad_operand(x2d, signs) if need_col else None)
     out = library.quantize(x2d, True, need_col, signs, False, False, None)
-    return _operands(out, x2d, True, need_col)
+    return library.operand_pair(out, x2d.shape, True, need_col)
 
 
 def quantize_gradient(dy2d: torch.Tensor, need_row: bool, need_col: bool, signs: torch.Tensor | None,
@@ -69,7 +60,7 @@ def quantize_gradient(dy2d: torch.Tensor, need_row: bool, need_col: bool, signs:
         col = quantize_wgrad_operand(dy2d, signs, stochastic=sr, generator=gen) if need_col else None
         return row, col
     out = library.quantize(dy2d, need_row, need_col, signs, sr, sr, seed)
-    return _operands(out, dy2d, need_row, need_col)
+    return library.operand_pair(out, dy2d.shape, need_row, need_col)
 
 
 def quantize_weight(w: torch.Tensor, weight_2d: bool, backend: str) -> tuple[NVFP4Tensor, NVFP4Tensor]:
@@ -81,10 +72,8 @@ def quantize_weight(w: torch.Tensor, weight_2d: bool, backend: str) -> tuple[NVF
             return wq, wq.t()
         return quantize_rowwise(w), quantize_rowwise(w.t().contiguous())
     if weight_2d:
-        d, s, dt, st, gs = library.quantize_2d(w)
-        n, k = w.shape
-        return (NVFP4Tensor(d, s, gs[0], w.shape, (16, 16)),
-                NVFP4Tensor(dt, st, gs[0], torch.Size((k, n)), (16, 16)))
-    wq, _ = _operands(library.quantize(w, True, False, None, False, False, None), w, True, False)
-    wt, _ = _operands(library.quantize(w.t(), True, False, None, False, False, None), w.t(), True, False)
+        return library.weight_pair(library.quantize_2d(w), w.shape)
+    wq, _ = library.operand_pair(library.quantize(w, True, False, None, False, False, None), w.shape, True, False)
+    wt, _ = library.operand_pair(library.quantize(w.t(), True, False, None, False, False, None), w.t().shape,
+                                 True, False)
     return wq, wt
