@@ -65,32 +65,33 @@ def sign_bit(v):
 
 
 @triton.jit
+def _grid_code(r):
+    """E2M1 magnitude code of r, a value of the grid {0, 0.5, 1, 1.5, 2, 3, 4, 6}: read off the exponent
+    and top mantissa bit (fewer instructions than 7 compares)."""
+    return tl.where(r < 1.0, (r * 2.0).to(tl.int32), (r.to(tl.int32, bitcast=True) >> 22) - 252)
+
+
+@triton.jit
 def e2m1_rne(v):
     """Twin of formats.e2m1_encode_rne: fp32 to E2M1 code (uint8), ties to even, saturating; NaN -> 0.
-    Rounds with an fp32 add of 2^22, 2^23 or 2^24 (grid steps 0.5, 1, 2 below 2, 4, 6), then reads the
-    code off the rounded value's exponent and top mantissa bit: fewer instructions than 7 compares."""
+    Rounds with an fp32 add of 2^22, 2^23 or 2^24 (grid steps 0.5, 1, 2 below 2, 4, 6)."""
     a = tl.minimum(tl.abs(v), 6.0)
     magic = tl.where(a < 2.0, 4194304.0, tl.where(a < 4.0, 8388608.0, 16777216.0))
     r = (a + magic) - magic  # one of 0, 0.5, 1, 1.5, 2, 3, 4, 6
-    c = tl.where(r < 1.0, (r * 2.0).to(tl.int32), (r.to(tl.int32, bitcast=True) >> 22) - 252)
-    return tl.where(v == v, c, 0).to(tl.uint8) | sign_bit(v)
+    return tl.where(v == v, _grid_code(r), 0).to(tl.uint8) | sign_bit(v)
 
 
 @triton.jit
 def e2m1_stochastic(v, u):
     """Twin of formats.e2m1_encode_stochastic with uniforms u in [0, 1): up with probability
-    (|v| - lo) / (hi - lo); saturating; NaN -> 0."""
+    (|v| - lo) / (hi - lo); saturating; NaN -> 0. The grid step below 2, 4, 6 is 0.5, 1, 2, so
+    t = |v| / step is exact and lo = floor(t)·step, frac = t - floor(t) are the reference's values."""
     a = tl.minimum(tl.abs(v), 6.0)
-    idx = (a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32) \
-        + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32) + (a >= 6.0).to(tl.int32)
-    # grid[idx] and the gap to grid[idx + 1]; the gaps are powers of two, so * (1/gap) == / gap exactly
-    lo = tl.where(idx < 4, idx.to(tl.float32) * 0.5, tl.where(idx < 7, (idx - 2).to(tl.float32), 6.0))
-    lo = tl.where(idx == 6, 4.0, lo)
-    inv_gap = tl.where(idx < 4, 2.0, tl.where(idx < 6, 1.0, tl.where(idx == 6, 0.5, 1.0)))
-    frac = tl.where(idx == 7, 0.0, (a - lo) * inv_gap)
-    c = idx + (u < frac).to(tl.int32)
-    c = tl.where(v == v, c, 0).to(tl.uint8)
-    return c | sign_bit(v)
+    step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
+    t = a * tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
+    lo = tl.floor(t)
+    r = (lo + (u < t - lo).to(tl.float32)) * step  # a = 6 gives t - lo = 0: stays at 6
+    return tl.where(v == v, _grid_code(r), 0).to(tl.uint8) | sign_bit(v)
 
 
 @triton.jit
@@ -132,16 +133,14 @@ def amax16(xs):
 
 
 @triton.jit
-def uniforms16(seed, counter):
-    """16 tiles of uniforms in [0, 1) with 16 random bits each (a rounding up is then at most 2⁻¹⁶ of a
-    gap more or less likely than exact; hardware SR uses fewer bits) from 2 Philox calls at counters
-    2·counter and 2·counter + 1. ``counter`` must be unique per tile element."""
-    us = ()
-    for q in tl.static_range(2):
-        r0, r1, r2, r3 = tl.randint4x(seed, counter * 2 + q)
-        us = us + (_u16_lo(r0), _u16_hi(r0), _u16_lo(r1), _u16_hi(r1), _u16_lo(r2), _u16_hi(r2),
-                   _u16_lo(r3), _u16_hi(r3))
-    return us
+def uniforms8(seed, counter):
+    """8 tiles of uniforms in [0, 1) with 16 random bits each (a rounding up is then at most 2⁻¹⁶ of a
+    gap more or less likely than exact; hardware SR uses fewer bits) from one Philox call at
+    ``counter``, which must be unique per tile element and call. Drawn next to their use, 8 at a time,
+    so that 16 tiles of uniforms are never live at once."""
+    r0, r1, r2, r3 = tl.randint4x(seed, counter)
+    return (_u16_lo(r0), _u16_hi(r0), _u16_lo(r1), _u16_hi(r1), _u16_lo(r2), _u16_hi(r2),
+            _u16_lo(r3), _u16_hi(r3))
 
 
 @triton.jit
@@ -183,15 +182,46 @@ def _join_in_order(a, b):
 
 
 @triton.jit
-def quantize_rows16(v, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: tl.constexpr, u):
-    """NVFP4 of an [R, C] fp32 tile with 1×16 blocks along C: (packed [R, C/2], e4m3 [R, C/16]).
-    ``u``: uniforms shaped like v when STOCHASTIC (ignored otherwise)."""
-    blocks = tl.reshape(v, (R, C // 16, 16))
-    bamax = tl.max(nan_to_inf_abs(blocks), axis=2)
-    e, r = block_scales(bamax, s_enc)
-    scaled = tl.reshape(blocks * r[:, :, None], (R, C))
-    if STOCHASTIC:
-        codes = e2m1_stochastic(scaled, u)
-    else:
-        codes = e2m1_rne(scaled)
-    return pack_pairs(codes, R, C), e
+def quantize_slices16(xs, s_enc, STOCHASTIC: tl.constexpr, seed, counter):
+    """NVFP4 of 16-element blocks laid out across a 16-tuple of tiles (tile i = element i of each
+    block): (16 code tiles uint8, e4m3 scales, one per tile element). Stochastic draws come from
+    Philox at 2·counter and 2·counter + 1 (uniforms8), ``counter`` unique per block."""
+    e, r = block_scales(amax16(xs), s_enc)
+    # Ties the counters to the data's register layout (NaN blocks, coded 0 anyway, draw at 0): else
+    # Triton computes Philox in the counters' own layout and moves every uniform between threads.
+    counter = tl.where(r == r, counter, 0)
+    codes = ()
+    for h in tl.static_range(2):
+        if STOCHASTIC:
+            us = uniforms8(seed, counter * 2 + h)
+        for i in tl.static_range(8):
+            if STOCHASTIC:
+                codes = codes + (e2m1_stochastic(xs[8 * h + i] * r, us[i]),)
+            else:
+                codes = codes + (e2m1_rne(xs[8 * h + i] * r),)
+    return codes, e
+
+
+@triton.jit
+def split8(t, R: tl.constexpr, C: tl.constexpr):
+    """[R, C, 8] -> its 8 slices [R, C] in order; the 8 are one thread's vector, so no data moves."""
+    a, b = tl.split(tl.reshape(t, (R, C, 4, 2)))  # elements 0 2 4 6 | 1 3 5 7
+    a0, a1 = tl.split(tl.reshape(a, (R, C, 2, 2)))  # 0 4 | 2 6
+    b0, b1 = tl.split(tl.reshape(b, (R, C, 2, 2)))  # 1 5 | 3 7
+    s0, s4 = tl.split(a0)
+    s2, s6 = tl.split(a1)
+    s1, s5 = tl.split(b0)
+    s3, s7 = tl.split(b1)
+    return s0, s1, s2, s3, s4, s5, s6, s7
+
+
+@triton.jit
+def pack_slices16(codes, R: tl.constexpr, C: tl.constexpr):
+    """16-tuple of [R, C] codes (tile i = element i of a block) -> [R, C, 8] bytes, element 2j in the
+    low nibble of byte j (twin of pack_nibbles): joins add in-thread dims, so no data moves."""
+    b = ()
+    for j in tl.static_range(8):
+        b = b + (codes[2 * j] | (codes[2 * j + 1] << 4).to(tl.uint8),)
+    even = tl.join(tl.join(b[0], b[4]), tl.join(b[2], b[6]))  # (d1, d2) = byte 4·d1 + 2·d2
+    odd = tl.join(tl.join(b[1], b[5]), tl.join(b[3], b[7]))
+    return tl.reshape(tl.join(even, odd), (R, C, 8))

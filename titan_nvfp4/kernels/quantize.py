@@ -1,15 +1,17 @@
 """Triton NVFP4 quantization kernels (sm_80+, ROCm, and the CPU interpreter under TRITON_INTERPRET=1).
 
 Two passes over the input: ``_amax_kernel`` reduces the tensor amax of x and, for the wgrad operand,
-of the Hadamard-transformed xᵀ; ``_quantize_kernel`` then emits, from one read of x, the rowwise
-1×16 operand (forward / dgrad) and the transposed operand with 16-element blocks along dim 0 (wgrad),
-nearest-even or stochastic (Philox), plus the two global decode scales. ``_quantize_2d_kernel`` emits
-16×16-block weights together with the codes of Wᵀ.
+of the Hadamard-transformed xᵀ; ``_quantize_kernel`` then emits the rowwise 1×16 operand (forward /
+dgrad) and the transposed operand with 16-element blocks along dim 0 (wgrad), nearest-even or
+stochastic (Philox), plus the two global decode scales. ``_quantize_2d_kernel`` emits 16×16-block
+weights together with the codes of Wᵀ.
 
-Each program reads its rows as 16 tiles [G, BK], tile i holding rows 16g + i: a block along dim 0
-(the RHT, its amax, the column scales and codes) is then elementwise work between the 16 tiles, and
-no value crosses threads except for the 1×16 row blocks. Reference twin: titan_nvfp4/numerics/nvfp4.py
-(checked in tests/test_kernels.py).
+Every 16-element block is laid out across a 16-tuple of tiles, tile i holding element i of each
+block: for the column operand tile i holds rows 16g + i, for the row operand columns 16kb + i (two
+8-element vector loads, split in registers). The RHT, block amax, scales, rounding and nibble packing
+are then elementwise work between tiles and no value crosses threads; only the transposed column
+codes are moved once before their store. Reference twin: titan_nvfp4/numerics/nvfp4.py (checked in
+tests/test_kernels.py).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import triton.language as tl
 from ..numerics.nvfp4 import NVFP4Tensor, global_encode_scale
 from ..ops.library import operand_pair, weight_pair
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
-from .nvfp4_jit import (amax16, block_scales, e2m1_rne, e2m1_stochastic, pack16_along_slices, pack_pairs,
-                        quantize_rows16, rht16_slices, uniforms16)
+from .nvfp4_jit import (amax16, block_scales, e2m1_rne, pack16_along_slices, pack_pairs, pack_slices16,
+                        quantize_slices16, rht16_slices, split8)
 
 G_Q = 2  # 16-row blocks per program (fixed tiles: the interpreter, small inputs)
 BK_Q = 64  # features per program
@@ -64,51 +66,46 @@ def _store_decode_scale(GS, s_enc):
 
 
 @triton.jit
+def _load16_cols(X, rows, kb, M, K, sxm, sxk):
+    """Sixteen fp32 tiles [R, C] of x; tile j holds x[rows, 16·kb + j] (zeros outside x): two vector
+    loads of 8 elements per block, split in registers."""
+    R: tl.constexpr = rows.shape[0]
+    C: tl.constexpr = kb.shape[0]
+    col = kb[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
+    ptr = X + rows[:, None, None].to(tl.int64) * sxm + col * sxk
+    mask = (rows < M)[:, None, None] & (col < K)
+    lo = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    hi = tl.load(ptr + 8 * sxk, mask=mask, other=0.0).to(tl.float32)
+    return split8(lo, R, C) + split8(hi, R, C)
+
+
+@triton.jit
 def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, Mpad,
                      ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr,
                      SR_ROW: tl.constexpr, SR_COL: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
     """Row operand: RD [M, K/2], RS [M, K/16]. Column operand of xᵀ (tokens zero-padded to Mpad):
     CD [K, Mpad/2], CS [K, Mpad/16]. GS [2]: the decode scales of the two (from AMAX, whose entry of
-    an operand not emitted is 0, giving 1: every output is defined). Philox counters (see
-    uniforms16): the row draws of 16-row block b at column k use counter b·K + k, the column draws
-    (Mpad/16)·K + k·Mpad/16 + b, so the two roundings draw independent numbers from one seed."""
-    blk = tl.program_id(0) * G + tl.arange(0, G)
-    rk = tl.program_id(1) * BK + tl.arange(0, BK)
-    xs = _load16(X, blk, rk, M, K, sxm, sxk)
+    an operand not emitted is 0, giving 1: every output is defined). A program covers 16·G rows and
+    BK columns; it reads them twice (the second time from cache), once as 16 tiles per row block for
+    the column operand and once as 16 tiles per column block for the row operand, so that every
+    16-element block is elementwise work between tiles. Philox counters (quantize_slices16): row
+    block (m, kb) uses m·K/16 + kb, column block (b, k) uses (Mpad/16)·K + b·K + k: the two
+    roundings draw independent numbers from one seed."""
     seed = tl.load(SEED)  # a dummy pointer when neither rounding is stochastic
     if not ROW:
         _store_decode_scale(GS, _jit_global_scale(tl.load(AMAX).to(tl.float32, bitcast=True)))
     if not COL:
         _store_decode_scale(GS + 1, _jit_global_scale(tl.load(AMAX + 1).to(tl.float32, bitcast=True)))
-    if ROW:
-        s = _jit_global_scale(tl.load(AMAX).to(tl.float32, bitcast=True))
-        _store_decode_scale(GS, s)
-        us = xs
-        if SR_ROW:
-            us = uniforms16(seed, blk[:, None] * K + rk[None, :])
-        rk2 = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
-        rk16 = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
-        for i in tl.static_range(16):
-            packed, e = quantize_rows16(xs[i], s, G, BK, SR_ROW, us[i])
-            row = (blk * 16 + i)[:, None]
-            rmask = row < M
-            tl.store(RD + row.to(tl.int64) * (K // 2) + rk2[None, :], packed, mask=rmask & (rk2 < K // 2)[None, :])
-            tl.store(RS + row.to(tl.int64) * (K // 16) + rk16[None, :], e, mask=rmask & (rk16 < K // 16)[None, :])
     if COL:
+        blk = tl.program_id(0) * G + tl.arange(0, G)
+        rk = tl.program_id(1) * BK + tl.arange(0, BK)
+        xs = _load16(X, blk, rk, M, K, sxm, sxk)
         if RHT:
             xs = rht16_slices(xs, SIGNS)
         s = _jit_global_scale(tl.load(AMAX + 1).to(tl.float32, bitcast=True))
         _store_decode_scale(GS + 1, s)
-        e, r = block_scales(amax16(xs), s)  # [G, BK]: one block per (16 tokens, feature)
-        us = xs
-        if SR_COL:
-            us = uniforms16(seed, (Mpad // 16) * K + rk[None, :] * (Mpad // 16) + blk[:, None])
-        codes = ()
-        for i in tl.static_range(16):
-            if SR_COL:
-                codes = codes + (e2m1_stochastic(xs[i] * r, us[i]),)
-            else:
-                codes = codes + (e2m1_rne(xs[i] * r),)
+        # (not k·Mpad/16 + b: that expression is the CS store's offsets, whose layout it would then share)
+        codes, e = quantize_slices16(xs, s, SR_COL, seed, (Mpad // 16) * K + blk[:, None] * K + rk[None, :])
         packed = pack16_along_slices(codes)  # [BK, G·8]
         rb = tl.program_id(0) * (G * 8) + tl.arange(0, G * 8)
         kmask = (rk < K)[:, None]
@@ -116,6 +113,19 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
                  mask=kmask & (rb < Mpad // 2)[None, :])
         tl.store(CS + rk[None, :].to(tl.int64) * (Mpad // 16) + blk[:, None], e,
                  mask=(rk < K)[None, :] & (blk < Mpad // 16)[:, None])
+    if ROW:
+        rows = tl.program_id(0) * (16 * G) + tl.arange(0, 16 * G)
+        kb = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
+        xs = _load16_cols(X, rows, kb, M, K, sxm, sxk)
+        s = _jit_global_scale(tl.load(AMAX).to(tl.float32, bitcast=True))
+        _store_decode_scale(GS, s)
+        codes, e = quantize_slices16(xs, s, SR_ROW, seed, rows[:, None] * (K // 16) + kb[None, :])
+        packed = pack_slices16(codes, 16 * G, BK // 16)  # [16G, BK/16, 8]
+        rmask = (rows < M)[:, None]
+        kmask = (kb < K // 16)[None, :]
+        tl.store(RD + rows[:, None, None].to(tl.int64) * (K // 2) + kb[None, :, None] * 8
+                 + tl.arange(0, 8)[None, None, :], packed, mask=(rmask & kmask)[:, :, None])
+        tl.store(RS + rows[:, None].to(tl.int64) * (K // 16) + kb[None, :], e, mask=rmask & kmask)
 
 
 @triton.jit
@@ -154,7 +164,13 @@ def _quant_configs():
             for g, bk, w in ((2, 64, 1), (2, 128, 2), (1, 128, 2), (2, 64, 4))]
 
 
-_quantize_autotuned = triton.autotune(_quant_configs(), key=["M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL"])(
+def _operand_configs():
+    # the best five of benchmarks/quant_variants.py on an H100 (16-32 elements per thread)
+    return [triton.Config({"G": g, "BK": bk}, num_warps=w)
+            for g, bk, w in ((2, 64, 2), (2, 128, 4), (1, 256, 4), (1, 128, 2), (4, 128, 8))]
+
+
+_quantize_autotuned = triton.autotune(_operand_configs(), key=["M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL"])(
     _quantize_kernel)
 _quantize_2d_autotuned = triton.autotune(_quant_configs(), key=["N", "K", "EMIT_T"])(_quantize_2d_kernel)
 _amax_autotuned = triton.autotune(_quant_configs(), key=["M", "K", "ROW", "COL", "RHT"], reset_to_zero=["AMAX"])(

@@ -1,0 +1,71 @@
+"""Where the quantization kernel's time goes: ``_quantize_kernel`` timed with one feature at a time
+(rowwise, columnwise, RHT, stochastic rounding) and over tile configs, with registers and spills.
+
+    python benchmarks/quant_variants.py [--m 16384 --k 4096] [--ncu]
+
+``--ncu`` launches each variant once (no timing) for ``ncu --kernel-name regex:_quantize``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+
+from titan_nvfp4.kernels import quantize as q
+from titan_nvfp4.numerics.rht import rht_signs
+
+VARIANTS = {  # name: (ROW, COL, RHT, SR_ROW, SR_COL)
+    "row": (True, False, False, False, False),
+    "row SR": (True, False, False, True, False),
+    "col RHT": (False, True, True, False, False),
+    "col RHT SR": (False, True, True, False, True),
+    "row + col RHT (fwd X)": (True, True, True, False, False),
+    "row SR + col RHT SR (bwd dY)": (True, True, True, True, True),
+}
+CONFIGS = [(1, 64, 1), (2, 64, 1), (1, 128, 2), (2, 64, 2), (2, 128, 4), (1, 256, 4), (4, 128, 8)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--m", type=int, default=16384)
+    p.add_argument("--k", type=int, default=4096)
+    p.add_argument("--ncu", action="store_true")
+    p.add_argument("--dump", help="folder for the TTGIR of each variant at the second config")
+    args = p.parse_args()
+    M, K = args.m, args.k
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    signs = rht_signs(0, x.device).float()
+    seed = torch.full((1,), 7, dtype=torch.int64, device="cuda")
+    amax = torch.full((2,), 5.0, device="cuda").view(torch.int32)
+    gs = torch.empty(2, device="cuda")
+    rd = torch.empty(M, K // 2, dtype=torch.uint8, device="cuda")
+    rs = torch.empty(M, K // 16, dtype=torch.float8_e4m3fn, device="cuda")
+    cd = torch.empty(K, M // 2, dtype=torch.uint8, device="cuda")
+    cs = torch.empty(K, M // 16, dtype=torch.float8_e4m3fn, device="cuda")
+    copy_ms = triton.testing.do_bench(lambda: rd.view(-1)[: M * K // 2].copy_(x.view(torch.uint8).view(-1)[: M * K // 2]))
+    print(f"copy of {M * K // 2 / 2**20:.0f} MiB: {copy_ms:.3f} ms ({2 * M * K // 2 / copy_ms / 1e9:.2f} TB/s)")
+    print("| variant | G | BK | warps | ms | TB/s (read+write) | regs | spills | layout converts | smem B |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, (row, col, rht, srr, src) in VARIANTS.items():
+        nbytes = M * K * 2 + (M * K * 9 // 16 if row else 0) + (M * K * 9 // 16 if col else 0)
+        for g, bk, w in CONFIGS:
+            def run():
+                return q._quantize_kernel[(triton.cdiv(M, 16 * g), triton.cdiv(K, bk))](
+                    x, M, K, x.stride(0), x.stride(1), amax, gs, rd, rs, cd, cs, signs, seed, M,
+                    ROW=row, COL=col, RHT=rht, SR_ROW=srr, SR_COL=src, G=g, BK=bk, num_warps=w)
+            k = run()
+            if args.ncu:
+                continue
+            ms = triton.testing.do_bench(run)
+            cvt = k.asm["ttgir"].count("convert_layout")
+            print(f"| {name} | {g} | {bk} | {w} | {ms:.3f} | {nbytes / ms / 1e9:.2f} | {k.n_regs} | {k.n_spills} "
+                  f"| {cvt} | {k.metadata.shared} |", flush=True)
+            if args.dump and (g, bk, w) == CONFIGS[2] and name in ("row", "col RHT", "row SR + col RHT SR (bwd dY)"):
+                with open(f"{args.dump}/{name.split(' (')[0].replace(' ', '_').replace('+', 'p')}.ttgir", "w") as f:
+                    f.write(k.asm["ttgir"])
+
+
+if __name__ == "__main__":
+    main()
