@@ -1,11 +1,12 @@
 """Host (CPU) time per call of each NVFP4 launcher, on inputs small enough that the GPU never limits:
 what a Linear forward+backward pays in Python and launch overhead before any kernel runs.
 
-    python benchmarks/host_overhead.py
+    python benchmarks/host_overhead.py [--cprofile]
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -57,6 +58,20 @@ def main() -> None:
         "gemm, autotune off": lambda: g.nvfp4_gemm_triton(a, b, torch.bfloat16, autotune=False),
         "NVFP4Linear forward+backward (2048x4096x4096)": linear_step,
     }
+    if "--cprofile" in sys.argv:  # where the host time of the heaviest launchers goes
+        import cProfile
+        import pstats
+        for name in ("quantize_operand SR row + col", "gemm, A staged, TMA", "NVFP4Linear forward+backward (2048x4096x4096)"):
+            host_us(cases[name], 5)
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(20):
+                cases[name]()
+            prof.disable()
+            torch.cuda.synchronize()
+            print(f"\n== {name}: 20 calls")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+        return
     print("| launcher | host µs per call |")
     print("| --- | ---: |")
     for name, fn in cases.items():
