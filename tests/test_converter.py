@@ -24,6 +24,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 import titan_nvfp4  # noqa: F401  (registers the converter)
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe, available_presets
+from titan_nvfp4.integration.job_config import DEFAULT_FILTER_FQNS
 from torchtitan.config import ConfigManager
 from torchtitan.distributed import ParallelDims
 from torchtitan.models.llama3 import Transformer, llama3_args
@@ -255,7 +256,7 @@ def test_missing_section_falls_back_to_default_recipe(tmp_path, caplog):
     assert getattr(cfg.quantize.linear, "nvfp4", None) is None
     conv = _registry_model_converter_cls[NAME](cfg, world1())
     assert "custom_config_module" in caplog.text
-    assert conv.recipe == preset_from_file("nvidia_paper") and conv.filter_fqns == ["output"]
+    assert conv.recipe == preset_from_file("nvidia_paper") and conv.filter_fqns == list(DEFAULT_FILTER_FQNS)
 
 
 # -------------------------------------------------------------------- 5. bad dims inside a block

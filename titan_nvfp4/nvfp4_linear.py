@@ -2,8 +2,7 @@
 
 It subclasses nn.Linear and keeps its parameters (`weight`, `bias`), so state_dict keys, init_weights
 code that touches `.weight`, and BF16 checkpoints all carry over unchanged. Its two extra buffers,
-the stochastic-rounding counter and the RHT signs, are non-persistent and rebuilt from the recipe
-when a meta-device module is materialized or the module moves to another device.
+the stochastic-rounding counter and the RHT signs, come from NVFP4LayerState (layer_state.py).
 """
 
 from __future__ import annotations
@@ -11,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .linear_function import nvfp4_linear, sr_counter
-from .numerics.rht import rht_signs
+from .layer_state import NVFP4LayerState
+from .linear_function import nvfp4_linear
 from .recipe import NVFP4Recipe
 
 
@@ -26,7 +25,7 @@ def check_linear_dims(name: str, in_features: int, out_features: int) -> None:
         )
 
 
-class NVFP4Linear(nn.Linear):
+class NVFP4Linear(NVFP4LayerState, nn.Linear):
     """nn.Linear computing Y = X Wᵀ + b with the NVFP4 recipe in forward and backward."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -34,7 +33,7 @@ class NVFP4Linear(nn.Linear):
                  device=None, dtype=None) -> None:
         check_linear_dims(name or "NVFP4Linear", in_features, out_features)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._init_nvfp4(recipe or NVFP4Recipe(), layer_id)
+        self._init_nvfp4(recipe or NVFP4Recipe(), layer_id, self.weight.device)
 
     @classmethod
     def from_linear(cls, mod: nn.Linear, recipe: NVFP4Recipe, layer_id: int = 0, name: str = "") -> "NVFP4Linear":
@@ -45,38 +44,8 @@ class NVFP4Linear(nn.Linear):
         new.in_features, new.out_features = mod.in_features, mod.out_features
         new.weight = mod.weight
         new.bias = mod.bias
-        new._init_nvfp4(recipe, layer_id)
+        new._init_nvfp4(recipe, layer_id, mod.weight.device)
         return new
-
-    def _init_nvfp4(self, recipe: NVFP4Recipe, layer_id: int) -> None:
-        self.recipe, self.layer_id = recipe, layer_id
-        device = self.weight.device
-        self.register_buffer("sr_counter", torch.empty(2, dtype=torch.int64, device=device), persistent=False)
-        self.register_buffer("rht_signs", torch.empty(16, device=device) if recipe.rht else None, persistent=False)
-        self._reset_nvfp4_buffers()
-
-    def _reset_nvfp4_buffers(self) -> None:
-        """Fill the SR counter (call 0 of this layer's stream) and the RHT signs; nothing on meta."""
-        if self.sr_counter.is_meta:
-            return
-        with torch.no_grad():
-            self.sr_counter.copy_(sr_counter(self.recipe, self.layer_id))
-            if self.rht_signs is not None:
-                self.rht_signs.copy_(rht_signs(self.recipe.rht_seed))
-
-    def _apply(self, fn, recurse: bool = True):
-        # to_empty() of a meta module (TorchTitan's materialization) leaves the buffers uninitialized,
-        # and so does to_empty() onto another device: refill them then (a dtype cast keeps them)
-        before = self.sr_counter.device
-        super()._apply(fn, recurse)
-        if before.type == "meta" or self.sr_counter.device != before:
-            self._reset_nvfp4_buffers()
-        return self
-
-    @property
-    def sr_calls(self) -> int:
-        """Backward calls that drew stochastic-rounding numbers so far (reads the device counter)."""
-        return int(self.sr_counter[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nvfp4_linear(x, self.weight, self.bias, self.recipe, self.sr_counter, self.rht_signs)

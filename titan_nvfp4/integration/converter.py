@@ -1,6 +1,7 @@
-"""The `quantize.linear.nvfp4` model converter: swaps a meta-device model's nn.Linear layers for
-NVFP4Linear, registered in TorchTitan's converter registry on import (which also registers our Llama3
-flavors, see flavors.py)."""
+"""The `quantize.linear.nvfp4` and `quantize.grouped_mm.nvfp4` model converters: swap a meta-device
+model's nn.Linear layers for NVFP4Linear and its routed MoE experts for the NVFP4 expert modules
+(experts.py). Registered in TorchTitan's converter registry on import (which also registers our
+Llama3 flavors, see flavors.py)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ from ..nvfp4_linear import NVFP4Linear, check_linear_dims
 from ..recipe import NVFP4Recipe
 
 CONVERTER_NAME = "quantize.linear.nvfp4"
+GROUPED_CONVERTER_NAME = "quantize.grouped_mm.nvfp4"
+GROUPED_LAYER_ID_BASE = 1 << 20  # SR streams of expert GEMMs never meet those of dense layers
 _BLOCK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def _section(job_config: JobConfig):
-    """The parsed `[quantize.linear.nvfp4]` section, or None when the config module was not loaded."""
-    return getattr(getattr(getattr(job_config, "quantize", None), "linear", None), "nvfp4", None)
+def _section(job_config: JobConfig, kind: str = "linear"):
+    """The parsed `[quantize.<kind>.nvfp4]` section, or None when the config module was not loaded."""
+    return getattr(getattr(getattr(job_config, "quantize", None), kind, None), "nvfp4", None)
 
 
 def skip_reason(fqn: str, filter_fqns: list[str], recipe: NVFP4Recipe, n_blocks: int) -> str | None:
@@ -88,7 +91,70 @@ class NVFP4LinearConverter(QuantizationConverter):
         return None
 
 
+def convert_experts(model: nn.Module, recipe: NVFP4Recipe, fqns: list[str]) -> dict[str, list]:
+    """Swap (in place) every routed-expert module whose name contains one of ``fqns``."""
+    from .experts import EXPERT_CLASSES
+
+    layers = getattr(model, "layers", None)
+    n_blocks = len(layers) if isinstance(layers, (nn.ModuleDict, nn.ModuleList)) else 0
+    report: dict[str, list] = {"converted": [], "skipped": []}
+    for fqn, mod in list(model.named_modules()):
+        cls = EXPERT_CLASSES.get(type(mod))
+        if cls is None:
+            continue
+        if not any(f in fqn for f in fqns):
+            report["skipped"].append((fqn, f"not in fqns {fqns}"))
+            continue
+        why = skip_reason(fqn, [], recipe, n_blocks)
+        if why:
+            report["skipped"].append((fqn, why))
+            continue
+        cls.convert(mod, recipe, layer_id=GROUPED_LAYER_ID_BASE + 4 * len(report["converted"]), name=fqn)
+        report["converted"].append(fqn)
+    return report
+
+
+class NVFP4GroupedMMConverter(QuantizationConverter):
+    """Converts routed MoE experts to NVFP4 per the `[quantize.grouped_mm.nvfp4]` section, and aligns
+    TorchTitan's token groups to 16 so that wgrad blocks along tokens stay inside one expert."""
+
+    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims):
+        super().__init__(job_config, parallel_dims)
+        from torchtitan.models.moe.utils import set_token_group_alignment_size_m
+
+        section = _section(job_config, "grouped_mm")
+        if section is None:
+            from .job_config import NVFP4GroupedMMConfig
+
+            logger.warning(
+                "[quantize.grouped_mm.nvfp4] section not available (set [job] custom_config_module = "
+                '"titan_nvfp4.integration.job_config"); using the default nvidia_paper recipe and fqns ["experts"]'
+            )
+            section = NVFP4GroupedMMConfig()
+        self.recipe = section.build_recipe()
+        self.fqns = list(section.fqns)
+        set_token_group_alignment_size_m(16)
+        self.enabled = True
+
+    def convert(self, model: nn.Module) -> None:
+        report = convert_experts(model, self.recipe, self.fqns)
+        if not report["converted"]:
+            raise ValueError(
+                f"{GROUPED_CONVERTER_NAME}: no routed-expert module matched fqns {self.fqns} "
+                f"(skipped: {report['skipped'] or 'the model has no GroupedExperts / GptOssGroupedExperts'})"
+            )
+        logger.info(f"NVFP4: converted {len(report['converted'])} expert modules with {self.recipe}; "
+                    "token groups aligned to 16")
+        for fqn, why in report["skipped"]:
+            logger.info(f"NVFP4: kept experts {fqn} in high precision ({why})")
+
+    def post_optimizer_hook(self, model) -> None:
+        return None
+
+
 if CONVERTER_NAME not in _registry_model_converter_cls:
     register_model_converter(NVFP4LinearConverter, CONVERTER_NAME)
+if GROUPED_CONVERTER_NAME not in _registry_model_converter_cls:
+    register_model_converter(NVFP4GroupedMMConverter, GROUPED_CONVERTER_NAME)
 
 from . import flavors  # noqa: E402,F401  (registers the llama3 "2B_bench" flavor beside the converter)

@@ -1,4 +1,4 @@
-"""The `[quantize.linear.nvfp4]` section TorchTitan's JobConfig gains through
+"""The `[quantize.linear.nvfp4]` and `[quantize.grouped_mm.nvfp4]` sections TorchTitan's JobConfig gains through
 `[job] custom_config_module = "titan_nvfp4.integration.job_config"`.
 
 Every recipe field defaults to None, meaning "take it from the preset named by `recipe`". Values are
@@ -8,18 +8,24 @@ misspelt keys are rejected by TorchTitan's own parser, which names them.
 
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ..recipe import NVFP4Recipe, build_recipe, validate_field
 
-import titan_nvfp4.integration.converter  # noqa: F401  (registers quantize.linear.nvfp4)
+import titan_nvfp4.integration.converter  # noqa: F401  (registers quantize.linear.nvfp4 and grouped_mm.nvfp4)
+
+
+DEFAULT_FILTER_FQNS = ("output", "router.gate", "shared_experts")
 
 
 @dataclass
-class NVFP4LinearConfig:
+class _RecipeKnobs:
+    """The recipe preset and per-field overrides, shared by the dense and the grouped sections."""
+
+    SECTION: ClassVar[str] = "quantize.linear.nvfp4"
+
     recipe: str = "nvidia_paper"
     """Preset from configs/ (nvidia_paper, nvidia_paper_selective, naive_rtn) or a path to a .toml."""
-    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
-    """Linears whose fully qualified name contains one of these strings stay BF16 (default: LM head)."""
     weight_2d: bool | None = None
     """16×16 weight blocks (true) or 1×16 (false)."""
     stochastic_rounding: bool | None = None
@@ -37,13 +43,16 @@ class NVFP4LinearConfig:
     gemm_backend: str | None = None
     """NVFP4 GEMM implementation: auto | reference."""
 
+    def _check_fqns(self, key: str) -> None:
+        value = getattr(self, key)
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise ValueError(f"[{self.SECTION}] {key} must be a list of strings, got {value!r}")
+
     def __post_init__(self) -> None:
-        if not isinstance(self.filter_fqns, list) or not all(isinstance(s, str) for s in self.filter_fqns):
-            raise ValueError(f"[quantize.linear.nvfp4] filter_fqns must be a list of strings, got {self.filter_fqns!r}")
         if not isinstance(self.recipe, str):
-            raise ValueError(f"[quantize.linear.nvfp4] recipe must be a preset name, got {self.recipe!r}")
+            raise ValueError(f"[{self.SECTION}] recipe must be a preset name, got {self.recipe!r}")
         for name, value in self.overrides().items():
-            validate_field(name, value)
+            validate_field(name, value, self.SECTION)
         self.build_recipe()  # an unknown preset fails here, at parse time
 
     def overrides(self) -> dict:
@@ -56,13 +65,46 @@ class NVFP4LinearConfig:
 
 
 @dataclass
+class NVFP4LinearConfig(_RecipeKnobs):
+    """`[quantize.linear.nvfp4]`: dense nn.Linear layers."""
+
+    filter_fqns: list[str] = field(default_factory=lambda: list(DEFAULT_FILTER_FQNS))
+    """Linears whose fully qualified name contains one of these strings stay BF16 (default: the LM
+    head, MoE router gates and shared experts; drop "shared_experts" to convert those too)."""
+
+    def __post_init__(self) -> None:
+        self._check_fqns("filter_fqns")
+        super().__post_init__()
+
+
+@dataclass
+class NVFP4GroupedMMConfig(_RecipeKnobs):
+    """`[quantize.grouped_mm.nvfp4]`: routed MoE experts (TorchTitan's GroupedExperts and gpt-oss's)."""
+
+    SECTION: ClassVar[str] = "quantize.grouped_mm.nvfp4"
+
+    fqns: list[str] = field(default_factory=lambda: ["experts"])
+    """Expert modules whose fully qualified name contains one of these strings are converted."""
+
+    def __post_init__(self) -> None:
+        self._check_fqns("fqns")
+        super().__post_init__()
+
+
+@dataclass
 class QuantizedLinear:
     nvfp4: NVFP4LinearConfig = field(default_factory=NVFP4LinearConfig)
 
 
 @dataclass
+class QuantizedGroupedMM:
+    nvfp4: NVFP4GroupedMMConfig = field(default_factory=NVFP4GroupedMMConfig)
+
+
+@dataclass
 class Quantize:
     linear: QuantizedLinear = field(default_factory=QuantizedLinear)
+    grouped_mm: QuantizedGroupedMM = field(default_factory=QuantizedGroupedMM)
 
 
 @dataclass

@@ -1,0 +1,52 @@
+"""Per-layer NVFP4 state shared by NVFP4Linear and the NVFP4 expert modules: the stochastic-rounding
+counter(s) and the RHT signs, as non-persistent buffers rebuilt from the recipe when a meta-device
+module is materialized (TorchTitan's to_empty) or moved to another device."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .linear_function import sr_counter
+from .numerics.rht import rht_signs
+from .recipe import NVFP4Recipe
+
+
+class NVFP4LayerState(nn.Module):
+    """Mixin for modules whose GEMMs run in NVFP4. ``n_gemms=None``: one GEMM, counter [2];
+    else counter [n_gemms, 2], row j the stream of layer id ``layer_id + j``."""
+
+    def _init_nvfp4(self, recipe: NVFP4Recipe, layer_id: int, device: torch.device,
+                    n_gemms: int | None = None) -> None:
+        self.recipe, self.layer_id, self._n_gemms = recipe, layer_id, n_gemms
+        shape = (2,) if n_gemms is None else (n_gemms, 2)
+        self.register_buffer("sr_counter", torch.empty(shape, dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("rht_signs", torch.empty(16, device=device) if recipe.rht else None, persistent=False)
+        self._reset_nvfp4_buffers()
+
+    def _reset_nvfp4_buffers(self) -> None:
+        """Fill the SR counter(s) (call 0 of each stream) and the RHT signs; nothing on meta."""
+        if self.sr_counter.is_meta:
+            return
+        with torch.no_grad():
+            if self._n_gemms is None:
+                self.sr_counter.copy_(sr_counter(self.recipe, self.layer_id))
+            else:
+                self.sr_counter.copy_(torch.stack([sr_counter(self.recipe, self.layer_id + j)
+                                                   for j in range(self._n_gemms)]))
+            if self.rht_signs is not None:
+                self.rht_signs.copy_(rht_signs(self.recipe.rht_seed))
+
+    def _apply(self, fn, recurse: bool = True):
+        # to_empty() of a meta module (TorchTitan's materialization) leaves the buffers uninitialized,
+        # and so does to_empty() onto another device: refill them then (a dtype cast keeps them)
+        before = self.sr_counter.device
+        super()._apply(fn, recurse)
+        if before.type == "meta" or self.sr_counter.device != before:
+            self._reset_nvfp4_buffers()
+        return self
+
+    @property
+    def sr_calls(self) -> int:
+        """Backward calls that drew stochastic-rounding numbers so far (most of any of the GEMMs)."""
+        return int(self.sr_counter[..., 1].max())
