@@ -26,7 +26,8 @@ from .linear_function import _repack, _signs, _unpack, next_sr_seed, sr_counter
 from .ops import nvfp4_gemm, quantize_activation, quantize_gradient, quantize_weight, resolve_backend
 from .recipe import NVFP4Recipe
 
-_EXPERT_MIX = 0xD6E8FEB86659FD93 & (2**62 - 1)
+_SEED_MASK = 2**62 - 1
+_EXPERT_MIX = 0xD6E8FEB86659FD93 & _SEED_MASK
 
 
 def expert_bounds(offsets: torch.Tensor, rows: int, name: str = "grouped GEMM") -> list[tuple[int, int]]:
@@ -44,7 +45,8 @@ def expert_bounds(offsets: torch.Tensor, rows: int, name: str = "grouped GEMM") 
 
 
 def _expert_seed(seed: torch.Tensor | None, e: int) -> torch.Tensor | None:
-    return None if seed is None else (seed + e * _EXPERT_MIX) & (2**62 - 1)
+    """Expert e's SR seed: the call's seed plus a per-expert offset, both below 2^62 (no int64 overflow)."""
+    return None if seed is None else (seed + ((e * _EXPERT_MIX) & _SEED_MASK)) & _SEED_MASK
 
 
 class NVFP4GroupedMMFunction(torch.autograd.Function):

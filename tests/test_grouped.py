@@ -1,0 +1,256 @@
+"""NVFP4 grouped expert GEMMs: the grouped function against the NVFP4 linear run expert by expert and
+against float64 on dequantized operands; the expert modules and the grouped converter on
+TorchTitan's MoE debug models (meta device, init_weights, CPU forward + backward)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+import titan_nvfp4  # noqa: F401  (registers the converters)
+from titan_nvfp4 import NVFP4Recipe
+from titan_nvfp4.grouped_function import nvfp4_grouped_mm
+from titan_nvfp4.integration.converter import GROUPED_CONVERTER_NAME, convert_experts, convert_linears
+from titan_nvfp4.integration.experts import NVFP4GptOssExperts, NVFP4GroupedExperts
+from titan_nvfp4.linear_function import nvfp4_linear, sr_counter
+from titan_nvfp4.ops import quantize_rowwise, quantize_weight, quantize_wgrad_operand
+from titan_nvfp4.numerics.rht import rht_signs
+
+REF = NVFP4Recipe(gemm_backend="reference", stochastic_rounding=False)
+# uneven groups: an empty expert, a single token, sizes that are not multiples of 16, and 5 tail rows
+COUNTS = [37, 0, 1, 16, 50]
+TAIL = 5
+
+
+def _case(counts=COUNTS, tail=TAIL, k=48, n=32, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(counts) + tail
+    x = torch.randn(t, k, generator=g)
+    x[:, 3] *= 40.0  # an outlier feature
+    w = torch.randn(len(counts), n, k, generator=g) * 0.1
+    b = torch.randn(len(counts), n, generator=g) if bias else None
+    offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    dy = torch.randn(t, n, generator=g)
+    return x, w, b, offsets, dy
+
+
+def _grads(fn, x, w, b, dy):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    b = b.clone().requires_grad_() if b is not None else None
+    y = fn(x, w, b)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad, (b.grad if b is not None else None)
+
+
+@pytest.mark.parametrize("weight_2d", [True, False])
+@pytest.mark.parametrize("rht", [True, False])
+def test_grouped_equals_linear_expert_by_expert(weight_2d, rht):
+    recipe = dataclasses.replace(REF, weight_2d=weight_2d, rht=rht)
+    x, w, b, offsets, dy = _case()
+    y, dx, dw, db = _grads(lambda x, w, b: nvfp4_grouped_mm(x, w, offsets, b, recipe), x, w, b, dy)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end == start:  # empty expert: zero weight and bias gradient
+            assert not dw[e].any() and not db[e].any()
+            continue
+        ye, dxe, dwe, dbe = _grads(lambda x, w, b: nvfp4_linear(x, w, b, recipe), x[start:end], w[e], b[e], dy[start:end])
+        assert torch.equal(y[start:end], ye), f"expert {e} forward"
+        assert torch.equal(dx[start:end], dxe), f"expert {e} dgrad"
+        assert torch.equal(dw[e], dwe), f"expert {e} wgrad"
+        assert torch.equal(db[e], dbe), f"expert {e} bias grad"
+        start = end
+    assert not y[start:].any() and not dx[start:].any(), "tail rows belong to no expert"
+
+
+def test_grouped_against_float64_on_dequantized_operands():
+    recipe = dataclasses.replace(REF, rht=True)
+    signs = rht_signs(recipe.rht_seed)
+    x, w, b, offsets, dy = _case(bias=True)
+    y, dx, dw, db = _grads(lambda x, w, b: nvfp4_grouped_mm(x, w, offsets, b, recipe), x, w, b, dy)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end == start:
+            continue
+        xs, dys = x[start:end], dy[start:end]
+        wq, wt = quantize_weight(w[e], True, "reference")
+        y64 = quantize_rowwise(xs).dequantize(torch.float64) @ wq.dequantize(torch.float64).t() + b[e].double()
+        dx64 = quantize_rowwise(dys).dequantize(torch.float64) @ wt.dequantize(torch.float64).t()
+        dw64 = (quantize_wgrad_operand(dys, signs).dequantize(torch.float64)
+                @ quantize_wgrad_operand(xs, signs).dequantize(torch.float64).t())
+        for got, want, what in ((y[start:end], y64, "y"), (dx[start:end], dx64, "dx"), (dw[e], dw64, "dw")):
+            rel = (got.double() - want).norm() / want.norm()
+            assert rel < 1e-6, f"expert {e} {what}: rel {rel:.2e}"  # fp32 accumulation and output
+        assert torch.allclose(db[e].double(), dys.double().sum(0), rtol=1e-5, atol=1e-5)
+        start = end
+
+
+def test_stochastic_rounding_per_expert_streams():
+    recipe = dataclasses.replace(REF, stochastic_rounding=True)
+    x, w, b, offsets, dy = _case(counts=[32, 32], tail=0, bias=False)
+
+    def run(counter):
+        return _grads(lambda x, w, b: nvfp4_grouped_mm(x, w, offsets, None, recipe, counter), x, w, None, dy)
+
+    c1, c2 = sr_counter(recipe, 7), sr_counter(recipe, 7)
+    a, bb = run(c1), run(c2)
+    assert torch.equal(a[1], bb[1]) and torch.equal(a[2], bb[2]), "same counter state: same SR draws"
+    assert int(c1[1]) == 1, "one backward advances the counter once"
+    again = run(c1)
+    assert not torch.equal(again[1], a[1]), "the next call draws new numbers"
+    rne = _grads(lambda x, w, b: nvfp4_grouped_mm(x, w, offsets, None, REF), x, w, None, dy)
+    assert not torch.equal(a[1], rne[1])
+    # two experts with identical inputs draw different numbers
+    x2 = torch.cat([x[:32], x[:32]])
+    dy2 = torch.cat([dy[:32], dy[:32]])
+    w2 = torch.stack([w[0], w[0]])
+    _, dx2, _, _ = _grads(lambda x, w, b: nvfp4_grouped_mm(x, w, offsets, None, recipe, sr_counter(recipe, 1)),
+                          x2, w2, None, dy2)
+    assert not torch.equal(dx2[:32], dx2[32:])
+
+
+def test_bad_inputs_are_named():
+    x, w, b, offsets, dy = _case()
+    with pytest.raises(ValueError, match="offsets end at"):
+        nvfp4_grouped_mm(x[:10], w, offsets, None, REF)
+    with pytest.raises(ValueError, match="2 offsets for 5 experts"):
+        nvfp4_grouped_mm(x, w, offsets[:2], None, REF)
+    with pytest.raises(ValueError, match="3D expert weights"):
+        nvfp4_grouped_mm(x, w[0], offsets, None, REF)
+
+
+# --------------------------------------------------------------------- TorchTitan's MoE models
+
+def _moe_models():
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_args
+    from torchtitan.models.gpt_oss import GptOssModel, gptoss_configs
+    from torchtitan.models.llama4 import Transformer as Llama4, llama4_args
+    from torchtitan.models.qwen3 import Qwen3Model, qwen3_args
+
+    return {
+        "deepseek_v3": (DeepSeekV3Model, deepseekv3_args["debugmodel"]),
+        "llama4": (Llama4, llama4_args["debugmodel"]),
+        "qwen3": (Qwen3Model, qwen3_args["debugmodel_moe"]),
+        "gpt_oss": (GptOssModel, gptoss_configs["debugmodel"]),
+    }
+
+
+def _build(name: str, seq: int = 32):
+    from torchtitan.config import ConfigManager
+
+    cls, args = _moe_models()[name]
+    args = copy.deepcopy(args)
+    # as TorchTitan's trainer does (max_seq_len, the MoE implementation, ...)
+    args.update_from_config(ConfigManager().parse_args(["--training.seq_len", str(seq)]))
+    with torch.device("meta"):
+        return cls(args), args
+
+
+@pytest.fixture
+def cpu_histc(monkeypatch):
+    """TorchTitan's router counts tokens per expert with torch.histc on int64 indices, which has no
+    CPU kernel; count in float32 there (exact for these counts). GPU runs use the real op."""
+    histc = torch.histc
+
+    def patched(x, *args, **kwargs):
+        if x.device.type == "cpu" and not x.is_floating_point():
+            return histc(x.float(), *args, **kwargs).to(x.dtype)  # integer counts, as CUDA returns
+        return histc(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "histc", patched)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "llama4", "qwen3", "gpt_oss"])
+def test_moe_debug_model_converts_on_meta_and_trains_on_cpu(name, cpu_histc):
+    torch.manual_seed(0)
+    model, args = _build(name)
+    keys = set(model.state_dict().keys())
+    recipe = NVFP4Recipe(gemm_backend="reference")
+    report = convert_experts(model, recipe, ["experts"])
+    dense = convert_linears(model, recipe, ["output", "router.gate", "shared_experts"])
+    assert report["converted"], report
+    assert dense["converted"], dense
+    assert not any("router.gate" in f or "shared_experts" in f for f in dense["converted"])
+    assert set(model.state_dict().keys()) == keys, "state_dict keys unchanged"
+    experts = [m for m in model.modules() if isinstance(m, (NVFP4GroupedExperts, NVFP4GptOssExperts))]
+    assert len(experts) == len(report["converted"])
+    assert experts[0].sr_counter.is_meta
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    assert not experts[0].sr_counter.is_meta and int(experts[0].sr_counter[0, 1]) == 0
+    ids = {int(c) for m in experts for c in m.sr_counter[:, 0]}
+    assert len(ids) == sum(m.sr_counter.shape[0] for m in experts), "one SR stream per expert GEMM"
+    tokens = torch.randint(0, args.vocab_size, (2, 32))
+    if name == "gpt_oss":
+        # gpt-oss attends with FlexAttention + sinks, which torch cannot run on CPU (no eager backward,
+        # compiled CPU flex is inference-only without lse): forward + backward go through every MoE layer
+        for block in model.layers.values():
+            y = block.moe(torch.randn(2, 32, args.dim, dtype=block.moe.router.gate.weight.dtype))
+            assert torch.isfinite(y).all()
+            y.square().mean().backward()
+    else:
+        out = model(tokens)
+        assert torch.isfinite(out).all()
+        out.float().square().mean().backward()
+    for m in experts:
+        for p_name in m.GEMMS + (("mlp1_bias", "mlp2_bias") if isinstance(m, NVFP4GptOssExperts) else ()):
+            g = getattr(m, p_name).grad
+            assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0, f"{p_name} gradient"
+        assert m.sr_calls == 1
+
+
+def test_grouped_converter_through_torchtitan(tmp_path):
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.moe import utils as moe_utils
+    from torchtitan.protocols.model_converter import build_model_converters
+
+    job = tmp_path / "job.toml"
+    job.write_text(
+        '[job]\ncustom_config_module = "titan_nvfp4.integration.job_config"\n'
+        '[model]\nname = "deepseek_v3"\nflavor = "debugmodel"\n'
+        f'converters = ["quantize.linear.nvfp4", "{GROUPED_CONVERTER_NAME}"]\n'
+        '[quantize.grouped_mm.nvfp4]\nfqns = ["moe.experts"]\nstochastic_rounding = false\n'
+    )
+    cfg = ConfigManager().parse_args(["--job.config_file", str(job)])
+    assert cfg.quantize.grouped_mm.nvfp4.fqns == ["moe.experts"]
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    converters = build_model_converters(cfg, dims)
+    assert moe_utils.TOKEN_GROUP_ALIGN_SIZE_M == 16
+    model, _ = _build("deepseek_v3")
+    converters.convert(model)
+    experts = [m for m in model.modules() if isinstance(m, NVFP4GroupedExperts)]
+    assert experts and not experts[0].recipe.stochastic_rounding
+
+
+def test_grouped_section_rejects_bad_values(tmp_path):
+    from torchtitan.config import ConfigManager
+
+    job = tmp_path / "job.toml"
+    for body, needle in (('fqns = "experts"', "fqns"), ("rht = 3", "rht"), ('recipe = "nope"', "nope")):
+        job.write_text('[job]\ncustom_config_module = "titan_nvfp4.integration.job_config"\n'
+                       f"[quantize.grouped_mm.nvfp4]\n{body}\n")
+        with pytest.raises(Exception, match=needle):
+            ConfigManager().parse_args(["--job.config_file", str(job)])
+
+
+def test_grouped_converter_with_no_match_fails_loudly():
+    from titan_nvfp4.integration.converter import NVFP4GroupedMMConverter
+
+    model, _ = _build("deepseek_v3")
+    conv = NVFP4GroupedMMConverter.__new__(NVFP4GroupedMMConverter)
+    conv.recipe, conv.fqns, conv.enabled = REF, ["no_such_module"], True
+    with pytest.raises(ValueError, match="no routed-expert module matched"):
+        conv.convert(model)
+
+
+def test_expert_dims_not_multiple_of_16_rejected():
+    from torchtitan.models.moe.moe import GroupedExperts
+
+    with torch.device("meta"):
+        mod = GroupedExperts(dim=40, hidden_dim=64, num_experts=4, use_grouped_mm=True)
+    with pytest.raises(ValueError, match=r"layers.3.moe.experts.*w1 \(4, 64, 40\)"):
+        NVFP4GroupedExperts.convert(mod, REF, 0, name="layers.3.moe.experts")
