@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .linear_function import _repack, _signs, _unpack, next_sr_seed, sr_counter
+from .linear_function import _repack, _signs, _unpack, autocast_out_dtype, next_sr_seed, sr_counter
 from .ops import nvfp4_gemm, quantize_activation, quantize_gradient, quantize_weight, resolve_backend
 from .recipe import NVFP4Recipe
 
@@ -54,9 +54,8 @@ class NVFP4GroupedMMFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, offsets: torch.Tensor,
                 recipe: NVFP4Recipe, counter: torch.Tensor, signs: torch.Tensor | None,
                 need_wgrad: bool) -> torch.Tensor:
-        dev = x.device.type
-        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        with torch.autocast(dev, enabled=False):
+        out_dtype = autocast_out_dtype(x)  # see linear_function.py
+        with torch.autocast(x.device.type, enabled=False):
             return NVFP4GroupedMMFunction._forward(ctx, x, weight, bias, offsets, recipe, counter, signs,
                                                    out_dtype, need_wgrad)
 

@@ -51,6 +51,13 @@ def next_sr_seed(counter: torch.Tensor) -> torch.Tensor:
     return seed
 
 
+def autocast_out_dtype(x: torch.Tensor) -> torch.dtype:
+    """Under autocast the output takes the autocast dtype, as nn.Linear's would; the NVFP4 math itself
+    then runs with autocast off (its fp32 accumulator must not be rounded to 16 bits)."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
 def _unpack(t: NVFP4Tensor) -> tuple[torch.Tensor, ...]:
     return (t.data, t.scale, t.global_scale)
 
@@ -63,11 +70,8 @@ class NVFP4LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe,
                 counter: torch.Tensor, signs: torch.Tensor | None, need_wgrad: bool) -> torch.Tensor:
-        # Under autocast the output takes the autocast dtype, as nn.Linear's would; the NVFP4 math
-        # itself must not be autocast (its fp32 accumulator would be rounded to 16 bits).
-        dev = x.device.type
-        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        with torch.autocast(dev, enabled=False):
+        out_dtype = autocast_out_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
             return NVFP4LinearFunction._forward(ctx, x, weight, bias, recipe, counter, signs, out_dtype, need_wgrad)
 
     @staticmethod

@@ -23,9 +23,25 @@ GROUPED_LAYER_ID_BASE = 1 << 20  # SR streams of expert GEMMs never meet those o
 _BLOCK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def _section(job_config: JobConfig, kind: str = "linear"):
-    """The parsed `[quantize.<kind>.nvfp4]` section, or None when the config module was not loaded."""
-    return getattr(getattr(getattr(job_config, "quantize", None), kind, None), "nvfp4", None)
+def _section(job_config: JobConfig, kind: str):
+    """The parsed `[quantize.<kind>.nvfp4]` section; its defaults, with a warning, when the job file
+    did not load our config module."""
+    from .job_config import NVFP4GroupedMMConfig, NVFP4LinearConfig
+
+    section = getattr(getattr(getattr(job_config, "quantize", None), kind, None), "nvfp4", None)
+    if section is None:
+        section = {"linear": NVFP4LinearConfig, "grouped_mm": NVFP4GroupedMMConfig}[kind]()
+        logger.warning(
+            f"[{section.SECTION}] section not available (set [job] custom_config_module = "
+            f'"titan_nvfp4.integration.job_config"); using its defaults: {section}'
+        )
+    return section
+
+
+def _n_blocks(model: nn.Module) -> int:
+    """Number of transformer blocks (for bf16_first_blocks / bf16_last_blocks), 0 if unknown."""
+    layers = getattr(model, "layers", None)
+    return len(layers) if isinstance(layers, (nn.ModuleDict, nn.ModuleList)) else 0
 
 
 def skip_reason(fqn: str, filter_fqns: list[str], recipe: NVFP4Recipe, n_blocks: int) -> str | None:
@@ -45,8 +61,7 @@ def skip_reason(fqn: str, filter_fqns: list[str], recipe: NVFP4Recipe, n_blocks:
 
 def convert_linears(model: nn.Module, recipe: NVFP4Recipe, filter_fqns: list[str]) -> dict[str, list]:
     """Swap every eligible nn.Linear of ``model`` in place; returns {"converted": [...], "skipped": [(fqn, why)]}."""
-    layers = getattr(model, "layers", None)
-    n_blocks = len(layers) if isinstance(layers, (nn.ModuleDict, nn.ModuleList)) else 0
+    n_blocks = _n_blocks(model)
     report: dict[str, list] = {"converted": [], "skipped": []}
     for fqn, mod in list(model.named_modules()):
         if type(mod) is not nn.Linear:
@@ -68,15 +83,7 @@ class NVFP4LinearConverter(QuantizationConverter):
 
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims):
         super().__init__(job_config, parallel_dims)
-        section = _section(job_config)
-        if section is None:
-            from .job_config import NVFP4LinearConfig
-
-            logger.warning(
-                "[quantize.linear.nvfp4] section not available (set [job] custom_config_module = "
-                '"titan_nvfp4.integration.job_config"); using the default nvidia_paper recipe'
-            )
-            section = NVFP4LinearConfig()
+        section = _section(job_config, "linear")
         self.recipe = section.build_recipe()
         self.filter_fqns = list(section.filter_fqns)
         self.enabled = True
@@ -95,8 +102,7 @@ def convert_experts(model: nn.Module, recipe: NVFP4Recipe, fqns: list[str]) -> d
     """Swap (in place) every routed-expert module whose name contains one of ``fqns``."""
     from .experts import EXPERT_CLASSES
 
-    layers = getattr(model, "layers", None)
-    n_blocks = len(layers) if isinstance(layers, (nn.ModuleDict, nn.ModuleList)) else 0
+    n_blocks = _n_blocks(model)
     report: dict[str, list] = {"converted": [], "skipped": []}
     for fqn, mod in list(model.named_modules()):
         cls = EXPERT_CLASSES.get(type(mod))
@@ -123,14 +129,6 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
         from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 
         section = _section(job_config, "grouped_mm")
-        if section is None:
-            from .job_config import NVFP4GroupedMMConfig
-
-            logger.warning(
-                "[quantize.grouped_mm.nvfp4] section not available (set [job] custom_config_module = "
-                '"titan_nvfp4.integration.job_config"); using the default nvidia_paper recipe and fqns ["experts"]'
-            )
-            section = NVFP4GroupedMMConfig()
         self.recipe = section.build_recipe()
         self.fqns = list(section.fqns)
         set_token_group_alignment_size_m(16)

@@ -40,17 +40,25 @@ def _expert_parallel(p: torch.Tensor) -> bool:
     return isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
 
 
-class NVFP4GroupedExperts(NVFP4LayerState, GroupedExperts):
+class _NVFP4Experts(NVFP4LayerState):
+    """Conversion shared by the expert modules: ``GEMMS`` names the 3D weights, one SR stream each."""
+
+    GEMMS: tuple[str, ...] = ()
+
+    @classmethod
+    def convert(cls, mod, recipe: NVFP4Recipe, layer_id: int, name: str = ""):
+        """Swap ``mod``'s class for ``cls`` in place (its parameters stay) and add the NVFP4 buffers."""
+        weights = {g: getattr(mod, g) for g in cls.GEMMS}
+        check_expert_dims(name, weights)
+        mod.__class__ = cls
+        mod._init_nvfp4(recipe, layer_id, weights[cls.GEMMS[0]].device, n_gemms=len(cls.GEMMS))
+        return mod
+
+
+class NVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
     """GroupedExperts with out = (silu(x W1ᵀ) ⊙ x W3ᵀ) W2ᵀ, each product an NVFP4 grouped GEMM."""
 
     GEMMS = ("w1", "w2", "w3")
-
-    @classmethod
-    def convert(cls, mod: GroupedExperts, recipe: NVFP4Recipe, layer_id: int, name: str = "") -> "NVFP4GroupedExperts":
-        check_expert_dims(name, {g: getattr(mod, g) for g in cls.GEMMS})
-        mod.__class__ = cls
-        mod._init_nvfp4(recipe, layer_id, mod.w1.device, n_gemms=len(cls.GEMMS))
-        return mod
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         run = self._run if _expert_parallel(self.w1) else indices_padding_wrapper(self._run)
@@ -64,18 +72,10 @@ class NVFP4GroupedExperts(NVFP4LayerState, GroupedExperts):
         return nvfp4_grouped_mm(h, w2, offsets, None, r, c[1], s)
 
 
-class NVFP4GptOssExperts(NVFP4LayerState, GptOssGroupedExperts):
+class NVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):
     """GptOssGroupedExperts with both expert GEMMs (and their per-expert biases) in NVFP4."""
 
     GEMMS = ("mlp1_weight", "mlp2_weight")
-
-    @classmethod
-    def convert(cls, mod: GptOssGroupedExperts, recipe: NVFP4Recipe, layer_id: int,
-                name: str = "") -> "NVFP4GptOssExperts":
-        check_expert_dims(name, {g: getattr(mod, g) for g in cls.GEMMS})
-        mod.__class__ = cls
-        mod._init_nvfp4(recipe, layer_id, mod.mlp1_weight.device, n_gemms=len(cls.GEMMS))
-        return mod
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         tp_degree = 1
