@@ -180,6 +180,9 @@ def test_moe_debug_model_converts_on_meta_and_trains_on_cpu(name, cpu_histc):
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
+        for fqn, p in model.named_parameters():  # TorchTitan 0.2.2's gpt-oss init leaves the router gate
+            if fqn.endswith("router.gate.bias"):  # bias uninitialized (to_empty memory, NaN at times)
+                p.zero_()
     assert not experts[0].sr_counter.is_meta and int(experts[0].sr_counter[0, 1]) == 0
     ids = {int(c) for m in experts for c in m.sr_counter[:, 0]}
     assert len(ids) == sum(m.sr_counter.shape[0] for m in experts), "one SR stream per expert GEMM"
