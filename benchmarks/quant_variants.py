@@ -54,7 +54,8 @@ def main() -> None:
             def run():
                 return q._quantize_kernel[(triton.cdiv(M, 16 * g), triton.cdiv(K, bk))](
                     x, M, K, x.stride(0), x.stride(1), amax, gs, rd, rs, cd, cs, signs, seed, M,
-                    ROW=row, COL=col, RHT=rht, SR_ROW=srr, SR_COL=src, G=g, BK=bk, num_warps=w)
+                    amax, 1, ROW=row, COL=col, RHT=rht, SR_ROW=srr, SR_COL=src, GROUPED=False, NSP2=2, G=g,
+                    BK=bk, num_warps=w)
             k = run()
             if args.ncu:
                 continue

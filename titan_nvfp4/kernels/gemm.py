@@ -99,14 +99,19 @@ def _dequant_a(raw, s16, R: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexp
 
 
 @triton.jit
-def grouped_tile(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """(tile row, tile column) of this program, walking GROUP_M tile rows per column so that
-    neighbouring programs share operand tiles in L2."""
-    pid = tl.program_id(0)
-    group = GROUP_M * tl.cdiv(N, BN)
+def swizzle_tile(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """(tile row, tile column) of tile ``pid`` of a tiles_m × tiles_n grid, walking GROUP_M tile rows
+    per column so that neighbouring programs share operand tiles in L2."""
+    group = GROUP_M * tiles_n
     first_m = (pid // group) * GROUP_M
-    size_m = min(tl.cdiv(M, BM) - first_m, GROUP_M)
+    size_m = min(tiles_m - first_m, GROUP_M)
     return first_m + (pid % group) % size_m, (pid % group) // size_m
+
+
+@triton.jit
+def grouped_tile(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """(tile row, tile column) of this program over an [M, N] output (see swizzle_tile)."""
+    return swizzle_tile(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
 
 
 @triton.jit

@@ -16,11 +16,14 @@ tests/test_kernels.py).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ..numerics.nvfp4 import NVFP4Tensor, global_encode_scale
+from ..ops.grouped import block_experts
 from ..ops.library import operand_pair, weight_pair
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
 from .nvfp4_jit import (amax16, block_scales, e2m1_rne, pack16_along_slices, pack_pairs, pack_slices16,
@@ -44,25 +47,49 @@ def _load16(X, blk, rk, M, K, sxm, sxk):
 
 
 @triton.jit
-def _amax_kernel(X, M, K, sxm, sxk, AMAX, SIGNS, ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr,
-                 G: tl.constexpr, BK: tl.constexpr):
-    """AMAX[0] |= max|x| and AMAX[1] |= max|rht(xᵀ)| (fp32 bits in int32; non-finite -> +inf)."""
+def _amax_kernel(X, M, K, sxm, sxk, AMAX, SIGNS, BEXP, NSLOT, ROW: tl.constexpr, COL: tl.constexpr,
+                 RHT: tl.constexpr, GROUPED: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
+    """AMAX[e] |= max|x| and AMAX[NSLOT + e] |= max|rht(xᵀ)| (fp32 bits in int32; non-finite -> +inf),
+    where e is 0, or with GROUPED the slot BEXP[b] of each 16-row block b (its expert)."""
     blk = tl.program_id(0) * G + tl.arange(0, G)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     xs = _load16(X, blk, rk, M, K, sxm, sxk)
+    if GROUPED:
+        valid = blk < tl.cdiv(M, 16)
+        e = tl.load(BEXP + blk, mask=valid, other=0)
     if ROW:
-        tl.atomic_max(AMAX, tl.max(tl.max(amax16(xs), axis=1), axis=0).to(tl.int32, bitcast=True))
+        if GROUPED:
+            tl.atomic_max(AMAX + e, tl.max(amax16(xs), axis=1).to(tl.int32, bitcast=True), mask=valid)
+        else:
+            tl.atomic_max(AMAX, tl.max(tl.max(amax16(xs), axis=1), axis=0).to(tl.int32, bitcast=True))
     if COL:
         if RHT:
             xs = rht16_slices(xs, SIGNS)
-        tl.atomic_max(AMAX + 1, tl.max(tl.max(amax16(xs), axis=1), axis=0).to(tl.int32, bitcast=True))
+        if GROUPED:
+            tl.atomic_max(AMAX + NSLOT + e, tl.max(amax16(xs), axis=1).to(tl.int32, bitcast=True), mask=valid)
+        else:
+            tl.atomic_max(AMAX + NSLOT, tl.max(tl.max(amax16(xs), axis=1), axis=0).to(tl.int32, bitcast=True))
 
 
 @triton.jit
-def _store_decode_scale(GS, s_enc):
-    """The global decode scale 1/S (twin of NVFP4Tensor.global_scale), written by program (0, 0)."""
+def _store_decode_scales(GS, AMAX, NS, NSP2: tl.constexpr):
+    """GS[i] = 1/S of AMAX[i] for the NS slots (twin of NVFP4Tensor.global_scale), by program (0, 0);
+    a slot of an operand not emitted holds amax 0, giving 1: every output is defined."""
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-        tl.store(GS, tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc))
+        i = tl.arange(0, NSP2)
+        s_enc = _jit_global_scale(tl.load(AMAX + i, mask=i < NS, other=0).to(tl.float32, bitcast=True))
+        tl.store(GS + i, tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc), mask=i < NS)
+
+
+@triton.jit
+def _encode_scale(AMAX, BEXP, blk, nblk, GROUPED: tl.constexpr):
+    """The tensor encode scale S of 16-row blocks ``blk``: a scalar, or with GROUPED one per block
+    (of its expert's slot BEXP[blk]) shaped [len(blk), 1] to broadcast over the block's tiles."""
+    if GROUPED:
+        e = tl.load(BEXP + blk, mask=blk < nblk, other=0)
+        return _jit_global_scale(tl.load(AMAX + e).to(tl.float32, bitcast=True))[:, None]
+    else:
+        return _jit_global_scale(tl.load(AMAX).to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -80,30 +107,29 @@ def _load16_cols(X, rows, kb, M, K, sxm, sxk):
 
 
 @triton.jit
-def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, Mpad,
-                     ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr,
-                     SR_ROW: tl.constexpr, SR_COL: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
+def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, Mpad, BEXP, NSLOT,
+                     ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr, SR_ROW: tl.constexpr,
+                     SR_COL: tl.constexpr, GROUPED: tl.constexpr, NSP2: tl.constexpr, G: tl.constexpr,
+                     BK: tl.constexpr):
     """Row operand: RD [M, K/2], RS [M, K/16]. Column operand of xᵀ (tokens zero-padded to Mpad):
-    CD [K, Mpad/2], CS [K, Mpad/16]. GS [2]: the decode scales of the two (from AMAX, whose entry of
-    an operand not emitted is 0, giving 1: every output is defined). A program covers 16·G rows and
-    BK columns; it reads them twice (the second time from cache), once as 16 tiles per row block for
-    the column operand and once as 16 tiles per column block for the row operand, so that every
-    16-element block is elementwise work between tiles. Philox counters (quantize_slices16): row
-    block (m, kb) uses m·K/16 + kb, column block (b, k) uses (Mpad/16)·K + b·K + k: the two
-    roundings draw independent numbers from one seed."""
+    CD [K, Mpad/2], CS [K, Mpad/16]. GS [2·NSLOT]: the decode scales of the two, from AMAX (row slots,
+    then column slots). NSLOT is 1, or with GROUPED one slot per expert: 16-row block b then takes
+    the tensor scale of slot BEXP[b] (routed tokens grouped by expert, groups aligned to 16). A
+    program covers 16·G rows and BK columns; it reads them twice (the second time from cache), once
+    as 16 tiles per row block for the column operand and once as 16 tiles per column block for the
+    row operand, so that every 16-element block is elementwise work between tiles. Philox counters
+    (quantize_slices16): row block (m, kb) uses m·K/16 + kb, column block (b, k) uses
+    (Mpad/16)·K + b·K + k: the two roundings draw independent numbers from one seed."""
     seed = tl.load(SEED)  # a dummy pointer when neither rounding is stochastic
-    if not ROW:
-        _store_decode_scale(GS, _jit_global_scale(tl.load(AMAX).to(tl.float32, bitcast=True)))
-    if not COL:
-        _store_decode_scale(GS + 1, _jit_global_scale(tl.load(AMAX + 1).to(tl.float32, bitcast=True)))
+    _store_decode_scales(GS, AMAX, 2 * NSLOT, NSP2)
+    nblk = Mpad // 16
     if COL:
         blk = tl.program_id(0) * G + tl.arange(0, G)
         rk = tl.program_id(1) * BK + tl.arange(0, BK)
         xs = _load16(X, blk, rk, M, K, sxm, sxk)
         if RHT:
             xs = rht16_slices(xs, SIGNS)
-        s = _jit_global_scale(tl.load(AMAX + 1).to(tl.float32, bitcast=True))
-        _store_decode_scale(GS + 1, s)
+        s = _encode_scale(AMAX + NSLOT, BEXP, blk, nblk, GROUPED)
         # (not k·Mpad/16 + b: that expression is the CS store's offsets, whose layout it would then share)
         codes, e = quantize_slices16(xs, s, SR_COL, seed, (Mpad // 16) * K + blk[:, None] * K + rk[None, :])
         packed = pack16_along_slices(codes)  # [BK, G·8]
@@ -117,8 +143,7 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
         rows = tl.program_id(0) * (16 * G) + tl.arange(0, 16 * G)
         kb = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
         xs = _load16_cols(X, rows, kb, M, K, sxm, sxk)
-        s = _jit_global_scale(tl.load(AMAX).to(tl.float32, bitcast=True))
-        _store_decode_scale(GS, s)
+        s = _encode_scale(AMAX, BEXP, rows // 16, nblk, GROUPED)
         codes, e = quantize_slices16(xs, s, SR_ROW, seed, rows[:, None] * (K // 16) + kb[None, :])
         packed = pack_slices16(codes, 16 * G, BK // 16)  # [16G, BK/16, 8]
         rmask = (rows < M)[:, None]
@@ -129,15 +154,16 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
 
 
 @triton.jit
-def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, EMIT_T: tl.constexpr,
-                        G: tl.constexpr, BK: tl.constexpr):
-    """16×16 blocks, nearest-even: D [N, K/2], S [N/16, K/16], GS the decode scale, and DT [K, N/2]
-    with ST = Sᵀ, the codes and scales of Wᵀ (whose tiles are the transposed tiles of W)."""
+def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, EMIT_T: tl.constexpr,
+                        GROUPED: tl.constexpr, NSP2: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
+    """16×16 blocks, nearest-even: D [N, K/2], S [N/16, K/16], GS the decode scales, and DT [K, N/2]
+    with ST = Sᵀ, the codes and scales of Wᵀ (whose tiles are the transposed tiles of W). With
+    GROUPED, W stacks experts along N and 16-row block b takes the tensor scale of slot BEXP[b]."""
     blk = tl.program_id(0) * G + tl.arange(0, G)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     ws = _load16(W, blk, rk, N, K, swn, swk)
-    s = _jit_global_scale(tl.load(AMAX).to(tl.float32, bitcast=True))
-    _store_decode_scale(GS, s)
+    _store_decode_scales(GS, AMAX, NSLOT, NSP2)
+    s = _encode_scale(AMAX, BEXP, blk, N // 16, GROUPED)
     bamax = tl.max(tl.reshape(amax16(ws), (G, BK // 16, 16)), axis=2)
     e, r = block_scales(bamax, s)  # [G, BK/16]
     rk2 = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
@@ -201,12 +227,6 @@ def _amax_buffer(x: torch.Tensor, amax: torch.Tensor | None, n: int) -> torch.Te
     return a.expand(n).contiguous().view(torch.int32)
 
 
-def _decode_scale(amax_bits: torch.Tensor) -> torch.Tensor:
-    """1/S from the fp32 amax bits, exactly as the reference computes it (0-d fp32)."""
-    amax = amax_bits.view(torch.float32).reshape(())
-    return torch.reciprocal(global_encode_scale(amax))
-
-
 def _check_2d(x: torch.Tensor, name: str) -> None:
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"{name}: expected a 2D floating-point tensor, got {tuple(x.shape)} {x.dtype}")
@@ -216,34 +236,53 @@ def _check_2d(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: {x.numel()} elements exceed the kernel's 2^30 element limit")
 
 
+def _slots(x: torch.Tensor, groups: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """(block-expert map, amax slots per operand): a dummy and 1 for one tensor scale; with ``groups``
+    (offsets) one slot per expert plus one for the rows past the last group."""
+    if groups is None:
+        return torch.zeros(1, dtype=torch.int32, device=x.device), 1
+    if groups.dim() != 1 or groups.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"grouped quantization: offsets must be a 1D integer tensor, got {tuple(groups.shape)} "
+                         f"{groups.dtype}")
+    return block_experts(groups.to(x.device), x.shape[0]), groups.numel() + 1
+
+
 def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise: bool = False,
                              signs: torch.Tensor | None = None, stochastic_row: bool = False,
                              stochastic_col: bool = False, seed: torch.Tensor | None = None,
-                             amax: torch.Tensor | None = None, amax_col: torch.Tensor | None = None):
+                             amax: torch.Tensor | None = None, amax_col: torch.Tensor | None = None,
+                             groups: torch.Tensor | None = None):
     """``quantize_operand`` as plain tensors: (row codes, row scales, column codes, column scales,
-    fp32 [gs_row, gs_col]); an operand not asked for comes back as empty tensors."""
+    fp32 [gs_row, gs_col]); an operand not asked for comes back as empty tensors. With ``groups``
+    (the cumulative expert offsets, multiples of 16) every expert's rows get a tensor scale of their
+    own and the decode scales come back as fp32 [2, E + 1] (row, column; slot E: rows past the last
+    expert)."""
     _check_2d(x2d, "quantize_operand")
     M, K = x2d.shape
     Mpad = M + (-M) % 16
     dev = x2d.device
     if (stochastic_row or stochastic_col) and seed is None:
         raise ValueError("stochastic rounding needs a seed tensor")
-    buf = torch.zeros(2, dtype=torch.int32, device=dev)  # fp32 bits of [amax_row, amax_col]
-    gs = torch.empty(2, dtype=torch.float32, device=dev)  # the decode scales, written by the kernel
+    if groups is not None and (amax is not None or amax_col is not None):
+        raise ValueError("quantize_operand: given amaxes and per-expert groups exclude each other")
+    bexp, ns = _slots(x2d, groups)
+    buf = torch.zeros(2 * ns, dtype=torch.int32, device=dev)  # fp32 bits of the row amaxes, then the column ones
+    gs = torch.empty(2 * ns, dtype=torch.float32, device=dev)  # the decode scales, written by the kernel
     # Without the RHT the column operand holds the same values as the rows: one amax serves both.
     same_amax = colwise and signs is None and amax_col is None
     row_needed = amax is None and (rowwise or same_amax)
     col_needed = colwise and signs is not None and amax_col is None
     signs_t = signs.to(device=dev, dtype=torch.float32).contiguous() if signs is not None else buf
+    flags = dict(GROUPED=groups is not None)
     if (row_needed or col_needed) and M > 0:
         _launch(_amax_kernel, _amax_autotuned, x2d, M, K, x2d, M, K, x2d.stride(0), x2d.stride(1), buf, signs_t,
-                ROW=row_needed, COL=col_needed, RHT=True)
+                bexp, ns, ROW=row_needed, COL=col_needed, RHT=True, **flags)
     if amax is not None:  # given amaxes go in after the reduction (autotuning zeroes the buffer)
         buf[0:1] = _amax_buffer(x2d, amax, 1)
     if amax_col is not None:
         buf[1:2] = _amax_buffer(x2d, amax_col, 1)
     if same_amax:
-        buf[1:2] = buf[0:1]
+        buf[ns:] = buf[:ns]
     empty_u8 = x2d.new_empty((0,), dtype=torch.uint8)
     empty_f8 = x2d.new_empty((0,), dtype=torch.float8_e4m3fn)
     rd = torch.empty((M, K // 2), dtype=torch.uint8, device=dev) if rowwise else empty_u8
@@ -254,11 +293,11 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
         _launch(_quantize_kernel, _quantize_autotuned, x2d, Mpad, K,
                 x2d, M, K, x2d.stride(0), x2d.stride(1), buf, gs, rd if rowwise else buf, rs if rowwise else buf,
                 cd if colwise else buf, cs if colwise else buf, signs_t, seed if seed is not None else buf, Mpad,
-                ROW=rowwise, COL=colwise, RHT=signs is not None, SR_ROW=stochastic_row, SR_COL=stochastic_col)
+                bexp, ns, ROW=rowwise, COL=colwise, RHT=signs is not None, SR_ROW=stochastic_row,
+                SR_COL=stochastic_col, NSP2=triton.next_power_of_2(2 * ns), **flags)
     else:  # no program ran: the decode scales of an all-zero tensor
-        gs[0] = _decode_scale(buf[0])
-        gs[1] = _decode_scale(buf[1])
-    return rd, rs, cd, cs, gs
+        gs.copy_(torch.reciprocal(global_encode_scale(buf.view(torch.float32))))
+    return rd, rs, cd, cs, (gs.view(2, ns) if groups is not None else gs)
 
 
 def quantize_operand(x2d: torch.Tensor, *, rowwise: bool = True, colwise: bool = False,
@@ -273,19 +312,27 @@ def quantize_operand(x2d: torch.Tensor, *, rowwise: bool = True, colwise: bool =
     return operand_pair(out, x2d.shape, rowwise, colwise)
 
 
-def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None, emit_transpose: bool = True):
-    """``quantize_weight_2d`` as plain tensors: (codes, scales, codes of Wᵀ, scales of Wᵀ, fp32 [1]
-    decode scale); without ``emit_transpose`` the last-but-one two are empty."""
+def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None, emit_transpose: bool = True,
+                               experts: int = 1):
+    """``quantize_weight_2d`` as plain tensors: (codes, scales, codes of Wᵀ, scales of Wᵀ, fp32 decode
+    scales [experts]); without ``emit_transpose`` the last-but-one two are empty. ``experts`` > 1: w
+    stacks that many expert weights along its rows ([E·N, K]), each with its own tensor scale; the
+    transpose is then that of the whole stack, [K, E·N]."""
     _check_2d(w, "quantize_weight_2d")
     N, K = w.shape
-    if N % 16:
-        raise ValueError(f"quantize_weight_2d: 16x16 blocks need both dims to be multiples of 16, got {tuple(w.shape)}")
+    if N % (16 * experts):
+        raise ValueError(f"quantize_weight_2d: 16x16 blocks need both dims to be multiples of 16, got "
+                         f"{tuple(w.shape) if experts == 1 else (experts, N // experts, K)}")
+    if experts > 1 and amax is not None:
+        raise ValueError("quantize_weight_2d: a given amax and several experts exclude each other")
     dev = w.device
-    buf = torch.zeros(1, dtype=torch.int32, device=dev)  # fp32 bits of the amax
-    gs = torch.empty(1, dtype=torch.float32, device=dev)
+    grouped = experts > 1
+    bexp = _expert_blocks(experts, N // 16 // experts, dev) if grouped else torch.zeros(1, dtype=torch.int32, device=dev)
+    buf = torch.zeros(experts, dtype=torch.int32, device=dev)  # fp32 bits of the amaxes
+    gs = torch.empty(experts, dtype=torch.float32, device=dev)
     if amax is None and N > 0:
-        _launch(_amax_kernel, _amax_autotuned, w, N, K, w, N, K, w.stride(0), w.stride(1), buf, buf,
-                ROW=True, COL=False, RHT=False)
+        _launch(_amax_kernel, _amax_autotuned, w, N, K, w, N, K, w.stride(0), w.stride(1), buf, buf, bexp, experts,
+                ROW=True, COL=False, RHT=False, GROUPED=grouped)
     elif amax is not None:
         buf[0:1] = _amax_buffer(w, amax, 1)
     d = torch.empty((N, K // 2), dtype=torch.uint8, device=dev)
@@ -295,10 +342,17 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
     if N > 0:
         _launch(_quantize_2d_kernel, _quantize_2d_autotuned, w, N, K,
                 w, N, K, w.stride(0), w.stride(1), buf, gs, d, s, dt if emit_transpose else d,
-                st if emit_transpose else s, EMIT_T=emit_transpose)
+                st if emit_transpose else s, bexp, experts, EMIT_T=emit_transpose, GROUPED=grouped,
+                NSP2=triton.next_power_of_2(experts))
     else:
-        gs[0] = _decode_scale(buf[0])
+        gs.copy_(torch.reciprocal(global_encode_scale(buf.view(torch.float32))))
     return d, s, dt, st, gs
+
+
+@functools.lru_cache(maxsize=64)
+def _expert_blocks(experts: int, blocks_per_expert: int, device: torch.device) -> torch.Tensor:
+    """int32 expert index of each 16-row block of E stacked expert weights (cached: it never changes)."""
+    return torch.arange(experts, dtype=torch.int32, device=device).repeat_interleave(blocks_per_expert)
 
 
 def quantize_weight_2d(w: torch.Tensor, amax: torch.Tensor | None = None,

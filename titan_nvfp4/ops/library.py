@@ -126,3 +126,72 @@ def _quantize_mxfp8_fake(x, rowwise, colwise):
     return (x.new_empty((m, k) if rowwise else (0,), dtype=f8), x.new_empty((m, k // 32) if rowwise else (0,), dtype=e8),
             x.new_empty((k, mpad) if colwise else (0,), dtype=f8),
             x.new_empty((k, mpad // 32) if colwise else (0,), dtype=e8))
+
+
+# ----------------------------------------------------------------------------- grouped (MoE experts)
+
+@torch.library.custom_op("titan_nvfp4::quantize_grouped", mutates_args=())
+def quantize_grouped(x: Tensor, offsets: Tensor, rowwise: bool, colwise: bool, signs: Optional[Tensor],
+                     stochastic_row: bool, stochastic_col: bool,
+                     seed: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``quantize`` of routed tokens grouped by expert (``offsets``: cumulative group ends, multiples
+    of 16), each expert with its own tensor scales: decode scales fp32 [2, E + 1] (row, column)."""
+    from ..kernels.quantize import quantize_operand_tensors
+
+    return quantize_operand_tensors(x, rowwise=rowwise, colwise=colwise, signs=signs, stochastic_row=stochastic_row,
+                                    stochastic_col=stochastic_col, seed=seed, groups=offsets)
+
+
+@quantize_grouped.register_fake
+def _quantize_grouped_fake(x, offsets, rowwise, colwise, signs, stochastic_row, stochastic_col, seed):
+    rd, rs, cd, cs, _ = _quantize_fake(x, rowwise, colwise, signs, stochastic_row, stochastic_col, seed)
+    return rd, rs, cd, cs, x.new_empty((2, offsets.shape[0] + 1), dtype=torch.float32)
+
+
+@torch.library.custom_op("titan_nvfp4::quantize_2d_grouped", mutates_args=())
+def quantize_2d_grouped(w: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``quantize_2d`` of ``experts`` stacked expert weights w [E·N, K], one tensor scale each:
+    decode scales [E]; the transpose is that of the stack, [K, E·N]."""
+    from ..kernels.quantize import quantize_weight_2d_tensors
+
+    return quantize_weight_2d_tensors(w, experts=experts)
+
+
+@quantize_2d_grouped.register_fake
+def _quantize_2d_grouped_fake(w, experts):
+    d, s, dt, st, _ = _quantize_2d_fake(w)
+    return d, s, dt, st, w.new_empty((experts,), dtype=torch.float32)
+
+
+@torch.library.custom_op("titan_nvfp4::grouped_gemm_rows", mutates_args=())
+def grouped_gemm_rows(a_data: Tensor, a_scale: Tensor, b_data: Tensor, b_scale: Tensor, b_tiles: bool,
+                      offsets: Tensor, gs_a: Tensor, gs_b: Tensor, n_out: int, b_row_step: int, b_col_step: int,
+                      out_dtype: torch.dtype, bias: Optional[Tensor]) -> Tensor:
+    """Tokens grouped along M (fprop, dgrad): see kernels/grouped_gemm.py."""
+    from ..kernels.grouped_gemm import grouped_gemm_rows as run
+
+    a = _operand(a_data, a_scale, gs_a[:1], False)
+    b = _operand(b_data, b_scale, gs_b[:1], b_tiles)
+    return run(a, b, offsets, gs_a, gs_b, n_out, b_row_step, b_col_step, out_dtype, bias)
+
+
+@grouped_gemm_rows.register_fake
+def _grouped_gemm_rows_fake(a_data, a_scale, b_data, b_scale, b_tiles, offsets, gs_a, gs_b, n_out, b_row_step,
+                            b_col_step, out_dtype, bias):
+    return a_data.new_empty((a_data.shape[0], n_out), dtype=out_dtype)
+
+
+@torch.library.custom_op("titan_nvfp4::grouped_gemm_tokens", mutates_args=())
+def grouped_gemm_tokens(a_data: Tensor, a_scale: Tensor, b_data: Tensor, b_scale: Tensor, offsets: Tensor,
+                        gs_a: Tensor, gs_b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """Tokens grouped along K (wgrad): out [E, M, N], see kernels/grouped_gemm.py."""
+    from ..kernels.grouped_gemm import grouped_gemm_tokens as run
+
+    a = _operand(a_data, a_scale, gs_a[:1], False)
+    b = _operand(b_data, b_scale, gs_b[:1], False)
+    return run(a, b, offsets, gs_a, gs_b, out_dtype)
+
+
+@grouped_gemm_tokens.register_fake
+def _grouped_gemm_tokens_fake(a_data, a_scale, b_data, b_scale, offsets, gs_a, gs_b, out_dtype):
+    return a_data.new_empty((offsets.shape[0], a_data.shape[0], b_data.shape[0]), dtype=out_dtype)

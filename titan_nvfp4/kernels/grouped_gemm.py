@@ -1,0 +1,201 @@
+"""Emulated grouped NVFP4 GEMMs of MoE experts in Triton: one launch for all experts, the expert
+offsets read on the device (no host sync), per-expert global scales and bias in the epilogue.
+
+  grouped_gemm_rows    out[rows of e] = A[rows of e] · B_eᵀ      fprop and dgrad: tokens along M
+  grouped_gemm_tokens  out[e] = A[:, tokens of e] · B[:, tokens of e]ᵀ   wgrad: tokens along K
+
+Operands are staged fp16 values q·e_b, exact, as in gemm.py. ``offsets`` [E] are the cumulative
+token counts (TorchTitan's), multiples of 16 so that no 16-token block straddles two experts.
+Rows past offsets[-1] belong to no expert: grouped_gemm_rows writes zeros there (the tiles of a
+pseudo-expert E), so no memset is needed. The B operand of expert e starts at row e·b_row_step and
+column e·b_col_step of the stacked B: (N, 0) for W [E·N, K], (0, N) for the 16×16 Wᵀ [K, E·N].
+
+Reference twin: the per-expert loop of grouped_function.py over ops/gemm.py:gemm_reference
+(tests/test_grouped.py checks them bit for bit).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..numerics.nvfp4 import NVFP4Tensor
+from ..ops.backends import interpreting
+from .gemm import _set_b_block, _use_tma, dequantize_fp16, swizzle_tile
+
+SMALL_TILES = {"BM": 32, "BN": 32, "BK": 32, "GROUP_M": 4}
+
+
+def _configs():
+    return [triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s, pre_hook=_set_b_block)
+            for bm, bn, bk, w, s in ((128, 256, 64, 8, 4), (128, 128, 64, 4, 4), (128, 256, 128, 8, 3),
+                                     (64, 256, 64, 4, 4))]
+
+
+@triton.jit
+def _expert_of_tile(OFFS, E, T, tile, BM: tl.constexpr, tiles_n, EP: tl.constexpr):
+    """(e, first row, end row, tile index within e) of linear tile ``tile``, where expert e owns
+    ⌈rows_e / BM⌉·tiles_n consecutive tiles and e = E is the tail [offsets[-1], T); e > E: no tile."""
+    i = tl.arange(0, EP)
+    ends = tl.where(i < E, tl.load(OFFS + i, mask=i < E, other=0), T)
+    starts = tl.where(i <= E, tl.load(OFFS + i - 1, mask=(i > 0) & (i <= E), other=0), T)
+    ntiles = tl.cdiv(ends - starts, BM) * tiles_n
+    cum = tl.cumsum(ntiles, 0)
+    e = tl.sum((cum <= tile).to(tl.int32), 0)
+    first = tl.sum(tl.where(i == e, cum - ntiles, 0), 0)
+    start = tl.sum(tl.where(i == e, starts, 0), 0)
+    end = tl.sum(tl.where(i == e, ends, 0), 0)
+    return e, start, end, tile - first
+
+
+@triton.jit
+def _grouped_rows_kernel(A, a_desc, B, b_desc, OFFS, GSA, GSB, BIAS, C, E, T, N, K, B_ROW_STEP, B_COL_STEP,
+                         sam, sbn, scm, HAS_BIAS: tl.constexpr, TMA: tl.constexpr, EP: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """C [T, N] = A [T, K] · B_eᵀ per expert row range, · GSA[e]·GSB[e] (+ BIAS[e]); zeros past the
+    last expert. A's tile rows past an expert's end are computed and not stored; B_e's tile columns
+    past K (dgrad, B = Wᵀ) read the next expert's weights against A's zero-filled columns."""
+    tiles_n = tl.cdiv(N, BN)
+    e, start, end, local = _expert_of_tile(OFFS, E, T, tl.program_id(0), BM, tiles_n, EP)
+    if e <= E:
+        pid_m, pid_n = swizzle_tile(local, tl.cdiv(end - start, BM), tiles_n, GROUP_M)
+        m0 = start + pid_m * BM
+        rm = m0 + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        b_row0 = e * B_ROW_STEP
+        b_col0 = e * B_COL_STEP
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        k_end = tl.where(e < E, K, 0)  # the tail pseudo-expert only writes zeros
+        for k0 in range(0, k_end, BK):
+            if TMA:
+                a = a_desc.load([m0, k0])
+                b = b_desc.load([b_row0 + pid_n * BN, b_col0 + k0])
+            else:
+                kmask = (k0 + rk < K)[None, :]
+                a = tl.load(A + rm[:, None].to(tl.int64) * sam + (k0 + rk)[None, :],
+                            mask=(rm < end)[:, None] & kmask, other=0.0)
+                b = tl.load(B + (b_row0 + rn)[:, None].to(tl.int64) * sbn + (b_col0 + k0 + rk)[None, :],
+                            mask=(rn < N)[:, None] & kmask, other=0.0)
+            acc = tl.dot(a, b.T, acc)
+        ec = tl.minimum(e, E - 1)
+        out = acc * (tl.load(GSA + e) * tl.load(GSB + ec))
+        if HAS_BIAS:
+            out = out + tl.load(BIAS + ec * N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        out = tl.where(e < E, out, 0.0)
+        tl.store(C + rm[:, None].to(tl.int64) * scm + rn[None, :], out.to(C.dtype.element_ty),
+                 mask=(rm < end)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _grouped_tokens_kernel(A, a_desc, B, b_desc, OFFS, GSA, GSB, C, M, N, sam, sbn, TMA: tl.constexpr,
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """C [E, M, N] with C[e] = A[:, tokens of e] · B[:, tokens of e]ᵀ · GSA[e]·GSB[e]; A [M, T],
+    B [N, T]. The last, partial step of an expert zeroes A's columns past its end (the next
+    expert's tokens); an empty expert writes zeros."""
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    e = tl.program_id(0) // (tiles_m * tiles_n)
+    pid_m, pid_n = swizzle_tile(tl.program_id(0) % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
+    start = tl.load(OFFS + e - 1, mask=e > 0, other=0)
+    end = tl.load(OFFS + e)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    full_end = start + ((end - start) // BK) * BK
+    for k0 in range(start, full_end, BK):
+        if TMA:
+            a = a_desc.load([pid_m * BM, k0])
+            b = b_desc.load([pid_n * BN, k0])
+        else:
+            a = tl.load(A + rm[:, None].to(tl.int64) * sam + (k0 + rk)[None, :], mask=(rm < M)[:, None], other=0.0)
+            b = tl.load(B + rn[:, None].to(tl.int64) * sbn + (k0 + rk)[None, :], mask=(rn < N)[:, None], other=0.0)
+        acc = tl.dot(a, b.T, acc)
+    if full_end < end:
+        kmask = (full_end + rk < end)[None, :]
+        if TMA:
+            a = a_desc.load([pid_m * BM, full_end])
+            b = b_desc.load([pid_n * BN, full_end])
+        else:
+            a = tl.load(A + rm[:, None].to(tl.int64) * sam + (full_end + rk)[None, :], mask=(rm < M)[:, None] & kmask,
+                        other=0.0)
+            b = tl.load(B + rn[:, None].to(tl.int64) * sbn + (full_end + rk)[None, :], mask=(rn < N)[:, None] & kmask,
+                        other=0.0)
+        acc = tl.dot(tl.where(kmask, a, tl.zeros_like(a)), b.T, acc)
+    out = acc * (tl.load(GSA + e) * tl.load(GSB + e))
+    tl.store(C + e.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :], out.to(C.dtype.element_ty),
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+_rows_autotuned = triton.autotune(_configs(), key=["E", "N", "K", "B_ROW_STEP", "B_COL_STEP", "TMA"])(_grouped_rows_kernel)
+_tokens_autotuned = triton.autotune(_configs(), key=["M", "N", "TMA"])(_grouped_tokens_kernel)
+
+
+def _desc(t: torch.Tensor):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [SMALL_TILES["BM"], SMALL_TILES["BK"]])
+
+
+def _autotune(x: torch.Tensor, work: int) -> bool:
+    return x.is_cuda and not interpreting() and work >= 2**22
+
+
+def grouped_gemm_rows(a: NVFP4Tensor, b: NVFP4Tensor, offsets: torch.Tensor, gs_a: torch.Tensor,
+                      gs_b: torch.Tensor, n_out: int, b_row_step: int, b_col_step: int, out_dtype: torch.dtype,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """out [T, n_out]: row range r of expert e is A[r] · B_eᵀ · gs_a[e]·gs_b[e] (+ bias[e]), where
+    B_e is the [n_out, K] window of b's storage at (e·b_row_step, e·b_col_step); zeros past the
+    last expert. gs_a [≥E+1] and gs_b [≥E] are the per-expert decode scales."""
+    T, K = a.storage_shape
+    E = offsets.numel()
+    out = torch.empty((T, n_out), dtype=out_dtype, device=a.data.device)
+    if T == 0 or n_out == 0:
+        return out
+    a16 = dequantize_fp16(a)
+    b16 = dequantize_fp16(b)
+    tma = _use_tma(a16) and not interpreting()
+    a_arg, b_arg = (_desc(a16), _desc(b16)) if tma else (a16, b16)
+    args = (a16, a_arg, b16, b_arg, offsets, gs_a.float().contiguous(), gs_b.float().contiguous(),
+            bias if bias is not None else out, out, E, T, n_out, K, b_row_step, b_col_step,
+            a16.stride(0), b16.stride(0), out.stride(0))
+    kw = dict(HAS_BIAS=bias is not None, TMA=tma, EP=triton.next_power_of_2(E + 1))
+    if _autotune(a16, T * n_out):
+        grid = lambda meta: ((triton.cdiv(T, meta["BM"]) + E + 1) * triton.cdiv(n_out, meta["BN"]),)  # noqa: E731
+        _rows_autotuned[grid](*args, **kw)
+    else:
+        t = SMALL_TILES
+        grid = ((triton.cdiv(T, t["BM"]) + E + 1) * triton.cdiv(n_out, t["BN"]),)
+        _grouped_rows_kernel[grid](*args, **kw, **t)
+    return out
+
+
+def grouped_gemm_tokens(a: NVFP4Tensor, b: NVFP4Tensor, offsets: torch.Tensor, gs_a: torch.Tensor,
+                        gs_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """out [E, M, N] with out[e] = A[:, tokens of e] · B[:, tokens of e]ᵀ · gs_a[e]·gs_b[e] over the
+    storages A [M, T] and B [N, T] (16-element blocks along the tokens)."""
+    M, T = a.storage_shape
+    N, Tb = b.storage_shape
+    if T != Tb:
+        raise ValueError(f"grouped wgrad GEMM: token dims differ, {a.storage_shape} vs {b.storage_shape}")
+    E = offsets.numel()
+    out = torch.empty((E, M, N), dtype=out_dtype, device=a.data.device)
+    if E == 0 or M == 0 or N == 0:
+        return out
+    a16 = dequantize_fp16(a)
+    b16 = dequantize_fp16(b)
+    tma = _use_tma(a16) and not interpreting()
+    a_arg, b_arg = (_desc(a16), _desc(b16)) if tma else (a16, b16)
+    args = (a16, a_arg, b16, b_arg, offsets, gs_a.float().contiguous(), gs_b.float().contiguous(), out, M, N,
+            a16.stride(0), b16.stride(0))
+    if _autotune(a16, E * M * N):
+        grid = lambda meta: (E * triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
+        _tokens_autotuned[grid](*args, TMA=tma)
+    else:
+        t = SMALL_TILES
+        _grouped_tokens_kernel[(E * triton.cdiv(M, t["BM"]) * triton.cdiv(N, t["BN"]),)](*args, TMA=tma, **t)
+    return out
+
+
+__all__ = ["grouped_gemm_rows", "grouped_gemm_tokens"]

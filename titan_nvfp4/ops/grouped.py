@@ -1,0 +1,110 @@
+"""Grouped dispatch for MoE experts on the kernel backends: every expert's operands in one tensor and
+one launch, with per-expert tensor scales, and the expert offsets never read on the host.
+
+An operand here is a ``GroupedOperand``: the NVFP4 codes and block scales of all experts in one
+storage plus the per-expert decode scales ``gs`` (slot e for expert e; the routed-token operands
+carry one more slot for the rows past the last expert). Token groups must start at multiples of 16
+(TorchTitan's token-group alignment), so that no 16-token block straddles two experts.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from . import library
+
+
+@dataclass
+class GroupedOperand:
+    """Codes [R, C/2] uint8, block scales (E4M3; one row per storage row, or per 16 rows when
+    ``tiles``) and per-expert decode scales gs fp32 [slots]."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    gs: torch.Tensor
+    tiles: bool = False
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.data, self.scale, self.gs
+
+
+@dataclass
+class GroupedWeight:
+    """The expert weights for fprop (W [E·N, K]) and dgrad (Wᵀ per expert: the window of expert e
+    starts at row e·row_step, column e·col_step of ``t``)."""
+
+    w: GroupedOperand
+    t: GroupedOperand
+    row_step: int
+    col_step: int
+
+
+def block_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """int32 [⌈rows/16⌉]: the expert of each 16-row block of routed tokens whose cumulative group
+    ends are ``offsets`` [E] (E for blocks past offsets[-1]), computed on the device (no host sync).
+    A block's expert is its first row's: groups must start at multiples of 16."""
+    starts = torch.arange(0, rows + (-rows) % 16, 16, dtype=offsets.dtype, device=offsets.device)
+    return torch.searchsorted(offsets, starts, right=True).to(torch.int32)
+
+
+def expert_bias_grad(dy2d: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """fp32 [E, N]: the sum of each expert's rows of dy2d (rows past the last expert dropped), as a
+    one-hot [E, T] matmul with fp32 accumulation: no host sync, and deterministic, unlike atomics."""
+    E, T = offsets.numel(), dy2d.shape[0]
+    row_expert = block_experts(offsets, T).repeat_interleave(16)[:T]
+    onehot = row_expert[None, :] == torch.arange(E, dtype=row_expert.dtype, device=dy2d.device)[:, None]
+    if dy2d.is_cuda and dy2d.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(onehot.to(dy2d.dtype), dy2d, out_dtype=torch.float32)
+    if dy2d.is_cuda:  # fp32 gradients: an fp32 GEMM could round them to TF32
+        return dy2d.new_zeros((E + 1, dy2d.shape[1])).index_add_(0, row_expert, dy2d.float())[:E]
+    return onehot.float() @ dy2d.float()
+
+
+@functools.lru_cache(maxsize=64)
+def _stack_offsets(experts: int, rows: int, device: torch.device) -> torch.Tensor:
+    """Cumulative row ends of ``experts`` stacked blocks of ``rows`` rows (cached: a constant)."""
+    return torch.arange(1, experts + 1, dtype=torch.int32, device=device) * rows
+
+
+def quantize_tokens(x2d: torch.Tensor, offsets: torch.Tensor, rowwise: bool, colwise: bool,
+                    signs: torch.Tensor | None, seed: torch.Tensor | None) -> tuple[GroupedOperand | None, GroupedOperand | None]:
+    """Routed tokens x2d [T, K]: the 1×16 row operand and the wgrad operand xᵀ [K, T padded to 16]
+    (RHT when ``signs``), each expert with its own tensor scales; stochastic iff ``seed``."""
+    sr = seed is not None
+    rd, rs, cd, cs, gs = library.quantize_grouped(x2d, offsets, rowwise, colwise, signs, sr, sr, seed)
+    row = GroupedOperand(rd, rs, gs[0]) if rowwise else None
+    col = GroupedOperand(cd, cs, gs[1]) if colwise else None
+    return row, col
+
+
+def quantize_experts(w: torch.Tensor, weight_2d: bool) -> GroupedWeight:
+    """Expert weights w [E, N, K]: 16×16 blocks (one quantization read both ways, Wᵀ = [K, E·N]) or
+    1×16 along K for fprop and 1×16 along N for dgrad (Wᵀ stacked as [E·K, N])."""
+    E, N, K = w.shape
+    if weight_2d:
+        d, s, dt, st, gs = library.quantize_2d_grouped(w.reshape(E * N, K), E)
+        return GroupedWeight(GroupedOperand(d, s, gs, True), GroupedOperand(dt, st, gs, True), 0, N)
+    rd, rs, _, _, gs = library.quantize_grouped(w.reshape(E * N, K), _stack_offsets(E, N, w.device), True, False,
+                                                None, False, False, None)
+    wt = w.transpose(1, 2).reshape(E * K, N)
+    td, ts, _, _, gst = library.quantize_grouped(wt, _stack_offsets(E, K, w.device), True, False, None, False,
+                                                 False, None)
+    return GroupedWeight(GroupedOperand(rd, rs, gs[0]), GroupedOperand(td, ts, gst[0]), K, 0)
+
+
+def gemm_rows(a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, n_out: int, row_step: int,
+              col_step: int, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, n_out]: expert e's rows of A times its [n_out, K] window of B (see grouped_gemm.py)."""
+    return library.grouped_gemm_rows(a.data, a.scale, b.data, b.scale, b.tiles, offsets, a.gs, b.gs, n_out,
+                                     row_step, col_step, out_dtype, bias)
+
+
+def gemm_tokens(a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """[E, M, N]: expert e's tokens of A [M, T] times those of B [N, T], transposed (wgrad)."""
+    return library.grouped_gemm_tokens(a.data, a.scale, b.data, b.scale, offsets, a.gs, b.gs, out_dtype)
+
+
+__all__ = ["GroupedOperand", "GroupedWeight", "block_experts", "expert_bias_grad", "gemm_rows", "gemm_tokens", "quantize_experts", "quantize_tokens"]
