@@ -115,10 +115,65 @@ def test_bad_inputs_are_named():
     x, w, b, offsets, dy = _case()
     with pytest.raises(ValueError, match="offsets end at"):
         nvfp4_grouped_mm(x[:10], w, offsets, None, REF)
-    with pytest.raises(ValueError, match="2 offsets for 5 experts"):
+    with pytest.raises(ValueError, match="expected 5 offsets"):
         nvfp4_grouped_mm(x, w, offsets[:2], None, REF)
     with pytest.raises(ValueError, match="3D expert weights"):
         nvfp4_grouped_mm(x, w[0], offsets, None, REF)
+
+
+# ------------------------------------------------------- grouped kernels (Triton, CPU interpreter)
+
+# aligned groups (TorchTitan's token-group alignment 16): an empty expert first and in the middle,
+# one 16-token group, and 16 tail rows past the last expert
+ALIGNED = [0, 48, 0, 16, 64]
+
+
+@pytest.mark.parametrize("weight_2d,rht", [(True, True), (False, False)])
+def test_grouped_kernels_bit_identical_to_reference(weight_2d, rht):
+    """One launch per operand and product for all experts (emulated backend) against the per-expert
+    reference loop: the same bits for y, dx and dW; db sums in another order (fp32, ~1 ulp)."""
+    x, w, b, offsets, dy = _case(counts=ALIGNED, tail=16, k=64, n=48)
+    out = {}
+    for backend in ("reference", "emulated"):
+        recipe = dataclasses.replace(REF, gemm_backend=backend, weight_2d=weight_2d, rht=rht)
+        out[backend] = _grads(lambda x, w, b: nvfp4_grouped_mm(x, w, offsets, b, recipe), x, w, b, dy)
+    (y, dx, dw, db), (yk, dxk, dwk, dbk) = out["reference"], out["emulated"]
+    assert torch.equal(y, yk) and torch.equal(dx, dxk) and torch.equal(dw, dwk)
+    assert not yk[offsets[-1]:].any() and not dwk[0].any() and not dwk[2].any()
+    assert torch.allclose(db, dbk, rtol=1e-6, atol=1e-6) and not dbk[2].any()
+
+
+def test_grouped_kernels_stochastic_rounding_is_unbiased_and_keeps_the_scales():
+    """SR of routed tokens in one launch: block and per-expert tensor scales as nearest-even, every
+    element on one of its two grid neighbours, and the rounding error averaging out."""
+    from titan_nvfp4.ops.grouped import quantize_tokens
+
+    offsets = torch.tensor([32, 32, 96], dtype=torch.int32)
+    g = torch.Generator().manual_seed(3)
+    # every row of an expert the same: each column then holds independent draws for one value
+    x = torch.cat([torch.randn(1, 64, generator=g).expand(32, 64), 100 * torch.randn(1, 64, generator=g).expand(64, 64)])
+    rne, _ = quantize_tokens(x, offsets, True, False, None, None)
+    sr, _ = quantize_tokens(x, offsets, True, False, None, torch.tensor([11]))
+    assert torch.equal(rne.scale.view(torch.uint8), sr.scale.view(torch.uint8)) and torch.equal(rne.gs, sr.gs)
+    for e, (start, end) in ((0, (0, 32)), (2, (32, 96))):
+        ref = quantize_rowwise(x[start:end])
+        assert torch.equal(rne.gs[e], ref.global_scale) and torch.equal(rne.data[start:end], ref.data)
+        got = dataclasses.replace(ref, data=sr.data[start:end]).dequantize()
+        lo, hi = torch.minimum(got, x[start:end]), torch.maximum(got, x[start:end])
+        assert (hi - lo <= 2.0 * ref.row_scales().float().repeat_interleave(16, 1) * ref.global_scale).all(), \
+            "one grid step (at most 2 E2M1 units) away"
+        err = got - x[start:end]
+        assert err.mean(0).abs().mean() < 0.35 * err.abs().mean(), "SR should be unbiased"
+        assert not torch.equal(sr.data[start:end], ref.data)
+
+
+def test_unaligned_groups_fall_back_to_the_per_expert_loop():
+    x, w, b, offsets, dy = _case(k=32, n=32)  # COUNTS: groups of 37, 1 and 50 tokens
+    ref = _grads(lambda x, w, b: nvfp4_grouped_mm(x, w, offsets, b, REF), x, w, b, dy)
+    emu = dataclasses.replace(REF, gemm_backend="emulated")
+    got = _grads(lambda x, w, b: nvfp4_grouped_mm(x, w, offsets, b, emu), x, w, b, dy)
+    for a, c in zip(ref, got):
+        assert torch.equal(a, c)
 
 
 # --------------------------------------------------------------------- TorchTitan's MoE models

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torchtitan.models.gpt_oss.model.moe import GptOssGroupedExperts, ScaleBiasForward, swiglu
 from torchtitan.models.gpt_oss.model.moe import indices_padding_wrapper as gpt_oss_padding_wrapper
+from torchtitan.models.moe import utils as moe_utils
 from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.models.moe.utils import indices_padding_wrapper
 
@@ -30,6 +31,12 @@ def check_expert_dims(name: str, weights: dict[str, torch.Tensor]) -> None:
     if bad:
         raise ValueError(f"cannot convert experts {name!r} to NVFP4: {', '.join(bad)} has a dim that is not a "
                          "multiple of 16 (exclude it from [quantize.grouped_mm.nvfp4] fqns)")
+
+
+def groups_aligned() -> bool:
+    """Whether TorchTitan pads every token group to a multiple of 16 (the converter sets it): then the
+    grouped kernels run without looking at the offsets on the host."""
+    return moe_utils.TOKEN_GROUP_ALIGN_SIZE_M % 16 == 0
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -66,10 +73,10 @@ class NVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
 
     def _run(self, w1, w2, w3, x, num_tokens_per_expert):
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-        c, r, s = self.sr_counter, self.recipe, self.rht_signs
-        h = F.silu(nvfp4_grouped_mm(x, w1, offsets, None, r, c[0], s))
-        h = h * nvfp4_grouped_mm(x, w3, offsets, None, r, c[2], s)
-        return nvfp4_grouped_mm(h, w2, offsets, None, r, c[1], s)
+        c, r, s, a = self.sr_counter, self.recipe, self.rht_signs, groups_aligned()
+        h = F.silu(nvfp4_grouped_mm(x, w1, offsets, None, r, c[0], s, a))
+        h = h * nvfp4_grouped_mm(x, w3, offsets, None, r, c[2], s, a)
+        return nvfp4_grouped_mm(h, w2, offsets, None, r, c[1], s, a)
 
 
 class NVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):
@@ -89,12 +96,12 @@ class NVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):
     def _run(self, mlp1_weight, mlp1_bias, mlp2_weight, mlp2_bias, swiglu_limit, x, num_tokens_per_expert,
              tp_degree=1):
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-        c, r, s = self.sr_counter, self.recipe, self.rht_signs
-        h = nvfp4_grouped_mm(x, mlp1_weight, offsets, mlp1_bias, r, c[0], s)
+        c, r, s, a = self.sr_counter, self.recipe, self.rht_signs, groups_aligned()
+        h = nvfp4_grouped_mm(x, mlp1_weight, offsets, mlp1_bias, r, c[0], s, a)
         h = swiglu(h, limit=swiglu_limit)
         # as TorchTitan: under TP the bias is divided by the TP degree in forward only
         b2 = ScaleBiasForward.apply(mlp2_bias, tp_degree)
-        return nvfp4_grouped_mm(h, mlp2_weight, offsets, b2, r, c[1], s)
+        return nvfp4_grouped_mm(h, mlp2_weight, offsets, b2, r, c[1], s, a)
 
 
 EXPERT_CLASSES: dict[type, type] = {GroupedExperts: NVFP4GroupedExperts, GptOssGroupedExperts: NVFP4GptOssExperts}

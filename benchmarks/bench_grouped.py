@@ -1,0 +1,162 @@
+"""NVFP4 grouped experts against BF16 torch._grouped_mm, forward + backward, in one run.
+
+    python benchmarks/bench_grouped.py [--json out.json] [--shapes deepseek_v3_16b gpt_oss_20b]
+
+Each shape is a whole routed-expert block as TorchTitan runs it: DeepSeek-V3-style SwiGLU experts
+(h = silu(x W1ᵀ) ⊙ x W3ᵀ, out = h W2ᵀ) or gpt-oss's (mlp1 with bias to 2·hidden, clamped SwiGLU,
+mlp2 with bias). Tokens are routed uniformly at random (top-k of E), every group padded to 16 as
+TorchTitan's alignment does. Also one grouped GEMM alone (forward, and forward + backward), and the
+copy ceiling and cuBLAS BF16 for reference. Times: medians of triton.testing.do_bench (L2 flushed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from titan_nvfp4 import NVFP4Recipe
+from titan_nvfp4.grouped_function import nvfp4_grouped_mm
+from titan_nvfp4.linear_function import sr_counter
+
+SHAPES = {
+    # name: (experts, dim, hidden, tokens, top_k, gpt-oss style)
+    "deepseek_v3_16b": (64, 2048, 1408, 16384, 6, False),
+    "gpt_oss_20b": (32, 2880, 2880, 16384, 4, True),
+}
+
+
+def ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
+
+
+def copy_ceiling_tbps() -> float:
+    src = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (ms(lambda: dst.copy_(src)) * 1e-3) / 1e12
+
+
+def routed_offsets(E: int, tokens: int, top_k: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """Cumulative group ends of uniformly random top-k routing, each group padded to 16, and the
+    padded row count TorchTitan allocates (tokens·k + 16·E)."""
+    choice = torch.rand(tokens, E, generator=gen).topk(top_k, dim=1).indices.reshape(-1)
+    counts = torch.bincount(choice, minlength=E)
+    counts = (counts + 15) // 16 * 16
+    return torch.cumsum(counts, 0).to(torch.int32).cuda(), tokens * top_k + 16 * E
+
+
+def expert_block(mm, x, ws, offsets, gpt_oss: bool):
+    if gpt_oss:
+        w1, b1, w2, b2 = ws
+        h = mm(x, w1, offsets, b1, 0)
+        gate, up = h[:, ::2].clamp(max=7.0), h[:, 1::2].clamp(-7.0, 7.0)
+        h = gate * torch.sigmoid(1.702 * gate) * (up + 1)
+        return mm(h, w2, offsets, b2, 1)
+    w1, w2, w3 = ws
+    return mm(F.silu(mm(x, w1, offsets, None, 0)) * mm(x, w3, offsets, None, 2), w2, offsets, None, 1)
+
+
+def bf16_mm(x, w, offsets, b, _i):
+    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+    if b is not None:  # per-expert bias on each expert's rows, as gpt-oss adds it
+        idx = torch.searchsorted(offsets, torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype), right=True)
+        y = y + torch.cat([b, b.new_zeros(1, b.shape[1])])[idx]
+    return y
+
+
+def nvfp4_mm_factory(recipe, counters):
+    def run(x, w, offsets, b, i):
+        return nvfp4_grouped_mm(x, w, offsets, b, recipe, counters[i], None, aligned=True)
+    return run
+
+
+def fwd_bwd(mm, x, ws, offsets, dy, gpt_oss):
+    def step():
+        for t in (x, *ws):
+            t.grad = None
+        expert_block(mm, x, ws, offsets, gpt_oss).backward(dy)
+    return step
+
+
+def peak_gib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    ap.add_argument("--profile", action="store_true", help="print the NVFP4 expert block's kernel times")
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__, "rows": []}
+    copy_tbps = copy_ceiling_tbps()
+    print(f"# {res['gpu']}  torch {res['torch']}  triton {res['triton']}  copy {copy_tbps:.2f} TB/s")
+    print("| shape | what | BF16 ms | NVFP4 ms | NVFP4/BF16 | BF16 peak GiB | NVFP4 peak GiB |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    recipe = NVFP4Recipe(gemm_backend="emulated")
+    for name in args.shapes:
+        E, dim, hidden, tokens, top_k, gpt_oss = SHAPES[name]
+        offsets, rows = routed_offsets(E, tokens, top_k, gen)
+        x = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        if gpt_oss:
+            ws = [torch.randn(E, 2 * hidden, dim, device="cuda", dtype=torch.bfloat16) * dim ** -0.5,
+                  torch.randn(E, 2 * hidden, device="cuda", dtype=torch.bfloat16) * 0.02,
+                  torch.randn(E, dim, hidden, device="cuda", dtype=torch.bfloat16) * hidden ** -0.5,
+                  torch.randn(E, dim, device="cuda", dtype=torch.bfloat16) * 0.02]
+        else:
+            ws = [torch.randn(E, hidden, dim, device="cuda", dtype=torch.bfloat16) * dim ** -0.5,
+                  torch.randn(E, dim, hidden, device="cuda", dtype=torch.bfloat16) * hidden ** -0.5,
+                  torch.randn(E, hidden, dim, device="cuda", dtype=torch.bfloat16) * dim ** -0.5]
+        ws = [w.requires_grad_() for w in ws]
+        dy = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16)
+        counters = [sr_counter(recipe, 1 << 20 | i, "cuda") for i in range(3)]
+        nv = nvfp4_mm_factory(recipe, counters)
+        cases = []
+        w_first, b_first = ws[0], (ws[1] if gpt_oss else None)
+        dy_first = torch.randn(rows, w_first.shape[1], device="cuda", dtype=torch.bfloat16)
+        one = lambda mm: (lambda: mm(x, w_first, offsets, b_first, 0))  # noqa: E731
+
+        def one_bwd(mm):
+            def step():
+                x.grad = w_first.grad = None
+                mm(x, w_first, offsets, b_first, 0).backward(dy_first)
+            return step
+
+        with torch.no_grad():
+            cases.append(("first GEMM forward (no grad)", one(bf16_mm), one(nv)))
+        cases.append(("first GEMM forward+backward", one_bwd(bf16_mm), one_bwd(nv)))
+        cases.append(("expert block forward+backward", fwd_bwd(bf16_mm, x, ws, offsets, dy, gpt_oss),
+                      fwd_bwd(nv, x, ws, offsets, dy, gpt_oss)))
+        for what, f_bf16, f_nv in cases:
+            f_nv()  # autotune outside the timing
+            no_grad = "no grad" in what
+            with torch.set_grad_enabled(not no_grad):
+                t_b, t_n = ms(f_bf16), ms(f_nv)
+                m_b, m_n = peak_gib(f_bf16), peak_gib(f_nv)
+            row = dict(shape=name, what=what, bf16_ms=t_b, nvfp4_ms=t_n, ratio=t_n / t_b, bf16_peak_gib=m_b,
+                       nvfp4_peak_gib=m_n, routed_rows=int(offsets[-1]), rows=rows)
+            res["rows"].append(row)
+            print(f"| {name} | {what} | {t_b:.3f} | {t_n:.3f} | {t_n / t_b:.2f} | {m_b:.2f} | {m_n:.2f} |", flush=True)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+            block = fwd_bwd(nv, x, ws, offsets, dy, gpt_oss)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                block()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
