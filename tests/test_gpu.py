@@ -111,18 +111,27 @@ def test_grouped_kernels_on_gpu_match_the_reference_loop():
 
 
 def test_grouped_experts_compile_without_graph_breaks():
-    """nvfp4_grouped_mm under torch.compile(fullgraph=True): the same bits as eager."""
+    """nvfp4_grouped_mm under inductor (fullgraph=True), forward and backward with SR: the same bits
+    as eager, and the SR counter advanced the same way."""
     from titan_nvfp4.grouped_function import nvfp4_grouped_mm
+    from titan_nvfp4.linear_function import sr_counter
+    from titan_nvfp4.numerics.rht import rht_signs
 
-    recipe = NVFP4Recipe(gemm_backend="emulated", stochastic_rounding=False)
+    recipe = NVFP4Recipe(gemm_backend="emulated")
     offsets = torch.tensor([256, 256, 768, 1024], dtype=torch.int32, device="cuda")
+    signs = rht_signs(0, "cuda")
     x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4, 512, 256, device="cuda") * 0.05
 
-    def fn(x, w):
-        return nvfp4_grouped_mm(x, w, offsets, None, recipe, aligned=True)
+    def fn(x, w, counter):
+        return nvfp4_grouped_mm(x, w, offsets, None, recipe, counter, signs, aligned=True)
 
     torch._dynamo.reset()
-    eager = fn(x, w)
-    comp = torch.compile(fn, fullgraph=True)(x, w)
-    assert torch.equal(eager, comp)
+    outs = []
+    for f in (fn, torch.compile(fn, fullgraph=True)):
+        xi, wi, c = x.clone().requires_grad_(), w.clone().requires_grad_(), sr_counter(recipe, 5, "cuda")
+        y = f(xi, wi, c)
+        y.float().square().sum().backward()
+        outs.append((y, xi.grad, wi.grad, c))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
