@@ -54,7 +54,7 @@ def main() -> None:
             def run():
                 return q._quantize_kernel[(triton.cdiv(M, 16 * g), triton.cdiv(K, bk))](
                     x, M, K, x.stride(0), x.stride(1), amax, gs, rd, rs, cd, cs, signs, seed, M,
-                    amax, 1, ROW=row, COL=col, RHT=rht, SR_ROW=srr, SR_COL=src, GROUPED=False, NSP2=2, G=g,
+                    amax, 1, ROW=row, COL=col, RHT=rht, SR_ROW=srr, SR_COL=src, GROUPED=False, ROW_F16=False, NSP2=2, G=g,
                     BK=bk, num_warps=w)
             k = run()
             if args.ncu:

@@ -152,8 +152,8 @@ def test_grouped_kernels_stochastic_rounding_is_unbiased_and_keeps_the_scales():
     g = torch.Generator().manual_seed(3)
     # every row of an expert the same: each column then holds independent draws for one value
     x = torch.cat([torch.randn(1, 64, generator=g).expand(32, 64), 100 * torch.randn(1, 64, generator=g).expand(64, 64)])
-    rne, _ = quantize_tokens(x, offsets, True, False, None, None)
-    sr, _ = quantize_tokens(x, offsets, True, False, None, torch.tensor([11]))
+    rne, _ = quantize_tokens(x, offsets, True, False, None, None, row_staged=False)
+    sr, _ = quantize_tokens(x, offsets, True, False, None, torch.tensor([11]), row_staged=False)
     assert torch.equal(rne.scale.view(torch.uint8), sr.scale.view(torch.uint8)) and torch.equal(rne.gs, sr.gs)
     for e, (start, end) in ((0, (0, 32)), (2, (32, 96))):
         ref = quantize_rowwise(x[start:end])
@@ -165,6 +165,30 @@ def test_grouped_kernels_stochastic_rounding_is_unbiased_and_keeps_the_scales():
         err = got - x[start:end]
         assert err.mean(0).abs().mean() < 0.35 * err.abs().mean(), "SR should be unbiased"
         assert not torch.equal(sr.data[start:end], ref.data)
+
+
+def test_shared_input_experts_equal_separate_calls():
+    """W1 and W3 on one quantization of x (the grouped kernels): the same outputs and gradients, bits
+    included, as two separate grouped GEMMs, with SR on and the counters advanced the same way."""
+    from titan_nvfp4.grouped_function import nvfp4_grouped_mm_shared
+
+    recipe = NVFP4Recipe(gemm_backend="emulated")
+    x, w1, _, offsets, _ = _case(counts=ALIGNED, tail=16, k=32, n=32, bias=False, seed=1)
+    w3 = torch.randn_like(w1) * 0.1
+    dy1, dy3 = torch.randn(x.shape[0], 32), torch.randn(x.shape[0], 32)
+    runs = []
+    for shared in (False, True):
+        xi, w1i, w3i = (t.clone().requires_grad_() for t in (x, w1, w3))
+        c1, c3 = sr_counter(recipe, 1), sr_counter(recipe, 3)
+        if shared:
+            h1, h3 = nvfp4_grouped_mm_shared(xi, (w1i, w3i), offsets, (None, None), recipe, (c1, c3), aligned=True)
+        else:
+            h1 = nvfp4_grouped_mm(xi, w1i, offsets, None, recipe, c1, aligned=True)
+            h3 = nvfp4_grouped_mm(xi, w3i, offsets, None, recipe, c3, aligned=True)
+        torch.autograd.backward((h1, h3), (dy1, dy3))
+        runs.append((h1, h3, xi.grad, w1i.grad, w3i.grad, c1, c3))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 def test_unaligned_groups_fall_back_to_the_per_expert_loop():

@@ -198,6 +198,32 @@ def test_staged_operand_is_exact_and_chunking_is_invisible(monkeypatch):
                        nvfp4_gemm_triton(a, small_b, torch.float32, stage_a=False))
 
 
+@pytest.mark.parametrize("kind", ["normal", "adversarial"])
+@pytest.mark.parametrize("sr", [False, True])
+def test_quantization_kernel_emits_the_staged_operand_exactly(kind, sr, monkeypatch):
+    """row_fp16: the quantization kernel writes the GEMM's fp16 values q·e_b itself. They must be the
+    staging of the codes it would otherwise write (same SR draws: same seed, same counters), NaN
+    blocks included, and the GEMM must give the same bits from either."""
+    from titan_nvfp4.kernels import gemm as g
+    from titan_nvfp4.kernels.quantize import quantize_operand_tensors
+    from titan_nvfp4.ops.library import StagedOperand, operand_pair
+
+    x = inputs(80, 96, kind).to(DEV)
+    seed = torch.tensor([5], device=DEV) if sr else None
+    kw = dict(stochastic_row=sr, seed=seed)
+    codes = operand_pair(quantize_operand_tensors(x, **kw), x.shape, True, False)[0]
+    staged = operand_pair(quantize_operand_tensors(x, row_fp16=True, **kw), x.shape, True, False)[0]
+    assert isinstance(staged, StagedOperand) and staged.values.dtype == torch.float16
+    want = g.dequantize_fp16(codes)
+    same = (staged.values == want) | (staged.values.isnan() & want.isnan())
+    assert bool(same.all()) and torch.equal(staged.global_scale, codes.global_scale)
+    if kind == "normal":
+        b = quantize_nvfp4(inputs(48, 96, "normal", torch.float32).to(DEV), block_shape=(16, 16))
+        assert torch.equal(nvfp4_gemm_triton(staged, b, torch.float32), nvfp4_gemm_triton(codes, b, torch.float32))
+        monkeypatch.setattr(g, "STAGE_BYTES", 96 * 2 * 16)  # row chunks of a staged A: views, same sums
+        assert torch.equal(nvfp4_gemm_triton(staged, b, torch.float32), nvfp4_gemm_triton(codes, b, torch.float32))
+
+
 def test_native_layouts_round_trip_and_match_torchao():
     from torchao.prototype.mx_formats.utils import to_blocked  # independent implementation (test oracle)
 

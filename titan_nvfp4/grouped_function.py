@@ -60,31 +60,16 @@ def _expert_seed(seed: torch.Tensor | None, e: int) -> torch.Tensor | None:
 
 
 class NVFP4GroupedMMFunction(torch.autograd.Function):
+    """The per-expert loop (see the module docstring)."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, offsets: torch.Tensor,
                 recipe: NVFP4Recipe, counter: torch.Tensor, signs: torch.Tensor | None,
-                need_wgrad: bool, grouped: bool) -> torch.Tensor:
+                need_wgrad: bool) -> torch.Tensor:
         out_dtype = autocast_out_dtype(x)  # see linear_function.py
-        ctx.grouped = grouped
-        run = NVFP4GroupedMMFunction._forward_grouped if grouped else NVFP4GroupedMMFunction._forward
         with torch.autocast(x.device.type, enabled=False):
-            return run(ctx, x, weight, bias, offsets, recipe, counter, signs, out_dtype, need_wgrad)
-
-    @staticmethod
-    def _forward_grouped(ctx, x, weight, bias, offsets, recipe, counter, signs, out_dtype, need_wgrad):
-        n_experts, out_features, in_features = weight.shape
-        x2d = x.reshape(-1, in_features)
-        xq, x_col = G.quantize_tokens(x2d, offsets, True, need_wgrad, signs, None)
-        w = G.quantize_experts(weight, recipe.weight_2d)
-        y = G.gemm_rows(xq, w.w, offsets, out_features, out_features, 0, out_dtype, bias)
-        ctx.counter = counter  # advanced in place by backward: see linear_function.py
-        saved = [offsets, signs, *w.t.tensors()] + (list(x_col.tensors()) if x_col is not None else [])
-        ctx.save_for_backward(*saved)
-        ctx.w_t_meta = (w.t.tiles, w.row_step, w.col_step)
-        ctx.has_bias = bias is not None
-        ctx.x_shape, ctx.x_dtype, ctx.w_shape, ctx.w_dtype = x.shape, x.dtype, weight.shape, weight.dtype
-        ctx.recipe = recipe
-        return y.reshape(*x.shape[:-1], out_features)
+            return NVFP4GroupedMMFunction._forward(ctx, x, weight, bias, offsets, recipe, counter, signs, out_dtype,
+                                                   need_wgrad)
 
     @staticmethod
     def _forward(ctx, x, weight, bias, offsets, recipe, counter, signs, out_dtype, need_wgrad):
@@ -120,30 +105,8 @@ class NVFP4GroupedMMFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        run = NVFP4GroupedMMFunction._backward_grouped if ctx.grouped else NVFP4GroupedMMFunction._backward
         with torch.autocast(dy.device.type, enabled=False):
-            return run(ctx, dy)
-
-    @staticmethod
-    def _backward_grouped(ctx, dy: torch.Tensor):
-        recipe: NVFP4Recipe = ctx.recipe
-        offsets, signs, *saved = ctx.saved_tensors
-        n_experts, out_features, in_features = ctx.w_shape
-        dy2d = dy.reshape(-1, out_features)
-        need_dx = ctx.needs_input_grad[0]
-        need_dw = ctx.needs_input_grad[1] and len(saved) > 3
-        seed = next_sr_seed(ctx.counter) if recipe.stochastic_rounding else None
-        dyq, dy_col = G.quantize_tokens(dy2d, offsets, need_dx, need_dw, signs, seed)
-        dx = dw = db = None
-        if need_dx:
-            tiles, row_step, col_step = ctx.w_t_meta
-            w_t = G.GroupedOperand(*saved[:3], tiles)
-            dx = G.gemm_rows(dyq, w_t, offsets, in_features, row_step, col_step, ctx.x_dtype).reshape(ctx.x_shape)
-        if need_dw:
-            dw = G.gemm_tokens(dy_col, G.GroupedOperand(*saved[3:6]), offsets, ctx.w_dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = G.expert_bias_grad(dy2d, offsets).to(dy.dtype)
-        return dx, dw, db, None, None, None, None, None, None
+            return NVFP4GroupedMMFunction._backward(ctx, dy)
 
     @staticmethod
     def _backward(ctx, dy: torch.Tensor):
@@ -175,7 +138,60 @@ class NVFP4GroupedMMFunction(torch.autograd.Function):
                 db[e] = dy_e.float().sum(0).to(dy.dtype)
         if dx is not None:
             dx = dx.reshape(ctx.x_shape)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
+
+
+class NVFP4GroupedKernelFunction(torch.autograd.Function):
+    """The grouped kernels for ``n`` expert weights [E, N_i, K] that read the same routed tokens x (W1
+    and W3 of a SwiGLU expert): x is quantized once for all of them; one output each. ``params`` are
+    the n weights, then their n biases (or None), then their n SR counters."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, recipe: NVFP4Recipe, signs: torch.Tensor | None,
+                need_wgrad: bool, n: int, *params):
+        weights, biases, counters = params[:n], params[n:2 * n], params[2 * n:3 * n]
+        out_dtype = autocast_out_dtype(x)  # see linear_function.py
+        in_features = weights[0].shape[2]
+        with torch.autocast(x.device.type, enabled=False):
+            xq, x_col = G.quantize_tokens(x.reshape(-1, in_features), offsets, True, need_wgrad, signs, None)
+            outs, saved, metas = [], [offsets, signs] + (list(x_col.tensors()) if x_col is not None else []), []
+            for w, b in zip(weights, biases):
+                gw = G.quantize_experts(w, recipe.weight_2d)
+                outs.append(G.gemm_rows(xq, gw.w, offsets, w.shape[1], w.shape[1], 0, out_dtype, b)
+                            .reshape(*x.shape[:-1], w.shape[1]))
+                saved += list(gw.t.tensors())  # Wᵀ for dgrad; X only in its wgrad form, as the dense linear
+                metas.append((gw.t.tiles, gw.row_step, gw.col_step))
+        ctx.counters = counters  # advanced in place by backward: see linear_function.py
+        ctx.save_for_backward(*saved)
+        ctx.n, ctx.metas, ctx.has_x_col, ctx.has_bias = n, metas, x_col is not None, [b is not None for b in biases]
+        ctx.x_shape, ctx.x_dtype, ctx.recipe = x.shape, x.dtype, recipe
+        ctx.w_dtypes = [w.dtype for w in weights]
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        n, recipe = ctx.n, ctx.recipe
+        offsets, signs, *saved = ctx.saved_tensors
+        x_col = G.GroupedOperand(*saved[:3]) if ctx.has_x_col else None
+        saved = saved[3:] if ctx.has_x_col else saved
+        need_dx = ctx.needs_input_grad[0]
+        dx, dws, dbs = None, [], []
+        with torch.autocast(dys[0].device.type, enabled=False):
+            for j, dy in enumerate(dys):
+                tiles, row_step, col_step = ctx.metas[j]
+                w_t = G.GroupedOperand(*saved[3 * j:3 * j + 3], tiles)
+                dy2d = dy.reshape(-1, dy.shape[-1])
+                need_dw = ctx.needs_input_grad[6 + j] and x_col is not None
+                need_db = ctx.has_bias[j] and ctx.needs_input_grad[6 + n + j]
+                seed = next_sr_seed(ctx.counters[j]) if recipe.stochastic_rounding else None
+                dyq, dy_col = G.quantize_tokens(dy2d, offsets, need_dx, need_dw, signs, seed)
+                if need_dx:  # summed in x's dtype, as autograd sums the gradients of separate GEMMs
+                    part = G.gemm_rows(dyq, w_t, offsets, ctx.x_shape[-1], row_step, col_step, ctx.x_dtype)
+                    dx = part if dx is None else dx + part
+                dws.append(G.gemm_tokens(dy_col, x_col, offsets, ctx.w_dtypes[j]) if need_dw else None)
+                dbs.append(G.expert_bias_grad(dy2d, offsets).to(dy.dtype) if need_db else None)
+        return (dx.reshape(ctx.x_shape) if dx is not None else None, None, None, None, None, None, *dws, *dbs,
+                *([None] * n))
 
 
 def _use_grouped_kernels(backend: str, offsets: torch.Tensor, aligned: bool | None) -> bool:
@@ -190,28 +206,48 @@ def _use_grouped_kernels(backend: str, offsets: torch.Tensor, aligned: bool | No
     return aligned
 
 
-def nvfp4_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None,
-                     recipe: NVFP4Recipe, counter: torch.Tensor | None = None,
-                     signs: torch.Tensor | None = None, aligned: bool | None = None) -> torch.Tensor:
-    """Functional NVFP4 grouped GEMM: x [T, K], weight [E, N, K] (nn.Linear layout per expert), bias
-    [E, N] or None, offsets int [E] cumulative token counts; returns [T, N] (see the module docstring).
-    ``aligned``: the caller guarantees token groups aligned to 16 (None: look at the offsets)."""
+def _check(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> None:
     if weight.dim() != 3:
         raise ValueError(f"grouped GEMM: expected 3D expert weights [E, N, K], got {tuple(weight.shape)}")
-    need_wgrad = torch.is_grad_enabled() and weight.requires_grad
-    if counter is None:
-        counter = sr_counter(recipe, 0, x.device)
-    if signs is None and recipe.rht:
-        signs = _signs(recipe.rht_seed, x.device)
     if weight.shape[1] % 16 or weight.shape[2] % 16:
         raise ValueError(f"grouped GEMM: NVFP4 needs expert weight dims that are multiples of 16, got "
                          f"{tuple(weight.shape)}")
     if offsets.dim() != 1 or offsets.numel() != weight.shape[0]:
         raise ValueError(f"grouped GEMM: expected {weight.shape[0]} offsets (one per expert), got shape "
                          f"{tuple(offsets.shape)}")
-    grouped = _use_grouped_kernels(resolve_backend(recipe.gemm_backend, x.device), offsets, aligned)
-    return NVFP4GroupedMMFunction.apply(x, weight, bias, offsets, recipe, counter, signs if recipe.rht else None,
-                                        need_wgrad, grouped)
+    if x.shape[-1] != weight.shape[2]:
+        raise ValueError(f"grouped GEMM: input features {x.shape[-1]} do not match expert weights {tuple(weight.shape)}")
 
 
-__all__ = ["NVFP4GroupedMMFunction", "expert_bounds", "nvfp4_grouped_mm"]
+def nvfp4_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None,
+                     recipe: NVFP4Recipe, counter: torch.Tensor | None = None,
+                     signs: torch.Tensor | None = None, aligned: bool | None = None) -> torch.Tensor:
+    """Functional NVFP4 grouped GEMM: x [T, K], weight [E, N, K] (nn.Linear layout per expert), bias
+    [E, N] or None, offsets int [E] cumulative token counts; returns [T, N] (see the module docstring).
+    ``aligned``: the caller guarantees token groups aligned to 16 (None: look at the offsets)."""
+    return nvfp4_grouped_mm_shared(x, (weight,), offsets, (bias,), recipe, (counter,), signs, aligned)[0]
+
+
+def nvfp4_grouped_mm_shared(x: torch.Tensor, weights, offsets: torch.Tensor, biases, recipe: NVFP4Recipe,
+                            counters=None, signs: torch.Tensor | None = None,
+                            aligned: bool | None = None) -> list[torch.Tensor]:
+    """[nvfp4_grouped_mm(x, w_i, offsets, b_i, ...) for each i], with x quantized once on the grouped
+    kernels (bit-identical to the separate calls). ``counters``: one SR counter per weight."""
+    weights, biases = tuple(weights), tuple(biases)
+    counters = tuple(counters) if counters is not None else (None,) * len(weights)
+    for w in weights:
+        _check(x, w, offsets)
+    need_wgrad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
+    counters = tuple(c if c is not None else sr_counter(recipe, i, x.device) for i, c in enumerate(counters))
+    if signs is None and recipe.rht:
+        signs = _signs(recipe.rht_seed, x.device)
+    signs = signs if recipe.rht else None
+    if _use_grouped_kernels(resolve_backend(recipe.gemm_backend, x.device), offsets, aligned):
+        return list(NVFP4GroupedKernelFunction.apply(x, offsets, recipe, signs, need_wgrad, len(weights), *weights,
+                                                     *biases, *counters))
+    return [NVFP4GroupedMMFunction.apply(x, w, b, offsets, recipe, c, signs, torch.is_grad_enabled() and w.requires_grad)
+            for w, b, c in zip(weights, biases, counters)]
+
+
+__all__ = ["NVFP4GroupedKernelFunction", "NVFP4GroupedMMFunction", "expert_bounds", "nvfp4_grouped_mm",
+           "nvfp4_grouped_mm_shared"]

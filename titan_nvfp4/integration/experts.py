@@ -20,7 +20,7 @@ from torchtitan.models.moe import utils as moe_utils
 from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.models.moe.utils import indices_padding_wrapper
 
-from ..grouped_function import nvfp4_grouped_mm
+from ..grouped_function import nvfp4_grouped_mm, nvfp4_grouped_mm_shared
 from ..layer_state import NVFP4LayerState
 from ..recipe import NVFP4Recipe
 
@@ -74,9 +74,9 @@ class NVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
     def _run(self, w1, w2, w3, x, num_tokens_per_expert):
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
         c, r, s, a = self.sr_counter, self.recipe, self.rht_signs, groups_aligned()
-        h = F.silu(nvfp4_grouped_mm(x, w1, offsets, None, r, c[0], s, a))
-        h = h * nvfp4_grouped_mm(x, w3, offsets, None, r, c[2], s, a)
-        return nvfp4_grouped_mm(h, w2, offsets, None, r, c[1], s, a)
+        # W1 and W3 read the same tokens: quantized once for both
+        h1, h3 = nvfp4_grouped_mm_shared(x, (w1, w3), offsets, (None, None), r, (c[0], c[2]), s, a)
+        return nvfp4_grouped_mm(F.silu(h1) * h3, w2, offsets, None, r, c[1], s, a)
 
 
 class NVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ..numerics.nvfp4 import NVFP4Tensor
 from ..ops.backends import interpreting
+from ..ops.library import StagedOperand
 
 #: Staging budget per operand (bytes of fp16); larger operands are staged in row chunks.
 STAGE_BYTES = 64 * 2**20
@@ -263,34 +264,45 @@ def _chunks(rows: int, K: int):
     return [(r, min(rows, r + step)) for r in range(0, rows, step)]
 
 
-def nvfp4_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype,
+def _stage_a(a: NVFP4Tensor | StagedOperand, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+    """A's fp16 values over storage rows/columns: a view when the quantization kernel staged A already."""
+    if isinstance(a, StagedOperand):
+        return a.values[rows if rows is not None else slice(None), cols if cols is not None else slice(None)]
+    return dequantize_fp16(a, rows, cols)
+
+
+def nvfp4_gemm_triton(a: NVFP4Tensor | StagedOperand, b: NVFP4Tensor, out_dtype: torch.dtype,
                       bias: torch.Tensor | None = None, autotune: bool | None = None,
                       use_tma: bool | None = None, stage_a: bool | None = None) -> torch.Tensor:
     """out [M, N] = Σ_k A[m, k] B[n, k] over the storages of a and b (contraction along their rows).
-    ``stage_a``: stage A as fp16 too instead of dequantizing it in registers (default STAGE_A)."""
+    ``stage_a``: stage A as fp16 too instead of dequantizing it in registers (default STAGE_A); an A
+    that comes staged (StagedOperand) is read as it is."""
     M, K = a.storage_shape
     N, Kb = b.storage_shape
     if K != Kb:
         raise ValueError(f"NVFP4 GEMM contraction mismatch: {a.storage_shape} vs {b.storage_shape}")
-    for t, name in ((a, "A"), (b, "B")):
-        if t.data.stride(1) != 1:
+    pre_staged = isinstance(a, StagedOperand)
+    a_data = a.values if pre_staged else a.data
+    a_scale = a.values if pre_staged else a.scale  # a placeholder argument when A is staged
+    for t, name in ((a_data, "A"), (b.data, "B")):
+        if t.stride(1) != 1:
             raise ValueError(f"NVFP4 GEMM operand {name}: packed codes must be contiguous along K")
-    out = torch.empty((M, N), dtype=out_dtype, device=a.data.device)
+    out = torch.empty((M, N), dtype=out_dtype, device=a_data.device)
     if M == 0 or N == 0:
         return out
     if K == 0:
         out.copy_((bias.to(out_dtype).expand(M, N) if bias is not None else torch.zeros_like(out)))
         return out
     if autotune is None:
-        autotune = a.data.is_cuda and not interpreting() and M * N >= 128 * 128
+        autotune = a_data.is_cuda and not interpreting() and M * N >= 128 * 128
     if use_tma is None:
-        use_tma = _use_tma(a.data)
-    if stage_a is None:
-        stage_a = STAGE_A
+        use_tma = _use_tma(a_data)
+    if stage_a is None or pre_staged:
+        stage_a = STAGE_A or pre_staged
     gsa = a.global_scale.reshape(1).float()
     gsb = b.global_scale.reshape(1).float()
-    kw = dict(A_SCALE_DIV=_scale_div(a), HAS_BIAS=bias is not None, B_TMA=use_tma, A_STAGED=stage_a,
-              USE_ASM=_use_asm(a.data) and not interpreting())
+    kw = dict(A_SCALE_DIV=1 if pre_staged else _scale_div(a), HAS_BIAS=bias is not None, B_TMA=use_tma,
+              A_STAGED=stage_a, USE_ASM=_use_asm(a_data) and not interpreting())
     if stage_a and K >= max(M, N) and STAGE_BYTES // (2 * K) < min(MIN_CHUNK_ROWS, max(M, N)):
         # wgrad-like (long contraction, small output): row chunks would give launches of a few tiles,
         # so split K instead and carry fp32 partial sums in a [M, N] buffer (whose traffic grows with
@@ -299,10 +311,10 @@ def nvfp4_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype,
         part = torch.empty((M, N), dtype=torch.float32, device=out.device)
         for k0 in range(0, K, kc):
             k1 = min(K, k0 + kc)
-            a16, b16 = dequantize_fp16(a, cols=slice(k0, k1)), dequantize_fp16(b, cols=slice(k0, k1))
+            a16, b16 = _stage_a(a, cols=slice(k0, k1)), dequantize_fp16(b, cols=slice(k0, k1))
             a_arg, b_arg = (_tma_desc(a16), _tma_desc(b16)) if use_tma else (a16, b16)
-            _launch_gemm(autotune, (a16, a.scale, a_arg, b16, b_arg, gsa, gsb, bias if bias is not None else out,
-                                    out, part, M, N, k1 - k0, a16.stride(0), a.scale.stride(0), a.scale.stride(1),
+            _launch_gemm(autotune, (a16, a_scale, a_arg, b16, b_arg, gsa, gsb, bias if bias is not None else out,
+                                    out, part, M, N, k1 - k0, a16.stride(0), a_scale.stride(0), a_scale.stride(1),
                                     b16.stride(0), out.stride(0), out.stride(1)),
                          dict(kw, ACC_IN=k0 > 0, FINAL=k1 == K))
             del a16, b16, a_arg, b_arg
@@ -321,14 +333,14 @@ def nvfp4_gemm_triton(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype,
             b_cur = (n0, b16, _tma_desc(b16) if use_tma else b16)
         if stage_a and (a_cur is None or a_cur[0] != m0):
             a_cur = None
-            a16 = dequantize_fp16(a, slice(m0, m1))
+            a16 = _stage_a(a, slice(m0, m1))
             a_cur = (m0, a16, _tma_desc(a16) if use_tma else a16)
         _, b16, b_arg = b_cur
-        a_src, a_arg = (a_cur[1], a_cur[2]) if stage_a else (a.data, b_arg)
+        a_src, a_arg = (a_cur[1], a_cur[2]) if stage_a else (a_data, b_arg)
         bias_t = bias[n0:n1].contiguous() if bias is not None else out
         tile = out[m0:m1, n0:n1]
-        _launch_gemm(autotune, (a_src, a.scale, a_arg, b16, b_arg, gsa, gsb, bias_t, tile, tile, m1 - m0, n1 - n0, K,
-                                a_src.stride(0), a.scale.stride(0), a.scale.stride(1), b16.stride(0), tile.stride(0),
+        _launch_gemm(autotune, (a_src, a_scale, a_arg, b16, b_arg, gsa, gsb, bias_t, tile, tile, m1 - m0, n1 - n0, K,
+                                a_src.stride(0), a_scale.stride(0), a_scale.stride(1), b16.stride(0), tile.stride(0),
                                 tile.stride(1)), dict(kw, ACC_IN=False, FINAL=True))
         del b16, b_arg, a_src, a_arg
     return out

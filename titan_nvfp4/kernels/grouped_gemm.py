@@ -4,7 +4,8 @@ offsets read on the device (no host sync), per-expert global scales and bias in 
   grouped_gemm_rows    out[rows of e] = A[rows of e] · B_eᵀ      fprop and dgrad: tokens along M
   grouped_gemm_tokens  out[e] = A[:, tokens of e] · B[:, tokens of e]ᵀ   wgrad: tokens along K
 
-Operands are staged fp16 values q·e_b, exact, as in gemm.py. ``offsets`` [E] are the cumulative
+Operands are staged fp16 values q·e_b, exact, as in gemm.py (``stage`` turns an NVFP4 storage into
+them; the quantization kernel can also emit them directly). ``offsets`` [E] are the cumulative
 token counts (TorchTitan's), multiples of 16 so that no 16-token block straddles two experts.
 Rows past offsets[-1] belong to no expert: grouped_gemm_rows writes zeros there (the tiles of a
 pseudo-expert E), so no memset is needed. The B operand of expert e starts at row e·b_row_step and
@@ -22,6 +23,7 @@ import triton.language as tl
 
 from ..numerics.nvfp4 import NVFP4Tensor
 from ..ops.backends import interpreting
+from ..ops.library import StagedOperand
 from .gemm import _set_b_block, _use_tma, dequantize_fp16, swizzle_tile
 
 SMALL_TILES = {"BM": 32, "BN": 32, "BK": 32, "GROUP_M": 4}
@@ -142,19 +144,22 @@ def _autotune(x: torch.Tensor, work: int) -> bool:
     return x.is_cuda and not interpreting() and work >= 2**22
 
 
-def grouped_gemm_rows(a: NVFP4Tensor, b: NVFP4Tensor, offsets: torch.Tensor, gs_a: torch.Tensor,
+def stage(t: NVFP4Tensor | StagedOperand) -> torch.Tensor:
+    """fp16 q·e_b of an NVFP4 storage, or of an operand the quantization kernel already staged."""
+    return t.values if isinstance(t, StagedOperand) else dequantize_fp16(t)
+
+
+def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tensor, gs_a: torch.Tensor,
                       gs_b: torch.Tensor, n_out: int, b_row_step: int, b_col_step: int, out_dtype: torch.dtype,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
-    """out [T, n_out]: row range r of expert e is A[r] · B_eᵀ · gs_a[e]·gs_b[e] (+ bias[e]), where
-    B_e is the [n_out, K] window of b's storage at (e·b_row_step, e·b_col_step); zeros past the
-    last expert. gs_a [≥E+1] and gs_b [≥E] are the per-expert decode scales."""
-    T, K = a.storage_shape
+    """out [T, n_out]: row range r of expert e is A[r] · B_eᵀ · gs_a[e]·gs_b[e] (+ bias[e]) over the
+    staged a16 [T, K] and b16, where B_e is the [n_out, K] window of b16 at (e·b_row_step,
+    e·b_col_step); zeros past the last expert. gs_a [≥E+1], gs_b [≥E]: per-expert decode scales."""
+    T, K = a16.shape
     E = offsets.numel()
-    out = torch.empty((T, n_out), dtype=out_dtype, device=a.data.device)
+    out = torch.empty((T, n_out), dtype=out_dtype, device=a16.device)
     if T == 0 or n_out == 0:
         return out
-    a16 = dequantize_fp16(a)
-    b16 = dequantize_fp16(b)
     tma = _use_tma(a16) and not interpreting()
     a_arg, b_arg = (_desc(a16), _desc(b16)) if tma else (a16, b16)
     args = (a16, a_arg, b16, b_arg, offsets, gs_a.float().contiguous(), gs_b.float().contiguous(),
@@ -171,20 +176,18 @@ def grouped_gemm_rows(a: NVFP4Tensor, b: NVFP4Tensor, offsets: torch.Tensor, gs_
     return out
 
 
-def grouped_gemm_tokens(a: NVFP4Tensor, b: NVFP4Tensor, offsets: torch.Tensor, gs_a: torch.Tensor,
+def grouped_gemm_tokens(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tensor, gs_a: torch.Tensor,
                         gs_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """out [E, M, N] with out[e] = A[:, tokens of e] · B[:, tokens of e]ᵀ · gs_a[e]·gs_b[e] over the
-    storages A [M, T] and B [N, T] (16-element blocks along the tokens)."""
-    M, T = a.storage_shape
-    N, Tb = b.storage_shape
+    staged a16 [M, T] and b16 [N, T] (16-element blocks along the tokens)."""
+    M, T = a16.shape
+    N, Tb = b16.shape
     if T != Tb:
-        raise ValueError(f"grouped wgrad GEMM: token dims differ, {a.storage_shape} vs {b.storage_shape}")
+        raise ValueError(f"grouped wgrad GEMM: token dims differ, {tuple(a16.shape)} vs {tuple(b16.shape)}")
     E = offsets.numel()
-    out = torch.empty((E, M, N), dtype=out_dtype, device=a.data.device)
+    out = torch.empty((E, M, N), dtype=out_dtype, device=a16.device)
     if E == 0 or M == 0 or N == 0:
         return out
-    a16 = dequantize_fp16(a)
-    b16 = dequantize_fp16(b)
     tma = _use_tma(a16) and not interpreting()
     a_arg, b_arg = (_desc(a16), _desc(b16)) if tma else (a16, b16)
     args = (a16, a_arg, b16, b_arg, offsets, gs_a.float().contiguous(), gs_b.float().contiguous(), out, M, N,
@@ -198,4 +201,4 @@ def grouped_gemm_tokens(a: NVFP4Tensor, b: NVFP4Tensor, offsets: torch.Tensor, g
     return out
 
 
-__all__ = ["grouped_gemm_rows", "grouped_gemm_tokens"]
+__all__ = ["grouped_gemm_rows", "grouped_gemm_tokens", "stage"]

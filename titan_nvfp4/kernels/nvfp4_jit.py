@@ -225,3 +225,37 @@ def pack_slices16(codes, R: tl.constexpr, C: tl.constexpr):
     even = tl.join(tl.join(b[0], b[4]), tl.join(b[2], b[6]))  # (d1, d2) = byte 4·d1 + 2·d2
     odd = tl.join(tl.join(b[1], b[5]), tl.join(b[3], b[7]))
     return tl.reshape(tl.join(even, odd), (R, C, 8))
+
+
+@triton.jit
+def e2m1_fp16_unit(c):
+    """E2M1 code (uint8, sign in bit 3) to fp16 q·2⁻¹⁴, exact: the 3 magnitude bits shifted into fp16's
+    exponent and top mantissa bit, the sign into fp16's sign (twin of formats.e2m1_decode, times 2⁻¹⁴)."""
+    b = c.to(tl.uint16)
+    return (((b & 0x7) << 9) | ((b & 0x8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def join_slices16(t, R: tl.constexpr, C: tl.constexpr):
+    """16-tuple of [R, C] tiles -> [R, C, 16], tile i at index i: joins only add in-thread dims."""
+    a = ()
+    for i in tl.static_range(8):
+        a = a + (tl.join(t[i], t[i + 8]),)  # [.., d0]: tile i + 8·d0
+    b = ()
+    for i in tl.static_range(4):
+        b = b + (tl.join(a[i], a[i + 4]),)  # [.., d0, d1]: tile i + 4·d1 + 8·d0
+    c = ()
+    for i in tl.static_range(2):
+        c = c + (tl.join(b[i], b[i + 2]),)
+    return tl.reshape(tl.join(c[0], c[1]), (R, C, 16))  # tile 8·d0 + 4·d1 + 2·d2 + d3
+
+
+@triton.jit
+def staged_slices16(codes, e, R: tl.constexpr, C: tl.constexpr):
+    """The fp16 values q·e_b a 16-bit tensor-core GEMM multiplies (exact: see kernels/gemm.py) of 16 code
+    tiles [R, C] with their E4M3 scales e [R, C], as [R, C, 16] in block order."""
+    s = e.to(tl.float32) * 16384.0  # 2^14 undoes the 2^-14 of e2m1_fp16_unit, exactly
+    vals = ()
+    for i in tl.static_range(16):
+        vals = vals + ((e2m1_fp16_unit(codes[i]).to(tl.float32) * s).to(tl.float16),)
+    return join_slices16(vals, R, C)

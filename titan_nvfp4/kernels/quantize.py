@@ -27,7 +27,7 @@ from ..ops.grouped import block_experts
 from ..ops.library import operand_pair, weight_pair
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
 from .nvfp4_jit import (amax16, block_scales, e2m1_rne, pack16_along_slices, pack_pairs, pack_slices16,
-                        quantize_slices16, rht16_slices, split8)
+                        quantize_slices16, rht16_slices, split8, staged_slices16)
 
 G_Q = 2  # 16-row blocks per program (fixed tiles: the interpreter, small inputs)
 BK_Q = 64  # features per program
@@ -109,8 +109,8 @@ def _load16_cols(X, rows, kb, M, K, sxm, sxk):
 @triton.jit
 def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, Mpad, BEXP, NSLOT,
                      ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr, SR_ROW: tl.constexpr,
-                     SR_COL: tl.constexpr, GROUPED: tl.constexpr, NSP2: tl.constexpr, G: tl.constexpr,
-                     BK: tl.constexpr):
+                     SR_COL: tl.constexpr, GROUPED: tl.constexpr, ROW_F16: tl.constexpr, NSP2: tl.constexpr,
+                     G: tl.constexpr, BK: tl.constexpr):
     """Row operand: RD [M, K/2], RS [M, K/16]. Column operand of xᵀ (tokens zero-padded to Mpad):
     CD [K, Mpad/2], CS [K, Mpad/16]. GS [2·NSLOT]: the decode scales of the two, from AMAX (row slots,
     then column slots). NSLOT is 1, or with GROUPED one slot per expert: 16-row block b then takes
@@ -119,7 +119,8 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
     as 16 tiles per row block for the column operand and once as 16 tiles per column block for the
     row operand, so that every 16-element block is elementwise work between tiles. Philox counters
     (quantize_slices16): row block (m, kb) uses m·K/16 + kb, column block (b, k) uses
-    (Mpad/16)·K + b·K + k: the two roundings draw independent numbers from one seed."""
+    (Mpad/16)·K + b·K + k: the two roundings draw independent numbers from one seed. ROW_F16: the row
+    operand goes out as the GEMM's staged fp16 values q·e_b in RD [M, K] instead of codes and scales."""
     seed = tl.load(SEED)  # a dummy pointer when neither rounding is stochastic
     _store_decode_scales(GS, AMAX, 2 * NSLOT, NSP2)
     nblk = Mpad // 16
@@ -145,12 +146,16 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
         xs = _load16_cols(X, rows, kb, M, K, sxm, sxk)
         s = _encode_scale(AMAX, BEXP, rows // 16, nblk, GROUPED)
         codes, e = quantize_slices16(xs, s, SR_ROW, seed, rows[:, None] * (K // 16) + kb[None, :])
-        packed = pack_slices16(codes, 16 * G, BK // 16)  # [16G, BK/16, 8]
         rmask = (rows < M)[:, None]
         kmask = (kb < K // 16)[None, :]
-        tl.store(RD + rows[:, None, None].to(tl.int64) * (K // 2) + kb[None, :, None] * 8
-                 + tl.arange(0, 8)[None, None, :], packed, mask=(rmask & kmask)[:, :, None])
-        tl.store(RS + rows[:, None].to(tl.int64) * (K // 16) + kb[None, :], e, mask=rmask & kmask)
+        if ROW_F16:
+            tl.store(RD + rows[:, None, None].to(tl.int64) * K + kb[None, :, None] * 16 + tl.arange(0, 16)[None, None, :],
+                     staged_slices16(codes, e, 16 * G, BK // 16), mask=(rmask & kmask)[:, :, None])
+        else:
+            packed = pack_slices16(codes, 16 * G, BK // 16)  # [16G, BK/16, 8]
+            tl.store(RD + rows[:, None, None].to(tl.int64) * (K // 2) + kb[None, :, None] * 8
+                     + tl.arange(0, 8)[None, None, :], packed, mask=(rmask & kmask)[:, :, None])
+            tl.store(RS + rows[:, None].to(tl.int64) * (K // 16) + kb[None, :], e, mask=rmask & kmask)
 
 
 @triton.jit
@@ -196,8 +201,8 @@ def _operand_configs():
             for g, bk, w in ((2, 64, 2), (2, 128, 4), (1, 256, 4), (1, 128, 2), (4, 128, 8))]
 
 
-_quantize_autotuned = triton.autotune(_operand_configs(), key=["M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL"])(
-    _quantize_kernel)
+_quantize_autotuned = triton.autotune(
+    _operand_configs(), key=["M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL", "GROUPED", "ROW_F16"])(_quantize_kernel)
 _quantize_2d_autotuned = triton.autotune(_quant_configs(), key=["N", "K", "EMIT_T"])(_quantize_2d_kernel)
 _amax_autotuned = triton.autotune(_quant_configs(), key=["M", "K", "ROW", "COL", "RHT"], reset_to_zero=["AMAX"])(
     _amax_kernel)
@@ -251,12 +256,13 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
                              signs: torch.Tensor | None = None, stochastic_row: bool = False,
                              stochastic_col: bool = False, seed: torch.Tensor | None = None,
                              amax: torch.Tensor | None = None, amax_col: torch.Tensor | None = None,
-                             groups: torch.Tensor | None = None):
+                             groups: torch.Tensor | None = None, row_fp16: bool = False):
     """``quantize_operand`` as plain tensors: (row codes, row scales, column codes, column scales,
     fp32 [gs_row, gs_col]); an operand not asked for comes back as empty tensors. With ``groups``
     (the cumulative expert offsets, multiples of 16) every expert's rows get a tensor scale of their
     own and the decode scales come back as fp32 [2, E + 1] (row, column; slot E: rows past the last
-    expert)."""
+    expert). ``row_fp16``: the row operand comes back as the GEMM's staged fp16 values q·e_b [M, K]
+    (no global scale; exact) with empty scales, saving the GEMM's own staging pass."""
     _check_2d(x2d, "quantize_operand")
     M, K = x2d.shape
     Mpad = M + (-M) % 16
@@ -287,6 +293,8 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
     empty_f8 = x2d.new_empty((0,), dtype=torch.float8_e4m3fn)
     rd = torch.empty((M, K // 2), dtype=torch.uint8, device=dev) if rowwise else empty_u8
     rs = torch.empty((M, K // 16), dtype=torch.float8_e4m3fn, device=dev) if rowwise else empty_f8
+    if rowwise and row_fp16:
+        rd, rs = torch.empty((M, K), dtype=torch.float16, device=dev), empty_f8
     cd = torch.empty((K, Mpad // 2), dtype=torch.uint8, device=dev) if colwise else empty_u8
     cs = torch.empty((K, Mpad // 16), dtype=torch.float8_e4m3fn, device=dev) if colwise else empty_f8
     if M > 0:
@@ -294,7 +302,7 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
                 x2d, M, K, x2d.stride(0), x2d.stride(1), buf, gs, rd if rowwise else buf, rs if rowwise else buf,
                 cd if colwise else buf, cs if colwise else buf, signs_t, seed if seed is not None else buf, Mpad,
                 bexp, ns, ROW=rowwise, COL=colwise, RHT=signs is not None, SR_ROW=stochastic_row,
-                SR_COL=stochastic_col, NSP2=triton.next_power_of_2(2 * ns), **flags)
+                SR_COL=stochastic_col, ROW_F16=rowwise and row_fp16, NSP2=triton.next_power_of_2(2 * ns), **flags)
     else:  # no program ran: the decode scales of an all-zero tensor
         gs.copy_(torch.reciprocal(global_encode_scale(buf.view(torch.float32))))
     return rd, rs, cd, cs, (gs.view(2, ns) if groups is not None else gs)

@@ -19,8 +19,9 @@ from . import library
 
 @dataclass
 class GroupedOperand:
-    """Codes [R, C/2] uint8, block scales (E4M3; one row per storage row, or per 16 rows when
-    ``tiles``) and per-expert decode scales gs fp32 [slots]."""
+    """Codes [R, C/2] uint8 and block scales (E4M3; one row per storage row, or per 16 rows when
+    ``tiles``), or already staged fp16 values [R, C] and empty scales; per-expert decode scales gs
+    fp32 [slots]."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -70,11 +71,15 @@ def _stack_offsets(experts: int, rows: int, device: torch.device) -> torch.Tenso
 
 
 def quantize_tokens(x2d: torch.Tensor, offsets: torch.Tensor, rowwise: bool, colwise: bool,
-                    signs: torch.Tensor | None, seed: torch.Tensor | None) -> tuple[GroupedOperand | None, GroupedOperand | None]:
+                    signs: torch.Tensor | None, seed: torch.Tensor | None,
+                    row_staged: bool = True) -> tuple[GroupedOperand | None, GroupedOperand | None]:
     """Routed tokens x2d [T, K]: the 1×16 row operand and the wgrad operand xᵀ [K, T padded to 16]
-    (RHT when ``signs``), each expert with its own tensor scales; stochastic iff ``seed``."""
+    (RHT when ``signs``), each expert with its own tensor scales; stochastic iff ``seed``.
+    ``row_staged``: the row operand, which only feeds a GEMM at once, comes as the GEMM's fp16 values
+    (``data`` fp16 [T, K], no scales) rather than codes."""
     sr = seed is not None
-    rd, rs, cd, cs, gs = library.quantize_grouped(x2d, offsets, rowwise, colwise, signs, sr, sr, seed)
+    rd, rs, cd, cs, gs = library.quantize_grouped(x2d, offsets, rowwise, colwise, signs, sr, sr, seed,
+                                                  rowwise and row_staged)
     row = GroupedOperand(rd, rs, gs[0]) if rowwise else None
     col = GroupedOperand(cd, cs, gs[1]) if colwise else None
     return row, col
@@ -88,10 +93,10 @@ def quantize_experts(w: torch.Tensor, weight_2d: bool) -> GroupedWeight:
         d, s, dt, st, gs = library.quantize_2d_grouped(w.reshape(E * N, K), E)
         return GroupedWeight(GroupedOperand(d, s, gs, True), GroupedOperand(dt, st, gs, True), 0, N)
     rd, rs, _, _, gs = library.quantize_grouped(w.reshape(E * N, K), _stack_offsets(E, N, w.device), True, False,
-                                                None, False, False, None)
+                                                None, False, False, None, False)
     wt = w.transpose(1, 2).reshape(E * K, N)
     td, ts, _, _, gst = library.quantize_grouped(wt, _stack_offsets(E, K, w.device), True, False, None, False,
-                                                 False, None)
+                                                 False, None, False)
     return GroupedWeight(GroupedOperand(rd, rs, gs[0]), GroupedOperand(td, ts, gst[0]), K, 0)
 
 

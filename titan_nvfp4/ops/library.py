@@ -13,6 +13,7 @@ autograd: NVFP4LinearFunction calls them from its own forward and backward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -22,11 +23,29 @@ from ..numerics.nvfp4 import NVFP4Tensor
 Tensor = torch.Tensor
 
 
-def operand_pair(out, shape: torch.Size, rowwise: bool, colwise: bool) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
+@dataclass
+class StagedOperand:
+    """A GEMM operand already in the emulated GEMM's staged form: fp16 values q·e_b [rows, K] (exact,
+    see kernels/gemm.py), emitted by the quantization kernel for an operand that feeds one GEMM and
+    is not kept, plus its global decode scale (applied in the GEMM's epilogue)."""
+
+    values: torch.Tensor
+    global_scale: torch.Tensor
+
+    @property
+    def storage_shape(self) -> tuple[int, int]:
+        return tuple(self.values.shape)
+
+
+def operand_pair(out, shape: torch.Size, rowwise: bool,
+                 colwise: bool) -> tuple[NVFP4Tensor | StagedOperand | None, NVFP4Tensor | None]:
     """NVFP4Tensors from the outputs of ``quantize`` for a 2D operand of ``shape`` [M, K]: the
-    rowwise operand, and the column operand of xᵀ [K, M padded to 16]."""
+    rowwise operand (a StagedOperand when quantized with ``row_fp16``), and the column operand of xᵀ
+    [K, M padded to 16]."""
     rd, rs, cd, cs, gs = out
     m, k = shape
+    if rowwise and rd.dtype == torch.float16:
+        return StagedOperand(rd, gs[0]), operand_pair(out, shape, False, colwise)[1]
     row = NVFP4Tensor(rd, rs, gs[0], torch.Size(shape), (1, 16)) if rowwise else None
     col = NVFP4Tensor(cd, cs, gs[1], torch.Size((k, m + (-m) % 16)), (1, 16)) if colwise else None
     return row, col
@@ -46,22 +65,26 @@ def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
 
 @torch.library.custom_op("titan_nvfp4::quantize", mutates_args=())
 def quantize(x: Tensor, rowwise: bool, colwise: bool, signs: Optional[Tensor], stochastic_row: bool,
-             stochastic_col: bool, seed: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+             stochastic_col: bool, seed: Optional[Tensor],
+             row_fp16: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(row codes, row scales, column codes, column scales, [gs_row, gs_col]); an operand not asked
-    for comes back as empty tensors (and its decode scale unset)."""
+    for comes back as empty tensors (and its decode scale unset). ``row_fp16``: the row operand as the
+    emulated GEMM's staged fp16 values [M, K] instead of codes (row scales empty)."""
     from ..kernels.quantize import quantize_operand_tensors
 
     return quantize_operand_tensors(x, rowwise=rowwise, colwise=colwise, signs=signs, stochastic_row=stochastic_row,
-                                    stochastic_col=stochastic_col, seed=seed)
+                                    stochastic_col=stochastic_col, seed=seed, row_fp16=row_fp16)
 
 
 @quantize.register_fake
-def _quantize_fake(x, rowwise, colwise, signs, stochastic_row, stochastic_col, seed):
+def _quantize_fake(x, rowwise, colwise, signs, stochastic_row, stochastic_col, seed, row_fp16=False):
     m, k = x.shape
     mpad = m + (-m) % 16
     f8 = torch.float8_e4m3fn
     rd = x.new_empty((m, k // 2), dtype=torch.uint8) if rowwise else _empty(x, torch.uint8)
     rs = x.new_empty((m, k // 16), dtype=f8) if rowwise else _empty(x, f8)
+    if rowwise and row_fp16:
+        rd, rs = x.new_empty((m, k), dtype=torch.float16), _empty(x, f8)
     cd = x.new_empty((k, mpad // 2), dtype=torch.uint8) if colwise else _empty(x, torch.uint8)
     cs = x.new_empty((k, mpad // 16), dtype=f8) if colwise else _empty(x, f8)
     return rd, rs, cd, cs, x.new_empty((2,), dtype=torch.float32)
@@ -84,7 +107,9 @@ def _quantize_2d_fake(w):
             w.new_empty((1,), dtype=torch.float32))
 
 
-def _operand(data: Tensor, scale: Tensor, gs: Tensor, tiles: bool) -> NVFP4Tensor:
+def _operand(data: Tensor, scale: Tensor, gs: Tensor, tiles: bool) -> NVFP4Tensor | StagedOperand:
+    if data.dtype == torch.float16:
+        return StagedOperand(data, gs.reshape(()))
     rows, cols = data.shape[0], data.shape[1] * 2
     return NVFP4Tensor(data, scale, gs.reshape(()), torch.Size((rows, cols)), (16, 16) if tiles else (1, 16))
 
@@ -132,19 +157,20 @@ def _quantize_mxfp8_fake(x, rowwise, colwise):
 
 @torch.library.custom_op("titan_nvfp4::quantize_grouped", mutates_args=())
 def quantize_grouped(x: Tensor, offsets: Tensor, rowwise: bool, colwise: bool, signs: Optional[Tensor],
-                     stochastic_row: bool, stochastic_col: bool,
-                     seed: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     stochastic_row: bool, stochastic_col: bool, seed: Optional[Tensor],
+                     row_fp16: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``quantize`` of routed tokens grouped by expert (``offsets``: cumulative group ends, multiples
-    of 16), each expert with its own tensor scales: decode scales fp32 [2, E + 1] (row, column)."""
+    of 16), each expert with its own tensor scales: decode scales fp32 [2, E + 1] (row, column).
+    ``row_fp16``: the row operand as the GEMM's staged fp16 values [M, K] (row scales empty)."""
     from ..kernels.quantize import quantize_operand_tensors
 
     return quantize_operand_tensors(x, rowwise=rowwise, colwise=colwise, signs=signs, stochastic_row=stochastic_row,
-                                    stochastic_col=stochastic_col, seed=seed, groups=offsets)
+                                    stochastic_col=stochastic_col, seed=seed, groups=offsets, row_fp16=row_fp16)
 
 
 @quantize_grouped.register_fake
-def _quantize_grouped_fake(x, offsets, rowwise, colwise, signs, stochastic_row, stochastic_col, seed):
-    rd, rs, cd, cs, _ = _quantize_fake(x, rowwise, colwise, signs, stochastic_row, stochastic_col, seed)
+def _quantize_grouped_fake(x, offsets, rowwise, colwise, signs, stochastic_row, stochastic_col, seed, row_fp16):
+    rd, rs, cd, cs, _ = _quantize_fake(x, rowwise, colwise, signs, stochastic_row, stochastic_col, seed, row_fp16)
     return rd, rs, cd, cs, x.new_empty((2, offsets.shape[0] + 1), dtype=torch.float32)
 
 
@@ -167,12 +193,13 @@ def _quantize_2d_grouped_fake(w, experts):
 def grouped_gemm_rows(a_data: Tensor, a_scale: Tensor, b_data: Tensor, b_scale: Tensor, b_tiles: bool,
                       offsets: Tensor, gs_a: Tensor, gs_b: Tensor, n_out: int, b_row_step: int, b_col_step: int,
                       out_dtype: torch.dtype, bias: Optional[Tensor]) -> Tensor:
-    """Tokens grouped along M (fprop, dgrad): see kernels/grouped_gemm.py."""
+    """Tokens grouped along M (fprop, dgrad): see kernels/grouped_gemm.py. An fp16 ``a_data`` is A
+    already staged (``quantize_grouped(row_fp16=True)``)."""
     from ..kernels.grouped_gemm import grouped_gemm_rows as run
+    from ..kernels.grouped_gemm import stage
 
-    a = _operand(a_data, a_scale, gs_a[:1], False)
-    b = _operand(b_data, b_scale, gs_b[:1], b_tiles)
-    return run(a, b, offsets, gs_a, gs_b, n_out, b_row_step, b_col_step, out_dtype, bias)
+    return run(stage(_operand(a_data, a_scale, gs_a[:1], False)), stage(_operand(b_data, b_scale, gs_b[:1], b_tiles)), offsets, gs_a, gs_b, n_out, b_row_step,
+               b_col_step, out_dtype, bias)
 
 
 @grouped_gemm_rows.register_fake
@@ -186,10 +213,10 @@ def grouped_gemm_tokens(a_data: Tensor, a_scale: Tensor, b_data: Tensor, b_scale
                         gs_a: Tensor, gs_b: Tensor, out_dtype: torch.dtype) -> Tensor:
     """Tokens grouped along K (wgrad): out [E, M, N], see kernels/grouped_gemm.py."""
     from ..kernels.grouped_gemm import grouped_gemm_tokens as run
+    from ..kernels.grouped_gemm import stage
 
-    a = _operand(a_data, a_scale, gs_a[:1], False)
-    b = _operand(b_data, b_scale, gs_b[:1], False)
-    return run(a, b, offsets, gs_a, gs_b, out_dtype)
+    return run(stage(_operand(a_data, a_scale, gs_a[:1], False)), stage(_operand(b_data, b_scale, gs_b[:1], False)),
+               offsets, gs_a, gs_b, out_dtype)
 
 
 @grouped_gemm_tokens.register_fake

@@ -42,24 +42,26 @@ def _generator(seed: torch.Tensor | None, device: torch.device) -> torch.Generat
 
 def quantize_activation(x2d: torch.Tensor, need_col: bool, signs: torch.Tensor | None,
                         backend: str) -> tuple[NVFP4Tensor, NVFP4Tensor | None]:
-    """Forward operand X (1×16, nearest-even) and, when ``need_col``, its wgrad operand Xᵀ."""
+    """Forward operand X (1×16, nearest-even) and, when ``need_col``, its wgrad operand Xᵀ. On the
+    emulated backend X comes as the GEMM's staged fp16 values (library.StagedOperand): it feeds the
+    forward GEMM only, so its codes are never needed."""
     if backend == "reference":
         return quantize_rowwise(x2d), (quantize_wgrad_operand(x2d, signs) if need_col else None)
-    out = library.quantize(x2d, True, need_col, signs, False, False, None)
+    out = library.quantize(x2d, True, need_col, signs, False, False, None, backend == "emulated")
     return library.operand_pair(out, x2d.shape, True, need_col)
 
 
 def quantize_gradient(dy2d: torch.Tensor, need_row: bool, need_col: bool, signs: torch.Tensor | None,
                       seed: torch.Tensor | None, backend: str) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
-    """dgrad operand dY (1×16) and wgrad operand dYᵀ (RHT, 16 along tokens); stochastic iff ``seed``
-    (an int64 tensor [1]) is given."""
+    """dgrad operand dY (1×16; staged fp16 on the emulated backend, as X in quantize_activation) and
+    wgrad operand dYᵀ (RHT, 16 along tokens); stochastic iff ``seed`` (an int64 tensor [1]) is given."""
     sr = seed is not None
     if backend == "reference":
         gen = _generator(seed, dy2d.device)  # one stream: the row draws, then the column draws
         row = quantize_rowwise(dy2d, stochastic=sr, generator=gen) if need_row else None
         col = quantize_wgrad_operand(dy2d, signs, stochastic=sr, generator=gen) if need_col else None
         return row, col
-    out = library.quantize(dy2d, need_row, need_col, signs, sr, sr, seed)
+    out = library.quantize(dy2d, need_row, need_col, signs, sr, sr, seed, backend == "emulated")
     return library.operand_pair(out, dy2d.shape, need_row, need_col)
 
 
