@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 
 from titan_nvfp4 import NVFP4Recipe
-from titan_nvfp4.grouped_function import nvfp4_grouped_mm
+from titan_nvfp4.grouped_function import nvfp4_grouped_mm, nvfp4_grouped_mm_shared
 from titan_nvfp4.linear_function import sr_counter
 
 SHAPES = {
@@ -56,7 +56,11 @@ def expert_block(mm, x, ws, offsets, gpt_oss: bool):
         h = gate * torch.sigmoid(1.702 * gate) * (up + 1)
         return mm(h, w2, offsets, b2, 1)
     w1, w2, w3 = ws
-    return mm(F.silu(mm(x, w1, offsets, None, 0)) * mm(x, w3, offsets, None, 2), w2, offsets, None, 1)
+    if getattr(mm, "pair", None):  # NVFP4: W1 and W3 on one quantization of x, as NVFP4GroupedExperts does
+        h1, h3 = mm.pair(x, w1, w3, offsets)
+    else:
+        h1, h3 = mm(x, w1, offsets, None, 0), mm(x, w3, offsets, None, 2)
+    return mm(F.silu(h1) * h3, w2, offsets, None, 1)
 
 
 def bf16_mm(x, w, offsets, b, _i):
@@ -70,6 +74,11 @@ def bf16_mm(x, w, offsets, b, _i):
 def nvfp4_mm_factory(recipe, counters):
     def run(x, w, offsets, b, i):
         return nvfp4_grouped_mm(x, w, offsets, b, recipe, counters[i], None, aligned=True)
+
+    def pair(x, w1, w3, offsets):
+        return nvfp4_grouped_mm_shared(x, (w1, w3), offsets, (None, None), recipe, (counters[0], counters[2]),
+                                       aligned=True)
+    run.pair = pair
     return run
 
 
