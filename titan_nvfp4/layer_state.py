@@ -14,11 +14,13 @@ from .recipe import NVFP4Recipe
 
 class NVFP4LayerState(nn.Module):
     """Mixin for modules whose GEMMs run in NVFP4. ``n_gemms=None``: one GEMM, counter [2];
-    else counter [n_gemms, 2], row j the stream of layer id ``layer_id + j``."""
+    else counter [n_gemms, 2], row j the stream of layer id ``layer_id + j`` (or ``stream_ids[j]``)."""
 
     def _init_nvfp4(self, recipe: NVFP4Recipe, layer_id: int, device: torch.device,
-                    n_gemms: int | None = None) -> None:
+                    n_gemms: int | None = None, stream_ids: tuple[int, ...] | None = None) -> None:
+        """``stream_ids``: the layer id of each GEMM's SR stream (default layer_id + j)."""
         self.recipe, self.layer_id, self._n_gemms = recipe, layer_id, n_gemms
+        self._stream_ids = stream_ids or tuple(layer_id + j for j in range(n_gemms or 1))
         shape = (2,) if n_gemms is None else (n_gemms, 2)
         self.register_buffer("sr_counter", torch.empty(shape, dtype=torch.int64, device=device), persistent=False)
         self.register_buffer("rht_signs", torch.empty(16, device=device) if recipe.rht else None, persistent=False)
@@ -32,8 +34,7 @@ class NVFP4LayerState(nn.Module):
             if self._n_gemms is None:
                 self.sr_counter.copy_(sr_counter(self.recipe, self.layer_id))
             else:
-                self.sr_counter.copy_(torch.stack([sr_counter(self.recipe, self.layer_id + j)
-                                                   for j in range(self._n_gemms)]))
+                self.sr_counter.copy_(torch.stack([sr_counter(self.recipe, i) for i in self._stream_ids]))
             if self.rht_signs is not None:
                 self.rht_signs.copy_(rht_signs(self.recipe.rht_seed))
 

@@ -6,6 +6,7 @@ Llama3 flavors, see flavors.py)."""
 from __future__ import annotations
 
 import re
+import types
 
 from torch import nn
 from torchtitan.components.quantization import QuantizationConverter
@@ -14,6 +15,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
 from torchtitan.tools.logging import logger
 
+from ..decomposed_linear import DecomposedLinear
 from ..nvfp4_linear import NVFP4Linear, check_linear_dims
 from ..recipe import NVFP4Recipe
 
@@ -59,8 +61,10 @@ def skip_reason(fqn: str, filter_fqns: list[str], recipe: NVFP4Recipe, n_blocks:
     return None
 
 
-def convert_linears(model: nn.Module, recipe: NVFP4Recipe, filter_fqns: list[str]) -> dict[str, list]:
-    """Swap every eligible nn.Linear of ``model`` in place; returns {"converted": [...], "skipped": [(fqn, why)]}."""
+def convert_linears(model: nn.Module, recipe: NVFP4Recipe, filter_fqns: list[str], lora_rank: int = 0,
+                    lora_nvfp4: bool = False) -> dict[str, list]:
+    """Swap every eligible nn.Linear of ``model`` in place (DecomposedLinear when ``lora_rank``);
+    returns {"converted": [...], "skipped": [(fqn, why)]}."""
     n_blocks = _n_blocks(model)
     report: dict[str, list] = {"converted": [], "skipped": []}
     for fqn, mod in list(model.named_modules()):
@@ -73,7 +77,12 @@ def convert_linears(model: nn.Module, recipe: NVFP4Recipe, filter_fqns: list[str
         check_linear_dims(fqn, mod.in_features, mod.out_features)
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, NVFP4Linear.from_linear(mod, recipe, layer_id=len(report["converted"]), name=fqn))
+        layer_id = len(report["converted"])
+        if lora_rank:
+            new = DecomposedLinear.from_linear(mod, recipe, layer_id, fqn, rank=lora_rank, lora_nvfp4=lora_nvfp4)
+        else:
+            new = NVFP4Linear.from_linear(mod, recipe, layer_id=layer_id, name=fqn)
+        setattr(parent, child, new)
         report["converted"].append(fqn)
     return report
 
@@ -86,16 +95,55 @@ class NVFP4LinearConverter(QuantizationConverter):
         section = _section(job_config, "linear")
         self.recipe = section.build_recipe()
         self.filter_fqns = list(section.filter_fqns)
+        self.lora_rank, self.lora_nvfp4 = section.lora_rank, section.lora_nvfp4
+        self.lora_refresh_steps = section.lora_refresh_steps
+        self.steps = 0
         self.enabled = True
 
     def convert(self, model: nn.Module) -> None:
-        report = convert_linears(model, self.recipe, self.filter_fqns)
-        logger.info(f"NVFP4: converted {len(report['converted'])} Linear layers with {self.recipe}")
+        report = convert_linears(model, self.recipe, self.filter_fqns, self.lora_rank, self.lora_nvfp4)
+        lora = f", DecomposedLinear rank {self.lora_rank}" if self.lora_rank else ""
+        logger.info(f"NVFP4: converted {len(report['converted'])} Linear layers with {self.recipe}{lora}")
         for fqn, why in report["skipped"]:
             logger.info(f"NVFP4: kept {fqn} in high precision ({why})")
+        if self.lora_rank and report["converted"]:
+            decompose_after_init(model)
 
     def post_optimizer_hook(self, model) -> None:
-        return None
+        """Re-decompose the DecomposedLinears every lora_refresh_steps optimizer steps."""
+        if not self.lora_refresh_steps:
+            return
+        self.steps += 1
+        if self.steps % self.lora_refresh_steps == 0:
+            n = redecompose(model)
+            logger.info(f"NVFP4: re-decomposed {n} DecomposedLinear layers after optimizer step {self.steps}")
+
+
+def redecompose(model: nn.Module | list[nn.Module]) -> int:
+    """decompose_() every DecomposedLinear of ``model`` (or of each model part); returns how many."""
+    parts = model if isinstance(model, list) else [model]
+    mods = [m for part in parts for m in part.modules() if isinstance(m, DecomposedLinear)]
+    for m in mods:
+        m.decompose_()
+    return len(mods)
+
+
+def _init_weights_then_decompose(self, *args, **kwargs):
+    """The model's own init_weights, then the SVD split of every DecomposedLinear's fresh weight."""
+    out = type(self).init_weights(self, *args, **kwargs)
+    redecompose(self)
+    return out
+
+
+def decompose_after_init(model: nn.Module) -> None:
+    """Hook the decomposition into TorchTitan's init_weights protocol: TorchTitan materializes the
+    meta model, then calls model.init_weights(), which now splits each DecomposedLinear's weight
+    after initializing it. A bound method (not a closure), so pipeline parallelism's deep copies of
+    the model call it on their own copy."""
+    if not hasattr(type(model), "init_weights"):
+        raise ValueError(f"lora_rank needs a model with init_weights (TorchTitan's protocol); {type(model).__name__} "
+                         "has none: call DecomposedLinear.decompose_() after initializing the weights")
+    model.init_weights = types.MethodType(_init_weights_then_decompose, model)
 
 
 def convert_experts(model: nn.Module, recipe: NVFP4Recipe, fqns: list[str]) -> dict[str, list]:

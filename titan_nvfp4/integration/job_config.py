@@ -10,6 +10,7 @@ misspelt keys are rejected by TorchTitan's own parser, which names them.
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from ..numerics.lowrank import check_rank
 from ..recipe import NVFP4Recipe, build_recipe, validate_field
 
 import titan_nvfp4.integration.converter  # noqa: F401  (registers quantize.linear.nvfp4 and grouped_mm.nvfp4)
@@ -71,9 +72,24 @@ class NVFP4LinearConfig(_RecipeKnobs):
     filter_fqns: list[str] = field(default_factory=lambda: list(DEFAULT_FILTER_FQNS))
     """Linears whose fully qualified name contains one of these strings stay BF16 (default: the LM
     head, MoE router gates and shared experts; drop "shared_experts" to convert those too)."""
+    lora_rank: int = 0
+    """DecomposedLinear: keep the top-r singular directions of every converted Linear's weight in a
+    high-precision branch beside the NVFP4 residual (0 = off; else a multiple of 16)."""
+    lora_nvfp4: bool = False
+    """Run the branch's two GEMMs in NVFP4 too (default: the input's dtype, BF16 in training)."""
+    lora_refresh_steps: int = 0
+    """Re-decompose every N optimizer steps (0 = only at initialization)."""
 
     def __post_init__(self) -> None:
         self._check_fqns("filter_fqns")
+        check_rank(self.lora_rank, self.SECTION)
+        if not isinstance(self.lora_nvfp4, bool):
+            raise ValueError(f"[{self.SECTION}] lora_nvfp4 must be true or false, got {self.lora_nvfp4!r}")
+        r = self.lora_refresh_steps
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"[{self.SECTION}] lora_refresh_steps must be a non-negative integer, got {r!r}")
+        if r and not self.lora_rank:
+            raise ValueError(f"[{self.SECTION}] lora_refresh_steps = {r} needs lora_rank > 0")
         super().__post_init__()
 
 

@@ -1,0 +1,210 @@
+"""DecomposedLinear (lora_rank): the SVD split, forward/backward against float64, meta-device build
+through TorchTitan's converter and init_weights, rank validation, refresh, checkpoint round trip and
+the dense export."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import titan_nvfp4  # noqa: F401  (registers the converters)
+from titan_nvfp4 import NVFP4Recipe
+from titan_nvfp4.decomposed_linear import DecomposedLinear
+from titan_nvfp4.linear_function import nvfp4_linear
+from titan_nvfp4.numerics.lowrank import check_rank, lowrank_merge, lowrank_split
+from titan_nvfp4.ops import quantize_rowwise, quantize_weight
+from titan_nvfp4.tools.export_dense import fold_decomposed, main as export_main
+from test_converter import edited_toml, meta_llama, parse, world1
+
+REF = NVFP4Recipe(gemm_backend="reference", stochastic_rounding=False)
+
+
+def _weight(out_f=64, in_f=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_f, in_f, generator=g) * 0.05
+    w[:, 5] += 2.0  # an outlier input feature: a strong rank-1 direction
+    return w
+
+
+def test_split_reproduces_the_weight_to_fp32_rounding():
+    w = _weight()
+    u, s, v, r = lowrank_split(w, 16)
+    assert u.shape == (64, 16) and s.shape == (16,) and v.shape == (16, 96) and r.shape == w.shape
+    err = (lowrank_merge(u, s, v, r) - w).abs().max()
+    assert err <= 8 * torch.finfo(torch.float32).eps * w.abs().max()
+    eye = torch.eye(16)
+    assert torch.allclose(u.t() @ u, eye, atol=1e-5) and torch.allclose(v @ v.t(), eye, atol=1e-5)
+    full = torch.linalg.svdvals(w.double())
+    assert torch.allclose(s.double(), full[:16], rtol=1e-5) and bool((s[:-1] >= s[1:]).all())
+    # the residual holds no more than the singular values past r: its outliers are gone
+    assert torch.linalg.matrix_norm(r.double(), ord=2) <= full[16] * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("rank", [-16, 8, 24, 20, 1.5, True, "32"])
+def test_invalid_ranks_are_rejected_with_key_and_value(rank):
+    with pytest.raises(ValueError, match=rf"lora_rank must be 0 \(off\) or a positive multiple of 16, got {rank!r}"):
+        check_rank(rank)
+
+
+@pytest.mark.parametrize("value", ["-16", "8", "24", "20"])
+def test_invalid_ranks_stop_the_job_at_parse_time(tmp_path, value):
+    toml = edited_toml(tmp_path, add=(f"lora_rank = {value}",))
+    with pytest.raises(Exception, match=rf"lora_rank must be .* got {value}"):
+        parse(toml=toml)
+
+
+def test_refresh_without_rank_and_bad_knobs_rejected(tmp_path):
+    for add, needle in ((("lora_refresh_steps = 10",), "needs lora_rank"),
+                        (("lora_rank = 16", "lora_nvfp4 = 1"), "lora_nvfp4"),
+                        (("lora_rank = 16", "lora_refresh_steps = -1"), "lora_refresh_steps")):
+        with pytest.raises(Exception, match=needle):
+            parse(toml=edited_toml(tmp_path, add=add))
+
+
+def _float64_forward(mod: DecomposedLinear, x: torch.Tensor) -> torch.Tensor:
+    """NVFP4(x, R) on dequantized operands plus the exact low-rank branch, all in float64."""
+    xq = quantize_rowwise(x).dequantize(torch.float64)
+    wq, _ = quantize_weight(mod.weight.detach(), True, "reference")
+    y = xq @ wq.dequantize(torch.float64).t() + mod.bias.detach().double()
+    x64 = x.double()
+    u, s, v = (t.detach().double() for t in (mod.lora_u, mod.lora_sigma, mod.lora_v))
+    return y + ((x64 @ v.t()) * s) @ u.t()
+
+
+def test_forward_and_backward_against_float64():
+    lin = nn.Linear(96, 64)
+    with torch.no_grad():
+        lin.weight.copy_(_weight())
+    mod = DecomposedLinear.from_linear(copy.deepcopy(lin), REF, rank=16)
+    assert torch.allclose(mod.dense_weight(), lin.weight, atol=1e-6)
+    x = torch.randn(48, 96, requires_grad=True)
+    y = mod(x)
+    rel = (y.double() - _float64_forward(mod, x.detach())).norm() / y.double().norm()
+    assert rel < 1e-6
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    # the branch: exact gradients (float64 autograd on the same values)
+    u, s, v = (t.detach().double().requires_grad_() for t in (mod.lora_u, mod.lora_sigma, mod.lora_v))
+    x64 = x.detach().double().requires_grad_()
+    (((x64 @ v.t()) * s) @ u.t()).backward(dy.double())
+    for got, want in ((mod.lora_u.grad, u.grad), (mod.lora_sigma.grad, s.grad), (mod.lora_v.grad, v.grad)):
+        assert (got.double() - want).norm() <= 1e-6 * want.norm()  # fp32 sums of the same products
+    # R: exactly what the NVFP4 linear of R gives; x: its dgrad plus the branch's
+    r = mod.weight.detach().clone().requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    nvfp4_linear(xr, r, mod.bias.detach(), REF).backward(dy)
+    assert torch.equal(mod.weight.grad, r.grad)
+    want = xr.grad.double() + x64.grad
+    assert (x.grad.double() - want).norm() <= 1e-6 * want.norm()
+
+
+def test_branch_in_nvfp4():
+    recipe = dataclasses.replace(REF, rht=False)
+    lin = nn.Linear(96, 64, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(_weight())
+    mod = DecomposedLinear.from_linear(lin, recipe, rank=32, lora_nvfp4=True)
+    x = torch.randn(32, 96)
+    want = (nvfp4_linear(x, mod.weight, None, recipe)
+            + nvfp4_linear(nvfp4_linear(x, mod.lora_v, None, recipe) * mod.lora_sigma, mod.lora_u, None, recipe))
+    assert torch.equal(mod(x), want)
+
+
+def test_use_before_decomposition_fails_loudly():
+    with torch.device("meta"):
+        lin = nn.Linear(96, 64)
+    mod = DecomposedLinear.from_linear(lin, REF, rank=16, name="layers.0.attention.wq")
+    assert mod.lora_u.is_meta and mod.lora_u.shape == (64, 16)  # allocated on meta, no data read
+    mod.to_empty(device="cpu")
+    with pytest.raises(RuntimeError, match="before its weight was decomposed"):
+        mod(torch.randn(4, 96))
+
+
+def _converted_llama(tmp_path, *add):
+    cfg = parse(toml=edited_toml(tmp_path, add=add))
+    from torchtitan.protocols.model_converter import build_model_converters
+
+    model = meta_llama(cfg)
+    converters = build_model_converters(cfg, world1())
+    converters.convert(model)
+    return model, converters
+
+
+def test_meta_conversion_then_torchtitan_init_decomposes(tmp_path):
+    model, _ = _converted_llama(tmp_path, "lora_rank = 16", 'gemm_backend = "reference"')
+    mods = {n: m for n, m in model.named_modules() if isinstance(m, DecomposedLinear)}
+    assert len(mods) == 6 * 7 and all(m.lora_u.is_meta for m in mods.values())
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)  # TorchTitan's protocol, with the split hooked in
+    torch.manual_seed(0)
+    plain = meta_llama()
+    plain.to_empty(device="cpu")
+    with torch.no_grad():
+        plain.init_weights(buffer_device=None)
+    dense = plain.state_dict()
+    for name, m in mods.items():
+        assert bool(m.lora_decomposed)
+        assert torch.allclose(m.dense_weight(), dense[f"{name}.weight"], atol=1e-6), name
+    tokens = torch.randint(0, 2000, (2, 32))
+    model(tokens).float().mean().backward()
+    assert all(m.lora_sigma.grad is not None and m.weight.grad is not None for m in mods.values())
+
+
+def test_refresh_keeps_the_weight_and_reorthogonalizes(tmp_path):
+    model, converters = _converted_llama(tmp_path, "lora_rank = 16", "lora_refresh_steps = 2",
+                                         'gemm_backend = "reference"')
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    m = model.layers["0"].attention.wq
+    with torch.no_grad():  # as an optimizer step would: U no longer orthonormal, W changed
+        m.lora_u.add_(0.01 * torch.randn_like(m.lora_u))
+        m.weight.add_(0.01 * torch.randn_like(m.weight))
+    w_before = m.dense_weight()
+    u_before = m.lora_u.detach().clone()
+    converters.post_optimizer_hook([model])  # step 1: nothing
+    assert torch.equal(m.lora_u, u_before)
+    converters.post_optimizer_hook([model])  # step 2: refresh
+    assert torch.allclose(m.dense_weight(), w_before, atol=1e-5)
+    assert torch.allclose(m.lora_u.t() @ m.lora_u, torch.eye(16), atol=1e-5)
+
+
+def test_checkpoint_round_trip_and_dense_export(tmp_path):
+    model, _ = _converted_llama(tmp_path, "lora_rank = 16", 'gemm_backend = "reference"',
+                                "stochastic_rounding = false")
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+        for m in model.modules():
+            if isinstance(m, DecomposedLinear):
+                m.lora_sigma.mul_(1.5)  # "trained": differs from a fresh split
+    tokens = torch.randint(0, 2000, (2, 32))
+    y = model(tokens)
+    state = model.state_dict()
+    assert {"layers.0.attention.wq.lora_u", "layers.0.attention.wq.lora_decomposed"} <= set(state)
+
+    again, _ = _converted_llama(tmp_path, "lora_rank = 16", 'gemm_backend = "reference"',
+                                "stochastic_rounding = false")
+    again.to_empty(device="cpu")
+    with torch.no_grad():
+        again.init_weights(buffer_device=None)  # as TorchTitan: initialize (and split), then load
+    again.load_state_dict(state)  # the checkpoint's decomposition replaces the fresh split
+    assert torch.equal(again(tokens), y)
+
+    path = tmp_path / "decomposed.pt"
+    torch.save(state, path)
+    export_main([str(path), str(tmp_path / "dense.pt")])
+    dense = torch.load(tmp_path / "dense.pt")
+    assert not any("lora" in k for k in dense)
+    plain = meta_llama()
+    plain.to_empty(device="cpu")
+    plain.load_state_dict(dense)  # a BF16 model loads it: same keys
+    wq = model.layers["0"].attention.wq
+    assert torch.allclose(plain.layers["0"].attention.wq.weight, wq.dense_weight(), atol=1e-6)
+    assert torch.equal(fold_decomposed(state)["output.weight"], state["output.weight"])

@@ -1,0 +1,137 @@
+"""DecomposedLinear: W = U·diag(σ)·V + R, R through the NVFP4 linear and the rank-r outlier branch
+beside it (the `lora_rank` knob of `[quantize.linear.nvfp4]`).
+
+    y = NVFP4(x, R) + b + ((x Vᵀ) ⊙ σ) Uᵀ
+
+The residual R is the module's ``weight`` parameter, so code that initializes ``.weight`` (TorchTitan's
+init_weights) writes the full W there; ``decompose_()`` then splits it (numerics/lowrank.py, fp32 SVD)
+into U, σ, V and R. Built from a meta-device Linear the module only allocates (on meta) and never
+reads data: the converter runs ``decompose_()`` right after TorchTitan's init_weights, and a
+checkpoint load brings U, σ, V, R and the ``lora_decomposed`` flag back as they were. A module used
+before it was decomposed raises instead of computing something else. The branch runs in the input's
+dtype (BF16 under TorchTitan's mixed precision) or, with ``lora_nvfp4``, as two NVFP4 linears (r is
+a multiple of 16 for that). All four of U, σ, V, R train.
+
+Sharded parameters (FSDP2, TP: DTensors): the SVD runs on the full weight (all-gathered) in fp32 on
+every rank, and the factors are distributed from rank 0's result, so every rank holds shards of the
+same decomposition.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from .linear_function import nvfp4_linear
+from .numerics.lowrank import check_rank, lowrank_merge, lowrank_split
+from .nvfp4_linear import NVFP4Linear, check_linear_dims
+from .recipe import NVFP4Recipe
+
+#: SR streams of the branch GEMMs: layer ids LORA_LAYER_ID_BASE + 2·layer_id + {0, 1}
+LORA_LAYER_ID_BASE = 1 << 21
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _assign(param: torch.Tensor, value: torch.Tensor) -> None:
+    """param ← value (a full tensor); a DTensor parameter takes its shard of rank 0's value."""
+    value = value.to(param.dtype)
+    if isinstance(param, DTensor):
+        value = distribute_tensor(value.to(param.device_mesh.device_type), param.device_mesh, param.placements)
+    param.copy_(value)
+
+
+class DecomposedLinear(NVFP4Linear):
+    """NVFP4Linear on the residual R plus a rank-r branch U·diag(σ)·V in high precision (see module doc)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, rank: int,
+                 recipe: NVFP4Recipe | None = None, layer_id: int = 0, lora_nvfp4: bool = False, name: str = "",
+                 device=None, dtype=None) -> None:
+        check_rank(rank)
+        super().__init__(in_features, out_features, bias, recipe=recipe, layer_id=layer_id, name=name,
+                         device=device, dtype=dtype)
+        self._init_lowrank(rank, lora_nvfp4, layer_id)
+        if not self.weight.is_meta:
+            self.decompose_()
+
+    @classmethod
+    def from_linear(cls, mod: nn.Linear, recipe: NVFP4Recipe, layer_id: int = 0, name: str = "", *,
+                    rank: int = 32, lora_nvfp4: bool = False) -> "DecomposedLinear":
+        """Swap in for ``mod`` keeping its Parameters: U, σ, V are allocated on mod.weight's device and
+        dtype (meta included); a materialized ``mod`` is decomposed at once, a meta one later."""
+        check_rank(rank)
+        check_linear_dims(name, mod.in_features, mod.out_features)
+        if rank == 0 or rank > min(mod.in_features, mod.out_features):
+            raise ValueError(f"lora_rank {rank} does not fit Linear {name!r} ({mod.out_features}x{mod.in_features})")
+        new = super().from_linear(mod, recipe, layer_id, name)  # an NVFP4Linear-initialized instance of cls
+        new._init_lowrank(rank, lora_nvfp4, layer_id)
+        if not new.weight.is_meta:
+            new.decompose_()
+        return new
+
+    def _init_lowrank(self, rank: int, lora_nvfp4: bool, layer_id: int) -> None:
+        w = self.weight
+        kw = dict(device=w.device, dtype=w.dtype)
+        self.rank, self.lora_nvfp4 = rank, lora_nvfp4
+        self.lora_u = nn.Parameter(torch.empty(self.out_features, rank, **kw))
+        self.lora_sigma = nn.Parameter(torch.empty(rank, **kw))
+        self.lora_v = nn.Parameter(torch.empty(rank, self.in_features, **kw))
+        self.register_buffer("lora_decomposed", torch.zeros((), dtype=torch.bool, device=w.device))
+        self._lora_ready = False  # the Python twin of lora_decomposed, read in forward (no sync, no graph break)
+        # one SR stream per GEMM: R keeps the NVFP4Linear's (layer_id), the branch gets two more
+        base = LORA_LAYER_ID_BASE + 2 * layer_id
+        self._init_nvfp4(self.recipe, layer_id, w.device, n_gemms=3, stream_ids=(layer_id, base, base + 1))
+
+    @torch.no_grad()
+    def decompose_(self) -> None:
+        """Split the weight the module computes, W (``weight`` alone before the first split), into
+        U·diag(σ)·V + R anew: at initialization, and on refresh (lora_refresh_steps)."""
+        w = _full(self.weight).float()
+        if self._lora_ready or bool(self.lora_decomposed):
+            w = lowrank_merge(_full(self.lora_u), _full(self.lora_sigma), _full(self.lora_v), w)
+        u, s, v, r = lowrank_split(w, self.rank)
+        for param, value in ((self.lora_u, u), (self.lora_sigma, s), (self.lora_v, v), (self.weight, r)):
+            _assign(param, value)
+        self.lora_decomposed.fill_(True)
+        self._lora_ready = True
+
+    def _apply(self, fn, recurse: bool = True):
+        # materializing a meta module (TorchTitan's to_empty) leaves lora_decomposed uninitialized: the
+        # weight is about to be initialized as a full W, so the module is not decomposed yet
+        was_meta = self.lora_decomposed.is_meta
+        super()._apply(fn, recurse)
+        if was_meta and not self.lora_decomposed.is_meta:
+            self.lora_decomposed.fill_(False)
+            self._lora_ready = False
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._lora_ready = bool(self.lora_decomposed)
+
+    def dense_weight(self) -> torch.Tensor:
+        """W = R + U·diag(σ)·V (fp32): what a BF16 Linear would load."""
+        return lowrank_merge(_full(self.lora_u), _full(self.lora_sigma), _full(self.lora_v), _full(self.weight))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._lora_ready:
+            raise RuntimeError("DecomposedLinear used before its weight was decomposed: run init_weights (the "
+                               "converter hooks decompose_ into it), decompose_(), or load a checkpoint")
+        c, r, s = self.sr_counter, self.recipe, self.rht_signs
+        y = nvfp4_linear(x, self.weight, self.bias, r, c[0], s)
+        if self.lora_nvfp4:
+            h = nvfp4_linear(x, self.lora_v, None, r, c[1], s) * self.lora_sigma
+            return y + nvfp4_linear(h, self.lora_u, None, r, c[2], s)
+        dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        h = F.linear(x.to(dt), self.lora_v.to(dt)) * self.lora_sigma.to(dt)
+        return y + F.linear(h, self.lora_u.to(dt))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, lora_rank={self.rank}, lora_nvfp4={self.lora_nvfp4}"
+
+
+__all__ = ["DecomposedLinear", "LORA_LAYER_ID_BASE"]

@@ -1,0 +1,36 @@
+"""The low-rank outlier split of DecomposedLinear: W = U·diag(σ)·V + R from the top-r SVD of W.
+
+FP4 weights lose a few large singular directions hardest; keeping the top r of them in a small
+high-precision branch and quantizing only the residual R recovers that signal. Everything here runs
+in fp32 (the SVD included), so U·diag(σ)·V + R reproduces W to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .nvfp4 import BLOCK
+
+
+def check_rank(rank, where: str = "quantize.linear.nvfp4", key: str = "lora_rank") -> None:
+    """0 (off) or a positive multiple of 16 (the branch's GEMMs contract over r in NVFP4 blocks)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0 or rank % BLOCK:
+        raise ValueError(f"[{where}] {key} must be 0 (off) or a positive multiple of {BLOCK}, got {rank!r}")
+
+
+def lowrank_split(w: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(U [out, r], σ [r], V [r, in], R = W − U·diag(σ)·V), fp32, from W's top-r singular triplets
+    (U and V orthonormal, σ descending)."""
+    check_rank(rank)
+    out_features, in_features = w.shape
+    if rank > min(out_features, in_features):
+        raise ValueError(f"lora_rank {rank} exceeds the weight's smaller dim ({out_features}x{in_features})")
+    w32 = w.detach().float()
+    u, s, vh = torch.linalg.svd(w32, full_matrices=False)
+    u, s, v = u[:, :rank].contiguous(), s[:rank].contiguous(), vh[:rank].contiguous()
+    return u, s, v, w32 - (u * s) @ v
+
+
+def lowrank_merge(u: torch.Tensor, sigma: torch.Tensor, v: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """W = R + U·diag(σ)·V in fp32."""
+    return residual.float() + (u.float() * sigma.float()) @ v.float()

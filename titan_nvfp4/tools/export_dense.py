@@ -1,0 +1,71 @@
+"""Fold DecomposedLinear layers back into dense weights, so a BF16 model (no NVFP4, no lora) loads them.
+
+    python -m titan_nvfp4.tools.export_dense CHECKPOINT OUT.pt
+
+CHECKPOINT: a TorchTitan DCP checkpoint directory (e.g. outputs/<run>/checkpoint/step-1000) or a
+torch.save'd state dict. Every layer saved as (weight = R, lora_u, lora_sigma, lora_v,
+lora_decomposed) becomes weight = R + U·diag(σ)·V, computed in fp32 and stored in R's dtype; all
+other entries are kept as they are. OUT.pt is a torch.save'd state dict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+import torch
+
+from ..numerics.lowrank import lowrank_merge
+
+_LORA_KEYS = ("lora_u", "lora_sigma", "lora_v", "lora_decomposed")
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def fold_decomposed(state_dict: dict) -> dict:
+    """The dense twin of a state dict with DecomposedLinear entries (see the module docstring)."""
+    prefixes = {k[: -len("lora_u")] for k in state_dict if k.endswith("lora_u")}
+    drop = {p + n for p in prefixes for n in _LORA_KEYS}
+    out = {k: v for k, v in state_dict.items() if k not in drop}
+    for p in sorted(prefixes):
+        missing = [p + n for n in ("weight", "lora_sigma", "lora_v") if p + n not in state_dict]
+        if missing:
+            raise KeyError(f"export_dense: {p}lora_u has no {', '.join(missing)}")
+        r = _full(state_dict[p + "weight"])
+        out[p + "weight"] = lowrank_merge(_full(state_dict[p + "lora_u"]), _full(state_dict[p + "lora_sigma"]),
+                                          _full(state_dict[p + "lora_v"]), r).to(r.dtype)
+    return out
+
+
+def load_checkpoint(path: str) -> dict:
+    """A state dict from a DCP directory or a torch.save file."""
+    if os.path.isdir(path):
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:
+            flat = os.path.join(tmp, "state.pt")
+            dcp_to_torch_save(path, flat)
+            return torch.load(flat, weights_only=False)
+    return torch.load(path, weights_only=False, map_location="cpu")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoint")
+    ap.add_argument("out")
+    args = ap.parse_args(argv)
+    state = load_checkpoint(args.checkpoint)
+    model = state["model"] if isinstance(state.get("model"), dict) else state
+    n = sum(k.endswith("lora_u") for k in model)
+    dense = fold_decomposed(model)
+    if model is not state:
+        dense = dict(state, model=dense)
+    torch.save(dense, args.out)
+    print(f"export_dense: folded {n} DecomposedLinear layers into dense weights -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
