@@ -208,3 +208,52 @@ def test_checkpoint_round_trip_and_dense_export(tmp_path):
     wq = model.layers["0"].attention.wq
     assert torch.allclose(plain.layers["0"].attention.wq.weight, wq.dense_weight(), atol=1e-6)
     assert torch.equal(fold_decomposed(state)["output.weight"], state["output.weight"])
+
+
+def _fsdp_worker(rank: int, world: int, port: int, w_full: torch.Tensor, x: torch.Tensor, out: dict) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        with torch.device("meta"):
+            lin = nn.Linear(96, 64, bias=False)
+        mod = DecomposedLinear.from_linear(lin, REF, rank=16)
+        fully_shard(mod, mesh=mesh)
+        mod.to_empty(device="cpu")
+        with torch.no_grad():  # what init_weights does to the sharded weight
+            mod.weight.copy_(distribute_tensor(w_full, mesh, [Shard(0)]))
+        mod.decompose_()
+        full = {n: p.full_tensor().detach().clone() for n, p in mod.named_parameters()}  # a collective: all ranks
+        y = mod(x)
+        if rank == 0:
+            out.update(full, y=y.detach().clone())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_decompose_under_fsdp2_matches_one_process():
+    """Sharded weights (FSDP2 over 2 gloo ranks): the SVD of the gathered weight, every rank holding
+    shards of rank 0's factors; the same factors and outputs as one process."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    w = _weight()
+    x = torch.randn(8, 96)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    manager = mp.Manager()
+    out = manager.dict()
+    mp.spawn(_fsdp_worker, args=(2, port, w, x, out), nprocs=2, join=True)
+    lin = nn.Linear(96, 64, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    ref = DecomposedLinear.from_linear(lin, REF, rank=16)
+    for name in ("weight", "lora_u", "lora_sigma", "lora_v"):
+        assert torch.equal(out[name], getattr(ref, name).detach()), name
+    assert torch.equal(out["y"], ref(x).detach())
