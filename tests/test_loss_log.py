@@ -34,3 +34,17 @@ def test_summary_and_cli(tmp_path, capsys):
 def test_empty_log_is_an_error():
     with pytest.raises(ValueError, match="no TorchTitan metric lines"):
         summarize({"x": parse_log("nothing here")})
+
+
+def test_gap_closed_by_a_third_run(tmp_path, capsys):
+    logs = []
+    for name, final in (("bf16", "5.00000"), ("nvfp4", "5.40000"), ("nvfp4_lora32", "5.30000")):
+        p = tmp_path / f"{name}.log"
+        p.write_text(_LOG.replace("5.00000", final))
+        logs.append(str(p))
+    main([*logs, "--last", "1", "--markdown", "--gap"])
+    out = capsys.readouterr().out
+    assert "gap to nvfp4 closed" in out
+    assert "| nvfp4_lora32 | 20 | 7.6543 | 5.3000 | +0.3000 (+6.00%) | 25.0% |" in out
+    rows = summarize({n: parse_log(open(p).read()) for n, p in zip("abc", logs)}, last=1, gap=True)
+    assert "gap_closed_pct" not in rows[1] and rows[2]["gap_closed_pct"] == pytest.approx(25.0)

@@ -1,10 +1,11 @@
 """Read per-step metrics from TorchTitan training logs and compare runs.
 
-    python -m titan_nvfp4.tools.loss_log bf16.log nvfp4.log [--last 20] [--markdown]
+    python -m titan_nvfp4.tools.loss_log bf16.log nvfp4.log [more.log ...] [--last 20] [--markdown] [--gap]
 
 Parses TorchTitan's metric lines ("step: N  loss: X  grad_norm: G  memory: M GiB ... tps: T"),
 colored or not, and prints the final loss (mean over the last k logged steps), its difference to
-the first run, throughput and peak memory.
+the first run, throughput and peak memory. ``--gap``: for the third run on, the share of the gap
+between the first two runs (e.g. BF16 and plain NVFP4) that it closes.
 """
 
 from __future__ import annotations
@@ -41,8 +42,16 @@ def parse_log(text: str) -> list[StepMetrics]:
     return [by_step[k] for k in sorted(by_step)]
 
 
-def summarize(runs: dict[str, list[StepMetrics]], last: int = 10) -> list[dict]:
-    """One row per run: steps, first/final loss (mean of the last k logged), Δ vs the first run, tps, memory."""
+def gap_closed_pct(baseline: float, reference: float, final: float) -> float:
+    """100 · (reference − final) / (reference − baseline): 0 = no better than the reference run, 100 =
+    as good as the baseline (NaN when the two coincide)."""
+    gap = reference - baseline
+    return 100.0 * (reference - final) / gap if gap else float("nan")
+
+
+def summarize(runs: dict[str, list[StepMetrics]], last: int = 10, gap: bool = False) -> list[dict]:
+    """One row per run: steps, first/final loss (mean of the last k logged), Δ vs the first run, tps,
+    memory; with ``gap``, rows from the third on get gap_closed_pct against the first two."""
     rows, base = [], None
     for name, steps in runs.items():
         if not steps:
@@ -60,15 +69,22 @@ def summarize(runs: dict[str, list[StepMetrics]], last: int = 10) -> list[dict]:
             "tps": sorted(s.tps for s in steps[1:] or steps)[len(steps[1:] or steps) // 2],
             "peak_memory_gib": max(s.memory_gib for s in steps),
         })
+    if gap and len(rows) >= 3:
+        for r in rows[2:]:
+            r["gap_closed_pct"] = gap_closed_pct(rows[0]["final_loss"], rows[1]["final_loss"], r["final_loss"])
     return rows
 
 
 def to_markdown(rows: list[dict], last: int) -> str:
-    head = f"| run | steps | first loss | final loss (mean of last {last} logged) | Δ vs {rows[0]['run']} | tokens/s (median) | peak memory GiB |\n"
-    head += "| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n"
+    gap = any("gap_closed_pct" in r for r in rows)
+    head = (f"| run | steps | first loss | final loss (mean of last {last} logged) | Δ vs {rows[0]['run']} | "
+            + (f"gap to {rows[1]['run']} closed | " if gap else "") + "tokens/s (median) | peak memory GiB |\n")
+    head += "| --- | ---: | ---: | ---: | ---: | " + ("---: | " if gap else "") + "---: | ---: |\n"
     body = "".join(
         f"| {r['run']} | {r['steps']} | {r['first_loss']:.4f} | {r['final_loss']:.4f} | "
-        f"{r['delta']:+.4f} ({r['rel_delta_pct']:+.2f}%) | {r['tps']:,} | {r['peak_memory_gib']:.2f} |\n"
+        f"{r['delta']:+.4f} ({r['rel_delta_pct']:+.2f}%) | "
+        + ((f"{r['gap_closed_pct']:.1f}% | " if "gap_closed_pct" in r else "– | ") if gap else "")
+        + f"{r['tps']:,} | {r['peak_memory_gib']:.2f} |\n"
         for r in rows
     )
     return head + body
@@ -80,9 +96,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--last", type=int, default=10, help="logged steps averaged for the final loss")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--csv", type=Path, help="also write every run's per-step metrics here")
+    ap.add_argument("--gap", action="store_true", help="share of the gap between the first two runs closed by the others")
     args = ap.parse_args(argv)
     runs = {p.stem: parse_log(p.read_text(errors="replace")) for p in args.logs}
-    rows = summarize(runs, args.last)
+    rows = summarize(runs, args.last, args.gap)
     if args.csv:
         with open(args.csv, "w") as f:
             f.write("run,step,loss,grad_norm,memory_gib,tps\n")
