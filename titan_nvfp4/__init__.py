@@ -1,8 +1,11 @@
 """titan-nvfp4: NVFP4 (4-bit) pretraining for TorchTitan.
 
-Importing the package registers the `quantize.linear.nvfp4` model converter with TorchTitan.
+Importing the package registers the `quantize.linear.nvfp4` and `quantize.grouped_mm.nvfp4` model
+converters with TorchTitan.
 """
 
+from .decomposed_linear import DecomposedLinear
+from .grouped_function import nvfp4_grouped_mm, nvfp4_grouped_mm_shared
 from .linear_function import nvfp4_linear
 from .numerics import MXFP8Tensor, NVFP4Tensor, quantize_mxfp8, quantize_nvfp4, rht, rht_signs
 from .nvfp4_linear import NVFP4Linear
@@ -15,12 +18,15 @@ except ImportError as _e:  # torchtitan missing: the numerics and modules still 
         raise
 
 __all__ = [
+    "DecomposedLinear",
     "MXFP8Tensor",
     "NVFP4Linear",
     "NVFP4Recipe",
     "NVFP4Tensor",
     "available_presets",
     "build_recipe",
+    "nvfp4_grouped_mm",
+    "nvfp4_grouped_mm_shared",
     "nvfp4_linear",
     "quantize_mxfp8",
     "quantize_nvfp4",
