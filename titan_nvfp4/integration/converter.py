@@ -204,3 +204,6 @@ if GROUPED_CONVERTER_NAME not in _registry_model_converter_cls:
     register_model_converter(NVFP4GroupedMMConverter, GROUPED_CONVERTER_NAME)
 
 from . import flavors  # noqa: E402,F401  (registers the llama3 "2B_bench" flavor beside the converter)
+from . import torchtitan_fixes  # noqa: E402
+
+torchtitan_fixes.apply()
