@@ -28,3 +28,5 @@ logs=()
 for arm in "${arms[@]}"; do logs+=("$out/${arm}.log"); done
 python -m titan_nvfp4.tools.loss_log "${logs[@]}" --last 20 --markdown --gap --csv "$out/lora_runs.csv" \
     | tee "$out/lora_runs.md"
+python -m titan_nvfp4.tools.loss_plot "${logs[@]}" --out "$out/lora_runs.png" \
+    || echo "loss_plot needs matplotlib (pip install -e .[plot]); plot the logs elsewhere"

@@ -24,4 +24,6 @@ for model in "${models[@]}"; do
   done
   python -m titan_nvfp4.tools.loss_log "$out/${model}_bf16.log" "$out/${model}_nvfp4.log" \
       --last 10 --markdown --csv "$out/${model}.csv" | tee "$out/${model}.md"
+  python -m titan_nvfp4.tools.loss_plot "$out/${model}_bf16.log" "$out/${model}_nvfp4.log" --out "$out/${model}.png" \
+      || echo "loss_plot needs matplotlib (pip install -e .[plot]); plot the logs elsewhere"
 done

@@ -48,3 +48,16 @@ def test_gap_closed_by_a_third_run(tmp_path, capsys):
     assert "| nvfp4_lora32 | 20 | 7.6543 | 5.3000 | +0.3000 (+6.00%) | 25.0% |" in out
     rows = summarize({n: parse_log(open(p).read()) for n, p in zip("abc", logs)}, last=1, gap=True)
     assert "gap_closed_pct" not in rows[1] and rows[2]["gap_closed_pct"] == pytest.approx(25.0)
+
+
+def test_loss_plot_writes_a_png(tmp_path):
+    from titan_nvfp4.tools.loss_plot import ema, main as plot_main
+
+    assert ema([2.0, 4.0], 0.5) == pytest.approx([2.0, 2.0 / 3 * 4.0 + 1.0 / 3 * 2.0 * 1.0])  # bias-corrected
+    a, b = tmp_path / "bf16.log", tmp_path / "nvfp4.log"
+    a.write_text(_LOG)
+    b.write_text(_LOG.replace("5.00000", "5.50000"))
+    out = tmp_path / "curves.png"
+    plot_main([str(a), str(b), "--out", str(out)])
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
