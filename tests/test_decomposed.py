@@ -209,6 +209,14 @@ def test_checkpoint_round_trip_and_dense_export(tmp_path):
     assert torch.allclose(plain.layers["0"].attention.wq.weight, wq.dense_weight(), atol=1e-6)
     assert torch.equal(fold_decomposed(state)["output.weight"], state["output.weight"])
 
+    # a DCP checkpoint directory, as TorchTitan writes them
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=str(tmp_path / "step-10"))
+    export_main([str(tmp_path / "step-10"), str(tmp_path / "dense_dcp.pt")])
+    from_dcp = torch.load(tmp_path / "dense_dcp.pt")
+    assert from_dcp.keys() == dense.keys() and all(torch.equal(from_dcp[k], dense[k]) for k in dense)
+
 
 def _fsdp_worker(rank: int, world: int, port: int, w_full: torch.Tensor, x: torch.Tensor, out: dict) -> None:
     import torch.distributed as dist
