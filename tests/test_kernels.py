@@ -224,6 +224,24 @@ def test_quantization_kernel_emits_the_staged_operand_exactly(kind, sr, monkeypa
         assert torch.equal(nvfp4_gemm_triton(staged, b, torch.float32), nvfp4_gemm_triton(codes, b, torch.float32))
 
 
+@pytest.mark.parametrize("kind", ["normal", "adversarial"])
+def test_weight_kernel_emits_the_staged_weight_exactly(kind):
+    """16×16 weights with ``staged``: W as the GEMM's fp16 values (the staging of the codes it would
+    write), Wᵀ still as the same codes and scales; for one weight and for stacked experts."""
+    from titan_nvfp4.kernels import gemm as g
+    from titan_nvfp4.kernels.quantize import quantize_weight_2d_tensors
+
+    w = inputs(96, 64, kind).to(DEV)
+    for experts in (1, 3):
+        d, s, dt, st, gs = quantize_weight_2d_tensors(w, experts=experts)
+        d16, s16, dt16, st16, gs16 = quantize_weight_2d_tensors(w, experts=experts, staged=True)
+        codes = NVFP4Tensor(d, s, gs[0], w.shape, (16, 16))
+        want = g.dequantize_fp16(codes)
+        assert d16.dtype == torch.float16 and s16.numel() == 0
+        assert bool(((d16 == want) | (d16.isnan() & want.isnan())).all())
+        assert torch.equal(dt16, dt) and torch.equal(st16.view(torch.uint8), st.view(torch.uint8)) and torch.equal(gs16, gs)
+
+
 def test_native_layouts_round_trip_and_match_torchao():
     from torchao.prototype.mx_formats.utils import to_blocked  # independent implementation (test oracle)
 

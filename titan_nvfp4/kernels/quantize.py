@@ -26,8 +26,8 @@ from ..numerics.nvfp4 import NVFP4Tensor, global_encode_scale
 from ..ops.grouped import block_experts
 from ..ops.library import operand_pair, weight_pair
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
-from .nvfp4_jit import (amax16, block_scales, e2m1_rne, pack16_along_slices, pack_pairs, pack_slices16,
-                        quantize_slices16, rht16_slices, split8, staged_slices16)
+from .nvfp4_jit import (amax16, block_scales, e2m1_fp16_unit, e2m1_rne, pack16_along_slices, pack_pairs,
+                        pack_slices16, quantize_slices16, rht16_slices, split8, staged_slices16)
 
 G_Q = 2  # 16-row blocks per program (fixed tiles: the interpreter, small inputs)
 BK_Q = 64  # features per program
@@ -160,10 +160,12 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
 
 @triton.jit
 def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, EMIT_T: tl.constexpr,
-                        GROUPED: tl.constexpr, NSP2: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
+                        GROUPED: tl.constexpr, EMIT_F16: tl.constexpr, NSP2: tl.constexpr, G: tl.constexpr,
+                        BK: tl.constexpr):
     """16×16 blocks, nearest-even: D [N, K/2], S [N/16, K/16], GS the decode scales, and DT [K, N/2]
     with ST = Sᵀ, the codes and scales of Wᵀ (whose tiles are the transposed tiles of W). With
-    GROUPED, W stacks experts along N and 16-row block b takes the tensor scale of slot BEXP[b]."""
+    GROUPED, W stacks experts along N and 16-row block b takes the tensor scale of slot BEXP[b].
+    EMIT_F16: D [N, K] gets the GEMM's staged fp16 values q·e_b of W instead of codes (S unused)."""
     blk = tl.program_id(0) * G + tl.arange(0, G)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     ws = _load16(W, blk, rk, N, K, swn, swk)
@@ -172,16 +174,23 @@ def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, 
     bamax = tl.max(tl.reshape(amax16(ws), (G, BK // 16, 16)), axis=2)
     e, r = block_scales(bamax, s)  # [G, BK/16]
     rk2 = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
+    if EMIT_F16:  # e_b · 2^14 per element (exact), for staged_value below
+        e16 = tl.reshape(tl.broadcast_to((e.to(tl.float32) * 16384.0)[:, :, None], (G, BK // 16, 16)), (G, BK))
     codes = ()
     for i in tl.static_range(16):
         c = e2m1_rne(tl.reshape(tl.reshape(ws[i], (G, BK // 16, 16)) * r[:, :, None], (G, BK)))
         codes = codes + (c,)
         row = (blk * 16 + i)[:, None]
-        tl.store(D + row.to(tl.int64) * (K // 2) + rk2[None, :], pack_pairs(c, G, BK),
-                 mask=(row < N) & (rk2 < K // 2)[None, :])
+        if EMIT_F16:
+            tl.store(D + row.to(tl.int64) * K + rk[None, :], (e2m1_fp16_unit(c).to(tl.float32) * e16).to(tl.float16),
+                     mask=(row < N) & (rk < K)[None, :])
+        else:
+            tl.store(D + row.to(tl.int64) * (K // 2) + rk2[None, :], pack_pairs(c, G, BK),
+                     mask=(row < N) & (rk2 < K // 2)[None, :])
     rk16 = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
     smask = (blk < N // 16)[:, None] & (rk16 < K // 16)[None, :]
-    tl.store(S + blk[:, None] * (K // 16) + rk16[None, :], e, mask=smask)
+    if not EMIT_F16:
+        tl.store(S + blk[:, None] * (K // 16) + rk16[None, :], e, mask=smask)
     if EMIT_T:
         tl.store(ST + rk16[None, :] * (N // 16) + blk[:, None], e, mask=smask)
         rb = tl.program_id(0) * (G * 8) + tl.arange(0, G * 8)
@@ -203,7 +212,7 @@ def _operand_configs():
 
 _quantize_autotuned = triton.autotune(
     _operand_configs(), key=["M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL", "GROUPED", "ROW_F16"])(_quantize_kernel)
-_quantize_2d_autotuned = triton.autotune(_quant_configs(), key=["N", "K", "EMIT_T"])(_quantize_2d_kernel)
+_quantize_2d_autotuned = triton.autotune(_quant_configs(), key=["N", "K", "EMIT_T", "EMIT_F16"])(_quantize_2d_kernel)
 _amax_autotuned = triton.autotune(_quant_configs(), key=["M", "K", "ROW", "COL", "RHT"], reset_to_zero=["AMAX"])(
     _amax_kernel)
 
@@ -321,11 +330,12 @@ def quantize_operand(x2d: torch.Tensor, *, rowwise: bool = True, colwise: bool =
 
 
 def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None, emit_transpose: bool = True,
-                               experts: int = 1):
+                               experts: int = 1, staged: bool = False):
     """``quantize_weight_2d`` as plain tensors: (codes, scales, codes of Wᵀ, scales of Wᵀ, fp32 decode
     scales [experts]); without ``emit_transpose`` the last-but-one two are empty. ``experts`` > 1: w
     stacks that many expert weights along its rows ([E·N, K]), each with its own tensor scale; the
-    transpose is then that of the whole stack, [K, E·N]."""
+    transpose is then that of the whole stack, [K, E·N]. ``staged``: W itself comes as the GEMM's
+    staged fp16 values [N, K] (exact) with empty scales; Wᵀ stays codes (what backward keeps)."""
     _check_2d(w, "quantize_weight_2d")
     N, K = w.shape
     if N % (16 * experts):
@@ -345,12 +355,14 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
         buf[0:1] = _amax_buffer(w, amax, 1)
     d = torch.empty((N, K // 2), dtype=torch.uint8, device=dev)
     s = torch.empty((N // 16, K // 16), dtype=torch.float8_e4m3fn, device=dev)
+    if staged:
+        d, s = torch.empty((N, K), dtype=torch.float16, device=dev), s.new_empty((0,))
     dt = torch.empty((K, N // 2) if emit_transpose else (0,), dtype=torch.uint8, device=dev)
     st = torch.empty((K // 16, N // 16) if emit_transpose else (0,), dtype=torch.float8_e4m3fn, device=dev)
     if N > 0:
         _launch(_quantize_2d_kernel, _quantize_2d_autotuned, w, N, K,
                 w, N, K, w.stride(0), w.stride(1), buf, gs, d, s, dt if emit_transpose else d,
-                st if emit_transpose else s, bexp, experts, EMIT_T=emit_transpose, GROUPED=grouped,
+                st if emit_transpose else s, bexp, experts, EMIT_T=emit_transpose, GROUPED=grouped, EMIT_F16=staged,
                 NSP2=triton.next_power_of_2(experts))
     else:
         gs.copy_(torch.reciprocal(global_encode_scale(buf.view(torch.float32))))

@@ -86,11 +86,12 @@ def quantize_tokens(x2d: torch.Tensor, offsets: torch.Tensor, rowwise: bool, col
 
 
 def quantize_experts(w: torch.Tensor, weight_2d: bool) -> GroupedWeight:
-    """Expert weights w [E, N, K]: 16×16 blocks (one quantization read both ways, Wᵀ = [K, E·N]) or
-    1×16 along K for fprop and 1×16 along N for dgrad (Wᵀ stacked as [E·K, N])."""
+    """Expert weights w [E, N, K]: 16×16 blocks (one quantization read both ways, Wᵀ = [K, E·N]; W
+    itself comes staged as fp16, since only the forward GEMM reads it) or 1×16 along K for fprop and
+    1×16 along N for dgrad (Wᵀ stacked as [E·K, N])."""
     E, N, K = w.shape
     if weight_2d:
-        d, s, dt, st, gs = library.quantize_2d_grouped(w.reshape(E * N, K), E)
+        d, s, dt, st, gs = library.quantize_2d_grouped(w.reshape(E * N, K), E, True)
         return GroupedWeight(GroupedOperand(d, s, gs, True), GroupedOperand(dt, st, gs, True), 0, N)
     rd, rs, _, _, gs = library.quantize_grouped(w.reshape(E * N, K), _stack_offsets(E, N, w.device), True, False,
                                                 None, False, False, None, False)

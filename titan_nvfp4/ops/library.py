@@ -175,17 +175,20 @@ def _quantize_grouped_fake(x, offsets, rowwise, colwise, signs, stochastic_row, 
 
 
 @torch.library.custom_op("titan_nvfp4::quantize_2d_grouped", mutates_args=())
-def quantize_2d_grouped(w: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def quantize_2d_grouped(w: Tensor, experts: int, staged: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``quantize_2d`` of ``experts`` stacked expert weights w [E·N, K], one tensor scale each:
-    decode scales [E]; the transpose is that of the stack, [K, E·N]."""
+    decode scales [E]; the transpose is that of the stack, [K, E·N]. ``staged``: W as the GEMM's
+    fp16 values [E·N, K] (scales empty); Wᵀ stays codes."""
     from ..kernels.quantize import quantize_weight_2d_tensors
 
-    return quantize_weight_2d_tensors(w, experts=experts)
+    return quantize_weight_2d_tensors(w, experts=experts, staged=staged)
 
 
 @quantize_2d_grouped.register_fake
-def _quantize_2d_grouped_fake(w, experts):
+def _quantize_2d_grouped_fake(w, experts, staged):
     d, s, dt, st, _ = _quantize_2d_fake(w)
+    if staged:
+        d, s = w.new_empty(w.shape, dtype=torch.float16), _empty(w, torch.float8_e4m3fn)
     return d, s, dt, st, w.new_empty((experts,), dtype=torch.float32)
 
 
