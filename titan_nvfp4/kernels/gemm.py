@@ -264,19 +264,20 @@ def _chunks(rows: int, K: int):
     return [(r, min(rows, r + step)) for r in range(0, rows, step)]
 
 
-def _stage_a(a: NVFP4Tensor | StagedOperand, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
-    """A's fp16 values over storage rows/columns: a view when the quantization kernel staged A already."""
-    if isinstance(a, StagedOperand):
-        return a.values[rows if rows is not None else slice(None), cols if cols is not None else slice(None)]
-    return dequantize_fp16(a, rows, cols)
+def _stage(t: NVFP4Tensor | StagedOperand, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+    """An operand's fp16 values over storage rows/columns: a view when the quantization kernel staged
+    it already."""
+    if isinstance(t, StagedOperand):
+        return t.values[rows if rows is not None else slice(None), cols if cols is not None else slice(None)]
+    return dequantize_fp16(t, rows, cols)
 
 
-def nvfp4_gemm_triton(a: NVFP4Tensor | StagedOperand, b: NVFP4Tensor, out_dtype: torch.dtype,
+def nvfp4_gemm_triton(a: NVFP4Tensor | StagedOperand, b: NVFP4Tensor | StagedOperand, out_dtype: torch.dtype,
                       bias: torch.Tensor | None = None, autotune: bool | None = None,
                       use_tma: bool | None = None, stage_a: bool | None = None) -> torch.Tensor:
     """out [M, N] = Σ_k A[m, k] B[n, k] over the storages of a and b (contraction along their rows).
-    ``stage_a``: stage A as fp16 too instead of dequantizing it in registers (default STAGE_A); an A
-    that comes staged (StagedOperand) is read as it is."""
+    ``stage_a``: stage A as fp16 too instead of dequantizing it in registers (default STAGE_A); an
+    operand that comes staged (StagedOperand) is read as it is."""
     M, K = a.storage_shape
     N, Kb = b.storage_shape
     if K != Kb:
@@ -284,7 +285,8 @@ def nvfp4_gemm_triton(a: NVFP4Tensor | StagedOperand, b: NVFP4Tensor, out_dtype:
     pre_staged = isinstance(a, StagedOperand)
     a_data = a.values if pre_staged else a.data
     a_scale = a.values if pre_staged else a.scale  # a placeholder argument when A is staged
-    for t, name in ((a_data, "A"), (b.data, "B")):
+    b_data = b.values if isinstance(b, StagedOperand) else b.data
+    for t, name in ((a_data, "A"), (b_data, "B")):
         if t.stride(1) != 1:
             raise ValueError(f"NVFP4 GEMM operand {name}: packed codes must be contiguous along K")
     out = torch.empty((M, N), dtype=out_dtype, device=a_data.device)
@@ -311,7 +313,7 @@ def nvfp4_gemm_triton(a: NVFP4Tensor | StagedOperand, b: NVFP4Tensor, out_dtype:
         part = torch.empty((M, N), dtype=torch.float32, device=out.device)
         for k0 in range(0, K, kc):
             k1 = min(K, k0 + kc)
-            a16, b16 = _stage_a(a, cols=slice(k0, k1)), dequantize_fp16(b, cols=slice(k0, k1))
+            a16, b16 = _stage(a, cols=slice(k0, k1)), _stage(b, cols=slice(k0, k1))
             a_arg, b_arg = (_tma_desc(a16), _tma_desc(b16)) if use_tma else (a16, b16)
             _launch_gemm(autotune, (a16, a_scale, a_arg, b16, b_arg, gsa, gsb, bias if bias is not None else out,
                                     out, part, M, N, k1 - k0, a16.stride(0), a_scale.stride(0), a_scale.stride(1),
@@ -329,11 +331,11 @@ def nvfp4_gemm_triton(a: NVFP4Tensor | StagedOperand, b: NVFP4Tensor, out_dtype:
     for (m0, m1), (n0, n1) in pairs:
         if b_cur is None or b_cur[0] != n0:
             b_cur = None
-            b16 = dequantize_fp16(b, slice(n0, n1))
+            b16 = _stage(b, slice(n0, n1))
             b_cur = (n0, b16, _tma_desc(b16) if use_tma else b16)
         if stage_a and (a_cur is None or a_cur[0] != m0):
             a_cur = None
-            a16 = _stage_a(a, slice(m0, m1))
+            a16 = _stage(a, slice(m0, m1))
             a_cur = (m0, a16, _tma_desc(a16) if use_tma else a16)
         _, b16, b_arg = b_cur
         a_src, a_arg = (a_cur[1], a_cur[2]) if stage_a else (a_data, b_arg)

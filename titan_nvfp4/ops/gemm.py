@@ -52,15 +52,18 @@ def gemm_reference(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype, bias:
 
 
 def _library_gemm(backend: str) -> GemmFn:
-    def run(a: NVFP4Tensor | library.StagedOperand, b: NVFP4Tensor, out_dtype: torch.dtype,
+    def run(a: NVFP4Tensor | library.StagedOperand, b: NVFP4Tensor | library.StagedOperand, out_dtype: torch.dtype,
             bias: torch.Tensor | None = None):
-        if isinstance(a, library.StagedOperand):  # emitted staged by the quantization kernel (emulated only)
-            a_data, a_scale, a_tiles = a.values, a.values.new_empty((0,), dtype=torch.float8_e4m3fn), False
-        else:
-            a_data, a_scale, a_tiles = a.data, a.scale, _tiles(a)
-        return library.gemm(a_data, a_scale, a.global_scale, a_tiles, b.data, b.scale, b.global_scale,
-                            _tiles(b), out_dtype, bias, backend)
+        return library.gemm(*_op_args(a), *_op_args(b), out_dtype, bias, backend)
     return run
+
+
+def _op_args(t: NVFP4Tensor | library.StagedOperand) -> tuple:
+    """(data, scale, global scale, tiles) of an operand for the gemm op; a staged operand (emulated
+    backend only) passes its fp16 values and empty scales."""
+    if isinstance(t, library.StagedOperand):
+        return t.values, t.values.new_empty((0,), dtype=torch.float8_e4m3fn), t.global_scale, False
+    return t.data, t.scale, t.global_scale, _tiles(t)
 
 
 def _tiles(t: NVFP4Tensor) -> bool:
@@ -75,13 +78,13 @@ register_backend("native", _library_gemm("native"))
 
 def nvfp4_gemm(
     a: NVFP4Tensor | library.StagedOperand,
-    b: NVFP4Tensor,
+    b: NVFP4Tensor | library.StagedOperand,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """out[m, n] = Σ_k A[m, k] B[n, k] over the NVFP4 storages of a and b (a may come staged, see
-    library.StagedOperand, on the emulated backend)."""
+    """out[m, n] = Σ_k A[m, k] B[n, k] over the NVFP4 storages of a and b (either may come staged,
+    see library.StagedOperand, on the emulated backend)."""
     if a.storage_shape[1] != b.storage_shape[1]:
         raise ValueError(f"NVFP4 GEMM contraction mismatch: {a.storage_shape} vs {b.storage_shape}")
     if backend not in _BACKENDS:  # "auto": resolve here for direct callers

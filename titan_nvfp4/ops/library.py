@@ -51,11 +51,13 @@ def operand_pair(out, shape: torch.Size, rowwise: bool,
     return row, col
 
 
-def weight_pair(out, shape: torch.Size) -> tuple[NVFP4Tensor, NVFP4Tensor]:
-    """NVFP4Tensors of W [N, K] and Wᵀ from the outputs of ``quantize_2d`` (16×16 blocks, one scale)."""
+def weight_pair(out, shape: torch.Size) -> tuple[NVFP4Tensor | StagedOperand, NVFP4Tensor]:
+    """NVFP4Tensors of W [N, K] (a StagedOperand when quantized ``staged``) and Wᵀ from the outputs of
+    ``quantize_2d`` (16×16 blocks, one scale)."""
     d, s, dt, st, gs = out
     n, k = shape
-    return (NVFP4Tensor(d, s, gs[0], torch.Size(shape), (16, 16)),
+    w = StagedOperand(d, gs[0]) if d.dtype == torch.float16 else NVFP4Tensor(d, s, gs[0], torch.Size(shape), (16, 16))
+    return (w,
             NVFP4Tensor(dt, st, gs[0], torch.Size((k, n)), (16, 16)))
 
 
@@ -91,19 +93,21 @@ def _quantize_fake(x, rowwise, colwise, signs, stochastic_row, stochastic_col, s
 
 
 @torch.library.custom_op("titan_nvfp4::quantize_2d", mutates_args=())
-def quantize_2d(w: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def quantize_2d(w: Tensor, staged: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(codes of W, 16×16 scales, codes of Wᵀ, scales of Wᵀ, global decode scale [1])."""
     from ..kernels.quantize import quantize_weight_2d_tensors
 
-    return quantize_weight_2d_tensors(w)
+    return quantize_weight_2d_tensors(w, staged=staged)
 
 
 @quantize_2d.register_fake
-def _quantize_2d_fake(w):
+def _quantize_2d_fake(w, staged=False):
     n, k = w.shape
     f8 = torch.float8_e4m3fn
-    return (w.new_empty((n, k // 2), dtype=torch.uint8), w.new_empty((n // 16, k // 16), dtype=f8),
-            w.new_empty((k, n // 2), dtype=torch.uint8), w.new_empty((k // 16, n // 16), dtype=f8),
+    d, s = w.new_empty((n, k // 2), dtype=torch.uint8), w.new_empty((n // 16, k // 16), dtype=f8)
+    if staged:
+        d, s = w.new_empty((n, k), dtype=torch.float16), _empty(w, f8)
+    return (d, s, w.new_empty((k, n // 2), dtype=torch.uint8), w.new_empty((k // 16, n // 16), dtype=f8),
             w.new_empty((1,), dtype=torch.float32))
 
 
@@ -186,9 +190,7 @@ def quantize_2d_grouped(w: Tensor, experts: int, staged: bool) -> tuple[Tensor, 
 
 @quantize_2d_grouped.register_fake
 def _quantize_2d_grouped_fake(w, experts, staged):
-    d, s, dt, st, _ = _quantize_2d_fake(w)
-    if staged:
-        d, s = w.new_empty(w.shape, dtype=torch.float16), _empty(w, torch.float8_e4m3fn)
+    d, s, dt, st, _ = _quantize_2d_fake(w, staged)
     return d, s, dt, st, w.new_empty((experts,), dtype=torch.float32)
 
 

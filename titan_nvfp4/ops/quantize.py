@@ -73,8 +73,8 @@ def quantize_weight(w: torch.Tensor, weight_2d: bool, backend: str) -> tuple[NVF
             wq = quantize_rowwise(w, block_shape=(16, 16))
             return wq, wq.t()
         return quantize_rowwise(w), quantize_rowwise(w.t().contiguous())
-    if weight_2d:
-        return library.weight_pair(library.quantize_2d(w), w.shape)
+    if weight_2d:  # W feeds the forward GEMM only: on the emulated backend it comes staged (fp16)
+        return library.weight_pair(library.quantize_2d(w, backend == "emulated"), w.shape)
     wq, _ = library.operand_pair(library.quantize(w, True, False, None, False, False, None), w.shape, True, False)
     wt, _ = library.operand_pair(library.quantize(w.t(), True, False, None, False, False, None), w.t().shape,
                                  True, False)
