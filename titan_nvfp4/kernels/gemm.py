@@ -6,7 +6,9 @@ Structure (chosen by measurement, see benchmarks/ and BENCHMARKS.md):
   * Both operands are staged per call as fp16 values q·e_b (``dequantize_fp16``): exact, since q·e_b
     is a multiple of 2⁻¹⁰ below 2688 with at most 8 significant bits. The kernel reads them through
     TMA on sm_90 (plain loads elsewhere) like a 16-bit GEMM's operands. Staging runs in row chunks of
-    at most STAGE_BYTES per operand, so its buffers stay small whatever the shape.
+    at most STAGE_BYTES per operand, so its buffers stay small whatever the shape. Operands that feed
+    this GEMM only (X and W in forward, dY in dgrad) arrive already staged from the quantization
+    kernels (``StagedOperand``), and are read as they are.
   * With ``stage_a=False`` A stays packed instead: each K step loads bytes and E4M3 scales and builds
     fp16 q·e_b·2⁻¹⁴ in registers (the 3 magnitude bits of a code shifted into fp16's exponent and
     mantissa give q·2⁻¹⁴ exactly; one exact fp16 multiply applies the scale; on CUDA a PTX routine
