@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from bench_kernels import copy_ceiling  # benchmarks/ is on sys.path when run as a script
 from titan_nvfp4 import NVFP4Recipe
 from titan_nvfp4.grouped_function import nvfp4_grouped_mm, nvfp4_grouped_mm_shared
 from titan_nvfp4.linear_function import sr_counter
@@ -31,12 +32,6 @@ SHAPES = {
 
 def ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
-
-
-def copy_ceiling_tbps() -> float:
-    src = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / (ms(lambda: dst.copy_(src)) * 1e-3) / 1e12
 
 
 def routed_offsets(E: int, tokens: int, top_k: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
@@ -107,7 +102,7 @@ def main() -> None:
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__, "rows": []}
-    copy_tbps = copy_ceiling_tbps()
+    copy_tbps = copy_ceiling() / 1e12
     print(f"# {res['gpu']}  torch {res['torch']}  triton {res['triton']}  copy {copy_tbps:.2f} TB/s")
     print("| shape | what | BF16 ms | NVFP4 ms | NVFP4/BF16 | BF16 peak GiB | NVFP4 peak GiB |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")

@@ -134,6 +134,15 @@ def _converted_llama(tmp_path, *add):
     return model, converters
 
 
+def _initialized_llama(tmp_path, *add):
+    """_converted_llama materialized on the CPU and initialized through TorchTitan's init_weights."""
+    model, converters = _converted_llama(tmp_path, *add)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model, converters
+
+
 def test_meta_conversion_then_torchtitan_init_decomposes(tmp_path):
     model, _ = _converted_llama(tmp_path, "lora_rank = 16", 'gemm_backend = "reference"')
     mods = {n: m for n, m in model.named_modules() if isinstance(m, DecomposedLinear)}
@@ -157,11 +166,8 @@ def test_meta_conversion_then_torchtitan_init_decomposes(tmp_path):
 
 
 def test_refresh_keeps_the_weight_and_reorthogonalizes(tmp_path):
-    model, converters = _converted_llama(tmp_path, "lora_rank = 16", "lora_refresh_steps = 2",
-                                         'gemm_backend = "reference"')
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
+    model, converters = _initialized_llama(tmp_path, "lora_rank = 16", "lora_refresh_steps = 2",
+                                           'gemm_backend = "reference"')
     m = model.layers["0"].attention.wq
     with torch.no_grad():  # as an optimizer step would: U no longer orthonormal, W changed
         m.lora_u.add_(0.01 * torch.randn_like(m.lora_u))
@@ -176,11 +182,9 @@ def test_refresh_keeps_the_weight_and_reorthogonalizes(tmp_path):
 
 
 def test_checkpoint_round_trip_and_dense_export(tmp_path):
-    model, _ = _converted_llama(tmp_path, "lora_rank = 16", 'gemm_backend = "reference"',
-                                "stochastic_rounding = false")
-    model.to_empty(device="cpu")
+    recipe_keys = ("lora_rank = 16", 'gemm_backend = "reference"', "stochastic_rounding = false")
+    model, _ = _initialized_llama(tmp_path, *recipe_keys)
     with torch.no_grad():
-        model.init_weights(buffer_device=None)
         for m in model.modules():
             if isinstance(m, DecomposedLinear):
                 m.lora_sigma.mul_(1.5)  # "trained": differs from a fresh split
@@ -189,11 +193,7 @@ def test_checkpoint_round_trip_and_dense_export(tmp_path):
     state = model.state_dict()
     assert {"layers.0.attention.wq.lora_u", "layers.0.attention.wq.lora_decomposed"} <= set(state)
 
-    again, _ = _converted_llama(tmp_path, "lora_rank = 16", 'gemm_backend = "reference"',
-                                "stochastic_rounding = false")
-    again.to_empty(device="cpu")
-    with torch.no_grad():
-        again.init_weights(buffer_device=None)  # as TorchTitan: initialize (and split), then load
+    again, _ = _initialized_llama(tmp_path, *recipe_keys)  # as TorchTitan: initialize (and split), then load
     again.load_state_dict(state)  # the checkpoint's decomposition replaces the fresh split
     assert torch.equal(again(tokens), y)
 

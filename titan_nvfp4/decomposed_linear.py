@@ -25,16 +25,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .linear_function import nvfp4_linear
-from .numerics.lowrank import check_rank, lowrank_merge, lowrank_split
+from .numerics.lowrank import check_rank, full_tensor, lowrank_merge, lowrank_split
 from .nvfp4_linear import NVFP4Linear, check_linear_dims
 from .recipe import NVFP4Recipe
 
 #: SR streams of the branch GEMMs: layer ids LORA_LAYER_ID_BASE + 2·layer_id + {0, 1}
 LORA_LAYER_ID_BASE = 1 << 21
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _assign(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -90,9 +86,9 @@ class DecomposedLinear(NVFP4Linear):
     def decompose_(self) -> None:
         """Split the weight the module computes, W (``weight`` alone before the first split), into
         U·diag(σ)·V + R anew: at initialization, and on refresh (lora_refresh_steps)."""
-        w = _full(self.weight).float()
+        w = full_tensor(self.weight).float()
         if self._lora_ready or bool(self.lora_decomposed):
-            w = lowrank_merge(_full(self.lora_u), _full(self.lora_sigma), _full(self.lora_v), w)
+            w = lowrank_merge(self.lora_u, self.lora_sigma, self.lora_v, w)
         u, s, v, r = lowrank_split(w, self.rank)
         for param, value in ((self.lora_u, u), (self.lora_sigma, s), (self.lora_v, v), (self.weight, r)):
             _assign(param, value)
@@ -115,7 +111,7 @@ class DecomposedLinear(NVFP4Linear):
 
     def dense_weight(self) -> torch.Tensor:
         """W = R + U·diag(σ)·V (fp32): what a BF16 Linear would load."""
-        return lowrank_merge(_full(self.lora_u), _full(self.lora_sigma), _full(self.lora_v), _full(self.weight))
+        return lowrank_merge(self.lora_u, self.lora_sigma, self.lora_v, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._lora_ready:

@@ -24,9 +24,7 @@ import triton.language as tl
 from ..numerics.nvfp4 import NVFP4Tensor
 from ..ops.backends import interpreting
 from ..ops.library import StagedOperand
-from .gemm import _set_b_block, _use_tma, dequantize_fp16, swizzle_tile
-
-SMALL_TILES = {"BM": 32, "BN": 32, "BK": 32, "GROUP_M": 4}
+from .gemm import SMALL_TILES, _set_b_block, _tma_desc, _use_tma, dequantize_fp16, swizzle_tile
 
 
 def _configs():
@@ -135,11 +133,6 @@ _rows_autotuned = triton.autotune(_configs(), key=["E", "N", "K", "B_ROW_STEP", 
 _tokens_autotuned = triton.autotune(_configs(), key=["M", "N", "TMA"])(_grouped_tokens_kernel)
 
 
-def _desc(t: torch.Tensor):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [SMALL_TILES["BM"], SMALL_TILES["BK"]])
-
-
 def _autotune(x: torch.Tensor, work: int) -> bool:
     return x.is_cuda and not interpreting() and work >= 2**22
 
@@ -161,7 +154,7 @@ def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tenso
     if T == 0 or n_out == 0:
         return out
     tma = _use_tma(a16) and not interpreting()
-    a_arg, b_arg = (_desc(a16), _desc(b16)) if tma else (a16, b16)
+    a_arg, b_arg = (_tma_desc(a16), _tma_desc(b16)) if tma else (a16, b16)
     args = (a16, a_arg, b16, b_arg, offsets, gs_a.float().contiguous(), gs_b.float().contiguous(),
             bias if bias is not None else out, out, E, T, n_out, K, b_row_step, b_col_step,
             a16.stride(0), b16.stride(0), out.stride(0))
@@ -189,7 +182,7 @@ def grouped_gemm_tokens(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Ten
     if E == 0 or M == 0 or N == 0:
         return out
     tma = _use_tma(a16) and not interpreting()
-    a_arg, b_arg = (_desc(a16), _desc(b16)) if tma else (a16, b16)
+    a_arg, b_arg = (_tma_desc(a16), _tma_desc(b16)) if tma else (a16, b16)
     args = (a16, a_arg, b16, b_arg, offsets, gs_a.float().contiguous(), gs_b.float().contiguous(), out, M, N,
             a16.stride(0), b16.stride(0))
     if _autotune(a16, E * M * N):

@@ -8,8 +8,14 @@ in fp32 (the SVD included), so U·diag(σ)·V + R reproduces W to fp32 rounding.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .nvfp4 import BLOCK
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly sharded) DTensor; other tensors as they are."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def check_rank(rank, where: str = "quantize.linear.nvfp4", key: str = "lora_rank") -> None:
@@ -32,5 +38,6 @@ def lowrank_split(w: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def lowrank_merge(u: torch.Tensor, sigma: torch.Tensor, v: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """W = R + U·diag(σ)·V in fp32."""
-    return residual.float() + (u.float() * sigma.float()) @ v.float()
+    """W = R + U·diag(σ)·V in fp32 (sharded factors are gathered first)."""
+    u, sigma, v, residual = (full_tensor(t).float() for t in (u, sigma, v, residual))
+    return residual + (u * sigma) @ v

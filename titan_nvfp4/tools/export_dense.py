@@ -21,10 +21,6 @@ from ..numerics.lowrank import lowrank_merge
 _LORA_KEYS = ("lora_u", "lora_sigma", "lora_v", "lora_decomposed")
 
 
-def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def fold_decomposed(state_dict: dict) -> dict:
     """The dense twin of a state dict with DecomposedLinear entries (see the module docstring)."""
     prefixes = {k[: -len("lora_u")] for k in state_dict if k.endswith("lora_u")}
@@ -34,9 +30,9 @@ def fold_decomposed(state_dict: dict) -> dict:
         missing = [p + n for n in ("weight", "lora_sigma", "lora_v") if p + n not in state_dict]
         if missing:
             raise KeyError(f"export_dense: {p}lora_u has no {', '.join(missing)}")
-        r = _full(state_dict[p + "weight"])
-        out[p + "weight"] = lowrank_merge(_full(state_dict[p + "lora_u"]), _full(state_dict[p + "lora_sigma"]),
-                                          _full(state_dict[p + "lora_v"]), r).to(r.dtype)
+        r = state_dict[p + "weight"]
+        out[p + "weight"] = lowrank_merge(state_dict[p + "lora_u"], state_dict[p + "lora_sigma"],
+                                          state_dict[p + "lora_v"], r).to(r.dtype)
     return out
 
 
