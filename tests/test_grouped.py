@@ -141,6 +141,9 @@ def test_grouped_kernels_bit_identical_to_reference(weight_2d, rht):
     assert torch.equal(y, yk) and torch.equal(dx, dxk) and torch.equal(dw, dwk)
     assert not yk[offsets[-1]:].any() and not dwk[0].any() and not dwk[2].any()
     assert torch.allclose(db, dbk, rtol=1e-6, atol=1e-6) and not dbk[2].any()
+    with torch.no_grad():  # forward only: the kernels quantize the row operand alone
+        recipe = dataclasses.replace(REF, gemm_backend="emulated", weight_2d=weight_2d, rht=rht)
+        assert torch.equal(nvfp4_grouped_mm(x, w, offsets, b, recipe), y)
 
 
 def test_grouped_kernels_stochastic_rounding_is_unbiased_and_keeps_the_scales():

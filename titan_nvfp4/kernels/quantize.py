@@ -298,14 +298,14 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
         buf[1:2] = _amax_buffer(x2d, amax_col, 1)
     if same_amax:
         buf[ns:] = buf[:ns]
-    empty_u8 = x2d.new_empty((0,), dtype=torch.uint8)
-    empty_f8 = x2d.new_empty((0,), dtype=torch.float8_e4m3fn)
-    rd = torch.empty((M, K // 2), dtype=torch.uint8, device=dev) if rowwise else empty_u8
-    rs = torch.empty((M, K // 16), dtype=torch.float8_e4m3fn, device=dev) if rowwise else empty_f8
+    def empty(dtype):  # a fresh one each: custom ops may not return one tensor twice
+        return x2d.new_empty((0,), dtype=dtype)
+    rd = torch.empty((M, K // 2), dtype=torch.uint8, device=dev) if rowwise else empty(torch.uint8)
+    rs = torch.empty((M, K // 16), dtype=torch.float8_e4m3fn, device=dev) if rowwise else empty(torch.float8_e4m3fn)
     if rowwise and row_fp16:
-        rd, rs = torch.empty((M, K), dtype=torch.float16, device=dev), empty_f8
-    cd = torch.empty((K, Mpad // 2), dtype=torch.uint8, device=dev) if colwise else empty_u8
-    cs = torch.empty((K, Mpad // 16), dtype=torch.float8_e4m3fn, device=dev) if colwise else empty_f8
+        rd, rs = torch.empty((M, K), dtype=torch.float16, device=dev), empty(torch.float8_e4m3fn)
+    cd = torch.empty((K, Mpad // 2), dtype=torch.uint8, device=dev) if colwise else empty(torch.uint8)
+    cs = torch.empty((K, Mpad // 16), dtype=torch.float8_e4m3fn, device=dev) if colwise else empty(torch.float8_e4m3fn)
     if M > 0:
         _launch(_quantize_kernel, _quantize_autotuned, x2d, Mpad, K,
                 x2d, M, K, x2d.stride(0), x2d.stride(1), buf, gs, rd if rowwise else buf, rs if rowwise else buf,
