@@ -11,7 +11,10 @@
 #      scripts/device_requirements.txt only when the machine's python3 lacks that module);
 #   3. exports PYTHONPATH=/tmp/site:<repo root> (so `import titan_nvfp4` works from the checkout);
 #   4. prints python/torch/triton/torchtitan/datasets/tokenizers versions, the GPUs (nvidia-smi -L), an
-#      import check and any unmet Requires-Dist of the carried packages.
+#      import check and any unmet Requires-Dist of the carried packages;
+#   5. exports TRITON_CACHE_DIR=<root>/.kernel_cache/triton and TORCHINDUCTOR_CACHE_DIR=<root>/.kernel_cache/
+#      inductor, unpacking .kernel_cache/{triton,inductor}.tar.xz there when carried (compiled kernels of
+#      an earlier session: scripts/save_kernel_cache.sh).
 # Returns (or exits, when run with bash instead of sourced) 1 if the install fails, 2 if a module that
 # training needs does not import; the variables above are exported either way. Safe under the caller's
 # `set -euo pipefail`, and safe to source again. Overrides: PYTHON (python3), DEVICE_WHL_DIR (<root>/.whl),
@@ -166,9 +169,29 @@ else:
 PYEOF
 }
 
+# 5. Compiled Triton kernels from an earlier session (same GPU kind, same triton): a cold start compiles
+#    every kernel variant and autotune config first (3-5 minutes for an NVFP4 MoE debug run).
+__device_kernel_cache() {
+    local root cache name var dir
+    root=$(CDPATH="" cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd) || return 0
+    cache=$root/.kernel_cache
+    for name in triton inductor; do
+        var=TRITON_CACHE_DIR
+        [[ $name == inductor ]] && var=TORCHINDUCTOR_CACHE_DIR
+        dir=${!var:-$cache/$name}
+        export "$var=$dir"
+        mkdir -p "$dir"
+        if [[ -f $cache/$name.tar.xz && ! -e $dir/.unpacked ]]; then
+            tar -C "$dir" -xJf "$cache/$name.tar.xz" && touch "$dir/.unpacked"
+        fi
+        echo "device_setup: $var=$dir ($(find "$dir" -type f ! -name .unpacked | wc -l) cached files)"
+    done
+}
+
 __device_setup_rc=0
 __device_setup_main || __device_setup_rc=$?
-unset -f __device_setup_main
+__device_kernel_cache
+unset -f __device_setup_main __device_kernel_cache
 if (return 0 2>/dev/null); then
     eval "unset __device_setup_rc; return $__device_setup_rc"
 else

@@ -1,23 +1,41 @@
 #!/usr/bin/env bash
-# The issue-5 comparison on one GPU, from the repo root of a bare device machine:
-#   bash scripts/lora_runs.sh [STEPS] [ARMS...]   (default: 2000 gpt_oss_bf16 gpt_oss_nvfp4 gpt_oss_nvfp4_lora32)
-# Runs each train_configs/<arm>.toml with the same seed and data (scripts/run_arms.sh: one arm per
-# GPU at a time, arms whose log already reached STEPS skipped), then writes the table with the share of the BF16-NVFP4 gap each later arm closes
-# to ${OUT:-./outputs/lora_runs}.
+# The issue-5 comparison on one GPU, from the repo root of a bare device machine (".whl" carried, and
+# ".kernel_cache" when an earlier session saved one):
+#   bash scripts/lora_runs.sh [STEPS] [ARMS...]
+# Default: 2000 steps of gpt_oss_bf16, gpt_oss_nvfp4, gpt_oss_nvfp4_lora32 and the diagnostic
+# gpt_oss_nvfp4_attn (only the dense Linears in NVFP4), all with the same seed and data, side by side on
+# each GPU (ARMS_PER_GPU, default 4: the debug model is small and host-bound). Runs live in
+# ./outputs/lora_runs and checkpoint every CKPT_INTERVAL (250) steps, so a call stopped by ARM_TIMEOUT
+# (540 s) is resumed by running the same command again on the still-warm machine. Once every arm has
+# reached STEPS, writes the table (share of the BF16-NVFP4 gap each arm closes), CSV and plot, and
+# copies logs and results to $OUT when set.
 set -uo pipefail
 steps=${1:-2000}
 shift || true
 arms=("$@")
-[[ ${#arms[@]} -eq 0 ]] && arms=(gpt_oss_bf16 gpt_oss_nvfp4 gpt_oss_nvfp4_lora32)
-out=${OUT:-./outputs/lora_runs}
-mkdir -p "$out"
+[[ ${#arms[@]} -eq 0 ]] && arms=(gpt_oss_bf16 gpt_oss_nvfp4 gpt_oss_nvfp4_lora32 gpt_oss_nvfp4_attn)
+run=./outputs/lora_runs
+mkdir -p "$run"
 source scripts/device_setup.sh >/dev/null 2>&1 || exit 1
-python -m titan_nvfp4.data.prepare 2>&1 | tail -2
+python -m titan_nvfp4.data.prepare 2>&1 | tail -1
 
-bash scripts/run_arms.sh "$out" "$steps" "${arms[@]}"   # side by side on a multi-GPU machine
-logs=()
-for arm in "${arms[@]}"; do logs+=("$out/${arm}.log"); done
-python -m titan_nvfp4.tools.loss_log "${logs[@]}" --last 20 --markdown --gap --csv "$out/lora_runs.csv" \
-    | tee "$out/lora_runs.md"
-python -m titan_nvfp4.tools.loss_plot "${logs[@]}" --out "$out/lora_runs.png" \
-    || echo "loss_plot needs matplotlib (pip install -e .[plot]); plot the logs elsewhere"
+ARMS_PER_GPU=${ARMS_PER_GPU:-4} ARM_TIMEOUT=${ARM_TIMEOUT:-540} CKPT_INTERVAL=${CKPT_INTERVAL:-250} \
+  bash scripts/run_arms.sh "$run" "$steps" "${arms[@]}"
+logs=() done=1
+for arm in "${arms[@]}"; do
+  logs+=("$run/${arm}.log")
+  grep -qE "step: *${steps} " "$run/${arm}.log" 2>/dev/null || done=0
+done
+if (( done )); then
+  python -m titan_nvfp4.tools.loss_log "${logs[@]}" --last 20 --markdown --gap --csv "$run/lora_runs.csv" \
+      | tee "$run/lora_runs.md"
+  python -m titan_nvfp4.tools.loss_plot "${logs[@]}" --out "$run/lora_runs.png" \
+      || echo "loss_plot needs matplotlib (pip install -e .[plot]); plot the logs elsewhere"
+else
+  echo "not every arm reached step $steps: run the same command again to resume"
+fi
+if [[ -n ${OUT:-} ]]; then  # at most 8 files come back
+  cp "${logs[@]}" "$OUT/" 2>/dev/null
+  cp "$run"/lora_runs.{md,csv,png} "$OUT/" 2>/dev/null
+  true
+fi

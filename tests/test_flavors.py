@@ -83,3 +83,32 @@ def test_bench_job_files_are_twins():
     over = ConfigManager().parse_args(["--job.config_file", str(CONFIGS["bf16"]),
                                        "--training.local_batch_size", "8", "--compile.enable"])
     assert over.training.local_batch_size == 8 and over.compile.enable
+
+
+def test_gpt_oss_flavor_is_the_debugmodel_on_our_vocabulary():
+    from torchtitan.models.gpt_oss.model.model import GptOssModel
+    from titan_nvfp4.integration.flavors import GPT_OSS_FLAVOR
+
+    table = get_train_spec("gpt_oss").model_args
+    ours, base = table[GPT_OSS_FLAVOR], table["debugmodel"]
+    assert ours.vocab_size == BENCH_VOCAB_SIZE and base.vocab_size == 201088  # the built-in one untouched
+    assert ours.moe_args == base.moe_args and ours.moe_args is not base.moe_args
+    with torch.device("meta"):
+        model = GptOssModel(ours)
+    # per block: attention q/k/v/o with biases + sinks + 2 norms, 8 experts (mlp1 256->5760, mlp2
+    # 2880->256, biases), router gate 8x256 + bias; then embedding, final norm and LM head
+    block = (4096 * 257 + 2 * 512 * 257 + 256 * 4097 + 64 + 2 * 256
+             + 8 * (5760 * 257 + 256 * 2881) + 8 * 257)
+    assert sum(p.numel() for p in model.parameters()) == 4 * block + 2048 * 256 * 2 + 256 == 81_489_440
+    job_files = sorted((ROOT / "train_configs").glob("gpt_oss_*.toml"))
+    assert len(job_files) >= 4
+    for path in job_files:  # every gpt_oss job file trains this flavor
+        assert ConfigManager().parse_args(["--job.config_file", str(path)]).model.flavor == GPT_OSS_FLAVOR, path
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "train_configs").glob("*.toml")), ids=lambda p: p.stem)
+def test_every_job_file_parses(path):
+    """Each train_configs/ file is a valid TorchTitan job (our sections and knobs included)."""
+    cfg = ConfigManager().parse_args(["--job.config_file", str(path)])
+    assert cfg.model.name in ("llama3", "deepseek_v3", "gpt_oss", "qwen3", "llama4")
+    assert cfg.model.flavor in get_train_spec(cfg.model.name).model_args

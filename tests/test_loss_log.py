@@ -31,6 +31,24 @@ def test_summary_and_cli(tmp_path, capsys):
     assert (tmp_path / "m.csv").read_text().count("\n") == 7
 
 
+def test_paired_standard_error_of_the_difference():
+    """Shared batch noise cancels: a run that is the baseline plus 0.1 ± 0.01 has a small s.e. although
+    the losses themselves swing by whole units from step to step."""
+    import math
+
+    from titan_nvfp4.tools.loss_log import StepMetrics
+
+    swings = [4.0, 2.0, 5.0, 1.5, 3.0, 4.5]
+    offsets = [0.09, 0.11, 0.10, 0.09, 0.11, 0.10]
+    base = [StepMetrics(10 * i, v, 1.0, 1.0, 1) for i, v in enumerate(swings)]
+    run = [StepMetrics(10 * i, v + o, 1.0, 1.0, 1) for i, (v, o) in enumerate(zip(swings, offsets))]
+    rows = summarize({"a": base, "b": run}, last=6)
+    mean = sum(offsets) / 6
+    se = math.sqrt(sum((o - mean) ** 2 for o in offsets) / 5 / 6)
+    assert rows[1]["delta"] == pytest.approx(mean) and rows[1]["delta_se"] == pytest.approx(se)
+    assert rows[1]["delta_se"] < 0.01 and rows[0]["delta_se"] == 0.0
+
+
 def test_empty_log_is_an_error():
     with pytest.raises(ValueError, match="no TorchTitan metric lines"):
         summarize({"x": parse_log("nothing here")})
@@ -45,7 +63,7 @@ def test_gap_closed_by_a_third_run(tmp_path, capsys):
     main([*logs, "--last", "1", "--markdown", "--gap"])
     out = capsys.readouterr().out
     assert "gap to nvfp4 closed" in out
-    assert "| nvfp4_lora32 | 20 | 7.6543 | 5.3000 | +0.3000 (+6.00%) | 25.0% |" in out
+    assert "| nvfp4_lora32 | 20 | 7.6543 | 5.3000 | +0.3000 ± nan (+6.00%) | 25.0% |" in out  # 1 step: no s.e.
     rows = summarize({n: parse_log(open(p).read()) for n, p in zip("abc", logs)}, last=1, gap=True)
     assert "gap_closed_pct" not in rows[1] and rows[2]["gap_closed_pct"] == pytest.approx(25.0)
 

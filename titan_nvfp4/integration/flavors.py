@@ -1,5 +1,4 @@
-"""Extra Llama3 flavors, added to TorchTitan's `llama3_args` table on import (torchtitan itself is not
-modified).
+"""Extra model flavors, added to TorchTitan's flavor tables on import (torchtitan itself is not modified).
 
 Why: TorchTitan 0.2.2 ships only the 6M-parameter `debugmodel` (too small to measure end-to-end
 throughput: launch overhead dominates) and 8B+ flavors (vocabulary 128256, not our offline 2048-token
@@ -11,10 +10,21 @@ dim is a multiple of 256, so all 56 block Linears convert to NVFP4 (which needs 
 TorchTitan builds the model from `get_train_spec("llama3").model_args[flavor]`, which is this very dict,
 and it imports our `[job] custom_config_module` (-> converter -> this module) while parsing the job file,
 before the model is built; `import titan_nvfp4` registers it too.
+
+`gpt_oss` `debugmodel_vocab2048`: TorchTitan's gpt_oss `debugmodel` (4 layers, dim 256, 8 experts of
+hidden 2880, top-4) with the vocabulary cut from gpt-oss's 201,088 entries to our tokenizer's 2048, as
+the other MoE debug models (deepseek_v3, qwen3, llama4) already have. With 201,088 entries the LM head
+and embedding hold 103M of the model's 184M parameters and its logits dominate memory (28 GiB at batch
+16×512) for ids that never occur; at 2048 the model is 81.5M parameters (46.0M active per token), the
+size of the gpt-oss debug MoE that the DecomposedLinear report used (issue 5).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
+from torchtitan.models.gpt_oss import gptoss_configs
 from torchtitan.models.llama3 import TransformerModelArgs, llama3_args
 
 BENCH_FLAVOR = "2B_bench"
@@ -35,9 +45,19 @@ def bench_args() -> TransformerModelArgs:
     )
 
 
+GPT_OSS_FLAVOR = "debugmodel_vocab2048"
+
+
+def gpt_oss_debug_args():
+    """gpt_oss `debugmodel` with our tokenizer's 2048-entry vocabulary (its MoE args copied, not shared)."""
+    base = gptoss_configs["debugmodel"]
+    return dataclasses.replace(base, vocab_size=BENCH_VOCAB_SIZE, moe_args=copy.deepcopy(base.moe_args))
+
+
 def register_flavors() -> None:
-    """Add our flavors to llama3_args; idempotent (an existing entry is kept, e.g. on module reload)."""
+    """Add our flavors to TorchTitan's tables; idempotent (an existing entry is kept, e.g. on reload)."""
     llama3_args.setdefault(BENCH_FLAVOR, bench_args())
+    gptoss_configs.setdefault(GPT_OSS_FLAVOR, gpt_oss_debug_args())
 
 
 register_flavors()

@@ -4,7 +4,9 @@
 
 Parses TorchTitan's metric lines ("step: N  loss: X  grad_norm: G  memory: M GiB ... tps: T"),
 colored or not, and prints the final loss (mean over the last k logged steps), its difference to
-the first run, throughput and peak memory. ``--gap``: for the third run on, the share of the gap
+the first run with the standard error of that difference (from the per-step paired differences over
+the same steps: runs on the same data share most of their batch-to-batch noise), throughput and peak
+memory. ``--gap``: for the third run on, the share of the gap
 between the first two runs (e.g. BF16 and plain NVFP4) that it closes.
 """
 
@@ -49,22 +51,36 @@ def gap_closed_pct(baseline: float, reference: float, final: float) -> float:
     return 100.0 * (reference - final) / gap if gap else float("nan")
 
 
+def paired_se(steps: list[StepMetrics], base: list[StepMetrics], last: int) -> float:
+    """Standard error of the mean per-step loss difference to ``base`` over the last ``last`` steps
+    both runs logged (NaN with fewer than two)."""
+    ref = {s.step: s.loss for s in base}
+    diffs = [s.loss - ref[s.step] for s in steps if s.step in ref][-last:]
+    if len(diffs) < 2:
+        return float("nan")
+    mean = sum(diffs) / len(diffs)
+    return (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs)) ** 0.5
+
+
 def summarize(runs: dict[str, list[StepMetrics]], last: int = 10, gap: bool = False) -> list[dict]:
-    """One row per run: steps, first/final loss (mean of the last k logged), Δ vs the first run, tps,
-    memory; with ``gap``, rows from the third on get gap_closed_pct against the first two."""
-    rows, base = [], None
+    """One row per run: steps, first/final loss (mean of the last k logged), Δ vs the first run and
+    its paired standard error, tps, memory; with ``gap``, rows from the third on get gap_closed_pct
+    against the first two."""
+    rows, base, base_steps = [], None, None
     for name, steps in runs.items():
         if not steps:
             raise ValueError(f"no TorchTitan metric lines found in {name}")
         tail = steps[-last:]
         final = sum(s.loss for s in tail) / len(tail)
         base = final if base is None else base
+        base_steps = steps if base_steps is None else base_steps
         rows.append({
             "run": name,
             "steps": steps[-1].step,
             "first_loss": steps[0].loss,
             "final_loss": final,
             "delta": final - base,
+            "delta_se": paired_se(steps, base_steps, last) if steps is not base_steps else 0.0,
             "rel_delta_pct": 100.0 * (final - base) / base if base else float("nan"),
             "tps": sorted(s.tps for s in steps[1:] or steps)[len(steps[1:] or steps) // 2],
             "peak_memory_gib": max(s.memory_gib for s in steps),
@@ -77,12 +93,12 @@ def summarize(runs: dict[str, list[StepMetrics]], last: int = 10, gap: bool = Fa
 
 def to_markdown(rows: list[dict], last: int) -> str:
     gap = any("gap_closed_pct" in r for r in rows)
-    head = (f"| run | steps | first loss | final loss (mean of last {last} logged) | Δ vs {rows[0]['run']} | "
+    head = (f"| run | steps | first loss | final loss (mean of last {last} logged) | Δ vs {rows[0]['run']} ± paired s.e. | "
             + (f"gap to {rows[1]['run']} closed | " if gap else "") + "tokens/s (median) | peak memory GiB |\n")
     head += "| --- | ---: | ---: | ---: | ---: | " + ("---: | " if gap else "") + "---: | ---: |\n"
     body = "".join(
         f"| {r['run']} | {r['steps']} | {r['first_loss']:.4f} | {r['final_loss']:.4f} | "
-        f"{r['delta']:+.4f} ({r['rel_delta_pct']:+.2f}%) | "
+        f"{r['delta']:+.4f} ± {r['delta_se']:.4f} ({r['rel_delta_pct']:+.2f}%) | "
         + ((f"{r['gap_closed_pct']:.1f}% | " if "gap_closed_pct" in r else "– | ") if gap else "")
         + f"{r['tps']:,} | {r['peak_memory_gib']:.2f} |\n"
         for r in rows

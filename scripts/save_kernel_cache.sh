@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Pack the device machine's compiled kernels (Triton's and TorchInductor's caches) for the next session,
+# which then skips the cold compile (3-5 minutes for an NVFP4 MoE debug run, ~1.5 for FlexAttention).
+# On the device, at the end of a command, after `source scripts/device_setup.sh`:
+#   bash scripts/save_kernel_cache.sh         -> $OUT/triton.tar.xz, $OUT/inductor.tar.xz (16 MiB each at most)
+# Here, afterwards:  mkdir -p .kernel_cache && cp <files_at>/*.tar.xz .kernel_cache/
+# and name ".kernel_cache" in the next calls' carry (beside ".whl"). Valid for the same torch/triton and
+# GPU kind; both caches key every entry by source and options, so stale entries are only dead weight.
+set -uo pipefail
+out=${OUT:?no \$OUT}
+for pair in "triton:${TRITON_CACHE_DIR:-}" "inductor:${TORCHINDUCTOR_CACHE_DIR:-}"; do
+  name=${pair%%:*} dir=${pair#*:}
+  [[ -n $dir && -d $dir ]] || { echo "kernel cache: no $name cache dir (source scripts/device_setup.sh first)"; continue; }
+  tar -C "$dir" --exclude=.unpacked -cJf "$out/$name.tar.xz" . || continue
+  size=$(stat -c %s "$out/$name.tar.xz")
+  echo "kernel cache $name: $(find "$dir" -type f ! -name .unpacked | wc -l) files, $(du -sh "$dir" | cut -f1) -> $((size / 1024)) KiB packed"
+  if (( size > 16 * 1024 * 1024 )); then
+    echo "kernel cache $name: over the 16 MiB a file may come back from \$OUT; not kept"; rm -f "$out/$name.tar.xz"
+  fi
+done
