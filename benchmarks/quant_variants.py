@@ -24,7 +24,7 @@ VARIANTS = {  # name: (ROW, COL, RHT, SR_ROW, SR_COL)
     "row + col RHT (fwd X)": (True, True, True, False, False),
     "row SR + col RHT SR (bwd dY)": (True, True, True, True, True),
 }
-CONFIGS = [(1, 64, 1), (2, 64, 1), (1, 128, 2), (2, 64, 2), (2, 128, 4), (1, 256, 4), (4, 128, 8)]
+CONFIGS = [(2, 64, 1), (1, 128, 2), (2, 64, 2), (2, 128, 4), (1, 256, 4), (4, 128, 8), (1, 256, 2), (4, 128, 4), (1, 512, 4)]
 
 
 def main() -> None:

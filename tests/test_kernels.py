@@ -8,10 +8,14 @@ operands within 1e-5 relative (fp32 accumulation order is the only freedom).
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from titan_nvfp4.kernels.gemm import nvfp4_gemm_triton
+from titan_nvfp4.kernels.nvfp4_jit import e2m1_code, e2m1_rne, e2m1_staged, e2m1_stochastic_code
 from titan_nvfp4.kernels.native import native_operands, swizzle_scales, unswizzle_scales
 from titan_nvfp4.kernels.quantize import quantize_operand, quantize_weight_2d
+from titan_nvfp4.numerics.formats import e2m1_decode, e2m1_encode_rne, e2m1_encode_stochastic
 from titan_nvfp4.numerics.nvfp4 import NVFP4Tensor, quantize_nvfp4
 from titan_nvfp4.numerics.rht import rht_signs
 from titan_nvfp4.ops.backends import resolve_backend
@@ -45,6 +49,54 @@ def inputs(m: int, k: int, kind: str, dtype=torch.bfloat16) -> torch.Tensor:
         x.view(-1)[5] = -0.0
         x.view(-1)[-1] = 1e4  # huge
     return x.to(dtype).to(DEV)
+
+
+@triton.jit
+def _encoder_probe(V, U, C, R, S, SR, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(V + i, mask=i < N, other=0.0)
+    tl.store(SR + i, e2m1_stochastic_code(v, tl.load(U + i, mask=i < N, other=0.0)), mask=i < N)
+    tl.store(C + i, e2m1_code(v), mask=i < N)
+    tl.store(R + i, e2m1_rne(v), mask=i < N)
+    tl.store(S + i, e2m1_staged(v, 0.375), mask=i < N)  # times an E4M3 scale (3·2⁻³)
+
+
+def _encoder_probe_values() -> torch.Tensor:
+    """Every E2M1 grid point and midpoint with its two fp32 neighbours, both signs, ±0, values past the
+    saturation point, ±inf, and random fp32 values over 0-8 and over many binades."""
+    pts = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 1e30])
+    near = torch.cat([torch.nextafter(pts, torch.tensor(-1.0)), pts, torch.nextafter(pts, torch.tensor(1e38))])
+    g = torch.Generator().manual_seed(5)
+    rand = torch.cat([torch.rand(4000, generator=g) * 8, torch.randn(4000, generator=g) * torch.exp2(
+        torch.randint(-140, 30, (4000,), generator=g).float())])
+    v = torch.cat([near, rand, torch.tensor([float("inf"), 1e-45, 3e-39])]).clamp(min=0)
+    return torch.cat([v, -v])
+
+
+def test_e2m1_encoder_and_staged_value_bit_identical_to_the_reference():
+    """The kernels' one-add E2M1 rounding (nvfp4_jit.e2m1_code / e2m1_staged) element by element against
+    formats.e2m1_encode_rne and its decode: ties to even, the signs of zeros, saturation; and the
+    stochastic encoder against formats.e2m1_encode_stochastic for the same uniforms, including the
+    uniform equal to each value's fraction (a strict compare: stays down)."""
+    v = _encoder_probe_values()
+    nan = torch.tensor([float("nan")])
+    v_all = torch.cat([v, nan]).to(DEV)
+    g = torch.Generator().manual_seed(9)
+    u = torch.randint(0, 2**16, (v_all.numel(),), generator=g).float() * 2.0**-16
+    a = v_all.cpu().abs().clamp(max=6.0)
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    frac = a / step - torch.floor(a / step)
+    u[::3] = frac[::3]  # exactly at the fraction
+    u = u.to(DEV)
+    codes, rne, sr = (torch.empty(v_all.numel(), dtype=torch.uint8, device=DEV) for _ in range(3))
+    staged = torch.empty(v_all.numel(), dtype=torch.float32, device=DEV)
+    _encoder_probe[(triton.cdiv(v_all.numel(), 1024),)](v_all, u, codes, rne, staged, sr, v_all.numel(), BLOCK=1024)
+    assert torch.equal(sr[:-1].cpu(), e2m1_encode_stochastic(v, u[:-1].cpu()))
+    want = e2m1_encode_rne(v)
+    assert torch.equal(codes[:-1].cpu(), want) and torch.equal(rne.cpu(), e2m1_encode_rne(v_all.cpu()))
+    assert int(rne[-1]) == 0  # NaN
+    ref = e2m1_decode(want) * 0.375
+    assert torch.equal(staged[:-1].cpu(), ref) and torch.equal(torch.signbit(staged[:-1].cpu()), torch.signbit(ref))
 
 
 @pytest.mark.parametrize("shape", SHAPES)

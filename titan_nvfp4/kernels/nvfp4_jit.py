@@ -53,45 +53,60 @@ def block_scales(block_amax, s_enc):
     nan = tl.full(block_amax.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True)  # E4M3 NaN
     e = tl.where(block_amax == float("inf"), nan, e)
     e = tl.where(s_enc != s_enc, nan, e)
-    r = tl.minimum(tl.math.div_rn(tl.full(block_amax.shape, 1.0, tl.float32), e.to(tl.float32) * s_dec), FP32_MAX)
+    r = tl.minimum(tl.math.div_rn(tl.full(block_amax.shape, 1.0, tl.float32), e.to(tl.float32) * s_dec), FP32_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)  # NaN for non-finite blocks, as the reference's clamp
     return e, r
 
 
 @triton.jit
-def sign_bit(v):
-    """Twin of formats._sign_bit, already shifted: 8 for negatives and -0.0, 0 for NaN (uint8)."""
-    neg = v.to(tl.int32, bitcast=True) < 0
-    return tl.where(neg & (v == v), 8, 0).to(tl.uint8)
+def e2m1_magic(a):
+    """2²²·max(2^⌊log₂ a⌋, 1) for a ∈ [0, 6]: adding it rounds a to its E2M1 grid step (0.5 below 2,
+    1 below 4, 2 from 4), nearest-even, in one fp32 add; even multiples of the step are the even codes."""
+    p = (a.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.maximum(p, 1.0) * 4194304.0
 
 
 @triton.jit
-def _grid_code(r):
-    """E2M1 magnitude code of r, a value of the grid {0, 0.5, 1, 1.5, 2, 3, 4, 6}: read off the exponent
-    and top mantissa bit (fewer instructions than 7 compares)."""
-    return tl.where(r < 1.0, (r * 2.0).to(tl.int32), (r.to(tl.int32, bitcast=True) >> 22) - 252)
+def e2m1_code(v):
+    """Twin of formats.e2m1_encode_rne for non-NaN v (NaN: any code; callers mask non-finite blocks).
+    f = a + magic holds k = (grid value)/step in its low bits and the range R in its exponent, so
+    the code k + 2R is (bits & 7) + (bits >> 22) - 298: no compares, no float-to-int conversion."""
+    a = tl.minimum(tl.abs(v), 6.0)
+    f = (a + e2m1_magic(a)).to(tl.int32, bitcast=True)
+    sign = (v.to(tl.int32, bitcast=True) >> 28) & 8
+    return (((f & 7) + (f >> 22) - 298) | sign).to(tl.uint8)
 
 
 @triton.jit
 def e2m1_rne(v):
-    """Twin of formats.e2m1_encode_rne: fp32 to E2M1 code (uint8), ties to even, saturating; NaN -> 0.
-    Rounds with an fp32 add of 2^22, 2^23 or 2^24 (grid steps 0.5, 1, 2 below 2, 4, 6)."""
-    a = tl.minimum(tl.abs(v), 6.0)
-    magic = tl.where(a < 2.0, 4194304.0, tl.where(a < 4.0, 8388608.0, 16777216.0))
-    r = (a + magic) - magic  # one of 0, 0.5, 1, 1.5, 2, 3, 4, 6
-    return tl.where(v == v, _grid_code(r), 0).to(tl.uint8) | sign_bit(v)
+    """Twin of formats.e2m1_encode_rne: fp32 to E2M1 code (uint8), ties to even, saturating; NaN -> 0."""
+    return tl.where(v == v, e2m1_code(v), 0).to(tl.uint8)
 
 
 @triton.jit
-def e2m1_stochastic(v, u):
-    """Twin of formats.e2m1_encode_stochastic with uniforms u in [0, 1): up with probability
-    (|v| - lo) / (hi - lo); saturating; NaN -> 0. The grid step below 2, 4, 6 is 0.5, 1, 2, so
-    t = |v| / step is exact and lo = floor(t)·step, frac = t - floor(t) are the reference's values."""
+def e2m1_staged(v, e32):
+    """q·e_b as fp32 for the E2M1 value q = rne(v) (sign kept, -0 included) and the block's decoded E4M3
+    scale e32: what e2m1_fp16_unit of the code times e_b gives, without forming the code. Exact."""
     a = tl.minimum(tl.abs(v), 6.0)
-    step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
-    t = a * tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
+    magic = e2m1_magic(a)
+    g = (a + magic) - magic  # the grid value, exactly
+    q = (g.to(tl.int32, bitcast=True) | (v.to(tl.int32, bitcast=True) & -0x80000000)).to(tl.float32, bitcast=True)
+    return q * e32
+
+
+@triton.jit
+def e2m1_stochastic_code(v, u):
+    """Twin of formats.e2m1_encode_stochastic for non-NaN v (NaN: any code; callers mask non-finite
+    blocks), uniforms u in [0, 1): up with probability (|v| - lo) / (hi - lo), saturating. With p the
+    bits of max(2^⌊log₂ a⌋, 1) (1, 2 or 4: range R), t = a / step is a·2^(1-R) exactly, lo = ⌊t⌋ and
+    frac = t - lo are the reference's values, and the code is k + 2R read off integer bits."""
+    a = tl.minimum(tl.abs(v), 6.0)
+    p = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
+    t = a * (0x7F800000 - p).to(tl.float32, bitcast=True)  # times 2, 1 or 1/2
     lo = tl.floor(t)
-    r = (lo + (u < t - lo).to(tl.float32)) * step  # a = 6 gives t - lo = 0: stays at 6
-    return tl.where(v == v, _grid_code(r), 0).to(tl.uint8) | sign_bit(v)
+    k = (lo + tl.where(u < t - lo, 8388609.0, 8388608.0)).to(tl.int32, bitcast=True)  # 2²³ + k: k in the low bits
+    sign = (v.to(tl.int32, bitcast=True) >> 28) & 8
+    return (((k & 7) + (p >> 22) - 254) | sign).to(tl.uint8)
 
 
 @triton.jit
@@ -125,11 +140,12 @@ def rht16_slices(xs, SIGNS):
 
 @triton.jit
 def amax16(xs):
-    """Elementwise max over a 16-tuple of tiles of nan_to_inf_abs."""
-    m = nan_to_inf_abs(xs[0])
+    """Elementwise max of |x| over a 16-tuple of tiles, NaN mapped to +inf (as nan_to_inf_abs): one
+    NaN-propagating max per element, the mapping once per result."""
+    m = tl.abs(xs[0])
     for i in tl.static_range(1, 16):
-        m = tl.maximum(m, nan_to_inf_abs(xs[i]))
-    return m
+        m = tl.maximum(m, tl.abs(xs[i]), propagate_nan=tl.PropagateNan.ALL)
+    return tl.where(m == m, m, float("inf"))
 
 
 @triton.jit
@@ -145,12 +161,14 @@ def uniforms8(seed, counter):
 
 @triton.jit
 def _u16_lo(r):
-    return (r & 0xFFFF).to(tl.float32) * 1.52587890625e-05
+    """(r & 0xFFFF)·2⁻¹⁶, built as the float 1 + m·2⁻¹⁶ from bits minus 1 (exact; no int-to-float)."""
+    return (((r.to(tl.uint32, bitcast=True) << 7) & 0x7FFF80) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
 
 
 @triton.jit
 def _u16_hi(r):
-    return ((r.to(tl.uint32, bitcast=True) >> 16) & 0xFFFF).to(tl.float32) * 1.52587890625e-05
+    """(r >> 16)·2⁻¹⁶, as _u16_lo."""
+    return (((r.to(tl.uint32, bitcast=True) >> 9) & 0x7FFF80) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
 
 
 @triton.jit
@@ -182,24 +200,31 @@ def _join_in_order(a, b):
 
 
 @triton.jit
-def quantize_slices16(xs, s_enc, STOCHASTIC: tl.constexpr, seed, counter):
+def quantize_slices16(xs, s_enc, STOCHASTIC: tl.constexpr, seed, counter, STAGED: tl.constexpr = False):
     """NVFP4 of 16-element blocks laid out across a 16-tuple of tiles (tile i = element i of each
     block): (16 code tiles uint8, e4m3 scales, one per tile element). Stochastic draws come from
-    Philox at 2·counter and 2·counter + 1 (uniforms8), ``counter`` unique per block."""
+    Philox at 2·counter and 2·counter + 1 (uniforms8), ``counter`` unique per block. Codes of a
+    non-finite block are 0 (the reference's NaN·r). STAGED (nearest-even only): the 16 tiles are the
+    GEMM's fp16 values q·e_b (staged_slices16) instead of codes."""
     e, r = block_scales(amax16(xs), s_enc)
+    finite = r == r
     # Ties the counters to the data's register layout (NaN blocks, coded 0 anyway, draw at 0): else
     # Triton computes Philox in the counters' own layout and moves every uniform between threads.
-    counter = tl.where(r == r, counter, 0)
-    codes = ()
+    counter = tl.where(finite, counter, 0)
+    keep = tl.where(finite, 15, 0).to(tl.uint8)
+    e32 = e.to(tl.float32)
+    out = ()
     for h in tl.static_range(2):
         if STOCHASTIC:
             us = uniforms8(seed, counter * 2 + h)
         for i in tl.static_range(8):
             if STOCHASTIC:
-                codes = codes + (e2m1_stochastic(xs[8 * h + i] * r, us[i]),)
+                out = out + (e2m1_stochastic_code(xs[8 * h + i] * r, us[i]) & keep,)
+            elif STAGED:
+                out = out + (e2m1_staged(xs[8 * h + i] * r, e32).to(tl.float16),)
             else:
-                codes = codes + (e2m1_rne(xs[8 * h + i] * r),)
-    return codes, e
+                out = out + (e2m1_code(xs[8 * h + i] * r) & keep,)
+    return out, e
 
 
 @triton.jit

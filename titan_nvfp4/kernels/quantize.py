@@ -26,8 +26,8 @@ from ..numerics.nvfp4 import NVFP4Tensor, global_encode_scale
 from ..ops.grouped import block_experts
 from ..ops.library import operand_pair, weight_pair
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
-from .nvfp4_jit import (amax16, block_scales, e2m1_fp16_unit, e2m1_rne, pack16_along_slices, pack_pairs,
-                        pack_slices16, quantize_slices16, rht16_slices, split8, staged_slices16)
+from .nvfp4_jit import (amax16, block_scales, e2m1_fp16_unit, e2m1_rne, join_slices16, pack16_along_slices,
+                        pack_pairs, pack_slices16, quantize_slices16, rht16_slices, split8, staged_slices16)
 
 G_Q = 2  # 16-row blocks per program (fixed tiles: the interpreter, small inputs)
 BK_Q = 64  # features per program
@@ -145,14 +145,17 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
         kb = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
         xs = _load16_cols(X, rows, kb, M, K, sxm, sxk)
         s = _encode_scale(AMAX, BEXP, rows // 16, nblk, GROUPED)
-        codes, e = quantize_slices16(xs, s, SR_ROW, seed, rows[:, None] * (K // 16) + kb[None, :])
+        # nearest-even staged rows skip the codes: quantize_slices16 forms q·e_b directly
+        out, e = quantize_slices16(xs, s, SR_ROW, seed, rows[:, None] * (K // 16) + kb[None, :],
+                                   STAGED=ROW_F16 and not SR_ROW)
         rmask = (rows < M)[:, None]
         kmask = (kb < K // 16)[None, :]
         if ROW_F16:
+            vals = staged_slices16(out, e, 16 * G, BK // 16) if SR_ROW else join_slices16(out, 16 * G, BK // 16)
             tl.store(RD + rows[:, None, None].to(tl.int64) * K + kb[None, :, None] * 16 + tl.arange(0, 16)[None, None, :],
-                     staged_slices16(codes, e, 16 * G, BK // 16), mask=(rmask & kmask)[:, :, None])
+                     vals, mask=(rmask & kmask)[:, :, None])
         else:
-            packed = pack_slices16(codes, 16 * G, BK // 16)  # [16G, BK/16, 8]
+            packed = pack_slices16(out, 16 * G, BK // 16)  # [16G, BK/16, 8]
             tl.store(RD + rows[:, None, None].to(tl.int64) * (K // 2) + kb[None, :, None] * 8
                      + tl.arange(0, 8)[None, None, :], packed, mask=(rmask & kmask)[:, :, None])
             tl.store(RS + rows[:, None].to(tl.int64) * (K // 16) + kb[None, :], e, mask=rmask & kmask)
@@ -205,9 +208,11 @@ def _quant_configs():
 
 
 def _operand_configs():
-    # the best five of benchmarks/quant_variants.py on an H100 (16-32 elements per thread)
+    # three of the best of benchmarks/quant_variants.py on an H100 (32 elements per thread), and two
+    # with 64 per thread: fewer instructions per element (benchmarks/sass_stats.py: 48 instead of 56
+    # for forward X, 64 instead of 99 for backward dY) at 96-180 registers
     return [triton.Config({"G": g, "BK": bk}, num_warps=w)
-            for g, bk, w in ((2, 64, 2), (2, 128, 4), (1, 256, 4), (1, 128, 2), (4, 128, 8))]
+            for g, bk, w in ((2, 64, 2), (2, 128, 4), (4, 128, 8), (1, 256, 2), (4, 128, 4))]
 
 
 _quantize_autotuned = triton.autotune(

@@ -1,0 +1,107 @@
+"""Static cost of the quantization kernels without a GPU: compile each variant for sm_90 with Triton's
+bundled ptxas, disassemble it (nvdisasm) and count SASS instructions per input element.
+
+    python benchmarks/sass_stats.py [--variant NAME ...] [--config G BK WARPS] [--ops 12] [--dump DIR]
+
+The quantization kernel has no loops (every tile is unrolled), so the static count per program is its
+dynamic count up to predication; divided by the elements one thread handles it is the issue cost per
+element. An H100 issues ~29.6 T thread-instructions/s (132 SMs x 4 schedulers x 32 lanes x ~1.75 GHz)
+and copies ~3 TB/s, so a kernel that reads 2 bytes and writes b bytes per element is issue-bound above
+~(2 + b) x 10 instructions per element: ~26 for a row operand in codes, ~45 for forward X (fp16 rows +
+column codes). benchmarks/quant_variants.py times the same variants on a GPU. For the device's codegen
+run with its Triton: `pip download --no-deps triton==3.6.0` (the wheel for this Python), unzip it
+into a folder and put that first on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real even when the test conftest set it
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.compiler import compile as triton_compile  # noqa: E402
+
+from titan_nvfp4.kernels import quantize as q  # noqa: E402
+
+VARIANTS = {  # name: (ROW, COL, RHT, SR_ROW, SR_COL, ROW_F16)
+    "row": (True, False, False, False, False, False),
+    "row f16": (True, False, False, False, False, True),
+    "row SR": (True, False, False, True, False, False),
+    "col RHT": (False, True, True, False, False, False),
+    "col RHT SR": (False, True, True, False, True, False),
+    "row f16 + col RHT (fwd X)": (True, True, True, False, False, True),
+    "row SR f16 + col RHT SR (bwd dY)": (True, True, True, True, True, True),
+}
+_POINTERS = {"X": "*bf16", "AMAX": "*i32", "GS": "*fp32", "RD": "*u8", "RS": "*fp8e4nv", "CD": "*u8",
+             "CS": "*fp8e4nv", "SIGNS": "*fp32", "SEED": "*i64", "BEXP": "*i32"}
+_ALIGNED_INTS = ("K", "sxm", "Mpad")  # what Triton's specialization sees for a contiguous K % 16 == 0 input
+
+
+def compile_variant(row, col, rht, sr_row, sr_col, row_f16, g=2, bk=128, warps=4, arch=90):
+    fn = q._quantize_kernel
+    sig = {n: _POINTERS.get(n, "i32") for n in fn.arg_names}
+    const = dict(sxk=1, ROW=row, COL=col, RHT=rht, SR_ROW=sr_row, SR_COL=sr_col, GROUPED=False,
+                 ROW_F16=row_f16, NSP2=2, G=g, BK=bk)
+    for n in const:
+        sig[n] = "constexpr"
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in (*_POINTERS, *_ALIGNED_INTS)}
+    return triton_compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": warps})
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def sass_and_registers(kernel) -> tuple[list[str], int, int]:
+    """(SASS instruction lines, registers per thread, spill stores) of a compiled kernel's cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+    lines = [re.sub(r"^\s*/\*[0-9a-f]+\*/\s*", "", ln).rstrip(" ;") for ln in text.splitlines()
+             if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+    regs = re.search(r"REG:(\d+)", res)
+    spills = re.search(r"STACK:(\d+)", res)
+    return lines, int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else -1
+
+
+def opcode(line: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", line).split()[0].split(".")[0]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--variant", action="append", choices=list(VARIANTS))
+    p.add_argument("--config", nargs=3, type=int, default=(2, 128, 4), metavar=("G", "BK", "WARPS"))
+    p.add_argument("--ops", type=int, default=10, help="most frequent opcodes to list")
+    p.add_argument("--dump", help="folder for each variant's SASS")
+    args = p.parse_args()
+    g, bk, warps = args.config
+    per_thread = 16 * g * bk / (32 * warps)
+    print(f"triton {triton.__version__}, sm_90, G={g} BK={bk} warps={warps}: {per_thread:.0f} elements per thread")
+    print("| variant | SASS instructions | per element | regs | stack B | top opcodes per element |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    for name in args.variant or VARIANTS:
+        k = compile_variant(*VARIANTS[name], g=g, bk=bk, warps=warps)
+        lines, regs, stack = sass_and_registers(k)
+        ops = collections.Counter(opcode(ln) for ln in lines)
+        top = ", ".join(f"{o} {c / per_thread:.1f}" for o, c in ops.most_common(args.ops))
+        print(f"| {name} | {len(lines)} | {len(lines) / per_thread:.1f} | {regs} | {stack} | {top} |")
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            with open(os.path.join(args.dump, re.sub(r"\W+", "_", name) + ".sass"), "w") as f:
+                f.write("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
