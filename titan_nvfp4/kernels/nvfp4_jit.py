@@ -69,12 +69,13 @@ def e2m1_magic(a):
 @triton.jit
 def e2m1_code(v):
     """Twin of formats.e2m1_encode_rne for non-NaN v (NaN: any code; callers mask non-finite blocks).
-    f = a + magic holds k = (grid value)/step in its low bits and the range R in its exponent, so
-    the code k + 2R is (bits & 7) + (bits >> 22) - 298: no compares, no float-to-int conversion."""
+    f = a + magic holds k = (grid value)/step in its low bits and the range R in its exponent: less the
+    bits of 2²², f is (R << 23) + k and the code k + 2R is (f + (f >> 22)) & 7. No compares, no
+    float-to-int conversion."""
     a = tl.minimum(tl.abs(v), 6.0)
-    f = (a + e2m1_magic(a)).to(tl.int32, bitcast=True)
-    sign = (v.to(tl.int32, bitcast=True) >> 28) & 8
-    return (((f & 7) + (f >> 22) - 298) | sign).to(tl.uint8)
+    f = (a + e2m1_magic(a)).to(tl.int32, bitcast=True) - 0x4A800000  # (R << 23) + k
+    s = v.to(tl.uint32, bitcast=True) >> 28  # the sign at bit 3, exponent bits below it
+    return (((f + (f >> 22)) & 7) | (s.to(tl.int32) & -8)).to(tl.uint8)  # k + 2R | sign: one LOP3
 
 
 @triton.jit
