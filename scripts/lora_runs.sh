@@ -8,7 +8,7 @@
 # ./outputs/lora_runs and checkpoint every CKPT_INTERVAL (250) steps, so a call stopped by ARM_TIMEOUT
 # (540 s) is resumed by running the same command again on the still-warm machine. Once every arm has
 # reached STEPS, writes the table (share of the BF16-NVFP4 gap each arm closes), CSV and plot, and
-# copies logs and results to $OUT when set.
+# copies logs, table, plot and the compiled-kernel caches (scripts/save_kernel_cache.sh) to $OUT when set.
 set -uo pipefail
 steps=${1:-2000}
 shift || true
@@ -34,8 +34,9 @@ if (( done )); then
 else
   echo "not every arm reached step $steps: run the same command again to resume"
 fi
-if [[ -n ${OUT:-} ]]; then  # at most 8 files come back
+if [[ -n ${OUT:-} ]]; then  # at most 8 files come back: 4 logs, table, plot, 2 kernel caches (the CSV is rebuilt from the logs)
   cp "${logs[@]}" "$OUT/" 2>/dev/null
-  cp "$run"/lora_runs.{md,csv,png} "$OUT/" 2>/dev/null
-  true
+  cp "$run"/lora_runs.{md,png} "$OUT/" 2>/dev/null
+  bash scripts/save_kernel_cache.sh
 fi
+true

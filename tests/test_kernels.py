@@ -253,22 +253,26 @@ def test_staged_operand_is_exact_and_chunking_is_invisible(monkeypatch):
 @pytest.mark.parametrize("kind", ["normal", "adversarial"])
 @pytest.mark.parametrize("sr", [False, True])
 def test_quantization_kernel_emits_the_staged_operand_exactly(kind, sr, monkeypatch):
-    """row_fp16: the quantization kernel writes the GEMM's fp16 values q·e_b itself. They must be the
-    staging of the codes it would otherwise write (same SR draws: same seed, same counters), NaN
-    blocks included, and the GEMM must give the same bits from either."""
+    """row_fp16 / col_fp16: the quantization kernel writes the GEMM's fp16 values q·e_b itself, of the
+    rows and of the RHT'd columns. They must be the staging of the codes it would otherwise write (same
+    SR draws: same seed, same counters), NaN blocks included, and the GEMM must give the same bits
+    from either."""
     from titan_nvfp4.kernels import gemm as g
     from titan_nvfp4.kernels.quantize import quantize_operand_tensors
     from titan_nvfp4.ops.library import StagedOperand, operand_pair
 
     x = inputs(80, 96, kind).to(DEV)
     seed = torch.tensor([5], device=DEV) if sr else None
-    kw = dict(stochastic_row=sr, seed=seed)
-    codes = operand_pair(quantize_operand_tensors(x, **kw), x.shape, True, False)[0]
-    staged = operand_pair(quantize_operand_tensors(x, row_fp16=True, **kw), x.shape, True, False)[0]
-    assert isinstance(staged, StagedOperand) and staged.values.dtype == torch.float16
-    want = g.dequantize_fp16(codes)
-    same = (staged.values == want) | (staged.values.isnan() & want.isnan())
-    assert bool(same.all()) and torch.equal(staged.global_scale, codes.global_scale)
+    kw = dict(stochastic_row=sr, stochastic_col=sr, seed=seed, colwise=True, signs=rht_signs(0, DEV))
+    codes, codes_col = operand_pair(quantize_operand_tensors(x, **kw), x.shape, True, True)
+    staged, staged_col = operand_pair(quantize_operand_tensors(x, row_fp16=True, col_fp16=True, **kw), x.shape,
+                                      True, True)
+    for s, c in ((staged, codes), (staged_col, codes_col)):  # the rows [80, 96]; the RHT'd columns [96, 80]
+        assert isinstance(s, StagedOperand) and s.values.dtype == torch.float16
+        want = g.dequantize_fp16(c)
+        same = (s.values == want) | (s.values.isnan() & want.isnan())
+        assert bool(same.all()) and torch.equal(s.global_scale, c.global_scale)
+    assert staged_col.values.shape == (96, 80)
     if kind == "normal":
         b = quantize_nvfp4(inputs(48, 96, "normal", torch.float32).to(DEV), block_shape=(16, 16))
         assert torch.equal(nvfp4_gemm_triton(staged, b, torch.float32), nvfp4_gemm_triton(codes, b, torch.float32))

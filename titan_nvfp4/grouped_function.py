@@ -182,7 +182,7 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
                 need_dw = ctx.needs_input_grad[6 + j] and x_col is not None
                 need_db = ctx.has_bias[j] and ctx.needs_input_grad[6 + n + j]
                 seed = next_sr_seed(ctx.counters[j]) if recipe.stochastic_rounding else None
-                dyq, dy_col = G.quantize_tokens(dy2d, offsets, need_dx, need_dw, signs, seed)
+                dyq, dy_col = G.quantize_tokens(dy2d, offsets, need_dx, need_dw, signs, seed, col_staged=True)
                 if need_dx:  # summed in x's dtype, as autograd sums the gradients of separate GEMMs
                     part = G.gemm_rows(dyq, w_t, offsets, ctx.x_shape[-1], row_step, col_step, ctx.x_dtype)
                     dx = part if dx is None else dx + part

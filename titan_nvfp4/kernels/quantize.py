@@ -110,7 +110,7 @@ def _load16_cols(X, rows, kb, M, K, sxm, sxk):
 def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, Mpad, BEXP, NSLOT,
                      ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr, SR_ROW: tl.constexpr,
                      SR_COL: tl.constexpr, GROUPED: tl.constexpr, ROW_F16: tl.constexpr, NSP2: tl.constexpr,
-                     G: tl.constexpr, BK: tl.constexpr):
+                     G: tl.constexpr, BK: tl.constexpr, COL_F16: tl.constexpr = False):
     """Row operand: RD [M, K/2], RS [M, K/16]. Column operand of xᵀ (tokens zero-padded to Mpad):
     CD [K, Mpad/2], CS [K, Mpad/16]. GS [2·NSLOT]: the decode scales of the two, from AMAX (row slots,
     then column slots). NSLOT is 1, or with GROUPED one slot per expert: 16-row block b then takes
@@ -120,7 +120,8 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
     row operand, so that every 16-element block is elementwise work between tiles. Philox counters
     (quantize_slices16): row block (m, kb) uses m·K/16 + kb, column block (b, k) uses
     (Mpad/16)·K + b·K + k: the two roundings draw independent numbers from one seed. ROW_F16: the row
-    operand goes out as the GEMM's staged fp16 values q·e_b in RD [M, K] instead of codes and scales."""
+    operand goes out as the GEMM's staged fp16 values q·e_b in RD [M, K] instead of codes and scales;
+    COL_F16 likewise the column operand in CD [K, Mpad]."""
     seed = tl.load(SEED)  # a dummy pointer when neither rounding is stochastic
     _store_decode_scales(GS, AMAX, 2 * NSLOT, NSP2)
     nblk = Mpad // 16
@@ -132,14 +133,21 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
             xs = rht16_slices(xs, SIGNS)
         s = _encode_scale(AMAX + NSLOT, BEXP, blk, nblk, GROUPED)
         # (not k·Mpad/16 + b: that expression is the CS store's offsets, whose layout it would then share)
-        codes, e = quantize_slices16(xs, s, SR_COL, seed, (Mpad // 16) * K + blk[:, None] * K + rk[None, :])
-        packed = pack16_along_slices(codes)  # [BK, G·8]
-        rb = tl.program_id(0) * (G * 8) + tl.arange(0, G * 8)
+        out, e = quantize_slices16(xs, s, SR_COL, seed, (Mpad // 16) * K + blk[:, None] * K + rk[None, :],
+                                   STAGED=COL_F16 and not SR_COL)
         kmask = (rk < K)[:, None]
-        tl.store(CD + rk[:, None].to(tl.int64) * (Mpad // 2) + rb[None, :], packed,
-                 mask=kmask & (rb < Mpad // 2)[None, :])
-        tl.store(CS + rk[None, :].to(tl.int64) * (Mpad // 16) + blk[:, None], e,
-                 mask=(rk < K)[None, :] & (blk < Mpad // 16)[:, None])
+        if COL_F16:  # [G, BK, 16] (token 16g + i last) -> [BK, 16G]: rows of xᵀ
+            vals = staged_slices16(out, e, G, BK) if SR_COL else join_slices16(out, G, BK)
+            vals = tl.reshape(tl.permute(vals, (1, 0, 2)), (BK, 16 * G))
+            rt = tl.program_id(0) * (16 * G) + tl.arange(0, 16 * G)
+            tl.store(CD + rk[:, None].to(tl.int64) * Mpad + rt[None, :], vals, mask=kmask & (rt < Mpad)[None, :])
+        else:
+            packed = pack16_along_slices(out)  # [BK, G·8]
+            rb = tl.program_id(0) * (G * 8) + tl.arange(0, G * 8)
+            tl.store(CD + rk[:, None].to(tl.int64) * (Mpad // 2) + rb[None, :], packed,
+                     mask=kmask & (rb < Mpad // 2)[None, :])
+            tl.store(CS + rk[None, :].to(tl.int64) * (Mpad // 16) + blk[:, None], e,
+                     mask=(rk < K)[None, :] & (blk < Mpad // 16)[:, None])
     if ROW:
         rows = tl.program_id(0) * (16 * G) + tl.arange(0, 16 * G)
         kb = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
@@ -270,13 +278,14 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
                              signs: torch.Tensor | None = None, stochastic_row: bool = False,
                              stochastic_col: bool = False, seed: torch.Tensor | None = None,
                              amax: torch.Tensor | None = None, amax_col: torch.Tensor | None = None,
-                             groups: torch.Tensor | None = None, row_fp16: bool = False):
+                             groups: torch.Tensor | None = None, row_fp16: bool = False, col_fp16: bool = False):
     """``quantize_operand`` as plain tensors: (row codes, row scales, column codes, column scales,
     fp32 [gs_row, gs_col]); an operand not asked for comes back as empty tensors. With ``groups``
     (the cumulative expert offsets, multiples of 16) every expert's rows get a tensor scale of their
     own and the decode scales come back as fp32 [2, E + 1] (row, column; slot E: rows past the last
     expert). ``row_fp16``: the row operand comes back as the GEMM's staged fp16 values q·e_b [M, K]
-    (no global scale; exact) with empty scales, saving the GEMM's own staging pass."""
+    (no global scale; exact) with empty scales, saving the GEMM's own staging pass; ``col_fp16`` the
+    same for the column operand, [K, M padded to 16]."""
     _check_2d(x2d, "quantize_operand")
     M, K = x2d.shape
     Mpad = M + (-M) % 16
@@ -311,12 +320,15 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
         rd, rs = torch.empty((M, K), dtype=torch.float16, device=dev), empty(torch.float8_e4m3fn)
     cd = torch.empty((K, Mpad // 2), dtype=torch.uint8, device=dev) if colwise else empty(torch.uint8)
     cs = torch.empty((K, Mpad // 16), dtype=torch.float8_e4m3fn, device=dev) if colwise else empty(torch.float8_e4m3fn)
+    if colwise and col_fp16:
+        cd, cs = torch.empty((K, Mpad), dtype=torch.float16, device=dev), empty(torch.float8_e4m3fn)
     if M > 0:
         _launch(_quantize_kernel, _quantize_autotuned, x2d, Mpad, K,
                 x2d, M, K, x2d.stride(0), x2d.stride(1), buf, gs, rd if rowwise else buf, rs if rowwise else buf,
                 cd if colwise else buf, cs if colwise else buf, signs_t, seed if seed is not None else buf, Mpad,
                 bexp, ns, ROW=rowwise, COL=colwise, RHT=signs is not None, SR_ROW=stochastic_row,
-                SR_COL=stochastic_col, ROW_F16=rowwise and row_fp16, NSP2=triton.next_power_of_2(2 * ns), **flags)
+                SR_COL=stochastic_col, ROW_F16=rowwise and row_fp16, COL_F16=colwise and col_fp16,
+                NSP2=triton.next_power_of_2(2 * ns), **flags)
     else:  # no program ran: the decode scales of an all-zero tensor
         gs.copy_(torch.reciprocal(global_encode_scale(buf.view(torch.float32))))
     return rd, rs, cd, cs, (gs.view(2, ns) if groups is not None else gs)

@@ -72,14 +72,15 @@ def _stack_offsets(experts: int, rows: int, device: torch.device) -> torch.Tenso
 
 def quantize_tokens(x2d: torch.Tensor, offsets: torch.Tensor, rowwise: bool, colwise: bool,
                     signs: torch.Tensor | None, seed: torch.Tensor | None,
-                    row_staged: bool = True) -> tuple[GroupedOperand | None, GroupedOperand | None]:
+                    row_staged: bool = True, col_staged: bool = False) -> tuple[GroupedOperand | None,
+                                                                                  GroupedOperand | None]:
     """Routed tokens x2d [T, K]: the 1×16 row operand and the wgrad operand xᵀ [K, T padded to 16]
     (RHT when ``signs``), each expert with its own tensor scales; stochastic iff ``seed``.
-    ``row_staged``: the row operand, which only feeds a GEMM at once, comes as the GEMM's fp16 values
-    (``data`` fp16 [T, K], no scales) rather than codes."""
+    ``row_staged`` / ``col_staged``: that operand, when it only feeds a GEMM at once (X's rows; dY's
+    rows and columns), comes as the GEMM's fp16 values (``data`` fp16, no scales) rather than codes."""
     sr = seed is not None
     rd, rs, cd, cs, gs = library.quantize_grouped(x2d, offsets, rowwise, colwise, signs, sr, sr, seed,
-                                                  rowwise and row_staged)
+                                                  rowwise and row_staged, colwise and col_staged)
     row = GroupedOperand(rd, rs, gs[0]) if rowwise else None
     col = GroupedOperand(cd, cs, gs[1]) if colwise else None
     return row, col

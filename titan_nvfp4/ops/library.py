@@ -40,14 +40,18 @@ class StagedOperand:
 def operand_pair(out, shape: torch.Size, rowwise: bool,
                  colwise: bool) -> tuple[NVFP4Tensor | StagedOperand | None, NVFP4Tensor | None]:
     """NVFP4Tensors from the outputs of ``quantize`` for a 2D operand of ``shape`` [M, K]: the
-    rowwise operand (a StagedOperand when quantized with ``row_fp16``), and the column operand of xᵀ
-    [K, M padded to 16]."""
+    rowwise operand and the column operand of xᵀ [K, M padded to 16], each a StagedOperand when
+    quantized with ``row_fp16`` / ``col_fp16``."""
     rd, rs, cd, cs, gs = out
     m, k = shape
     if rowwise and rd.dtype == torch.float16:
-        return StagedOperand(rd, gs[0]), operand_pair(out, shape, False, colwise)[1]
-    row = NVFP4Tensor(rd, rs, gs[0], torch.Size(shape), (1, 16)) if rowwise else None
-    col = NVFP4Tensor(cd, cs, gs[1], torch.Size((k, m + (-m) % 16)), (1, 16)) if colwise else None
+        row = StagedOperand(rd, gs[0])
+    else:
+        row = NVFP4Tensor(rd, rs, gs[0], torch.Size(shape), (1, 16)) if rowwise else None
+    if colwise and cd.dtype == torch.float16:
+        col = StagedOperand(cd, gs[1])
+    else:
+        col = NVFP4Tensor(cd, cs, gs[1], torch.Size((k, m + (-m) % 16)), (1, 16)) if colwise else None
     return row, col
 
 
@@ -67,19 +71,21 @@ def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
 
 @torch.library.custom_op("titan_nvfp4::quantize", mutates_args=())
 def quantize(x: Tensor, rowwise: bool, colwise: bool, signs: Optional[Tensor], stochastic_row: bool,
-             stochastic_col: bool, seed: Optional[Tensor],
-             row_fp16: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+             stochastic_col: bool, seed: Optional[Tensor], row_fp16: bool = False,
+             col_fp16: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(row codes, row scales, column codes, column scales, [gs_row, gs_col]); an operand not asked
-    for comes back as empty tensors (and its decode scale unset). ``row_fp16``: the row operand as the
-    emulated GEMM's staged fp16 values [M, K] instead of codes (row scales empty)."""
+    for comes back as empty tensors (and its decode scale unset). ``row_fp16`` / ``col_fp16``: that
+    operand as the emulated GEMM's staged fp16 values ([M, K] / [K, M padded]) instead of codes
+    (its scales empty)."""
     from ..kernels.quantize import quantize_operand_tensors
 
     return quantize_operand_tensors(x, rowwise=rowwise, colwise=colwise, signs=signs, stochastic_row=stochastic_row,
-                                    stochastic_col=stochastic_col, seed=seed, row_fp16=row_fp16)
+                                    stochastic_col=stochastic_col, seed=seed, row_fp16=row_fp16, col_fp16=col_fp16)
 
 
 @quantize.register_fake
-def _quantize_fake(x, rowwise, colwise, signs, stochastic_row, stochastic_col, seed, row_fp16=False):
+def _quantize_fake(x, rowwise, colwise, signs, stochastic_row, stochastic_col, seed, row_fp16=False,
+                   col_fp16=False):
     m, k = x.shape
     mpad = m + (-m) % 16
     f8 = torch.float8_e4m3fn
@@ -89,6 +95,8 @@ def _quantize_fake(x, rowwise, colwise, signs, stochastic_row, stochastic_col, s
         rd, rs = x.new_empty((m, k), dtype=torch.float16), _empty(x, f8)
     cd = x.new_empty((k, mpad // 2), dtype=torch.uint8) if colwise else _empty(x, torch.uint8)
     cs = x.new_empty((k, mpad // 16), dtype=f8) if colwise else _empty(x, f8)
+    if colwise and col_fp16:
+        cd, cs = x.new_empty((k, mpad), dtype=torch.float16), _empty(x, f8)
     return rd, rs, cd, cs, x.new_empty((2,), dtype=torch.float32)
 
 
@@ -161,20 +169,23 @@ def _quantize_mxfp8_fake(x, rowwise, colwise):
 
 @torch.library.custom_op("titan_nvfp4::quantize_grouped", mutates_args=())
 def quantize_grouped(x: Tensor, offsets: Tensor, rowwise: bool, colwise: bool, signs: Optional[Tensor],
-                     stochastic_row: bool, stochastic_col: bool, seed: Optional[Tensor],
-                     row_fp16: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     stochastic_row: bool, stochastic_col: bool, seed: Optional[Tensor], row_fp16: bool,
+                     col_fp16: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``quantize`` of routed tokens grouped by expert (``offsets``: cumulative group ends, multiples
     of 16), each expert with its own tensor scales: decode scales fp32 [2, E + 1] (row, column).
-    ``row_fp16``: the row operand as the GEMM's staged fp16 values [M, K] (row scales empty)."""
+    ``row_fp16`` / ``col_fp16``: that operand as the GEMM's staged fp16 values (its scales empty)."""
     from ..kernels.quantize import quantize_operand_tensors
 
     return quantize_operand_tensors(x, rowwise=rowwise, colwise=colwise, signs=signs, stochastic_row=stochastic_row,
-                                    stochastic_col=stochastic_col, seed=seed, groups=offsets, row_fp16=row_fp16)
+                                    stochastic_col=stochastic_col, seed=seed, groups=offsets, row_fp16=row_fp16,
+                                    col_fp16=col_fp16)
 
 
 @quantize_grouped.register_fake
-def _quantize_grouped_fake(x, offsets, rowwise, colwise, signs, stochastic_row, stochastic_col, seed, row_fp16):
-    rd, rs, cd, cs, _ = _quantize_fake(x, rowwise, colwise, signs, stochastic_row, stochastic_col, seed, row_fp16)
+def _quantize_grouped_fake(x, offsets, rowwise, colwise, signs, stochastic_row, stochastic_col, seed, row_fp16,
+                           col_fp16=False):
+    rd, rs, cd, cs, _ = _quantize_fake(x, rowwise, colwise, signs, stochastic_row, stochastic_col, seed, row_fp16,
+                                       col_fp16)
     return rd, rs, cd, cs, x.new_empty((2, offsets.shape[0] + 1), dtype=torch.float32)
 
 

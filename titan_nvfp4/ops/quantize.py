@@ -53,15 +53,17 @@ def quantize_activation(x2d: torch.Tensor, need_col: bool, signs: torch.Tensor |
 
 def quantize_gradient(dy2d: torch.Tensor, need_row: bool, need_col: bool, signs: torch.Tensor | None,
                       seed: torch.Tensor | None, backend: str) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
-    """dgrad operand dY (1×16; staged fp16 on the emulated backend, as X in quantize_activation) and
-    wgrad operand dYᵀ (RHT, 16 along tokens); stochastic iff ``seed`` (an int64 tensor [1]) is given."""
+    """dgrad operand dY (1×16) and wgrad operand dYᵀ (RHT, 16 along tokens); stochastic iff ``seed``
+    (an int64 tensor [1]) is given. On the emulated backend both come staged (fp16, as X in
+    quantize_activation): each feeds one GEMM at once, so their codes would only be read to be staged."""
     sr = seed is not None
     if backend == "reference":
         gen = _generator(seed, dy2d.device)  # one stream: the row draws, then the column draws
         row = quantize_rowwise(dy2d, stochastic=sr, generator=gen) if need_row else None
         col = quantize_wgrad_operand(dy2d, signs, stochastic=sr, generator=gen) if need_col else None
         return row, col
-    out = library.quantize(dy2d, need_row, need_col, signs, sr, sr, seed, backend == "emulated")
+    staged = backend == "emulated"
+    out = library.quantize(dy2d, need_row, need_col, signs, sr, sr, seed, staged, staged)
     return library.operand_pair(out, dy2d.shape, need_row, need_col)
 
 
