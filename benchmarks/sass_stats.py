@@ -38,23 +38,43 @@ VARIANTS = {  # name: (ROW, COL, RHT, SR_ROW, SR_COL, ROW_F16)
     "col RHT": (False, True, True, False, False, False),
     "col RHT SR": (False, True, True, False, True, False),
     "row f16 + col RHT (fwd X)": (True, True, True, False, False, True),
-    "row SR f16 + col RHT SR (bwd dY)": (True, True, True, True, True, True),
+    "row SR f16 + col RHT SR f16 (bwd dY)": (True, True, True, True, True, True),
 }
 _POINTERS = {"X": "*bf16", "AMAX": "*i32", "GS": "*fp32", "RD": "*u8", "RS": "*fp8e4nv", "CD": "*u8",
              "CS": "*fp8e4nv", "SIGNS": "*fp32", "SEED": "*i64", "BEXP": "*i32"}
 _ALIGNED_INTS = ("K", "sxm", "Mpad")  # what Triton's specialization sees for a contiguous K % 16 == 0 input
 
 
-def compile_variant(row, col, rht, sr_row, sr_col, row_f16, g=2, bk=128, warps=4, arch=90):
-    fn = q._quantize_kernel
-    sig = {n: _POINTERS.get(n, "i32") for n in fn.arg_names}
-    const = dict(sxk=1, ROW=row, COL=col, RHT=rht, SR_ROW=sr_row, SR_COL=sr_col, GROUPED=False,
-                 ROW_F16=row_f16, NSP2=2, G=g, BK=bk)
+# the other kernels of a training step: (kernel, pointer types, constexprs); the elements counted are
+# the input's, as for the operand kernel
+OTHER = {
+    "weight 16x16 staged + transpose (fwd W)": (q._quantize_2d_kernel, {"W": "*bf16", "AMAX": "*i32", "GS": "*fp32",
+        "D": "*fp16", "S": "*fp8e4nv", "DT": "*u8", "ST": "*fp8e4nv", "BEXP": "*i32"},
+        dict(swk=1, EMIT_T=True, GROUPED=False, EMIT_F16=True, NSP2=1)),
+    "amax row + col RHT": (q._amax_kernel, {"X": "*bf16", "AMAX": "*i32", "SIGNS": "*fp32", "BEXP": "*i32"},
+                           dict(sxk=1, ROW=True, COL=True, RHT=True, GROUPED=False)),
+}
+VARIANTS.update({name: None for name in OTHER})
+
+
+def _compile(fn, pointers: dict, const: dict, warps: int, arch: int):
+    sig = {n: pointers.get(n, "i32") for n in fn.arg_names}
     for n in const:
         sig[n] = "constexpr"
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in (*_POINTERS, *_ALIGNED_INTS)}
+    aligned = [n for n in fn.arg_names if n in pointers or n in _ALIGNED_INTS or n in ("N", "swn")]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     return triton_compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": warps})
+
+
+def compile_variant(name: str, g=2, bk=128, warps=4, arch=90):
+    if name in OTHER:
+        fn, pointers, const = OTHER[name]
+        return _compile(fn, pointers, dict(const, G=g, BK=bk), warps, arch)
+    row, col, rht, sr_row, sr_col, row_f16 = VARIANTS[name]
+    const = dict(sxk=1, ROW=row, COL=col, RHT=rht, SR_ROW=sr_row, SR_COL=sr_col, GROUPED=False,
+                 ROW_F16=row_f16, NSP2=2, G=g, BK=bk, COL_F16=col and sr_col)  # dY's columns go out staged
+    return _compile(q._quantize_kernel, _POINTERS, const, warps, arch)
 
 
 def _tool(name: str) -> str:
@@ -81,7 +101,7 @@ def opcode(line: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--variant", action="append", choices=list(VARIANTS))
+    p.add_argument("--variant", action="append", choices=list(VARIANTS) + list(OTHER))
     p.add_argument("--config", nargs=3, type=int, default=(2, 128, 4), metavar=("G", "BK", "WARPS"))
     p.add_argument("--ops", type=int, default=10, help="most frequent opcodes to list")
     p.add_argument("--dump", help="folder for each variant's SASS")
@@ -92,7 +112,7 @@ def main() -> None:
     print("| variant | SASS instructions | per element | regs | stack B | top opcodes per element |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     for name in args.variant or VARIANTS:
-        k = compile_variant(*VARIANTS[name], g=g, bk=bk, warps=warps)
+        k = compile_variant(name, g=g, bk=bk, warps=warps)
         lines, regs, stack = sass_and_registers(k)
         ops = collections.Counter(opcode(ln) for ln in lines)
         top = ", ".join(f"{o} {c / per_thread:.1f}" for o, c in ops.most_common(args.ops))

@@ -79,15 +79,9 @@ def e2m1_code(v):
 
 
 @triton.jit
-def e2m1_rne(v):
-    """Twin of formats.e2m1_encode_rne: fp32 to E2M1 code (uint8), ties to even, saturating; NaN -> 0."""
-    return tl.where(v == v, e2m1_code(v), 0).to(tl.uint8)
-
-
-@triton.jit
 def e2m1_staged(v, e32):
     """q·e_b as fp32 for the E2M1 value q = rne(v) (sign kept, -0 included) and the block's decoded E4M3
-    scale e32: what e2m1_fp16_unit of the code times e_b gives, without forming the code. Exact."""
+    scale e32 (twin of formats.e2m1_decode of the code, times e_b), without forming the code. Exact."""
     a = tl.minimum(tl.abs(v), 6.0)
     magic = e2m1_magic(a)
     g = (a + magic) - magic  # the grid value, exactly
@@ -101,13 +95,30 @@ def e2m1_stochastic_code(v, u):
     blocks), uniforms u in [0, 1): up with probability (|v| - lo) / (hi - lo), saturating. With p the
     bits of max(2^⌊log₂ a⌋, 1) (1, 2 or 4: range R), t = a / step is a·2^(1-R) exactly, lo = ⌊t⌋ and
     frac = t - lo are the reference's values, and the code is k + 2R read off integer bits."""
+    k, p = _stochastic_steps(v, u)
+    kb = (k + 8388608.0).to(tl.int32, bitcast=True)  # 2²³ + k: k in the low bits
+    sign = (v.to(tl.int32, bitcast=True) >> 28) & 8
+    return (((kb & 7) + (p >> 22) - 254) | sign).to(tl.uint8)
+
+
+@triton.jit
+def _stochastic_steps(v, u):
+    """(k, p) of e2m1_stochastic_code: the rounded |v| is k grid steps (fp32 0-4), p the bits of the
+    range's 2^R (1, 2 or 4; the step is 2^R / 2)."""
     a = tl.minimum(tl.abs(v), 6.0)
     p = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
     t = a * (0x7F800000 - p).to(tl.float32, bitcast=True)  # times 2, 1 or 1/2
     lo = tl.floor(t)
-    k = (lo + tl.where(u < t - lo, 8388609.0, 8388608.0)).to(tl.int32, bitcast=True)  # 2²³ + k: k in the low bits
-    sign = (v.to(tl.int32, bitcast=True) >> 28) & 8
-    return (((k & 7) + (p >> 22) - 254) | sign).to(tl.uint8)
+    return lo + tl.where(u < t - lo, 1.0, 0.0), p
+
+
+@triton.jit
+def e2m1_stochastic_staged(v, u, e32):
+    """q·e_b as fp32 for q = e2m1_stochastic_code(v, u) (as e2m1_staged for nearest-even). Exact."""
+    k, p = _stochastic_steps(v, u)
+    g = k * (p - 0x800000).to(tl.float32, bitcast=True)  # k · step, step = 2^R / 2
+    q = (g.to(tl.int32, bitcast=True) | (v.to(tl.int32, bitcast=True) & -0x80000000)).to(tl.float32, bitcast=True)
+    return q * e32
 
 
 @triton.jit
@@ -205,8 +216,8 @@ def quantize_slices16(xs, s_enc, STOCHASTIC: tl.constexpr, seed, counter, STAGED
     """NVFP4 of 16-element blocks laid out across a 16-tuple of tiles (tile i = element i of each
     block): (16 code tiles uint8, e4m3 scales, one per tile element). Stochastic draws come from
     Philox at 2·counter and 2·counter + 1 (uniforms8), ``counter`` unique per block. Codes of a
-    non-finite block are 0 (the reference's NaN·r). STAGED (nearest-even only): the 16 tiles are the
-    GEMM's fp16 values q·e_b (staged_slices16) instead of codes."""
+    non-finite block are 0 (the reference's NaN·r). STAGED: the 16 tiles are the GEMM's fp16 values
+    q·e_b (the decoded codes times e_b) instead of codes."""
     e, r = block_scales(amax16(xs), s_enc)
     finite = r == r
     # Ties the counters to the data's register layout (NaN blocks, coded 0 anyway, draw at 0): else
@@ -219,7 +230,9 @@ def quantize_slices16(xs, s_enc, STOCHASTIC: tl.constexpr, seed, counter, STAGED
         if STOCHASTIC:
             us = uniforms8(seed, counter * 2 + h)
         for i in tl.static_range(8):
-            if STOCHASTIC:
+            if STOCHASTIC and STAGED:
+                out = out + (e2m1_stochastic_staged(xs[8 * h + i] * r, us[i], e32).to(tl.float16),)
+            elif STOCHASTIC:
                 out = out + (e2m1_stochastic_code(xs[8 * h + i] * r, us[i]) & keep,)
             elif STAGED:
                 out = out + (e2m1_staged(xs[8 * h + i] * r, e32).to(tl.float16),)
@@ -254,14 +267,6 @@ def pack_slices16(codes, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def e2m1_fp16_unit(c):
-    """E2M1 code (uint8, sign in bit 3) to fp16 q·2⁻¹⁴, exact: the 3 magnitude bits shifted into fp16's
-    exponent and top mantissa bit, the sign into fp16's sign (twin of formats.e2m1_decode, times 2⁻¹⁴)."""
-    b = c.to(tl.uint16)
-    return (((b & 0x7) << 9) | ((b & 0x8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
 def join_slices16(t, R: tl.constexpr, C: tl.constexpr):
     """16-tuple of [R, C] tiles -> [R, C, 16], tile i at index i: joins only add in-thread dims."""
     a = ()
@@ -274,14 +279,3 @@ def join_slices16(t, R: tl.constexpr, C: tl.constexpr):
     for i in tl.static_range(2):
         c = c + (tl.join(b[i], b[i + 2]),)
     return tl.reshape(tl.join(c[0], c[1]), (R, C, 16))  # tile 8·d0 + 4·d1 + 2·d2 + d3
-
-
-@triton.jit
-def staged_slices16(codes, e, R: tl.constexpr, C: tl.constexpr):
-    """The fp16 values q·e_b a 16-bit tensor-core GEMM multiplies (exact: see kernels/gemm.py) of 16 code
-    tiles [R, C] with their E4M3 scales e [R, C], as [R, C, 16] in block order."""
-    s = e.to(tl.float32) * 16384.0  # 2^14 undoes the 2^-14 of e2m1_fp16_unit, exactly
-    vals = ()
-    for i in tl.static_range(16):
-        vals = vals + ((e2m1_fp16_unit(codes[i]).to(tl.float32) * s).to(tl.float16),)
-    return join_slices16(vals, R, C)

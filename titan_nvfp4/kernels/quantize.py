@@ -26,8 +26,8 @@ from ..numerics.nvfp4 import NVFP4Tensor, global_encode_scale
 from ..ops.grouped import block_experts
 from ..ops.library import operand_pair, weight_pair
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
-from .nvfp4_jit import (amax16, block_scales, e2m1_fp16_unit, e2m1_rne, join_slices16, pack16_along_slices,
-                        pack_pairs, pack_slices16, quantize_slices16, rht16_slices, split8, staged_slices16)
+from .nvfp4_jit import (amax16, block_scales, e2m1_code, e2m1_staged, join_slices16, pack16_along_slices,
+                        pack_pairs, pack_slices16, quantize_slices16, rht16_slices, split8)
 
 G_Q = 2  # 16-row blocks per program (fixed tiles: the interpreter, small inputs)
 BK_Q = 64  # features per program
@@ -134,11 +134,10 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
         s = _encode_scale(AMAX + NSLOT, BEXP, blk, nblk, GROUPED)
         # (not k·Mpad/16 + b: that expression is the CS store's offsets, whose layout it would then share)
         out, e = quantize_slices16(xs, s, SR_COL, seed, (Mpad // 16) * K + blk[:, None] * K + rk[None, :],
-                                   STAGED=COL_F16 and not SR_COL)
+                                   STAGED=COL_F16)
         kmask = (rk < K)[:, None]
         if COL_F16:  # [G, BK, 16] (token 16g + i last) -> [BK, 16G]: rows of xᵀ
-            vals = staged_slices16(out, e, G, BK) if SR_COL else join_slices16(out, G, BK)
-            vals = tl.reshape(tl.permute(vals, (1, 0, 2)), (BK, 16 * G))
+            vals = tl.reshape(tl.permute(join_slices16(out, G, BK), (1, 0, 2)), (BK, 16 * G))
             rt = tl.program_id(0) * (16 * G) + tl.arange(0, 16 * G)
             tl.store(CD + rk[:, None].to(tl.int64) * Mpad + rt[None, :], vals, mask=kmask & (rt < Mpad)[None, :])
         else:
@@ -153,13 +152,12 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
         kb = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
         xs = _load16_cols(X, rows, kb, M, K, sxm, sxk)
         s = _encode_scale(AMAX, BEXP, rows // 16, nblk, GROUPED)
-        # nearest-even staged rows skip the codes: quantize_slices16 forms q·e_b directly
-        out, e = quantize_slices16(xs, s, SR_ROW, seed, rows[:, None] * (K // 16) + kb[None, :],
-                                   STAGED=ROW_F16 and not SR_ROW)
+        # staged rows skip the codes: quantize_slices16 forms q·e_b directly
+        out, e = quantize_slices16(xs, s, SR_ROW, seed, rows[:, None] * (K // 16) + kb[None, :], STAGED=ROW_F16)
         rmask = (rows < M)[:, None]
         kmask = (kb < K // 16)[None, :]
         if ROW_F16:
-            vals = staged_slices16(out, e, 16 * G, BK // 16) if SR_ROW else join_slices16(out, 16 * G, BK // 16)
+            vals = join_slices16(out, 16 * G, BK // 16)
             tl.store(RD + rows[:, None, None].to(tl.int64) * K + kb[None, :, None] * 16 + tl.arange(0, 16)[None, None, :],
                      vals, mask=(rmask & kmask)[:, :, None])
         else:
@@ -185,15 +183,17 @@ def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, 
     bamax = tl.max(tl.reshape(amax16(ws), (G, BK // 16, 16)), axis=2)
     e, r = block_scales(bamax, s)  # [G, BK/16]
     rk2 = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
-    if EMIT_F16:  # e_b · 2^14 per element (exact), for staged_value below
-        e16 = tl.reshape(tl.broadcast_to((e.to(tl.float32) * 16384.0)[:, :, None], (G, BK // 16, 16)), (G, BK))
+    # per element: e_b (for the staged values) and the code mask of non-finite blocks (r is NaN there)
+    e32 = tl.reshape(tl.broadcast_to(e.to(tl.float32)[:, :, None], (G, BK // 16, 16)), (G, BK))
+    keep = tl.reshape(tl.broadcast_to(tl.where(r == r, 15, 0).to(tl.uint8)[:, :, None], (G, BK // 16, 16)), (G, BK))
     codes = ()
     for i in tl.static_range(16):
-        c = e2m1_rne(tl.reshape(tl.reshape(ws[i], (G, BK // 16, 16)) * r[:, :, None], (G, BK)))
+        y = tl.reshape(tl.reshape(ws[i], (G, BK // 16, 16)) * r[:, :, None], (G, BK))
+        c = e2m1_code(y) & keep
         codes = codes + (c,)
         row = (blk * 16 + i)[:, None]
         if EMIT_F16:
-            tl.store(D + row.to(tl.int64) * K + rk[None, :], (e2m1_fp16_unit(c).to(tl.float32) * e16).to(tl.float16),
+            tl.store(D + row.to(tl.int64) * K + rk[None, :], e2m1_staged(y, e32).to(tl.float16),
                      mask=(row < N) & (rk < K)[None, :])
         else:
             tl.store(D + row.to(tl.int64) * (K // 2) + rk2[None, :], pack_pairs(c, G, BK),
@@ -218,7 +218,7 @@ def _quant_configs():
 def _operand_configs():
     # three of the best of benchmarks/quant_variants.py on an H100 (32 elements per thread), and two
     # with 64 per thread: fewer instructions per element (benchmarks/sass_stats.py: 48 instead of 56
-    # for forward X, 64 instead of 99 for backward dY) at 96-180 registers
+    # for forward X, 64 instead of 88 for backward dY) at 96-141 registers
     return [triton.Config({"G": g, "BK": bk}, num_warps=w)
             for g, bk, w in ((2, 64, 2), (2, 128, 4), (4, 128, 8), (1, 256, 2), (4, 128, 4))]
 
