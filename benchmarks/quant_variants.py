@@ -16,13 +16,15 @@ import triton
 from titan_nvfp4.kernels import quantize as q
 from titan_nvfp4.numerics.rht import rht_signs
 
-VARIANTS = {  # name: (ROW, COL, RHT, SR_ROW, SR_COL)
-    "row": (True, False, False, False, False),
-    "row SR": (True, False, False, True, False),
-    "col RHT": (False, True, True, False, False),
-    "col RHT SR": (False, True, True, False, True),
-    "row + col RHT (fwd X)": (True, True, True, False, False),
-    "row SR + col RHT SR (bwd dY)": (True, True, True, True, True),
+VARIANTS = {  # name: (ROW, COL, RHT, SR_ROW, SR_COL, ROW_F16, COL_F16)
+    "row": (True, False, False, False, False, False, False),
+    "row SR": (True, False, False, True, False, False, False),
+    "col RHT": (False, True, True, False, False, False, False),
+    "col RHT SR": (False, True, True, False, True, False, False),
+    "row + col RHT (fwd X, codes)": (True, True, True, False, False, False, False),
+    "row f16 + col RHT (fwd X as trained)": (True, True, True, False, False, True, False),
+    "row SR + col RHT SR (bwd dY, codes)": (True, True, True, True, True, False, False),
+    "row SR f16 + col RHT SR f16 (bwd dY as trained)": (True, True, True, True, True, True, True),
 }
 CONFIGS = [(2, 64, 1), (1, 128, 2), (2, 64, 2), (2, 128, 4), (1, 256, 4), (4, 128, 8), (1, 256, 2), (4, 128, 4), (1, 512, 4)]
 
@@ -44,18 +46,21 @@ def main() -> None:
     rs = torch.empty(M, K // 16, dtype=torch.float8_e4m3fn, device="cuda")
     cd = torch.empty(K, M // 2, dtype=torch.uint8, device="cuda")
     cs = torch.empty(K, M // 16, dtype=torch.float8_e4m3fn, device="cuda")
+    rd16 = torch.empty(M, K, dtype=torch.float16, device="cuda")  # staged outputs
+    cd16 = torch.empty(K, M, dtype=torch.float16, device="cuda")
     copy_ms = triton.testing.do_bench(lambda: rd.view(-1)[: M * K // 2].copy_(x.view(torch.uint8).view(-1)[: M * K // 2]))
     print(f"copy of {M * K // 2 / 2**20:.0f} MiB: {copy_ms:.3f} ms ({2 * M * K // 2 / copy_ms / 1e9:.2f} TB/s)")
     print("| variant | G | BK | warps | ms | TB/s (read+write) | regs | spills | layout converts | smem B |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name, (row, col, rht, srr, src) in VARIANTS.items():
-        nbytes = M * K * 2 + (M * K * 9 // 16 if row else 0) + (M * K * 9 // 16 if col else 0)
+    for name, (row, col, rht, srr, src, rf16, cf16) in VARIANTS.items():
+        out_bytes = lambda on, f16: (M * K * 2 if f16 else M * K * 9 // 16) if on else 0  # noqa: E731
+        nbytes = M * K * 2 + out_bytes(row, rf16) + out_bytes(col, cf16)
         for g, bk, w in CONFIGS:
             def run():
                 return q._quantize_kernel[(triton.cdiv(M, 16 * g), triton.cdiv(K, bk))](
-                    x, M, K, x.stride(0), x.stride(1), amax, gs, rd, rs, cd, cs, signs, seed, M,
-                    amax, 1, ROW=row, COL=col, RHT=rht, SR_ROW=srr, SR_COL=src, GROUPED=False, ROW_F16=False, NSP2=2, G=g,
-                    BK=bk, num_warps=w)
+                    x, M, K, x.stride(0), x.stride(1), amax, gs, rd16 if rf16 else rd, rs, cd16 if cf16 else cd, cs,
+                    signs, seed, M, amax, 1, ROW=row, COL=col, RHT=rht, SR_ROW=srr, SR_COL=src, GROUPED=False,
+                    ROW_F16=rf16, COL_F16=cf16, NSP2=2, G=g, BK=bk, num_warps=w)
             k = run()
             if args.ncu:
                 continue
