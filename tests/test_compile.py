@@ -30,12 +30,12 @@ def test_quantize_op_passes_opcheck(rows):
     signs = rht_signs(1, DEV)
     for args in [(x, True, True, signs, False, False, None), (x, True, True, signs, True, True, seed),
                  (x, False, True, None, False, False, None), (x, True, False, None, False, False, None)]:
-        torch.library.opcheck(library.quantize, args)
+        torch.library.opcheck(library.quantize.op, args)
 
 
 def test_quantize_2d_and_gemm_ops_pass_opcheck():
     w = _x(48, 64, seed=1)
-    torch.library.opcheck(library.quantize_2d, (w,))
+    torch.library.opcheck(library.quantize_2d.op, (w,))
     d, s, dt, st, gs = library.quantize_2d(w)
     rd, rs, _, _, gsx = library.quantize(_x(32, 64, seed=2), True, False, None, False, False, None)
     bias = torch.randn(48, device=DEV)
@@ -43,7 +43,7 @@ def test_quantize_2d_and_gemm_ops_pass_opcheck():
     # CPU kernels do not implement ("mul_cpu_reduced_float" for Float8_e4m3fn)
     utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     for out_dtype, b in [(torch.float32, None), (torch.bfloat16, bias)]:
-        torch.library.opcheck(library.gemm, (rd, rs, gsx[0], False, d, s, gs[0], True, out_dtype, b, "emulated"),
+        torch.library.opcheck(library.gemm.op, (rd, rs, gsx[0], False, d, s, gs[0], True, out_dtype, b, "emulated"),
                               test_utils=utils)
 
 
@@ -51,7 +51,7 @@ def test_quantize_2d_and_gemm_ops_pass_opcheck():
 def test_quantize_mxfp8_op_passes_opcheck(rows):
     x = _x(rows, 64, dtype=torch.bfloat16)
     for flags in [(True, True), (True, False), (False, True)]:
-        torch.library.opcheck(library.quantize_mxfp8, (x, *flags))
+        torch.library.opcheck(library.quantize_mxfp8.op, (x, *flags))
 
 
 def test_gemm_op_rejects_unknown_backend():
@@ -111,3 +111,41 @@ def test_compiled_model_matches_eager_bit_for_bit(sr):
     assert sr == (not torch.equal(first, g_c["0.up.weight"]))  # SR: new numbers each step
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert frames == 1, f"expected one graph for all blocks, got {frames}"
+
+
+def test_eager_calls_skip_the_dispatcher_and_modes_do_not():
+    """Eager calls on plain tensors run the kernel code directly (no custom-op overhead); under a
+    dispatch mode (as selective activation checkpointing uses) the same call goes through the op, which
+    the mode then sees as one opaque call with the same outputs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = _x(32, 64)
+    direct = library.quantize(x, True, True, None, False, False, None)
+    with Seen() as mode:
+        via_op = library.quantize(x, True, True, None, False, False, None)
+    assert "titan_nvfp4.quantize.default" in mode.ops
+    for a, b in zip(direct, via_op):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    from unittest import mock
+
+    from torch._library.custom_ops import CustomOpDef
+
+    calls = []
+    real = CustomOpDef.__call__
+    with mock.patch.object(CustomOpDef, "__call__", lambda self, *a, **k: calls.append(self) or real(self, *a, **k)):
+        library.quantize(x, True, True, None, False, False, None)
+        assert calls == []  # eager: straight to the kernels
+        with Seen():
+            library.quantize(x, True, True, None, False, False, None)
+        assert calls == [library.quantize.op]
+    meta = library.quantize(x.to("meta"), True, True, None, False, False, None)  # meta: the fake impl
+    assert meta[0].device.type == "meta" and meta[0].shape == direct[0].shape
