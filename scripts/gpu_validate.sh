@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the kernels after a change, from the repo root of a bare
 # device machine (`.whl` carried):
-#   OUT=<dir> bash scripts/gpu_validate.sh [quick] [tests] [grouped] [quant] [kernels] [e2e]
+#   OUT=<dir> bash scripts/gpu_validate.sh [quick] [tests] [grouped] [quant] [host] [kernels] [e2e]
 #            (default: quick grouped kernels)
 #   quick    tests/test_gpu.py and the quantization kernels' bit-identity tests at full shapes (~2 min)
 #   tests    every GPU test of the kernels, the linear, the grouped path and compile  (~8 min)
 #   quant    benchmarks/quant_variants.py: the quantization kernel per feature and tile (~2 min)
+#   host     benchmarks/host_overhead.py: host time per launcher and per NVFP4Linear step (~1 min)
 #   grouped  benchmarks/bench_grouped.py --profile                                   (~4 min)
 #   kernels  benchmarks/bench_kernels.py --quick                                     (~2 min)
 #   e2e      Llama3 2B_bench BF16 vs NVFP4, 24 batches (scripts/e2e_bench.sh)          (~4 min)
@@ -24,6 +25,7 @@ for stage in "${stages[@]}"; do
                > "$out/pytest_quick.log" 2>&1; tail -3 "$out/pytest_quick.log" ;;
     tests) python -m pytest -q tests/test_gpu.py tests/test_kernels.py tests/test_linear.py -x \
                > "$out/pytest_gpu.log" 2>&1; tail -3 "$out/pytest_gpu.log" ;;
+    host) python benchmarks/host_overhead.py > "$out/host_overhead.txt" 2>&1; tail -20 "$out/host_overhead.txt" ;;
     quant) python benchmarks/quant_variants.py > "$out/quant_variants.txt" 2>&1; grep "^|\|copy" "$out/quant_variants.txt" | head -70 ;;
     grouped) python benchmarks/bench_grouped.py --profile --json "$out/grouped.json" > "$out/grouped.txt" 2>&1
              grep "^|" "$out/grouped.txt" ;;
