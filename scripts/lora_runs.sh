@@ -2,24 +2,25 @@
 # The issue-5 comparison on one GPU, from the repo root of a bare device machine (".whl" carried, and
 # ".kernel_cache" when an earlier session saved one):
 #   bash scripts/lora_runs.sh [STEPS] [ARMS...]
-# Default: 2000 steps of gpt_oss_bf16, gpt_oss_nvfp4, gpt_oss_nvfp4_lora32 and the diagnostic
+# Default: 2000 steps of gpt_oss_bf16, gpt_oss_nvfp4, gpt_oss_nvfp4_lora32 (rank 32 on dense Linears
+# and experts) and the diagnostics gpt_oss_nvfp4_lora32_dense (rank 32 on dense Linears only) and
 # gpt_oss_nvfp4_attn (only the dense Linears in NVFP4), all with the same seed and data, side by side on
-# each GPU (ARMS_PER_GPU, default 4: the debug model is small and host-bound). Runs live in
+# each GPU (ARMS_PER_GPU, default 5: the debug model is small and host-bound). Runs live in
 # ./outputs/lora_runs and checkpoint every CKPT_INTERVAL (250) steps, so a call stopped by ARM_TIMEOUT
 # (540 s) is resumed by running the same command again on the still-warm machine. Once every arm has
 # reached STEPS, writes the table (share of the BF16-NVFP4 gap each arm closes), CSV and plot, and
-# copies logs, table, plot and the compiled-kernel caches (scripts/save_kernel_cache.sh) to $OUT when set.
+# copies logs, table and the compiled-kernel caches (scripts/save_kernel_cache.sh) to $OUT when set.
 set -uo pipefail
 steps=${1:-2000}
 shift || true
 arms=("$@")
-[[ ${#arms[@]} -eq 0 ]] && arms=(gpt_oss_bf16 gpt_oss_nvfp4 gpt_oss_nvfp4_lora32 gpt_oss_nvfp4_attn)
+[[ ${#arms[@]} -eq 0 ]] && arms=(gpt_oss_bf16 gpt_oss_nvfp4 gpt_oss_nvfp4_lora32 gpt_oss_nvfp4_lora32_dense gpt_oss_nvfp4_attn)
 run=./outputs/lora_runs
 mkdir -p "$run"
 source scripts/device_setup.sh >/dev/null 2>&1 || exit 1
 python -m titan_nvfp4.data.prepare 2>&1 | tail -1
 
-ARMS_PER_GPU=${ARMS_PER_GPU:-4} ARM_TIMEOUT=${ARM_TIMEOUT:-540} CKPT_INTERVAL=${CKPT_INTERVAL:-250} \
+ARMS_PER_GPU=${ARMS_PER_GPU:-5} ARM_TIMEOUT=${ARM_TIMEOUT:-540} CKPT_INTERVAL=${CKPT_INTERVAL:-250} \
   bash scripts/run_arms.sh "$run" "$steps" "${arms[@]}"
 logs=() done=1
 for arm in "${arms[@]}"; do
@@ -34,9 +35,9 @@ if (( done )); then
 else
   echo "not every arm reached step $steps: run the same command again to resume"
 fi
-if [[ -n ${OUT:-} ]]; then  # at most 8 files come back: 4 logs, table, plot, 2 kernel caches (the CSV is rebuilt from the logs)
+if [[ -n ${OUT:-} ]]; then  # at most 8 files come back: 5 logs, the table, 2 kernel caches (CSV and plot: rebuild from the logs)
   cp "${logs[@]}" "$OUT/" 2>/dev/null
-  cp "$run"/lora_runs.{md,png} "$OUT/" 2>/dev/null
+  cp "$run"/lora_runs.md "$OUT/" 2>/dev/null
   bash scripts/save_kernel_cache.sh
 fi
 true

@@ -120,7 +120,7 @@ def test_use_before_decomposition_fails_loudly():
     mod = DecomposedLinear.from_linear(lin, REF, rank=16, name="layers.0.attention.wq")
     assert mod.lora_u.is_meta and mod.lora_u.shape == (64, 16)  # allocated on meta, no data read
     mod.to_empty(device="cpu")
-    with pytest.raises(RuntimeError, match="before its weight was decomposed"):
+    with pytest.raises(RuntimeError, match="before its weights were decomposed"):
         mod(torch.randn(4, 96))
 
 

@@ -340,3 +340,101 @@ def test_expert_dims_not_multiple_of_16_rejected():
         mod = GroupedExperts(dim=40, hidden_dim=64, num_experts=4, use_grouped_mm=True)
     with pytest.raises(ValueError, match=r"layers.3.moe.experts.*w1 \(4, 64, 40\)"):
         NVFP4GroupedExperts.convert(mod, REF, 0, name="layers.3.moe.experts")
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
+def test_expert_lowrank_branch_meta_build_decomposition_and_gradients(name, cpu_histc):
+    """lora_rank on experts: factors allocated on meta, the per-expert SVD split after init_weights
+    (U·diag(σ)·V + R = W to fp32 rounding), W unchanged for a BF16 reader (dense_weights), the module's
+    output = NVFP4 on R plus the exact branch, and gradients for U, σ, V and R."""
+    from titan_nvfp4.integration.converter import decompose_after_init, redecompose
+    from titan_nvfp4.integration.experts import grouped_lowrank
+
+    torch.manual_seed(0)
+    model, args = _build(name)
+    recipe = NVFP4Recipe(gemm_backend="reference")
+    report = convert_experts(model, recipe, ["experts"], lora_rank=16)
+    decompose_after_init(model)
+    experts = [m for m in model.modules() if isinstance(m, (NVFP4GroupedExperts, NVFP4GptOssExperts))]
+    assert len(experts) == len(report["converted"]) and experts[0].lora_rank == 16
+    g0 = experts[0].GEMMS[0]
+    u = getattr(experts[0], f"{g0}_lora_u")
+    assert u.is_meta and u.shape == (*getattr(experts[0], g0).shape[:2], 16)
+    assert f"layers.0.moe.experts.{g0}_lora_sigma" in model.state_dict() or any(
+        k.endswith(f"{g0}_lora_sigma") for k in model.state_dict())
+    model.to_empty(device="cpu")
+    full = {}
+    with torch.no_grad():
+        torch.manual_seed(0)
+        type(model).init_weights(model, buffer_device=None)  # the weights as TorchTitan initializes them
+        for m in experts:
+            full[m] = {g: getattr(m, g).detach().float().clone() for g in m.GEMMS}
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)  # TorchTitan's init (same seed: same W), then the split
+    for m in experts:
+        assert bool(m.lora_decomposed)
+        # fp32 weights: to fp32 rounding; bf16 ones (gpt_oss's args): R and the factors are stored in bf16
+        tol = 1e-5 if getattr(m, m.GEMMS[0]).dtype == torch.float32 else 8 * torch.finfo(torch.bfloat16).eps
+        for g, w in m.dense_weights().items():
+            assert torch.allclose(w, full[m][g], rtol=0, atol=tol * full[m][g].abs().max()), g
+            s = getattr(m, f"{g}_lora_sigma")
+            assert (s[:, :-1] >= s[:, 1:]).all(), "σ descending per expert"
+    assert redecompose(model) == len(experts)  # a refresh keeps W
+    for m in experts:
+        for g, w in m.dense_weights().items():
+            assert torch.allclose(w, full[m][g], rtol=0, atol=2 * tol * full[m][g].abs().max()), g
+
+    # checkpoint round trip and dense export: the experts' keys come back as TorchTitan's own
+    from titan_nvfp4.tools.export_dense import fold_decomposed
+
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    plain, _ = _build(name)
+    dense = fold_decomposed(state)
+    assert not any("lora" in k for k in dense) and set(dense) == set(plain.state_dict())
+    prefix = next(k for k in state if k.endswith(f"{g0}_lora_u"))[: -len(f"{g0}_lora_u")]
+    for g, w in experts[0].dense_weights().items():
+        assert torch.equal(dense[prefix + g], w.to(dense[prefix + g].dtype))  # R + U·diag(σ)·V in R's dtype
+    again, _ = _build(name)
+    convert_experts(again, recipe, ["experts"], lora_rank=16)
+    again.to_empty(device="cpu")
+    again.load_state_dict(state)
+    m2 = next(m for m in again.modules() if isinstance(m, (NVFP4GroupedExperts, NVFP4GptOssExperts)))
+    assert m2._lora_ready and torch.equal(getattr(m2, f"{g0}_lora_u"), getattr(experts[0], f"{g0}_lora_u"))
+
+    m = experts[0]
+    dt = getattr(m, g0).dtype
+    x = torch.randn(48, getattr(m, g0).shape[-1], dtype=dt)
+    offsets = torch.tensor([16] + [16] * 0 + [32] * (getattr(m, g0).shape[0] - 1), dtype=torch.int32)
+    u, s, v = (getattr(m, f"{g0}_lora_{k}") for k in ("u", "sigma", "v"))
+    y = grouped_lowrank(x, u, s, v, offsets)
+    want = torch.zeros(48, u.shape[1], dtype=torch.float64)
+    want[:16] = (x[:16].double() @ v[0].double().t() * s[0].double()) @ u[0].double().t()
+    want[16:32] = (x[16:32].double() @ v[1].double().t() * s[1].double()) @ u[1].double().t()
+    # the branch runs in the input's dtype: fp32 (deepseek_v3 here) or bf16 (gpt_oss's args)
+    btol = 1e-4 if dt == torch.float32 else 2e-2
+    assert torch.allclose(y.double(), want, rtol=btol, atol=btol * float(want.abs().max())), "the branch"
+    assert not y[32:].any(), "tail rows zero"
+
+    block = next(b.moe for b in model.layers.values() if getattr(b, "moe", None) is not None and b.moe.experts is m)
+    out = block(torch.randn(2, 32, args.dim, dtype=block.router.gate.weight.dtype))
+    assert torch.isfinite(out).all()
+    out.square().mean().backward()
+    for g in m.GEMMS:
+        for p in (getattr(m, g), *(getattr(m, f"{g}_lora_{k}") for k in ("u", "sigma", "v"))):
+            assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+
+
+def test_expert_lowrank_rejects_bad_ranks_and_is_optional():
+    from titan_nvfp4.integration.job_config import NVFP4GroupedMMConfig
+
+    for bad in (-16, 8, 24, 20):
+        with pytest.raises(ValueError, match=r"\[quantize.grouped_mm.nvfp4\] lora_rank must be 0 \(off\) or a positive "
+                                             rf"multiple of 16, got {bad}"):
+            NVFP4GroupedMMConfig(lora_rank=bad)
+    model, _ = _build("deepseek_v3")
+    with pytest.raises(ValueError, match="lora_rank 4096 does not fit experts"):
+        convert_experts(model, NVFP4Recipe(), ["experts"], lora_rank=4096)
+    model, _ = _build("deepseek_v3")
+    convert_experts(model, NVFP4Recipe(), ["experts"])
+    assert not any("lora" in k for k in model.state_dict())

@@ -33,7 +33,7 @@ from .recipe import NVFP4Recipe
 LORA_LAYER_ID_BASE = 1 << 21
 
 
-def _assign(param: torch.Tensor, value: torch.Tensor) -> None:
+def assign_full(param: torch.Tensor, value: torch.Tensor) -> None:
     """param ← value (a full tensor); a DTensor parameter takes its shard of rank 0's value."""
     value = value.to(param.dtype)
     if isinstance(param, DTensor):
@@ -41,7 +41,45 @@ def _assign(param: torch.Tensor, value: torch.Tensor) -> None:
     param.copy_(value)
 
 
-class DecomposedLinear(NVFP4Linear):
+class LowRankState:
+    """Whether a low-rank module's weights hold a decomposition (``lora_decomposed`` buffer, saved with
+    the checkpoint, and its Python twin ``_lora_ready`` read in forward): shared by DecomposedLinear and
+    the decomposed expert modules (integration/experts.py), which define ``decompose_()``."""
+
+    def _init_lowrank_state(self, device) -> None:
+        self.register_buffer("lora_decomposed", torch.zeros((), dtype=torch.bool, device=device))
+        self._lora_ready = False  # no sync, no graph break in forward
+
+    def _mark_decomposed(self) -> None:
+        self.lora_decomposed.fill_(True)
+        self._lora_ready = True
+
+    def _is_decomposed(self) -> bool:
+        return self._lora_ready or bool(self.lora_decomposed)
+
+    def _check_decomposed(self) -> None:
+        if not self._lora_ready:
+            raise RuntimeError(f"{type(self).__name__} used before its weights were decomposed: run init_weights (the "
+                               "converter hooks decompose_ into it), decompose_(), or load a checkpoint")
+
+    def _apply(self, fn, recurse: bool = True):
+        # materializing a meta module (TorchTitan's to_empty) leaves lora_decomposed uninitialized: the
+        # weights are about to be initialized as full ones, so the module is not decomposed yet
+        flag = self._buffers.get("lora_decomposed")  # absent: a module converted without a rank
+        was_meta = flag is not None and flag.is_meta
+        super()._apply(fn, recurse)
+        if was_meta and not self.lora_decomposed.is_meta:
+            self.lora_decomposed.fill_(False)
+            self._lora_ready = False
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if "lora_decomposed" in self._buffers:
+            self._lora_ready = bool(self.lora_decomposed)
+
+
+class DecomposedLinear(LowRankState, NVFP4Linear):
     """NVFP4Linear on the residual R plus a rank-r branch U·diag(σ)·V in high precision (see module doc)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, rank: int,
@@ -76,8 +114,7 @@ class DecomposedLinear(NVFP4Linear):
         self.lora_u = nn.Parameter(torch.empty(self.out_features, rank, **kw))
         self.lora_sigma = nn.Parameter(torch.empty(rank, **kw))
         self.lora_v = nn.Parameter(torch.empty(rank, self.in_features, **kw))
-        self.register_buffer("lora_decomposed", torch.zeros((), dtype=torch.bool, device=w.device))
-        self._lora_ready = False  # the Python twin of lora_decomposed, read in forward (no sync, no graph break)
+        self._init_lowrank_state(w.device)
         # one SR stream per GEMM: R keeps the NVFP4Linear's (layer_id), the branch gets two more
         base = LORA_LAYER_ID_BASE + 2 * layer_id
         self._init_nvfp4(self.recipe, layer_id, w.device, n_gemms=3, stream_ids=(layer_id, base, base + 1))
@@ -87,36 +124,19 @@ class DecomposedLinear(NVFP4Linear):
         """Split the weight the module computes, W (``weight`` alone before the first split), into
         U·diag(σ)·V + R anew: at initialization, and on refresh (lora_refresh_steps)."""
         w = full_tensor(self.weight).float()
-        if self._lora_ready or bool(self.lora_decomposed):
+        if self._is_decomposed():
             w = lowrank_merge(self.lora_u, self.lora_sigma, self.lora_v, w)
         u, s, v, r = lowrank_split(w, self.rank)
         for param, value in ((self.lora_u, u), (self.lora_sigma, s), (self.lora_v, v), (self.weight, r)):
-            _assign(param, value)
-        self.lora_decomposed.fill_(True)
-        self._lora_ready = True
-
-    def _apply(self, fn, recurse: bool = True):
-        # materializing a meta module (TorchTitan's to_empty) leaves lora_decomposed uninitialized: the
-        # weight is about to be initialized as a full W, so the module is not decomposed yet
-        was_meta = self.lora_decomposed.is_meta
-        super()._apply(fn, recurse)
-        if was_meta and not self.lora_decomposed.is_meta:
-            self.lora_decomposed.fill_(False)
-            self._lora_ready = False
-        return self
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self._lora_ready = bool(self.lora_decomposed)
+            assign_full(param, value)
+        self._mark_decomposed()
 
     def dense_weight(self) -> torch.Tensor:
         """W = R + U·diag(σ)·V (fp32): what a BF16 Linear would load."""
         return lowrank_merge(self.lora_u, self.lora_sigma, self.lora_v, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._lora_ready:
-            raise RuntimeError("DecomposedLinear used before its weight was decomposed: run init_weights (the "
-                               "converter hooks decompose_ into it), decompose_(), or load a checkpoint")
+        self._check_decomposed()
         c, r, s = self.sr_counter, self.recipe, self.rht_signs
         y = nvfp4_linear(x, self.weight, self.bias, r, c[0], s)
         if self.lora_nvfp4:
@@ -130,4 +150,4 @@ class DecomposedLinear(NVFP4Linear):
         return f"{super().extra_repr()}, lora_rank={self.rank}, lora_nvfp4={self.lora_nvfp4}"
 
 
-__all__ = ["DecomposedLinear", "LORA_LAYER_ID_BASE"]
+__all__ = ["DecomposedLinear", "LORA_LAYER_ID_BASE", "LowRankState", "assign_full"]

@@ -15,7 +15,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
 from torchtitan.tools.logging import logger
 
-from ..decomposed_linear import DecomposedLinear
+from ..decomposed_linear import DecomposedLinear, LowRankState
 from ..nvfp4_linear import NVFP4Linear, check_linear_dims
 from ..recipe import NVFP4Recipe
 
@@ -120,9 +120,11 @@ class NVFP4LinearConverter(QuantizationConverter):
 
 
 def redecompose(model: nn.Module | list[nn.Module]) -> int:
-    """decompose_() every DecomposedLinear of ``model`` (or of each model part); returns how many."""
+    """decompose_() every low-rank module (DecomposedLinear, experts with a lora_rank) of ``model`` (or
+    of each model part); returns how many."""
     parts = model if isinstance(model, list) else [model]
-    mods = [m for part in parts for m in part.modules() if isinstance(m, DecomposedLinear)]
+    mods = [m for part in parts for m in part.modules()
+            if isinstance(m, LowRankState) and "lora_decomposed" in m._buffers]
     for m in mods:
         m.decompose_()
     return len(mods)
@@ -146,8 +148,9 @@ def decompose_after_init(model: nn.Module) -> None:
     model.init_weights = types.MethodType(_init_weights_then_decompose, model)
 
 
-def convert_experts(model: nn.Module, recipe: NVFP4Recipe, fqns: list[str]) -> dict[str, list]:
-    """Swap (in place) every routed-expert module whose name contains one of ``fqns``."""
+def convert_experts(model: nn.Module, recipe: NVFP4Recipe, fqns: list[str], lora_rank: int = 0) -> dict[str, list]:
+    """Swap (in place) every routed-expert module whose name contains one of ``fqns`` (with per-expert
+    low-rank factors when ``lora_rank``)."""
     from .experts import EXPERT_CLASSES
 
     n_blocks = _n_blocks(model)
@@ -163,7 +166,8 @@ def convert_experts(model: nn.Module, recipe: NVFP4Recipe, fqns: list[str]) -> d
         if why:
             report["skipped"].append((fqn, why))
             continue
-        cls.convert(mod, recipe, layer_id=GROUPED_LAYER_ID_BASE + 4 * len(report["converted"]), name=fqn)
+        cls.convert(mod, recipe, layer_id=GROUPED_LAYER_ID_BASE + 4 * len(report["converted"]), name=fqn,
+                    lora_rank=lora_rank)
         report["converted"].append(fqn)
     return report
 
@@ -172,6 +176,8 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
     """Converts routed MoE experts to NVFP4 per the `[quantize.grouped_mm.nvfp4]` section, and aligns
     TorchTitan's token groups to 16 so that wgrad blocks along tokens stay inside one expert."""
 
+    lora_rank: int = 0
+
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims):
         super().__init__(job_config, parallel_dims)
         from torchtitan.models.moe.utils import set_token_group_alignment_size_m
@@ -179,18 +185,22 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
         section = _section(job_config, "grouped_mm")
         self.recipe = section.build_recipe()
         self.fqns = list(section.fqns)
+        self.lora_rank = section.lora_rank
         set_token_group_alignment_size_m(16)
         self.enabled = True
 
     def convert(self, model: nn.Module) -> None:
-        report = convert_experts(model, self.recipe, self.fqns)
+        report = convert_experts(model, self.recipe, self.fqns, self.lora_rank)
         if not report["converted"]:
             raise ValueError(
                 f"{GROUPED_CONVERTER_NAME}: no routed-expert module matched fqns {self.fqns} "
                 f"(skipped: {report['skipped'] or 'the model has no GroupedExperts / GptOssGroupedExperts'})"
             )
-        logger.info(f"NVFP4: converted {len(report['converted'])} expert modules with {self.recipe}; "
+        lora = f", per-expert low-rank branch rank {self.lora_rank}" if self.lora_rank else ""
+        logger.info(f"NVFP4: converted {len(report['converted'])} expert modules with {self.recipe}{lora}; "
                     "token groups aligned to 16")
+        if self.lora_rank:
+            decompose_after_init(model)
         for fqn, why in report["skipped"]:
             logger.info(f"NVFP4: kept experts {fqn} in high precision ({why})")
 

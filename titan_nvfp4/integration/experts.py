@@ -7,6 +7,14 @@ looks at these parameters) are unchanged. Conversion swaps the class of the meta
 place and adds the NVFP4 buffers (layer_state.py). Both always take the grouped path (TorchTitan's
 ``use_grouped_mm = false`` for-loop is a BF16 debugging aid). Token groups are padded to TorchTitan's
 token-group alignment outside expert parallelism, as TorchTitan's own grouped path does.
+
+With ``lora_rank`` r (``[quantize.grouped_mm.nvfp4]``) every expert weight W_e [N, K] is kept as
+U_e·diag(σ_e)·V_e + R_e, as DecomposedLinear does for a dense Linear: R (the weight parameter itself)
+goes through the NVFP4 grouped GEMM and the rank-r branch ((x V_eᵀ) ⊙ σ_e) U_eᵀ runs beside it as
+two BF16 grouped GEMMs (``torch._grouped_mm``) over the same token groups. The factors are parameters
+``<weight>_lora_u`` [E, N, r], ``<weight>_lora_sigma`` [E, r] and ``<weight>_lora_v`` [E, r, K]; the
+split (one fp32 SVD per expert) runs after TorchTitan's init_weights, as for DecomposedLinear. Not yet
+under expert or tensor parallelism (the factors would need the weights' sharding).
 """
 
 from __future__ import annotations
@@ -20,8 +28,12 @@ from torchtitan.models.moe import utils as moe_utils
 from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.models.moe.utils import indices_padding_wrapper
 
+from torch import nn
+
+from ..decomposed_linear import LowRankState, assign_full
 from ..grouped_function import nvfp4_grouped_mm, nvfp4_grouped_mm_shared
 from ..layer_state import NVFP4LayerState
+from ..numerics.lowrank import check_rank, full_tensor, lowrank_merge, lowrank_split
 from ..recipe import NVFP4Recipe
 
 
@@ -47,19 +59,85 @@ def _expert_parallel(p: torch.Tensor) -> bool:
     return isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
 
 
-class _NVFP4Experts(NVFP4LayerState):
-    """Conversion shared by the expert modules: ``GEMMS`` names the 3D weights, one SR stream each."""
+def grouped_lowrank(x: torch.Tensor, u: torch.Tensor, sigma: torch.Tensor, v: torch.Tensor,
+                    offsets: torch.Tensor) -> torch.Tensor:
+    """[T, N]: rows of expert e get ((x V_eᵀ) ⊙ σ_e) U_eᵀ, rows past the last expert 0; two grouped
+    GEMMs in the input's dtype (the autocast dtype under autocast), differentiable in all of x, U, σ, V.
+    A zero pseudo-expert covers the tail rows, which torch._grouped_mm would leave unwritten."""
+    dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    E, N, r = u.shape
+    K = v.shape[-1]
+    vs = torch.cat([v * sigma[..., None], v.new_zeros(1, r, K)]).to(dt)
+    ue = torch.cat([u, u.new_zeros(1, N, r)]).to(dt)
+    offs = torch.cat([offsets.to(torch.int32), offsets.new_full((1,), x.shape[0], dtype=torch.int32)])
+    z = torch._grouped_mm(x.to(dt), vs.transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(z, ue.transpose(-2, -1), offs=offs)
+
+
+class _NVFP4Experts(LowRankState, NVFP4LayerState):
+    """Conversion shared by the expert modules: ``GEMMS`` names the 3D weights, one SR stream each;
+    with a rank, each weight also gets its low-rank factors (module docstring)."""
 
     GEMMS: tuple[str, ...] = ()
+    lora_rank: int = 0
 
     @classmethod
-    def convert(cls, mod, recipe: NVFP4Recipe, layer_id: int, name: str = ""):
-        """Swap ``mod``'s class for ``cls`` in place (its parameters stay) and add the NVFP4 buffers."""
+    def convert(cls, mod, recipe: NVFP4Recipe, layer_id: int, name: str = "", lora_rank: int = 0):
+        """Swap ``mod``'s class for ``cls`` in place (its parameters stay) and add the NVFP4 buffers (and,
+        with ``lora_rank``, the factors, allocated like the weights: on meta for a meta module)."""
         weights = {g: getattr(mod, g) for g in cls.GEMMS}
         check_expert_dims(name, weights)
+        check_rank(lora_rank, "quantize.grouped_mm.nvfp4")
+        for g, w in weights.items():
+            if lora_rank > min(w.shape[-2:]):
+                raise ValueError(f"lora_rank {lora_rank} does not fit experts {name!r}: {g} {tuple(w.shape)}")
         mod.__class__ = cls
-        mod._init_nvfp4(recipe, layer_id, weights[cls.GEMMS[0]].device, n_gemms=len(cls.GEMMS))
+        device = weights[cls.GEMMS[0]].device
+        mod._init_nvfp4(recipe, layer_id, device, n_gemms=len(cls.GEMMS))
+        mod.lora_rank = lora_rank
+        if lora_rank:
+            for g, w in weights.items():
+                E, N, K = w.shape
+                kw = dict(device=w.device, dtype=w.dtype)
+                setattr(mod, f"{g}_lora_u", nn.Parameter(torch.empty(E, N, lora_rank, **kw)))
+                setattr(mod, f"{g}_lora_sigma", nn.Parameter(torch.empty(E, lora_rank, **kw)))
+                setattr(mod, f"{g}_lora_v", nn.Parameter(torch.empty(E, lora_rank, K, **kw)))
+            mod._init_lowrank_state(device)
+            if not device.type == "meta":
+                mod.decompose_()
         return mod
+
+    def _factors(self, g: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(getattr(self, f"{g}_lora_{n}") for n in ("u", "sigma", "v"))
+
+    @torch.no_grad()
+    def decompose_(self) -> None:
+        """Split every expert weight (the full W_e before the first split) into U·diag(σ)·V + R anew."""
+        for g in self.GEMMS:
+            w = full_tensor(getattr(self, g)).float()
+            if self._is_decomposed():
+                w = lowrank_merge(*self._factors(g), w)
+            u, s, v, r = lowrank_split(w, self.lora_rank)
+            for param, value in zip((*self._factors(g), getattr(self, g)), (u, s, v, r)):
+                assign_full(param, value)
+        self._mark_decomposed()
+
+    def dense_weights(self) -> dict[str, torch.Tensor]:
+        """{weight name: W = R + U·diag(σ)·V} (fp32): what TorchTitan's BF16 experts would load."""
+        return {g: lowrank_merge(*self._factors(g), getattr(self, g)) for g in self.GEMMS}
+
+    def _lowrank_add(self, y: torch.Tensor, g: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """y plus weight ``g``'s low-rank branch of x (y itself without a rank)."""
+        if not self.lora_rank:
+            return y
+        return y + grouped_lowrank(x, *self._factors(g), offsets).to(y.dtype)
+
+    def _check_lowrank_parallelism(self, sharded: bool) -> None:
+        if self.lora_rank:
+            self._check_decomposed()
+            if sharded:
+                raise NotImplementedError("lora_rank on experts under expert or tensor parallelism is not supported "
+                                          "yet: set [quantize.grouped_mm.nvfp4] lora_rank = 0 for this run")
 
 
 class NVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
@@ -68,6 +146,7 @@ class NVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
     GEMMS = ("w1", "w2", "w3")
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        self._check_lowrank_parallelism(isinstance(self.w1, DTensor))
         run = self._run if _expert_parallel(self.w1) else indices_padding_wrapper(self._run)
         return run(_local(self.w1), _local(self.w2), _local(self.w3), x, num_tokens_per_expert)
 
@@ -76,7 +155,8 @@ class NVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
         c, r, s, a = self.sr_counter, self.recipe, self.rht_signs, groups_aligned()
         # W1 and W3 read the same tokens: quantized once for both
         h1, h3 = nvfp4_grouped_mm_shared(x, (w1, w3), offsets, (None, None), r, (c[0], c[2]), s, a)
-        return nvfp4_grouped_mm(F.silu(h1) * h3, w2, offsets, None, r, c[1], s, a)
+        h = F.silu(self._lowrank_add(h1, "w1", x, offsets)) * self._lowrank_add(h3, "w3", x, offsets)
+        return self._lowrank_add(nvfp4_grouped_mm(h, w2, offsets, None, r, c[1], s, a), "w2", h, offsets)
 
 
 class NVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):
@@ -89,6 +169,7 @@ class NVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):
         if isinstance(self.mlp1_weight, DTensor) and "tp" in (self.mlp1_weight.device_mesh.mesh_dim_names or ()):
             mesh = self.mlp1_weight.device_mesh
             tp_degree = mesh.size(mesh.mesh_dim_names.index("tp"))
+        self._check_lowrank_parallelism(isinstance(self.mlp1_weight, DTensor))
         run = self._run if _expert_parallel(self.mlp1_weight) else gpt_oss_padding_wrapper(self._run)
         return run(_local(self.mlp1_weight), _local(self.mlp1_bias), _local(self.mlp2_weight),
                    _local(self.mlp2_bias), self.swiglu_limit, x, num_tokens_per_expert, tp_degree)
@@ -97,11 +178,13 @@ class NVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):
              tp_degree=1):
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
         c, r, s, a = self.sr_counter, self.recipe, self.rht_signs, groups_aligned()
-        h = nvfp4_grouped_mm(x, mlp1_weight, offsets, mlp1_bias, r, c[0], s, a)
+        h = self._lowrank_add(nvfp4_grouped_mm(x, mlp1_weight, offsets, mlp1_bias, r, c[0], s, a), "mlp1_weight", x,
+                              offsets)
         h = swiglu(h, limit=swiglu_limit)
         # as TorchTitan: under TP the bias is divided by the TP degree in forward only
         b2 = ScaleBiasForward.apply(mlp2_bias, tp_degree)
-        return nvfp4_grouped_mm(h, mlp2_weight, offsets, b2, r, c[1], s, a)
+        return self._lowrank_add(nvfp4_grouped_mm(h, mlp2_weight, offsets, b2, r, c[1], s, a), "mlp2_weight", h,
+                                 offsets)
 
 
 EXPERT_CLASSES: dict[type, type] = {GroupedExperts: NVFP4GroupedExperts, GptOssGroupedExperts: NVFP4GptOssExperts}

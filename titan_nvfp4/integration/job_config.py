@@ -101,9 +101,14 @@ class NVFP4GroupedMMConfig(_RecipeKnobs):
 
     fqns: list[str] = field(default_factory=lambda: ["experts"])
     """Expert modules whose fully qualified name contains one of these strings are converted."""
+    lora_rank: int = 0
+    """Keep the top-r singular directions of every expert weight in a BF16 branch beside the NVFP4
+    residual, per expert (0 = off; else a multiple of 16). [quantize.linear.nvfp4] lora_refresh_steps
+    re-decomposes these too."""
 
     def __post_init__(self) -> None:
         self._check_fqns("fqns")
+        check_rank(self.lora_rank, self.SECTION)
         super().__post_init__()
 
 

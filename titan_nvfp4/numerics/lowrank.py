@@ -25,19 +25,20 @@ def check_rank(rank, where: str = "quantize.linear.nvfp4", key: str = "lora_rank
 
 
 def lowrank_split(w: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(U [out, r], σ [r], V [r, in], R = W − U·diag(σ)·V), fp32, from W's top-r singular triplets
-    (U and V orthonormal, σ descending)."""
+    """(U [..., out, r], σ [..., r], V [..., r, in], R = W − U·diag(σ)·V), fp32, from the top-r singular
+    triplets of W [..., out, in] (a batch of matrices, e.g. stacked experts, is split matrix by matrix;
+    U and V orthonormal, σ descending)."""
     check_rank(rank)
-    out_features, in_features = w.shape
+    out_features, in_features = w.shape[-2:]
     if rank > min(out_features, in_features):
         raise ValueError(f"lora_rank {rank} exceeds the weight's smaller dim ({out_features}x{in_features})")
     w32 = w.detach().float()
     u, s, vh = torch.linalg.svd(w32, full_matrices=False)
-    u, s, v = u[:, :rank].contiguous(), s[:rank].contiguous(), vh[:rank].contiguous()
-    return u, s, v, w32 - (u * s) @ v
+    u, s, v = u[..., :rank].contiguous(), s[..., :rank].contiguous(), vh[..., :rank, :].contiguous()
+    return u, s, v, w32 - (u * s[..., None, :]) @ v
 
 
 def lowrank_merge(u: torch.Tensor, sigma: torch.Tensor, v: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """W = R + U·diag(σ)·V in fp32 (sharded factors are gathered first)."""
+    """W = R + U·diag(σ)·V in fp32, batched as lowrank_split (sharded factors are gathered first)."""
     u, sigma, v, residual = (full_tensor(t).float() for t in (u, sigma, v, residual))
-    return residual + (u * sigma) @ v
+    return residual + (u * sigma[..., None, :]) @ v

@@ -1,11 +1,13 @@
-"""Fold DecomposedLinear layers back into dense weights, so a BF16 model (no NVFP4, no lora) loads them.
+"""Fold low-rank layers back into dense weights, so a BF16 model (no NVFP4, no lora) loads them.
 
     python -m titan_nvfp4.tools.export_dense CHECKPOINT OUT.pt
 
 CHECKPOINT: a TorchTitan DCP checkpoint directory (e.g. outputs/<run>/checkpoint/step-1000) or a
-torch.save'd state dict. Every layer saved as (weight = R, lora_u, lora_sigma, lora_v,
-lora_decomposed) becomes weight = R + U·diag(σ)·V, computed in fp32 and stored in R's dtype; all
-other entries are kept as they are. OUT.pt is a torch.save'd state dict.
+torch.save'd state dict. Every DecomposedLinear saved as (weight = R, lora_u, lora_sigma, lora_v) and
+every expert weight saved as (w1 = R, w1_lora_u, w1_lora_sigma, w1_lora_v; likewise w2, w3, mlp1_weight,
+mlp2_weight) becomes weight = R + U·diag(σ)·V, computed in fp32 and stored in R's dtype; the
+``lora_decomposed`` flags are dropped and all other entries are kept as they are. OUT.pt is a
+torch.save'd state dict.
 """
 
 from __future__ import annotations
@@ -18,21 +20,28 @@ import torch
 
 from ..numerics.lowrank import lowrank_merge
 
-_LORA_KEYS = ("lora_u", "lora_sigma", "lora_v", "lora_decomposed")
+_FACTORS = ("lora_u", "lora_sigma", "lora_v")
+
+
+def _weight_key(prefix: str) -> str:
+    """The residual's key for factor keys ``prefix + "lora_u"``: ``<linear>.weight`` for a
+    DecomposedLinear (prefix ``<linear>.``), ``<experts>.w1`` for expert factors (``<experts>.w1_``)."""
+    return prefix + "weight" if prefix == "" or prefix.endswith(".") else prefix[:-1]
 
 
 def fold_decomposed(state_dict: dict) -> dict:
-    """The dense twin of a state dict with DecomposedLinear entries (see the module docstring)."""
+    """The dense twin of a state dict with low-rank entries (see the module docstring)."""
     prefixes = {k[: -len("lora_u")] for k in state_dict if k.endswith("lora_u")}
-    drop = {p + n for p in prefixes for n in _LORA_KEYS}
+    drop = {p + n for p in prefixes for n in _FACTORS} | {k for k in state_dict if k.endswith("lora_decomposed")}
     out = {k: v for k, v in state_dict.items() if k not in drop}
     for p in sorted(prefixes):
-        missing = [p + n for n in ("weight", "lora_sigma", "lora_v") if p + n not in state_dict]
+        w_key = _weight_key(p)
+        missing = [k for k in (w_key, p + "lora_sigma", p + "lora_v") if k not in state_dict]
         if missing:
             raise KeyError(f"export_dense: {p}lora_u has no {', '.join(missing)}")
-        r = state_dict[p + "weight"]
-        out[p + "weight"] = lowrank_merge(state_dict[p + "lora_u"], state_dict[p + "lora_sigma"],
-                                          state_dict[p + "lora_v"], r).to(r.dtype)
+        r = state_dict[w_key]
+        out[w_key] = lowrank_merge(state_dict[p + "lora_u"], state_dict[p + "lora_sigma"],
+                                   state_dict[p + "lora_v"], r).to(r.dtype)
     return out
 
 
@@ -60,7 +69,7 @@ def main(argv=None) -> None:
     if model is not state:
         dense = dict(state, model=dense)
     torch.save(dense, args.out)
-    print(f"export_dense: folded {n} DecomposedLinear layers into dense weights -> {args.out}")
+    print(f"export_dense: folded {n} low-rank weights into dense weights -> {args.out}")
 
 
 if __name__ == "__main__":
