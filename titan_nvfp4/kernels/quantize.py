@@ -224,7 +224,8 @@ def _operand_configs():
 
 
 _quantize_autotuned = triton.autotune(
-    _operand_configs(), key=["M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL", "GROUPED", "ROW_F16"])(_quantize_kernel)
+    _operand_configs(), key=["M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL", "GROUPED", "ROW_F16", "COL_F16"])(
+    _quantize_kernel)
 _quantize_2d_autotuned = triton.autotune(_quant_configs(), key=["N", "K", "EMIT_T", "EMIT_F16"])(_quantize_2d_kernel)
 _amax_autotuned = triton.autotune(_quant_configs(), key=["M", "K", "ROW", "COL", "RHT"], reset_to_zero=["AMAX"])(
     _amax_kernel)
