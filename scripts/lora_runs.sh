@@ -7,7 +7,7 @@
 # gpt_oss_nvfp4_attn (only the dense Linears in NVFP4), all with the same seed and data, side by side on
 # each GPU (ARMS_PER_GPU, default 5: the debug model is small and host-bound). Runs live in
 # ./outputs/lora_runs and checkpoint every CKPT_INTERVAL (250) steps, so a call stopped by ARM_TIMEOUT
-# (540 s) is resumed by running the same command again on the still-warm machine. Once every arm has
+# (500 s) is resumed by running the same command again on the still-warm machine. Once every arm has
 # reached STEPS, writes the table (share of the BF16-NVFP4 gap each arm closes), CSV and plot, and
 # copies logs, table and the compiled-kernel caches (scripts/save_kernel_cache.sh) to $OUT when set.
 set -uo pipefail
@@ -20,7 +20,7 @@ mkdir -p "$run"
 source scripts/device_setup.sh >/dev/null 2>&1 || exit 1
 python -m titan_nvfp4.data.prepare 2>&1 | tail -1
 
-ARMS_PER_GPU=${ARMS_PER_GPU:-5} ARM_TIMEOUT=${ARM_TIMEOUT:-540} CKPT_INTERVAL=${CKPT_INTERVAL:-250} \
+ARMS_PER_GPU=${ARMS_PER_GPU:-5} ARM_TIMEOUT=${ARM_TIMEOUT:-500} CKPT_INTERVAL=${CKPT_INTERVAL:-250} \
   bash scripts/run_arms.sh "$run" "$steps" "${arms[@]}"
 logs=() done=1
 for arm in "${arms[@]}"; do
