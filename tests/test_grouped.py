@@ -438,3 +438,61 @@ def test_expert_lowrank_rejects_bad_ranks_and_is_optional():
     model, _ = _build("deepseek_v3")
     convert_experts(model, NVFP4Recipe(), ["experts"])
     assert not any("lora" in k for k in model.state_dict())
+
+
+def _experts_fsdp_worker(rank: int, world: int, port: int, weights: dict, x: torch.Tensor, counts: torch.Tensor,
+                         out: dict) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torchtitan.models.moe.moe import GroupedExperts
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        with torch.device("meta"):
+            mod = GroupedExperts(dim=64, hidden_dim=32, num_experts=4, use_grouped_mm=True)
+        NVFP4GroupedExperts.convert(mod, REF, layer_id=0, lora_rank=16)
+        fully_shard(mod, mesh=mesh)
+        mod.to_empty(device="cpu")
+        with torch.no_grad():  # what init_weights does to the sharded weights
+            for g, w in weights.items():
+                getattr(mod, g).copy_(distribute_tensor(w, mesh, [Shard(0)]))
+        mod.decompose_()
+        full = {n: p.full_tensor().detach().clone() for n, p in mod.named_parameters()}  # a collective: all ranks
+        y = mod(x, counts)  # FSDP2 unshards the parameters: plain tensors in forward
+        if rank == 0:
+            out.update(full, y=y.detach().clone())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_lowrank_under_fsdp2_matches_one_process():
+    """Expert weights sharded by FSDP2 over 2 gloo ranks (along the expert dim): each expert's SVD on the
+    gathered weight, every rank holding shards of rank 0's factors, and the forward (unsharded
+    parameters) as in one process."""
+    import socket
+
+    import torch.multiprocessing as mp
+    from torchtitan.models.moe.moe import GroupedExperts
+
+    g = torch.Generator().manual_seed(4)
+    weights = {"w1": torch.randn(4, 32, 64, generator=g) * 0.1, "w2": torch.randn(4, 64, 32, generator=g) * 0.1,
+               "w3": torch.randn(4, 32, 64, generator=g) * 0.1}
+    counts = torch.tensor([16, 0, 32, 16])
+    x = torch.randn(64, 64, generator=g)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    manager = mp.Manager()
+    out = manager.dict()
+    mp.spawn(_experts_fsdp_worker, args=(2, port, weights, x, counts, out), nprocs=2, join=True)
+    ref = GroupedExperts(dim=64, hidden_dim=32, num_experts=4, use_grouped_mm=True)
+    with torch.no_grad():
+        for name, w in weights.items():
+            getattr(ref, name).copy_(w)
+    NVFP4GroupedExperts.convert(ref, REF, layer_id=0, lora_rank=16)  # materialized: decomposed at once
+    for name, p in ref.named_parameters():
+        assert torch.equal(out[name], p.detach()), name
+    assert torch.equal(out["y"], ref(x, counts).detach())
