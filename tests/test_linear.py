@@ -11,7 +11,6 @@ and multiplies them in float64. A correct implementation differs from it only by
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .linear_function import nvfp4_linear
+from .linear_function import autocast_out_dtype, nvfp4_linear
 from .numerics.lowrank import check_rank, full_tensor, lowrank_merge, lowrank_split
 from .nvfp4_linear import NVFP4Linear, check_linear_dims
 from .recipe import NVFP4Recipe
@@ -56,6 +56,15 @@ class LowRankState:
 
     def _is_decomposed(self) -> bool:
         return self._lora_ready or bool(self.lora_decomposed)
+
+    def _resplit(self, weight: torch.Tensor, factors: tuple[torch.Tensor, ...], rank: int) -> None:
+        """Split the weight that ``weight`` and its ``factors`` (U, σ, V) compute (``weight`` alone before
+        the first split) anew into them: fp32 SVD of the full tensor, each shard from rank 0's result."""
+        w = full_tensor(weight).float()
+        if self._is_decomposed():
+            w = lowrank_merge(*factors, w)
+        for param, value in zip((*factors, weight), lowrank_split(w, rank)):
+            assign_full(param, value)
 
     def _check_decomposed(self) -> None:
         if not self._lora_ready:
@@ -123,12 +132,7 @@ class DecomposedLinear(LowRankState, NVFP4Linear):
     def decompose_(self) -> None:
         """Split the weight the module computes, W (``weight`` alone before the first split), into
         U·diag(σ)·V + R anew: at initialization, and on refresh (lora_refresh_steps)."""
-        w = full_tensor(self.weight).float()
-        if self._is_decomposed():
-            w = lowrank_merge(self.lora_u, self.lora_sigma, self.lora_v, w)
-        u, s, v, r = lowrank_split(w, self.rank)
-        for param, value in ((self.lora_u, u), (self.lora_sigma, s), (self.lora_v, v), (self.weight, r)):
-            assign_full(param, value)
+        self._resplit(self.weight, (self.lora_u, self.lora_sigma, self.lora_v), self.rank)
         self._mark_decomposed()
 
     def dense_weight(self) -> torch.Tensor:
@@ -142,7 +146,7 @@ class DecomposedLinear(LowRankState, NVFP4Linear):
         if self.lora_nvfp4:
             h = nvfp4_linear(x, self.lora_v, None, r, c[1], s) * self.lora_sigma
             return y + nvfp4_linear(h, self.lora_u, None, r, c[2], s)
-        dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        dt = autocast_out_dtype(x)
         h = F.linear(x.to(dt), self.lora_v.to(dt)) * self.lora_sigma.to(dt)
         return y + F.linear(h, self.lora_u.to(dt))
 

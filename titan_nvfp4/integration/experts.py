@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torchtitan.models.gpt_oss.model.moe import GptOssGroupedExperts, ScaleBiasForward, swiglu
 from torchtitan.models.gpt_oss.model.moe import indices_padding_wrapper as gpt_oss_padding_wrapper
@@ -28,12 +29,11 @@ from torchtitan.models.moe import utils as moe_utils
 from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.models.moe.utils import indices_padding_wrapper
 
-from torch import nn
-
-from ..decomposed_linear import LowRankState, assign_full
+from ..decomposed_linear import LowRankState
 from ..grouped_function import nvfp4_grouped_mm, nvfp4_grouped_mm_shared
 from ..layer_state import NVFP4LayerState
-from ..numerics.lowrank import check_rank, full_tensor, lowrank_merge, lowrank_split
+from ..linear_function import autocast_out_dtype
+from ..numerics.lowrank import check_rank, lowrank_merge
 from ..recipe import NVFP4Recipe
 
 
@@ -64,7 +64,7 @@ def grouped_lowrank(x: torch.Tensor, u: torch.Tensor, sigma: torch.Tensor, v: to
     """[T, N]: rows of expert e get ((x V_eᵀ) ⊙ σ_e) U_eᵀ, rows past the last expert 0; two grouped
     GEMMs in the input's dtype (the autocast dtype under autocast), differentiable in all of x, U, σ, V.
     A zero pseudo-expert covers the tail rows, which torch._grouped_mm would leave unwritten."""
-    dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    dt = autocast_out_dtype(x)
     E, N, r = u.shape
     K = v.shape[-1]
     vs = torch.cat([v * sigma[..., None], v.new_zeros(1, r, K)]).to(dt)
@@ -103,7 +103,7 @@ class _NVFP4Experts(LowRankState, NVFP4LayerState):
                 setattr(mod, f"{g}_lora_sigma", nn.Parameter(torch.empty(E, lora_rank, **kw)))
                 setattr(mod, f"{g}_lora_v", nn.Parameter(torch.empty(E, lora_rank, K, **kw)))
             mod._init_lowrank_state(device)
-            if not device.type == "meta":
+            if device.type != "meta":
                 mod.decompose_()
         return mod
 
@@ -114,12 +114,7 @@ class _NVFP4Experts(LowRankState, NVFP4LayerState):
     def decompose_(self) -> None:
         """Split every expert weight (the full W_e before the first split) into U·diag(σ)·V + R anew."""
         for g in self.GEMMS:
-            w = full_tensor(getattr(self, g)).float()
-            if self._is_decomposed():
-                w = lowrank_merge(*self._factors(g), w)
-            u, s, v, r = lowrank_split(w, self.lora_rank)
-            for param, value in zip((*self._factors(g), getattr(self, g)), (u, s, v, r)):
-                assign_full(param, value)
+            self._resplit(getattr(self, g), self._factors(g), self.lora_rank)
         self._mark_decomposed()
 
     def dense_weights(self) -> dict[str, torch.Tensor]:

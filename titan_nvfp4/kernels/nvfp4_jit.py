@@ -59,11 +59,23 @@ def block_scales(block_amax, s_enc):
 
 
 @triton.jit
+def _range_bits(a):
+    """fp32 bits of max(2^⌊log₂ a⌋, 1) for a ∈ [0, 6]: 1, 2 or 4, the E2M1 range R = 0, 1, 2 whose grid
+    step is 2^R / 2."""
+    return tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
+
+
+@triton.jit
+def _with_sign_of(g, v):
+    """g ≥ 0 (fp32) with the sign bit of v (-0 included)."""
+    return (g.to(tl.int32, bitcast=True) | (v.to(tl.int32, bitcast=True) & -0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def e2m1_magic(a):
     """2²²·max(2^⌊log₂ a⌋, 1) for a ∈ [0, 6]: adding it rounds a to its E2M1 grid step (0.5 below 2,
     1 below 4, 2 from 4), nearest-even, in one fp32 add; even multiples of the step are the even codes."""
-    p = (a.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    return tl.maximum(p, 1.0) * 4194304.0
+    return _range_bits(a).to(tl.float32, bitcast=True) * 4194304.0  # a multiply: it fuses into the add
 
 
 @triton.jit
@@ -85,8 +97,7 @@ def e2m1_staged(v, e32):
     a = tl.minimum(tl.abs(v), 6.0)
     magic = e2m1_magic(a)
     g = (a + magic) - magic  # the grid value, exactly
-    q = (g.to(tl.int32, bitcast=True) | (v.to(tl.int32, bitcast=True) & -0x80000000)).to(tl.float32, bitcast=True)
-    return q * e32
+    return _with_sign_of(g, v) * e32
 
 
 @triton.jit
@@ -106,7 +117,7 @@ def _stochastic_steps(v, u):
     """(k, p) of e2m1_stochastic_code: the rounded |v| is k grid steps (fp32 0-4), p the bits of the
     range's 2^R (1, 2 or 4; the step is 2^R / 2)."""
     a = tl.minimum(tl.abs(v), 6.0)
-    p = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
+    p = _range_bits(a)
     t = a * (0x7F800000 - p).to(tl.float32, bitcast=True)  # times 2, 1 or 1/2
     lo = tl.floor(t)
     return lo + tl.where(u < t - lo, 1.0, 0.0), p
@@ -117,8 +128,7 @@ def e2m1_stochastic_staged(v, u, e32):
     """q·e_b as fp32 for q = e2m1_stochastic_code(v, u) (as e2m1_staged for nearest-even). Exact."""
     k, p = _stochastic_steps(v, u)
     g = k * (p - 0x800000).to(tl.float32, bitcast=True)  # k · step, step = 2^R / 2
-    q = (g.to(tl.int32, bitcast=True) | (v.to(tl.int32, bitcast=True) & -0x80000000)).to(tl.float32, bitcast=True)
-    return q * e32
+    return _with_sign_of(g, v) * e32
 
 
 @triton.jit

@@ -49,7 +49,7 @@ def _op(name: str):
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            if _runs_directly(args) and _runs_directly(tuple(kwargs.values())):
+            if _runs_directly((*args, *kwargs.values())):
                 return fn(*args, **kwargs)
             return op(*args, **kwargs)
 
