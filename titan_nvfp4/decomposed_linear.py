@@ -142,8 +142,11 @@ class DecomposedLinear(LowRankState, NVFP4Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_decomposed()
         c, r, s = self.sr_counter, self.recipe, self.rht_signs
-        y = nvfp4_linear(x, self.weight, self.bias, r, c[0], s)
-        if self.lora_nvfp4:
+        if self.high_precision:  # bf16_after_fraction: R and the branch in the input's dtype
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = nvfp4_linear(x, self.weight, self.bias, r, c[0], s)
+        if self.lora_nvfp4 and not self.high_precision:
             h = nvfp4_linear(x, self.lora_v, None, r, c[1], s) * self.lora_sigma
             return y + nvfp4_linear(h, self.lora_u, None, r, c[2], s)
         dt = autocast_out_dtype(x)

@@ -1,6 +1,7 @@
 """Per-layer NVFP4 state shared by NVFP4Linear and the NVFP4 expert modules: the stochastic-rounding
 counter(s) and the RHT signs, as non-persistent buffers rebuilt from the recipe when a meta-device
-module is materialized (TorchTitan's to_empty) or moved to another device."""
+module is materialized (TorchTitan's to_empty) or moved to another device, and the precision schedule
+that switches the module to high precision late in training (schedule.py)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,15 @@ class NVFP4LayerState(nn.Module):
         if before.type == "meta" or self.sr_counter.device != before:
             self._reset_nvfp4_buffers()
         return self
+
+    #: shared with the converter's StepCounter (schedule.py); None: always NVFP4
+    precision_schedule = None
+
+    @property
+    def high_precision(self) -> bool:
+        """Whether the GEMMs run in the input's dtype instead of NVFP4 now (``bf16_after_fraction``)."""
+        s = self.precision_schedule
+        return s is not None and s.high_precision
 
     @property
     def sr_calls(self) -> int:

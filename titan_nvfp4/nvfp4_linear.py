@@ -8,6 +8,7 @@ the stochastic-rounding counter and the RHT signs, come from NVFP4LayerState (la
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .layer_state import NVFP4LayerState
@@ -48,9 +49,13 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.high_precision:
+            return F.linear(x, self.weight, self.bias)
         return nvfp4_linear(x, self.weight, self.bias, self.recipe, self.sr_counter, self.rht_signs)
 
     def extra_repr(self) -> str:
         r = self.recipe
+        if self.high_precision:
+            return f"{super().extra_repr()}, high precision (bf16_after_fraction)"
         return (f"{super().extra_repr()}, nvfp4(weight_2d={r.weight_2d}, sr={r.stochastic_rounding}, "
                 f"rht={r.rht}, backend={r.gemm_backend})")

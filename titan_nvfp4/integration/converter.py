@@ -18,9 +18,11 @@ from torchtitan.tools.logging import logger
 from ..decomposed_linear import DecomposedLinear, LowRankState
 from ..nvfp4_linear import NVFP4Linear, check_linear_dims
 from ..recipe import NVFP4Recipe
+from ..schedule import PrecisionSchedule, StepCounter, switch_step
 
 CONVERTER_NAME = "quantize.linear.nvfp4"
 GROUPED_CONVERTER_NAME = "quantize.grouped_mm.nvfp4"
+LINEAR_STEPS, GROUPED_STEPS = "nvfp4_linear_steps", "nvfp4_grouped_steps"  # StepCounter submodules
 GROUPED_LAYER_ID_BASE = 1 << 20  # SR streams of expert GEMMs never meet those of dense layers
 _BLOCK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -61,6 +63,25 @@ def skip_reason(fqn: str, filter_fqns: list[str], recipe: NVFP4Recipe, n_blocks:
     return None
 
 
+def attach_step_counter(model: nn.Module, name: str, converted: list[str], bf16_after_fraction: float,
+                        total_steps: int) -> StepCounter:
+    """Add a StepCounter as submodule ``name`` of ``model`` (on the device of its parameters, meta
+    included) and share its precision schedule with the modules at the ``converted`` fqns."""
+    device = next(model.parameters()).device
+    counter = StepCounter(PrecisionSchedule(switch_step(bf16_after_fraction, total_steps)), device=device)
+    model.add_module(name, counter)
+    for fqn in converted:
+        model.get_submodule(fqn).precision_schedule = counter.schedule
+    return counter
+
+
+def step_counters(model: nn.Module | list[nn.Module], name: str) -> list[tuple[nn.Module, StepCounter]]:
+    """(part, its StepCounter ``name``) for ``model`` or each model part holding one (pipeline stages
+    hold a copy each)."""
+    parts = model if isinstance(model, list) else [model]
+    return [(p, c) for p in parts if isinstance(c := getattr(p, name, None), StepCounter)]
+
+
 def convert_linears(model: nn.Module, recipe: NVFP4Recipe, filter_fqns: list[str], lora_rank: int = 0,
                     lora_nvfp4: bool = False) -> dict[str, list]:
     """Swap every eligible nn.Linear of ``model`` in place (DecomposedLinear when ``lora_rank``);
@@ -97,7 +118,8 @@ class NVFP4LinearConverter(QuantizationConverter):
         self.filter_fqns = list(section.filter_fqns)
         self.lora_rank, self.lora_nvfp4 = section.lora_rank, section.lora_nvfp4
         self.lora_refresh_steps = section.lora_refresh_steps
-        self.steps = 0
+        self.bf16_after_fraction = section.bf16_after_fraction
+        self.total_steps = job_config.training.steps
         self.enabled = True
 
     def convert(self, model: nn.Module) -> None:
@@ -108,15 +130,26 @@ class NVFP4LinearConverter(QuantizationConverter):
             logger.info(f"NVFP4: kept {fqn} in high precision ({why})")
         if self.lora_rank and report["converted"]:
             decompose_after_init(model)
+        if self.bf16_after_fraction or self.lora_refresh_steps:
+            c = attach_step_counter(model, LINEAR_STEPS, report["converted"], self.bf16_after_fraction,
+                                    self.total_steps)
+            log_switch_plan("Linear layers", c, self.bf16_after_fraction, self.total_steps)
 
     def post_optimizer_hook(self, model) -> None:
-        """Re-decompose the DecomposedLinears every lora_refresh_steps optimizer steps."""
-        if not self.lora_refresh_steps:
-            return
-        self.steps += 1
-        if self.steps % self.lora_refresh_steps == 0:
-            n = redecompose(model)
-            logger.info(f"NVFP4: re-decomposed {n} DecomposedLinear layers after optimizer step {self.steps}")
+        """Count the optimizer step; switch to high precision at bf16_after_fraction; re-decompose the
+        low-rank modules every lora_refresh_steps."""
+        for i, (part, counter) in enumerate(step_counters(model, LINEAR_STEPS)):
+            if counter.step() and i == 0:
+                logger.info(f"NVFP4: Linear layers switched to high precision after optimizer step {counter.count}")
+            if self.lora_refresh_steps and counter.count % self.lora_refresh_steps == 0:
+                n = redecompose(part)
+                logger.info(f"NVFP4: re-decomposed {n} low-rank modules after optimizer step {counter.count}")
+
+
+def log_switch_plan(what: str, counter: StepCounter, fraction: float, total_steps: int) -> None:
+    if fraction:
+        logger.info(f"NVFP4: {what} switch to high precision after optimizer step {counter.schedule.switch_step} "
+                    f"(bf16_after_fraction = {fraction} of {total_steps} steps)")
 
 
 def redecompose(model: nn.Module | list[nn.Module]) -> int:
@@ -186,6 +219,8 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
         self.recipe = section.build_recipe()
         self.fqns = list(section.fqns)
         self.lora_rank = section.lora_rank
+        self.bf16_after_fraction = section.bf16_after_fraction
+        self.total_steps = job_config.training.steps
         set_token_group_alignment_size_m(16)
         self.enabled = True
 
@@ -203,9 +238,16 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
             decompose_after_init(model)
         for fqn, why in report["skipped"]:
             logger.info(f"NVFP4: kept experts {fqn} in high precision ({why})")
+        if self.bf16_after_fraction:
+            c = attach_step_counter(model, GROUPED_STEPS, report["converted"], self.bf16_after_fraction,
+                                    self.total_steps)
+            log_switch_plan("experts", c, self.bf16_after_fraction, self.total_steps)
 
     def post_optimizer_hook(self, model) -> None:
-        return None
+        """Count the optimizer step; switch the experts to high precision at bf16_after_fraction."""
+        for i, (_, counter) in enumerate(step_counters(model, GROUPED_STEPS)):
+            if counter.step() and i == 0:
+                logger.info(f"NVFP4: experts switched to high precision after optimizer step {counter.count}")
 
 
 if CONVERTER_NAME not in _registry_model_converter_cls:

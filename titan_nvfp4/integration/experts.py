@@ -30,7 +30,7 @@ from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.models.moe.utils import indices_padding_wrapper
 
 from ..decomposed_linear import LowRankState
-from ..grouped_function import nvfp4_grouped_mm, nvfp4_grouped_mm_shared
+from ..grouped_function import nvfp4_grouped_mm_shared
 from ..layer_state import NVFP4LayerState
 from ..linear_function import autocast_out_dtype
 from ..numerics.lowrank import check_rank, lowrank_merge
@@ -72,6 +72,23 @@ def grouped_lowrank(x: torch.Tensor, u: torch.Tensor, sigma: torch.Tensor, v: to
     offs = torch.cat([offsets.to(torch.int32), offsets.new_full((1,), x.shape[0], dtype=torch.int32)])
     z = torch._grouped_mm(x.to(dt), vs.transpose(-2, -1), offs=offs)
     return torch._grouped_mm(z, ue.transpose(-2, -1), offs=offs)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, N]: rows of expert e get x W_eᵀ + b_e in the input's dtype (the autocast dtype under
+    autocast), rows past the last expert 0: the high-precision twin of nvfp4_grouped_mm, used after
+    the ``bf16_after_fraction`` switch. One torch._grouped_mm with a zero pseudo-expert for the tail."""
+    dt = autocast_out_dtype(x)
+    E, N, K = weight.shape
+    w = torch.cat([weight, weight.new_zeros(1, N, K)]).to(dt)
+    offs = torch.cat([offsets.to(torch.int32), offsets.new_full((1,), x.shape[0], dtype=torch.int32)])
+    y = torch._grouped_mm(x.to(dt), w.transpose(-2, -1), offs=offs)
+    if bias is None:
+        return y
+    rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int32)
+    expert = torch.searchsorted(offsets.to(torch.int32), rows, right=True)  # E for the tail rows
+    return y + torch.cat([bias, bias.new_zeros(1, N)]).to(dt)[expert]
 
 
 class _NVFP4Experts(LowRankState, NVFP4LayerState):
@@ -121,6 +138,14 @@ class _NVFP4Experts(LowRankState, NVFP4LayerState):
         """{weight name: W = R + U·diag(σ)·V} (fp32): what TorchTitan's BF16 experts would load."""
         return {g: lowrank_merge(*self._factors(g), getattr(self, g)) for g in self.GEMMS}
 
+    def _gemms(self, x: torch.Tensor, weights, offsets: torch.Tensor, biases, counters) -> list[torch.Tensor]:
+        """x times each of ``weights`` (x quantized once): NVFP4 grouped GEMMs, or after the
+        ``bf16_after_fraction`` switch the same products in the input's dtype."""
+        if self.high_precision:
+            return [grouped_linear(x, w, offsets, b) for w, b in zip(weights, biases)]
+        return nvfp4_grouped_mm_shared(x, weights, offsets, biases, self.recipe, counters, self.rht_signs,
+                                       groups_aligned())
+
     def _lowrank_add(self, y: torch.Tensor, g: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """y plus weight ``g``'s low-rank branch of x (y itself without a rank)."""
         if not self.lora_rank:
@@ -147,11 +172,12 @@ class NVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
 
     def _run(self, w1, w2, w3, x, num_tokens_per_expert):
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-        c, r, s, a = self.sr_counter, self.recipe, self.rht_signs, groups_aligned()
+        c = self.sr_counter
         # W1 and W3 read the same tokens: quantized once for both
-        h1, h3 = nvfp4_grouped_mm_shared(x, (w1, w3), offsets, (None, None), r, (c[0], c[2]), s, a)
+        h1, h3 = self._gemms(x, (w1, w3), offsets, (None, None), (c[0], c[2]))
         h = F.silu(self._lowrank_add(h1, "w1", x, offsets)) * self._lowrank_add(h3, "w3", x, offsets)
-        return self._lowrank_add(nvfp4_grouped_mm(h, w2, offsets, None, r, c[1], s, a), "w2", h, offsets)
+        (y,) = self._gemms(h, (w2,), offsets, (None,), (c[1],))
+        return self._lowrank_add(y, "w2", h, offsets)
 
 
 class NVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):
@@ -172,14 +198,13 @@ class NVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):
     def _run(self, mlp1_weight, mlp1_bias, mlp2_weight, mlp2_bias, swiglu_limit, x, num_tokens_per_expert,
              tp_degree=1):
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-        c, r, s, a = self.sr_counter, self.recipe, self.rht_signs, groups_aligned()
-        h = self._lowrank_add(nvfp4_grouped_mm(x, mlp1_weight, offsets, mlp1_bias, r, c[0], s, a), "mlp1_weight", x,
-                              offsets)
-        h = swiglu(h, limit=swiglu_limit)
+        c = self.sr_counter
+        (h,) = self._gemms(x, (mlp1_weight,), offsets, (mlp1_bias,), (c[0],))
+        h = swiglu(self._lowrank_add(h, "mlp1_weight", x, offsets), limit=swiglu_limit)
         # as TorchTitan: under TP the bias is divided by the TP degree in forward only
         b2 = ScaleBiasForward.apply(mlp2_bias, tp_degree)
-        return self._lowrank_add(nvfp4_grouped_mm(h, mlp2_weight, offsets, b2, r, c[1], s, a), "mlp2_weight", h,
-                                 offsets)
+        (y,) = self._gemms(h, (mlp2_weight,), offsets, (b2,), (c[1],))
+        return self._lowrank_add(y, "mlp2_weight", h, offsets)
 
 
 EXPERT_CLASSES: dict[type, type] = {GroupedExperts: NVFP4GroupedExperts, GptOssGroupedExperts: NVFP4GptOssExperts}

@@ -43,6 +43,10 @@ class _RecipeKnobs:
     """Keep the last N transformer blocks in BF16."""
     gemm_backend: str | None = None
     """NVFP4 GEMM implementation: auto | reference."""
+    bf16_after_fraction: float = 0.0
+    """Switch this section's NVFP4 layers to high precision (BF16 under TorchTitan's mixed precision)
+    for the last fraction of training.steps (0 = never; 1 = from the start, a control arm with the
+    same modules)."""
 
     def _check_fqns(self, key: str) -> None:
         value = getattr(self, key)
@@ -50,6 +54,9 @@ class _RecipeKnobs:
             raise ValueError(f"[{self.SECTION}] {key} must be a list of strings, got {value!r}")
 
     def __post_init__(self) -> None:
+        f = self.bf16_after_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
+            raise ValueError(f"[{self.SECTION}] bf16_after_fraction must be a number in [0, 1], got {f!r}")
         if not isinstance(self.recipe, str):
             raise ValueError(f"[{self.SECTION}] recipe must be a preset name, got {self.recipe!r}")
         for name, value in self.overrides().items():
