@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .linear_function import autocast_out_dtype, nvfp4_linear
+from .linear_function import autocast_out_dtype
 from .numerics.lowrank import check_rank, full_tensor, lowrank_merge, lowrank_split
 from .nvfp4_linear import NVFP4Linear, check_linear_dims
 from .recipe import NVFP4Recipe
@@ -141,14 +141,13 @@ class DecomposedLinear(LowRankState, NVFP4Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_decomposed()
-        c, r, s = self.sr_counter, self.recipe, self.rht_signs
         if self.high_precision:  # bf16_after_fraction: R and the branch in the input's dtype
             y = F.linear(x, self.weight, self.bias)
         else:
-            y = nvfp4_linear(x, self.weight, self.bias, r, c[0], s)
+            y = self._nvfp4_linear(x, self.weight, self.bias, 0)
         if self.lora_nvfp4 and not self.high_precision:
-            h = nvfp4_linear(x, self.lora_v, None, r, c[1], s) * self.lora_sigma
-            return y + nvfp4_linear(h, self.lora_u, None, r, c[2], s)
+            h = self._nvfp4_linear(x, self.lora_v, None, 1) * self.lora_sigma
+            return y + self._nvfp4_linear(h, self.lora_u, None, 2)
         dt = autocast_out_dtype(x)
         h = F.linear(x.to(dt), self.lora_v.to(dt)) * self.lora_sigma.to(dt)
         return y + F.linear(h, self.lora_u.to(dt))

@@ -6,8 +6,10 @@ that switches the module to high precision late in training (schedule.py)."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from .distributed.tensor_parallel import local
 from .linear_function import sr_counter
 from .numerics.rht import rht_signs
 from .recipe import NVFP4Recipe
@@ -28,16 +30,20 @@ class NVFP4LayerState(nn.Module):
         self._reset_nvfp4_buffers()
 
     def _reset_nvfp4_buffers(self) -> None:
-        """Fill the SR counter(s) (call 0 of each stream) and the RHT signs; nothing on meta."""
+        """Fill the SR counter(s) (call 0 of each stream, distinct per rank) and the RHT signs (the same
+        on every rank); nothing on meta. Under tensor parallelism the buffers are replicated DTensors:
+        each rank fills its local copy."""
         if self.sr_counter.is_meta:
             return
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         with torch.no_grad():
             if self._n_gemms is None:
-                self.sr_counter.copy_(sr_counter(self.recipe, self.layer_id))
+                counter = sr_counter(self.recipe, self.layer_id, rank=rank)
             else:
-                self.sr_counter.copy_(torch.stack([sr_counter(self.recipe, i) for i in self._stream_ids]))
+                counter = torch.stack([sr_counter(self.recipe, i, rank=rank) for i in self._stream_ids])
+            local(self.sr_counter).copy_(counter)
             if self.rht_signs is not None:
-                self.rht_signs.copy_(rht_signs(self.recipe.rht_seed))
+                local(self.rht_signs).copy_(rht_signs(self.recipe.rht_seed))
 
     def _apply(self, fn, recurse: bool = True):
         # to_empty() of a meta module (TorchTitan's materialization) leaves the buffers uninitialized,
@@ -60,4 +66,4 @@ class NVFP4LayerState(nn.Module):
     @property
     def sr_calls(self) -> int:
         """Backward calls that drew stochastic-rounding numbers so far (most of any of the GEMMs)."""
-        return int(self.sr_counter[..., 1].max())
+        return int(local(self.sr_counter)[..., 1].max())

@@ -16,7 +16,8 @@ import torch
 
 from .numerics.nvfp4 import NVFP4Tensor
 from .numerics.rht import rht_signs
-from .ops import nvfp4_gemm, quantize_activation, quantize_gradient, quantize_weight, resolve_backend
+from .distributed.amax import AmaxGroups, all_reduce_max
+from .ops import nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient, quantize_weight, resolve_backend
 from .recipe import NVFP4Recipe
 
 
@@ -36,11 +37,13 @@ def sr_seed(recipe: NVFP4Recipe, layer_id: int, call: int) -> int:
     return (base + call * _SEED_MIX[2]) & _SEED_MASK
 
 
-def sr_counter(recipe: NVFP4Recipe, layer_id: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def sr_counter(recipe: NVFP4Recipe, layer_id: int, device: torch.device | str = "cpu", rank: int = 0) -> torch.Tensor:
     """A layer's stochastic-rounding state: int64 [per-layer base, backward calls so far]. It lives on
     the device so that the seed is computed there: a compiled backward reads and advances it instead
-    of baking one Python int into the graph."""
-    base = sr_seed(recipe, layer_id, 0)
+    of baking one Python int into the graph. ``rank`` (the global rank) gives every rank a stream of its
+    own: data-parallel ranks round different gradients, tensor-parallel ranks different shards, and
+    neither should reuse another's random numbers. Rank 0's stream is the single-process one."""
+    base = (sr_seed(recipe, layer_id, 0) + rank * _SEED_MIX[0] * _SEED_MIX[2]) & _SEED_MASK
     return torch.tensor([base, 0], dtype=torch.int64, device=device)
 
 
@@ -69,18 +72,26 @@ def _repack(data, scale, gs, like_shape, block_shape) -> NVFP4Tensor:
 class NVFP4LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe,
-                counter: torch.Tensor, signs: torch.Tensor | None, need_wgrad: bool) -> torch.Tensor:
+                counter: torch.Tensor, signs: torch.Tensor | None, need_wgrad: bool,
+                groups: AmaxGroups | None = None) -> torch.Tensor:
         out_dtype = autocast_out_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
-            return NVFP4LinearFunction._forward(ctx, x, weight, bias, recipe, counter, signs, out_dtype, need_wgrad)
+            return NVFP4LinearFunction._forward(ctx, x, weight, bias, recipe, counter, signs, out_dtype, need_wgrad,
+                                                groups or AmaxGroups())
 
     @staticmethod
-    def _forward(ctx, x, weight, bias, recipe, counter, signs, out_dtype, need_wgrad):
+    def _forward(ctx, x, weight, bias, recipe, counter, signs, out_dtype, need_wgrad, groups):
         backend = resolve_backend(recipe.gemm_backend, x.device)
         in_features = weight.shape[1]
         x2d = x.reshape(-1, in_features)
-        xq, x_col = quantize_activation(x2d, need_wgrad, signs, backend)
-        wq, w_t = quantize_weight(weight, recipe.weight_2d, backend)
+        # a sharded operand (tensor parallelism) takes the amax of the whole operand: distributed/amax.py
+        x_amax = w_amax = None
+        if groups.x is not None:
+            x_amax = all_reduce_max(operand_amax(x2d, need_wgrad, signs, backend), groups.x)
+        if groups.weight is not None:
+            w_amax = all_reduce_max(operand_amax(weight, False, None, backend)[:1], groups.weight)
+        xq, x_col = quantize_activation(x2d, need_wgrad, signs, backend, x_amax)
+        wq, w_t = quantize_weight(weight, recipe.weight_2d, backend, w_amax)
         y = nvfp4_gemm(xq, wq, out_dtype=out_dtype, bias=bias, backend=backend)
 
         # Saved for backward: Wᵀ quantized for dgrad and Xᵀ in its wgrad form, never X in BF16.
@@ -96,7 +107,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         ctx.has_bias = bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-        ctx.recipe, ctx.backend = recipe, backend
+        ctx.recipe, ctx.backend, ctx.groups = recipe, backend, groups
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -113,7 +124,10 @@ class NVFP4LinearFunction(torch.autograd.Function):
         dy2d = dy.reshape(-1, out_features)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and len(saved) > 3
         seed = next_sr_seed(ctx.counter) if recipe.stochastic_rounding else None
-        dyq, dy_col = quantize_gradient(dy2d, need_dx, need_dw, signs, seed, ctx.backend)
+        dy_amax = None
+        if ctx.groups.grad is not None:
+            dy_amax = all_reduce_max(operand_amax(dy2d, need_dw, signs, ctx.backend), ctx.groups.grad)
+        dyq, dy_col = quantize_gradient(dy2d, need_dx, need_dw, signs, seed, ctx.backend, dy_amax)
 
         dx = dw = db = None
         if need_dx:
@@ -123,13 +137,16 @@ class NVFP4LinearFunction(torch.autograd.Function):
             dw = nvfp4_gemm(dy_col, x_col, out_dtype=ctx.w_dtype, backend=ctx.backend)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(dy.dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe,
-                 counter: torch.Tensor | None = None, signs: torch.Tensor | None = None) -> torch.Tensor:
+                 counter: torch.Tensor | None = None, signs: torch.Tensor | None = None,
+                 groups: AmaxGroups | None = None) -> torch.Tensor:
     """Functional NVFP4 linear (see the module docstring for the recipe). ``counter``: the layer's
-    ``sr_counter`` (a fresh layer-0 one if None); ``signs``: the RHT signs (from recipe.rht_seed if None)."""
+    ``sr_counter`` (a fresh layer-0 one if None); ``signs``: the RHT signs (from recipe.rht_seed if None);
+    ``groups``: the process groups sharding X, W and dY (tensor parallelism), whose tensor amaxes are
+    then all-reduced so that every rank quantizes with the whole operand's tensor scale."""
     # Grad mode is off inside Function.forward, so decide here whether the wgrad operand is needed:
     # under no_grad / inference_mode the RHT + quantization of X would be thrown away.
     need_wgrad = torch.is_grad_enabled() and weight.requires_grad
@@ -137,4 +154,5 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         counter = sr_counter(recipe, 0, x.device)
     if signs is None and recipe.rht:
         signs = _signs(recipe.rht_seed, x.device)
-    return NVFP4LinearFunction.apply(x, weight, bias, recipe, counter, signs if recipe.rht else None, need_wgrad)
+    return NVFP4LinearFunction.apply(x, weight, bias, recipe, counter, signs if recipe.rht else None, need_wgrad,
+                                     groups if groups else None)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from .distributed.tensor_parallel import local, tp_nvfp4_linear
 from .layer_state import NVFP4LayerState
 from .linear_function import nvfp4_linear
 from .recipe import NVFP4Recipe
@@ -34,6 +36,7 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
                  device=None, dtype=None) -> None:
         check_linear_dims(name or "NVFP4Linear", in_features, out_features)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.layer_name = name
         self._init_nvfp4(recipe or NVFP4Recipe(), layer_id, self.weight.device)
 
     @classmethod
@@ -45,13 +48,30 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         new.in_features, new.out_features = mod.in_features, mod.out_features
         new.weight = mod.weight
         new.bias = mod.bias
+        new.layer_name = name
         new._init_nvfp4(recipe, layer_id, mod.weight.device)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.high_precision:
             return F.linear(x, self.weight, self.bias)
-        return nvfp4_linear(x, self.weight, self.bias, self.recipe, self.sr_counter, self.rht_signs)
+        return self._nvfp4_linear(x, self.weight, self.bias)
+
+    def _nvfp4_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      gemm: int | None = None) -> torch.Tensor:
+        """x·weightᵀ + bias in NVFP4 with this layer's recipe, RHT signs and SR stream (row ``gemm`` of
+        the counter when the layer has several). A DTensor weight (tensor parallelism) runs on the
+        local shards with cross-rank amaxes: distributed/tensor_parallel.py."""
+        counter, signs = local(self.sr_counter), local(self.rht_signs)
+        if gemm is not None:
+            counter = counter[gemm]
+        if not isinstance(weight, DTensor):
+            return nvfp4_linear(x, weight, bias, self.recipe, counter, signs)
+
+        def on_shards(x_local, w_local, b_local, groups):
+            return nvfp4_linear(x_local, w_local, b_local, self.recipe, counter, signs, groups)
+
+        return tp_nvfp4_linear(on_shards, x, weight, bias, getattr(self, "layer_name", ""))
 
     def extra_repr(self) -> str:
         r = self.recipe

@@ -335,6 +335,23 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
     return rd, rs, cd, cs, (gs.view(2, ns) if groups is not None else gs)
 
 
+def operand_amax_tensors(x2d: torch.Tensor, colwise: bool, signs: torch.Tensor | None) -> torch.Tensor:
+    """fp32 [max|x|, max|rht(x2dᵀ)|] (the column one equals the row one without ``signs``; 0 without
+    ``colwise``), non-finite values giving +inf: the tensor amaxes quantize_operand would reduce, for a
+    caller that all-reduces them across ranks first (distributed/)."""
+    _check_2d(x2d, "operand_amax")
+    M, K = x2d.shape
+    buf = torch.zeros(2, dtype=torch.int32, device=x2d.device)
+    rht = colwise and signs is not None
+    signs_t = signs.to(device=x2d.device, dtype=torch.float32).contiguous() if rht else buf
+    if M > 0:
+        _launch(_amax_kernel, _amax_autotuned, x2d, M, K, x2d, M, K, x2d.stride(0), x2d.stride(1), buf, signs_t,
+                buf, 1, ROW=True, COL=rht, RHT=True, GROUPED=False)
+    if colwise and not rht:
+        buf[1:2] = buf[0:1]
+    return buf.view(torch.float32)
+
+
 def quantize_operand(x2d: torch.Tensor, *, rowwise: bool = True, colwise: bool = False,
                      signs: torch.Tensor | None = None, stochastic_row: bool = False, stochastic_col: bool = False,
                      seed: torch.Tensor | None = None, amax: torch.Tensor | None = None,

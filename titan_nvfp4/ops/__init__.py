@@ -3,6 +3,7 @@
 from .backends import BACKEND_NAMES, resolve_backend
 from .gemm import nvfp4_gemm, register_backend
 from .quantize import (
+    operand_amax,
     quantize_activation,
     quantize_gradient,
     quantize_rowwise,
@@ -13,6 +14,7 @@ from .quantize import (
 __all__ = [
     "BACKEND_NAMES",
     "nvfp4_gemm",
+    "operand_amax",
     "quantize_activation",
     "quantize_gradient",
     "quantize_rowwise",

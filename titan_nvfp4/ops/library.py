@@ -11,6 +11,7 @@ checks) costs ~100 µs of host time per call, as much as a small kernel takes on
 torch.compile, on fake, meta or subclass tensors (DTensor), or inside a mode, the call goes through
 the registered op, so tracing and dispatch modes see one opaque op as before.
 
+  titan_nvfp4::amax         the tensor amaxes quantize would reduce (for a cross-rank all-reduce first)
   titan_nvfp4::quantize     1×16 rows and/or RHT'd 16-along-tokens columns of one 2D operand
   titan_nvfp4::quantize_2d  16×16-block weight plus the codes and scales of its transpose
   titan_nvfp4::gemm         (A·Bᵀ)·gs_A·gs_B [+ bias] on the emulated or the native backend
@@ -104,23 +105,39 @@ def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
     return like.new_empty((0,), dtype=dtype)
 
 
+@_op("amax")
+def amax(x: Tensor, colwise: bool, signs: Optional[Tensor]) -> Tensor:
+    """fp32 [max|x|, max|rht(xᵀ)|] as ``quantize`` would reduce them (non-finite: +inf)."""
+    from ..kernels.quantize import operand_amax_tensors
+
+    return operand_amax_tensors(x, colwise, signs)
+
+
+@amax.op.register_fake
+def _amax_fake(x, colwise, signs):
+    return x.new_empty((2,), dtype=torch.float32)
+
+
 @_op("quantize")
 def quantize(x: Tensor, rowwise: bool, colwise: bool, signs: Optional[Tensor], stochastic_row: bool,
              stochastic_col: bool, seed: Optional[Tensor], row_fp16: bool = False,
-             col_fp16: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+             col_fp16: bool = False, amaxes: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(row codes, row scales, column codes, column scales, [gs_row, gs_col]); an operand not asked
     for comes back as empty tensors (and its decode scale unset). ``row_fp16`` / ``col_fp16``: that
     operand as the emulated GEMM's staged fp16 values ([M, K] / [K, M padded]) instead of codes
-    (its scales empty)."""
+    (its scales empty). ``amaxes``: fp32 [row, column] tensor amaxes to use (e.g. all-reduced across
+    ranks) instead of reducing them from x."""
     from ..kernels.quantize import quantize_operand_tensors
 
+    a_row, a_col = (None, None) if amaxes is None else (amaxes[0:1], amaxes[1:2])
     return quantize_operand_tensors(x, rowwise=rowwise, colwise=colwise, signs=signs, stochastic_row=stochastic_row,
-                                    stochastic_col=stochastic_col, seed=seed, row_fp16=row_fp16, col_fp16=col_fp16)
+                                    stochastic_col=stochastic_col, seed=seed, row_fp16=row_fp16, col_fp16=col_fp16,
+                                    amax=a_row, amax_col=a_col if colwise else None)
 
 
 @quantize.op.register_fake
 def _quantize_fake(x, rowwise, colwise, signs, stochastic_row, stochastic_col, seed, row_fp16=False,
-                   col_fp16=False):
+                   col_fp16=False, amaxes=None):
     m, k = x.shape
     mpad = m + (-m) % 16
     f8 = torch.float8_e4m3fn
@@ -136,15 +153,17 @@ def _quantize_fake(x, rowwise, colwise, signs, stochastic_row, stochastic_col, s
 
 
 @_op("quantize_2d")
-def quantize_2d(w: Tensor, staged: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(codes of W, 16×16 scales, codes of Wᵀ, scales of Wᵀ, global decode scale [1])."""
+def quantize_2d(w: Tensor, staged: bool = False,
+                amax: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(codes of W, 16×16 scales, codes of Wᵀ, scales of Wᵀ, global decode scale [1]); ``amax``: the
+    tensor amax to use instead of max|w| (a sharded weight's, all-reduced)."""
     from ..kernels.quantize import quantize_weight_2d_tensors
 
-    return quantize_weight_2d_tensors(w, staged=staged)
+    return quantize_weight_2d_tensors(w, amax=amax, staged=staged)
 
 
 @quantize_2d.op.register_fake
-def _quantize_2d_fake(w, staged=False):
+def _quantize_2d_fake(w, staged=False, amax=None):
     n, k = w.shape
     f8 = torch.float8_e4m3fn
     d, s = w.new_empty((n, k // 2), dtype=torch.uint8), w.new_empty((n // 16, k // 16), dtype=f8)

@@ -16,68 +16,101 @@ from . import library
 
 
 def quantize_rowwise(x2d: torch.Tensor, block_shape=(1, 16), stochastic: bool = False,
-                     generator: torch.Generator | None = None) -> NVFP4Tensor:
-    """Reference: NVFP4 of a 2D operand with blocks along its rows' contraction dim."""
-    return quantize_nvfp4(x2d, block_shape=block_shape, stochastic=stochastic, generator=generator)
+                     generator: torch.Generator | None = None, amax: torch.Tensor | None = None) -> NVFP4Tensor:
+    """Reference: NVFP4 of a 2D operand with blocks along its rows' contraction dim (tensor scale
+    from ``amax`` when given, else from max|x2d|)."""
+    return quantize_nvfp4(x2d, block_shape=block_shape, stochastic=stochastic, generator=generator, amax=amax)
 
 
-def quantize_wgrad_operand(x2d: torch.Tensor, signs: torch.Tensor | None, stochastic: bool = False,
-                           generator: torch.Generator | None = None) -> NVFP4Tensor:
-    """Reference: NVFP4 of x2dᵀ with 16-element blocks along the token dim (dim 0 of x2d), after the
-    RHT when ``signs`` is given. Token counts that are not multiples of 16 are zero-padded: zero
-    tokens add nothing to dW = dYᵀ X, so the product is unchanged."""
-    tokens = x2d.shape[0]
-    pad = (-tokens) % 16
+def _wgrad_values(x2d: torch.Tensor, signs: torch.Tensor | None) -> torch.Tensor:
+    """x2dᵀ with the tokens zero-padded to a multiple of 16, after the RHT when ``signs`` is given."""
+    pad = (-x2d.shape[0]) % 16
     xt = x2d.t()
     if pad:
         xt = torch.nn.functional.pad(xt, (0, pad))
-    if signs is not None:
-        xt = rht(xt, signs)
-    return quantize_nvfp4(xt.contiguous(), block_shape=(1, 16), stochastic=stochastic, generator=generator)
+    return rht(xt, signs) if signs is not None else xt
+
+
+def quantize_wgrad_operand(x2d: torch.Tensor, signs: torch.Tensor | None, stochastic: bool = False,
+                           generator: torch.Generator | None = None, amax: torch.Tensor | None = None) -> NVFP4Tensor:
+    """Reference: NVFP4 of x2dᵀ with 16-element blocks along the token dim (dim 0 of x2d), after the
+    RHT when ``signs`` is given. Token counts that are not multiples of 16 are zero-padded: zero
+    tokens add nothing to dW = dYᵀ X, so the product is unchanged."""
+    return quantize_nvfp4(_wgrad_values(x2d, signs).contiguous(), block_shape=(1, 16), stochastic=stochastic,
+                          generator=generator, amax=amax)
+
+
+def operand_amax(x2d: torch.Tensor, colwise: bool, signs: torch.Tensor | None, backend: str) -> torch.Tensor:
+    """fp32 [row amax, column amax] of an operand as quantize_activation / quantize_gradient would
+    reduce them (column: of the RHT'd x2dᵀ; 0 without ``colwise``), non-finite values giving +inf: for
+    a caller that all-reduces them across the ranks sharding the operand first."""
+    if backend != "reference":
+        return library.amax(x2d, colwise, signs if colwise else None)
+    a = x2d.abs().amax().float() if x2d.numel() else x2d.new_zeros((), dtype=torch.float32)
+    c = torch.zeros_like(a)
+    if colwise:
+        c = _wgrad_values(x2d, signs).abs().amax().float() if (signs is not None and x2d.numel()) else a
+    out = torch.stack([a, c])
+    return torch.where(torch.isfinite(out), out, torch.full_like(out, float("inf")))
 
 
 def _generator(seed: torch.Tensor | None, device: torch.device) -> torch.Generator | None:
     return None if seed is None else torch.Generator(device=device).manual_seed(int(seed.reshape(-1)[0]))
 
 
-def quantize_activation(x2d: torch.Tensor, need_col: bool, signs: torch.Tensor | None,
-                        backend: str) -> tuple[NVFP4Tensor, NVFP4Tensor | None]:
+def _amaxes(amaxes: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    return (None, None) if amaxes is None else (amaxes[0], amaxes[1])
+
+
+def quantize_activation(x2d: torch.Tensor, need_col: bool, signs: torch.Tensor | None, backend: str,
+                        amaxes: torch.Tensor | None = None) -> tuple[NVFP4Tensor, NVFP4Tensor | None]:
     """Forward operand X (1×16, nearest-even) and, when ``need_col``, its wgrad operand Xᵀ. On the
     emulated backend X comes as the GEMM's staged fp16 values (library.StagedOperand): it feeds the
-    forward GEMM only, so its codes are never needed."""
+    forward GEMM only, so its codes are never needed. ``amaxes``: operand_amax's [row, column] tensor
+    amaxes to use (all-reduced across ranks) instead of x2d's own."""
     if backend == "reference":
-        return quantize_rowwise(x2d), (quantize_wgrad_operand(x2d, signs) if need_col else None)
-    out = library.quantize(x2d, True, need_col, signs, False, False, None, backend == "emulated")
+        a_row, a_col = _amaxes(amaxes)
+        return (quantize_rowwise(x2d, amax=a_row),
+                quantize_wgrad_operand(x2d, signs, amax=a_col) if need_col else None)
+    out = library.quantize(x2d, True, need_col, signs, False, False, None, backend == "emulated", False, amaxes)
     return library.operand_pair(out, x2d.shape, True, need_col)
 
 
 def quantize_gradient(dy2d: torch.Tensor, need_row: bool, need_col: bool, signs: torch.Tensor | None,
-                      seed: torch.Tensor | None, backend: str) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
+                      seed: torch.Tensor | None, backend: str,
+                      amaxes: torch.Tensor | None = None) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
     """dgrad operand dY (1×16) and wgrad operand dYᵀ (RHT, 16 along tokens); stochastic iff ``seed``
     (an int64 tensor [1]) is given. On the emulated backend both come staged (fp16, as X in
-    quantize_activation): each feeds one GEMM at once, so their codes would only be read to be staged."""
+    quantize_activation): each feeds one GEMM at once, so their codes would only be read to be staged.
+    ``amaxes`` as in quantize_activation."""
     sr = seed is not None
     if backend == "reference":
+        a_row, a_col = _amaxes(amaxes)
         gen = _generator(seed, dy2d.device)  # one stream: the row draws, then the column draws
-        row = quantize_rowwise(dy2d, stochastic=sr, generator=gen) if need_row else None
-        col = quantize_wgrad_operand(dy2d, signs, stochastic=sr, generator=gen) if need_col else None
+        row = quantize_rowwise(dy2d, stochastic=sr, generator=gen, amax=a_row) if need_row else None
+        col = quantize_wgrad_operand(dy2d, signs, stochastic=sr, generator=gen, amax=a_col) if need_col else None
         return row, col
     staged = backend == "emulated"
-    out = library.quantize(dy2d, need_row, need_col, signs, sr, sr, seed, staged, staged)
+    out = library.quantize(dy2d, need_row, need_col, signs, sr, sr, seed, staged, staged, amaxes)
     return library.operand_pair(out, dy2d.shape, need_row, need_col)
 
 
-def quantize_weight(w: torch.Tensor, weight_2d: bool, backend: str) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+def quantize_weight(w: torch.Tensor, weight_2d: bool, backend: str,
+                    amax: torch.Tensor | None = None) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     """The weight for forward (W, blocks along K) and for dgrad (Wᵀ, blocks along N): with 16×16 blocks
-    the same quantization read both ways; with 1×16 blocks two separate quantizations."""
+    the same quantization read both ways; with 1×16 blocks two separate quantizations. ``amax``: the
+    tensor amax to use (a sharded weight's, all-reduced) instead of max|w|."""
     if backend == "reference":
         if weight_2d:
-            wq = quantize_rowwise(w, block_shape=(16, 16))
+            wq = quantize_rowwise(w, block_shape=(16, 16), amax=amax)
             return wq, wq.t()
-        return quantize_rowwise(w), quantize_rowwise(w.t().contiguous())
+        return quantize_rowwise(w, amax=amax), quantize_rowwise(w.t().contiguous(), amax=amax)
+    a = None if amax is None else amax.reshape(1).expand(2).contiguous()
     if weight_2d:  # W feeds the forward GEMM only: on the emulated backend it comes staged (fp16)
-        return library.weight_pair(library.quantize_2d(w, backend == "emulated"), w.shape)
-    wq, _ = library.operand_pair(library.quantize(w, True, False, None, False, False, None), w.shape, True, False)
-    wt, _ = library.operand_pair(library.quantize(w.t(), True, False, None, False, False, None), w.t().shape,
-                                 True, False)
+        return library.weight_pair(library.quantize_2d(w, backend == "emulated", None if amax is None else a[:1]),
+                                   w.shape)
+    wq, _ = library.operand_pair(library.quantize(w, True, False, None, False, False, None, False, False, a),
+                                 w.shape, True, False)
+    wt, _ = library.operand_pair(library.quantize(w.t(), True, False, None, False, False, None, False, False, a),
+                                 w.t().shape, True, False)
     return wq, wt

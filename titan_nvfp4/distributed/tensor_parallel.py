@@ -1,0 +1,93 @@
+"""NVFP4Linear under tensor parallelism: TorchTitan's ColwiseParallel / RowwiseParallel plans shard the
+weight (Shard(0) / Shard(1) DTensor) and hand the layer a DTensor input; the layer runs the NVFP4
+linear on the local shards and returns a DTensor, as nn.Linear's DTensor dispatch would.
+
+Per rank, with the weight sharded over a TP group of size t:
+- colwise (W rows, the output features, sharded): X is whole (Replicate), each rank computes its
+  Y columns; W's and dY's tensor amaxes are all-reduced over the group. dX is a partial sum.
+- rowwise (W columns, the input features, sharded): X comes sharded along its features; each rank
+  computes a partial Y (summed by the output's redistribution); X's and W's amaxes are all-reduced.
+  The bias, a Replicate DTensor, is added after the partial GEMM so it counts once.
+
+So every rank quantizes its shard of X, W and dY with the whole operand's tensor scale, and the
+1×16 / 16×16 blocks are those of the unsharded operands (local dims must be multiples of 16). What
+differs from one GPU is only the fp32 summation order: rowwise sums t partial GEMMs, colwise dX too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from .amax import AmaxGroups
+
+
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The local tensor of a DTensor (a view: in-place updates reach the DTensor), others as they are."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def tp_layout(weight: DTensor, name: str) -> tuple[int, int] | None:
+    """(mesh dim, sharded weight dim) of a tensor-parallel Linear weight, None when it is replicated:
+    at most one mesh dim may shard it, along dim 0 (colwise) or 1 (rowwise)."""
+    sharded = [(i, p.dim) for i, p in enumerate(weight.placements) if isinstance(p, Shard)]
+    others = [p for p in weight.placements if not isinstance(p, (Shard, Replicate))]
+    if len(sharded) > 1 or others or (sharded and sharded[0][1] not in (0, 1)):
+        raise NotImplementedError(f"NVFP4 Linear {name!r}: weight placements {weight.placements} are not a "
+                                  "tensor-parallel layout (one mesh dim sharding dim 0 or dim 1)")
+    return sharded[0] if sharded else None
+
+
+def _check_local_dims(name: str, w_local: torch.Tensor) -> None:
+    bad = [d for d in w_local.shape if d % 16]
+    if bad:
+        raise ValueError(f"NVFP4 Linear {name!r} under tensor parallelism: the local weight shard "
+                         f"{tuple(w_local.shape)} has dims that are not multiples of 16 (NVFP4 blocks may not "
+                         "straddle shards): choose a TP degree that divides the dims into multiples of 16, or "
+                         "keep the layer in BF16 with filter_fqns")
+
+
+def tp_nvfp4_linear(linear_fn, x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None,
+                    name: str = "") -> DTensor:
+    """Y = linear_fn(x_local, w_local, b_local, groups) on the local shards, wrapped back as a DTensor
+    (Shard(-1) colwise, Partial rowwise + bias). ``linear_fn`` is the layer's NVFP4 linear with its
+    recipe, SR counter and RHT signs bound."""
+    layout = tp_layout(weight, name)
+    mesh = weight.device_mesh
+    if layout is None:  # a replicated weight (e.g. a low-rank factor beside a rowwise layer): whole on every rank
+        if isinstance(x, DTensor):
+            x = x.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+        y = linear_fn(x, weight.to_local(), local(bias), AmaxGroups())
+        return DTensor.from_local(y, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    mesh_dim, wdim = layout
+    group = mesh.get_group(mesh_dim)
+    w_local = weight.to_local()
+    _check_local_dims(name, w_local)
+    placements = list(weight.placements)
+    if wdim == 0:  # colwise
+        if isinstance(x, DTensor):
+            if any(not isinstance(p, Replicate) for p in x.placements):
+                x = x.redistribute(mesh, [Replicate()] * mesh.ndim)
+            x_local = x.to_local(grad_placements=[Partial() if i == mesh_dim else Replicate()
+                                                  for i in range(mesh.ndim)])
+        else:
+            x_local = x
+        y = linear_fn(x_local, w_local, local(bias), AmaxGroups(weight=group, grad=group))
+        placements[mesh_dim] = Shard(y.dim() - 1)
+        return DTensor.from_local(y, mesh, placements, run_check=False)
+    # rowwise: x sharded along its last dim the way W is along dim 1
+    if not isinstance(x, DTensor):
+        raise ValueError(f"NVFP4 Linear {name!r} (rowwise tensor parallel): expected a DTensor input sharded along "
+                         "its last dim, got a plain tensor")
+    want = [Shard(x.dim() - 1) if i == mesh_dim else Replicate() for i in range(mesh.ndim)]
+    if list(x.placements) != want:
+        x = x.redistribute(mesh, want)
+    y = linear_fn(x.to_local(), w_local, None, AmaxGroups(x=group, weight=group))
+    placements[mesh_dim] = Partial()
+    out = DTensor.from_local(y, mesh, placements, run_check=False)
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+__all__ = ["local", "tp_layout", "tp_nvfp4_linear"]
