@@ -33,6 +33,16 @@ def test_quantize_op_passes_opcheck(rows):
         torch.library.opcheck(library.quantize.op, args)
 
 
+def test_amax_op_and_given_amaxes_pass_opcheck():
+    x = _x(40, 64)
+    signs = rht_signs(1, DEV)
+    for args in [(x, True, signs), (x, False, None), (x, True, None)]:
+        torch.library.opcheck(library.amax.op, args)
+    amaxes = torch.tensor([3.0, 5.0], device=DEV)
+    torch.library.opcheck(library.quantize.op, (x, True, True, signs, False, False, None, False, False, amaxes))
+    torch.library.opcheck(library.quantize_2d.op, (_x(48, 64, seed=1), False, amaxes[:1]))
+
+
 def test_quantize_2d_and_gemm_ops_pass_opcheck():
     w = _x(48, 64, seed=1)
     torch.library.opcheck(library.quantize_2d.op, (w,))

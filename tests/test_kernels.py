@@ -20,7 +20,7 @@ from titan_nvfp4.numerics.nvfp4 import NVFP4Tensor, quantize_nvfp4
 from titan_nvfp4.numerics.rht import rht_signs
 from titan_nvfp4.ops.backends import resolve_backend
 from titan_nvfp4.ops.gemm import gemm_reference
-from titan_nvfp4.ops.quantize import quantize_wgrad_operand
+from titan_nvfp4.ops.quantize import operand_amax, quantize_wgrad_operand
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
@@ -124,6 +124,26 @@ def test_strided_input_and_given_amax():
     same_bits(quantize_operand(x, amax=amax)[0], quantize_nvfp4(x, amax=amax), "given amax")
     small = x.abs().amax() / 4  # smaller than the data's: scales and codes saturate, as the reference
     same_bits(quantize_operand(x, amax=small)[0], quantize_nvfp4(x, amax=small), "saturating amax")
+
+
+@pytest.mark.parametrize("shape", SHAPES[:4])
+@pytest.mark.parametrize("bad", [None, float("nan"), -float("inf")])
+def test_operand_amax_kernel_equals_reference(shape, bad):
+    """The amaxes a sharded operand all-reduces (distributed/amax.py): the kernel's equal the reference's,
+    non-finite as +inf, and quantizing with them gives the bits of quantizing on its own."""
+    x = inputs(*shape, "heavy", torch.float32)
+    if bad is not None:
+        x[0, 0] = bad
+    signs = rht_signs(3, DEV)
+    for colwise, s in ((True, signs), (True, None), (False, None)):
+        got = operand_amax(x, colwise, s, "emulated")
+        want = operand_amax(x.cpu(), colwise, None if s is None else s.cpu(), "reference")
+        assert torch.equal(got.cpu(), want), (colwise, s is not None)
+    if bad is None:
+        a = operand_amax(x, True, signs, "emulated")
+        row, col = quantize_operand(x, rowwise=True, colwise=True, signs=signs, amax=a[0], amax_col=a[1])
+        same_bits(row, quantize_nvfp4(x), "rowwise with its own amax given")
+        same_bits(col, quantize_wgrad_operand(x, signs), "wgrad operand with its own amax given")
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
