@@ -30,6 +30,7 @@ from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.models.moe.utils import indices_padding_wrapper
 
 from ..decomposed_linear import LowRankState
+from ..distributed.tensor_parallel import local
 from ..grouped_function import nvfp4_grouped_mm_shared
 from ..layer_state import NVFP4LayerState
 from ..linear_function import autocast_out_dtype
@@ -143,7 +144,7 @@ class _NVFP4Experts(LowRankState, NVFP4LayerState):
         ``bf16_after_fraction`` switch the same products in the input's dtype."""
         if self.high_precision:
             return [grouped_linear(x, w, offsets, b) for w, b in zip(weights, biases)]
-        return nvfp4_grouped_mm_shared(x, weights, offsets, biases, self.recipe, counters, self.rht_signs,
+        return nvfp4_grouped_mm_shared(x, weights, offsets, biases, self.recipe, counters, local(self.rht_signs),
                                        groups_aligned())
 
     def _lowrank_add(self, y: torch.Tensor, g: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -172,7 +173,7 @@ class NVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
 
     def _run(self, w1, w2, w3, x, num_tokens_per_expert):
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-        c = self.sr_counter
+        c = local(self.sr_counter)  # a replicated DTensor under expert parallelism
         # W1 and W3 read the same tokens: quantized once for both
         h1, h3 = self._gemms(x, (w1, w3), offsets, (None, None), (c[0], c[2]))
         h = F.silu(self._lowrank_add(h1, "w1", x, offsets)) * self._lowrank_add(h3, "w3", x, offsets)
@@ -198,7 +199,7 @@ class NVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):
     def _run(self, mlp1_weight, mlp1_bias, mlp2_weight, mlp2_bias, swiglu_limit, x, num_tokens_per_expert,
              tp_degree=1):
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-        c = self.sr_counter
+        c = local(self.sr_counter)  # a replicated DTensor under expert parallelism
         (h,) = self._gemms(x, (mlp1_weight,), offsets, (mlp1_bias,), (c[0],))
         h = swiglu(self._lowrank_add(h, "mlp1_weight", x, offsets), limit=swiglu_limit)
         # as TorchTitan: under TP the bias is divided by the TP degree in forward only
