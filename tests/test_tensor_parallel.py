@@ -296,3 +296,63 @@ def test_deepseek_v3_experts_under_expert_parallelism_match_one_process(tmp_path
     for name, p in ref.named_parameters():
         # measured: at most 1.9e-7 (fp32 summation order), experts and the rest alike
         assert _rel(out["grads"][name] / 2, p.grad) < 1e-5, name
+
+
+def _expert_tp_worker(rank, world, out):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchtitan.distributed.expert_parallel import TensorParallel
+    from torchtitan.models.moe.moe import GroupedExperts
+
+    from titan_nvfp4.integration.experts import NVFP4GroupedExperts
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    mod = GroupedExperts(dim=64, hidden_dim=64, num_experts=2, use_grouped_mm=True)
+    NVFP4GroupedExperts.convert(mod, RNE, layer_id=0, name="layers.0.moe.experts")
+    parallelize_module(mod, mesh, TensorParallel())  # TorchTitan's expert TP (TP without EP)
+    try:
+        mod(torch.randn(32, 64), torch.tensor([16, 16]))
+        out[f"error{rank}"] = None
+    except NotImplementedError as e:
+        out[f"error{rank}"] = str(e)
+
+
+def test_experts_under_tensor_parallelism_are_refused_by_name():
+    out = run_ranks(_expert_tp_worker, 2)
+    for r in range(2):
+        assert out[f"error{r}"] and "layers.0.moe.experts" in out[f"error{r}"], out
+        assert "expert_parallel_degree" in out[f"error{r}"]
+
+
+def _compiled_tp_worker(rank, world, out, w, x, recipe):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    with torch.device("meta"):
+        model = MLP(recipe)
+    parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    model.to_empty(device="cpu")
+    _load(model, w)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # one graph: no breaks under TP
+    xr = x.clone().requires_grad_(True)
+    y = compiled(xr)
+    y.square().sum().backward()
+    grads = _grads(model)
+    if rank == 0:
+        out.update(y=y.detach().clone(), **grads)
+
+
+def test_tensor_parallel_layers_compile_without_graph_breaks():
+    """torch.compile(fullgraph=True) over the TP layers: the amax all-reduce is a functional collective
+    and the kernels (emulated backend, Triton's interpreter on a CPU) are custom ops."""
+    from titan_nvfp4.ops.backends import interpreting
+
+    if not (torch.cuda.is_available() or interpreting()):
+        pytest.skip("needs TRITON_INTERPRET=1 on a CPU")
+    recipe = dataclasses.replace(RNE, gemm_backend="emulated")
+    w, x = _weights()
+    ref = _one_process(w, x, recipe)
+    out = run_ranks(_compiled_tp_worker, 2, w, x, recipe)
+    for key in ("y", "w1.weight", "w2.weight", "w2.bias"):
+        assert _rel(out[key], ref[key]) < 1e-5, key

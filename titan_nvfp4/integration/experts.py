@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torchtitan.models.gpt_oss.model.moe import GptOssGroupedExperts, ScaleBiasForward, swiglu
 from torchtitan.models.gpt_oss.model.moe import indices_padding_wrapper as gpt_oss_padding_wrapper
 from torchtitan.models.moe import utils as moe_utils
@@ -110,6 +110,7 @@ class _NVFP4Experts(LowRankState, NVFP4LayerState):
             if lora_rank > min(w.shape[-2:]):
                 raise ValueError(f"lora_rank {lora_rank} does not fit experts {name!r}: {g} {tuple(w.shape)}")
         mod.__class__ = cls
+        mod.layer_name = name
         device = weights[cls.GEMMS[0]].device
         mod._init_nvfp4(recipe, layer_id, device, n_gemms=len(cls.GEMMS))
         mod.lora_rank = lora_rank
@@ -153,6 +154,17 @@ class _NVFP4Experts(LowRankState, NVFP4LayerState):
             return y
         return y + grouped_lowrank(x, *self._factors(g), offsets).to(y.dtype)
 
+    def _check_expert_sharding(self, weight: torch.Tensor) -> None:
+        """Expert parallelism (whole experts per rank) keeps every expert's tensor amax whole; tensor
+        parallelism of the experts (TorchTitan's TP without EP, or ETP) would split an expert's weight
+        and its amax across ranks, which the grouped path does not reduce yet: refuse it by name."""
+        if isinstance(weight, DTensor) and any(isinstance(p, Shard) and p.dim != 0 for p in weight.placements):
+            raise NotImplementedError(
+                f"NVFP4 experts {getattr(self, 'layer_name', '')!r}: tensor parallelism of the routed experts "
+                f"(weight placements {weight.placements}) is not supported yet; use expert parallelism "
+                "(expert_parallel_degree > 1, expert_tensor_parallel_degree = 1) or leave the experts out of "
+                "[quantize.grouped_mm.nvfp4] fqns")
+
     def _check_lowrank_parallelism(self, sharded: bool) -> None:
         if self.lora_rank:
             self._check_decomposed()
@@ -167,6 +179,7 @@ class NVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
     GEMMS = ("w1", "w2", "w3")
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        self._check_expert_sharding(self.w1)
         self._check_lowrank_parallelism(isinstance(self.w1, DTensor))
         run = self._run if _expert_parallel(self.w1) else indices_padding_wrapper(self._run)
         return run(_local(self.w1), _local(self.w2), _local(self.w3), x, num_tokens_per_expert)
@@ -191,6 +204,7 @@ class NVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):
         if isinstance(self.mlp1_weight, DTensor) and "tp" in (self.mlp1_weight.device_mesh.mesh_dim_names or ()):
             mesh = self.mlp1_weight.device_mesh
             tp_degree = mesh.size(mesh.mesh_dim_names.index("tp"))
+        self._check_expert_sharding(self.mlp1_weight)
         self._check_lowrank_parallelism(isinstance(self.mlp1_weight, DTensor))
         run = self._run if _expert_parallel(self.mlp1_weight) else gpt_oss_padding_wrapper(self._run)
         return run(_local(self.mlp1_weight), _local(self.mlp1_bias), _local(self.mlp2_weight),

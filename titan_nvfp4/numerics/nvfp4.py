@@ -190,7 +190,7 @@ def quantize_nvfp4(
         amax_t = a.abs().amax() if a.numel() else torch.zeros((), device=a.device)
     else:
         amax_t = torch.as_tensor(amax, dtype=torch.float32, device=a.device).reshape(())
-        if bool(amax_t < 0):
+        if not torch.compiler.is_compiling() and bool(amax_t < 0):  # no data-dependent branch in a graph
             raise ValueError(f"amax must be non-negative, got {float(amax_t)}")
     s_enc = global_encode_scale(amax_t)
 
