@@ -251,7 +251,8 @@ def _amax_buffer(x: torch.Tensor, amax: torch.Tensor | None, n: int) -> torch.Te
     if amax is None:
         return torch.zeros(n, dtype=torch.int32, device=x.device)
     a = torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(1)
-    a = torch.where(torch.isfinite(a), a, torch.full_like(a, float("inf")))  # kernel convention
+    inf = float("inf")
+    a = torch.nan_to_num(a, nan=inf, posinf=inf, neginf=inf)  # kernel convention; one launch (host time)
     return a.expand(n).contiguous().view(torch.int32)
 
 
