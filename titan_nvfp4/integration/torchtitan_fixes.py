@@ -7,6 +7,9 @@ through `custom_config_module`), so both arms of a comparison run the same model
     ``TokenChoiceTopKRouter.init_weights`` never initializes, so a meta-device model starts from
     whatever to_empty() left in memory (NaN under deterministic mode). It is zeroed after the
     weight's initialization, as upstream now does; a version that already zeroes it is unaffected.
+
+And one extension: the Trainer's checkpointed ``train_state`` also carries the NVFP4 layers'
+stochastic-rounding call counts, so a resumed run draws the same random numbers (train_state.py).
 """
 
 from __future__ import annotations
@@ -30,3 +33,6 @@ def apply() -> None:
     """Install the backports (idempotent)."""
     if TokenChoiceTopKRouter.init_weights is _original_router_init:
         TokenChoiceTopKRouter.init_weights = _router_init_weights
+    from .train_state import install_on_running_trainers
+
+    install_on_running_trainers()

@@ -1,0 +1,96 @@
+"""The stochastic-rounding call counts in TorchTitan's checkpointed ``train_state``.
+
+Every NVFP4 layer draws its SR seeds from a device counter (base, backward calls so far). A resumed run
+reproduces the uninterrupted one bit for bit only if those call counts come back with the checkpoint.
+Keeping them in the model's state dict would change its keys, which would break loading BF16 and
+Hugging Face checkpoints into an NVFP4 model. So they travel in TorchTitan's ``train_state`` (the
+Trainer's own ``state_dict``, which TorchTitan saves and restores next to ``step``) as
+``nvfp4_sr_calls``: {layer fqn: int64 [streams]}, one entry per NVFP4 layer of this rank's model parts.
+Ranks that hold the same layer hold the same counts (every rank runs each of its layers equally
+often), so DCP's deduplication keeps one copy; pipeline stages hold disjoint fqns. DCP loads what the
+running job's train_state asks for, so an NVFP4 job resumes only from checkpoints that carry the counts
+(those written with this in place); model-only loads (seed checkpoints, BF16 or HF weights) are not
+affected.
+
+``install`` runs from the converter's import (torchtitan_fixes.apply) on the Trainer class of the
+running ``python -m torchtitan.train`` (that module is ``__main__`` then, not ``torchtitan.train``) and
+of an imported ``torchtitan.train``; a custom trainer calls ``install(MyTrainer)`` itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..distributed.tensor_parallel import local
+from ..layer_state import NVFP4LayerState
+
+KEY = "nvfp4_sr_calls"
+_WRAPPERS = ("._checkpoint_wrapped_module", "_checkpoint_wrapped_module.", "._orig_mod", "_orig_mod.")
+
+
+def _fqn(name: str) -> str:
+    """A layer's name without activation-checkpoint and compile wrappers (the same in every run)."""
+    for w in _WRAPPERS:
+        name = name.replace(w, "")
+    return name
+
+
+def nvfp4_layers(model_parts: list[nn.Module]) -> dict[str, NVFP4LayerState]:
+    return {_fqn(n): m for part in model_parts for n, m in part.named_modules() if isinstance(m, NVFP4LayerState)}
+
+
+def sr_calls(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """{fqn: int64 [streams]} backward-call counts of every NVFP4 layer (on the CPU: one sync, at save)."""
+    return {fqn: local(m.sr_counter)[..., 1].reshape(-1).cpu().clone() for fqn, m in nvfp4_layers(model_parts).items()}
+
+
+def load_sr_calls(model_parts: list[nn.Module], calls: dict[str, torch.Tensor]) -> None:
+    """Put saved call counts back into the layers' counters (layers the checkpoint lacks keep theirs)."""
+    layers = nvfp4_layers(model_parts)
+    with torch.no_grad():
+        for fqn, count in calls.items():
+            if fqn in layers:
+                c = local(layers[fqn].sr_counter)
+                c[..., 1].copy_(count.reshape(c[..., 1].shape))
+
+
+def install(trainer_cls) -> None:
+    """Extend ``trainer_cls.state_dict`` / ``load_state_dict`` (TorchTitan's Trainer) with KEY (idempotent)."""
+    if getattr(trainer_cls, "_nvfp4_train_state", False):
+        return
+    original_state_dict, original_load = trainer_cls.state_dict, trainer_cls.load_state_dict
+
+    def state_dict(self):
+        out = original_state_dict(self)
+        calls = sr_calls(getattr(self, "model_parts", []))
+        if calls:
+            out[KEY] = calls
+        return out
+
+    def load_state_dict(self, state_dict):
+        calls = state_dict.get(KEY)
+        rest = {k: v for k, v in state_dict.items() if k != KEY}
+        original_load(self, rest)
+        if calls:
+            load_sr_calls(getattr(self, "model_parts", []), calls)
+
+    trainer_cls.state_dict, trainer_cls.load_state_dict = state_dict, load_state_dict
+    trainer_cls._nvfp4_train_state = True
+
+
+def install_on_running_trainers() -> None:
+    """``install`` on the Trainer of ``python -m torchtitan.train`` and of an imported torchtitan.train."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    mods = [sys.modules.get("torchtitan.train")]
+    if getattr(getattr(main, "__spec__", None), "name", None) == "torchtitan.train":
+        mods.append(main)
+    for mod in mods:
+        cls = getattr(mod, "Trainer", None)
+        if isinstance(cls, type) and hasattr(cls, "state_dict") and hasattr(cls, "load_state_dict"):
+            install(cls)
+
+
+__all__ = ["KEY", "install", "install_on_running_trainers", "load_sr_calls", "sr_calls"]
