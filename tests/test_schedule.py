@@ -1,6 +1,6 @@
 """The converters' optimizer-step schedule (schedule.py): bf16_after_fraction switches every NVFP4
-layer to high precision at the right step, survives a checkpoint round trip, and drives the low-rank
-refresh by the saved step count; the high-precision twins compute exactly the plain products."""
+layer to high precision at the right step, resumes from TorchTitan's restored train_state step, and
+drives the low-rank refresh by that count; the high-precision twins compute exactly the plain products."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from titan_nvfp4.decomposed_linear import DecomposedLinear
 from titan_nvfp4.integration.converter import GROUPED_STEPS, LINEAR_STEPS
 from titan_nvfp4.integration.experts import NVFP4GptOssExperts, NVFP4GroupedExperts, grouped_linear
 from titan_nvfp4.schedule import PrecisionSchedule, StepCounter, switch_step
-from titan_nvfp4.tools.export_dense import fold_decomposed
 from test_converter import edited_toml, meta_llama, parse, world1
 from test_grouped import _build, cpu_histc  # noqa: F401  (fixture)
+from test_train_state import FakeTrainer  # TorchTitan's Trainer checkpoint interface, with our extension
 
 
 def test_switch_step():
@@ -56,8 +56,7 @@ def _plain_output(model, tokens):
     plain.to_empty(device="cpu")
     with torch.no_grad():
         plain.init_weights(buffer_device=None)  # the non-persistent RoPE table
-    state = {k: v for k, v in model.state_dict().items() if not k.startswith(LINEAR_STEPS)}
-    plain.load_state_dict(state)
+    plain.load_state_dict(model.state_dict())  # the same keys: the step counter holds no tensors
     return plain(tokens)
 
 
@@ -72,25 +71,27 @@ def test_linears_switch_at_the_step_and_after_a_resume(tmp_path):
     converters.post_optimizer_hook([model])
     assert not linears[0].high_precision  # after step 1 of 4: steps 3 and 4 run in high precision
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    assert int(state[f"{LINEAR_STEPS}.steps"]) == 1
     converters.post_optimizer_hook([model])
     assert all(m.high_precision for m in linears)
     assert torch.equal(model(tokens), want)  # every Linear is now F.linear on the same weights
     assert "high precision" in repr(linears[0])
 
-    # resume from the step-1 checkpoint: same count, still NVFP4, and the switch one step later
+    # resume from the step-1 checkpoint (TorchTitan restores its train_state step): same count, still
+    # NVFP4, and the switch one step later
     again, conv2 = _llama(tmp_path, *keys, steps=4)
     again.load_state_dict(state)
+    FakeTrainer(again).load_state_dict({"step": 1, "ntokens_seen": 0})
     counter = getattr(again, LINEAR_STEPS)
     assert isinstance(counter, StepCounter) and counter.count == 1
     lin2 = [m for m in again.modules() if isinstance(m, NVFP4Linear)]
     assert not lin2[0].high_precision
     conv2.post_optimizer_hook([again])
-    assert all(m.high_precision for m in lin2) and int(counter.steps) == 2
+    assert all(m.high_precision for m in lin2) and counter.count == 2
 
-    # loading a checkpoint taken after the switch switches before the first forward
+    # resuming after the switch switches before the first forward
     third, _ = _llama(tmp_path, *keys, steps=4)
     third.load_state_dict(model.state_dict())
+    FakeTrainer(third).load_state_dict({"step": 2, "ntokens_seen": 0})
     assert all(m.high_precision for m in third.modules() if isinstance(m, NVFP4Linear))
     assert torch.equal(third(tokens), want)
 
@@ -98,14 +99,9 @@ def test_linears_switch_at_the_step_and_after_a_resume(tmp_path):
 def test_fraction_one_is_high_precision_from_the_start_and_zero_adds_nothing(tmp_path):
     model, _ = _llama(tmp_path, "bf16_after_fraction = 1.0", 'gemm_backend = "reference"')
     assert all(m.high_precision for m in model.modules() if isinstance(m, NVFP4Linear))
-    plain = meta_llama()
-    plain.to_empty(device="cpu")
-    state = model.state_dict()
-    assert f"{LINEAR_STEPS}.steps" in state
-    plain.load_state_dict(fold_decomposed(state))  # the dense export drops the counter: a BF16 model loads it
+    assert set(model.state_dict()) == set(meta_llama().state_dict()), "the schedule adds no state-dict keys"
     off, _ = _llama(tmp_path, 'gemm_backend = "reference"')
     assert not hasattr(off, LINEAR_STEPS)
-    assert set(off.state_dict()) == set(meta_llama().state_dict()), "no extra keys without a schedule"
 
 
 def test_decomposed_linear_in_high_precision_is_its_dense_weight(tmp_path):
@@ -126,6 +122,7 @@ def test_refresh_follows_the_saved_step_count(tmp_path):
     state = {k: v.clone() for k, v in model.state_dict().items()}
     again, conv2 = _llama(tmp_path, *keys)
     again.load_state_dict(state)
+    FakeTrainer(again).load_state_dict({"step": 1, "ntokens_seen": 0})
     m = again.layers["0"].attention.wq
     with torch.no_grad():
         m.lora_u.add_(0.01 * torch.randn_like(m.lora_u))  # no longer orthonormal
@@ -169,7 +166,7 @@ def test_experts_switch_to_torchtitan_numerics(tmp_path, name, cpu_histc):
     torch.manual_seed(0)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    plain.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith(GROUPED_STEPS)})
+    plain.load_state_dict(model.state_dict())
     experts = [m for m in model.modules() if isinstance(m, (NVFP4GroupedExperts, NVFP4GptOssExperts))]
     assert experts and all(m.high_precision for m in experts)
     # the expert modules alone, in BF16 (TorchTitan's gpt-oss experts always compute in BF16)
@@ -180,4 +177,4 @@ def test_experts_switch_to_torchtitan_numerics(tmp_path, name, cpu_histc):
     assert got.dtype == want.dtype == torch.bfloat16
     assert torch.equal(got, want)  # the same BF16 grouped GEMMs and bias adds (NVFP4: ~20-25% off)
     converters.post_optimizer_hook([model])
-    assert int(getattr(model, GROUPED_STEPS).steps) == 1
+    assert getattr(model, GROUPED_STEPS).count == 1

@@ -1,18 +1,17 @@
-"""Optimizer-step schedules of the converters: the step count they keep in the model's state dict, and
-the late switch of every NVFP4 layer to high precision (``bf16_after_fraction``) that it drives.
+"""Optimizer-step schedules of the converters: the step count they keep, and the late switch of every
+NVFP4 layer to high precision (``bf16_after_fraction``) that it drives.
 
-TorchTitan calls a converter's post-optimizer hook with the model only, and restores its own step
-counter from the checkpoint out of the converter's reach. So the converter keeps its count in a small
-submodule of the model (``StepCounter``, a persistent buffer ``steps``): it is saved and resumed with
-the model, and the switch and the low-rank refresh happen at the same optimizer steps in a resumed run
-as in an uninterrupted one. The NVFP4 modules read the switch from a shared ``PrecisionSchedule``, a
-plain bool that changes once, so a compiled block recompiles once at the switch and never guards on
-the step count.
+TorchTitan calls a converter's post-optimizer hook with the model only. So the converter keeps its count
+in a small submodule of the model (``StepCounter``), which holds no tensors: the model's state-dict keys
+stay TorchTitan's. On resume the count comes from TorchTitan's own checkpointed step
+(integration/train_state.py sets it when the train_state loads), so the switch and the low-rank refresh
+happen at the same optimizer steps in a resumed run as in an uninterrupted one. The NVFP4 modules read
+the switch from a shared ``PrecisionSchedule``, a plain bool that changes once, so a compiled block
+recompiles once at the switch and never guards on the step count.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 
@@ -41,38 +40,23 @@ def switch_step(fraction: float, total_steps: int) -> int | None:
 
 
 class StepCounter(nn.Module):
-    """A converter's optimizer-step count, saved with the model (``<name>.steps``); ``schedule``
-    follows it. Materializing a meta model starts it at 0; loading a checkpoint sets it (one host read
-    at load time, none per step)."""
+    """A converter's optimizer-step count; ``schedule`` follows it. No tensors (no state-dict entries):
+    a resumed run gets its count through ``sync`` from TorchTitan's train_state step."""
 
-    def __init__(self, schedule: PrecisionSchedule | None = None, device=None) -> None:
+    def __init__(self, schedule: PrecisionSchedule | None = None) -> None:
         super().__init__()
-        self.register_buffer("steps", torch.zeros((), dtype=torch.int64, device=device))
         self.schedule = schedule or PrecisionSchedule()
         self.count = 0
 
     def step(self) -> bool:
         """One more optimizer step; True when the schedule switched to high precision with it."""
         self.count += 1
-        self.steps.fill_(self.count)
         return self.schedule.at_step(self.count)
 
-    def _sync(self, count: int) -> None:
-        self.count = count
-        self.schedule.at_step(count)
-
-    def _apply(self, fn, recurse: bool = True):
-        was_meta = self.steps.is_meta
-        super()._apply(fn, recurse)
-        if was_meta and not self.steps.is_meta:  # TorchTitan's to_empty: a fresh run starts at step 0
-            self.steps.zero_()
-            self._sync(0)
-        return self
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if not self.steps.is_meta:
-            self._sync(int(self.steps))
+    def sync(self, steps: int) -> None:
+        """Set the count (a resumed run: the optimizer steps its checkpoint had taken)."""
+        self.count = steps
+        self.schedule.at_step(steps)
 
     def extra_repr(self) -> str:
         return f"count={self.count}, switch_step={self.schedule.switch_step}"

@@ -65,10 +65,9 @@ def skip_reason(fqn: str, filter_fqns: list[str], recipe: NVFP4Recipe, n_blocks:
 
 def attach_step_counter(model: nn.Module, name: str, converted: list[str], bf16_after_fraction: float,
                         total_steps: int) -> StepCounter:
-    """Add a StepCounter as submodule ``name`` of ``model`` (on the device of its parameters, meta
-    included) and share its precision schedule with the modules at the ``converted`` fqns."""
-    device = next(model.parameters()).device
-    counter = StepCounter(PrecisionSchedule(switch_step(bf16_after_fraction, total_steps)), device=device)
+    """Add a StepCounter as submodule ``name`` of ``model`` and share its precision schedule with the
+    modules at the ``converted`` fqns."""
+    counter = StepCounter(PrecisionSchedule(switch_step(bf16_after_fraction, total_steps)))
     model.add_module(name, counter)
     for fqn in converted:
         model.get_submodule(fqn).precision_schedule = counter.schedule

@@ -1,4 +1,5 @@
-"""The stochastic-rounding call counts in TorchTitan's checkpointed ``train_state``.
+"""The stochastic-rounding call counts in TorchTitan's checkpointed ``train_state``, and the restored
+step handed to the converters' step counters (schedule.py).
 
 Every NVFP4 layer draws its SR seeds from a device counter (base, backward calls so far). A resumed run
 reproduces the uninterrupted one bit for bit only if those call counts come back with the checkpoint.
@@ -24,6 +25,7 @@ from torch import nn
 
 from ..distributed.tensor_parallel import local
 from ..layer_state import NVFP4LayerState
+from ..schedule import StepCounter
 
 KEY = "nvfp4_sr_calls"
 _WRAPPERS = ("._checkpoint_wrapped_module", "_checkpoint_wrapped_module.", "._orig_mod", "_orig_mod.")
@@ -55,6 +57,14 @@ def load_sr_calls(model_parts: list[nn.Module], calls: dict[str, torch.Tensor]) 
                 c[..., 1].copy_(count.reshape(c[..., 1].shape))
 
 
+def sync_step_counters(model_parts: list[nn.Module], step: int) -> None:
+    """Set the converters' step counters (schedule.py) to the restored optimizer step."""
+    for part in model_parts:
+        for m in part.modules():
+            if isinstance(m, StepCounter):
+                m.sync(step)
+
+
 def install(trainer_cls) -> None:
     """Extend ``trainer_cls.state_dict`` / ``load_state_dict`` (TorchTitan's Trainer) with KEY (idempotent)."""
     if getattr(trainer_cls, "_nvfp4_train_state", False):
@@ -72,8 +82,10 @@ def install(trainer_cls) -> None:
         calls = state_dict.get(KEY)
         rest = {k: v for k, v in state_dict.items() if k != KEY}
         original_load(self, rest)
+        parts = getattr(self, "model_parts", [])
         if calls:
-            load_sr_calls(getattr(self, "model_parts", []), calls)
+            load_sr_calls(parts, calls)
+        sync_step_counters(parts, int(getattr(self, "step", 0)))
 
     trainer_cls.state_dict, trainer_cls.load_state_dict = state_dict, load_state_dict
     trainer_cls._nvfp4_train_state = True
@@ -93,4 +105,4 @@ def install_on_running_trainers() -> None:
             install(cls)
 
 
-__all__ = ["KEY", "install", "install_on_running_trainers", "load_sr_calls", "sr_calls"]
+__all__ = ["KEY", "install", "install_on_running_trainers", "load_sr_calls", "sr_calls", "sync_step_counters"]

@@ -6,8 +6,7 @@ CHECKPOINT: a TorchTitan DCP checkpoint directory (e.g. outputs/<run>/checkpoint
 torch.save'd state dict. Every DecomposedLinear saved as (weight = R, lora_u, lora_sigma, lora_v) and
 every expert weight saved as (w1 = R, w1_lora_u, w1_lora_sigma, w1_lora_v; likewise w2, w3, mlp1_weight,
 mlp2_weight) becomes weight = R + U·diag(σ)·V, computed in fp32 and stored in R's dtype; the
-``lora_decomposed`` flags and the converters' step counters (``nvfp4_*_steps.steps``, schedule.py) are
-dropped and all other entries are kept as they are. OUT.pt is a
+``lora_decomposed`` flags are dropped and all other entries are kept as they are. OUT.pt is a
 torch.save'd state dict.
 """
 
@@ -15,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import tempfile
 
 import torch
@@ -23,7 +21,6 @@ import torch
 from ..numerics.lowrank import lowrank_merge
 
 _FACTORS = ("lora_u", "lora_sigma", "lora_v")
-_STEPS = re.compile(r"(?:.*\.)?nvfp4_\w+_steps\.steps")  # the StepCounter submodules of the converters
 
 
 def _weight_key(prefix: str) -> str:
@@ -35,8 +32,7 @@ def _weight_key(prefix: str) -> str:
 def fold_decomposed(state_dict: dict) -> dict:
     """The dense twin of a state dict with low-rank entries (see the module docstring)."""
     prefixes = {k[: -len("lora_u")] for k in state_dict if k.endswith("lora_u")}
-    drop = {p + n for p in prefixes for n in _FACTORS} | {
-        k for k in state_dict if k.endswith("lora_decomposed") or _STEPS.fullmatch(k)}
+    drop = {p + n for p in prefixes for n in _FACTORS} | {k for k in state_dict if k.endswith("lora_decomposed")}
     out = {k: v for k, v in state_dict.items() if k not in drop}
     for p in sorted(prefixes):
         w_key = _weight_key(p)
