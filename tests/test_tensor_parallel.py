@@ -80,6 +80,11 @@ def _tp_worker(rank, world, out, w, x, recipe, reduce_amax):
     grads = _grads(model)  # full_tensor() is a collective: every rank
     if rank == 0:
         out.update(y=y.detach().clone(), dx=xr.grad.clone(), **grads)
+    try:  # bypassing the plan's input hook: a plain tensor is refused, not silently given a partial dX
+        model.w1.forward(x)
+        out[f"plain{rank}"] = None
+    except ValueError as e:
+        out[f"plain{rank}"] = str(e)
     out[f"signs{rank}"] = local(model.w1.rht_signs).clone()
     out[f"counter{rank}"] = local(model.w2.sr_counter).clone()
 
@@ -104,6 +109,7 @@ def test_colwise_rowwise_equal_one_process(world):
     out = run_ranks(_tp_worker, world, w, x, RNE, True)
     for key in ("y", "dx", "w1.weight", "w1.bias", "w2.weight", "w2.bias"):
         assert _rel(out[key], ref[key]) < 1e-5, key  # fp32 summation order only
+    assert "w1" in out["plain0"] and "needs a DTensor input" in out["plain0"]
     # the SR/RHT buffers were filled on every rank through the replicated DTensors
     signs = rht_signs(RNE.rht_seed)
     assert all(torch.equal(out[f"signs{r}"], signs) for r in range(world))
@@ -140,11 +146,19 @@ def _llama_cfg(toml, tp: int, dp: int):
                  "--training.mixed_precision_reduce", "float32", toml=toml)
 
 
-def _llama(cfg, dims):
-    from test_converter import meta_llama
+def _llama(cfg, dims, n_layers: int | None = None):
+    """TorchTitan's Llama3 debug model (``n_layers`` of its blocks) on meta, converted per ``cfg``."""
+    import copy
+
+    from torchtitan.models.llama3 import Transformer, llama3_args
     from torchtitan.protocols.model_converter import build_model_converters
 
-    model = meta_llama(cfg)
+    args = copy.deepcopy(llama3_args["debugmodel"])
+    args.update_from_config(cfg)
+    if n_layers is not None:
+        args.n_layers = n_layers
+    with torch.device("meta"):
+        model = Transformer(args)
     build_model_converters(cfg, dims).convert(model)
     return model
 
@@ -375,7 +389,7 @@ def _train_worker(rank, world, out, toml, tp, dp, state, batches, ckpt, phase):
     pd.device_type = "cpu"
     cfg = _llama_cfg(toml, tp, dp)
     dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=world)
-    model = _llama(cfg, dims)
+    model = _llama(cfg, dims, n_layers=2)
     parallelize_llama(model, dims, cfg)
     for m in model.modules():
         if isinstance(m, FSDPModule):
@@ -419,7 +433,7 @@ def test_dcp_checkpoint_resume_reproduces_the_run_bit_for_bit(tmp_path, tp, dp):
     from test_converter import edited_toml, world1
 
     toml = edited_toml(tmp_path, add=('gemm_backend = "reference"', "lora_rank = 16"))  # SR on (the preset)
-    ref = _llama(_llama_cfg(toml, 1, 1), world1())
+    ref = _llama(_llama_cfg(toml, 1, 1), world1(), n_layers=2)
     ref.to_empty(device="cpu")
     torch.manual_seed(0)
     with torch.no_grad():

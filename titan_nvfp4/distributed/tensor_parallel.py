@@ -64,21 +64,17 @@ def tp_nvfp4_linear(linear_fn, x: torch.Tensor, weight: DTensor, bias: torch.Ten
     w_local = weight.to_local()
     _check_local_dims(name, w_local)
     placements = list(weight.placements)
-    if wdim == 0:  # colwise
-        if isinstance(x, DTensor):
-            if any(not isinstance(p, Replicate) for p in x.placements):
-                x = x.redistribute(mesh, [Replicate()] * mesh.ndim)
-            x_local = x.to_local(grad_placements=[Partial() if i == mesh_dim else Replicate()
-                                                  for i in range(mesh.ndim)])
-        else:
-            x_local = x
+    if not isinstance(x, DTensor):  # torch's Colwise/RowwiseParallel input hooks always hand over a DTensor
+        raise ValueError(f"NVFP4 Linear {name!r}: a tensor-parallel weight needs a DTensor input (apply the TP plan "
+                         "to the module, e.g. TorchTitan's parallelize function), got a plain tensor")
+    if wdim == 0:  # colwise: X whole on every rank; its gradient is a partial sum over the group
+        if any(not isinstance(p, Replicate) for p in x.placements):
+            x = x.redistribute(mesh, [Replicate()] * mesh.ndim)
+        x_local = x.to_local(grad_placements=[Partial() if i == mesh_dim else Replicate() for i in range(mesh.ndim)])
         y = linear_fn(x_local, w_local, local(bias), AmaxGroups(weight=group, grad=group))
         placements[mesh_dim] = Shard(y.dim() - 1)
         return DTensor.from_local(y, mesh, placements, run_check=False)
     # rowwise: x sharded along its last dim the way W is along dim 1
-    if not isinstance(x, DTensor):
-        raise ValueError(f"NVFP4 Linear {name!r} (rowwise tensor parallel): expected a DTensor input sharded along "
-                         "its last dim, got a plain tensor")
     want = [Shard(x.dim() - 1) if i == mesh_dim else Replicate() for i in range(mesh.ndim)]
     if list(x.placements) != want:
         x = x.redistribute(mesh, want)
