@@ -230,18 +230,22 @@ def _build(name: str, seq: int = 32):
         return cls(args), args
 
 
-@pytest.fixture
-def cpu_histc(monkeypatch):
+def histc_for_cpu(histc=torch.histc):
     """TorchTitan's router counts tokens per expert with torch.histc on int64 indices, which has no
-    CPU kernel; count in float32 there (exact for these counts). GPU runs use the real op."""
-    histc = torch.histc
+    CPU kernel: a torch.histc that counts in float32 there (exact for these counts). GPU runs use the
+    real op."""
 
     def patched(x, *args, **kwargs):
         if x.device.type == "cpu" and not x.is_floating_point():
             return histc(x.float(), *args, **kwargs).to(x.dtype)  # integer counts, as CUDA returns
         return histc(x, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "histc", patched)
+    return patched
+
+
+@pytest.fixture
+def cpu_histc(monkeypatch):
+    monkeypatch.setattr(torch, "histc", histc_for_cpu())
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "llama4", "qwen3", "gpt_oss"])

@@ -16,7 +16,7 @@ from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
 from titan_nvfp4.distributed.tensor_parallel import local
 from titan_nvfp4.numerics.rht import rht_signs
 from dist_util import run_ranks
-from test_grouped import cpu_histc  # noqa: F401  (fixture)
+from test_grouped import cpu_histc, histc_for_cpu  # noqa: F401  (cpu_histc: a fixture)
 
 RNE = NVFP4Recipe(gemm_backend="reference", stochastic_rounding=False)
 
@@ -53,27 +53,37 @@ def _load(model: MLP, w: dict) -> None:
             p.copy_(distribute_tensor(value, p.device_mesh, p.placements) if isinstance(p, DTensor) else value)
 
 
-def _grads(model: MLP) -> dict:
+def _grads(model: nn.Module) -> dict:
+    """{parameter name: its whole gradient} (a collective for DTensors: every rank calls it), names without
+    TorchTitan's activation-checkpoint wrapper."""
     from torch.distributed.tensor import DTensor
 
-    return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+    return {n.replace("._checkpoint_wrapped_module", ""):
+            (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
             for n, p in model.named_parameters()}
 
 
-def _tp_worker(rank, world, out, w, x, recipe, reduce_amax):
+def _tp_mlp(world: int, recipe: NVFP4Recipe, w: dict) -> MLP:
+    """The MLP built on meta, w1 colwise and w2 rowwise over all ranks (torch's TP styles), materialized
+    as TorchTitan does (its buffers become replicated DTensors) and loaded with ``w``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    if not reduce_amax:  # the control: each rank with its own shard's amax
-        import titan_nvfp4.linear_function as lf
-
-        lf.all_reduce_max = lambda a, group: a
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     with torch.device("meta"):
         model = MLP(recipe)
     parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
-    model.to_empty(device="cpu")  # TorchTitan's materialization: buffers are replicated DTensors now
+    model.to_empty(device="cpu")
     _load(model, w)
+    return model
+
+
+def _tp_worker(rank, world, out, w, x, recipe, reduce_amax):
+    if not reduce_amax:  # the control: each rank with its own shard's amax
+        import titan_nvfp4.linear_function as lf
+
+        lf.all_reduce_max = lambda a, group: a
+    model = _tp_mlp(world, recipe, w)
     xr = x.clone().requires_grad_(True)
     y = model(xr)
     y.square().sum().backward()
@@ -163,33 +173,53 @@ def _llama(cfg, dims, n_layers: int | None = None):
     return model
 
 
-def _llama_worker(rank, world, out, toml, tp, dp, state, tokens):
+def _initialized_state(model: nn.Module) -> dict:
+    """Materialize a converted meta model on the CPU, initialize it through TorchTitan's init_weights
+    (seed 0) and return a copy of its state dict (what the ranks load)."""
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _cpu_meshes() -> None:
     import torchtitan.distributed.parallel_dims as pd
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.tensor import DTensor
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.models.llama3.infra.parallelize import parallelize_llama
 
     pd.device_type = "cpu"  # TorchTitan builds its meshes on the accelerator type; gloo here
-    cfg = _llama_cfg(toml, tp, dp)
-    dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=world)
-    model = _llama(cfg, dims)
-    parallelize_llama(model, dims, cfg)  # TorchTitan's own TP plan (and FSDP2 when dp > 1)
+
+
+def _materialize_parallel(model: nn.Module, state: dict) -> None:
+    """After TorchTitan's parallelize function: materialize, initialize (buffers, low-rank splits) and
+    load the full ``state`` onto the shards. FSDP2 sums gradients (gloo has no PREMUL_SUM)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import FSDPModule
 
     for m in model.modules():
-        if isinstance(m, FSDPModule):  # gloo has no PREMUL_SUM: sum the gradients, divide below
+        if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+def _llama_worker(rank, world, out, toml, tp, dp, state, tokens):
+    from torch.distributed.tensor import DTensor
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.llama3.infra.parallelize import parallelize_llama
+
+    _cpu_meshes()
+    cfg = _llama_cfg(toml, tp, dp)
+    dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=world)
+    model = _llama(cfg, dims)
+    parallelize_llama(model, dims, cfg)  # TorchTitan's own TP plan (and FSDP2 when dp > 1)
+    _materialize_parallel(model, state)
     logits = model(tokens)
     assert isinstance(logits, DTensor), "loss parallel: the LM head's output stays sharded"
     full = logits.full_tensor()
     full.float().square().mean().backward()
-    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone() / dp
-             for n, p in model.named_parameters()}  # every dp rank saw the same tokens
+    grads = {n: g / dp for n, g in _grads(model).items()}  # every dp rank saw the same tokens
     types = {n: type(m).__name__ for n, m in model.named_modules() if "NVFP4" in type(m).__name__}
     if rank == 0:
         out.update(logits=full.detach().clone(), grads=grads, types=types)
@@ -200,13 +230,8 @@ def test_llama3_under_torchtitan_tp_plan_matches_one_process(tmp_path, tp, dp):
     from test_converter import edited_toml, world1
 
     toml = edited_toml(tmp_path, add=LLAMA_KEYS)
-    cfg = _llama_cfg(toml, 1, 1)
-    ref = _llama(cfg, world1())
-    ref.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        ref.init_weights(buffer_device=None)
-    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    ref = _llama(_llama_cfg(toml, 1, 1), world1())
+    state = _initialized_state(ref)
     tokens = torch.randint(0, 2000, (2, 32), generator=torch.Generator().manual_seed(1))
     logits = ref(tokens)
     logits.float().square().mean().backward()
@@ -220,18 +245,6 @@ def test_llama3_under_torchtitan_tp_plan_matches_one_process(tmp_path, tp, dp):
 
 
 # ------------------------------------------------------------------- MoE: expert parallelism (EP)
-
-def _histc_on_cpu():
-    """TorchTitan counts tokens per expert with torch.histc on int64, which has no CPU kernel."""
-    histc = torch.histc
-
-    def patched(x, *args, **kwargs):
-        if x.device.type == "cpu" and not x.is_floating_point():
-            return histc(x.float(), *args, **kwargs).to(x.dtype)
-        return histc(x, *args, **kwargs)
-
-    torch.histc = patched
-
 
 def _moe_job(tmp_path):
     job = tmp_path / "moe.toml"
@@ -260,32 +273,21 @@ def _moe_model(job, ep: int, dp: int):
 
 
 def _ep_worker(rank, world, out, job, state, tokens):
-    import torchtitan.distributed.parallel_dims as pd
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
     from torchtitan.models.deepseek_v3.infra.parallelize import parallelize_deepseekv3
 
-    _histc_on_cpu()
-    pd.device_type = "cpu"
-    model, cfg, dims = _moe_model(job, ep=world, dp=world)
-    parallelize_deepseekv3(model, dims, cfg)  # EP over the experts, FSDP2 over the rest
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
     from titan_nvfp4.integration.experts import NVFP4GroupedExperts
 
+    torch.histc = histc_for_cpu()
+    _cpu_meshes()
+    model, cfg, dims = _moe_model(job, ep=world, dp=world)
+    parallelize_deepseekv3(model, dims, cfg)  # EP over the experts, FSDP2 over the rest
+    _materialize_parallel(model, state)
     experts = [m for m in model.modules() if isinstance(m, NVFP4GroupedExperts)]
     assert experts and all(isinstance(m.w1, DTensor) and "ep" in m.w1.device_mesh.mesh_dim_names for m in experts)
     logits = model(tokens)
     logits.float().square().mean().backward()
-    grads = {n.replace("._checkpoint_wrapped_module", ""):  # TorchTitan's default activation checkpointing
-             (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-             for n, p in model.named_parameters()}
+    grads = _grads(model)  # TorchTitan's default activation checkpointing wraps the blocks: names unwrapped
     if rank == 0:
         out.update(logits=logits.detach().clone(), grads=grads)
 
@@ -297,11 +299,7 @@ def test_deepseek_v3_experts_under_expert_parallelism_match_one_process(tmp_path
     sees with the batch doubled. Logits and all gradients (summed over the ranks: halved) match it."""
     job = _moe_job(tmp_path)
     ref, _, _ = _moe_model(job, ep=1, dp=1)
-    ref.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        ref.init_weights(buffer_device=None)
-    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    state = _initialized_state(ref)
     tokens = torch.randint(0, 2000, (2, 32), generator=torch.Generator().manual_seed(1))
     logits = ref(torch.cat([tokens, tokens]))
     logits.float().square().mean().backward()
@@ -339,15 +337,7 @@ def test_experts_under_tensor_parallelism_are_refused_by_name():
 
 
 def _compiled_tp_worker(rank, world, out, w, x, recipe):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    with torch.device("meta"):
-        model = MLP(recipe)
-    parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
-    model.to_empty(device="cpu")
-    _load(model, w)
+    model = _tp_mlp(world, recipe, w)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # one graph: no breaks under TP
     xr = x.clone().requires_grad_(True)
     y = compiled(xr)
@@ -378,26 +368,17 @@ def _train_worker(rank, world, out, toml, tp, dp, state, batches, ckpt, phase):
     """Train len(batches) AdamW steps of the converted Llama3 under TorchTitan's plan. phase "save":
     checkpoint (model + optimizer, DCP) after the first step; "resume": load it first, train the rest."""
     import torch.distributed.checkpoint as dcp
-    import torchtitan.distributed.parallel_dims as pd
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                         set_state_dict)
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.tensor import DTensor
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.llama3.infra.parallelize import parallelize_llama
 
-    pd.device_type = "cpu"
+    _cpu_meshes()
     cfg = _llama_cfg(toml, tp, dp)
     dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=world)
     model = _llama(cfg, dims, n_layers=2)
     parallelize_llama(model, dims, cfg)
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)  # also splits the DecomposedLinears
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+    _materialize_parallel(model, state)  # init_weights also splits the DecomposedLinears
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     from test_train_state import FakeTrainer  # TorchTitan's train_state, with the SR call counts
 
@@ -433,12 +414,7 @@ def test_dcp_checkpoint_resume_reproduces_the_run_bit_for_bit(tmp_path, tp, dp):
     from test_converter import edited_toml, world1
 
     toml = edited_toml(tmp_path, add=('gemm_backend = "reference"', "lora_rank = 16"))  # SR on (the preset)
-    ref = _llama(_llama_cfg(toml, 1, 1), world1(), n_layers=2)
-    ref.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        ref.init_weights(buffer_device=None)
-    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    state = _initialized_state(_llama(_llama_cfg(toml, 1, 1), world1(), n_layers=2))
     g = torch.Generator().manual_seed(2)
     batches = [torch.randint(0, 2000, (2, 32), generator=g) for _ in range(3)]
     ckpt = str(tmp_path / "step-1")

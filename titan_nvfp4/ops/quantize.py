@@ -105,10 +105,10 @@ def quantize_weight(w: torch.Tensor, weight_2d: bool, backend: str,
             wq = quantize_rowwise(w, block_shape=(16, 16), amax=amax)
             return wq, wq.t()
         return quantize_rowwise(w, amax=amax), quantize_rowwise(w.t().contiguous(), amax=amax)
-    a = None if amax is None else amax.reshape(1).expand(2).contiguous()
     if weight_2d:  # W feeds the forward GEMM only: on the emulated backend it comes staged (fp16)
-        return library.weight_pair(library.quantize_2d(w, backend == "emulated", None if amax is None else a[:1]),
-                                   w.shape)
+        a = None if amax is None else amax.reshape(1)
+        return library.weight_pair(library.quantize_2d(w, backend == "emulated", a), w.shape)
+    a = None if amax is None else amax.reshape(1).expand(2).contiguous()  # [row, column] (only the row is read)
     wq, _ = library.operand_pair(library.quantize(w, True, False, None, False, False, None, False, False, a),
                                  w.shape, True, False)
     wt, _ = library.operand_pair(library.quantize(w.t(), True, False, None, False, False, None, False, False, a),
