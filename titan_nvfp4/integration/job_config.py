@@ -85,7 +85,8 @@ class NVFP4LinearConfig(_RecipeKnobs):
     lora_nvfp4: bool = False
     """Run the branch's two GEMMs in NVFP4 too (default: the input's dtype, BF16 in training)."""
     lora_refresh_steps: int = 0
-    """Re-decompose every N optimizer steps (0 = only at initialization)."""
+    """Re-decompose every N optimizer steps (0 = only at initialization). AdamW's moments keep describing
+    the old split, which cost loss in docs/lora_runs.md: leave it at 0 unless you study it."""
 
     def __post_init__(self) -> None:
         self._check_fqns("filter_fqns")
