@@ -17,6 +17,7 @@ import torch
 from .numerics.nvfp4 import NVFP4Tensor
 from .numerics.rht import rht_signs
 from .distributed.amax import AmaxGroups, all_reduce_max
+from .distributed.fsdp_all_gather import NVFP4GatheredWeight
 from .ops import nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient, quantize_weight, resolve_backend
 from .recipe import NVFP4Recipe
 
@@ -91,7 +92,11 @@ class NVFP4LinearFunction(torch.autograd.Function):
         if groups.weight is not None:
             w_amax = all_reduce_max(operand_amax(weight, False, None, backend)[:1], groups.weight)
         xq, x_col = quantize_activation(x2d, need_wgrad, signs, backend, x_amax)
-        wq, w_t = quantize_weight(weight, recipe.weight_2d, backend, w_amax)
+        if isinstance(weight, NVFP4GatheredWeight):  # FSDP2 gathered it as NVFP4: distributed/fsdp_all_gather.py
+            wq = weight.nvfp4()
+            w_t = wq.t()
+        else:
+            wq, w_t = quantize_weight(weight, recipe.weight_2d, backend, w_amax)
         y = nvfp4_gemm(xq, wq, out_dtype=out_dtype, bias=bias, backend=backend)
 
         # Saved for backward: Wᵀ quantized for dgrad and Xᵀ in its wgrad form, never X in BF16.

@@ -213,3 +213,46 @@ def quantize_nvfp4(
         shape=x.shape,
         block_shape=block_shape,
     )
+
+
+# -- 16×16 weights quantized one row shard at a time (FSDP2's NVFP4 all-gather) -----------------------
+# A shard holds rows [offset, offset + rows) of W [N, K]; a 16×16 tile may straddle two shards. Each
+# rank reduces its rows into the whole tile-amax grid, the ranks all-reduce (max) it, and every rank
+# then derives the same scales and encodes its own rows: bit-identical to quantize_nvfp4(W, (16, 16)).
+
+def tile_amax_of_rows(rows: torch.Tensor, offset: int, n_rows: int) -> torch.Tensor:
+    """fp32 [n_rows/16, K/16]: the tile amaxes of W that rows [offset, offset + len(rows)) reach
+    (0 for tiles they do not touch; +inf for tiles with NaN or ±Inf, so that a max-reduce keeps them).
+    Rows past ``n_rows`` (FSDP2's padding of the last shard) are ignored."""
+    n, k = rows.shape
+    if k % BLOCK or n_rows % BLOCK:
+        raise ValueError(f"16x16 tiles need both weight dims to be multiples of 16, got [{n_rows}, {k}]")
+    keep = max(0, min(n, n_rows - offset))
+    grid = torch.zeros(n_rows // BLOCK, k // BLOCK, dtype=torch.float32, device=rows.device)
+    if keep == 0:
+        return grid
+    a = rows[:keep].float().abs().view(keep, k // BLOCK, BLOCK).amax(dim=-1)
+    a = torch.where(torch.isnan(a), torch.full_like(a, float("inf")), a)
+    tile = (torch.arange(offset, offset + keep, device=rows.device) // BLOCK).unsqueeze(1).expand(keep, k // BLOCK)
+    return grid.scatter_reduce_(0, tile, a, reduce="amax")
+
+
+def tile_scales(tile_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 tile scales e_b, fp32 global decode scale 1/S) of a weight from its whole tile-amax grid."""
+    amax = tile_amax.amax() if tile_amax.numel() else tile_amax.new_zeros(())
+    s_enc = global_encode_scale(amax)
+    return block_decode_scale(tile_amax, s_enc), torch.reciprocal(s_enc)
+
+
+def encode_tile_rows(rows: torch.Tensor, offset: int, e_b: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 codes (uint8 [len(rows), K/2], nearest-even) of rows [offset, …) of a 16×16-tiled
+    weight whose tile scales are ``e_b`` (tile_scales). Padding rows past the weight encode as 0."""
+    n, k = rows.shape
+    keep = max(0, min(n, e_b.shape[0] * BLOCK - offset))
+    codes = torch.zeros(n, k, dtype=torch.uint8, device=rows.device)
+    if keep:
+        factor = block_encode_factor(e_b, torch.reciprocal(global_scale))
+        factor = factor.repeat_interleave(BLOCK, dim=0)[offset:offset + keep]
+        v = rows[:keep].float().view(keep, k // BLOCK, BLOCK) * factor.unsqueeze(-1)
+        codes[:keep] = e2m1_encode_rne(v.view(keep, k))
+    return pack_nibbles(codes)

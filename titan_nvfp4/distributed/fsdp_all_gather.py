@@ -1,0 +1,176 @@
+"""FSDP2 all-gather of NVFP4 weights (`fsdp_nvfp4_all_gather`): each rank quantizes its own rows of a
+16×16-tiled weight and the all-gather moves packed E2M1 codes (4 bits per element instead of BF16's 16).
+
+FSDP2 calls two hooks of the sharded parameter's local tensor (torch.distributed.fsdp's all-gather
+extension): ``fsdp_pre_all_gather`` returns what to gather, ``fsdp_post_all_gather`` builds the
+unsharded parameter from the gathered tensors. Here:
+
+1. pre: cast the shard to FSDP's param dtype (what a BF16 all-gather would move); reduce its rows into
+   the weight's whole tile-amax grid and all-reduce it (max) over the FSDP group, because a 16×16 tile
+   can straddle two shards when a shard's row count is not a multiple of 16; derive the E4M3 tile
+   scales and the tensor scale from it (the same on every rank); encode the shard's rows
+   (numerics/nvfp4.py: tile_amax_of_rows, tile_scales, encode_tile_rows).
+2. gather the packed codes, [rows, K/2] uint8 per rank. When FSDP pads the last shard (N not a
+   multiple of the world size), FSDP2 requires every all-gather input to have the padded shard's shape
+   [rows, K], so the codes then travel one per byte: a 2× saving instead of 4×.
+3. post: NVFP4GatheredWeight, the unsharded parameter, holding codes, tile scales and tensor scale.
+   NVFP4LinearFunction reads it instead of quantizing the weight (bit-identical to quantizing the
+   BF16-gathered weight: tests/test_fsdp_all_gather.py).
+
+The tile-amax all-reduce runs at every all-gather (forward, and backward's re-gather of a resharded
+block); it moves N·K/256 fp32 values, about 3% of the codes' bytes. A layer in high precision
+(bf16_after_fraction) gathers its weight in the param dtype as FSDP2 would, and the gathered weight
+then behaves as that dense tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+from ..numerics.formats import pack_nibbles, unpack_nibbles
+from ..numerics.nvfp4 import BLOCK, NVFP4Tensor, encode_tile_rows, tile_amax_of_rows, tile_scales
+
+aten = torch.ops.aten
+
+# ops whose results are the sharded weight again (FSDP2's sharding and padding, to_empty, copies)
+_KEEP_WRAPPED = {
+    aten.view.default, aten.as_strided.default, aten.slice.Tensor, aten.narrow.default, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.chunk.default, aten.clone.default, aten.detach.default, aten.alias.default,
+    aten.empty_like.default, aten.new_zeros.default, aten.new_empty.default, aten.new_empty_strided.default,
+    aten.zeros_like.default, aten._to_copy.default, aten.t.default, aten._pin_memory.default,
+}
+
+
+class NVFP4ShardedWeight(torch.Tensor):
+    """A weight (or its FSDP2 shard) that FSDP2 all-gathers as NVFP4 codes. Everything else (optimizer,
+    init_weights, state_dict, checkpoint) sees the high-precision tensor it wraps, ``_data``."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, strides=data.stride(), storage_offset=data.storage_offset(), dtype=data.dtype,
+            device=data.device, layout=data.layout, requires_grad=data.requires_grad)
+
+    def __init__(self, data: torch.Tensor):
+        self._data = data
+
+    def __repr__(self) -> str:
+        return f"NVFP4ShardedWeight({self._data})"
+
+    def __tensor_flatten__(self):
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return NVFP4ShardedWeight(inner["_data"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        unwrap = lambda t: t._data if isinstance(t, cls) else t  # noqa: E731
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        if func._schema.is_mutable and isinstance(args[0], cls):  # in place (copy_, the optimizer's updates)
+            return args[0]
+        if func in _KEEP_WRAPPED:
+            return tree_map(lambda t: cls(t) if isinstance(t, torch.Tensor) else t, out)
+        return out
+
+    # -- FSDP2's all-gather extension ----------------------------------------------------------------
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        dtype = mp_policy.param_dtype or self._data.dtype
+        w = self._data.to(dtype)
+        if getattr(module, "high_precision", False):
+            return (w,), ("dense",)
+        n_rows, ws = outer_size[0], mesh.size(-1)
+        chunk = -(-n_rows // ws)
+        offset = mesh.get_local_rank(mesh.ndim - 1) * chunk
+        if w.shape[0] < chunk:  # the padded shard, as FSDP2 gathers it
+            w = torch.cat([w, w.new_zeros(chunk - w.shape[0], *w.shape[1:])])
+        e_b, gs = tile_scales(self._tile_amax(w, offset, n_rows, mesh))
+        codes = encode_tile_rows(w, offset, e_b, gs)
+        if n_rows % ws:  # FSDP2 wants the padded shard's shape [chunk, K]: one code per byte
+            codes = unpack_nibbles(codes)
+        return (codes,), ("nvfp4", e_b, gs, n_rows)
+
+    @staticmethod
+    def _tile_amax(w: torch.Tensor, offset: int, n_rows: int, mesh) -> torch.Tensor:
+        """The whole weight's tile amaxes, all-reduced (max) over the FSDP group."""
+        grid = tile_amax_of_rows(w, offset, n_rows)
+        dist.all_reduce(grid, op=dist.ReduceOp.MAX, group=mesh.get_group(mesh.ndim - 1))
+        return grid
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        (data,) = all_gather_outputs
+        if metadata[0] == "dense":
+            if out is not None:
+                out._set(dense=data)
+                return
+            return NVFP4GatheredWeight.dense(data), (data,)
+        _, e_b, gs, n_rows = metadata
+        k = self.shape[1]
+        codes = data[:n_rows]
+        if codes.shape[1] == k:  # gathered one per byte (uneven shards): pack
+            codes = pack_nibbles(codes)
+        if out is not None:
+            out._set(codes=codes, scale=e_b, global_scale=gs)
+            return
+        return NVFP4GatheredWeight(codes, e_b, gs, torch.Size((n_rows, k)), param_dtype), (data,)
+
+
+class NVFP4GatheredWeight(torch.Tensor):
+    """The unsharded weight FSDP2 builds from NVFP4 codes: what NVFP4LinearFunction multiplies with
+    (``nvfp4()``), W's shape and param dtype to autograd (its gradient is a dense tensor, which FSDP2
+    reduce-scatters). In high precision it carries the gathered dense weight instead and acts as it."""
+
+    @staticmethod
+    def __new__(cls, codes, scale, global_scale, shape, dtype, dense=None):
+        device = (codes if codes is not None else dense).device
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+
+    def __init__(self, codes, scale, global_scale, shape, dtype, dense=None):
+        self._codes, self._scale, self._gs, self._dense = codes, scale, global_scale, dense
+
+    @classmethod
+    def dense(cls, data: torch.Tensor) -> "NVFP4GatheredWeight":
+        return cls(None, None, None, data.shape, data.dtype, dense=data)
+
+    def _set(self, codes=None, scale=None, global_scale=None, dense=None) -> None:
+        """Refill after a later all-gather (FSDP2's ``out`` path)."""
+        self._codes, self._scale, self._gs, self._dense = codes, scale, global_scale, dense
+
+    @property
+    def is_nvfp4(self) -> bool:
+        return self._dense is None
+
+    def nvfp4(self) -> NVFP4Tensor:
+        """W as an NVFP4Tensor with 16×16 tiles (what quantize_weight would have produced)."""
+        return NVFP4Tensor(self._codes, self._scale, self._gs, self.shape, (BLOCK, BLOCK))
+
+    def __repr__(self) -> str:
+        what = "nvfp4" if self.is_nvfp4 else "dense"
+        return f"NVFP4GatheredWeight({what}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (aten.detach.default, aten.alias.default) or (
+                func is aten.as_strided.default and tuple(args[1]) == tuple(args[0].shape)):
+            w = args[0]
+            return cls(w._codes, w._scale, w._gs, w.shape, w.dtype, dense=w._dense)
+        gathered = [a for a in args if isinstance(a, cls)]
+        if all(not g.is_nvfp4 for g in gathered):
+            return func(*tree_map(lambda t: t._dense if isinstance(t, cls) else t, args), **kwargs)
+        raise RuntimeError(
+            f"an NVFP4-gathered weight (fsdp_nvfp4_all_gather) reached {func}: only the NVFP4 linear reads "
+            "it. A module that uses its converted layer's weight directly needs fsdp_nvfp4_all_gather = false")
+
+
+def wrap_weight(module: torch.nn.Module) -> None:
+    """Make ``module.weight`` (a converted Linear's, before fully_shard) gather as NVFP4 under FSDP2."""
+    w = module.weight
+    if isinstance(w, NVFP4ShardedWeight):
+        return
+    module.weight = torch.nn.Parameter(NVFP4ShardedWeight(w.data), requires_grad=w.requires_grad)
