@@ -379,6 +379,10 @@ def _train_worker(rank, world, out, toml, tp, dp, state, batches, ckpt, phase):
     model = _llama(cfg, dims, n_layers=2)
     parallelize_llama(model, dims, cfg)
     _materialize_parallel(model, state)  # init_weights also splits the DecomposedLinears
+    if dp > 1:
+        from titan_nvfp4.distributed.fsdp_all_gather import NVFP4ShardedWeight
+
+        assert isinstance(model.layers["0"].attention.wq.weight._local_tensor, NVFP4ShardedWeight)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     from test_train_state import FakeTrainer  # TorchTitan's train_state, with the SR call counts
 
@@ -410,10 +414,12 @@ def _train_worker(rank, world, out, toml, tp, dp, state, batches, ckpt, phase):
 def test_dcp_checkpoint_resume_reproduces_the_run_bit_for_bit(tmp_path, tp, dp):
     """NVFP4 and DecomposedLinear layers (lora_rank 16) under TorchTitan's TP or FSDP2 plan, with
     stochastic rounding: a run resumed from a DCP checkpoint (model, AdamW state and the train_state
-    with the SR call counts) repeats the uninterrupted run's losses exactly."""
+    with the SR call counts) repeats the uninterrupted run's losses exactly. Under FSDP2 the weights
+    are all-gathered as NVFP4 (fsdp_nvfp4_all_gather), so their sharded wrapper goes through DCP too."""
     from test_converter import edited_toml, world1
 
-    toml = edited_toml(tmp_path, add=('gemm_backend = "reference"', "lora_rank = 16"))  # SR on (the preset)
+    keys = ('gemm_backend = "reference"', "lora_rank = 16") + (("fsdp_nvfp4_all_gather = true",) if dp > 1 else ())
+    toml = edited_toml(tmp_path, add=keys)  # SR on (the preset)
     state = _initialized_state(_llama(_llama_cfg(toml, 1, 1), world1(), n_layers=2))
     g = torch.Generator().manual_seed(2)
     batches = [torch.randint(0, 2000, (2, 32), generator=g) for _ in range(3)]

@@ -59,6 +59,10 @@ class NVFP4ShardedWeight(torch.Tensor):
     def __repr__(self) -> str:
         return f"NVFP4ShardedWeight({self._data})"
 
+    def __reduce_ex__(self, protocol):
+        """Saved (torch.save, DCP) as the plain tensor it wraps: a checkpoint loads with the knob off too."""
+        return self._data.__reduce_ex__(protocol)
+
     def __tensor_flatten__(self):
         return ["_data"], None
 

@@ -16,6 +16,7 @@ from torchtitan.protocols.model_converter import _registry_model_converter_cls, 
 from torchtitan.tools.logging import logger
 
 from ..decomposed_linear import DecomposedLinear, LowRankState
+from ..distributed.fsdp_all_gather import wrap_weight
 from ..nvfp4_linear import NVFP4Linear, check_linear_dims
 from ..recipe import NVFP4Recipe
 from ..schedule import PrecisionSchedule, StepCounter, switch_step
@@ -107,6 +108,19 @@ def convert_linears(model: nn.Module, recipe: NVFP4Recipe, filter_fqns: list[str
     return report
 
 
+def _fsdp_all_gather_applies(parallel_dims: ParallelDims | None) -> bool:
+    """Whether fsdp_nvfp4_all_gather = true takes effect here: FSDP2 shards the weights and no tensor
+    parallelism does (refused by name: a TP shard's scales would need the TP group's amaxes too)."""
+    key = f"[{CONVERTER_NAME}] fsdp_nvfp4_all_gather"
+    if parallel_dims is not None and parallel_dims.tp_enabled:
+        raise ValueError(f"{key} = true is not supported with tensor parallelism "
+                         f"(parallelism.tensor_parallel_degree = {parallel_dims.tp}): set it to false")
+    if parallel_dims is None or not parallel_dims.fsdp_enabled:
+        logger.info(f"NVFP4: {key} has no effect without FSDP (data_parallel_shard_degree = 1)")
+        return False
+    return True
+
+
 class NVFP4LinearConverter(QuantizationConverter):
     """Converts dense Linears to NVFP4 per the `[quantize.linear.nvfp4]` section."""
 
@@ -119,10 +133,15 @@ class NVFP4LinearConverter(QuantizationConverter):
         self.lora_refresh_steps = section.lora_refresh_steps
         self.bf16_after_fraction = section.bf16_after_fraction
         self.total_steps = job_config.training.steps
+        self.nvfp4_all_gather = section.fsdp_nvfp4_all_gather and _fsdp_all_gather_applies(parallel_dims)
         self.enabled = True
 
     def convert(self, model: nn.Module) -> None:
         report = convert_linears(model, self.recipe, self.filter_fqns, self.lora_rank, self.lora_nvfp4)
+        if self.nvfp4_all_gather:
+            for fqn in report["converted"]:
+                wrap_weight(model.get_submodule(fqn))
+            logger.info(f"NVFP4: FSDP2 all-gathers the weights of {len(report['converted'])} Linear layers as NVFP4")
         lora = f", DecomposedLinear rank {self.lora_rank}" if self.lora_rank else ""
         logger.info(f"NVFP4: converted {len(report['converted'])} Linear layers with {self.recipe}{lora}")
         for fqn, why in report["skipped"]:

@@ -87,6 +87,10 @@ class NVFP4LinearConfig(_RecipeKnobs):
     lora_refresh_steps: int = 0
     """Re-decompose every N optimizer steps (0 = only at initialization). AdamW's moments keep describing
     the old split, which cost loss in docs/lora_runs.md: leave it at 0 unless you study it."""
+    fsdp_nvfp4_all_gather: bool = False
+    """Under FSDP2, all-gather the converted Linears' weights as NVFP4 codes (4 bits per element)
+    instead of BF16: each rank quantizes its shard with the whole weight's scales. Needs 16×16 weight
+    blocks (weight_2d) and no tensor parallelism."""
 
     def __post_init__(self) -> None:
         self._check_fqns("filter_fqns")
@@ -98,7 +102,13 @@ class NVFP4LinearConfig(_RecipeKnobs):
             raise ValueError(f"[{self.SECTION}] lora_refresh_steps must be a non-negative integer, got {r!r}")
         if r and not self.lora_rank:
             raise ValueError(f"[{self.SECTION}] lora_refresh_steps = {r} needs lora_rank > 0")
+        if not isinstance(self.fsdp_nvfp4_all_gather, bool):
+            raise ValueError(f"[{self.SECTION}] fsdp_nvfp4_all_gather must be true or false, "
+                             f"got {self.fsdp_nvfp4_all_gather!r}")
         super().__post_init__()
+        if self.fsdp_nvfp4_all_gather and not self.build_recipe().weight_2d:
+            raise ValueError(f"[{self.SECTION}] fsdp_nvfp4_all_gather = true needs weight_2d = true (16x16 weight "
+                             "blocks: the gathered codes then serve forward and dgrad alike)")
 
 
 @dataclass

@@ -1,0 +1,172 @@
+"""FSDP2's NVFP4 weight all-gather (distributed/fsdp_all_gather.py): shards that encode their own rows
+with the all-reduced tile-amax grid give bit for bit the codes and scales of quantizing the whole
+weight (odd shard offsets, tiles straddling shards, adversarial values), and a model trained with
+the NVFP4 all-gather computes exactly what the BF16 all-gather computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
+from titan_nvfp4.numerics.formats import unpack_nibbles
+from titan_nvfp4.numerics.nvfp4 import encode_tile_rows, quantize_nvfp4, tile_amax_of_rows, tile_scales
+from dist_util import run_ranks
+
+
+def _shards(w: torch.Tensor, world: int) -> list[tuple[torch.Tensor, int]]:
+    """FSDP2's dim-0 shards of w, each padded to ceil(N/world) rows, with their row offsets."""
+    chunk = -(-w.shape[0] // world)
+    out = []
+    for r in range(world):
+        rows = w[r * chunk:(r + 1) * chunk]
+        pad = w.new_zeros(chunk - rows.shape[0], w.shape[1])
+        out.append((torch.cat([rows, pad]), r * chunk))
+    return out
+
+
+def _gathered(w: torch.Tensor, world: int, reduce: bool = True):
+    """What every rank ends with: the concatenated codes, the tile scales and the tensor scale (rank 0's
+    when ``reduce`` is False: each rank's own grid, no all-reduce)."""
+    shards = _shards(w, world)
+    grids = [tile_amax_of_rows(s, off, w.shape[0]) for s, off in shards]
+    grid = torch.stack(grids).amax(0) if reduce else None
+    codes = []
+    for (s, off), own in zip(shards, grids):
+        e_b, gs = tile_scales(grid if reduce else own)
+        codes.append(encode_tile_rows(s, off, e_b, gs))
+    e_b, gs = tile_scales(grid if reduce else grids[0])
+    return torch.cat(codes)[: w.shape[0]], e_b, gs
+
+
+def _weight(kind: str, n: int = 96, k: int = 64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hash(kind) % 1000)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 3, n).unsqueeze(1)  # very different rows
+    if kind == "zero_tiles":
+        w[16:48] = 0
+        w[:, :16] = 0
+    elif kind == "ties":  # values on E2M1 midpoints after scaling: nearest-even decides
+        w = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * (n * k // 8)).view(n, k)
+        w *= torch.logspace(-2, 2, n).unsqueeze(1)
+    elif kind == "tiny_huge":
+        w[::7] *= 1e-30
+        w[5] = 3e38
+    elif kind == "all_zero":
+        w.zero_()
+    return w.bfloat16()
+
+
+@pytest.mark.parametrize("kind", ["random", "zero_tiles", "ties", "tiny_huge", "all_zero"])
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 7, 8])
+def test_sharded_encoding_equals_quantizing_the_whole_weight(kind, world):
+    w = _weight(kind)
+    ref = quantize_nvfp4(w, (16, 16))
+    codes, e_b, gs = _gathered(w, world)
+    assert torch.equal(codes, ref.data)
+    assert torch.equal(e_b.view(torch.uint8), ref.scale.view(torch.uint8))
+    assert torch.equal(gs, ref.global_scale)
+
+
+def test_non_finite_weights_decode_to_nan_as_the_whole_weight_does():
+    w = _weight("random")
+    w[37, 5] = float("nan")  # in a tile straddling shards 0 and 1 at world 2 (rows 32..47)
+    w[90, 3] = float("inf")
+    codes, e_b, gs = _gathered(w, 3)
+    assert torch.isnan(quantize_nvfp4(w, (16, 16)).dequantize()).all()
+    assert torch.isnan(gs) and torch.isnan(e_b.float()).all()
+
+
+def test_without_the_all_reduce_the_shards_disagree():
+    """The negative control: each shard scaling by its own grid (the peer bug) changes the codes."""
+    w = _weight("random")
+    ref = quantize_nvfp4(w, (16, 16))
+    codes, _, _ = _gathered(w, 3, reduce=False)
+    assert not torch.equal(codes, ref.data)
+
+
+# ----------------------------------------------------------------- FSDP2 on gloo ranks (CPU)
+
+RNE_SR = NVFP4Recipe(gemm_backend="reference")  # the preset: SR and RHT on
+
+
+class _MLP(nn.Module):
+    def __init__(self, dim: int = 64, hidden: int = 112):
+        super().__init__()
+        self.w1 = NVFP4Linear(dim, hidden, recipe=RNE_SR, layer_id=0, name="w1")
+        self.w2 = NVFP4Linear(hidden, dim, recipe=RNE_SR, layer_id=1, name="w2")
+
+    def forward(self, x):
+        return self.w2(torch.relu(self.w1(x)))
+
+
+def _train(world: int, nvfp4_gather: bool, steps: int = 3):
+    """Train the MLP a few SGD steps under FSDP2 (bf16 params, fp32 reduce); return the outputs, the
+    gathered gradients and (NVFP4 gather) the bytes one all-gather of both weights moved."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from titan_nvfp4.distributed.fsdp_all_gather import NVFP4ShardedWeight, wrap_weight
+
+    torch.manual_seed(0)
+    model = _MLP()
+    with torch.no_grad():
+        model.w1.weight[:40] *= 8.0  # rank 0's rows have a larger amax than the others'
+    if nvfp4_gather:
+        wrap_weight(model.w1)
+        wrap_weight(model.w2)
+    mesh = init_device_mesh("cpu", (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for m in (model.w1, model.w2, model):
+        fully_shard(m, mesh=mesh, mp_policy=mp)
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    ys, grads = [], []
+    for _ in range(steps):
+        y = model(x)
+        y.float().square().mean().backward()
+        ys.append(y.detach().float())
+        grads.append({n: p.grad.full_tensor().clone() for n, p in model.named_parameters()})
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.05 * p.grad
+                p.grad = None
+    gathered_bytes = None
+    if nvfp4_gather:
+        w = model.w1.weight._local_tensor
+        assert isinstance(w, NVFP4ShardedWeight)
+        gathered_bytes = 0
+        for lin in (model.w1, model.w2):
+            local = lin.weight._local_tensor
+            (codes,), _ = local.fsdp_pre_all_gather(mesh, lin.weight.shape, None, lin, mp)
+            gathered_bytes += codes.numel() * codes.element_size() * world
+    return ys, grads, gathered_bytes
+
+
+def _fsdp_worker(rank, world, out):
+    import warnings
+
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    ys_bf16, g_bf16, _ = _train(world, False)
+    ys, g, nbytes = _train(world, True)
+    if rank == 0:
+        out.update(ys_bf16=ys_bf16, g_bf16=g_bf16, ys=ys, g=g, nbytes=nbytes)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp2_nvfp4_all_gather_trains_exactly_as_the_bf16_all_gather(world):
+    """2 ranks: even shards (56 and 32 rows, tiles straddling ranks at row 56). 3 ranks: 112 and 64
+    rows shard into 38/38/36 and 22/22/20 (odd offsets, a padded last shard). SR and RHT on. Three SGD
+    steps with the NVFP4 all-gather give outputs and gradients bit for bit those of FSDP2's BF16
+    all-gather."""
+    out = run_ranks(_fsdp_worker, world)
+    for step, (a, b) in enumerate(zip(out["ys_bf16"], out["ys"])):
+        assert torch.equal(a, b), step
+    for step, (a, b) in enumerate(zip(out["g_bf16"], out["g"])):
+        for name in a:
+            assert torch.equal(a[name], b[name]), (step, name)
+    assert not torch.equal(out["ys"][0], out["ys"][-1])  # the steps did train
+    # packed codes move a quarter of BF16's bytes; uneven shards travel one code per byte (FSDP2 wants
+    # the padded shard's shape), half of BF16's
+    chunks = {2: (56, 32), 3: (38, 22)}[world]
+    bf16_bytes = 2 * world * (chunks[0] * 64 + chunks[1] * 112)
+    assert out["nbytes"] * {2: 4, 3: 2}[world] == bf16_bytes
