@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Issue 6 on a 2-GPU machine (nvidia-h200-x2), from the repo root (".whl" carried, ".kernel_cache" too):
+#   bash scripts/dist_runs.sh runs  [STEPS]   loss curves: 1-GPU references, then each 2-GPU layout
+#   bash scripts/dist_runs.sh bench [STEPS]   FSDP2 step time, BF16 vs NVFP4 all-gather, Llama3 2B_bench
+# "runs": train_configs/llama3_nvfp4 and deepseek_v3_nvfp4 on one GPU each (side by side), then
+# llama3_nvfp4_fsdp2 (BF16 all-gather), llama3_nvfp4_fsdp2_ag (NVFP4 all-gather), llama3_nvfp4_tp2 and
+# deepseek_v3_nvfp4_ep2 on both GPUs, STEPS (default 150) each, same seed and global batch; then one
+# loss table per model (titan_nvfp4.tools.loss_log, deltas against the 1-GPU run). An arm whose log
+# already reached STEPS is skipped, so a stopped call is finished by running it again.
+# NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1): see KINDS.md.
+# Logs, tables and the kernel caches go to $OUT when set (logs packed in one file).
+set -uo pipefail
+mode=${1:-runs} steps=${2:-150}
+run=./outputs/dist_runs
+mkdir -p "$run"
+source scripts/device_setup.sh >/dev/null 2>&1 || { echo "device_setup.sh failed"; exit 1; }
+python -m titan_nvfp4.data.prepare 2>&1 | tail -1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTORCH_ALLOC_CONF=expandable_segments:True
+
+done_() { grep -qE "step: *${steps} " "$run/$1.log" 2>/dev/null; }
+train() {  # ARM NPROC GPUS PORT [OVERRIDES...]
+  local arm=$1 n=$2 gpus=$3 port=$4 start=$(date +%s)
+  shift 4
+  done_ "$arm" && { echo "$arm: already done"; return; }
+  CUDA_VISIBLE_DEVICES=$gpus timeout --kill-after=20 "${ARM_TIMEOUT:-240}" \
+    torchrun --nproc_per_node="$n" --master_port="$port" -m torchtitan.train \
+      --job.config_file "train_configs/${arm%%@*}.toml" --training.steps "$steps" "$@" > "$run/$arm.log" 2>&1
+  echo "$arm ($n GPU): exit $? in $(( $(date +%s) - start )) s, last: $(grep -oE "step: *[0-9]+ " "$run/$arm.log" | tail -1)"
+  grep -E "NVFP4: (converted|FSDP2)|Traceback|Error" "$run/$arm.log" | grep -v lspci | sort -u | head -4
+}
+
+if [[ $mode == runs ]]; then
+  train llama3_nvfp4 1 0 29500 & train deepseek_v3_nvfp4 1 1 29501 & wait
+  for arm in llama3_nvfp4_fsdp2 llama3_nvfp4_fsdp2_ag llama3_nvfp4_tp2 deepseek_v3_nvfp4_ep2; do
+    train "$arm" 2 0,1 29502
+  done
+  python -m titan_nvfp4.tools.loss_log "$run"/llama3_nvfp4.log "$run"/llama3_nvfp4_fsdp2.log \
+      "$run"/llama3_nvfp4_fsdp2_ag.log "$run"/llama3_nvfp4_tp2.log --last 10 --markdown \
+      --csv "$run/llama3.csv" | tee "$run/llama3.md"
+  python -m titan_nvfp4.tools.loss_log "$run"/deepseek_v3_nvfp4.log "$run"/deepseek_v3_nvfp4_ep2.log --last 10 \
+      --markdown --csv "$run/deepseek_v3.csv" | tee "$run/deepseek_v3.md"
+  logs=(llama3_nvfp4 deepseek_v3_nvfp4 llama3_nvfp4_fsdp2 llama3_nvfp4_fsdp2_ag llama3_nvfp4_tp2 deepseek_v3_nvfp4_ep2)
+  tables=(llama3.md llama3.csv deepseek_v3.md deepseek_v3.csv)
+elif [[ $mode == bench ]]; then
+  # 2B_bench with FSDP2 over both GPUs, local batch 16: BF16 all-gather, then NVFP4 all-gather
+  common=(--parallelism.data_parallel_shard_degree 2 --training.local_batch_size 16)
+  train "llama3_2b_bench_nvfp4@ag_false" 2 0,1 29502 "${common[@]}"
+  train "llama3_2b_bench_nvfp4@ag_true" 2 0,1 29502 "${common[@]}" --quantize.linear.nvfp4.fsdp_nvfp4_all_gather
+  python -m titan_nvfp4.tools.e2e_report "$run/llama3_2b_bench_nvfp4@ag_false.log" \
+      "$run/llama3_2b_bench_nvfp4@ag_true.log" --skip 5 | tee "$run/fsdp_bench.md"
+  logs=("llama3_2b_bench_nvfp4@ag_false" "llama3_2b_bench_nvfp4@ag_true")
+  tables=(fsdp_bench.md)
+else
+  echo "usage: bash scripts/dist_runs.sh runs|bench [STEPS]"; exit 2
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2
+if [[ -n ${OUT:-} ]]; then  # at most 8 files come back
+  tar -cJf "$OUT/dist_logs_$mode.tar.xz" -C "$run" $(cd "$run" && ls "${logs[@]/%/.log}" 2>/dev/null)
+  for t in "${tables[@]}"; do cp "$run/$t" "$OUT/" 2>/dev/null; done
+  bash scripts/save_kernel_cache.sh
+fi
+true
