@@ -9,7 +9,8 @@ unsharded parameter from the gathered tensors. Here:
    the weight's whole tile-amax grid and all-reduce it (max) over the FSDP group, because a 16×16 tile
    can straddle two shards when a shard's row count is not a multiple of 16; derive the E4M3 tile
    scales and the tensor scale from it (the same on every rank); encode the shard's rows
-   (numerics/nvfp4.py: tile_amax_of_rows, tile_scales, encode_tile_rows).
+   (numerics/nvfp4.py: tile_amax_of_rows, tile_scales, encode_tile_rows; on a GPU their Triton twins
+   in kernels/shard_encode.py).
 2. gather the packed codes, [rows, K/2] uint8 per rank. When FSDP pads the last shard (N not a
    multiple of the world size), FSDP2 requires every all-gather input to have the padded shard's shape
    [rows, K], so the codes then travel one per byte: a 2× saving instead of 4×.
@@ -41,6 +42,15 @@ _KEEP_WRAPPED = {
     aten.empty_like.default, aten.new_zeros.default, aten.new_empty.default, aten.new_empty_strided.default,
     aten.zeros_like.default, aten._to_copy.default, aten.t.default, aten._pin_memory.default,
 }
+
+
+def _shard_functions(w: torch.Tensor):
+    """(tile amax, encode) for a shard: the Triton kernels on a GPU, the reference elsewhere."""
+    if w.is_cuda:
+        from ..kernels.shard_encode import encode_tile_rows_triton, tile_amax_of_rows_triton
+
+        return tile_amax_of_rows_triton, encode_tile_rows_triton
+    return tile_amax_of_rows, encode_tile_rows
 
 
 class NVFP4ShardedWeight(torch.Tensor):
@@ -93,18 +103,14 @@ class NVFP4ShardedWeight(torch.Tensor):
         offset = mesh.get_local_rank(mesh.ndim - 1) * chunk
         if w.shape[0] < chunk:  # the padded shard, as FSDP2 gathers it
             w = torch.cat([w, w.new_zeros(chunk - w.shape[0], *w.shape[1:])])
-        e_b, gs = tile_scales(self._tile_amax(w, offset, n_rows, mesh))
-        codes = encode_tile_rows(w, offset, e_b, gs)
+        tile_amax, encode = _shard_functions(w)
+        grid = tile_amax(w, offset, n_rows)  # the whole weight's tile amaxes, once all-reduced
+        dist.all_reduce(grid, op=dist.ReduceOp.MAX, group=mesh.get_group(mesh.ndim - 1))
+        e_b, s_enc = tile_scales(grid)
+        codes = encode(w, offset, e_b, s_enc)
         if n_rows % ws:  # FSDP2 wants the padded shard's shape [chunk, K]: one code per byte
             codes = unpack_nibbles(codes)
-        return (codes,), ("nvfp4", e_b, gs, n_rows)
-
-    @staticmethod
-    def _tile_amax(w: torch.Tensor, offset: int, n_rows: int, mesh) -> torch.Tensor:
-        """The whole weight's tile amaxes, all-reduced (max) over the FSDP group."""
-        grid = tile_amax_of_rows(w, offset, n_rows)
-        dist.all_reduce(grid, op=dist.ReduceOp.MAX, group=mesh.get_group(mesh.ndim - 1))
-        return grid
+        return (codes,), ("nvfp4", e_b, torch.reciprocal(s_enc), n_rows)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         (data,) = all_gather_outputs

@@ -238,20 +238,22 @@ def tile_amax_of_rows(rows: torch.Tensor, offset: int, n_rows: int) -> torch.Ten
 
 
 def tile_scales(tile_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E4M3 tile scales e_b, fp32 global decode scale 1/S) of a weight from its whole tile-amax grid."""
+    """(E4M3 tile scales e_b, fp32 global encode scale S) of a weight from its whole tile-amax grid;
+    the decode scale NVFP4Tensor stores is 1/S, as in quantize_nvfp4."""
     amax = tile_amax.amax() if tile_amax.numel() else tile_amax.new_zeros(())
     s_enc = global_encode_scale(amax)
-    return block_decode_scale(tile_amax, s_enc), torch.reciprocal(s_enc)
+    return block_decode_scale(tile_amax, s_enc), s_enc
 
 
-def encode_tile_rows(rows: torch.Tensor, offset: int, e_b: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+def encode_tile_rows(rows: torch.Tensor, offset: int, e_b: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
     """Packed E2M1 codes (uint8 [len(rows), K/2], nearest-even) of rows [offset, …) of a 16×16-tiled
-    weight whose tile scales are ``e_b`` (tile_scales). Padding rows past the weight encode as 0."""
+    weight whose tile scales and encode scale are ``e_b`` and ``s_enc`` (tile_scales). Padding rows
+    past the weight encode as 0."""
     n, k = rows.shape
     keep = max(0, min(n, e_b.shape[0] * BLOCK - offset))
     codes = torch.zeros(n, k, dtype=torch.uint8, device=rows.device)
     if keep:
-        factor = block_encode_factor(e_b, torch.reciprocal(global_scale))
+        factor = block_encode_factor(e_b, s_enc)
         factor = factor.repeat_interleave(BLOCK, dim=0)[offset:offset + keep]
         v = rows[:keep].float().view(keep, k // BLOCK, BLOCK) * factor.unsqueeze(-1)
         codes[:keep] = e2m1_encode_rne(v.view(keep, k))
