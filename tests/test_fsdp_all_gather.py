@@ -85,24 +85,32 @@ def test_without_the_all_reduce_the_shards_disagree():
     assert not torch.equal(codes, ref.data)
 
 
+_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", _DEVICES)
 @pytest.mark.parametrize("kind", ["random", "zero_tiles", "ties", "tiny_huge", "nonfinite"])
 @pytest.mark.parametrize("world", [3, 5])
-def test_shard_kernels_equal_their_reference_twins(kind, world):
-    """kernels/shard_encode.py (Triton; the interpreter on a CPU) against tile_amax_of_rows and
-    encode_tile_rows, shard by shard: grids bit for bit, codes bit for bit outside non-finite tiles."""
+def test_shard_kernels_equal_their_reference_twins(kind, world, device):
+    """kernels/shard_encode.py (Triton: the interpreter on a CPU, compiled on a GPU) against
+    tile_amax_of_rows and encode_tile_rows, shard by shard: grids bit for bit, codes bit for bit
+    outside non-finite tiles."""
     from titan_nvfp4.kernels.shard_encode import encode_tile_rows_triton, tile_amax_of_rows_triton
 
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("Triton's interpreter is only on for CPU-only machines (conftest.py)")
     w = _weight("random" if kind == "nonfinite" else kind, n=80, k=160)  # K spans two 128-column programs
     if kind == "nonfinite":
         w[37, 5], w[70, 150] = float("nan"), float("-inf")
     shards = _shards(w, world)
     grids = [tile_amax_of_rows(s, off, w.shape[0]) for s, off in shards]
     for (s, off), ref in zip(shards, grids):
-        assert torch.equal(tile_amax_of_rows_triton(s, off, w.shape[0]), ref)
+        assert torch.equal(tile_amax_of_rows_triton(s.to(device), off, w.shape[0]).cpu(), ref)
     e_b, s_enc = tile_scales(torch.stack(grids).amax(0))
     finite = torch.isfinite(e_b.float()).repeat_interleave(16, 0).repeat_interleave(8, 1)  # per code byte
     for s, off in shards:
-        got, ref = encode_tile_rows_triton(s, off, e_b, s_enc), encode_tile_rows(s, off, e_b, s_enc)
+        got = encode_tile_rows_triton(s.to(device), off, e_b.to(device), s_enc.to(device)).cpu()
+        ref = encode_tile_rows(s, off, e_b, s_enc)
         rows = torch.arange(off, off + s.shape[0]).clamp(max=w.shape[0] - 1)
         ok = finite[rows] | (torch.arange(off, off + s.shape[0]) >= w.shape[0]).unsqueeze(1)
         assert torch.equal(got[ok], ref[ok])
@@ -123,9 +131,12 @@ class _MLP(nn.Module):
         return self.w2(torch.relu(self.w1(x)))
 
 
-def _train(world: int, nvfp4_gather: bool, steps: int = 3):
-    """Train the MLP a few SGD steps under FSDP2 (bf16 params, fp32 reduce); return the outputs, the
-    gathered gradients and (NVFP4 gather) the bytes one all-gather of both weights moved."""
+def _train(world: int, nvfp4_gather: bool, steps: int = 4):
+    """Train the MLP a few SGD steps under FSDP2 (bf16 params, fp32 reduce), the last one with the
+    layers switched to high precision (bf16_after_fraction); return the outputs, the gathered gradients
+    and (NVFP4 gather) the bytes one all-gather of both weights moved."""
+    from types import SimpleNamespace
+
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -144,7 +155,9 @@ def _train(world: int, nvfp4_gather: bool, steps: int = 3):
         fully_shard(m, mesh=mesh, mp_policy=mp)
     x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
     ys, grads = [], []
-    for _ in range(steps):
+    for step in range(steps):
+        if step == steps - 1:  # the weights now gather in BF16 and the gathered weight acts as it
+            model.w1.precision_schedule = model.w2.precision_schedule = SimpleNamespace(high_precision=True)
         y = model(x)
         y.float().square().mean().backward()
         ys.append(y.detach().float())
@@ -154,6 +167,7 @@ def _train(world: int, nvfp4_gather: bool, steps: int = 3):
                 p -= 0.05 * p.grad
                 p.grad = None
     gathered_bytes = None
+    model.w1.precision_schedule = model.w2.precision_schedule = None
     if nvfp4_gather:
         w = model.w1.weight._local_tensor
         assert isinstance(w, NVFP4ShardedWeight)
@@ -179,8 +193,8 @@ def _fsdp_worker(rank, world, out):
 def test_fsdp2_nvfp4_all_gather_trains_exactly_as_the_bf16_all_gather(world):
     """2 ranks: even shards (56 and 32 rows, tiles straddling ranks at row 56). 3 ranks: 112 and 64
     rows shard into 38/38/36 and 22/22/20 (odd offsets, a padded last shard). SR and RHT on. Three SGD
-    steps with the NVFP4 all-gather give outputs and gradients bit for bit those of FSDP2's BF16
-    all-gather."""
+    steps with the NVFP4 all-gather, and a fourth in high precision (the weights then gather in BF16),
+    give outputs and gradients bit for bit those of FSDP2's BF16 all-gather."""
     out = run_ranks(_fsdp_worker, world)
     for step, (a, b) in enumerate(zip(out["ys_bf16"], out["ys"])):
         assert torch.equal(a, b), step
