@@ -1,0 +1,262 @@
+"""Loss-convergence comparisons in one command: arms of TorchTitan overrides on one base job file, run
+with the same seed and data one after another, then a table, a CSV and a plot.
+
+    python -m titan_nvfp4.compare configs/compare/llama3_debug.toml [--only ARM ...] [--report-only]
+
+The spec (TOML):
+
+    [compare]
+    base = "train_configs/llama3_nvfp4.toml"   # the job file every arm starts from
+    steps = 1000                               # --training.steps of every arm
+    out = "outputs/compare/llama3_debug"       # logs, table, CSV and plot
+    last = 20                                  # logged steps averaged for the final loss
+    baseline = "bf16"                          # Δ is against this arm (default: the first)
+    reference = "nvfp4"                        # optional: the gap baseline–reference each arm closes
+    common = ["--metrics.log_freq", "10"]      # overrides for every arm
+    launcher = ["torchrun", "--nproc_per_node=1", "-m", "torchtitan.train"]   # the default
+    timeout_s = 0                              # per arm (0: none)
+
+    [[arm]]
+    name = "bf16"
+    base = "train_configs/llama3_bf16.toml"    # an arm may start from another job file
+    [[arm]]
+    name = "nvfp4"                             # no overrides: the base job as it is
+    [[arm]]
+    name = "no_rht"
+    overrides = ["--quantize.linear.nvfp4.rht", "False"]
+
+An arm whose log already reached ``steps`` is not run again (``--only`` forces the named arms). Losses
+come from the arm's log (TorchTitan's metric lines, tools/loss_log.py); when the log has none (a job
+that logs elsewhere) from the TensorBoard events under its dump folder (``--metrics.enable_tensorboard``).
+W&B: add ``--metrics.enable_wandb`` to ``common``; ``wandb_offline = true`` in ``[compare]`` sets
+WANDB_MODE=offline, which needs no network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .tools.loss_log import StepMetrics, parse_log, summarize, to_markdown
+
+DEFAULT_LAUNCHER = ("torchrun", "--nproc_per_node=1", "-m", "torchtitan.train")
+_KEYS = {"base", "steps", "out", "last", "baseline", "reference", "common", "launcher", "timeout_s", "wandb_offline"}
+
+
+@dataclass
+class Arm:
+    name: str
+    overrides: list[str] = field(default_factory=list)
+    base: Path | None = None  # the spec's base when None
+
+
+@dataclass
+class Spec:
+    base: Path
+    steps: int
+    out: Path
+    arms: list[Arm]
+    last: int = 20
+    baseline: str = ""
+    reference: str = ""
+    common: list[str] = field(default_factory=list)
+    launcher: list[str] = field(default_factory=lambda: list(DEFAULT_LAUNCHER))
+    timeout_s: float = 0
+    wandb_offline: bool = False
+
+    def log(self, arm: Arm) -> Path:
+        return self.out / f"{arm.name}.log"
+
+    def command(self, arm: Arm) -> list[str]:
+        return [*self.launcher, "--job.config_file", str(arm.base or self.base), "--training.steps", str(self.steps),
+                "--job.dump_folder", str(self.out / arm.name), *self.common, *arm.overrides]
+
+
+def _str_list(value, where: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{where} must be a list of strings, got {value!r}")
+    return value
+
+
+def load_spec(path: Path) -> Spec:
+    """Parse and check a comparison spec; errors name the file and the key."""
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    where = f"{path}"
+    top = raw.get("compare")
+    if not isinstance(top, dict):
+        raise ValueError(f"{where}: needs a [compare] table")
+    unknown = set(top) - _KEYS
+    if unknown:
+        raise ValueError(f"{where}: unknown [compare] keys {sorted(unknown)} (known: {sorted(_KEYS)})")
+    extra = set(raw) - {"compare", "arm"}
+    if extra:
+        raise ValueError(f"{where}: unknown tables {sorted(extra)} (expected [compare] and [[arm]])")
+    for key in ("base", "steps"):
+        if key not in top:
+            raise ValueError(f"{where}: [compare] {key} is required")
+    steps = top["steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"{where}: [compare] steps must be a positive integer, got {steps!r}")
+    last = top.get("last", 20)
+    if isinstance(last, bool) or not isinstance(last, int) or last < 1:
+        raise ValueError(f"{where}: [compare] last must be a positive integer, got {last!r}")
+    arms = []
+    for i, a in enumerate(raw.get("arm", [])):
+        if not isinstance(a, dict) or not isinstance(a.get("name"), str) or not a["name"]:
+            raise ValueError(f"{where}: [[arm]] number {i + 1} needs a name")
+        bad = set(a) - {"name", "overrides", "base"}
+        if bad:
+            raise ValueError(f"{where}: arm {a['name']!r} has unknown keys {sorted(bad)}")
+        if "/" in a["name"] or a["name"] in [x.name for x in arms]:
+            raise ValueError(f"{where}: arm name {a['name']!r} must be unique and a plain file name")
+        arm_base = Path(a["base"]) if "base" in a else None
+        if arm_base is not None and not arm_base.is_file():
+            raise ValueError(f"{where}: arm {a['name']!r} base = {str(arm_base)!r}: no such job file")
+        arms.append(Arm(a["name"], _str_list(a.get("overrides", []), f"{where}: arm {a['name']!r} overrides"), arm_base))
+    if len(arms) < 2:
+        raise ValueError(f"{where}: a comparison needs at least two [[arm]] tables, got {len(arms)}")
+    names = [a.name for a in arms]
+    for key in ("baseline", "reference"):
+        if top.get(key) and top[key] not in names:
+            raise ValueError(f"{where}: [compare] {key} = {top[key]!r} is not an arm ({names})")
+    base = Path(top["base"])
+    if not base.is_file():
+        raise ValueError(f"{where}: [compare] base = {str(base)!r}: no such job file")
+    timeout = top.get("timeout_s", 0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+        raise ValueError(f"{where}: [compare] timeout_s must be a non-negative number, got {timeout!r}")
+    if not isinstance(top.get("wandb_offline", False), bool):
+        raise ValueError(f"{where}: [compare] wandb_offline must be true or false")
+    return Spec(base=base, steps=steps, out=Path(top.get("out", f"outputs/compare/{path.stem}")), arms=arms,
+                last=last, baseline=top.get("baseline", "") or names[0], reference=top.get("reference", ""),
+                common=_str_list(top.get("common", []), f"{where}: [compare] common"),
+                launcher=_str_list(top.get("launcher", list(DEFAULT_LAUNCHER)), f"{where}: [compare] launcher"),
+                timeout_s=timeout, wandb_offline=top.get("wandb_offline", False))
+
+
+def tensorboard_metrics(folder: Path) -> list[StepMetrics]:
+    """Per-step metrics from the TensorBoard events TorchTitan wrote under ``folder`` (empty if none)."""
+    files = sorted(folder.rglob("events.out.tfevents.*")) if folder.is_dir() else []
+    if not files:
+        return []
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    by_step: dict[int, dict[str, float]] = {}
+    for f in files:
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            for ev in acc.Scalars(tag):
+                by_step.setdefault(ev.step, {})[tag] = ev.value
+    out = []
+    for step in sorted(by_step):
+        m = by_step[step]
+        if "loss_metrics/global_avg_loss" not in m:
+            continue
+        out.append(StepMetrics(step, m["loss_metrics/global_avg_loss"], m.get("grad_norm", float("nan")),
+                               m.get("memory/max_reserved(GiB)", 0.0), int(m.get("throughput(tps)", 0))))
+    return out
+
+
+def arm_metrics(spec: Spec, arm: Arm) -> list[StepMetrics]:
+    log = spec.log(arm)
+    steps = parse_log(log.read_text(errors="replace")) if log.is_file() else []
+    return steps or tensorboard_metrics(spec.out / arm.name)
+
+
+def is_done(spec: Spec, arm: Arm) -> bool:
+    steps = arm_metrics(spec, arm)
+    return bool(steps) and steps[-1].step >= spec.steps
+
+
+def run_arm(spec: Spec, arm: Arm, index: int) -> int:
+    """Run one arm, its output in its log; print one progress line when it ends. Returns the exit code."""
+    env = dict(os.environ)
+    if spec.wandb_offline:
+        env["WANDB_MODE"] = "offline"
+    start = time.time()
+    with open(spec.log(arm), "w") as log:
+        log.write("# " + " ".join(spec.command(arm)) + "\n")
+        log.flush()
+        try:
+            rc = subprocess.run(spec.command(arm), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                timeout=spec.timeout_s or None).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    steps = arm_metrics(spec, arm)
+    last = f"step {steps[-1].step}, loss {steps[-1].loss:.4f}" if steps else "no metric lines"
+    print(f"[{index}/{len(spec.arms)}] {arm.name}: exit {rc} in {time.time() - start:.0f} s, {last}", flush=True)
+    return rc
+
+
+def report(spec: Spec) -> str:
+    """Write <out>/compare.md, compare.csv and compare.png from the arms that logged; return the table."""
+    order = [a for a in spec.arms if a.name == spec.baseline] + [a for a in spec.arms if a.name != spec.baseline]
+    if spec.reference:  # the gap columns read the reference as the second run
+        order = order[:1] + [a for a in order[1:] if a.name == spec.reference] + \
+                [a for a in order[1:] if a.name != spec.reference]
+    runs = {a.name: arm_metrics(spec, a) for a in order}
+    missing = [n for n, s in runs.items() if not s]
+    runs = {n: s for n, s in runs.items() if s}
+    if spec.baseline not in runs:
+        raise RuntimeError(f"the baseline arm {spec.baseline!r} has no logged steps in {spec.out}")
+    rows = summarize(runs, spec.last, gap=bool(spec.reference) and spec.reference in runs)
+    table = to_markdown(rows, spec.last)
+    if missing:
+        table += f"\nNo logged steps yet: {', '.join(missing)}\n"
+    (spec.out / "compare.md").write_text(table)
+    with open(spec.out / "compare.csv", "w") as f:
+        f.write("run,step,loss,grad_norm,memory_gib,tps\n")
+        for name, steps in runs.items():
+            for s in steps:
+                f.write(f"{name},{s.step},{s.loss},{s.grad_norm},{s.memory_gib},{s.tps}\n")
+    try:
+        from .tools.loss_plot import plot_runs
+
+        plot_runs(runs, spec.out / "compare.png", title=f"{spec.base.name}: {spec.steps} steps per arm")
+    except ImportError:
+        print("compare: no plot (matplotlib missing: pip install -e .[plot])", file=sys.stderr)
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("spec", type=Path)
+    ap.add_argument("--only", nargs="+", default=None, help="run these arms (again), and no others")
+    ap.add_argument("--report-only", action="store_true", help="write the table and plot from existing logs")
+    args = ap.parse_args(argv)
+    spec = load_spec(args.spec)
+    spec.out.mkdir(parents=True, exist_ok=True)
+    names = [a.name for a in spec.arms]
+    for n in args.only or []:
+        if n not in names:
+            raise SystemExit(f"compare: --only {n!r} is not an arm of {args.spec} ({names})")
+    failed = []
+    if not args.report_only:
+        for i, arm in enumerate(spec.arms, 1):
+            if args.only is not None and arm.name not in args.only:
+                continue
+            if args.only is None and is_done(spec, arm):
+                print(f"[{i}/{len(spec.arms)}] {arm.name}: already reached step {spec.steps}", flush=True)
+                continue
+            if run_arm(spec, arm, i):
+                failed.append(arm.name)
+    print(report(spec), end="")
+    print(f"compare: wrote {spec.out / 'compare.md'}, compare.csv, compare.png")
+    if failed:
+        print(f"compare: arms that failed: {', '.join(failed)} (see their logs in {spec.out})", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
