@@ -6,6 +6,9 @@
 | wgrad | dYᵀ, Xᵀ: 16 along tokens, both after RHT   | dY stochastic, X nearest |
 
 Forward saves X only in its wgrad-ready NVFP4 form (plus the quantized weight), never in BF16.
+``recipe.backward`` = "mxfp8" or "bf16" keeps the NVFP4 forward and runs dgrad and wgrad in MXFP8
+(ops.gemm.mxfp8_gemm: 1×32 blocks along each contraction dim) or in the compute dtype; forward then
+saves X in that dtype and the weight.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from .numerics.nvfp4 import NVFP4Tensor
 from .numerics.rht import rht_signs
 from .distributed.amax import AmaxGroups, all_reduce_max
 from .distributed.fsdp_all_gather import NVFP4GatheredWeight
+from .ops.gemm import mxfp8_gemm
 from .ops import nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient, quantize_weight, resolve_backend
 from .recipe import NVFP4Recipe
 
@@ -91,6 +95,9 @@ class NVFP4LinearFunction(torch.autograd.Function):
             x_amax = all_reduce_max(operand_amax(x2d, need_wgrad, signs, backend), groups.x)
         if groups.weight is not None:
             w_amax = all_reduce_max(operand_amax(weight, False, None, backend)[:1], groups.weight)
+        if recipe.backward != "nvfp4":  # NVFP4 forward only; backward in MXFP8 or BF16 from X and W
+            return NVFP4LinearFunction._forward_hp_backward(ctx, x, x2d, weight, bias, recipe, signs, out_dtype,
+                                                            need_wgrad, backend, x_amax, w_amax)
         xq, x_col = quantize_activation(x2d, need_wgrad, signs, backend, x_amax)
         if isinstance(weight, NVFP4GatheredWeight):  # FSDP2 gathered it as NVFP4: distributed/fsdp_all_gather.py
             wq = weight.nvfp4()
@@ -116,8 +123,41 @@ class NVFP4LinearFunction(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
+    def _forward_hp_backward(ctx, x, x2d, weight, bias, recipe, signs, out_dtype, need_wgrad, backend, x_amax,
+                             w_amax):
+        """recipe.backward "mxfp8" / "bf16": the NVFP4 forward GEMM; saves X (in the compute dtype) and W."""
+        xq, _ = quantize_activation(x2d, False, signs, backend, x_amax)
+        wq, _ = quantize_weight(weight, recipe.weight_2d, backend, w_amax)
+        y = nvfp4_gemm(xq, wq, out_dtype=out_dtype, bias=bias, backend=backend)
+        ctx.save_for_backward(x2d.to(out_dtype) if need_wgrad else None, weight)
+        ctx.has_bias, ctx.hp_backward = bias is not None, True
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.compute_dtype = x.shape, x.dtype, weight.dtype, out_dtype
+        ctx.recipe = recipe
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def _backward_hp(ctx, dy: torch.Tensor):
+        """dX = dY·W and dW = dYᵀ·X in MXFP8 (blocks along N for dgrad, along the tokens for wgrad) or
+        in the compute dtype (BF16 under mixed precision), fp32 accumulation either way."""
+        x2d, weight = ctx.saved_tensors
+        dt = ctx.compute_dtype
+        dy2d = dy.reshape(-1, weight.shape[0]).to(dt)
+        w = weight.to(dt)
+        dx = dw = db = None
+        mx = ctx.recipe.backward == "mxfp8"
+        if ctx.needs_input_grad[0]:
+            dx = (mxfp8_gemm(dy2d, w.t(), ctx.x_dtype) if mx else (dy2d @ w).to(ctx.x_dtype)).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1] and x2d is not None:
+            dw = mxfp8_gemm(dy2d.t(), x2d.t(), ctx.w_dtype) if mx else (dy2d.t() @ x2d).to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2d.float().sum(0).to(dy.dtype)
+        return dx, dw, db, None, None, None, None, None
+
+    @staticmethod
     def backward(ctx, dy: torch.Tensor):
         with torch.autocast(dy.device.type, enabled=False):
+            if getattr(ctx, "hp_backward", False):
+                return NVFP4LinearFunction._backward_hp(ctx, dy)
             return NVFP4LinearFunction._backward(ctx, dy)
 
     @staticmethod

@@ -40,6 +40,10 @@ class NVFP4Recipe:
     """Keep the Linears of the last N transformer blocks in BF16."""
     gemm_backend: str = "auto"
     """NVFP4 GEMM implementation: "auto" picks per device; see titan_nvfp4.ops.gemm."""
+    backward: str = "nvfp4"
+    """Precision of the two backward GEMMs of the dense Linears: "nvfp4" (the recipe above), "mxfp8"
+    (dY, W and X in MXFP8, 1×32 blocks along each contraction dim, nearest-even) or "bf16" (the input's
+    dtype). The forward stays NVFP4. With "mxfp8" / "bf16" forward saves X in its dtype, not in FP4."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -47,6 +51,7 @@ class NVFP4Recipe:
 
 
 _BOOL_FIELDS = ("weight_2d", "stochastic_rounding", "rht")
+BACKWARDS = ("nvfp4", "mxfp8", "bf16")
 _INT_FIELDS = ("rht_seed", "sr_seed", "bf16_first_blocks", "bf16_last_blocks")
 RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(NVFP4Recipe))
 
@@ -59,6 +64,8 @@ def validate_field(name: str, value: Any, where: str = "quantize.linear.nvfp4") 
         raise ValueError(f"[{where}] {name} must be true or false, got {value!r}")
     if name in _INT_FIELDS and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
         raise ValueError(f"[{where}] {name} must be a non-negative integer, got {value!r}")
+    if name == "backward" and value not in BACKWARDS:
+        raise ValueError(f"[{where}] backward must be one of {list(BACKWARDS)}, got {value!r}")
     if name == "gemm_backend" and value not in BACKEND_NAMES:
         raise ValueError(f"[{where}] gemm_backend must be one of {list(BACKEND_NAMES)}, got {value!r}")
 

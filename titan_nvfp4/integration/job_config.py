@@ -43,6 +43,8 @@ class _RecipeKnobs:
     """Keep the last N transformer blocks in BF16."""
     gemm_backend: str | None = None
     """NVFP4 GEMM implementation: auto | reference."""
+    backward: str | None = None
+    """Backward GEMMs of the dense Linears: nvfp4 | mxfp8 | bf16 (the forward stays NVFP4)."""
     bf16_after_fraction: float = 0.0
     """Switch this section's NVFP4 layers to high precision (BF16 under TorchTitan's mixed precision)
     for the last fraction of training.steps (0 = never; 1 = from the start, a control arm with the
@@ -109,6 +111,9 @@ class NVFP4LinearConfig(_RecipeKnobs):
         if self.fsdp_nvfp4_all_gather and not self.build_recipe().weight_2d:
             raise ValueError(f"[{self.SECTION}] fsdp_nvfp4_all_gather = true needs weight_2d = true (16x16 weight "
                              "blocks: the gathered codes then serve forward and dgrad alike)")
+        if self.fsdp_nvfp4_all_gather and self.build_recipe().backward != "nvfp4":
+            raise ValueError(f"[{self.SECTION}] fsdp_nvfp4_all_gather = true needs backward = \"nvfp4\" (an MXFP8 or "
+                             f"BF16 backward reads the high-precision weight), got {self.build_recipe().backward!r}")
 
 
 @dataclass
@@ -128,6 +133,9 @@ class NVFP4GroupedMMConfig(_RecipeKnobs):
         self._check_fqns("fqns")
         check_rank(self.lora_rank, self.SECTION)
         super().__post_init__()
+        if self.build_recipe().backward != "nvfp4":
+            raise ValueError(f"[{self.SECTION}] backward = {self.build_recipe().backward!r}: the experts run an NVFP4 "
+                             "backward only (set it in [quantize.linear.nvfp4] for the dense Linears)")
 
 
 @dataclass

@@ -41,6 +41,20 @@ def _matmul_fp32_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float().t()
 
 
+def mxfp8_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, C] · b [N, C]ᵀ with both operands in MXFP8 (1×32 blocks along C, zero-padded to a multiple
+    of 32: zeros change neither a block's scale nor the sums), as an MXFP8 tensor core computes it:
+    exact products, fp32 sums, one rounding to out_dtype. Operands are quantized by the reference
+    (numerics/mxfp8.py)."""
+    from ..numerics.mxfp8 import MX_BLOCK, quantize_mxfp8
+
+    pad = (-a.shape[1]) % MX_BLOCK
+    if pad:
+        a, b = torch.nn.functional.pad(a, (0, pad)), torch.nn.functional.pad(b, (0, pad))
+    aq, bq = quantize_mxfp8(a).dequantize(torch.float32), quantize_mxfp8(b).dequantize(torch.float32)
+    return _matmul_fp32_accumulate(aq, bq).to(out_dtype)
+
+
 def gemm_reference(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     """What an FP4 tensor core computes: exact products of q·e_b, fp32 sums, global scales on the
     fp32 accumulator, then bias, then one rounding to out_dtype."""
