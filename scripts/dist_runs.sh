@@ -2,6 +2,7 @@
 # Issue 6 on a 2-GPU machine (nvidia-h200-x2), from the repo root (".whl" carried, ".kernel_cache" too):
 #   bash scripts/dist_runs.sh runs  [STEPS]   loss curves: 1-GPU references, then each 2-GPU layout
 #   bash scripts/dist_runs.sh bench [STEPS]   FSDP2 step time, BF16 vs NVFP4 all-gather, Llama3 2B_bench
+#   bash scripts/dist_runs.sh ep [STEPS]      EP2 speed: the BF16 twin, and NVFP4 with autotuning printed
 # "runs": train_configs/llama3_nvfp4 and deepseek_v3_nvfp4 on one GPU each (side by side), then
 # llama3_nvfp4_fsdp2 (BF16 all-gather), llama3_nvfp4_fsdp2_ag (NVFP4 all-gather), llama3_nvfp4_tp2 and
 # deepseek_v3_nvfp4_ep2 on both GPUs, STEPS (default 150) each, same seed and global batch; then one
@@ -50,8 +51,19 @@ elif [[ $mode == bench ]]; then
       "$run/llama3_2b_bench_nvfp4@ag_true.log" --skip 5 | tee "$run/fsdp_bench.md"
   logs=("llama3_2b_bench_nvfp4@ag_false" "llama3_2b_bench_nvfp4@ag_true")
   tables=(fsdp_bench.md)
+elif [[ $mode == ep ]]; then
+  # why EP2 is slow: the BF16 twin under the same layout, then NVFP4 with Triton's autotuning printed
+  # (a new token count that re-tunes a kernel shows up as one "Triton autotuning" line per step)
+  train deepseek_v3_bf16_ep2 2 0,1 29502
+  TRITON_PRINT_AUTOTUNING=1 train "deepseek_v3_nvfp4_ep2@autotune" 2 0,1 29502
+  python -m titan_nvfp4.tools.loss_log "$run/deepseek_v3_bf16_ep2.log" "$run/deepseek_v3_nvfp4_ep2@autotune.log" \
+      --last 10 --markdown | tee "$run/ep.md"
+  echo "autotuning events: $(grep -c "Triton autotuning" "$run/deepseek_v3_nvfp4_ep2@autotune.log")"
+  grep "Triton autotuning" "$run/deepseek_v3_nvfp4_ep2@autotune.log" | sed 's/ with.*//' | sort | uniq -c | sort -rn | head
+  logs=(deepseek_v3_bf16_ep2 "deepseek_v3_nvfp4_ep2@autotune")
+  tables=(ep.md)
 else
-  echo "usage: bash scripts/dist_runs.sh runs|bench [STEPS]"; exit 2
+  echo "usage: bash scripts/dist_runs.sh runs|bench|ep [STEPS]"; exit 2
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2
 if [[ -n ${OUT:-} ]]; then  # at most 8 files come back
