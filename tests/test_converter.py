@@ -153,8 +153,10 @@ def test_other_preset_with_override(tmp_path):
     ({"filter_fqns": '"output"'}, (), ["filter_fqns", "output"]),
     ({}, ("fsdp_nvfp4_all_gather = 1",), ["fsdp_nvfp4_all_gather", "1"]),
     ({}, ("fsdp_nvfp4_all_gather = true", "weight_2d = false"), ["fsdp_nvfp4_all_gather", "weight_2d"]),
+    ({}, ("fsdp_nvfp4_all_gather = true", "bf16_after_fraction = 0.2"), ["fsdp_nvfp4_all_gather", "bf16_after_fraction"]),
 ], ids=["misspelt_key", "bool_as_string", "bool_as_string_false", "negative_blocks", "bool_for_int", "unknown_recipe",
-        "unknown_backend", "filter_not_strings", "filter_not_list", "all_gather_not_bool", "all_gather_1x16"])
+        "unknown_backend", "filter_not_strings", "filter_not_list", "all_gather_not_bool", "all_gather_1x16",
+        "all_gather_late_bf16"])
 def test_bad_values_fail_at_parse_time(tmp_path, replace, add, needles):
     path = edited_toml(tmp_path, replace, add)
     with pytest.raises(ValueError) as e:

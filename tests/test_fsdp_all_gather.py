@@ -131,11 +131,9 @@ class _MLP(nn.Module):
         return self.w2(torch.relu(self.w1(x)))
 
 
-def _train(world: int, nvfp4_gather: bool, steps: int = 4):
-    """Train the MLP a few SGD steps under FSDP2 (bf16 params, fp32 reduce), the last one with the
-    layers switched to high precision (bf16_after_fraction); return the outputs, the gathered gradients
-    and (NVFP4 gather) the bytes one all-gather of both weights moved."""
-    from types import SimpleNamespace
+def _train(world: int, nvfp4_gather: bool, steps: int = 3):
+    """Train the MLP a few SGD steps under FSDP2 (bf16 params, fp32 reduce); return the outputs, the
+    gathered gradients and (NVFP4 gather) the bytes one all-gather of both weights moved."""
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -155,9 +153,7 @@ def _train(world: int, nvfp4_gather: bool, steps: int = 4):
         fully_shard(m, mesh=mesh, mp_policy=mp)
     x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
     ys, grads = [], []
-    for step in range(steps):
-        if step == steps - 1:  # the weights now gather in BF16 and the gathered weight acts as it
-            model.w1.precision_schedule = model.w2.precision_schedule = SimpleNamespace(high_precision=True)
+    for _ in range(steps):
         y = model(x)
         y.float().square().mean().backward()
         ys.append(y.detach().float())
@@ -167,7 +163,6 @@ def _train(world: int, nvfp4_gather: bool, steps: int = 4):
                 p -= 0.05 * p.grad
                 p.grad = None
     gathered_bytes = None
-    model.w1.precision_schedule = model.w2.precision_schedule = None
     if nvfp4_gather:
         w = model.w1.weight._local_tensor
         assert isinstance(w, NVFP4ShardedWeight)
@@ -193,8 +188,8 @@ def _fsdp_worker(rank, world, out):
 def test_fsdp2_nvfp4_all_gather_trains_exactly_as_the_bf16_all_gather(world):
     """2 ranks: even shards (56 and 32 rows, tiles straddling ranks at row 56). 3 ranks: 112 and 64
     rows shard into 38/38/36 and 22/22/20 (odd offsets, a padded last shard). SR and RHT on. Three SGD
-    steps with the NVFP4 all-gather, and a fourth in high precision (the weights then gather in BF16),
-    give outputs and gradients bit for bit those of FSDP2's BF16 all-gather."""
+    steps with the NVFP4 all-gather give outputs and gradients bit for bit those of FSDP2's BF16
+    all-gather."""
     out = run_ranks(_fsdp_worker, world)
     for step, (a, b) in enumerate(zip(out["ys_bf16"], out["ys"])):
         assert torch.equal(a, b), step

@@ -28,6 +28,7 @@ from .linear_function import autocast_out_dtype
 from .numerics.lowrank import check_rank, full_tensor, lowrank_merge, lowrank_split
 from .nvfp4_linear import NVFP4Linear, check_linear_dims
 from .recipe import NVFP4Recipe
+from .telemetry import measure_linear
 
 #: SR streams of the branch GEMMs: layer ids LORA_LAYER_ID_BASE + 2·layer_id + {0, 1}
 LORA_LAYER_ID_BASE = 1 << 21
@@ -145,6 +146,8 @@ class DecomposedLinear(LowRankState, NVFP4Linear):
             y = F.linear(x, self.weight, self.bias)
         else:
             y = self._nvfp4_linear(x, self.weight, self.bias, 0)
+            if self.telemetry is not None:  # R, the NVFP4 part (dY: the whole output's gradient)
+                measure_linear(self, x, self.weight, y)
         if self.lora_nvfp4 and not self.high_precision:
             h = self._nvfp4_linear(x, self.lora_v, None, 1) * self.lora_sigma
             return y + self._nvfp4_linear(h, self.lora_u, None, 2)

@@ -56,6 +56,8 @@ class NVFP4LayerState(nn.Module):
 
     #: shared with the converter's StepCounter (schedule.py); None: always NVFP4
     precision_schedule = None
+    #: telemetry.Telemetry shared by the converter's layers (telemetry_every); None: off
+    telemetry = None
 
     @property
     def high_precision(self) -> bool:

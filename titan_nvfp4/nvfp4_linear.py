@@ -16,6 +16,7 @@ from .distributed.tensor_parallel import local, tp_nvfp4_linear
 from .layer_state import NVFP4LayerState
 from .linear_function import nvfp4_linear
 from .recipe import NVFP4Recipe
+from .telemetry import measure_linear
 
 
 def check_linear_dims(name: str, in_features: int, out_features: int) -> None:
@@ -55,7 +56,10 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.high_precision:
             return F.linear(x, self.weight, self.bias)
-        return self._nvfp4_linear(x, self.weight, self.bias)
+        y = self._nvfp4_linear(x, self.weight, self.bias)
+        if self.telemetry is not None:
+            measure_linear(self, x, self.weight, y)
+        return y
 
     def _nvfp4_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       gemm: int | None = None) -> torch.Tensor:

@@ -19,9 +19,8 @@ unsharded parameter from the gathered tensors. Here:
    BF16-gathered weight: tests/test_fsdp_all_gather.py).
 
 The tile-amax all-reduce runs at every all-gather (forward, and backward's re-gather of a resharded
-block); it moves N·K/256 fp32 values, about 3% of the codes' bytes. A layer in high precision
-(bf16_after_fraction) gathers its weight in the param dtype as FSDP2 would, and the gathered weight
-then behaves as that dense tensor.
+block); it moves N·K/256 fp32 values, about 3% of the codes' bytes. bf16_after_fraction is refused
+with this all-gather: FSDP2 sizes its all-gather buffers once, at the first step, for the codes.
 """
 
 from __future__ import annotations
@@ -96,8 +95,9 @@ class NVFP4ShardedWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         dtype = mp_policy.param_dtype or self._data.dtype
         w = self._data.to(dtype)
-        if getattr(module, "high_precision", False):
-            return (w,), ("dense",)
+        if getattr(module, "high_precision", False):  # the config refuses it; a module switched by hand
+            raise RuntimeError(f"{getattr(module, 'layer_name', type(module).__name__)}: a layer in high precision "
+                               "cannot use fsdp_nvfp4_all_gather (FSDP2 keeps the buffers of the codes)")
         n_rows, ws = outer_size[0], mesh.size(-1)
         chunk = -(-n_rows // ws)
         offset = mesh.get_local_rank(mesh.ndim - 1) * chunk
@@ -114,11 +114,6 @@ class NVFP4ShardedWeight(torch.Tensor):
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         (data,) = all_gather_outputs
-        if metadata[0] == "dense":
-            if out is not None:
-                out._set(dense=data)
-                return
-            return NVFP4GatheredWeight.dense(data), (data,)
         _, e_b, gs, n_rows = metadata
         k = self.shape[1]
         codes = data[:n_rows]
@@ -133,46 +128,32 @@ class NVFP4ShardedWeight(torch.Tensor):
 class NVFP4GatheredWeight(torch.Tensor):
     """The unsharded weight FSDP2 builds from NVFP4 codes: what NVFP4LinearFunction multiplies with
     (``nvfp4()``), W's shape and param dtype to autograd (its gradient is a dense tensor, which FSDP2
-    reduce-scatters). In high precision it carries the gathered dense weight instead and acts as it."""
+    reduce-scatters)."""
 
     @staticmethod
-    def __new__(cls, codes, scale, global_scale, shape, dtype, dense=None):
-        device = (codes if codes is not None else dense).device
-        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+    def __new__(cls, codes, scale, global_scale, shape, dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=codes.device)
 
-    def __init__(self, codes, scale, global_scale, shape, dtype, dense=None):
-        self._codes, self._scale, self._gs, self._dense = codes, scale, global_scale, dense
+    def __init__(self, codes, scale, global_scale, shape, dtype):
+        self._codes, self._scale, self._gs = codes, scale, global_scale
 
-    @classmethod
-    def dense(cls, data: torch.Tensor) -> "NVFP4GatheredWeight":
-        return cls(None, None, None, data.shape, data.dtype, dense=data)
-
-    def _set(self, codes=None, scale=None, global_scale=None, dense=None) -> None:
+    def _set(self, codes, scale, global_scale) -> None:
         """Refill after a later all-gather (FSDP2's ``out`` path)."""
-        self._codes, self._scale, self._gs, self._dense = codes, scale, global_scale, dense
-
-    @property
-    def is_nvfp4(self) -> bool:
-        return self._dense is None
+        self._codes, self._scale, self._gs = codes, scale, global_scale
 
     def nvfp4(self) -> NVFP4Tensor:
         """W as an NVFP4Tensor with 16×16 tiles (what quantize_weight would have produced)."""
         return NVFP4Tensor(self._codes, self._scale, self._gs, self.shape, (BLOCK, BLOCK))
 
     def __repr__(self) -> str:
-        what = "nvfp4" if self.is_nvfp4 else "dense"
-        return f"NVFP4GatheredWeight({what}, shape={tuple(self.shape)}, dtype={self.dtype})"
+        return f"NVFP4GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         if func in (aten.detach.default, aten.alias.default) or (
                 func is aten.as_strided.default and tuple(args[1]) == tuple(args[0].shape)):
             w = args[0]
-            return cls(w._codes, w._scale, w._gs, w.shape, w.dtype, dense=w._dense)
-        gathered = [a for a in args if isinstance(a, cls)]
-        if all(not g.is_nvfp4 for g in gathered):
-            return func(*tree_map(lambda t: t._dense if isinstance(t, cls) else t, args), **kwargs)
+            return cls(w._codes, w._scale, w._gs, w.shape, w.dtype)
         raise RuntimeError(
             f"an NVFP4-gathered weight (fsdp_nvfp4_all_gather) reached {func}: only the NVFP4 linear reads "
             "it. A module that uses its converted layer's weight directly needs fsdp_nvfp4_all_gather = false")

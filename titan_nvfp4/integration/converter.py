@@ -20,6 +20,7 @@ from ..distributed.fsdp_all_gather import wrap_weight
 from ..nvfp4_linear import NVFP4Linear, check_linear_dims
 from ..recipe import NVFP4Recipe
 from ..schedule import PrecisionSchedule, StepCounter, switch_step
+from ..telemetry import Telemetry, install_metrics_hook
 
 CONVERTER_NAME = "quantize.linear.nvfp4"
 GROUPED_CONVERTER_NAME = "quantize.grouped_mm.nvfp4"
@@ -134,6 +135,9 @@ class NVFP4LinearConverter(QuantizationConverter):
         self.bf16_after_fraction = section.bf16_after_fraction
         self.total_steps = job_config.training.steps
         self.nvfp4_all_gather = section.fsdp_nvfp4_all_gather and _fsdp_all_gather_applies(parallel_dims)
+        self.telemetry_every = section.telemetry_every
+        if self.telemetry_every:
+            install_metrics_hook()
         self.enabled = True
 
     def convert(self, model: nn.Module) -> None:
@@ -148,10 +152,17 @@ class NVFP4LinearConverter(QuantizationConverter):
             logger.info(f"NVFP4: kept {fqn} in high precision ({why})")
         if self.lora_rank and report["converted"]:
             decompose_after_init(model)
-        if self.bf16_after_fraction or self.lora_refresh_steps:
+        if self.bf16_after_fraction or self.lora_refresh_steps or self.telemetry_every:
             c = attach_step_counter(model, LINEAR_STEPS, report["converted"], self.bf16_after_fraction,
                                     self.total_steps)
-            log_switch_plan("Linear layers", c, self.bf16_after_fraction, self.total_steps)
+            if self.bf16_after_fraction:
+                log_switch_plan("Linear layers", c, self.bf16_after_fraction, self.total_steps)
+            if self.telemetry_every:
+                telemetry = Telemetry(self.telemetry_every, c)
+                for fqn in report["converted"]:
+                    model.get_submodule(fqn).telemetry = telemetry
+                logger.info(f"NVFP4: telemetry of {len(report['converted'])} Linear layers every "
+                            f"{self.telemetry_every} steps (nvfp4/<layer>/<operand>/<stat> in the metrics)")
 
     def post_optimizer_hook(self, model) -> None:
         """Count the optimizer step; switch to high precision at bf16_after_fraction; re-decompose the

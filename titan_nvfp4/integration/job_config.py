@@ -89,6 +89,10 @@ class NVFP4LinearConfig(_RecipeKnobs):
     lora_refresh_steps: int = 0
     """Re-decompose every N optimizer steps (0 = only at initialization). AdamW's moments keep describing
     the old split, which cost loss in docs/lora_runs.md: leave it at 0 unless you study it."""
+    telemetry_every: int = 0
+    """Per-layer numerics telemetry: every N steps (and step 1) each converted Linear measures amax,
+    saturated and underflowed blocks and the quantization SNR of W, X and dY, logged with TorchTitan's
+    next metrics log as nvfp4/<layer>/<operand>/<stat> (0 = off)."""
     fsdp_nvfp4_all_gather: bool = False
     """Under FSDP2, all-gather the converted Linears' weights as NVFP4 codes (4 bits per element)
     instead of BF16: each rank quantizes its shard with the whole weight's scales. Needs 16×16 weight
@@ -104,6 +108,9 @@ class NVFP4LinearConfig(_RecipeKnobs):
             raise ValueError(f"[{self.SECTION}] lora_refresh_steps must be a non-negative integer, got {r!r}")
         if r and not self.lora_rank:
             raise ValueError(f"[{self.SECTION}] lora_refresh_steps = {r} needs lora_rank > 0")
+        t = self.telemetry_every
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"[{self.SECTION}] telemetry_every must be a non-negative integer, got {t!r}")
         if not isinstance(self.fsdp_nvfp4_all_gather, bool):
             raise ValueError(f"[{self.SECTION}] fsdp_nvfp4_all_gather must be true or false, "
                              f"got {self.fsdp_nvfp4_all_gather!r}")
@@ -111,6 +118,10 @@ class NVFP4LinearConfig(_RecipeKnobs):
         if self.fsdp_nvfp4_all_gather and not self.build_recipe().weight_2d:
             raise ValueError(f"[{self.SECTION}] fsdp_nvfp4_all_gather = true needs weight_2d = true (16x16 weight "
                              "blocks: the gathered codes then serve forward and dgrad alike)")
+        if self.fsdp_nvfp4_all_gather and self.bf16_after_fraction:
+            raise ValueError(f"[{self.SECTION}] fsdp_nvfp4_all_gather = true cannot be combined with bf16_after_fraction "
+                             f"= {self.bf16_after_fraction}: FSDP2 keeps the all-gather buffers of the first step "
+                             "(packed codes), so the weights cannot switch to a BF16 all-gather mid-run")
         if self.fsdp_nvfp4_all_gather and self.build_recipe().backward != "nvfp4":
             raise ValueError(f"[{self.SECTION}] fsdp_nvfp4_all_gather = true needs backward = \"nvfp4\" (an MXFP8 or "
                              f"BF16 backward reads the high-precision weight), got {self.build_recipe().backward!r}")
