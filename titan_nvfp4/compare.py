@@ -46,7 +46,7 @@ except ImportError:  # Python 3.10
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .tools.loss_log import StepMetrics, parse_log, summarize, to_markdown
+from .tools.loss_log import StepMetrics, parse_log, summarize, to_markdown, write_csv
 
 DEFAULT_LAUNCHER = ("torchrun", "--nproc_per_node=1", "-m", "torchtitan.train")
 _KEYS = {"base", "steps", "out", "last", "baseline", "reference", "common", "launcher", "timeout_s", "wandb_offline"}
@@ -215,11 +215,7 @@ def report(spec: Spec) -> str:
     if missing:
         table += f"\nNo logged steps yet: {', '.join(missing)}\n"
     (spec.out / "compare.md").write_text(table)
-    with open(spec.out / "compare.csv", "w") as f:
-        f.write("run,step,loss,grad_norm,memory_gib,tps\n")
-        for name, steps in runs.items():
-            for s in steps:
-                f.write(f"{name},{s.step},{s.loss},{s.grad_norm},{s.memory_gib},{s.tps}\n")
+    write_csv(runs, spec.out / "compare.csv")
     try:
         from .tools.loss_plot import plot_runs
 

@@ -90,21 +90,26 @@ class NVFP4LinearFunction(torch.autograd.Function):
         in_features = weight.shape[1]
         x2d = x.reshape(-1, in_features)
         # a sharded operand (tensor parallelism) takes the amax of the whole operand: distributed/amax.py
+        fp4_wgrad = need_wgrad and recipe.backward == "nvfp4"  # else backward reads X itself (MXFP8 / BF16)
         x_amax = w_amax = None
         if groups.x is not None:
-            x_amax = all_reduce_max(operand_amax(x2d, need_wgrad, signs, backend), groups.x)
+            x_amax = all_reduce_max(operand_amax(x2d, fp4_wgrad, signs, backend), groups.x)
         if groups.weight is not None:
             w_amax = all_reduce_max(operand_amax(weight, False, None, backend)[:1], groups.weight)
-        if recipe.backward != "nvfp4":  # NVFP4 forward only; backward in MXFP8 or BF16 from X and W
-            return NVFP4LinearFunction._forward_hp_backward(ctx, x, x2d, weight, bias, recipe, signs, out_dtype,
-                                                            need_wgrad, backend, x_amax, w_amax)
-        xq, x_col = quantize_activation(x2d, need_wgrad, signs, backend, x_amax)
+        xq, x_col = quantize_activation(x2d, fp4_wgrad, signs, backend, x_amax)
         if isinstance(weight, NVFP4GatheredWeight):  # FSDP2 gathered it as NVFP4: distributed/fsdp_all_gather.py
             wq = weight.nvfp4()
             w_t = wq.t()
         else:
             wq, w_t = quantize_weight(weight, recipe.weight_2d, backend, w_amax)
         y = nvfp4_gemm(xq, wq, out_dtype=out_dtype, bias=bias, backend=backend)
+        ctx.has_bias, ctx.hp_backward = bias is not None, recipe.backward != "nvfp4"
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.recipe, ctx.backend, ctx.groups = recipe, backend, groups
+        if ctx.hp_backward:  # MXFP8 / BF16 backward: X in the compute dtype and W
+            ctx.save_for_backward(x2d.to(out_dtype) if need_wgrad else None, weight)
+            ctx.compute_dtype = out_dtype
+            return y.reshape(*x.shape[:-1], weight.shape[0])
 
         # Saved for backward: Wᵀ quantized for dgrad and Xᵀ in its wgrad form, never X in BF16.
         ctx.w_t_meta = (w_t.shape, w_t.block_shape)
@@ -117,22 +122,6 @@ class NVFP4LinearFunction(torch.autograd.Function):
             ctx.x_col_meta = (x_col.shape, x_col.block_shape)
             saved += list(_unpack(x_col))
         ctx.save_for_backward(*saved)
-        ctx.has_bias = bias is not None
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-        ctx.recipe, ctx.backend, ctx.groups = recipe, backend, groups
-        return y.reshape(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def _forward_hp_backward(ctx, x, x2d, weight, bias, recipe, signs, out_dtype, need_wgrad, backend, x_amax,
-                             w_amax):
-        """recipe.backward "mxfp8" / "bf16": the NVFP4 forward GEMM; saves X (in the compute dtype) and W."""
-        xq, _ = quantize_activation(x2d, False, signs, backend, x_amax)
-        wq, _ = quantize_weight(weight, recipe.weight_2d, backend, w_amax)
-        y = nvfp4_gemm(xq, wq, out_dtype=out_dtype, bias=bias, backend=backend)
-        ctx.save_for_backward(x2d.to(out_dtype) if need_wgrad else None, weight)
-        ctx.has_bias, ctx.hp_backward = bias is not None, True
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.compute_dtype = x.shape, x.dtype, weight.dtype, out_dtype
-        ctx.recipe = recipe
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -156,7 +145,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         with torch.autocast(dy.device.type, enabled=False):
-            if getattr(ctx, "hp_backward", False):
+            if ctx.hp_backward:
                 return NVFP4LinearFunction._backward_hp(ctx, dy)
             return NVFP4LinearFunction._backward(ctx, dy)
 

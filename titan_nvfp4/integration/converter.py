@@ -155,8 +155,7 @@ class NVFP4LinearConverter(QuantizationConverter):
         if self.bf16_after_fraction or self.lora_refresh_steps or self.telemetry_every:
             c = attach_step_counter(model, LINEAR_STEPS, report["converted"], self.bf16_after_fraction,
                                     self.total_steps)
-            if self.bf16_after_fraction:
-                log_switch_plan("Linear layers", c, self.bf16_after_fraction, self.total_steps)
+            log_switch_plan("Linear layers", c, self.bf16_after_fraction, self.total_steps)
             if self.telemetry_every:
                 telemetry = Telemetry(self.telemetry_every, c)
                 for fqn in report["converted"]:

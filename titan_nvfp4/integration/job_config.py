@@ -115,16 +115,17 @@ class NVFP4LinearConfig(_RecipeKnobs):
             raise ValueError(f"[{self.SECTION}] fsdp_nvfp4_all_gather must be true or false, "
                              f"got {self.fsdp_nvfp4_all_gather!r}")
         super().__post_init__()
-        if self.fsdp_nvfp4_all_gather and not self.build_recipe().weight_2d:
+        recipe = self.build_recipe()
+        if self.fsdp_nvfp4_all_gather and not recipe.weight_2d:
             raise ValueError(f"[{self.SECTION}] fsdp_nvfp4_all_gather = true needs weight_2d = true (16x16 weight "
                              "blocks: the gathered codes then serve forward and dgrad alike)")
         if self.fsdp_nvfp4_all_gather and self.bf16_after_fraction:
             raise ValueError(f"[{self.SECTION}] fsdp_nvfp4_all_gather = true cannot be combined with bf16_after_fraction "
                              f"= {self.bf16_after_fraction}: FSDP2 keeps the all-gather buffers of the first step "
                              "(packed codes), so the weights cannot switch to a BF16 all-gather mid-run")
-        if self.fsdp_nvfp4_all_gather and self.build_recipe().backward != "nvfp4":
+        if self.fsdp_nvfp4_all_gather and recipe.backward != "nvfp4":
             raise ValueError(f"[{self.SECTION}] fsdp_nvfp4_all_gather = true needs backward = \"nvfp4\" (an MXFP8 or "
-                             f"BF16 backward reads the high-precision weight), got {self.build_recipe().backward!r}")
+                             f"BF16 backward reads the high-precision weight), got {recipe.backward!r}")
 
 
 @dataclass
@@ -144,8 +145,9 @@ class NVFP4GroupedMMConfig(_RecipeKnobs):
         self._check_fqns("fqns")
         check_rank(self.lora_rank, self.SECTION)
         super().__post_init__()
-        if self.build_recipe().backward != "nvfp4":
-            raise ValueError(f"[{self.SECTION}] backward = {self.build_recipe().backward!r}: the experts run an NVFP4 "
+        backward = self.build_recipe().backward
+        if backward != "nvfp4":
+            raise ValueError(f"[{self.SECTION}] backward = {backward!r}: the experts run an NVFP4 "
                              "backward only (set it in [quantize.linear.nvfp4] for the dense Linears)")
 
 

@@ -53,9 +53,15 @@ def block_scales(block_amax, s_enc):
     nan = tl.full(block_amax.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True)  # E4M3 NaN
     e = tl.where(block_amax == float("inf"), nan, e)
     e = tl.where(s_enc != s_enc, nan, e)
-    r = tl.minimum(tl.math.div_rn(tl.full(block_amax.shape, 1.0, tl.float32), e.to(tl.float32) * s_dec), FP32_MAX,
-                   propagate_nan=tl.PropagateNan.ALL)  # NaN for non-finite blocks, as the reference's clamp
-    return e, r
+    return e, encode_factor(e.to(tl.float32), s_dec)
+
+
+@triton.jit
+def encode_factor(e32, s_dec):
+    """Twin of block_encode_factor: r_b = min(1 / (e_b · s_dec), FP32_MAX) for the decoded E4M3 scales
+    e32 and the tensor's decode scale s_dec = 1/S; NaN for non-finite blocks, as the reference's clamp."""
+    return tl.minimum(tl.math.div_rn(tl.full(e32.shape, 1.0, tl.float32), e32 * s_dec), FP32_MAX,
+                      propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit

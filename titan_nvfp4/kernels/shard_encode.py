@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .nvfp4_jit import block_scales, e2m1_code, nan_to_inf_abs, pack_pairs
+from .nvfp4_jit import e2m1_code, encode_factor, nan_to_inf_abs, pack_pairs
 
 BK = 128  # columns per program
 
@@ -42,12 +42,8 @@ def _encode_rows_kernel(X, R, K, sx, OFFSET, KEEP, E, S_ENC, D, BK: tl.constexpr
     tiles = (OFFSET + rows) // 16
     smask = (rows < KEEP)[:, None] & (kb < K // 16)[None, :]
     e = tl.load(E + tiles[:, None] * (K // 16) + kb[None, :], mask=smask, other=0.0)  # e4m3 [16, BK/16]
-    # block_scales' encode factor from the stored scale: r = min(1 / (e · (1/S)), FP32_MAX)
     s_enc = tl.load(S_ENC)
-    s_dec = tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc)
-    e32 = e.to(tl.float32)
-    r = tl.minimum(tl.math.div_rn(tl.full(e32.shape, 1.0, tl.float32), e32 * s_dec), 3.4028234663852886e38,
-                   propagate_nan=tl.PropagateNan.ALL)
+    r = encode_factor(e.to(tl.float32), tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc))
     y = tl.reshape(tl.reshape(x, (16, BK // 16, 16)) * r[:, :, None], (16, BK))
     keep = tl.reshape(tl.broadcast_to(tl.where(r == r, 15, 0).to(tl.uint8)[:, :, None], (16, BK // 16, 16)), (16, BK))
     codes = e2m1_code(y) & keep

@@ -106,6 +106,15 @@ def to_markdown(rows: list[dict], last: int) -> str:
     return head + body
 
 
+def write_csv(runs: dict[str, list[StepMetrics]], path: Path) -> None:
+    """Every run's per-step metrics, one row per (run, step)."""
+    with open(path, "w") as f:
+        f.write("run,step,loss,grad_norm,memory_gib,tps\n")
+        for name, steps in runs.items():
+            for s in steps:
+                f.write(f"{name},{s.step},{s.loss},{s.grad_norm},{s.memory_gib},{s.tps}\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("logs", nargs="+", type=Path)
@@ -117,11 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = {p.stem: parse_log(p.read_text(errors="replace")) for p in args.logs}
     rows = summarize(runs, args.last, args.gap)
     if args.csv:
-        with open(args.csv, "w") as f:
-            f.write("run,step,loss,grad_norm,memory_gib,tps\n")
-            for name, steps in runs.items():
-                for s in steps:
-                    f.write(f"{name},{s.step},{s.loss},{s.grad_norm},{s.memory_gib},{s.tps}\n")
+        write_csv(runs, args.csv)
     if args.markdown:
         print(to_markdown(rows, args.last), end="")
     else:
