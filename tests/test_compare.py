@@ -65,6 +65,15 @@ def test_runner_end_to_end_with_logs_and_tensorboard(tmp_path, capsys):
     assert compare.main([str(spec)]) == 0  # every arm is done: nothing runs again
     assert capsys.readouterr().out.count("already reached step 40") == 3
 
+    # --out: the logs of two partial runs gathered in another folder give the same table from the logs
+    other = tmp_path / "gathered"
+    other.mkdir()
+    for name in ("bf16", "nvfp4"):
+        (other / f"{name}.log").write_text((tmp_path / f"out/{name}.log").read_text())
+    assert compare.main([str(spec), "--report-only", "--out", str(other)]) == 0
+    gathered = (other / "compare.md").read_text()
+    assert "No logged steps yet: half_way" in gathered and "+0.2000 ± 0.0000" in gathered
+
 
 def test_a_failing_arm_is_reported_and_the_others_still_tabled(tmp_path, capsys):
     arms = ARMS.replace('overrides = ["--stub.offset", "0.2"]', 'overrides = ["--stub.offset", "0.2", "--stub.fail_at", "12"]')
@@ -101,6 +110,6 @@ def test_baseline_must_be_an_arm(tmp_path):
 def test_shipped_spec_parses(monkeypatch):
     monkeypatch.chdir(REPO)  # the spec's paths are relative to the repo root, where the runner runs
     spec = compare.load_spec(REPO / "configs/compare/llama3_debug.toml")
-    assert spec.baseline == "bf16" and spec.reference == "nvfp4" and len(spec.arms) == 7
+    assert spec.baseline == "bf16" and spec.reference == "nvfp4" and len(spec.arms) == 8
     cmd = spec.command(spec.arms[2])
     assert cmd[-2:] == ["--quantize.linear.nvfp4.rht", "False"] and "--job.dump_folder" in cmd

@@ -1,7 +1,7 @@
 """Loss-convergence comparisons in one command: arms of TorchTitan overrides on one base job file, run
 with the same seed and data one after another, then a table, a CSV and a plot.
 
-    python -m titan_nvfp4.compare configs/compare/llama3_debug.toml [--only ARM ...] [--report-only]
+    python -m titan_nvfp4.compare configs/compare/llama3_debug.toml [--only ARM ...] [--report-only] [--out DIR]
 
 The spec (TOML):
 
@@ -230,8 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("spec", type=Path)
     ap.add_argument("--only", nargs="+", default=None, help="run these arms (again), and no others")
     ap.add_argument("--report-only", action="store_true", help="write the table and plot from existing logs")
+    ap.add_argument("--out", type=Path, default=None, help="logs, table and plot here instead of [compare] out")
     args = ap.parse_args(argv)
     spec = load_spec(args.spec)
+    if args.out is not None:
+        spec.out = args.out
     spec.out.mkdir(parents=True, exist_ok=True)
     names = [a.name for a in spec.arms]
     for n in args.only or []:

@@ -82,8 +82,8 @@ class NVFP4GroupedMMFunction(torch.autograd.Function):
             if end == start:
                 metas.append(None)
                 continue
-            xq, x_col = quantize_activation(x2d[start:end], need_wgrad, signs, backend)
-            wq, w_t = quantize_weight(weight[e], recipe.weight_2d, backend)
+            xq, x_col = quantize_activation(x2d[start:end], need_wgrad, signs, backend, four_six=recipe.four_over_six)
+            wq, w_t = quantize_weight(weight[e], recipe.weight_2d, backend, four_six=recipe.four_over_six)
             pieces.append((start, nvfp4_gemm(xq, wq, out_dtype=out_dtype,
                                              bias=None if bias is None else bias[e], backend=backend)))
             operands = [w_t] + ([x_col] if x_col is not None else [])
@@ -127,7 +127,8 @@ class NVFP4GroupedMMFunction(torch.autograd.Function):
             i += 3 * len(meta)
             dy_e = dy2d[start:end]
             want_dw = need_dw and x_col is not None
-            dyq, dy_col = quantize_gradient(dy_e, need_dx, want_dw, signs, _expert_seed(seed, e), ctx.backend)
+            dyq, dy_col = quantize_gradient(dy_e, need_dx, want_dw, signs, _expert_seed(seed, e), ctx.backend,
+                                            four_six=ctx.recipe.four_over_six)
             if need_dx:
                 dx[start:end] = nvfp4_gemm(dyq, w_t, out_dtype=ctx.x_dtype, backend=ctx.backend)
             if want_dw:
@@ -151,10 +152,11 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
         out_dtype = autocast_out_dtype(x)  # see linear_function.py
         in_features = weights[0].shape[2]
         with torch.autocast(x.device.type, enabled=False):
-            xq, x_col = G.quantize_tokens(x.reshape(-1, in_features), offsets, True, need_wgrad, signs, None)
+            xq, x_col = G.quantize_tokens(x.reshape(-1, in_features), offsets, True, need_wgrad, signs, None,
+                                          four_six=recipe.four_over_six)
             outs, saved, metas = [], [offsets, signs] + (list(x_col.tensors()) if x_col is not None else []), []
             for w, b in zip(weights, biases):
-                gw = G.quantize_experts(w, recipe.weight_2d)
+                gw = G.quantize_experts(w, recipe.weight_2d, recipe.four_over_six)
                 outs.append(G.gemm_rows(xq, gw.w, offsets, w.shape[1], w.shape[1], 0, out_dtype, b)
                             .reshape(*x.shape[:-1], w.shape[1]))
                 saved += list(gw.t.tensors())  # Wᵀ for dgrad; X only in its wgrad form, as the dense linear
@@ -182,7 +184,8 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
                 need_dw = ctx.needs_input_grad[6 + j] and x_col is not None
                 need_db = ctx.has_bias[j] and ctx.needs_input_grad[6 + n + j]
                 seed = next_sr_seed(ctx.counters[j]) if recipe.stochastic_rounding else None
-                dyq, dy_col = G.quantize_tokens(dy2d, offsets, need_dx, need_dw, signs, seed, col_staged=True)
+                dyq, dy_col = G.quantize_tokens(dy2d, offsets, need_dx, need_dw, signs, seed, col_staged=True,
+                                                four_six=ctx.recipe.four_over_six)
                 if need_dx:  # summed in x's dtype, as autograd sums the gradients of separate GEMMs
                     part = G.gemm_rows(dyq, w_t, offsets, ctx.x_shape[-1], row_step, col_step, ctx.x_dtype)
                     dx = part if dx is None else dx + part

@@ -96,12 +96,13 @@ class NVFP4LinearFunction(torch.autograd.Function):
             x_amax = all_reduce_max(operand_amax(x2d, fp4_wgrad, signs, backend), groups.x)
         if groups.weight is not None:
             w_amax = all_reduce_max(operand_amax(weight, False, None, backend)[:1], groups.weight)
-        xq, x_col = quantize_activation(x2d, fp4_wgrad, signs, backend, x_amax)
+        fos = recipe.four_over_six
+        xq, x_col = quantize_activation(x2d, fp4_wgrad, signs, backend, x_amax, fos)
         if isinstance(weight, NVFP4GatheredWeight):  # FSDP2 gathered it as NVFP4: distributed/fsdp_all_gather.py
             wq = weight.nvfp4()
             w_t = wq.t()
         else:
-            wq, w_t = quantize_weight(weight, recipe.weight_2d, backend, w_amax)
+            wq, w_t = quantize_weight(weight, recipe.weight_2d, backend, w_amax, fos)
         y = nvfp4_gemm(xq, wq, out_dtype=out_dtype, bias=bias, backend=backend)
         ctx.has_bias, ctx.hp_backward = bias is not None, recipe.backward != "nvfp4"
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
@@ -161,7 +162,8 @@ class NVFP4LinearFunction(torch.autograd.Function):
         dy_amax = None
         if ctx.groups.grad is not None:
             dy_amax = all_reduce_max(operand_amax(dy2d, need_dw, signs, ctx.backend), ctx.groups.grad)
-        dyq, dy_col = quantize_gradient(dy2d, need_dx, need_dw, signs, seed, ctx.backend, dy_amax)
+        dyq, dy_col = quantize_gradient(dy2d, need_dx, need_dw, signs, seed, ctx.backend, dy_amax,
+                                        recipe.four_over_six)
 
         dx = dw = db = None
         if need_dx:

@@ -44,6 +44,15 @@ class NVFP4Recipe:
     """Precision of the two backward GEMMs of the dense Linears: "nvfp4" (the recipe above), "mxfp8"
     (dY, W and X in MXFP8, 1×32 blocks along each contraction dim, nearest-even) or "bf16" (the input's
     dtype). The forward stays NVFP4. With "mxfp8" / "bf16" forward saves X in its dtype, not in FP4."""
+    block_scale_rule: str = "six"
+    """How each block's E4M3 scale is chosen: "six" (the block max maps to 6, the NVIDIA recipe) or
+    "four_over_six" (per block, max to 6 or to 4, whichever encodes the block with lower error; the
+    tensor scale then targets 6·256: arXiv 2512.02010, numerics/nvfp4.py). Applies to every NVFP4
+    operand: weights, activations and gradients."""
+
+    @property
+    def four_over_six(self) -> bool:
+        return self.block_scale_rule == "four_over_six"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -52,6 +61,7 @@ class NVFP4Recipe:
 
 _BOOL_FIELDS = ("weight_2d", "stochastic_rounding", "rht")
 BACKWARDS = ("nvfp4", "mxfp8", "bf16")
+BLOCK_SCALE_RULES = ("six", "four_over_six")
 _INT_FIELDS = ("rht_seed", "sr_seed", "bf16_first_blocks", "bf16_last_blocks")
 RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(NVFP4Recipe))
 
@@ -66,6 +76,8 @@ def validate_field(name: str, value: Any, where: str = "quantize.linear.nvfp4") 
         raise ValueError(f"[{where}] {name} must be a non-negative integer, got {value!r}")
     if name == "backward" and value not in BACKWARDS:
         raise ValueError(f"[{where}] backward must be one of {list(BACKWARDS)}, got {value!r}")
+    if name == "block_scale_rule" and value not in BLOCK_SCALE_RULES:
+        raise ValueError(f"[{where}] block_scale_rule must be one of {list(BLOCK_SCALE_RULES)}, got {value!r}")
     if name == "gemm_backend" and value not in BACKEND_NAMES:
         raise ValueError(f"[{where}] gemm_backend must be one of {list(BACKEND_NAMES)}, got {value!r}")
 

@@ -45,6 +45,8 @@ class _RecipeKnobs:
     """NVFP4 GEMM implementation: auto | reference."""
     backward: str | None = None
     """Backward GEMMs of the dense Linears: nvfp4 | mxfp8 | bf16 (the forward stays NVFP4)."""
+    block_scale_rule: str | None = None
+    """Block scales: six (max to 6) | four_over_six (per block, max to 6 or 4, the lower error)."""
     bf16_after_fraction: float = 0.0
     """Switch this section's NVFP4 layers to high precision (BF16 under TorchTitan's mixed precision)
     for the last fraction of training.steps (0 = never; 1 = from the start, a control arm with the
@@ -123,6 +125,10 @@ class NVFP4LinearConfig(_RecipeKnobs):
             raise ValueError(f"[{self.SECTION}] fsdp_nvfp4_all_gather = true cannot be combined with bf16_after_fraction "
                              f"= {self.bf16_after_fraction}: FSDP2 keeps the all-gather buffers of the first step "
                              "(packed codes), so the weights cannot switch to a BF16 all-gather mid-run")
+        if self.fsdp_nvfp4_all_gather and recipe.four_over_six:
+            raise ValueError(f"[{self.SECTION}] fsdp_nvfp4_all_gather = true does not support block_scale_rule = "
+                             "\"four_over_six\" yet (a tile's choice needs the error of all its rows, which "
+                             "straddle shards); use block_scale_rule = \"six\" or the BF16 all-gather")
         if self.fsdp_nvfp4_all_gather and recipe.backward != "nvfp4":
             raise ValueError(f"[{self.SECTION}] fsdp_nvfp4_all_gather = true needs backward = \"nvfp4\" (an MXFP8 or "
                              f"BF16 backward reads the high-precision weight), got {recipe.backward!r}")

@@ -19,10 +19,11 @@ def nan_to_inf_abs(x):
 
 
 @triton.jit
-def global_encode_scale(amax):
-    """Twin of numerics.nvfp4.global_encode_scale: S = min(2688 / amax, FP32_MAX); 1 if amax == 0;
-    NaN if amax is not finite (amax == +inf here, see nan_to_inf_abs)."""
-    s = tl.minimum(tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax), FP32_MAX)
+def global_encode_scale(amax, FOUR_SIX: tl.constexpr = False):
+    """Twin of numerics.nvfp4.global_encode_scale: S = min(2688 / amax, FP32_MAX) (1536 / amax with
+    FOUR_SIX); 1 if amax == 0; NaN if amax is not finite (amax == +inf here, see nan_to_inf_abs)."""
+    top: tl.constexpr = 1536.0 if FOUR_SIX else 2688.0
+    s = tl.minimum(tl.math.div_rn(tl.full(amax.shape, top, tl.float32), amax), FP32_MAX)
     s = tl.where(amax == 0.0, 1.0, s)
     return tl.where(amax == float("inf"), float("nan"), s)
 
@@ -42,18 +43,65 @@ def e4m3_round(v):
 
 
 @triton.jit
-def block_scales(block_amax, s_enc):
-    """Twin of block_decode_scale + block_encode_factor. block_amax uses nan_to_inf_abs; s_enc is the
-    tensor's encode scale (a scalar, so 1/s_enc is one division per program, not per block).
-    Returns (e_b as float8e4nv, r_b fp32)."""
+def block_scales(block_amax, s_enc, TO_FOUR: tl.constexpr = False):
+    """Twin of block_decode_scale + block_encode_factor (TO_FOUR: the block max scaled to 4, Four Over
+    Six's second candidate). block_amax uses nan_to_inf_abs; s_enc is the tensor's encode scale (a
+    scalar, so 1/s_enc is one division per program, not per block). Returns (e_b as float8e4nv, r_b fp32)."""
     s_dec = tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc)
-    inv6 = 0.1666666716337204  # fp32(1/6), as the reference uses
-    v = block_amax * (s_enc * inv6)
+    mult: tl.constexpr = 0.25 if TO_FOUR else 0.1666666716337204  # fp32(1/6), as the reference uses
+    v = block_amax * (s_enc * mult)
     e = e4m3_round(tl.minimum(v, E4M3_MAX)).to(tl.float8e4nv)  # exact: the value is already E4M3
     nan = tl.full(block_amax.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True)  # E4M3 NaN
     e = tl.where(block_amax == float("inf"), nan, e)
     e = tl.where(s_enc != s_enc, nan, e)
     return e, encode_factor(e.to(tl.float32), s_dec)
+
+
+@triton.jit
+def fos_unit(block_amax, s_enc):
+    """2¹⁰ / u of Four Over Six's error (numerics.nvfp4.four_over_six_error): u = 2^⌊log₂(amax_b·S)⌋,
+    built from the exponent bits (clamped to [10, 253], where 2^(137 - exp) is a normal fp32)."""
+    ex = ((block_amax * s_enc).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    ex = tl.minimum(tl.maximum(ex, 10), 253)
+    return ((264 - ex) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fos_d2(x, s_enc, r, e32, p):
+    """One element's D² (int32) of four_over_six_error: D = min(⌊|x·S - g·e_b|·p⌋, 2047), g the
+    nearest-even E2M1 magnitude of x·r_b; 0 where the block is not finite (e_b NaN)."""
+    a = tl.minimum(tl.abs(x * r), 6.0)
+    magic = e2m1_magic(a)
+    g = (a + magic) - magic  # exact grid value; g·e_b is exact too, so the subtraction rounds once
+    t = tl.minimum(tl.abs(tl.abs(x) * s_enc - g * e32) * p, 2047.0)
+    d = tl.where(t == t, t, 0.0).to(tl.int32)
+    return d * d
+
+
+@triton.jit
+def pick_four_or_six(e6, r6, e4, r4, err6, err4):
+    """Four Over Six's choice (twin of four_over_six_scales): the "4" scale where it is not 0 and its
+    error is strictly lower. Returns (e_b float8e4nv, r_b fp32)."""
+    four = (e4.to(tl.float32) != 0.0) & (err4 < err6)
+    e = tl.where(four, e4.to(tl.uint8, bitcast=True), e6.to(tl.uint8, bitcast=True)).to(tl.float8e4nv, bitcast=True)
+    return e, tl.where(four, r4, r6)
+
+
+@triton.jit
+def four_six_scales16(xs, block_amax, s_enc):
+    """Twin of numerics.nvfp4.four_over_six_scales (plus the encode factor) for 16-element blocks
+    across a 16-tuple of tiles (tile i = element i of each block). Returns (e_b, r_b) as block_scales."""
+    e6, r6 = block_scales(block_amax, s_enc)
+    e4, r4 = block_scales(block_amax, s_enc, TO_FOUR=True)
+    p = fos_unit(block_amax, s_enc)
+    f6 = e6.to(tl.float32)
+    f4 = e4.to(tl.float32)
+    err6 = fos_d2(xs[0], s_enc, r6, f6, p)
+    err4 = fos_d2(xs[0], s_enc, r4, f4, p)
+    for i in tl.static_range(1, 16):
+        err6 += fos_d2(xs[i], s_enc, r6, f6, p)
+        err4 += fos_d2(xs[i], s_enc, r4, f4, p)
+    return pick_four_or_six(e6, r6, e4, r4, err6, err4)
 
 
 @triton.jit
@@ -228,13 +276,18 @@ def _join_in_order(a, b):
 
 
 @triton.jit
-def quantize_slices16(xs, s_enc, STOCHASTIC: tl.constexpr, seed, counter, STAGED: tl.constexpr = False):
+def quantize_slices16(xs, s_enc, STOCHASTIC: tl.constexpr, seed, counter, STAGED: tl.constexpr = False,
+                      FOUR_SIX: tl.constexpr = False):
     """NVFP4 of 16-element blocks laid out across a 16-tuple of tiles (tile i = element i of each
     block): (16 code tiles uint8, e4m3 scales, one per tile element). Stochastic draws come from
     Philox at 2·counter and 2·counter + 1 (uniforms8), ``counter`` unique per block. Codes of a
     non-finite block are 0 (the reference's NaN·r). STAGED: the 16 tiles are the GEMM's fp16 values
-    q·e_b (the decoded codes times e_b) instead of codes."""
-    e, r = block_scales(amax16(xs), s_enc)
+    q·e_b (the decoded codes times e_b) instead of codes. FOUR_SIX: block scales by Four Over Six
+    (s_enc must then be the FOUR_SIX tensor scale)."""
+    if FOUR_SIX:
+        e, r = four_six_scales16(xs, amax16(xs), s_enc)
+    else:
+        e, r = block_scales(amax16(xs), s_enc)
     finite = r == r
     # Ties the counters to the data's register layout (NaN blocks, coded 0 anyway, draw at 0): else
     # Triton computes Philox in the counters' own layout and moves every uniform between threads.

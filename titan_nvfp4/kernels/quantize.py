@@ -26,8 +26,9 @@ from ..numerics.nvfp4 import NVFP4Tensor, global_encode_scale
 from ..ops.grouped import block_experts
 from ..ops.library import operand_pair, weight_pair
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
-from .nvfp4_jit import (amax16, block_scales, e2m1_code, e2m1_staged, join_slices16, pack16_along_slices,
-                        pack_pairs, pack_slices16, quantize_slices16, rht16_slices, split8)
+from .nvfp4_jit import (amax16, block_scales, e2m1_code, e2m1_staged, fos_d2, fos_unit, join_slices16,
+                        pack16_along_slices, pack_pairs, pack_slices16, pick_four_or_six, quantize_slices16,
+                        rht16_slices, split8)
 
 G_Q = 2  # 16-row blocks per program (fixed tiles: the interpreter, small inputs)
 BK_Q = 64  # features per program
@@ -72,24 +73,24 @@ def _amax_kernel(X, M, K, sxm, sxk, AMAX, SIGNS, BEXP, NSLOT, ROW: tl.constexpr,
 
 
 @triton.jit
-def _store_decode_scales(GS, AMAX, NS, NSP2: tl.constexpr):
+def _store_decode_scales(GS, AMAX, NS, NSP2: tl.constexpr, FOUR_SIX: tl.constexpr):
     """GS[i] = 1/S of AMAX[i] for the NS slots (twin of NVFP4Tensor.global_scale), by program (0, 0);
     a slot of an operand not emitted holds amax 0, giving 1: every output is defined."""
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         i = tl.arange(0, NSP2)
-        s_enc = _jit_global_scale(tl.load(AMAX + i, mask=i < NS, other=0).to(tl.float32, bitcast=True))
+        s_enc = _jit_global_scale(tl.load(AMAX + i, mask=i < NS, other=0).to(tl.float32, bitcast=True), FOUR_SIX)
         tl.store(GS + i, tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc), mask=i < NS)
 
 
 @triton.jit
-def _encode_scale(AMAX, BEXP, blk, nblk, GROUPED: tl.constexpr):
+def _encode_scale(AMAX, BEXP, blk, nblk, GROUPED: tl.constexpr, FOUR_SIX: tl.constexpr):
     """The tensor encode scale S of 16-row blocks ``blk``: a scalar, or with GROUPED one per block
     (of its expert's slot BEXP[blk]) shaped [len(blk), 1] to broadcast over the block's tiles."""
     if GROUPED:
         e = tl.load(BEXP + blk, mask=blk < nblk, other=0)
-        return _jit_global_scale(tl.load(AMAX + e).to(tl.float32, bitcast=True))[:, None]
+        return _jit_global_scale(tl.load(AMAX + e).to(tl.float32, bitcast=True), FOUR_SIX)[:, None]
     else:
-        return _jit_global_scale(tl.load(AMAX).to(tl.float32, bitcast=True))
+        return _jit_global_scale(tl.load(AMAX).to(tl.float32, bitcast=True), FOUR_SIX)
 
 
 @triton.jit
@@ -110,7 +111,8 @@ def _load16_cols(X, rows, kb, M, K, sxm, sxk):
 def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, Mpad, BEXP, NSLOT,
                      ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr, SR_ROW: tl.constexpr,
                      SR_COL: tl.constexpr, GROUPED: tl.constexpr, ROW_F16: tl.constexpr, NSP2: tl.constexpr,
-                     G: tl.constexpr, BK: tl.constexpr, COL_F16: tl.constexpr = False):
+                     G: tl.constexpr, BK: tl.constexpr, COL_F16: tl.constexpr = False,
+                     FOUR_SIX: tl.constexpr = False):
     """Row operand: RD [M, K/2], RS [M, K/16]. Column operand of xᵀ (tokens zero-padded to Mpad):
     CD [K, Mpad/2], CS [K, Mpad/16]. GS [2·NSLOT]: the decode scales of the two, from AMAX (row slots,
     then column slots). NSLOT is 1, or with GROUPED one slot per expert: 16-row block b then takes
@@ -121,9 +123,10 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
     (quantize_slices16): row block (m, kb) uses m·K/16 + kb, column block (b, k) uses
     (Mpad/16)·K + b·K + k: the two roundings draw independent numbers from one seed. ROW_F16: the row
     operand goes out as the GEMM's staged fp16 values q·e_b in RD [M, K] instead of codes and scales;
-    COL_F16 likewise the column operand in CD [K, Mpad]."""
+    COL_F16 likewise the column operand in CD [K, Mpad]. FOUR_SIX: Four Over Six block scales (and its
+    tensor scales) for both operands."""
     seed = tl.load(SEED)  # a dummy pointer when neither rounding is stochastic
-    _store_decode_scales(GS, AMAX, 2 * NSLOT, NSP2)
+    _store_decode_scales(GS, AMAX, 2 * NSLOT, NSP2, FOUR_SIX)
     nblk = Mpad // 16
     if COL:
         blk = tl.program_id(0) * G + tl.arange(0, G)
@@ -131,10 +134,10 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
         xs = _load16(X, blk, rk, M, K, sxm, sxk)
         if RHT:
             xs = rht16_slices(xs, SIGNS)
-        s = _encode_scale(AMAX + NSLOT, BEXP, blk, nblk, GROUPED)
+        s = _encode_scale(AMAX + NSLOT, BEXP, blk, nblk, GROUPED, FOUR_SIX)
         # (not k·Mpad/16 + b: that expression is the CS store's offsets, whose layout it would then share)
         out, e = quantize_slices16(xs, s, SR_COL, seed, (Mpad // 16) * K + blk[:, None] * K + rk[None, :],
-                                   STAGED=COL_F16)
+                                   STAGED=COL_F16, FOUR_SIX=FOUR_SIX)
         kmask = (rk < K)[:, None]
         if COL_F16:  # [G, BK, 16] (token 16g + i last) -> [BK, 16G]: rows of xᵀ
             vals = tl.reshape(tl.permute(join_slices16(out, G, BK), (1, 0, 2)), (BK, 16 * G))
@@ -151,9 +154,10 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
         rows = tl.program_id(0) * (16 * G) + tl.arange(0, 16 * G)
         kb = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
         xs = _load16_cols(X, rows, kb, M, K, sxm, sxk)
-        s = _encode_scale(AMAX, BEXP, rows // 16, nblk, GROUPED)
+        s = _encode_scale(AMAX, BEXP, rows // 16, nblk, GROUPED, FOUR_SIX)
         # staged rows skip the codes: quantize_slices16 forms q·e_b directly
-        out, e = quantize_slices16(xs, s, SR_ROW, seed, rows[:, None] * (K // 16) + kb[None, :], STAGED=ROW_F16)
+        out, e = quantize_slices16(xs, s, SR_ROW, seed, rows[:, None] * (K // 16) + kb[None, :], STAGED=ROW_F16,
+                                   FOUR_SIX=FOUR_SIX)
         rmask = (rows < M)[:, None]
         kmask = (kb < K // 16)[None, :]
         if ROW_F16:
@@ -170,18 +174,22 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
 @triton.jit
 def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, EMIT_T: tl.constexpr,
                         GROUPED: tl.constexpr, EMIT_F16: tl.constexpr, NSP2: tl.constexpr, G: tl.constexpr,
-                        BK: tl.constexpr):
+                        BK: tl.constexpr, FOUR_SIX: tl.constexpr = False):
     """16×16 blocks, nearest-even: D [N, K/2], S [N/16, K/16], GS the decode scales, and DT [K, N/2]
     with ST = Sᵀ, the codes and scales of Wᵀ (whose tiles are the transposed tiles of W). With
     GROUPED, W stacks experts along N and 16-row block b takes the tensor scale of slot BEXP[b].
-    EMIT_F16: D [N, K] gets the GEMM's staged fp16 values q·e_b of W instead of codes (S unused)."""
+    EMIT_F16: D [N, K] gets the GEMM's staged fp16 values q·e_b of W instead of codes (S unused).
+    FOUR_SIX: Four Over Six tile scales, the error summed over each tile's 256 elements (int32, exact)."""
     blk = tl.program_id(0) * G + tl.arange(0, G)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     ws = _load16(W, blk, rk, N, K, swn, swk)
-    _store_decode_scales(GS, AMAX, NSLOT, NSP2)
-    s = _encode_scale(AMAX, BEXP, blk, N // 16, GROUPED)
+    _store_decode_scales(GS, AMAX, NSLOT, NSP2, FOUR_SIX)
+    s = _encode_scale(AMAX, BEXP, blk, N // 16, GROUPED, FOUR_SIX)
     bamax = tl.max(tl.reshape(amax16(ws), (G, BK // 16, 16)), axis=2)
-    e, r = block_scales(bamax, s)  # [G, BK/16]
+    if FOUR_SIX:
+        e, r = _four_six_tiles(ws, bamax, s, G, BK)
+    else:
+        e, r = block_scales(bamax, s)  # [G, BK/16]
     rk2 = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
     # per element: e_b (for the staged values) and the code mask of non-finite blocks (r is NaN there)
     e32 = tl.reshape(tl.broadcast_to(e.to(tl.float32)[:, :, None], (G, BK // 16, 16)), (G, BK))
@@ -209,6 +217,31 @@ def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, 
                  mask=(rk < K)[:, None] & (rb < N // 2)[None, :])
 
 
+@triton.jit
+def _per_element(t, G: tl.constexpr, BK: tl.constexpr):
+    """[G, BK/16] per-tile values broadcast to the [G, BK] elements of a row tile."""
+    return tl.reshape(tl.broadcast_to(t[:, :, None], (G, BK // 16, 16)), (G, BK))
+
+
+@triton.jit
+def _four_six_tiles(ws, bamax, s, G: tl.constexpr, BK: tl.constexpr):
+    """Four Over Six scales of 16×16 tiles (twin of four_over_six_scales on a tile's 256 elements):
+    the 16 row tiles [G, BK] ``ws`` each add their D² per element, then each tile's 16 columns are summed."""
+    e6, r6 = block_scales(bamax, s)
+    e4, r4 = block_scales(bamax, s, TO_FOUR=True)
+    p = _per_element(fos_unit(bamax, s), G, BK)
+    r6e, r4e = _per_element(r6, G, BK), _per_element(r4, G, BK)
+    f6, f4 = _per_element(e6.to(tl.float32), G, BK), _per_element(e4.to(tl.float32), G, BK)
+    err6 = fos_d2(ws[0], s, r6e, f6, p)
+    err4 = fos_d2(ws[0], s, r4e, f4, p)
+    for i in tl.static_range(1, 16):
+        err6 += fos_d2(ws[i], s, r6e, f6, p)
+        err4 += fos_d2(ws[i], s, r4e, f4, p)
+    err6 = tl.sum(tl.reshape(err6, (G, BK // 16, 16)), axis=2)
+    err4 = tl.sum(tl.reshape(err4, (G, BK // 16, 16)), axis=2)
+    return pick_four_or_six(e6, r6, e4, r4, err6, err4)
+
+
 def _quant_configs():
     # 16 tiles [G, BK] are live at once: 1-4 elements per thread and tile keep them in registers
     return [triton.Config({"G": g, "BK": bk}, num_warps=w)
@@ -224,9 +257,10 @@ def _operand_configs():
 
 
 _quantize_autotuned = triton.autotune(
-    _operand_configs(), key=["M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL", "GROUPED", "ROW_F16", "COL_F16"])(
+    _operand_configs(),
+    key=["M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL", "GROUPED", "ROW_F16", "COL_F16", "FOUR_SIX"])(
     _quantize_kernel)
-_quantize_2d_autotuned = triton.autotune(_quant_configs(), key=["N", "K", "EMIT_T", "EMIT_F16"])(_quantize_2d_kernel)
+_quantize_2d_autotuned = triton.autotune(_quant_configs(), key=["N", "K", "EMIT_T", "EMIT_F16", "FOUR_SIX"])(_quantize_2d_kernel)
 _amax_autotuned = triton.autotune(_quant_configs(), key=["M", "K", "ROW", "COL", "RHT"], reset_to_zero=["AMAX"])(
     _amax_kernel)
 
@@ -280,14 +314,15 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
                              signs: torch.Tensor | None = None, stochastic_row: bool = False,
                              stochastic_col: bool = False, seed: torch.Tensor | None = None,
                              amax: torch.Tensor | None = None, amax_col: torch.Tensor | None = None,
-                             groups: torch.Tensor | None = None, row_fp16: bool = False, col_fp16: bool = False):
+                             groups: torch.Tensor | None = None, row_fp16: bool = False, col_fp16: bool = False,
+                             four_six: bool = False):
     """``quantize_operand`` as plain tensors: (row codes, row scales, column codes, column scales,
     fp32 [gs_row, gs_col]); an operand not asked for comes back as empty tensors. With ``groups``
     (the cumulative expert offsets, multiples of 16) every expert's rows get a tensor scale of their
     own and the decode scales come back as fp32 [2, E + 1] (row, column; slot E: rows past the last
     expert). ``row_fp16``: the row operand comes back as the GEMM's staged fp16 values q·e_b [M, K]
     (no global scale; exact) with empty scales, saving the GEMM's own staging pass; ``col_fp16`` the
-    same for the column operand, [K, M padded to 16]."""
+    same for the column operand, [K, M padded to 16]. ``four_six``: Four Over Six block and tensor scales."""
     _check_2d(x2d, "quantize_operand")
     M, K = x2d.shape
     Mpad = M + (-M) % 16
@@ -330,9 +365,9 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
                 cd if colwise else buf, cs if colwise else buf, signs_t, seed if seed is not None else buf, Mpad,
                 bexp, ns, ROW=rowwise, COL=colwise, RHT=signs is not None, SR_ROW=stochastic_row,
                 SR_COL=stochastic_col, ROW_F16=rowwise and row_fp16, COL_F16=colwise and col_fp16,
-                NSP2=triton.next_power_of_2(2 * ns), **flags)
+                NSP2=triton.next_power_of_2(2 * ns), FOUR_SIX=four_six, **flags)
     else:  # no program ran: the decode scales of an all-zero tensor
-        gs.copy_(torch.reciprocal(global_encode_scale(buf.view(torch.float32))))
+        gs.copy_(torch.reciprocal(global_encode_scale(buf.view(torch.float32), four_six)))
     return rd, rs, cd, cs, (gs.view(2, ns) if groups is not None else gs)
 
 
@@ -356,22 +391,25 @@ def operand_amax_tensors(x2d: torch.Tensor, colwise: bool, signs: torch.Tensor |
 def quantize_operand(x2d: torch.Tensor, *, rowwise: bool = True, colwise: bool = False,
                      signs: torch.Tensor | None = None, stochastic_row: bool = False, stochastic_col: bool = False,
                      seed: torch.Tensor | None = None, amax: torch.Tensor | None = None,
-                     amax_col: torch.Tensor | None = None) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
+                     amax_col: torch.Tensor | None = None,
+                     four_six: bool = False) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
     """NVFP4 of x2d [M, K] with 1×16 blocks along K (``rowwise``) and of x2dᵀ with 16-element blocks
     along the tokens, after the RHT when ``signs`` is given, tokens zero-padded to a multiple of 16
     (``colwise``): both from one read of x2d. ``seed``: an int64 device tensor for Philox."""
     out = quantize_operand_tensors(x2d, rowwise=rowwise, colwise=colwise, signs=signs, stochastic_row=stochastic_row,
-                                   stochastic_col=stochastic_col, seed=seed, amax=amax, amax_col=amax_col)
+                                   stochastic_col=stochastic_col, seed=seed, amax=amax, amax_col=amax_col,
+                                   four_six=four_six)
     return operand_pair(out, x2d.shape, rowwise, colwise)
 
 
 def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None, emit_transpose: bool = True,
-                               experts: int = 1, staged: bool = False):
+                               experts: int = 1, staged: bool = False, four_six: bool = False):
     """``quantize_weight_2d`` as plain tensors: (codes, scales, codes of Wᵀ, scales of Wᵀ, fp32 decode
     scales [experts]); without ``emit_transpose`` the last-but-one two are empty. ``experts`` > 1: w
     stacks that many expert weights along its rows ([E·N, K]), each with its own tensor scale; the
     transpose is then that of the whole stack, [K, E·N]. ``staged``: W itself comes as the GEMM's
-    staged fp16 values [N, K] (exact) with empty scales; Wᵀ stays codes (what backward keeps)."""
+    staged fp16 values [N, K] (exact) with empty scales; Wᵀ stays codes (what backward keeps).
+    ``four_six``: Four Over Six tile and tensor scales."""
     _check_2d(w, "quantize_weight_2d")
     N, K = w.shape
     if N % (16 * experts):
@@ -399,9 +437,9 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
         _launch(_quantize_2d_kernel, _quantize_2d_autotuned, w, N, K,
                 w, N, K, w.stride(0), w.stride(1), buf, gs, d, s, dt if emit_transpose else d,
                 st if emit_transpose else s, bexp, experts, EMIT_T=emit_transpose, GROUPED=grouped, EMIT_F16=staged,
-                NSP2=triton.next_power_of_2(experts))
+                NSP2=triton.next_power_of_2(experts), FOUR_SIX=four_six)
     else:
-        gs.copy_(torch.reciprocal(global_encode_scale(buf.view(torch.float32))))
+        gs.copy_(torch.reciprocal(global_encode_scale(buf.view(torch.float32), four_six)))
     return d, s, dt, st, gs
 
 
@@ -411,8 +449,8 @@ def _expert_blocks(experts: int, blocks_per_expert: int, device: torch.device) -
     return torch.arange(experts, dtype=torch.int32, device=device).repeat_interleave(blocks_per_expert)
 
 
-def quantize_weight_2d(w: torch.Tensor, amax: torch.Tensor | None = None,
-                       emit_transpose: bool = True) -> tuple[NVFP4Tensor, NVFP4Tensor | None]:
+def quantize_weight_2d(w: torch.Tensor, amax: torch.Tensor | None = None, emit_transpose: bool = True,
+                       four_six: bool = False) -> tuple[NVFP4Tensor, NVFP4Tensor | None]:
     """16×16-block NVFP4 of w [N, K] and, sharing its scales, of wᵀ (what dgrad reads)."""
-    wq, wt = weight_pair(quantize_weight_2d_tensors(w, amax, emit_transpose), w.shape)
+    wq, wt = weight_pair(quantize_weight_2d_tensors(w, amax, emit_transpose, four_six=four_six), w.shape)
     return wq, (wt if emit_transpose else None)

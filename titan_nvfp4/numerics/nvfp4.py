@@ -20,6 +20,21 @@ Edge cases (defined here, tested in tests/test_nvfp4_numerics.py):
   * NaN or ±Inf in a block: that block's scale is E4M3 NaN, so it decodes to NaN and any GEMM that
     reads it yields NaN. A non-finite amax makes `global_scale` NaN: the whole tensor decodes to
     NaN. Non-finite inputs never produce finite garbage (Transformer Engine would saturate them).
+
+Four Over Six (``four_over_six=True``; arXiv 2512.02010): every block is encoded twice, its max scaled
+to 6 and to 4, and keeps the candidate with the lower error. The tensor scale becomes S = 6·256/amax,
+so that the "4" candidate's scale (1.5× the "6" one, at most 384) stays inside E4M3:
+
+    e_b⁶ = e4m3(amax_b · (S · fp32(1/6)))     e_b⁴ = e4m3(amax_b · (S · 0.25))
+    err  = Σ_i D_i², D_i = min(⌊|y_i − g_i · float(e_b)| · 2¹⁰ / u⌋, 2047)   (int32, exact)
+
+with y_i = |x_i| · S, g_i the nearest-even E2M1 magnitude of x_i · r_b, and u = 2^⌊log₂(amax_b · S)⌋.
+The "4" candidate wins only if its err is strictly lower and its scale is not 0. The error is the
+squared quantization error in units of 2⁻¹⁰·u, truncated to an integer so that every backend sums it
+exactly, in any order and with or without fused multiply-adds (a float sum would let an FMA or a
+tree reduction flip near-ties between the reference and a kernel). The choice is always made on the
+nearest-even encodings, also when the block is then encoded stochastically, so that stochastic
+rounding stays unbiased given the chosen scale (choosing on a random draw would not be).
 """
 
 from __future__ import annotations
@@ -44,25 +59,33 @@ from .formats import (
 
 BLOCK = 16
 _INV6_F32 = 0.1666666716337204  # fp32(1/6), written out so that no rounding of 1/6 depends on the op
+#: E4M3 max of the "6" candidate's block scales under Four Over Six (the "4" one reaches 1.5× that)
+F8_E4M3_MAX_FOUR_OVER_SIX = 256.0
+#: the error unit of Four Over Six: D_i counts 2^-10 of the block's power-of-two magnitude u, capped
+FOS_FRACTION_BITS = 10
+FOS_D_MAX = 2047
 #: Block shapes: (1, 16) rowwise along the last dim; (16, 1) along dim 0 (stored transposed, so the
 #: packed codes run along dim 0 of x); (16, 16) square tiles whose quantization is transpose-symmetric.
 BLOCK_SHAPES = ((1, BLOCK), (BLOCK, 1), (BLOCK, BLOCK))
 
 
-def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
-    """S = 6·448/amax in fp32, capped at FP32_MAX; 1 for amax == 0; NaN for a non-finite amax."""
+def global_encode_scale(amax: torch.Tensor, four_over_six: bool = False) -> torch.Tensor:
+    """S = 6·448/amax (6·256/amax with ``four_over_six``) in fp32, capped at FP32_MAX; 1 for
+    amax == 0; NaN for a non-finite amax."""
     amax = amax.float()
     # python scalars, not torch.tensor(...): no host-to-device copy (which would stall a GPU stream);
-    # 2688 and fp32(1/6) below are exact fp32 values, so the arithmetic is the same fp32 arithmetic
+    # 2688, 1536 and fp32(1/6) are exact fp32 values, so the arithmetic is the same fp32 arithmetic
     # full_like fills on the device; `2688.0 / amax` would be reciprocal(amax) * 2688 (not IEEE division)
-    s = torch.clamp(torch.full_like(amax, F4_E2M1_MAX * F8_E4M3_MAX) / amax, max=FP32_MAX)
+    top = F4_E2M1_MAX * (F8_E4M3_MAX_FOUR_OVER_SIX if four_over_six else F8_E4M3_MAX)
+    s = torch.clamp(torch.full_like(amax, top) / amax, max=FP32_MAX)
     s = torch.where(amax == 0, torch.ones_like(s), s)
     return torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
 
 
-def block_decode_scale(block_amax: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
-    """e_b = e4m3(amax_b · (S · fp32(1/6))), NaN for non-finite blocks; returns float8_e4m3fn."""
-    e = to_e4m3_saturating(block_amax.float() * (s_enc * _INV6_F32))
+def block_decode_scale(block_amax: torch.Tensor, s_enc: torch.Tensor, to_four: bool = False) -> torch.Tensor:
+    """e_b = e4m3(amax_b · (S · fp32(1/6))), or with ``to_four`` e4m3(amax_b · (S · 0.25)) (Four Over
+    Six's second candidate); NaN for non-finite blocks; returns float8_e4m3fn."""
+    e = to_e4m3_saturating(block_amax.float() * (s_enc * (0.25 if to_four else _INV6_F32)))
     bad = ~torch.isfinite(block_amax) | ~torch.isfinite(s_enc)
     nan = torch.full_like(block_amax, float("nan"), dtype=torch.float32).to(torch.float8_e4m3fn)
     return torch.where(bad, nan, e)
@@ -72,6 +95,34 @@ def block_encode_factor(e_b: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
     """r_b = min(1 / (float(e_b) · (1/S)), FP32_MAX): what each element is multiplied by before E2M1."""
     s_dec = torch.reciprocal(s_enc)
     return torch.clamp(torch.reciprocal(e_b.float() * s_dec), max=FP32_MAX)
+
+
+def four_over_six_error(blocks: torch.Tensor, e_b: torch.Tensor, s_enc: torch.Tensor,
+                        block_amax: torch.Tensor) -> torch.Tensor:
+    """int32 error of encoding ``blocks`` (fp32 [..., n], one block per row) nearest-even with scales
+    ``e_b`` [...] (module docstring: Σ D_i²). Non-finite blocks give meaningless values (never chosen)."""
+    e32 = e_b.float().unsqueeze(-1)
+    g = e2m1_decode(e2m1_encode_rne(blocks * block_encode_factor(e_b, s_enc).unsqueeze(-1))).abs()
+    d = (blocks.abs() * s_enc - g * e32).abs()
+    # p = 2^10 / u as fp32 bits: the exponent field of amax_b·S, kept where the power of two is normal
+    ab_bits = (block_amax.float() * s_enc).view(torch.int32)
+    exp = ((ab_bits >> 23) & 0xFF).clamp(min=10, max=253)
+    p = ((264 - exp) << 23).view(torch.float32).unsqueeze(-1)
+    t = torch.clamp(d * p, max=float(FOS_D_MAX))
+    dq = torch.where(t == t, t, torch.zeros_like(t)).to(torch.int32)  # truncation: ⌊t⌋ for t ≥ 0
+    return (dq * dq).sum(dim=-1, dtype=torch.int32)
+
+
+def four_over_six_scales(blocks: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
+    """Four Over Six's block decode scales (float8_e4m3fn [...]) for ``blocks`` (fp32 [..., n]) under the
+    tensor encode scale ``s_enc`` (global_encode_scale(amax, four_over_six=True)): per block the
+    candidate, max to 6 or to 4, with the lower four_over_six_error."""
+    bamax = blocks.abs().amax(dim=-1)
+    e6 = block_decode_scale(bamax, s_enc)
+    e4 = block_decode_scale(bamax, s_enc, to_four=True)
+    err6 = four_over_six_error(blocks, e6, s_enc, bamax)
+    err4 = four_over_six_error(blocks, e4, s_enc, bamax)
+    return torch.where((e4.float() != 0) & (err4 < err6), e4, e6)
 
 
 @dataclass
@@ -176,12 +227,14 @@ def quantize_nvfp4(
     seed: int | None = None,
     amax: torch.Tensor | float | None = None,
     generator: torch.Generator | None = None,
+    four_over_six: bool = False,
 ) -> NVFP4Tensor:
     """Quantize x to NVFP4 (see the module docstring for the exact arithmetic).
 
     block_shape: (1, 16), (16, 1) or (16, 16). stochastic: stochastic rounding of the elements
     (scales always round to nearest), reproducible with ``seed`` or a ``generator``. amax: a
-    global amax to use instead of max|x| (e.g. one all-reduced across ranks).
+    global amax to use instead of max|x| (e.g. one all-reduced across ranks). four_over_six: each
+    block's scale from the Four Over Six rule (module docstring).
     """
     block_shape = tuple(block_shape)
     a = _as_storage(x, block_shape)
@@ -192,14 +245,21 @@ def quantize_nvfp4(
         amax_t = torch.as_tensor(amax, dtype=torch.float32, device=a.device).reshape(())
         if not torch.compiler.is_compiling() and bool(amax_t < 0):  # no data-dependent branch in a graph
             raise ValueError(f"amax must be non-negative, got {float(amax_t)}")
-    s_enc = global_encode_scale(amax_t)
+    s_enc = global_encode_scale(amax_t, four_over_six)
 
     if block_shape == (BLOCK, BLOCK):
         tiles = a.view(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
-        e_b = block_decode_scale(tiles.abs().amax(dim=(1, 3)), s_enc)  # (rows/16, cols/16)
+        if four_over_six:
+            e_b = four_over_six_scales(tiles.permute(0, 2, 1, 3).reshape(rows // BLOCK, cols // BLOCK, -1), s_enc)
+        else:
+            e_b = block_decode_scale(tiles.abs().amax(dim=(1, 3)), s_enc)  # (rows/16, cols/16)
         factor = block_encode_factor(e_b, s_enc).repeat_interleave(BLOCK, dim=0)
     else:
-        e_b = block_decode_scale(a.view(rows, cols // BLOCK, BLOCK).abs().amax(dim=-1), s_enc)
+        blocks = a.view(rows, cols // BLOCK, BLOCK)
+        if four_over_six:
+            e_b = four_over_six_scales(blocks, s_enc)
+        else:
+            e_b = block_decode_scale(blocks.abs().amax(dim=-1), s_enc)
         factor = block_encode_factor(e_b, s_enc)
     v = (a.view(rows, cols // BLOCK, BLOCK) * factor.unsqueeze(-1)).view(rows, cols)
     if stochastic:

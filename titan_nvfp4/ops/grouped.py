@@ -72,33 +72,33 @@ def _stack_offsets(experts: int, rows: int, device: torch.device) -> torch.Tenso
 
 def quantize_tokens(x2d: torch.Tensor, offsets: torch.Tensor, rowwise: bool, colwise: bool,
                     signs: torch.Tensor | None, seed: torch.Tensor | None,
-                    row_staged: bool = True, col_staged: bool = False) -> tuple[GroupedOperand | None,
-                                                                                  GroupedOperand | None]:
+                    row_staged: bool = True, col_staged: bool = False,
+                    four_six: bool = False) -> tuple[GroupedOperand | None, GroupedOperand | None]:
     """Routed tokens x2d [T, K]: the 1×16 row operand and the wgrad operand xᵀ [K, T padded to 16]
     (RHT when ``signs``), each expert with its own tensor scales; stochastic iff ``seed``.
     ``row_staged`` / ``col_staged``: that operand, when it only feeds a GEMM at once (X's rows; dY's
     rows and columns), comes as the GEMM's fp16 values (``data`` fp16, no scales) rather than codes."""
     sr = seed is not None
     rd, rs, cd, cs, gs = library.quantize_grouped(x2d, offsets, rowwise, colwise, signs, sr, sr, seed,
-                                                  rowwise and row_staged, colwise and col_staged)
+                                                  rowwise and row_staged, colwise and col_staged, four_six)
     row = GroupedOperand(rd, rs, gs[0]) if rowwise else None
     col = GroupedOperand(cd, cs, gs[1]) if colwise else None
     return row, col
 
 
-def quantize_experts(w: torch.Tensor, weight_2d: bool) -> GroupedWeight:
+def quantize_experts(w: torch.Tensor, weight_2d: bool, four_six: bool = False) -> GroupedWeight:
     """Expert weights w [E, N, K]: 16×16 blocks (one quantization read both ways, Wᵀ = [K, E·N]; W
     itself comes staged as fp16, since only the forward GEMM reads it) or 1×16 along K for fprop and
     1×16 along N for dgrad (Wᵀ stacked as [E·K, N])."""
     E, N, K = w.shape
     if weight_2d:
-        d, s, dt, st, gs = library.quantize_2d_grouped(w.reshape(E * N, K), E, True)
+        d, s, dt, st, gs = library.quantize_2d_grouped(w.reshape(E * N, K), E, True, four_six)
         return GroupedWeight(GroupedOperand(d, s, gs, True), GroupedOperand(dt, st, gs, True), 0, N)
     rd, rs, _, _, gs = library.quantize_grouped(w.reshape(E * N, K), _stack_offsets(E, N, w.device), True, False,
-                                                None, False, False, None, False)
+                                                None, False, False, None, False, False, four_six)
     wt = w.transpose(1, 2).reshape(E * K, N)
     td, ts, _, _, gst = library.quantize_grouped(wt, _stack_offsets(E, K, w.device), True, False, None, False,
-                                                 False, None, False)
+                                                 False, None, False, False, four_six)
     return GroupedWeight(GroupedOperand(rd, rs, gs[0]), GroupedOperand(td, ts, gst[0]), K, 0)
 
 

@@ -121,23 +121,24 @@ def _amax_fake(x, colwise, signs):
 @_op("quantize")
 def quantize(x: Tensor, rowwise: bool, colwise: bool, signs: Optional[Tensor], stochastic_row: bool,
              stochastic_col: bool, seed: Optional[Tensor], row_fp16: bool = False,
-             col_fp16: bool = False, amaxes: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+             col_fp16: bool = False, amaxes: Optional[Tensor] = None,
+             four_six: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(row codes, row scales, column codes, column scales, [gs_row, gs_col]); an operand not asked
     for comes back as empty tensors (and its decode scale unset). ``row_fp16`` / ``col_fp16``: that
     operand as the emulated GEMM's staged fp16 values ([M, K] / [K, M padded]) instead of codes
     (its scales empty). ``amaxes``: fp32 [row, column] tensor amaxes to use (e.g. all-reduced across
-    ranks) instead of reducing them from x."""
+    ranks) instead of reducing them from x. ``four_six``: Four Over Six block scales (numerics/nvfp4.py)."""
     from ..kernels.quantize import quantize_operand_tensors
 
     a_row, a_col = (None, None) if amaxes is None else (amaxes[0:1], amaxes[1:2])
     return quantize_operand_tensors(x, rowwise=rowwise, colwise=colwise, signs=signs, stochastic_row=stochastic_row,
                                     stochastic_col=stochastic_col, seed=seed, row_fp16=row_fp16, col_fp16=col_fp16,
-                                    amax=a_row, amax_col=a_col if colwise else None)
+                                    amax=a_row, amax_col=a_col if colwise else None, four_six=four_six)
 
 
 @quantize.op.register_fake
 def _quantize_fake(x, rowwise, colwise, signs, stochastic_row, stochastic_col, seed, row_fp16=False,
-                   col_fp16=False, amaxes=None):
+                   col_fp16=False, amaxes=None, four_six=False):
     m, k = x.shape
     mpad = m + (-m) % 16
     f8 = torch.float8_e4m3fn
@@ -153,17 +154,17 @@ def _quantize_fake(x, rowwise, colwise, signs, stochastic_row, stochastic_col, s
 
 
 @_op("quantize_2d")
-def quantize_2d(w: Tensor, staged: bool = False,
-                amax: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def quantize_2d(w: Tensor, staged: bool = False, amax: Optional[Tensor] = None,
+                four_six: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(codes of W, 16×16 scales, codes of Wᵀ, scales of Wᵀ, global decode scale [1]); ``amax``: the
     tensor amax to use instead of max|w| (a sharded weight's, all-reduced)."""
     from ..kernels.quantize import quantize_weight_2d_tensors
 
-    return quantize_weight_2d_tensors(w, amax=amax, staged=staged)
+    return quantize_weight_2d_tensors(w, amax=amax, staged=staged, four_six=four_six)
 
 
 @quantize_2d.op.register_fake
-def _quantize_2d_fake(w, staged=False, amax=None):
+def _quantize_2d_fake(w, staged=False, amax=None, four_six=False):
     n, k = w.shape
     f8 = torch.float8_e4m3fn
     d, s = w.new_empty((n, k // 2), dtype=torch.uint8), w.new_empty((n // 16, k // 16), dtype=f8)
@@ -224,7 +225,7 @@ def _quantize_mxfp8_fake(x, rowwise, colwise):
 @_op("quantize_grouped")
 def quantize_grouped(x: Tensor, offsets: Tensor, rowwise: bool, colwise: bool, signs: Optional[Tensor],
                      stochastic_row: bool, stochastic_col: bool, seed: Optional[Tensor], row_fp16: bool,
-                     col_fp16: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     col_fp16: bool = False, four_six: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``quantize`` of routed tokens grouped by expert (``offsets``: cumulative group ends, multiples
     of 16), each expert with its own tensor scales: decode scales fp32 [2, E + 1] (row, column).
     ``row_fp16`` / ``col_fp16``: that operand as the GEMM's staged fp16 values (its scales empty)."""
@@ -232,29 +233,30 @@ def quantize_grouped(x: Tensor, offsets: Tensor, rowwise: bool, colwise: bool, s
 
     return quantize_operand_tensors(x, rowwise=rowwise, colwise=colwise, signs=signs, stochastic_row=stochastic_row,
                                     stochastic_col=stochastic_col, seed=seed, groups=offsets, row_fp16=row_fp16,
-                                    col_fp16=col_fp16)
+                                    col_fp16=col_fp16, four_six=four_six)
 
 
 @quantize_grouped.op.register_fake
 def _quantize_grouped_fake(x, offsets, rowwise, colwise, signs, stochastic_row, stochastic_col, seed, row_fp16,
-                           col_fp16=False):
+                           col_fp16=False, four_six=False):
     rd, rs, cd, cs, _ = _quantize_fake(x, rowwise, colwise, signs, stochastic_row, stochastic_col, seed, row_fp16,
                                        col_fp16)
     return rd, rs, cd, cs, x.new_empty((2, offsets.shape[0] + 1), dtype=torch.float32)
 
 
 @_op("quantize_2d_grouped")
-def quantize_2d_grouped(w: Tensor, experts: int, staged: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def quantize_2d_grouped(w: Tensor, experts: int, staged: bool,
+                        four_six: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``quantize_2d`` of ``experts`` stacked expert weights w [E·N, K], one tensor scale each:
     decode scales [E]; the transpose is that of the stack, [K, E·N]. ``staged``: W as the GEMM's
     fp16 values [E·N, K] (scales empty); Wᵀ stays codes."""
     from ..kernels.quantize import quantize_weight_2d_tensors
 
-    return quantize_weight_2d_tensors(w, experts=experts, staged=staged)
+    return quantize_weight_2d_tensors(w, experts=experts, staged=staged, four_six=four_six)
 
 
 @quantize_2d_grouped.op.register_fake
-def _quantize_2d_grouped_fake(w, experts, staged):
+def _quantize_2d_grouped_fake(w, experts, staged, four_six=False):
     d, s, dt, st, _ = _quantize_2d_fake(w, staged)
     return d, s, dt, st, w.new_empty((experts,), dtype=torch.float32)
 
