@@ -13,7 +13,7 @@ The spec (TOML):
     baseline = "bf16"                          # Δ is against this arm (default: the first)
     reference = "nvfp4"                        # optional: the gap baseline–reference each arm closes
     common = ["--metrics.log_freq", "10"]      # overrides for every arm
-    launcher = ["torchrun", "--nproc_per_node=1", "-m", "torchtitan.train"]   # the default
+    launcher = ["torchrun", "--standalone", "--nproc_per_node=1", "-m", "torchtitan.train"]   # the default (a free port each)
     timeout_s = 0                              # per arm (0: none)
 
     [[arm]]
@@ -48,7 +48,7 @@ from pathlib import Path
 
 from .tools.loss_log import StepMetrics, parse_log, summarize, to_markdown, write_csv
 
-DEFAULT_LAUNCHER = ("torchrun", "--nproc_per_node=1", "-m", "torchtitan.train")
+DEFAULT_LAUNCHER = ("torchrun", "--standalone", "--nproc_per_node=1", "-m", "torchtitan.train")
 _KEYS = {"base", "steps", "out", "last", "baseline", "reference", "common", "launcher", "timeout_s", "wandb_offline"}
 
 
