@@ -110,6 +110,6 @@ def test_baseline_must_be_an_arm(tmp_path):
 def test_shipped_spec_parses(monkeypatch):
     monkeypatch.chdir(REPO)  # the spec's paths are relative to the repo root, where the runner runs
     spec = compare.load_spec(REPO / "configs/compare/llama3_debug.toml")
-    assert spec.baseline == "bf16" and spec.reference == "nvfp4" and len(spec.arms) == 8
+    assert spec.baseline == "bf16" and spec.reference == "nvfp4" and len(spec.arms) == 9
     cmd = spec.command(spec.arms[2])
     assert cmd[-2:] == ["--quantize.linear.nvfp4.rht", "False"] and "--job.dump_folder" in cmd

@@ -44,6 +44,9 @@ class NVFP4LayerState(nn.Module):
             local(self.sr_counter).copy_(counter)
             if self.rht_signs is not None:
                 local(self.rht_signs).copy_(rht_signs(self.recipe.rht_seed))
+            for name in ("x_amax_history", "x_amax_pending"):  # amax_history.py, when the layer keeps one
+                if self._buffers.get(name) is not None:
+                    local(self._buffers[name]).zero_()
 
     def _apply(self, fn, recurse: bool = True):
         # to_empty() of a meta module (TorchTitan's materialization) leaves the buffers uninitialized,
@@ -58,6 +61,8 @@ class NVFP4LayerState(nn.Module):
     precision_schedule = None
     #: telemetry.Telemetry shared by the converter's layers (telemetry_every); None: off
     telemetry = None
+    #: amax_history.AmaxHistory shared by the converter's layers (activation_amax_history); None: off
+    amax_history = None
 
     @property
     def high_precision(self) -> bool:

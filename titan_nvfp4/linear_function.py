@@ -78,21 +78,21 @@ class NVFP4LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe,
                 counter: torch.Tensor, signs: torch.Tensor | None, need_wgrad: bool,
-                groups: AmaxGroups | None = None) -> torch.Tensor:
+                groups: AmaxGroups | None = None, x_amax: torch.Tensor | None = None) -> torch.Tensor:
         out_dtype = autocast_out_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             return NVFP4LinearFunction._forward(ctx, x, weight, bias, recipe, counter, signs, out_dtype, need_wgrad,
-                                                groups or AmaxGroups())
+                                                groups or AmaxGroups(), x_amax)
 
     @staticmethod
-    def _forward(ctx, x, weight, bias, recipe, counter, signs, out_dtype, need_wgrad, groups):
+    def _forward(ctx, x, weight, bias, recipe, counter, signs, out_dtype, need_wgrad, groups, x_amax):
         backend = resolve_backend(recipe.gemm_backend, x.device)
         in_features = weight.shape[1]
         x2d = x.reshape(-1, in_features)
         # a sharded operand (tensor parallelism) takes the amax of the whole operand: distributed/amax.py
         fp4_wgrad = need_wgrad and recipe.backward == "nvfp4"  # else backward reads X itself (MXFP8 / BF16)
-        x_amax = w_amax = None
-        if groups.x is not None:
+        w_amax = None
+        if x_amax is None and groups.x is not None:
             x_amax = all_reduce_max(operand_amax(x2d, fp4_wgrad, signs, backend), groups.x)
         if groups.weight is not None:
             w_amax = all_reduce_max(operand_amax(weight, False, None, backend)[:1], groups.weight)
@@ -141,7 +141,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
             dw = mxfp8_gemm(dy2d.t(), x2d.t(), ctx.w_dtype) if mx else (dy2d.t() @ x2d).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(dy.dtype)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -173,16 +173,17 @@ class NVFP4LinearFunction(torch.autograd.Function):
             dw = nvfp4_gemm(dy_col, x_col, out_dtype=ctx.w_dtype, backend=ctx.backend)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(dy.dtype)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe,
                  counter: torch.Tensor | None = None, signs: torch.Tensor | None = None,
-                 groups: AmaxGroups | None = None) -> torch.Tensor:
+                 groups: AmaxGroups | None = None, x_amax: torch.Tensor | None = None) -> torch.Tensor:
     """Functional NVFP4 linear (see the module docstring for the recipe). ``counter``: the layer's
     ``sr_counter`` (a fresh layer-0 one if None); ``signs``: the RHT signs (from recipe.rht_seed if None);
     ``groups``: the process groups sharding X, W and dY (tensor parallelism), whose tensor amaxes are
-    then all-reduced so that every rank quantizes with the whole operand's tensor scale."""
+    then all-reduced so that every rank quantizes with the whole operand's tensor scale; ``x_amax``:
+    fp32 [row, column] amaxes to quantize X with instead of its own (an amax history: amax_history.py)."""
     # Grad mode is off inside Function.forward, so decide here whether the wgrad operand is needed:
     # under no_grad / inference_mode the RHT + quantization of X would be thrown away.
     need_wgrad = torch.is_grad_enabled() and weight.requires_grad
@@ -191,4 +192,4 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if signs is None and recipe.rht:
         signs = _signs(recipe.rht_seed, x.device)
     return NVFP4LinearFunction.apply(x, weight, bias, recipe, counter, signs if recipe.rht else None, need_wgrad,
-                                     groups if groups else None)
+                                     groups if groups else None, x_amax)

@@ -12,9 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .amax_history import activation_amax
 from .distributed.tensor_parallel import local, tp_nvfp4_linear
 from .layer_state import NVFP4LayerState
 from .linear_function import nvfp4_linear
+from .ops import operand_amax, resolve_backend
 from .recipe import NVFP4Recipe
 from .telemetry import measure_linear
 
@@ -69,17 +71,29 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         counter, signs = local(self.sr_counter), local(self.rht_signs)
         if gemm is not None:
             counter = counter[gemm]
+        history = self.amax_history is not None and gemm in (None, 0)  # the main GEMM's X only
         if not isinstance(weight, DTensor):
-            return nvfp4_linear(x, weight, bias, self.recipe, counter, signs)
+            x_amax = self._history_amax(x, weight) if history else None
+            return nvfp4_linear(x, weight, bias, self.recipe, counter, signs, x_amax=x_amax)
 
         def on_shards(x_local, w_local, b_local, groups):
-            return nvfp4_linear(x_local, w_local, b_local, self.recipe, counter, signs, groups)
+            x_amax = self._history_amax(x_local, w_local) if history else None
+            return nvfp4_linear(x_local, w_local, b_local, self.recipe, counter, signs, groups, x_amax)
 
         return tp_nvfp4_linear(on_shards, x, weight, bias, getattr(self, "layer_name", ""))
+
+    def _history_amax(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """X's amaxes from the layer's amax history (amax_history.py), recording this forward's."""
+        fp4_wgrad = torch.is_grad_enabled() and weight.requires_grad and self.recipe.backward == "nvfp4"
+        backend = resolve_backend(self.recipe.gemm_backend, x.device)
+        current = operand_amax(x.detach().reshape(-1, x.shape[-1]), fp4_wgrad,
+                               local(self.rht_signs) if fp4_wgrad else None, backend)
+        return activation_amax(self, current)
 
     def extra_repr(self) -> str:
         r = self.recipe
         if self.high_precision:
             return f"{super().extra_repr()}, high precision (bf16_after_fraction)"
+        history = f", amax_history={self.amax_history.length}" if self.amax_history is not None else ""
         return (f"{super().extra_repr()}, nvfp4(weight_2d={r.weight_2d}, sr={r.stochastic_rounding}, "
-                f"rht={r.rht}, backend={r.gemm_backend})")
+                f"rht={r.rht}, backend={r.gemm_backend}{history})")

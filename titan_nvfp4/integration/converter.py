@@ -15,6 +15,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
 from torchtitan.tools.logging import logger
 
+from ..amax_history import AmaxHistory, layers_with_history, register_buffers, roll
 from ..decomposed_linear import DecomposedLinear, LowRankState
 from ..distributed.fsdp_all_gather import wrap_weight
 from ..nvfp4_linear import NVFP4Linear, check_linear_dims
@@ -138,6 +139,11 @@ class NVFP4LinearConverter(QuantizationConverter):
         self.telemetry_every = section.telemetry_every
         if self.telemetry_every:
             install_metrics_hook()
+        self.amax_history = section.activation_amax_history
+        if self.amax_history and parallel_dims is not None and parallel_dims.pp_enabled:
+            raise ValueError(f"[{CONVERTER_NAME}] activation_amax_history = {self.amax_history} is not supported with "
+                             f"pipeline parallelism (parallelism.pipeline_parallel_degree = {parallel_dims.pp}): "
+                             "its one all-reduce per step needs the same layers on every rank; set it to 0")
         self.enabled = True
 
     def convert(self, model: nn.Module) -> None:
@@ -152,6 +158,12 @@ class NVFP4LinearConverter(QuantizationConverter):
             logger.info(f"NVFP4: kept {fqn} in high precision ({why})")
         if self.lora_rank and report["converted"]:
             decompose_after_init(model)
+        if self.amax_history:
+            history = AmaxHistory(self.amax_history)
+            for fqn in report["converted"]:
+                register_buffers(model.get_submodule(fqn), history)
+            logger.info(f"NVFP4: X of {len(report['converted'])} Linear layers quantized with the max amax of the "
+                        f"last {self.amax_history} optimizer steps (activation_amax_history)")
         if self.bf16_after_fraction or self.lora_refresh_steps or self.telemetry_every:
             c = attach_step_counter(model, LINEAR_STEPS, report["converted"], self.bf16_after_fraction,
                                     self.total_steps)
@@ -164,8 +176,10 @@ class NVFP4LinearConverter(QuantizationConverter):
                             f"{self.telemetry_every} steps (nvfp4/<layer>/<operand>/<stat> in the metrics)")
 
     def post_optimizer_hook(self, model) -> None:
-        """Count the optimizer step; switch to high precision at bf16_after_fraction; re-decompose the
-        low-rank modules every lora_refresh_steps."""
+        """Push the step's activation amaxes into the histories; count the optimizer step; switch to high
+        precision at bf16_after_fraction; re-decompose the low-rank modules every lora_refresh_steps."""
+        if self.amax_history:
+            roll(layers_with_history(model))
         for i, (part, counter) in enumerate(step_counters(model, LINEAR_STEPS)):
             if counter.step() and i == 0:
                 logger.info(f"NVFP4: Linear layers switched to high precision after optimizer step {counter.count}")

@@ -95,6 +95,10 @@ class NVFP4LinearConfig(_RecipeKnobs):
     """Per-layer numerics telemetry: every N steps (and step 1) each converted Linear measures amax,
     saturated and underflowed blocks and the quantization SNR of W, X and dY, logged with TorchTitan's
     next metrics log as nvfp4/<layer>/<operand>/<stat> (0 = off)."""
+    activation_amax_history: int = 0
+    """X's tensor scale from the largest amax of the last N optimizer steps (delayed scaling; the current
+    amax on the first step; all ranks share one history) instead of X's own amax (0 = off, the
+    default). Elements above the history's amax saturate. Dense Linears only."""
     fsdp_nvfp4_all_gather: bool = False
     """Under FSDP2, all-gather the converted Linears' weights as NVFP4 codes (4 bits per element)
     instead of BF16: each rank quantizes its shard with the whole weight's scales. Needs 16×16 weight
@@ -113,6 +117,10 @@ class NVFP4LinearConfig(_RecipeKnobs):
         t = self.telemetry_every
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise ValueError(f"[{self.SECTION}] telemetry_every must be a non-negative integer, got {t!r}")
+        h = self.activation_amax_history
+        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+            raise ValueError(f"[{self.SECTION}] activation_amax_history must be a non-negative integer (0 = off), "
+                             f"got {h!r}")
         if not isinstance(self.fsdp_nvfp4_all_gather, bool):
             raise ValueError(f"[{self.SECTION}] fsdp_nvfp4_all_gather must be true or false, "
                              f"got {self.fsdp_nvfp4_all_gather!r}")

@@ -11,7 +11,8 @@ Ranks that hold the same layer hold the same counts (every rank runs each of its
 often), so DCP's deduplication keeps one copy; pipeline stages hold disjoint fqns. DCP loads what the
 running job's train_state asks for, so an NVFP4 job resumes only from checkpoints that carry the counts
 (those written with this in place); model-only loads (seed checkpoints, BF16 or HF weights) are not
-affected.
+affected. The activation amax windows of ``activation_amax_history`` (amax_history.py) travel the same
+way as ``nvfp4_amax_history``: {layer fqn: fp32 [N, 2]}, identical on every rank.
 
 ``install`` runs from the converter's import (torchtitan_fixes.apply) on the Trainer class of the
 running ``python -m torchtitan.train`` (that module is ``__main__`` then, not ``torchtitan.train``) and
@@ -28,6 +29,7 @@ from ..layer_state import NVFP4LayerState
 from ..schedule import StepCounter
 
 KEY = "nvfp4_sr_calls"
+HISTORY_KEY = "nvfp4_amax_history"  # activation_amax_history windows, same reasoning
 _WRAPPERS = ("._checkpoint_wrapped_module", "_checkpoint_wrapped_module.", "._orig_mod", "_orig_mod.")
 
 
@@ -57,12 +59,34 @@ def load_sr_calls(model_parts: list[nn.Module], calls: dict[str, torch.Tensor]) 
                 c[..., 1].copy_(count.reshape(c[..., 1].shape))
 
 
+def amax_histories(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """{fqn: fp32 [N, 2]} activation amax windows (amax_history.py; the same on every rank) of the layers
+    that keep one."""
+    return {fqn: local(m.x_amax_history).cpu().clone() for fqn, m in nvfp4_layers(model_parts).items()
+            if m._buffers.get("x_amax_history") is not None}
+
+
+def load_amax_histories(model_parts: list[nn.Module], histories: dict[str, torch.Tensor]) -> None:
+    """Put saved windows back (a window of another length is refused by name)."""
+    layers = nvfp4_layers(model_parts)
+    with torch.no_grad():
+        for fqn, h in histories.items():
+            if fqn in layers and layers[fqn]._buffers.get("x_amax_history") is not None:
+                mine = local(layers[fqn].x_amax_history)
+                if mine.shape != h.shape:
+                    raise ValueError(f"checkpoint's {HISTORY_KEY}[{fqn!r}] has {h.shape[0]} steps, this run's "
+                                     f"activation_amax_history = {mine.shape[0]}")
+                mine.copy_(h)
+
+
 def sync_step_counters(model_parts: list[nn.Module], step: int) -> None:
-    """Set the converters' step counters (schedule.py) to the restored optimizer step."""
+    """Set the converters' step counters (schedule.py) and amax histories to the restored optimizer step."""
     for part in model_parts:
         for m in part.modules():
             if isinstance(m, StepCounter):
                 m.sync(step)
+            if getattr(m, "amax_history", None) is not None:
+                m.amax_history.at_step(step)
 
 
 def install(trainer_cls) -> None:
@@ -76,15 +100,20 @@ def install(trainer_cls) -> None:
         calls = sr_calls(getattr(self, "model_parts", []))
         if calls:
             out[KEY] = calls
+        histories = amax_histories(getattr(self, "model_parts", []))
+        if histories:
+            out[HISTORY_KEY] = histories
         return out
 
     def load_state_dict(self, state_dict):
-        calls = state_dict.get(KEY)
-        rest = {k: v for k, v in state_dict.items() if k != KEY}
+        calls, histories = state_dict.get(KEY), state_dict.get(HISTORY_KEY)
+        rest = {k: v for k, v in state_dict.items() if k not in (KEY, HISTORY_KEY)}
         original_load(self, rest)
         parts = getattr(self, "model_parts", [])
         if calls:
             load_sr_calls(parts, calls)
+        if histories:
+            load_amax_histories(parts, histories)
         sync_step_counters(parts, int(getattr(self, "step", 0)))
 
     trainer_cls.state_dict, trainer_cls.load_state_dict = state_dict, load_state_dict
@@ -105,4 +134,5 @@ def install_on_running_trainers() -> None:
             install(cls)
 
 
-__all__ = ["KEY", "install", "install_on_running_trainers", "load_sr_calls", "sr_calls", "sync_step_counters"]
+__all__ = ["HISTORY_KEY", "KEY", "amax_histories", "install", "install_on_running_trainers", "load_amax_histories",
+           "load_sr_calls", "sr_calls", "sync_step_counters"]
