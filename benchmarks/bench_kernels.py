@@ -129,17 +129,19 @@ def main() -> int:
     # --- NVFP4Linear vs nn.Linear, forward + backward
     print(f"\n(GEMM operand A staged: {args.stage_a})")
     _g.STAGE_A = args.stage_a
-    print("\n| Linear M×K×N | BF16 ms | NVFP4 ms | NVFP4/BF16 | BF16 peak GiB | NVFP4 peak GiB |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| Linear M×K×N | BF16 ms | NVFP4 ms | NVFP4/BF16 | BF16 peak GiB | NVFP4 peak GiB "
+          "| NVFP4 fwd + MXFP8 bwd ms | its /BF16 | its peak GiB |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     lin_rows = []
     for m, k, nn_ in (LINEAR_SHAPES[:1] if args.quick else LINEAR_SHAPES):
         out = {}
-        for kind in ("bf16", "nvfp4"):
+        for kind in ("bf16", "nvfp4", "mxfp8_bwd"):
             torch.cuda.empty_cache()
             if kind == "bf16":
                 layer = torch.nn.Linear(k, nn_, bias=False, device="cuda", dtype=torch.bfloat16)
             else:
-                layer = NVFP4Linear(k, nn_, bias=False, device="cuda", dtype=torch.bfloat16, recipe=NVFP4Recipe())
+                recipe = NVFP4Recipe(backward="mxfp8" if kind == "mxfp8_bwd" else "nvfp4")
+                layer = NVFP4Linear(k, nn_, bias=False, device="cuda", dtype=torch.bfloat16, recipe=recipe)
             xx = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             dy = torch.randn(m, nn_, device="cuda", dtype=torch.bfloat16)
 
@@ -157,10 +159,13 @@ def main() -> int:
             torch.cuda.synchronize()
             out[kind] = (t, (torch.cuda.max_memory_allocated() - base) / 2**30)
             del layer, xx, dy
-        ratio = out["nvfp4"][0] / out["bf16"][0]
+        ratio, mx_ratio = out["nvfp4"][0] / out["bf16"][0], out["mxfp8_bwd"][0] / out["bf16"][0]
         lin_rows.append({"shape": [m, k, nn_], "bf16_ms": out["bf16"][0], "nvfp4_ms": out["nvfp4"][0], "ratio": ratio,
-                         "bf16_peak_GiB": out["bf16"][1], "nvfp4_peak_GiB": out["nvfp4"][1]})
-        print(f"| {m}×{k}×{nn_} | {out['bf16'][0]:.3f} | {out['nvfp4'][0]:.3f} | {ratio:.2f}× | {out['bf16'][1]:.2f} | {out['nvfp4'][1]:.2f} |")
+                         "bf16_peak_GiB": out["bf16"][1], "nvfp4_peak_GiB": out["nvfp4"][1],
+                         "mxfp8_bwd_ms": out["mxfp8_bwd"][0], "mxfp8_bwd_ratio": mx_ratio,
+                         "mxfp8_bwd_peak_GiB": out["mxfp8_bwd"][1]})
+        print(f"| {m}×{k}×{nn_} | {out['bf16'][0]:.3f} | {out['nvfp4'][0]:.3f} | {ratio:.2f}× | {out['bf16'][1]:.2f} "
+              f"| {out['nvfp4'][1]:.2f} | {out['mxfp8_bwd'][0]:.3f} | {mx_ratio:.2f}× | {out['mxfp8_bwd'][1]:.2f} |")
     res["linear"] = lin_rows
     res["linear_stage_a"] = args.stage_a
     for name, tuner in (("gemm", _g._nvfp4_gemm_autotuned), ("dequant", _g._dequant_autotuned), ("quantize", _q._quantize_autotuned),

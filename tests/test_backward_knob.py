@@ -61,3 +61,28 @@ def test_backward_knob_validation(tmp_path):
         NVFP4GroupedMMConfig(backward="mxfp8")
     cfg = parse(toml=edited_toml(tmp_path, add=('backward = "bf16"',)))
     assert cfg.quantize.linear.nvfp4.build_recipe().backward == "bf16"
+
+
+@pytest.mark.parametrize("n", [64, 48])  # 48: dY's blocks along N need padding, the reference quantizes it
+def test_mxfp8_backward_kernels_match_the_reference(n, monkeypatch):
+    """The emulated backend's MXFP8 operands come from the Triton kernel (the CPU interpreter here): the
+    same bits as the reference quantizer, so the same gradients; X is saved as MXFP8 (1 byte and 1/32
+    of a scale per element), not in its dtype."""
+    g = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(40, 64, generator=g), torch.randn(n, 64, generator=g), torch.randn(n, generator=g)
+    ref = _run(dataclasses.replace(BASE, backward="mxfp8"), x, w, b)
+    from titan_nvfp4.ops import quantize as ops_quantize
+
+    kernel_calls = []
+    real = ops_quantize.library.quantize_mxfp8
+    monkeypatch.setattr(ops_quantize.library, "quantize_mxfp8", lambda *a: kernel_calls.append(a[1:]) or real(*a))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        emu = _run(NVFP4Recipe(gemm_backend="emulated", backward="mxfp8"), x, w, b)
+    for a, e in zip(ref[1:4], emu[1:4]):
+        assert torch.equal(a, e)
+    # forward: Xᵀ; backward: dY both ways (only when 32 divides N) and Wᵀ
+    assert kernel_calls == ([(False, True), (True, True), (False, True)] if n == 64 else [(False, True)] * 2)
+    fp8 = [t for t in saved if t.dtype == torch.float8_e4m3fn]
+    assert [tuple(t.shape) for t in fp8] == [(64, 64)], "Xᵀ in MXFP8, 40 tokens padded to 64"
+    assert not any(t.shape == x.shape and t.is_floating_point() and t.element_size() >= 2 for t in saved)

@@ -8,7 +8,7 @@
 Forward saves X only in its wgrad-ready NVFP4 form (plus the quantized weight), never in BF16.
 ``recipe.backward`` = "mxfp8" or "bf16" keeps the NVFP4 forward and runs dgrad and wgrad in MXFP8
 (ops.gemm.mxfp8_gemm: 1×32 blocks along each contraction dim) or in the compute dtype; forward then
-saves X in that dtype and the weight.
+saves the weight and X (MXFP8 Xᵀ blocked along the tokens, or X in the compute dtype).
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import functools
 
 import torch
 
-from .numerics.nvfp4 import NVFP4Tensor
-from .numerics.rht import rht_signs
 from .distributed.amax import AmaxGroups, all_reduce_max
 from .distributed.fsdp_all_gather import NVFP4GatheredWeight
-from .ops.gemm import mxfp8_gemm
-from .ops import nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient, quantize_weight, resolve_backend
+from .numerics.mxfp8 import MXFP8Tensor
+from .numerics.nvfp4 import NVFP4Tensor
+from .numerics.rht import rht_signs
+from .ops import (mxfp8_gemm, mxfp8_operands, nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient,
+                  quantize_weight, resolve_backend)
 from .recipe import NVFP4Recipe
 
 
@@ -107,9 +108,15 @@ class NVFP4LinearFunction(torch.autograd.Function):
         ctx.has_bias, ctx.hp_backward = bias is not None, recipe.backward != "nvfp4"
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.recipe, ctx.backend, ctx.groups = recipe, backend, groups
-        if ctx.hp_backward:  # MXFP8 / BF16 backward: X in the compute dtype and W
-            ctx.save_for_backward(x2d.to(out_dtype) if need_wgrad else None, weight)
+        if ctx.hp_backward:  # MXFP8 / BF16 backward: X for wgrad (Xᵀ in MXFP8, or in the compute dtype) and W
             ctx.compute_dtype = out_dtype
+            x_saved: tuple = (None, None)
+            if need_wgrad and recipe.backward == "mxfp8":  # blocks along the tokens: ~half the bytes of BF16 X
+                _, x_col = mxfp8_operands(x2d.to(out_dtype), False, True, backend)
+                x_saved = (x_col.data, x_col.scale)
+            elif need_wgrad:
+                x_saved = (x2d.to(out_dtype), None)
+            ctx.save_for_backward(*x_saved, weight)
             return y.reshape(*x.shape[:-1], weight.shape[0])
 
         # Saved for backward: Wᵀ quantized for dgrad and Xᵀ in its wgrad form, never X in BF16.
@@ -129,16 +136,23 @@ class NVFP4LinearFunction(torch.autograd.Function):
     def _backward_hp(ctx, dy: torch.Tensor):
         """dX = dY·W and dW = dYᵀ·X in MXFP8 (blocks along N for dgrad, along the tokens for wgrad) or
         in the compute dtype (BF16 under mixed precision), fp32 accumulation either way."""
-        x2d, weight = ctx.saved_tensors
+        x_a, x_b, weight = ctx.saved_tensors
         dt = ctx.compute_dtype
         dy2d = dy.reshape(-1, weight.shape[0]).to(dt)
-        w = weight.to(dt)
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and x_a is not None
         dx = dw = db = None
-        mx = ctx.recipe.backward == "mxfp8"
-        if ctx.needs_input_grad[0]:
-            dx = (mxfp8_gemm(dy2d, w.t(), ctx.x_dtype) if mx else (dy2d @ w).to(ctx.x_dtype)).reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1] and x2d is not None:
-            dw = mxfp8_gemm(dy2d.t(), x2d.t(), ctx.w_dtype) if mx else (dy2d.t() @ x2d).to(ctx.w_dtype)
+        if ctx.recipe.backward == "mxfp8":
+            dy_row, dy_col = mxfp8_operands(dy2d, need_dx, need_dw, ctx.backend)
+            if need_dx:
+                _, w_col = mxfp8_operands(weight.to(dt), False, True, ctx.backend)
+                dx = mxfp8_gemm(dy_row, w_col, ctx.x_dtype).reshape(ctx.x_shape)
+            if need_dw:
+                dw = mxfp8_gemm(dy_col, MXFP8Tensor(x_a, x_b), ctx.w_dtype)
+        else:
+            if need_dx:
+                dx = (dy2d @ weight.to(dt)).to(ctx.x_dtype).reshape(ctx.x_shape)
+            if need_dw:
+                dw = (dy2d.t() @ x_a).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(dy.dtype)
         return dx, dw, db, None, None, None, None, None, None

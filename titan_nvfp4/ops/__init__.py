@@ -1,8 +1,9 @@
 """Dispatch from the autograd functions to an implementation: reference, emulated or native."""
 
 from .backends import BACKEND_NAMES, resolve_backend
-from .gemm import nvfp4_gemm, register_backend
+from .gemm import mxfp8_gemm, nvfp4_gemm, register_backend
 from .quantize import (
+    mxfp8_operands,
     operand_amax,
     quantize_activation,
     quantize_gradient,
@@ -13,6 +14,8 @@ from .quantize import (
 
 __all__ = [
     "BACKEND_NAMES",
+    "mxfp8_gemm",
+    "mxfp8_operands",
     "nvfp4_gemm",
     "operand_amax",
     "quantize_activation",

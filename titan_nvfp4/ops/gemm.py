@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+from ..numerics.formats import e8m0_to_float
+from ..numerics.mxfp8 import MX_BLOCK, MXFP8Tensor
 from ..numerics.nvfp4 import NVFP4Tensor
 from . import library
 from .backends import resolve_backend
@@ -41,18 +43,20 @@ def _matmul_fp32_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float().t()
 
 
-def mxfp8_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """a [M, C] · b [N, C]ᵀ with both operands in MXFP8 (1×32 blocks along C, zero-padded to a multiple
-    of 32: zeros change neither a block's scale nor the sums), as an MXFP8 tensor core computes it:
-    exact products, fp32 sums, one rounding to out_dtype. Operands are quantized by the reference
-    (numerics/mxfp8.py)."""
-    from ..numerics.mxfp8 import MX_BLOCK, quantize_mxfp8
+def mxfp8_gemm(a: MXFP8Tensor, b: MXFP8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, C] · b [N, C]ᵀ of two MXFP8 operands (1×32 blocks along C, ops.quantize.mxfp8_operands), as
+    an MXFP8 tensor core computes it: exact products, fp32 sums, one rounding to out_dtype. On a GPU the
+    operands are dequantized to BF16 (an E4M3 element times a power of two is exact in BF16 unless the
+    block's amax is below 448·2⁻¹²⁷, where BF16 subnormals drop low bits) for a BF16 tensor-core GEMM
+    with fp32 accumulation; elsewhere to fp32."""
+    dt = torch.bfloat16 if a.data.is_cuda else torch.float32
+    return _matmul_fp32_accumulate(_mx_dequantize(a, dt), _mx_dequantize(b, dt)).to(out_dtype)
 
-    pad = (-a.shape[1]) % MX_BLOCK
-    if pad:
-        a, b = torch.nn.functional.pad(a, (0, pad)), torch.nn.functional.pad(b, (0, pad))
-    aq, bq = quantize_mxfp8(a).dequantize(torch.float32), quantize_mxfp8(b).dequantize(torch.float32)
-    return _matmul_fp32_accumulate(aq, bq).to(out_dtype)
+
+def _mx_dequantize(t: MXFP8Tensor, dtype: torch.dtype) -> torch.Tensor:
+    rows, cols = t.data.shape
+    scale = e8m0_to_float(t.scale).to(dtype).unsqueeze(-1)
+    return (t.data.view(rows, cols // MX_BLOCK, MX_BLOCK).to(dtype) * scale).view(rows, cols)
 
 
 def gemm_reference(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:

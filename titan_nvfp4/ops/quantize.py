@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..numerics.mxfp8 import MX_BLOCK, MXFP8Tensor, quantize_mxfp8
 from ..numerics.nvfp4 import NVFP4Tensor, quantize_nvfp4
 from ..numerics.rht import rht
 from . import library
@@ -121,3 +122,19 @@ def quantize_weight(w: torch.Tensor, weight_2d: bool, backend: str, amax: torch.
     wt, _ = library.operand_pair(library.quantize(w.t(), True, False, None, False, False, None, False, False, a,
                                                   four_six), w.t().shape, True, False)
     return wq, wt
+
+
+def mxfp8_operands(x2d: torch.Tensor, rowwise: bool, colwise: bool,
+                   backend: str) -> tuple[MXFP8Tensor | None, MXFP8Tensor | None]:
+    """MXFP8 operands of an MXFP8 backward: x2d with 1×32 blocks along its last dim (zero-padded to a
+    multiple of 32), and x2dᵀ with blocks along x2d's first dim ([K, M padded to 32]), nearest-even.
+    The Triton kernel emits both from one read when 32 divides x2d's last dim; the reference quantizer
+    (numerics/mxfp8.py, bit-identical) serves the CPU backend and other shapes."""
+    kernel = backend != "reference" and x2d.shape[1] % MX_BLOCK == 0 and 0 < x2d.numel() < 2**31
+    if kernel:
+        rd, rs, cd, cs = library.quantize_mxfp8(x2d, rowwise, colwise)
+        return (MXFP8Tensor(rd, rs) if rowwise else None), (MXFP8Tensor(cd, cs) if colwise else None)
+    pad_k, pad_m = (-x2d.shape[1]) % MX_BLOCK, (-x2d.shape[0]) % MX_BLOCK
+    row = quantize_mxfp8(torch.nn.functional.pad(x2d, (0, pad_k))) if rowwise else None
+    col = quantize_mxfp8(torch.nn.functional.pad(x2d, (0, 0, 0, pad_m)).t().contiguous()) if colwise else None
+    return row, col
