@@ -50,7 +50,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
     ap.add_argument("--stage-a", type=int, choices=(0, 1), default=None,
                     help="GEMM operand A staged as fp16 (1) or dequantized in registers (0) in the Linear rows")
+    ap.add_argument("--only", default="kernels,gemm,linear",
+                    help="comma-separated sections to run: kernels, gemm, linear (default: all)")
     args = ap.parse_args()
+    only = set(args.only.split(","))
+    if not only <= {"kernels", "gemm", "linear"}:
+        ap.error(f"--only: unknown section(s) {sorted(only - {'kernels', 'gemm', 'linear'})}")
     args.stage_a = bool(_g.STAGE_A if args.stage_a is None else args.stage_a)
     torch.manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
@@ -100,7 +105,7 @@ def main() -> int:
     mx = n + n // 32  # e4m3 elements + e8m0 scales of one MXFP8 operand
     cases.append(("MXFP8 rowwise 1x32", lambda: quantize_mxfp8_operand(x), 2 * n + mx))
     cases.append(("MXFP8 rowwise + colwise (bwd operands)", lambda: quantize_mxfp8_operand(x, colwise=True), 2 * n + 2 * mx))
-    for name, fn, nbytes in cases:
+    for name, fn, nbytes in (cases if "kernels" in only else []):
         t = ms(fn)
         bw = nbytes / (t * 1e-3)
         rows.append({"kernel": name, "ms": t, "TBps": bw / 1e12, "of_copy": bw / copy_bw})
@@ -114,6 +119,8 @@ def main() -> int:
     shapes = [(8192, 8192, 8192), (16384, 4096, 4096), (16384, 14336, 4096), (16384, 4096, 14336)]
     if args.quick:
         shapes = shapes[:1]
+    if "gemm" not in only:
+        shapes = []
     for m, nn_, k in shapes:
         a, _ = quantize_operand(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
         b, _ = quantize_weight_2d(torch.randn(nn_, k, device="cuda", dtype=torch.bfloat16), emit_transpose=False)
@@ -133,7 +140,7 @@ def main() -> int:
           "| NVFP4 fwd + MXFP8 bwd ms | its /BF16 | its peak GiB |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     lin_rows = []
-    for m, k, nn_ in (LINEAR_SHAPES[:1] if args.quick else LINEAR_SHAPES):
+    for m, k, nn_ in (LINEAR_SHAPES[:1] if args.quick else LINEAR_SHAPES) if "linear" in only else []:
         out = {}
         for kind in ("bf16", "nvfp4", "mxfp8_bwd"):
             torch.cuda.empty_cache()
