@@ -263,6 +263,9 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
         self.lora_rank = section.lora_rank
         self.bf16_after_fraction = section.bf16_after_fraction
         self.total_steps = job_config.training.steps
+        self.telemetry_every = section.telemetry_every
+        if self.telemetry_every:
+            install_metrics_hook()
         set_token_group_alignment_size_m(16)
         self.enabled = True
 
@@ -280,13 +283,20 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
             decompose_after_init(model)
         for fqn, why in report["skipped"]:
             logger.info(f"NVFP4: kept experts {fqn} in high precision ({why})")
-        if self.bf16_after_fraction:
+        if self.bf16_after_fraction or self.telemetry_every:
             c = attach_step_counter(model, GROUPED_STEPS, report["converted"], self.bf16_after_fraction,
                                     self.total_steps)
             log_switch_plan("experts", c, self.bf16_after_fraction, self.total_steps)
+            if self.telemetry_every:
+                telemetry = Telemetry(self.telemetry_every, c)
+                for fqn in report["converted"]:
+                    model.get_submodule(fqn).telemetry = telemetry
+                logger.info(f"NVFP4: telemetry of {len(report['converted'])} expert modules every "
+                            f"{self.telemetry_every} steps (nvfp4/<experts>/<weight>/<operand>/<stat>)")
 
     def post_optimizer_hook(self, model) -> None:
-        """Count the optimizer step; switch the experts to high precision at bf16_after_fraction."""
+        """Count the optimizer step (telemetry steps follow it); switch the experts to high precision at
+        bf16_after_fraction."""
         for i, (_, counter) in enumerate(step_counters(model, GROUPED_STEPS)):
             if counter.step() and i == 0:
                 logger.info(f"NVFP4: experts switched to high precision after optimizer step {counter.count}")

@@ -36,6 +36,7 @@ from ..layer_state import NVFP4LayerState
 from ..linear_function import autocast_out_dtype
 from ..numerics.lowrank import check_rank, lowrank_merge
 from ..recipe import NVFP4Recipe
+from ..telemetry import measure_experts
 
 
 def check_expert_dims(name: str, weights: dict[str, torch.Tensor]) -> None:
@@ -140,13 +141,18 @@ class _NVFP4Experts(LowRankState, NVFP4LayerState):
         """{weight name: W = R + U·diag(σ)·V} (fp32): what TorchTitan's BF16 experts would load."""
         return {g: lowrank_merge(*self._factors(g), getattr(self, g)) for g in self.GEMMS}
 
-    def _gemms(self, x: torch.Tensor, weights, offsets: torch.Tensor, biases, counters) -> list[torch.Tensor]:
-        """x times each of ``weights`` (x quantized once): NVFP4 grouped GEMMs, or after the
-        ``bf16_after_fraction`` switch the same products in the input's dtype."""
+    def _gemms(self, x: torch.Tensor, weights, offsets: torch.Tensor, biases, counters,
+               names: tuple[str, ...]) -> list[torch.Tensor]:
+        """x times each of ``weights`` (named ``names``; x quantized once): NVFP4 grouped GEMMs, or after
+        the ``bf16_after_fraction`` switch the same products in the input's dtype."""
         if self.high_precision:
             return [grouped_linear(x, w, offsets, b) for w, b in zip(weights, biases)]
-        return nvfp4_grouped_mm_shared(x, weights, offsets, biases, self.recipe, counters, local(self.rht_signs),
-                                       groups_aligned())
+        ys = nvfp4_grouped_mm_shared(x, weights, offsets, biases, self.recipe, counters, local(self.rht_signs),
+                                     groups_aligned())
+        if self.telemetry is not None:
+            for name, w, y in zip(names, weights, ys):
+                measure_experts(self, name, x, w, y)
+        return ys
 
     def _lowrank_add(self, y: torch.Tensor, g: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """y plus weight ``g``'s low-rank branch of x (y itself without a rank)."""
@@ -188,9 +194,9 @@ class NVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
         c = local(self.sr_counter)  # a replicated DTensor under expert parallelism
         # W1 and W3 read the same tokens: quantized once for both
-        h1, h3 = self._gemms(x, (w1, w3), offsets, (None, None), (c[0], c[2]))
+        h1, h3 = self._gemms(x, (w1, w3), offsets, (None, None), (c[0], c[2]), ("w1", "w3"))
         h = F.silu(self._lowrank_add(h1, "w1", x, offsets)) * self._lowrank_add(h3, "w3", x, offsets)
-        (y,) = self._gemms(h, (w2,), offsets, (None,), (c[1],))
+        (y,) = self._gemms(h, (w2,), offsets, (None,), (c[1],), ("w2",))
         return self._lowrank_add(y, "w2", h, offsets)
 
 
@@ -214,11 +220,11 @@ class NVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):
              tp_degree=1):
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
         c = local(self.sr_counter)  # a replicated DTensor under expert parallelism
-        (h,) = self._gemms(x, (mlp1_weight,), offsets, (mlp1_bias,), (c[0],))
+        (h,) = self._gemms(x, (mlp1_weight,), offsets, (mlp1_bias,), (c[0],), ("mlp1_weight",))
         h = swiglu(self._lowrank_add(h, "mlp1_weight", x, offsets), limit=swiglu_limit)
         # as TorchTitan: under TP the bias is divided by the TP degree in forward only
         b2 = ScaleBiasForward.apply(mlp2_bias, tp_degree)
-        (y,) = self._gemms(h, (mlp2_weight,), offsets, (b2,), (c[1],))
+        (y,) = self._gemms(h, (mlp2_weight,), offsets, (b2,), (c[1],), ("mlp2_weight",))
         return self._lowrank_add(y, "mlp2_weight", h, offsets)
 
 

@@ -154,10 +154,18 @@ class NVFP4GroupedMMConfig(_RecipeKnobs):
     """Keep the top-r singular directions of every expert weight in a BF16 branch beside the NVFP4
     residual, per expert (0 = off; else a multiple of 16). [quantize.linear.nvfp4] lora_refresh_steps
     re-decomposes these too."""
+    telemetry_every: int = 0
+    """Numerics telemetry of every grouped GEMM of the converted experts: every N steps (and step 1)
+    amax, saturated and underflowed blocks and SNR of the expert weights (per expert: each has its own
+    tensor scale; plus the worst expert's SNR), the routed tokens and dY, logged as
+    nvfp4/<experts>/<weight>/<operand>/<stat> (0 = off)."""
 
     def __post_init__(self) -> None:
         self._check_fqns("fqns")
         check_rank(self.lora_rank, self.SECTION)
+        t = self.telemetry_every
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"[{self.SECTION}] telemetry_every must be a non-negative integer, got {t!r}")
         super().__post_init__()
         backward = self.build_recipe().backward
         if backward != "nvfp4":
