@@ -219,11 +219,13 @@ def _moe_models():
     }
 
 
-def _build(name: str, seq: int = 32):
+def _build(name: str, seq: int = 32, score_before_experts: bool | None = None):
     from torchtitan.config import ConfigManager
 
     cls, args = _moe_models()[name]
     args = copy.deepcopy(args)
+    if score_before_experts is not None:
+        args.moe_args.score_before_experts = score_before_experts
     # as TorchTitan's trainer does (max_seq_len, the MoE implementation, ...)
     args.update_from_config(ConfigManager().parse_args(["--training.seq_len", str(seq)]))
     with torch.device("meta"):

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import torch
 
+from .distributed.amax import AmaxGroups, all_reduce_max
 from .linear_function import _repack, _signs, _unpack, autocast_out_dtype, next_sr_seed, sr_counter
-from .ops import nvfp4_gemm, quantize_activation, quantize_gradient, quantize_weight, resolve_backend
+from .ops import nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient, quantize_weight, resolve_backend
 from .ops import grouped as G
 from .recipe import NVFP4Recipe
 
@@ -65,25 +66,32 @@ class NVFP4GroupedMMFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, offsets: torch.Tensor,
                 recipe: NVFP4Recipe, counter: torch.Tensor, signs: torch.Tensor | None,
-                need_wgrad: bool) -> torch.Tensor:
+                need_wgrad: bool, groups: AmaxGroups | None = None) -> torch.Tensor:
         out_dtype = autocast_out_dtype(x)  # see linear_function.py
         with torch.autocast(x.device.type, enabled=False):
             return NVFP4GroupedMMFunction._forward(ctx, x, weight, bias, offsets, recipe, counter, signs, out_dtype,
-                                                   need_wgrad)
+                                                   need_wgrad, groups or AmaxGroups())
 
     @staticmethod
-    def _forward(ctx, x, weight, bias, offsets, recipe, counter, signs, out_dtype, need_wgrad):
+    def _forward(ctx, x, weight, bias, offsets, recipe, counter, signs, out_dtype, need_wgrad, groups):
         backend = resolve_backend(recipe.gemm_backend, x.device)
         n_experts, out_features, in_features = weight.shape
         x2d = x.reshape(-1, in_features)
         bounds = expert_bounds(offsets, x2d.shape[0])  # one per expert: nvfp4_grouped_mm_shared checked it
+        x_amax = _expert_amaxes(x2d, bounds, need_wgrad, signs, backend, groups.x)
+        w_amax = None
+        if groups.weight is not None:  # every expert's weight amax, whole over the ranks sharding it
+            w_amax = all_reduce_max(torch.stack([operand_amax(w, False, None, backend)[0] for w in weight]),
+                                    groups.weight)
         pieces, saved, metas = [], [signs], []
         for e, (start, end) in enumerate(bounds):
             if end == start:
                 metas.append(None)
                 continue
-            xq, x_col = quantize_activation(x2d[start:end], need_wgrad, signs, backend, four_six=recipe.four_over_six)
-            wq, w_t = quantize_weight(weight[e], recipe.weight_2d, backend, four_six=recipe.four_over_six)
+            xq, x_col = quantize_activation(x2d[start:end], need_wgrad, signs, backend,
+                                            None if x_amax is None else x_amax[e], recipe.four_over_six)
+            wq, w_t = quantize_weight(weight[e], recipe.weight_2d, backend, None if w_amax is None else w_amax[e],
+                                      recipe.four_over_six)
             pieces.append((start, nvfp4_gemm(xq, wq, out_dtype=out_dtype,
                                              bias=None if bias is None else bias[e], backend=backend)))
             operands = [w_t] + ([x_col] if x_col is not None else [])
@@ -98,7 +106,7 @@ class NVFP4GroupedMMFunction(torch.autograd.Function):
         ctx.bounds, ctx.metas = bounds, metas
         ctx.has_bias = bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_shape, ctx.w_dtype = x.shape, x.dtype, weight.shape, weight.dtype
-        ctx.recipe, ctx.backend = recipe, backend
+        ctx.recipe, ctx.backend, ctx.groups = recipe, backend, groups
         return y.reshape(*x.shape[:-1], out_features)
 
     @staticmethod
@@ -118,6 +126,7 @@ class NVFP4GroupedMMFunction(torch.autograd.Function):
         dx = dy2d.new_zeros((dy2d.shape[0], in_features), dtype=ctx.x_dtype) if need_dx else None
         dw = dy2d.new_zeros(ctx.w_shape, dtype=ctx.w_dtype) if need_dw else None
         db = dy2d.new_zeros((n_experts, out_features), dtype=dy.dtype) if need_db else None
+        dy_amax = _expert_amaxes(dy2d, ctx.bounds, need_dw, signs, ctx.backend, ctx.groups.grad)
         i = 0
         for e, ((start, end), meta) in enumerate(zip(ctx.bounds, ctx.metas)):
             if meta is None:
@@ -128,7 +137,7 @@ class NVFP4GroupedMMFunction(torch.autograd.Function):
             dy_e = dy2d[start:end]
             want_dw = need_dw and x_col is not None
             dyq, dy_col = quantize_gradient(dy_e, need_dx, want_dw, signs, _expert_seed(seed, e), ctx.backend,
-                                            four_six=ctx.recipe.four_over_six)
+                                            None if dy_amax is None else dy_amax[e], ctx.recipe.four_over_six)
             if need_dx:
                 dx[start:end] = nvfp4_gemm(dyq, w_t, out_dtype=ctx.x_dtype, backend=ctx.backend)
             if want_dw:
@@ -137,7 +146,18 @@ class NVFP4GroupedMMFunction(torch.autograd.Function):
                 db[e] = dy_e.float().sum(0).to(dy.dtype)
         if dx is not None:
             dx = dx.reshape(ctx.x_shape)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
+
+
+def _expert_amaxes(x2d: torch.Tensor, bounds, colwise: bool, signs: torch.Tensor | None, backend: str,
+                   group) -> torch.Tensor | None:
+    """fp32 [E, 2]: each expert's rows' (row, column) amaxes (operand_amax; 0 for an empty expert)
+    all-reduced over ``group``, the ranks sharding the operand's features; None without a group."""
+    if group is None:
+        return None
+    rows = [operand_amax(x2d[a:b], colwise, signs, backend) if b > a else x2d.new_zeros(2, dtype=torch.float32)
+            for a, b in bounds]
+    return all_reduce_max(torch.stack(rows), group)
 
 
 class NVFP4GroupedKernelFunction(torch.autograd.Function):
@@ -147,16 +167,22 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, recipe: NVFP4Recipe, signs: torch.Tensor | None,
-                need_wgrad: bool, n: int, *params):
+                need_wgrad: bool, n: int, groups: AmaxGroups | None, *params):
         weights, biases, counters = params[:n], params[n:2 * n], params[2 * n:3 * n]
+        groups = groups or AmaxGroups()
         out_dtype = autocast_out_dtype(x)  # see linear_function.py
         in_features = weights[0].shape[2]
         with torch.autocast(x.device.type, enabled=False):
-            xq, x_col = G.quantize_tokens(x.reshape(-1, in_features), offsets, True, need_wgrad, signs, None,
-                                          four_six=recipe.four_over_six)
+            x2d = x.reshape(-1, in_features)
+            x_amax = None
+            if groups.x is not None:  # tokens whose features are sharded: per-expert amaxes over the ranks
+                x_amax = all_reduce_max(G.token_amaxes(x2d, offsets, need_wgrad, signs), groups.x)
+            xq, x_col = G.quantize_tokens(x2d, offsets, True, need_wgrad, signs, None,
+                                          four_six=recipe.four_over_six, amaxes=x_amax)
             outs, saved, metas = [], [offsets, signs] + (list(x_col.tensors()) if x_col is not None else []), []
             for w, b in zip(weights, biases):
-                gw = G.quantize_experts(w, recipe.weight_2d, recipe.four_over_six)
+                w_amax = all_reduce_max(G.expert_amaxes(w), groups.weight) if groups.weight is not None else None
+                gw = G.quantize_experts(w, recipe.weight_2d, recipe.four_over_six, w_amax)
                 outs.append(G.gemm_rows(xq, gw.w, offsets, w.shape[1], w.shape[1], 0, out_dtype, b)
                             .reshape(*x.shape[:-1], w.shape[1]))
                 saved += list(gw.t.tensors())  # Wᵀ for dgrad; X only in its wgrad form, as the dense linear
@@ -164,7 +190,7 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
         ctx.counters = counters  # advanced in place by backward: see linear_function.py
         ctx.save_for_backward(*saved)
         ctx.n, ctx.metas, ctx.has_x_col, ctx.has_bias = n, metas, x_col is not None, [b is not None for b in biases]
-        ctx.x_shape, ctx.x_dtype, ctx.recipe = x.shape, x.dtype, recipe
+        ctx.x_shape, ctx.x_dtype, ctx.recipe, ctx.groups = x.shape, x.dtype, recipe, groups
         ctx.w_dtypes = [w.dtype for w in weights]
         return tuple(outs)
 
@@ -181,18 +207,21 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
                 tiles, row_step, col_step = ctx.metas[j]
                 w_t = G.GroupedOperand(*saved[3 * j:3 * j + 3], tiles)
                 dy2d = dy.reshape(-1, dy.shape[-1])
-                need_dw = ctx.needs_input_grad[6 + j] and x_col is not None
-                need_db = ctx.has_bias[j] and ctx.needs_input_grad[6 + n + j]
+                need_dw = ctx.needs_input_grad[7 + j] and x_col is not None
+                need_db = ctx.has_bias[j] and ctx.needs_input_grad[7 + n + j]
                 seed = next_sr_seed(ctx.counters[j]) if recipe.stochastic_rounding else None
+                dy_amax = None
+                if ctx.groups.grad is not None:  # dY's features sharded: per-expert amaxes over the ranks
+                    dy_amax = all_reduce_max(G.token_amaxes(dy2d, offsets, need_dw, signs), ctx.groups.grad)
                 dyq, dy_col = G.quantize_tokens(dy2d, offsets, need_dx, need_dw, signs, seed, col_staged=True,
-                                                four_six=ctx.recipe.four_over_six)
+                                                four_six=ctx.recipe.four_over_six, amaxes=dy_amax)
                 if need_dx:  # summed in x's dtype, as autograd sums the gradients of separate GEMMs
                     part = G.gemm_rows(dyq, w_t, offsets, ctx.x_shape[-1], row_step, col_step, ctx.x_dtype)
                     dx = part if dx is None else dx + part
                 dws.append(G.gemm_tokens(dy_col, x_col, offsets, ctx.w_dtypes[j]) if need_dw else None)
                 dbs.append(G.expert_bias_grad(dy2d, offsets).to(dy.dtype) if need_db else None)
-        return (dx.reshape(ctx.x_shape) if dx is not None else None, None, None, None, None, None, *dws, *dbs,
-                *([None] * n))
+        return (dx.reshape(ctx.x_shape) if dx is not None else None, None, None, None, None, None, None, *dws,
+                *dbs, *([None] * n))
 
 
 def _use_grouped_kernels(backend: str, offsets: torch.Tensor, aligned: bool | None) -> bool:
@@ -222,18 +251,22 @@ def _check(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> None
 
 def nvfp4_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None,
                      recipe: NVFP4Recipe, counter: torch.Tensor | None = None,
-                     signs: torch.Tensor | None = None, aligned: bool | None = None) -> torch.Tensor:
+                     signs: torch.Tensor | None = None, aligned: bool | None = None,
+                     groups: AmaxGroups | None = None) -> torch.Tensor:
     """Functional NVFP4 grouped GEMM: x [T, K], weight [E, N, K] (nn.Linear layout per expert), bias
     [E, N] or None, offsets int [E] cumulative token counts; returns [T, N] (see the module docstring).
-    ``aligned``: the caller guarantees token groups aligned to 16 (None: look at the offsets)."""
-    return nvfp4_grouped_mm_shared(x, (weight,), offsets, (bias,), recipe, (counter,), signs, aligned)[0]
+    ``aligned``: the caller guarantees token groups aligned to 16 (None: look at the offsets).
+    ``groups``: the process groups sharding X's features, the weights and dY's features (tensor
+    parallelism of the experts), whose per-expert amaxes are then all-reduced over them."""
+    return nvfp4_grouped_mm_shared(x, (weight,), offsets, (bias,), recipe, (counter,), signs, aligned, groups)[0]
 
 
 def nvfp4_grouped_mm_shared(x: torch.Tensor, weights, offsets: torch.Tensor, biases, recipe: NVFP4Recipe,
                             counters=None, signs: torch.Tensor | None = None,
-                            aligned: bool | None = None) -> list[torch.Tensor]:
+                            aligned: bool | None = None, groups: AmaxGroups | None = None) -> list[torch.Tensor]:
     """[nvfp4_grouped_mm(x, w_i, offsets, b_i, ...) for each i], with x quantized once on the grouped
-    kernels (bit-identical to the separate calls). ``counters``: one SR counter per weight."""
+    kernels (bit-identical to the separate calls). ``counters``: one SR counter per weight; ``groups``
+    as in nvfp4_grouped_mm, one for all the weights."""
     weights, biases = tuple(weights), tuple(biases)
     counters = tuple(counters) if counters is not None else (None,) * len(weights)
     for w in weights:
@@ -244,9 +277,10 @@ def nvfp4_grouped_mm_shared(x: torch.Tensor, weights, offsets: torch.Tensor, bia
         signs = _signs(recipe.rht_seed, x.device)
     signs = signs if recipe.rht else None
     if _use_grouped_kernels(resolve_backend(recipe.gemm_backend, x.device), offsets, aligned):
-        return list(NVFP4GroupedKernelFunction.apply(x, offsets, recipe, signs, need_wgrad, len(weights), *weights,
-                                                     *biases, *counters))
-    return [NVFP4GroupedMMFunction.apply(x, w, b, offsets, recipe, c, signs, torch.is_grad_enabled() and w.requires_grad)
+        return list(NVFP4GroupedKernelFunction.apply(x, offsets, recipe, signs, need_wgrad, len(weights),
+                                                     groups if groups else None, *weights, *biases, *counters))
+    return [NVFP4GroupedMMFunction.apply(x, w, b, offsets, recipe, c, signs, torch.is_grad_enabled() and w.requires_grad,
+                                         groups if groups else None)
             for w, b, c in zip(weights, biases, counters)]
 
 

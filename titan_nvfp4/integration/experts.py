@@ -8,6 +8,11 @@ place and adds the NVFP4 buffers (layer_state.py). Both always take the grouped 
 ``use_grouped_mm = false`` for-loop is a BF16 debugging aid). Token groups are padded to TorchTitan's
 token-group alignment outside expert parallelism, as TorchTitan's own grouped path does.
 
+Under expert parallelism a rank holds whole experts. Under TorchTitan's expert tensor parallelism (TP
+without EP, or ETP) an expert's weight is split along a feature dim: the per-expert tensor amaxes of
+every sharded operand are then all-reduced over the TP group (``_tp_groups``), so each rank quantizes
+the exact slices of the unsharded operands.
+
 With ``lora_rank`` r (``[quantize.grouped_mm.nvfp4]``) every expert weight W_e [N, K] is kept as
 U_e·diag(σ_e)·V_e + R_e, as DecomposedLinear does for a dense Linear: R (the weight parameter itself)
 goes through the NVFP4 grouped GEMM and the rank-r branch ((x V_eᵀ) ⊙ σ_e) U_eᵀ runs beside it as
@@ -19,10 +24,12 @@ under expert or tensor parallelism (the factors would need the weights' sharding
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torchtitan.models.gpt_oss.model.moe import GptOssGroupedExperts, ScaleBiasForward, swiglu
 from torchtitan.models.gpt_oss.model.moe import indices_padding_wrapper as gpt_oss_padding_wrapper
 from torchtitan.models.moe import utils as moe_utils
@@ -30,6 +37,7 @@ from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.models.moe.utils import indices_padding_wrapper
 
 from ..decomposed_linear import LowRankState
+from ..distributed.amax import AmaxGroups
 from ..distributed.tensor_parallel import local
 from ..grouped_function import nvfp4_grouped_mm_shared
 from ..layer_state import NVFP4LayerState
@@ -142,13 +150,14 @@ class _NVFP4Experts(LowRankState, NVFP4LayerState):
         return {g: lowrank_merge(*self._factors(g), getattr(self, g)) for g in self.GEMMS}
 
     def _gemms(self, x: torch.Tensor, weights, offsets: torch.Tensor, biases, counters,
-               names: tuple[str, ...]) -> list[torch.Tensor]:
+               names: tuple[str, ...], groups: AmaxGroups | None = None) -> list[torch.Tensor]:
         """x times each of ``weights`` (named ``names``; x quantized once): NVFP4 grouped GEMMs, or after
-        the ``bf16_after_fraction`` switch the same products in the input's dtype."""
+        the ``bf16_after_fraction`` switch the same products in the input's dtype. ``groups``: the ranks
+        sharding the experts' features (tensor parallelism: _tp_groups)."""
         if self.high_precision:
             return [grouped_linear(x, w, offsets, b) for w, b in zip(weights, biases)]
         ys = nvfp4_grouped_mm_shared(x, weights, offsets, biases, self.recipe, counters, local(self.rht_signs),
-                                     groups_aligned())
+                                     groups_aligned(), groups)
         if self.telemetry is not None:
             for name, w, y in zip(names, weights, ys):
                 measure_experts(self, name, x, w, y)
@@ -160,16 +169,31 @@ class _NVFP4Experts(LowRankState, NVFP4LayerState):
             return y
         return y + grouped_lowrank(x, *self._factors(g), offsets).to(y.dtype)
 
-    def _check_expert_sharding(self, weight: torch.Tensor) -> None:
-        """Expert parallelism (whole experts per rank) keeps every expert's tensor amax whole; tensor
-        parallelism of the experts (TorchTitan's TP without EP, or ETP) would split an expert's weight
-        and its amax across ranks, which the grouped path does not reduce yet: refuse it by name."""
-        if isinstance(weight, DTensor) and any(isinstance(p, Shard) and p.dim != 0 for p in weight.placements):
-            raise NotImplementedError(
-                f"NVFP4 experts {getattr(self, 'layer_name', '')!r}: tensor parallelism of the routed experts "
-                f"(weight placements {weight.placements}) is not supported yet; use expert parallelism "
-                "(expert_parallel_degree > 1, expert_tensor_parallel_degree = 1) or leave the experts out of "
-                "[quantize.grouped_mm.nvfp4] fqns")
+    def _tp_groups(self) -> dict[str, AmaxGroups | None]:
+        """{weight name: the AmaxGroups of its GEMM} under tensor parallelism of the experts (TorchTitan's
+        TP without EP, or ETP), None per weight otherwise. Expert parallelism (dim 0) keeps every expert
+        whole; a weight sharded along its output features (Shard(1): W1, W3, gpt-oss mlp1) needs W's and
+        dY's per-expert amaxes over the TP group, one sharded along its input features (Shard(2): W2,
+        mlp2) X's and W's, so every rank quantizes as the unsharded experts would."""
+        name = getattr(self, "layer_name", "")
+        out: dict[str, AmaxGroups | None] = {}
+        for g in self.GEMMS:
+            w = getattr(self, g)
+            out[g] = None
+            if not isinstance(w, DTensor):
+                continue
+            split = [(i, p.dim) for i, p in enumerate(w.placements) if isinstance(p, Shard) and p.dim != 0]
+            other = [p for p in w.placements if not isinstance(p, (Shard, Replicate))]
+            if other or len(split) > 1:
+                raise NotImplementedError(f"NVFP4 experts {name!r}: weight {g} placements {w.placements} are not "
+                                          "supported (expert parallelism on dim 0, tensor parallelism on one "
+                                          "feature dim)")
+            if not split:
+                continue
+            check_expert_dims(f"{name} (local shard under tensor parallelism)", {g: w.to_local()})
+            group = w.device_mesh.get_group(split[0][0])
+            out[g] = AmaxGroups(weight=group, grad=group) if split[0][1] == 1 else AmaxGroups(x=group, weight=group)
+        return out
 
     def _check_lowrank_parallelism(self, sharded: bool) -> None:
         if self.lora_rank:
@@ -185,18 +209,20 @@ class NVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
     GEMMS = ("w1", "w2", "w3")
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        self._check_expert_sharding(self.w1)
+        groups = self._tp_groups()
         self._check_lowrank_parallelism(isinstance(self.w1, DTensor))
-        run = self._run if _expert_parallel(self.w1) else indices_padding_wrapper(self._run)
+        run = functools.partial(self._run, groups=groups)
+        run = run if _expert_parallel(self.w1) else indices_padding_wrapper(run)
         return run(_local(self.w1), _local(self.w2), _local(self.w3), x, num_tokens_per_expert)
 
-    def _run(self, w1, w2, w3, x, num_tokens_per_expert):
+    def _run(self, w1, w2, w3, x, num_tokens_per_expert, groups=None):
+        groups = groups or {}
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
         c = local(self.sr_counter)  # a replicated DTensor under expert parallelism
-        # W1 and W3 read the same tokens: quantized once for both
-        h1, h3 = self._gemms(x, (w1, w3), offsets, (None, None), (c[0], c[2]), ("w1", "w3"))
+        # W1 and W3 read the same tokens: quantized once for both (and sharded alike under TP)
+        h1, h3 = self._gemms(x, (w1, w3), offsets, (None, None), (c[0], c[2]), ("w1", "w3"), groups.get("w1"))
         h = F.silu(self._lowrank_add(h1, "w1", x, offsets)) * self._lowrank_add(h3, "w3", x, offsets)
-        (y,) = self._gemms(h, (w2,), offsets, (None,), (c[1],), ("w2",))
+        (y,) = self._gemms(h, (w2,), offsets, (None,), (c[1],), ("w2",), groups.get("w2"))
         return self._lowrank_add(y, "w2", h, offsets)
 
 
@@ -210,21 +236,24 @@ class NVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):
         if isinstance(self.mlp1_weight, DTensor) and "tp" in (self.mlp1_weight.device_mesh.mesh_dim_names or ()):
             mesh = self.mlp1_weight.device_mesh
             tp_degree = mesh.size(mesh.mesh_dim_names.index("tp"))
-        self._check_expert_sharding(self.mlp1_weight)
+        groups = self._tp_groups()
         self._check_lowrank_parallelism(isinstance(self.mlp1_weight, DTensor))
-        run = self._run if _expert_parallel(self.mlp1_weight) else gpt_oss_padding_wrapper(self._run)
+        run = functools.partial(self._run, groups=groups)
+        run = run if _expert_parallel(self.mlp1_weight) else gpt_oss_padding_wrapper(run)
         return run(_local(self.mlp1_weight), _local(self.mlp1_bias), _local(self.mlp2_weight),
                    _local(self.mlp2_bias), self.swiglu_limit, x, num_tokens_per_expert, tp_degree)
 
     def _run(self, mlp1_weight, mlp1_bias, mlp2_weight, mlp2_bias, swiglu_limit, x, num_tokens_per_expert,
-             tp_degree=1):
+             tp_degree=1, groups=None):
+        groups = groups or {}
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
         c = local(self.sr_counter)  # a replicated DTensor under expert parallelism
-        (h,) = self._gemms(x, (mlp1_weight,), offsets, (mlp1_bias,), (c[0],), ("mlp1_weight",))
+        (h,) = self._gemms(x, (mlp1_weight,), offsets, (mlp1_bias,), (c[0],), ("mlp1_weight",),
+                           groups.get("mlp1_weight"))
         h = swiglu(self._lowrank_add(h, "mlp1_weight", x, offsets), limit=swiglu_limit)
         # as TorchTitan: under TP the bias is divided by the TP degree in forward only
         b2 = ScaleBiasForward.apply(mlp2_bias, tp_degree)
-        (y,) = self._gemms(h, (mlp2_weight,), offsets, (b2,), (c[1],), ("mlp2_weight",))
+        (y,) = self._gemms(h, (mlp2_weight,), offsets, (b2,), (c[1],), ("mlp2_weight",), groups.get("mlp2_weight"))
         return self._lowrank_add(y, "mlp2_weight", h, offsets)
 
 

@@ -290,6 +290,31 @@ def _amax_buffer(x: torch.Tensor, amax: torch.Tensor | None, n: int) -> torch.Te
     return a.expand(n).contiguous().view(torch.int32)
 
 
+def _amax_bits(amaxes: torch.Tensor) -> torch.Tensor:
+    """int32 fp32 bits of given fp32 amaxes, non-finite values as +inf (the kernels' convention)."""
+    inf = float("inf")
+    return torch.nan_to_num(amaxes.float(), nan=inf, posinf=inf, neginf=inf).contiguous().view(torch.int32)
+
+
+def grouped_amax_tensors(x2d: torch.Tensor, groups: torch.Tensor, colwise: bool,
+                         signs: torch.Tensor | None) -> torch.Tensor:
+    """fp32 [2, E + 1]: the per-expert (row, column) tensor amaxes quantize_operand_tensors reduces with
+    ``groups`` (column: of the RHT'd tokens with ``signs``, else the row ones; 0 without ``colwise``),
+    non-finite values giving +inf, for a caller that all-reduces them across ranks first."""
+    _check_2d(x2d, "grouped_amax")
+    M, K = x2d.shape
+    bexp, ns = _slots(x2d, groups)
+    buf = torch.zeros(2 * ns, dtype=torch.int32, device=x2d.device)
+    rht = colwise and signs is not None
+    signs_t = signs.to(device=x2d.device, dtype=torch.float32).contiguous() if rht else buf
+    if M > 0:
+        _launch(_amax_kernel, _amax_autotuned, x2d, M, K, x2d, M, K, x2d.stride(0), x2d.stride(1), buf, signs_t,
+                bexp, ns, ROW=True, COL=rht, RHT=True, GROUPED=True)
+    if colwise and not rht:
+        buf[ns:] = buf[:ns]
+    return buf.view(torch.float32).view(2, ns)
+
+
 def _check_2d(x: torch.Tensor, name: str) -> None:
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"{name}: expected a 2D floating-point tensor, got {tuple(x.shape)} {x.dtype}")
@@ -315,14 +340,16 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
                              stochastic_col: bool = False, seed: torch.Tensor | None = None,
                              amax: torch.Tensor | None = None, amax_col: torch.Tensor | None = None,
                              groups: torch.Tensor | None = None, row_fp16: bool = False, col_fp16: bool = False,
-                             four_six: bool = False):
+                             four_six: bool = False, group_amaxes: torch.Tensor | None = None):
     """``quantize_operand`` as plain tensors: (row codes, row scales, column codes, column scales,
     fp32 [gs_row, gs_col]); an operand not asked for comes back as empty tensors. With ``groups``
     (the cumulative expert offsets, multiples of 16) every expert's rows get a tensor scale of their
     own and the decode scales come back as fp32 [2, E + 1] (row, column; slot E: rows past the last
     expert). ``row_fp16``: the row operand comes back as the GEMM's staged fp16 values q·e_b [M, K]
     (no global scale; exact) with empty scales, saving the GEMM's own staging pass; ``col_fp16`` the
-    same for the column operand, [K, M padded to 16]. ``four_six``: Four Over Six block and tensor scales."""
+    same for the column operand, [K, M padded to 16]. ``four_six``: Four Over Six block and tensor scales.
+    ``group_amaxes``: with ``groups``, fp32 [2, E + 1] per-expert (row, column) tensor amaxes to use (all-
+    reduced across the ranks sharding the operand) instead of x2d's own."""
     _check_2d(x2d, "quantize_operand")
     M, K = x2d.shape
     Mpad = M + (-M) % 16
@@ -332,17 +359,22 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
     if groups is not None and (amax is not None or amax_col is not None):
         raise ValueError("quantize_operand: given amaxes and per-expert groups exclude each other")
     bexp, ns = _slots(x2d, groups)
+    if group_amaxes is not None and (groups is None or tuple(group_amaxes.shape) != (2, ns)):
+        raise ValueError(f"quantize_operand: group_amaxes must be fp32 [2, {ns}] with groups, got "
+                         f"{tuple(group_amaxes.shape)}")
     buf = torch.zeros(2 * ns, dtype=torch.int32, device=dev)  # fp32 bits of the row amaxes, then the column ones
     gs = torch.empty(2 * ns, dtype=torch.float32, device=dev)  # the decode scales, written by the kernel
     # Without the RHT the column operand holds the same values as the rows: one amax serves both.
-    same_amax = colwise and signs is None and amax_col is None
-    row_needed = amax is None and (rowwise or same_amax)
-    col_needed = colwise and signs is not None and amax_col is None
+    same_amax = colwise and signs is None and amax_col is None and group_amaxes is None
+    row_needed = amax is None and group_amaxes is None and (rowwise or same_amax)
+    col_needed = colwise and signs is not None and amax_col is None and group_amaxes is None
     signs_t = signs.to(device=dev, dtype=torch.float32).contiguous() if signs is not None else buf
     flags = dict(GROUPED=groups is not None)
     if (row_needed or col_needed) and M > 0:
         _launch(_amax_kernel, _amax_autotuned, x2d, M, K, x2d, M, K, x2d.stride(0), x2d.stride(1), buf, signs_t,
                 bexp, ns, ROW=row_needed, COL=col_needed, RHT=True, **flags)
+    if group_amaxes is not None:
+        buf.copy_(_amax_bits(group_amaxes.reshape(-1)))
     if amax is not None:  # given amaxes go in after the reduction (autotuning zeroes the buffer)
         buf[0:1] = _amax_buffer(x2d, amax, 1)
     if amax_col is not None:
@@ -415,8 +447,9 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
     if N % (16 * experts):
         raise ValueError(f"quantize_weight_2d: 16x16 blocks need both dims to be multiples of 16, got "
                          f"{tuple(w.shape) if experts == 1 else (experts, N // experts, K)}")
-    if experts > 1 and amax is not None:
-        raise ValueError("quantize_weight_2d: a given amax and several experts exclude each other")
+    if amax is not None and amax.numel() != experts:
+        raise ValueError(f"quantize_weight_2d: a given amax needs one value per expert ({experts}), got "
+                         f"{tuple(amax.shape)}")
     dev = w.device
     grouped = experts > 1
     bexp = _expert_blocks(experts, N // 16 // experts, dev) if grouped else torch.zeros(1, dtype=torch.int32, device=dev)
@@ -426,7 +459,7 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
         _launch(_amax_kernel, _amax_autotuned, w, N, K, w, N, K, w.stride(0), w.stride(1), buf, buf, bexp, experts,
                 ROW=True, COL=False, RHT=False, GROUPED=grouped)
     elif amax is not None:
-        buf[0:1] = _amax_buffer(w, amax, 1)
+        buf.copy_(_amax_bits(torch.as_tensor(amax, dtype=torch.float32, device=dev).reshape(experts)))
     d = torch.empty((N, K // 2), dtype=torch.uint8, device=dev)
     s = torch.empty((N // 16, K // 16), dtype=torch.float8_e4m3fn, device=dev)
     if staged:
@@ -441,6 +474,21 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
     else:
         gs.copy_(torch.reciprocal(global_encode_scale(buf.view(torch.float32), four_six)))
     return d, s, dt, st, gs
+
+
+def expert_amax_tensors(w: torch.Tensor, experts: int) -> torch.Tensor:
+    """fp32 [experts]: the tensor amax of each of ``experts`` expert weights stacked along w's rows (what
+    quantize_weight_2d_tensors reduces; non-finite values give +inf), for a caller that all-reduces them."""
+    _check_2d(w, "expert_amax")
+    N, K = w.shape
+    buf = torch.zeros(experts, dtype=torch.int32, device=w.device)
+    if N % (16 * experts):
+        raise ValueError(f"expert_amax: {experts} experts of 16-row blocks do not tile {tuple(w.shape)}")
+    if N > 0:
+        _launch(_amax_kernel, _amax_autotuned, w, N, K, w, N, K, w.stride(0), w.stride(1), buf, buf,
+                _expert_blocks(experts, N // 16 // experts, w.device), experts, ROW=True, COL=False, RHT=False,
+                GROUPED=True)
+    return buf.view(torch.float32)
 
 
 @functools.lru_cache(maxsize=64)

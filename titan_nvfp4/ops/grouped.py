@@ -72,33 +72,51 @@ def _stack_offsets(experts: int, rows: int, device: torch.device) -> torch.Tenso
 
 def quantize_tokens(x2d: torch.Tensor, offsets: torch.Tensor, rowwise: bool, colwise: bool,
                     signs: torch.Tensor | None, seed: torch.Tensor | None,
-                    row_staged: bool = True, col_staged: bool = False,
-                    four_six: bool = False) -> tuple[GroupedOperand | None, GroupedOperand | None]:
+                    row_staged: bool = True, col_staged: bool = False, four_six: bool = False,
+                    amaxes: torch.Tensor | None = None) -> tuple[GroupedOperand | None, GroupedOperand | None]:
     """Routed tokens x2d [T, K]: the 1×16 row operand and the wgrad operand xᵀ [K, T padded to 16]
     (RHT when ``signs``), each expert with its own tensor scales; stochastic iff ``seed``.
     ``row_staged`` / ``col_staged``: that operand, when it only feeds a GEMM at once (X's rows; dY's
-    rows and columns), comes as the GEMM's fp16 values (``data`` fp16, no scales) rather than codes."""
+    rows and columns), comes as the GEMM's fp16 values (``data`` fp16, no scales) rather than codes.
+    ``amaxes``: token_amaxes' fp32 [2, E + 1] to use (all-reduced across ranks) instead of x2d's own."""
     sr = seed is not None
     rd, rs, cd, cs, gs = library.quantize_grouped(x2d, offsets, rowwise, colwise, signs, sr, sr, seed,
-                                                  rowwise and row_staged, colwise and col_staged, four_six)
+                                                  rowwise and row_staged, colwise and col_staged, four_six, amaxes)
     row = GroupedOperand(rd, rs, gs[0]) if rowwise else None
     col = GroupedOperand(cd, cs, gs[1]) if colwise else None
     return row, col
 
 
-def quantize_experts(w: torch.Tensor, weight_2d: bool, four_six: bool = False) -> GroupedWeight:
+def token_amaxes(x2d: torch.Tensor, offsets: torch.Tensor, colwise: bool,
+                 signs: torch.Tensor | None) -> torch.Tensor:
+    """fp32 [2, E + 1]: the per-expert (row, column) tensor amaxes quantize_tokens would reduce."""
+    return library.amax_grouped(x2d, offsets, colwise, signs)
+
+
+def expert_amaxes(w: torch.Tensor) -> torch.Tensor:
+    """fp32 [E]: each expert weight's tensor amax (w [E, N, K]), as quantize_experts reduces it."""
+    E, N, K = w.shape
+    return library.amax_experts(w.reshape(E * N, K), E)
+
+
+def quantize_experts(w: torch.Tensor, weight_2d: bool, four_six: bool = False,
+                     amax: torch.Tensor | None = None) -> GroupedWeight:
     """Expert weights w [E, N, K]: 16×16 blocks (one quantization read both ways, Wᵀ = [K, E·N]; W
     itself comes staged as fp16, since only the forward GEMM reads it) or 1×16 along K for fprop and
-    1×16 along N for dgrad (Wᵀ stacked as [E·K, N])."""
+    1×16 along N for dgrad (Wᵀ stacked as [E·K, N]). ``amax``: fp32 [E] expert amaxes to use (an
+    expert weight sharded across ranks: all-reduced) instead of w's own."""
     E, N, K = w.shape
     if weight_2d:
-        d, s, dt, st, gs = library.quantize_2d_grouped(w.reshape(E * N, K), E, True, four_six)
+        d, s, dt, st, gs = library.quantize_2d_grouped(w.reshape(E * N, K), E, True, four_six, amax)
         return GroupedWeight(GroupedOperand(d, s, gs, True), GroupedOperand(dt, st, gs, True), 0, N)
+    slots = None
+    if amax is not None:  # [row, column] slots of the stacked experts plus the (empty) tail slot
+        slots = torch.cat([amax.float().reshape(E), amax.new_zeros(1, dtype=torch.float32)]).expand(2, E + 1)
     rd, rs, _, _, gs = library.quantize_grouped(w.reshape(E * N, K), _stack_offsets(E, N, w.device), True, False,
-                                                None, False, False, None, False, False, four_six)
+                                                None, False, False, None, False, False, four_six, slots)
     wt = w.transpose(1, 2).reshape(E * K, N)
     td, ts, _, _, gst = library.quantize_grouped(wt, _stack_offsets(E, K, w.device), True, False, None, False,
-                                                 False, None, False, False, four_six)
+                                                 False, None, False, False, four_six, slots)
     return GroupedWeight(GroupedOperand(rd, rs, gs[0]), GroupedOperand(td, ts, gst[0]), K, 0)
 
 
@@ -114,4 +132,5 @@ def gemm_tokens(a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, out
     return library.grouped_gemm_tokens(a.data, a.scale, b.data, b.scale, offsets, a.gs, b.gs, out_dtype)
 
 
-__all__ = ["GroupedOperand", "GroupedWeight", "block_experts", "expert_bias_grad", "gemm_rows", "gemm_tokens", "quantize_experts", "quantize_tokens"]
+__all__ = ["GroupedOperand", "GroupedWeight", "block_experts", "expert_amaxes", "expert_bias_grad", "gemm_rows",
+           "gemm_tokens", "quantize_experts", "quantize_tokens", "token_amaxes"]

@@ -16,6 +16,7 @@ the registered op, so tracing and dispatch modes see one opaque op as before.
   titan_nvfp4::quantize_2d  16×16-block weight plus the codes and scales of its transpose
   titan_nvfp4::gemm         (A·Bᵀ)·gs_A·gs_B [+ bias] on the emulated or the native backend
   titan_nvfp4::quantize_mxfp8  rowwise and/or columnwise MXFP8 of one 2D operand
+  titan_nvfp4::*_grouped, amax_experts, grouped_gemm_*  the same for MoE experts, per-expert tensor scales
 """
 
 from __future__ import annotations
@@ -225,38 +226,66 @@ def _quantize_mxfp8_fake(x, rowwise, colwise):
 @_op("quantize_grouped")
 def quantize_grouped(x: Tensor, offsets: Tensor, rowwise: bool, colwise: bool, signs: Optional[Tensor],
                      stochastic_row: bool, stochastic_col: bool, seed: Optional[Tensor], row_fp16: bool,
-                     col_fp16: bool = False, four_six: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     col_fp16: bool = False, four_six: bool = False,
+                     amaxes: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``quantize`` of routed tokens grouped by expert (``offsets``: cumulative group ends, multiples
     of 16), each expert with its own tensor scales: decode scales fp32 [2, E + 1] (row, column).
-    ``row_fp16`` / ``col_fp16``: that operand as the GEMM's staged fp16 values (its scales empty)."""
+    ``row_fp16`` / ``col_fp16``: that operand as the GEMM's staged fp16 values (its scales empty).
+    ``amaxes``: amax_grouped's fp32 [2, E + 1] to use (all-reduced across ranks) instead of x's own."""
     from ..kernels.quantize import quantize_operand_tensors
 
     return quantize_operand_tensors(x, rowwise=rowwise, colwise=colwise, signs=signs, stochastic_row=stochastic_row,
                                     stochastic_col=stochastic_col, seed=seed, groups=offsets, row_fp16=row_fp16,
-                                    col_fp16=col_fp16, four_six=four_six)
+                                    col_fp16=col_fp16, four_six=four_six, group_amaxes=amaxes)
 
 
 @quantize_grouped.op.register_fake
 def _quantize_grouped_fake(x, offsets, rowwise, colwise, signs, stochastic_row, stochastic_col, seed, row_fp16,
-                           col_fp16=False, four_six=False):
+                           col_fp16=False, four_six=False, amaxes=None):
     rd, rs, cd, cs, _ = _quantize_fake(x, rowwise, colwise, signs, stochastic_row, stochastic_col, seed, row_fp16,
                                        col_fp16)
     return rd, rs, cd, cs, x.new_empty((2, offsets.shape[0] + 1), dtype=torch.float32)
 
 
+@_op("amax_grouped")
+def amax_grouped(x: Tensor, offsets: Tensor, colwise: bool, signs: Optional[Tensor]) -> Tensor:
+    """fp32 [2, E + 1]: the per-expert (row, column) amaxes ``quantize_grouped`` would reduce."""
+    from ..kernels.quantize import grouped_amax_tensors
+
+    return grouped_amax_tensors(x, offsets, colwise, signs)
+
+
+@amax_grouped.op.register_fake
+def _amax_grouped_fake(x, offsets, colwise, signs):
+    return x.new_empty((2, offsets.shape[0] + 1), dtype=torch.float32)
+
+
+@_op("amax_experts")
+def amax_experts(w: Tensor, experts: int) -> Tensor:
+    """fp32 [E]: the tensor amax of each of ``experts`` expert weights stacked along w's rows."""
+    from ..kernels.quantize import expert_amax_tensors
+
+    return expert_amax_tensors(w, experts)
+
+
+@amax_experts.op.register_fake
+def _amax_experts_fake(w, experts):
+    return w.new_empty((experts,), dtype=torch.float32)
+
+
 @_op("quantize_2d_grouped")
-def quantize_2d_grouped(w: Tensor, experts: int, staged: bool,
-                        four_six: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def quantize_2d_grouped(w: Tensor, experts: int, staged: bool, four_six: bool = False,
+                        amax: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``quantize_2d`` of ``experts`` stacked expert weights w [E·N, K], one tensor scale each:
     decode scales [E]; the transpose is that of the stack, [K, E·N]. ``staged``: W as the GEMM's
-    fp16 values [E·N, K] (scales empty); Wᵀ stays codes."""
+    fp16 values [E·N, K] (scales empty); Wᵀ stays codes. ``amax``: fp32 [E] expert amaxes to use."""
     from ..kernels.quantize import quantize_weight_2d_tensors
 
-    return quantize_weight_2d_tensors(w, experts=experts, staged=staged, four_six=four_six)
+    return quantize_weight_2d_tensors(w, amax, experts=experts, staged=staged, four_six=four_six)
 
 
 @quantize_2d_grouped.op.register_fake
-def _quantize_2d_grouped_fake(w, experts, staged, four_six=False):
+def _quantize_2d_grouped_fake(w, experts, staged, four_six=False, amax=None):
     d, s, dt, st, _ = _quantize_2d_fake(w, staged)
     return d, s, dt, st, w.new_empty((experts,), dtype=torch.float32)
 
