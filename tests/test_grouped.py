@@ -146,6 +146,38 @@ def test_grouped_kernels_bit_identical_to_reference(weight_2d, rht):
         assert torch.equal(nvfp4_grouped_mm(x, w, offsets, b, recipe), y)
 
 
+def test_grouped_kernels_take_given_per_expert_amaxes():
+    """What expert tensor parallelism feeds the kernels: amax_grouped / amax_experts equal the per-expert
+    reference amaxes, and quantizing with given (here doubled) amaxes equals the reference quantizer
+    with those amaxes, expert by expert, for the routed tokens (rows, RHT columns) and the weights."""
+    from titan_nvfp4.ops import grouped as G
+    from titan_nvfp4.ops import operand_amax
+
+    x, w, _, offsets, _ = _case(counts=ALIGNED, tail=16, k=64, n=48)
+    signs = rht_signs(0)
+    amax = G.token_amaxes(x, offsets, True, signs)
+    bounds = [(0, 0), (0, 48), (48, 48), (48, 64), (64, 128)]
+    for e, (a, b) in enumerate(bounds):
+        want = operand_amax(x[a:b], True, signs, "reference") if b > a else torch.zeros(2)
+        assert torch.equal(amax[:, e], want), e
+    given = 2 * amax
+    row, col = G.quantize_tokens(x, offsets, True, True, signs, None, row_staged=False, amaxes=given)
+    for e, (a, b) in enumerate(bounds):
+        if b == a:
+            continue
+        ref_row = quantize_rowwise(x[a:b], amax=given[0, e])
+        assert torch.equal(row.data[a:b], ref_row.data) and torch.equal(row.gs[e], ref_row.global_scale.reshape(()))
+        ref_col = quantize_wgrad_operand(x[a:b], signs, amax=given[1, e])
+        assert torch.equal(col.data[:, a // 2:b // 2], ref_col.data) and torch.equal(col.gs[e], ref_col.global_scale.reshape(()))
+    w_amax = G.expert_amaxes(w)
+    assert torch.equal(w_amax, w.abs().amax(dim=(1, 2)))
+    gw = G.quantize_experts(w, True, amax=3 * w_amax)
+    for e in range(w.shape[0]):
+        ref_t = quantize_weight(w[e], True, "reference", 3 * w_amax[e])[1]
+        assert torch.equal(gw.t.data[:, e * 24:(e + 1) * 24], ref_t.data), e
+        assert torch.equal(gw.t.gs[e], ref_t.global_scale.reshape(()))
+
+
 def test_grouped_kernels_stochastic_rounding_is_unbiased_and_keeps_the_scales():
     """SR of routed tokens in one launch: block and per-expert tensor scales as nearest-even, every
     element on one of its two grid neighbours, and the rounding error averaging out."""
