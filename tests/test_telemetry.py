@@ -12,7 +12,7 @@ from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
 from titan_nvfp4.numerics.nvfp4 import quantize_nvfp4
 from titan_nvfp4.schedule import StepCounter
 from titan_nvfp4.telemetry import Telemetry, drain_all, install_metrics_hook, operand_stats
-from test_grouped import cpu_histc  # noqa: F401  (fixture)
+from test_grouped import cpu_histc, cpu_triton  # noqa: F401  (cpu_histc: a fixture)
 
 
 def test_operand_stats_on_crafted_blocks():
@@ -105,6 +105,7 @@ def test_expert_weight_stats_quantize_each_expert_on_its_own():
     assert got["snr_db"] == pytest.approx(10 * math.log10(sig / err))
 
 
+@cpu_triton
 @pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
 def test_experts_measure_every_grouped_gemm(name, cpu_histc):
     from titan_nvfp4.integration.converter import convert_experts
