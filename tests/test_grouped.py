@@ -393,6 +393,7 @@ def test_expert_dims_not_multiple_of_16_rejected():
         NVFP4GroupedExperts.convert(mod, REF, 0, name="layers.3.moe.experts")
 
 
+@cpu_triton
 @pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
 def test_expert_lowrank_branch_meta_build_decomposition_and_gradients(name, cpu_histc):
     """lora_rank on experts: factors allocated on meta, the per-expert SVD split after init_weights
@@ -519,6 +520,7 @@ def _experts_fsdp_worker(rank: int, world: int, port: int, weights: dict, x: tor
         dist.destroy_process_group()
 
 
+@cpu_triton
 def test_expert_lowrank_under_fsdp2_matches_one_process():
     """Expert weights sharded by FSDP2 over 2 gloo ranks (along the expert dim): each expert's SVD on the
     gathered weight, every rank holding shards of rank 0's factors, and the forward (unsharded
