@@ -83,8 +83,10 @@ def test_mxfp8_backward_kernels_match_the_reference(n, monkeypatch):
         emu = _run(NVFP4Recipe(gemm_backend="emulated", backward="mxfp8"), x, w, b)
     for a, e in zip(ref[1:4], emu[1:4]):
         assert torch.equal(a, e)
-    # forward: Xᵀ; backward: dY both ways (only when 32 divides N) and Wᵀ
-    assert kernel_calls == ([(False, True), (True, True), (False, True)] if n == 64 else [(False, True)] * 2)
+    # (rowwise, colwise, staged) — forward: Xᵀ kept as MXFP8; backward: dY both ways (only when 32
+    # divides N) and Wᵀ, staged in BF16 for their GEMMs
+    want = [(False, True, False), (True, True, True), (False, True, True)]
+    assert kernel_calls == (want if n == 64 else [want[0], want[2]])
     fp8 = [t for t in saved if t.dtype == torch.float8_e4m3fn]
     assert [tuple(t.shape) for t in fp8] == [(64, 64)], "Xᵀ in MXFP8, 40 tokens padded to 64"
     assert not any(t.shape == x.shape and t.is_floating_point() and t.element_size() >= 2 for t in saved)

@@ -60,8 +60,8 @@ def test_quantize_2d_and_gemm_ops_pass_opcheck():
 @pytest.mark.parametrize("rows", [64, 40])
 def test_quantize_mxfp8_op_passes_opcheck(rows):
     x = _x(rows, 64, dtype=torch.bfloat16)
-    for flags in [(True, True), (True, False), (False, True)]:
-        torch.library.opcheck(library.quantize_mxfp8.op, (x, *flags))
+    for flags in [(True, True), (True, False), (False, True), (True, True, True), (False, True, True)]:
+        torch.library.opcheck(library.quantize_mxfp8.op, (x, *flags))  # third: staged BF16 values
 
 
 def test_gemm_op_rejects_unknown_backend():

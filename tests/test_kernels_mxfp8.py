@@ -29,6 +29,20 @@ def _check(x):
     ref_col = quantize_mxfp8(xt.contiguous())
     assert torch.equal(_bytes(col.data), _bytes(ref_col.data)), "column elements"
     assert torch.equal(_bytes(col.scale), _bytes(ref_col.scale)), "column scales"
+    # staged: the dequantized values in BF16, bit for bit the reference's wherever they are BF16 normals
+    # (or 0, ±inf, NaN); below 2^-126 the BF16 subnormal rounding of the two conversions may differ
+    from titan_nvfp4.kernels.mxfp8 import quantize_mxfp8_tensors
+
+    srd, srs, scd, scs = quantize_mxfp8_tensors(x, True, True, staged=True)
+    assert srd.dtype == scd.dtype == torch.bfloat16 and srs.numel() == scs.numel() == 0
+    for got, ref, what in ((srd, ref_row, "staged rows"), (scd, ref_col, "staged columns")):
+        want = ref.dequantize(torch.float32)
+        got = got.cpu().contiguous()
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan), what
+        normal = (~(want.abs() < 2.0**-126) | (want == 0)) & ~nan
+        want16 = want.to(torch.bfloat16).contiguous().view(torch.int16)
+        assert torch.equal(got.view(torch.int16)[normal], want16[normal]), what
     return row, col
 
 

@@ -142,9 +142,10 @@ class NVFP4LinearFunction(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and x_a is not None
         dx = dw = db = None
         if ctx.recipe.backward == "mxfp8":
-            dy_row, dy_col = mxfp8_operands(dy2d, need_dx, need_dw, ctx.backend)
+            # dY and Wᵀ feed one GEMM each at once: staged (dequantized by the kernel), not codes
+            dy_row, dy_col = mxfp8_operands(dy2d, need_dx, need_dw, ctx.backend, staged=True)
             if need_dx:
-                _, w_col = mxfp8_operands(weight.to(dt), False, True, ctx.backend)
+                _, w_col = mxfp8_operands(weight.to(dt), False, True, ctx.backend, staged=True)
                 dx = mxfp8_gemm(dy_row, w_col, ctx.x_dtype).reshape(ctx.x_shape)
             if need_dw:
                 dw = mxfp8_gemm(dy_col, MXFP8Tensor(x_a, x_b), ctx.w_dtype)

@@ -42,6 +42,13 @@ def _pow2_neg(e):
 
 
 @triton.jit
+def _pow2_pos(e):
+    """The block's decode factor 2^e as fp32 (e in [-127, 127]); NaN for e = 128, a non-finite block, as
+    the reference decodes it (its E8M0 byte 255 is NaN)."""
+    return tl.where(e == 128, float("nan"), _pow2_neg(-e))
+
+
+@triton.jit
 def _to_e4m3(v):
     """Twin of formats.to_e4m3_saturating: nearest-even E4M3 of fp32 v, ±448 saturation, NaN kept."""
     mag = e4m3_round(tl.minimum(tl.abs(v), E4M3_MAX))
@@ -53,8 +60,10 @@ def _to_e4m3(v):
 
 @triton.jit
 def _mxfp8_kernel(X, M, K, sxm, sxk, RD, RS, CD, CS, Mpad, ROW: tl.constexpr, COL: tl.constexpr,
-                  BM: tl.constexpr, BK: tl.constexpr):
-    """RD [M, K] e4m3 and RS [M, K/32] E8M0 bytes; CD [K, Mpad] and CS [K, Mpad/32] for xᵀ."""
+                  BM: tl.constexpr, BK: tl.constexpr, STAGED: tl.constexpr = False):
+    """RD [M, K] e4m3 and RS [M, K/32] E8M0 bytes; CD [K, Mpad] and CS [K, Mpad/32] for xᵀ. STAGED: RD
+    and CD get the dequantized values element·2^e in BF16 instead (what a BF16 GEMM reads; exact unless
+    below BF16's normal range), and no scales."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rm < M)[:, None] & (rk < K)[None, :]
@@ -62,20 +71,29 @@ def _mxfp8_kernel(X, M, K, sxm, sxk, RD, RS, CD, CS, Mpad, ROW: tl.constexpr, CO
     if ROW:
         blocks = tl.reshape(x, (BM, BK // 32, 32))
         e = _ceil_log2_div448(tl.max(nan_to_inf_abs(blocks), axis=2))  # [BM, BK/32]
-        q = tl.reshape(_to_e4m3(blocks * _pow2_neg(e)[:, :, None]), (BM, BK))
-        tl.store(RD + rm[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
-        rs = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)
-        tl.store(RS + rm[:, None].to(tl.int64) * (K // 32) + rs[None, :], (e + 127).to(tl.uint8),
-                 mask=(rm < M)[:, None] & (rs < K // 32)[None, :])
+        q = _to_e4m3(blocks * _pow2_neg(e)[:, :, None])
+        if STAGED:
+            v = (q.to(tl.float32) * _pow2_pos(e)[:, :, None]).to(tl.bfloat16)
+            tl.store(RD + rm[:, None].to(tl.int64) * K + rk[None, :], tl.reshape(v, (BM, BK)), mask=mask)
+        else:
+            tl.store(RD + rm[:, None].to(tl.int64) * K + rk[None, :], tl.reshape(q, (BM, BK)), mask=mask)
+            rs = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)
+            tl.store(RS + rm[:, None].to(tl.int64) * (K // 32) + rs[None, :], (e + 127).to(tl.uint8),
+                     mask=(rm < M)[:, None] & (rs < K // 32)[None, :])
     if COL:
         blocks = tl.reshape(x, (BM // 32, 32, BK))
         e = _ceil_log2_div448(tl.max(nan_to_inf_abs(blocks), axis=1))  # [BM/32, BK]
-        q = tl.reshape(_to_e4m3(blocks * _pow2_neg(e)[:, None, :]), (BM, BK))
+        q = _to_e4m3(blocks * _pow2_neg(e)[:, None, :])
         cmask = (rk < K)[:, None] & (rm < Mpad)[None, :]
-        tl.store(CD + rk[:, None].to(tl.int64) * Mpad + rm[None, :], tl.trans(q), mask=cmask)
-        cb = tl.program_id(0) * (BM // 32) + tl.arange(0, BM // 32)
-        tl.store(CS + rk[:, None].to(tl.int64) * (Mpad // 32) + cb[None, :], tl.trans((e + 127).to(tl.uint8)),
-                 mask=(rk < K)[:, None] & (cb < Mpad // 32)[None, :])
+        if STAGED:
+            v = tl.reshape((q.to(tl.float32) * _pow2_pos(e)[:, None, :]).to(tl.bfloat16), (BM, BK))
+            tl.store(CD + rk[:, None].to(tl.int64) * Mpad + rm[None, :], tl.trans(v), mask=cmask)
+        else:
+            tl.store(CD + rk[:, None].to(tl.int64) * Mpad + rm[None, :], tl.trans(tl.reshape(q, (BM, BK))),
+                     mask=cmask)
+            cb = tl.program_id(0) * (BM // 32) + tl.arange(0, BM // 32)
+            tl.store(CS + rk[:, None].to(tl.int64) * (Mpad // 32) + cb[None, :], tl.trans((e + 127).to(tl.uint8)),
+                     mask=(rk < K)[:, None] & (cb < Mpad // 32)[None, :])
 
 
 _BM, _BK = 32, 64  # fixed tiles (the interpreter, small inputs)
@@ -83,12 +101,13 @@ _BM, _BK = 32, 64  # fixed tiles (the interpreter, small inputs)
 _mxfp8_autotuned = triton.autotune(
     [triton.Config({"BM": bm, "BK": bk}, num_warps=w)
      for bm, bk, w in ((32, 128, 4), (64, 128, 4), (64, 64, 4), (128, 64, 8), (32, 256, 4))],
-    key=["M", "K", "ROW", "COL"])(_mxfp8_kernel)
+    key=["M", "K", "ROW", "COL", "STAGED"])(_mxfp8_kernel)
 
 
-def quantize_mxfp8_tensors(x2d: torch.Tensor, rowwise: bool = True, colwise: bool = False):
+def quantize_mxfp8_tensors(x2d: torch.Tensor, rowwise: bool = True, colwise: bool = False, staged: bool = False):
     """(row elements [M, K] e4m3, row scales [M, K/32] e8m0, column elements [K, Mpad] e4m3, column
-    scales [K, Mpad/32] e8m0); an operand not asked for comes back as empty tensors."""
+    scales [K, Mpad/32] e8m0); an operand not asked for comes back as empty tensors. ``staged``: the
+    elements come dequantized (element·2^e) in BF16, the scales empty."""
     if x2d.dim() != 2 or not x2d.is_floating_point():
         raise ValueError(f"quantize_mxfp8: expected a 2D floating-point tensor, got {tuple(x2d.shape)} {x2d.dtype}")
     M, K = x2d.shape
@@ -98,18 +117,19 @@ def quantize_mxfp8_tensors(x2d: torch.Tensor, rowwise: bool = True, colwise: boo
         raise ValueError(f"quantize_mxfp8: {x2d.numel()} elements exceed the kernel's 2^31 element limit")
     Mpad = M + (-M) % MX_BLOCK
     dev, f8, e8 = x2d.device, torch.float8_e4m3fn, torch.uint8
-    rd = torch.empty((M, K) if rowwise else (0,), dtype=f8, device=dev)
-    rs = torch.empty((M, K // 32) if rowwise else (0,), dtype=e8, device=dev)
-    cd = torch.empty((K, Mpad) if colwise else (0,), dtype=f8, device=dev)
-    cs = torch.empty((K, Mpad // 32) if colwise else (0,), dtype=e8, device=dev)
+    ed = torch.bfloat16 if staged else f8
+    rd = torch.empty((M, K) if rowwise else (0,), dtype=ed, device=dev)
+    rs = torch.empty((M, K // 32) if rowwise and not staged else (0,), dtype=e8, device=dev)
+    cd = torch.empty((K, Mpad) if colwise else (0,), dtype=ed, device=dev)
+    cs = torch.empty((K, Mpad // 32) if colwise and not staged else (0,), dtype=e8, device=dev)
     if M and K and (rowwise or colwise):
         args = (x2d, M, K, x2d.stride(0), x2d.stride(1), rd, rs, cd, cs, Mpad)
         if x2d.is_cuda and x2d.numel() >= 2**22:
             grid = lambda meta: (triton.cdiv(Mpad, meta["BM"]), triton.cdiv(K, meta["BK"]))  # noqa: E731
-            _mxfp8_autotuned[grid](*args, ROW=rowwise, COL=colwise)
+            _mxfp8_autotuned[grid](*args, ROW=rowwise, COL=colwise, STAGED=staged)
         else:
             grid = (triton.cdiv(Mpad, _BM), triton.cdiv(K, _BK))
-            _mxfp8_kernel[grid](*args, ROW=rowwise, COL=colwise, BM=_BM, BK=_BK, num_warps=4)
+            _mxfp8_kernel[grid](*args, ROW=rowwise, COL=colwise, BM=_BM, BK=_BK, STAGED=staged, num_warps=4)
     e8m0 = torch.float8_e8m0fnu
     return rd, rs.view(e8m0), cd, cs.view(e8m0)
 

@@ -43,17 +43,19 @@ def _matmul_fp32_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float().t()
 
 
-def mxfp8_gemm(a: MXFP8Tensor, b: MXFP8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """a [M, C] · b [N, C]ᵀ of two MXFP8 operands (1×32 blocks along C, ops.quantize.mxfp8_operands), as
-    an MXFP8 tensor core computes it: exact products, fp32 sums, one rounding to out_dtype. On a GPU the
-    operands are dequantized to BF16 (an E4M3 element times a power of two is exact in BF16 unless the
-    block's amax is below 448·2⁻¹²⁷, where BF16 subnormals drop low bits) for a BF16 tensor-core GEMM
-    with fp32 accumulation; elsewhere to fp32."""
-    dt = torch.bfloat16 if a.data.is_cuda else torch.float32
-    return _matmul_fp32_accumulate(_mx_dequantize(a, dt), _mx_dequantize(b, dt)).to(out_dtype)
+def mxfp8_gemm(a: MXFP8Tensor | torch.Tensor, b: MXFP8Tensor | torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, C] · b [N, C]ᵀ of two MXFP8 operands (1×32 blocks along C, ops.quantize.mxfp8_operands; or
+    their staged values), as an MXFP8 tensor core computes it: exact products, fp32 sums, one rounding
+    to out_dtype. On a GPU the operands are dequantized to BF16 (an E4M3 element times a power of two is
+    exact in BF16 unless the block's amax is below 448·2⁻¹²⁷, where BF16 subnormals drop low bits) for a
+    BF16 tensor-core GEMM with fp32 accumulation; elsewhere to fp32."""
+    return _matmul_fp32_accumulate(_mx_dequantize(a), _mx_dequantize(b)).to(out_dtype)
 
 
-def _mx_dequantize(t: MXFP8Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _mx_dequantize(t: MXFP8Tensor | torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, MXFP8Tensor):
+        return t  # already staged
+    dtype = torch.bfloat16 if t.data.is_cuda else torch.float32
     rows, cols = t.data.shape
     scale = e8m0_to_float(t.scale).to(dtype).unsqueeze(-1)
     return (t.data.view(rows, cols // MX_BLOCK, MX_BLOCK).to(dtype) * scale).view(rows, cols)

@@ -203,22 +203,24 @@ def _gemm_fake(a_data, a_scale, a_gs, a_tiles, b_data, b_scale, b_gs, b_tiles, o
 
 
 @_op("quantize_mxfp8")
-def quantize_mxfp8(x: Tensor, rowwise: bool, colwise: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def quantize_mxfp8(x: Tensor, rowwise: bool, colwise: bool, staged: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """MXFP8 (row elements, row E8M0 scales, column elements, column scales) of a 2D operand; the
-    column operand holds xᵀ with tokens zero-padded to a multiple of 32."""
+    column operand holds xᵀ with tokens zero-padded to a multiple of 32. ``staged``: the elements come
+    dequantized in BF16 (what a BF16 GEMM reads) and the scales empty."""
     from ..kernels.mxfp8 import quantize_mxfp8_tensors
 
-    return quantize_mxfp8_tensors(x, rowwise, colwise)
+    return quantize_mxfp8_tensors(x, rowwise, colwise, staged)
 
 
 @quantize_mxfp8.op.register_fake
-def _quantize_mxfp8_fake(x, rowwise, colwise):
+def _quantize_mxfp8_fake(x, rowwise, colwise, staged=False):
     m, k = x.shape
     mpad = m + (-m) % 32
-    f8, e8 = torch.float8_e4m3fn, torch.float8_e8m0fnu
-    return (x.new_empty((m, k) if rowwise else (0,), dtype=f8), x.new_empty((m, k // 32) if rowwise else (0,), dtype=e8),
+    f8, e8 = (torch.bfloat16 if staged else torch.float8_e4m3fn), torch.float8_e8m0fnu
+    return (x.new_empty((m, k) if rowwise else (0,), dtype=f8),
+            x.new_empty((m, k // 32) if rowwise and not staged else (0,), dtype=e8),
             x.new_empty((k, mpad) if colwise else (0,), dtype=f8),
-            x.new_empty((k, mpad // 32) if colwise else (0,), dtype=e8))
+            x.new_empty((k, mpad // 32) if colwise and not staged else (0,), dtype=e8))
 
 
 # ----------------------------------------------------------------------------- grouped (MoE experts)

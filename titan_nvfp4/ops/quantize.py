@@ -124,17 +124,23 @@ def quantize_weight(w: torch.Tensor, weight_2d: bool, backend: str, amax: torch.
     return wq, wt
 
 
-def mxfp8_operands(x2d: torch.Tensor, rowwise: bool, colwise: bool,
-                   backend: str) -> tuple[MXFP8Tensor | None, MXFP8Tensor | None]:
+def mxfp8_operands(x2d: torch.Tensor, rowwise: bool, colwise: bool, backend: str,
+                   staged: bool = False) -> tuple[MXFP8Tensor | torch.Tensor | None, MXFP8Tensor | torch.Tensor | None]:
     """MXFP8 operands of an MXFP8 backward: x2d with 1×32 blocks along its last dim (zero-padded to a
     multiple of 32), and x2dᵀ with blocks along x2d's first dim ([K, M padded to 32]), nearest-even.
     The Triton kernel emits both from one read when 32 divides x2d's last dim; the reference quantizer
-    (numerics/mxfp8.py, bit-identical) serves the CPU backend and other shapes."""
+    (numerics/mxfp8.py, bit-identical) serves the CPU backend and other shapes. ``staged``: each operand
+    comes dequantized, as the GEMM reads it (BF16 on a GPU: exact, see ops.gemm.mxfp8_gemm; else fp32)."""
     kernel = backend != "reference" and x2d.shape[1] % MX_BLOCK == 0 and 0 < x2d.numel() < 2**31
     if kernel:
-        rd, rs, cd, cs = library.quantize_mxfp8(x2d, rowwise, colwise)
+        rd, rs, cd, cs = library.quantize_mxfp8(x2d, rowwise, colwise, staged)
+        if staged:
+            return (rd if rowwise else None), (cd if colwise else None)
         return (MXFP8Tensor(rd, rs) if rowwise else None), (MXFP8Tensor(cd, cs) if colwise else None)
     pad_k, pad_m = (-x2d.shape[1]) % MX_BLOCK, (-x2d.shape[0]) % MX_BLOCK
     row = quantize_mxfp8(torch.nn.functional.pad(x2d, (0, pad_k))) if rowwise else None
     col = quantize_mxfp8(torch.nn.functional.pad(x2d, (0, 0, 0, pad_m)).t().contiguous()) if colwise else None
+    if staged:
+        dt = torch.bfloat16 if x2d.is_cuda else torch.float32
+        return (row.dequantize(dt) if row else None), (col.dequantize(dt) if col else None)
     return row, col
