@@ -49,18 +49,7 @@ def mxfp8_gemm(a: MXFP8Tensor | torch.Tensor, b: MXFP8Tensor | torch.Tensor, out
     to out_dtype. On a GPU the operands are dequantized to BF16 (an E4M3 element times a power of two is
     exact in BF16 unless the block's amax is below 448·2⁻¹²⁷, where BF16 subnormals drop low bits) for a
     BF16 tensor-core GEMM with fp32 accumulation; elsewhere to fp32."""
-    a, b = _mx_dequantize(a), _mx_dequantize(b)
-    if a.is_cuda and a.dtype == b.dtype == out_dtype == torch.bfloat16 and not torch.compiler.is_compiling():
-        # BF16 out straight from cuBLAS's fp32 accumulator (no fp32 copy of the product): with reduced-
-        # precision reductions off, split-K partial sums stay fp32 too, so it is one rounding as below
-        flags = torch.backends.cuda.matmul
-        prev = flags.allow_bf16_reduced_precision_reduction
-        flags.allow_bf16_reduced_precision_reduction = False
-        try:
-            return a @ b.t()
-        finally:
-            flags.allow_bf16_reduced_precision_reduction = prev
-    return _matmul_fp32_accumulate(a, b).to(out_dtype)
+    return _matmul_fp32_accumulate(_mx_dequantize(a), _mx_dequantize(b)).to(out_dtype)
 
 
 def _mx_dequantize(t: MXFP8Tensor | torch.Tensor) -> torch.Tensor:
