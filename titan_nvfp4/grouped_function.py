@@ -279,8 +279,8 @@ def nvfp4_grouped_mm_shared(x: torch.Tensor, weights, offsets: torch.Tensor, bia
     if _use_grouped_kernels(resolve_backend(recipe.gemm_backend, x.device), offsets, aligned):
         return list(NVFP4GroupedKernelFunction.apply(x, offsets, recipe, signs, need_wgrad, len(weights),
                                                      groups if groups else None, *weights, *biases, *counters))
-    return [NVFP4GroupedMMFunction.apply(x, w, b, offsets, recipe, c, signs, torch.is_grad_enabled() and w.requires_grad,
-                                         groups if groups else None)
+    return [NVFP4GroupedMMFunction.apply(x, w, b, offsets, recipe, c, signs,
+                                         torch.is_grad_enabled() and w.requires_grad, groups if groups else None)
             for w, b, c in zip(weights, biases, counters)]
 
 

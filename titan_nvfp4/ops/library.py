@@ -203,7 +203,8 @@ def _gemm_fake(a_data, a_scale, a_gs, a_tiles, b_data, b_scale, b_gs, b_tiles, o
 
 
 @_op("quantize_mxfp8")
-def quantize_mxfp8(x: Tensor, rowwise: bool, colwise: bool, staged: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def quantize_mxfp8(x: Tensor, rowwise: bool, colwise: bool,
+                   staged: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """MXFP8 (row elements, row E8M0 scales, column elements, column scales) of a 2D operand; the
     column operand holds xᵀ with tokens zero-padded to a multiple of 32. ``staged``: the elements come
     dequantized in BF16 (what a BF16 GEMM reads) and the scales empty."""
