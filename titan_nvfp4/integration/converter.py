@@ -169,11 +169,8 @@ class NVFP4LinearConverter(QuantizationConverter):
                                     self.total_steps)
             log_switch_plan("Linear layers", c, self.bf16_after_fraction, self.total_steps)
             if self.telemetry_every:
-                telemetry = Telemetry(self.telemetry_every, c)
-                for fqn in report["converted"]:
-                    model.get_submodule(fqn).telemetry = telemetry
-                logger.info(f"NVFP4: telemetry of {len(report['converted'])} Linear layers every "
-                            f"{self.telemetry_every} steps (nvfp4/<layer>/<operand>/<stat> in the metrics)")
+                attach_telemetry(model, report["converted"], self.telemetry_every, c, "Linear layers",
+                                 "nvfp4/<layer>/<operand>/<stat>")
 
     def post_optimizer_hook(self, model) -> None:
         """Push the step's activation amaxes into the histories; count the optimizer step; switch to high
@@ -186,6 +183,15 @@ class NVFP4LinearConverter(QuantizationConverter):
             if self.lora_refresh_steps and counter.count % self.lora_refresh_steps == 0:
                 n = redecompose(part)
                 logger.info(f"NVFP4: re-decomposed {n} low-rank modules after optimizer step {counter.count}")
+
+
+def attach_telemetry(model: nn.Module, converted: list[str], every: int, counter: StepCounter, what: str,
+                     names: str) -> None:
+    """Share one Telemetry (measured steps follow ``counter``) among the modules at the ``converted`` fqns."""
+    telemetry = Telemetry(every, counter)
+    for fqn in converted:
+        model.get_submodule(fqn).telemetry = telemetry
+    logger.info(f"NVFP4: telemetry of {len(converted)} {what} every {every} steps ({names} in the metrics)")
 
 
 def log_switch_plan(what: str, counter: StepCounter, fraction: float, total_steps: int) -> None:
@@ -288,11 +294,8 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
                                     self.total_steps)
             log_switch_plan("experts", c, self.bf16_after_fraction, self.total_steps)
             if self.telemetry_every:
-                telemetry = Telemetry(self.telemetry_every, c)
-                for fqn in report["converted"]:
-                    model.get_submodule(fqn).telemetry = telemetry
-                logger.info(f"NVFP4: telemetry of {len(report['converted'])} expert modules every "
-                            f"{self.telemetry_every} steps (nvfp4/<experts>/<weight>/<operand>/<stat>)")
+                attach_telemetry(model, report["converted"], self.telemetry_every, c, "expert modules",
+                                 "nvfp4/<experts>/<weight>/<operand>/<stat>")
 
     def post_optimizer_hook(self, model) -> None:
         """Count the optimizer step (telemetry steps follow it); switch the experts to high precision at

@@ -284,35 +284,13 @@ def _amax_buffer(x: torch.Tensor, amax: torch.Tensor | None, n: int) -> torch.Te
     """int32 [n] holding fp32 bits of the amaxes to reduce into (0 = +0.0), or the given amax."""
     if amax is None:
         return torch.zeros(n, dtype=torch.int32, device=x.device)
-    a = torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(1)
-    inf = float("inf")
-    a = torch.nan_to_num(a, nan=inf, posinf=inf, neginf=inf)  # kernel convention; one launch (host time)
-    return a.expand(n).contiguous().view(torch.int32)
+    return _amax_bits(torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(1).expand(n))
 
 
 def _amax_bits(amaxes: torch.Tensor) -> torch.Tensor:
     """int32 fp32 bits of given fp32 amaxes, non-finite values as +inf (the kernels' convention)."""
     inf = float("inf")
     return torch.nan_to_num(amaxes.float(), nan=inf, posinf=inf, neginf=inf).contiguous().view(torch.int32)
-
-
-def grouped_amax_tensors(x2d: torch.Tensor, groups: torch.Tensor, colwise: bool,
-                         signs: torch.Tensor | None) -> torch.Tensor:
-    """fp32 [2, E + 1]: the per-expert (row, column) tensor amaxes quantize_operand_tensors reduces with
-    ``groups`` (column: of the RHT'd tokens with ``signs``, else the row ones; 0 without ``colwise``),
-    non-finite values giving +inf, for a caller that all-reduces them across ranks first."""
-    _check_2d(x2d, "grouped_amax")
-    M, K = x2d.shape
-    bexp, ns = _slots(x2d, groups)
-    buf = torch.zeros(2 * ns, dtype=torch.int32, device=x2d.device)
-    rht = colwise and signs is not None
-    signs_t = signs.to(device=x2d.device, dtype=torch.float32).contiguous() if rht else buf
-    if M > 0:
-        _launch(_amax_kernel, _amax_autotuned, x2d, M, K, x2d, M, K, x2d.stride(0), x2d.stride(1), buf, signs_t,
-                bexp, ns, ROW=True, COL=rht, RHT=True, GROUPED=True)
-    if colwise and not rht:
-        buf[ns:] = buf[:ns]
-    return buf.view(torch.float32).view(2, ns)
 
 
 def _check_2d(x: torch.Tensor, name: str) -> None:
@@ -403,21 +381,25 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
     return rd, rs, cd, cs, (gs.view(2, ns) if groups is not None else gs)
 
 
-def operand_amax_tensors(x2d: torch.Tensor, colwise: bool, signs: torch.Tensor | None) -> torch.Tensor:
+def operand_amax_tensors(x2d: torch.Tensor, colwise: bool, signs: torch.Tensor | None,
+                         groups: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [max|x|, max|rht(x2dᵀ)|] (the column one equals the row one without ``signs``; 0 without
     ``colwise``), non-finite values giving +inf: the tensor amaxes quantize_operand would reduce, for a
-    caller that all-reduces them across ranks first (distributed/)."""
+    caller that all-reduces them across ranks first (distributed/). With ``groups`` (expert offsets)
+    one pair per expert slot, as quantize_operand_tensors reduces them: fp32 [2, E + 1]."""
     _check_2d(x2d, "operand_amax")
     M, K = x2d.shape
-    buf = torch.zeros(2, dtype=torch.int32, device=x2d.device)
+    bexp, ns = _slots(x2d, groups)
+    buf = torch.zeros(2 * ns, dtype=torch.int32, device=x2d.device)
     rht = colwise and signs is not None
     signs_t = signs.to(device=x2d.device, dtype=torch.float32).contiguous() if rht else buf
     if M > 0:
         _launch(_amax_kernel, _amax_autotuned, x2d, M, K, x2d, M, K, x2d.stride(0), x2d.stride(1), buf, signs_t,
-                buf, 1, ROW=True, COL=rht, RHT=True, GROUPED=False)
+                bexp, ns, ROW=True, COL=rht, RHT=True, GROUPED=groups is not None)
     if colwise and not rht:
-        buf[1:2] = buf[0:1]
-    return buf.view(torch.float32)
+        buf[ns:] = buf[:ns]
+    out = buf.view(torch.float32)
+    return out.view(2, ns) if groups is not None else out
 
 
 def quantize_operand(x2d: torch.Tensor, *, rowwise: bool = True, colwise: bool = False,

@@ -253,9 +253,9 @@ def _quantize_grouped_fake(x, offsets, rowwise, colwise, signs, stochastic_row, 
 @_op("amax_grouped")
 def amax_grouped(x: Tensor, offsets: Tensor, colwise: bool, signs: Optional[Tensor]) -> Tensor:
     """fp32 [2, E + 1]: the per-expert (row, column) amaxes ``quantize_grouped`` would reduce."""
-    from ..kernels.quantize import grouped_amax_tensors
+    from ..kernels.quantize import operand_amax_tensors
 
-    return grouped_amax_tensors(x, offsets, colwise, signs)
+    return operand_amax_tensors(x, colwise, signs, offsets)
 
 
 @amax_grouped.op.register_fake
