@@ -8,6 +8,10 @@ dequantized in registers, reached 33-41% of cuBLAS; see BENCHMARKS.md):
   rsaj    - rsa with lo/hi nibbles joined into one K-ordered tile and B in its plain layout (what
             titan_nvfp4/kernels/gemm.py ships)
   f16     - both operands fp16 via TMA: the ceiling of a Triton kernel with this epilogue
+  pf16    - f16 as a persistent kernel (one program per SM walking the tiles, loops flattened so the
+            next tile's loads overlap this tile's epilogue), C written by a TMA store
+  pf16ws  - pf16 with Triton's warp specialization (producer warps for the loads)
+  dpf16   - pf16 with device-side tensor descriptors (no host descriptor objects per launch)
 Prints TFLOP/s per variant and tile config, and the ratio to cuBLAS BF16 in the same run.
 
     python benchmarks/gemm_variants.py [--shapes 8192x8192x8192,...]
@@ -23,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from titan_nvfp4.kernels.gemm import _dequant_asm, grouped_tile
+from titan_nvfp4.kernels.gemm import _dequant_asm, grouped_tile, swizzle_tile
 from titan_nvfp4.numerics.nvfp4 import quantize_nvfp4
 
 
@@ -104,6 +108,44 @@ def _k_f16(a_desc, b_desc, C, GS, M, N, K, scm,
     tl.store(C + rm[:, None].to(tl.int64) * scm + rn[None, :], out.to(C.dtype.element_ty))
 
 
+@triton.jit
+def _k_pf16(a_desc, b_desc, c_desc, GS, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+            GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr, SUBTILE: tl.constexpr):
+    _k_pf16_body(a_desc, b_desc, c_desc, GS, M, N, K, BM, BN, BK, GROUP_M, NUM_SMS, WS, SUBTILE)
+
+
+@triton.jit
+def _k_pf16_body(a_desc, b_desc, c_desc, GS, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr, SUBTILE: tl.constexpr):
+    tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    gs = tl.load(GS)
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_SMS, flatten=True, warp_specialize=WS):
+        pid_m, pid_n = swizzle_tile(tile, tiles_m, tiles_n, GROUP_M)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([pid_m * BM, ki * BK])
+            b = b_desc.load([pid_n * BN, ki * BK])
+            acc = tl.dot(a, b.T, acc)
+        out = acc * gs
+        if SUBTILE:
+            o0, o1 = tl.split(tl.permute(tl.reshape(out, (BM, 2, BN // 2)), (0, 2, 1)))
+            c_desc.store([pid_m * BM, pid_n * BN], o0.to(c_desc.dtype))
+            c_desc.store([pid_m * BM, pid_n * BN + BN // 2], o1.to(c_desc.dtype))
+        else:
+            c_desc.store([pid_m * BM, pid_n * BN], out.to(c_desc.dtype))
+
+
+@triton.jit
+def _k_dpf16(A, B, C, GS, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr, SUBTILE: tl.constexpr):
+    a_desc = tl.make_tensor_descriptor(A, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
+    b_desc = tl.make_tensor_descriptor(B, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
+    c_desc = tl.make_tensor_descriptor(C, shape=[M, N], strides=[N, 1],
+                                       block_shape=[BM, BN // 2] if SUBTILE else [BM, BN])
+    _k_pf16_body(a_desc, b_desc, c_desc, GS, M, N, K, BM, BN, BK, GROUP_M, NUM_SMS, WS, SUBTILE)
+
+
 def _pair_split_fp16(t) -> torch.Tensor:
     """[2N, K/2] fp16: rows 0..N-1 the even-k values q·e_b, rows N..2N-1 the odd-k ones (exact in fp16)."""
     v = t.scaled_codes(torch.float32)
@@ -119,6 +161,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="8192x8192x8192,16384x4096x4096,16384x14336x4096,16384x4096x14336")
     p.add_argument("--variants", default="rs,rsa,rsaj,f16")
+    p.add_argument("--configs", default=None, help="BMxBNxBKxWARPSxSTAGES,... (default: CONFIGS)")
     args = p.parse_args()
     torch.manual_seed(0)
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
@@ -138,7 +181,8 @@ def main() -> None:
         a_f16 = aq.scaled_codes(torch.float16)
         b_f16 = bq.scaled_codes(torch.float16)
         out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-        for var, (bm, bn, bk, w, s) in itertools.product(args.variants.split(","), CONFIGS):
+        configs = CONFIGS if args.configs is None else [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
+        for var, (bm, bn, bk, w, s) in itertools.product(args.variants.split(","), configs):
             try:
                 if var in ("rsa", "rsaj"):
                     join = var == "rsaj"
@@ -152,6 +196,20 @@ def main() -> None:
                         aq.data, aq.scale, bd, out, gs, M, N, K, aq.data.stride(0), aq.scale.stride(0),
                         out.stride(0), BM=bm, BN=bn, BK=bk, GROUP_M=8, EXPAND=(var == "rsx"),
                         num_warps=w, num_stages=s)
+                elif var in ("pf16", "pf16ws", "pf16st", "dpf16"):
+                    ws, sub = var == "pf16ws", var == "pf16st"
+                    sms = torch.cuda.get_device_properties(0).multi_processor_count
+                    grid = (min(sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
+                    if var == "dpf16":
+                        fn = lambda: _k_dpf16[grid](  # noqa: E731
+                            a_f16, b_f16, out, gs, M, N, K, BM=bm, BN=bn, BK=bk, GROUP_M=8, NUM_SMS=sms,
+                            WS=False, SUBTILE=False, num_warps=w, num_stages=s)
+                    else:
+                        descs = (TensorDescriptor.from_tensor(a_f16, [bm, bk]), TensorDescriptor.from_tensor(b_f16, [bn, bk]),
+                                 TensorDescriptor.from_tensor(out, [bm, bn // 2 if sub else bn]))
+                        fn = lambda: _k_pf16[grid](  # noqa: E731
+                            *descs, gs, M, N, K, BM=bm, BN=bn, BK=bk, GROUP_M=8, NUM_SMS=sms, WS=ws, SUBTILE=sub,
+                            num_warps=w, num_stages=s)
                 else:
                     ad = TensorDescriptor.from_tensor(a_f16, [bm, bk])
                     bd = TensorDescriptor.from_tensor(b_f16, [bn, bk])

@@ -30,6 +30,35 @@ def host_us(fn, n=100) -> float:  # few enough calls that the launch queue never
     return host
 
 
+def _launch_paths(x: torch.Tensor) -> dict:
+    """One small Triton kernel (the amax of x) launched four ways: through the autotuner, through the
+    JIT with fixed tiles, through the cached compiled kernel's launcher (what a launcher that skips
+    Triton's per-call binding would cost), and that plus the stream query."""
+    import triton
+
+    from titan_nvfp4.kernels import quantize as q
+
+    buf = torch.zeros(2, dtype=torch.int32, device=x.device)
+    M, K = x.shape
+    args = (x, M, K, x.stride(0), x.stride(1), buf, buf, buf, 1)
+    flags = dict(ROW=True, COL=False, RHT=True, GROUPED=False)
+    grid = (triton.cdiv(M, 16 * 2), triton.cdiv(K, 128))
+    compiled = q._amax_kernel[grid](*args, **flags, G=2, BK=128, num_warps=2)
+    all_args = (*args, True, False, True, False, 2, 128)  # every parameter in order, constexprs included
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def direct(stream_query: bool):
+        s = torch.cuda.current_stream().cuda_stream if stream_query else stream
+        compiled.run(grid[0], grid[1], 1, s, compiled.function, compiled.packed_metadata, None, None, None, *all_args)
+
+    return {
+        "amax kernel via the autotuner": lambda: q._launch(q._amax_kernel, q._amax_autotuned, x, M, K, *args, **flags),
+        "amax kernel via the JIT, fixed tiles": lambda: q._amax_kernel[grid](*args, **flags, G=2, BK=128, num_warps=2),
+        "amax kernel via its compiled launcher": lambda: direct(False),
+        "amax kernel via its compiled launcher + stream query": lambda: direct(True),
+    }
+
+
 def main() -> None:
     x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)  # large enough to take the autotuned paths
     signs = rht_signs(0, "cuda")
@@ -42,7 +71,7 @@ def main() -> None:
     def linear_step():
         layer(xx).sum().backward()
 
-    cases = {
+    cases = {**_launch_paths(x),
         "empty kernel-free torch op (torch.empty)": lambda: torch.empty(16, device="cuda"),
         "tiny torch kernel (x.add_(0))": lambda: x.add_(0),
         "quantize_operand row (amax + quantize)": lambda: quantize_operand(x),

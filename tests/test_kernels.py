@@ -229,6 +229,30 @@ def test_emulated_gemm_matches_float64(mnk, bias, out_dtype, use_tma, stage_a):
     assert close.float().mean() > 0.999
 
 
+def test_persistent_gemm_matches_the_tile_kernel(monkeypatch):
+    """Both operands staged with TMA: the persistent kernel (TMA store of C) gives the tile kernel's
+    sums (same K steps of 32: bit for bit in the interpreter; compiled, within fp32 accumulation
+    order); a C whose rows cannot take a TMA store (a 40-byte bf16 row) falls back to the tile kernel."""
+    from titan_nvfp4.kernels import gemm as g
+
+    if GPU and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA descriptors need sm_90+")
+    launched = []
+    real = g._launch_persistent
+    monkeypatch.setattr(g, "_launch_persistent", lambda *a: launched.append(a[-1].shape) or real(*a))
+    for n, out_dtype, block in ((80, torch.float32, (16, 16)), (20, torch.bfloat16, (1, 16))):
+        a = quantize_nvfp4(inputs(50, 96, "heavy", torch.float32))
+        b = quantize_nvfp4(inputs(n, 96, "normal", torch.float32), block_shape=block)
+        bvec = torch.randn(n, device=DEV)
+        tile = nvfp4_gemm_triton(a, b, out_dtype, bvec, use_tma=False, stage_a=True)
+        got = nvfp4_gemm_triton(a, b, out_dtype, bvec, use_tma=True, stage_a=True)
+        if GPU:
+            torch.testing.assert_close(got, tile, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(got, tile)
+    assert launched == [torch.Size((50, 80))]
+
+
 @pytest.mark.skipif(not GPU, reason="autotuned large-tile configs only run compiled")
 def test_emulated_gemm_autotuned_tiles_on_gpu():
     a = quantize_nvfp4(inputs(2048, 4096, "heavy", torch.bfloat16))

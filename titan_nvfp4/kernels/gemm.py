@@ -9,6 +9,12 @@ Structure (chosen by measurement, see benchmarks/ and BENCHMARKS.md):
     at most STAGE_BYTES per operand, so its buffers stay small whatever the shape. Operands that feed
     this GEMM only (X and W in forward, dY in dgrad) arrive already staged from the quantization
     kernels (``StagedOperand``), and are read as they are.
+  * On sm_90 with both operands staged (the default) a persistent kernel runs: one program per SM
+    walks the output tiles, the tile loop and the K loop flattened so that the next tile's TMA loads
+    overlap this tile's epilogue, and C leaves through a TMA store (in two half tiles where the
+    autotuner picks that: less shared memory, one more pipeline stage). It measured 102–113% of
+    cuBLAS BF16 on an H100 where the one-tile-per-program kernel below reached 87–93%
+    (benchmarks/gemm_variants.py, BENCHMARKS.md).
   * With ``stage_a=False`` A stays packed instead: each K step loads bytes and E4M3 scales and builds
     fp16 q·e_b·2⁻¹⁴ in registers (the 3 magnitude bits of a code shifted into fp16's exponent and
     mantissa give q·2⁻¹⁴ exactly; one exact fp16 multiply applies the scale; on CUDA a PTX routine
@@ -185,6 +191,55 @@ SMALL_TILES = {"BM": 32, "BN": 32, "BK": 32, "GROUP_M": 4}
 
 
 @triton.jit
+def _nvfp4_gemm_persistent_kernel(a_desc, b_desc, c_desc, GSA, GSB, BIAS, M, N, K, NUM_PROGRAMS,
+                                  HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                                  GROUP_M: tl.constexpr, SUBTILE: tl.constexpr):
+    """C[M, N] = (A[M, K] · B[N, K]ᵀ)·gs_A·gs_B [+ bias] for staged fp16 A and B, all three through TMA
+    descriptors (out-of-range rows and columns load as zeros and are not stored). Program p takes
+    tiles p, p + NUM_PROGRAMS, ... (swizzle_tile order). SUBTILE stores C as two [BM, BN/2] halves."""
+    tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    gs = tl.load(GSA) * tl.load(GSB)
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = swizzle_tile(tile, tiles_m, tiles_n, GROUP_M)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([pid_m * BM, ki * BK])
+            b = b_desc.load([pid_n * BN, ki * BK])
+            acc = tl.dot(a, b.T, acc)
+        out = acc * gs
+        if HAS_BIAS:
+            rn = pid_n * BN + tl.arange(0, BN)
+            out = out + tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if SUBTILE:
+            left, right = tl.split(tl.permute(tl.reshape(out, (BM, 2, BN // 2)), (0, 2, 1)))
+            c_desc.store([pid_m * BM, pid_n * BN], left.to(c_desc.dtype))
+            c_desc.store([pid_m * BM, pid_n * BN + BN // 2], right.to(c_desc.dtype))
+        else:
+            c_desc.store([pid_m * BM, pid_n * BN], out.to(c_desc.dtype))
+
+
+def _set_persistent_blocks(nargs):
+    """Autotune pre-hook: each descriptor takes the tile shape of the config being run."""
+    bn_c = nargs["BN"] // 2 if nargs["SUBTILE"] else nargs["BN"]
+    for name, shape in (("a_desc", [nargs["BM"], nargs["BK"]]), ("b_desc", [nargs["BN"], nargs["BK"]]),
+                        ("c_desc", [nargs["BM"], bn_c])):
+        nargs[name].block_shape = shape
+
+
+def _persistent_configs():
+    # the best of benchmarks/gemm_variants.py (pf16, pf16st) on an H100 at 8192³ and the Linear shapes
+    return [triton.Config({"BM": bm, "BN": bn, "BK": 64, "GROUP_M": 8, "SUBTILE": sub}, num_warps=w, num_stages=st,
+                          pre_hook=_set_persistent_blocks)
+            for bm, bn, w, st, sub in ((128, 256, 8, 3, False), (128, 256, 8, 3, True), (128, 256, 8, 4, True),
+                                       (128, 128, 4, 4, False))]
+
+
+_nvfp4_gemm_persistent_autotuned = triton.autotune(configs=_persistent_configs(),
+                                                   key=["M", "N", "K", "HAS_BIAS"])(_nvfp4_gemm_persistent_kernel)
+
+
+@triton.jit
 def _dequant_kernel(D, S, OUT, R, C, sdr, ssr, ssc, sor, SCALE_DIV: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """OUT [R, C] fp16 = q·e_b of packed D [R, C/2] with scales S (row r uses scale row r // SCALE_DIV).
     OUT is written as int32 words, one per packed byte: (fp16 of the high nibble) << 16 | (low nibble)."""
@@ -260,6 +315,37 @@ def _launch_gemm(autotune: bool, args: tuple, kw: dict) -> None:
             *args, **kw, **SMALL_TILES)
 
 
+def _programs(t: torch.Tensor) -> int:
+    """Programs of a persistent launch: one per SM (a few in the interpreter)."""
+    return torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 4
+
+
+def _tma_storable(c: torch.Tensor) -> bool:
+    """A TMA store needs a 16-byte aligned base and row stride and a contiguous last dim."""
+    size = c.element_size()
+    return c.stride(1) == 1 and (c.stride(0) * size) % 16 == 0 and c.data_ptr() % 16 == 0
+
+
+def _launch_persistent(autotune: bool, a16: torch.Tensor, b16: torch.Tensor, gsa, gsb, bias, c: torch.Tensor) -> None:
+    """C = (a16 · b16ᵀ)·gs_A·gs_B [+ bias] with the persistent TMA kernel (both operands staged fp16)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M, K = a16.shape
+    N = b16.shape[0]
+    tiles = SMALL_TILES if not autotune else {"BM": 128, "BN": 128, "BK": 64}  # autotuning resets the blocks
+    descs = (TensorDescriptor(a16, [M, K], [a16.stride(0), 1], [tiles["BM"], tiles["BK"]]),
+             TensorDescriptor(b16, [N, K], [b16.stride(0), 1], [tiles["BN"], tiles["BK"]]),
+             TensorDescriptor(c, [M, N], [c.stride(0), 1], [tiles["BM"], tiles["BN"]]))
+    progs = _programs(a16)
+    args = (*descs, gsa, gsb, bias if bias is not None else gsa, M, N, K, progs)
+    if autotune:
+        grid = lambda meta: (min(progs, triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"])),)  # noqa: E731
+        _nvfp4_gemm_persistent_autotuned[grid](*args, HAS_BIAS=bias is not None)
+    else:
+        grid = (min(progs, triton.cdiv(M, SMALL_TILES["BM"]) * triton.cdiv(N, SMALL_TILES["BN"])),)
+        _nvfp4_gemm_persistent_kernel[grid](*args, HAS_BIAS=bias is not None, SUBTILE=False, **SMALL_TILES)
+
+
 def _chunks(rows: int, K: int):
     """Row ranges whose fp16 staging fits STAGE_BYTES (multiples of 256 rows: whole 16x16 blocks)."""
     step = max(256, (STAGE_BYTES // (2 * K)) // 256 * 256)
@@ -323,6 +409,7 @@ def nvfp4_gemm_triton(a: NVFP4Tensor | StagedOperand, b: NVFP4Tensor | StagedOpe
                          dict(kw, ACC_IN=k0 > 0, FINAL=k1 == K))
             del a16, b16, a_arg, b_arg
         return out
+    persistent = use_tma and stage_a  # both operands staged, TMA available: the persistent kernel
     # Staged chunks: the operand with fewer restaging bytes goes in the inner loop. One chunk of each
     # operand is alive at a time.
     a_rows = _chunks(M, K) if stage_a else [(0, M)]
@@ -334,15 +421,20 @@ def nvfp4_gemm_triton(a: NVFP4Tensor | StagedOperand, b: NVFP4Tensor | StagedOpe
         if b_cur is None or b_cur[0] != n0:
             b_cur = None
             b16 = _stage(b, slice(n0, n1))
-            b_cur = (n0, b16, _tma_desc(b16) if use_tma else b16)
+            b_cur = (n0, b16, _tma_desc(b16) if use_tma and not persistent else b16)
         if stage_a and (a_cur is None or a_cur[0] != m0):
             a_cur = None
             a16 = _stage(a, slice(m0, m1))
-            a_cur = (m0, a16, _tma_desc(a16) if use_tma else a16)
+            a_cur = (m0, a16, _tma_desc(a16) if use_tma and not persistent else a16)
         _, b16, b_arg = b_cur
         a_src, a_arg = (a_cur[1], a_cur[2]) if stage_a else (a_data, b_arg)
         bias_t = bias[n0:n1].contiguous() if bias is not None else out
         tile = out[m0:m1, n0:n1]
+        if persistent and _tma_storable(tile) and _tma_storable(a_src) and _tma_storable(b16):  # else plain loads
+            _launch_persistent(autotune, a_src, b16, gsa, gsb, bias_t if bias is not None else None, tile)
+            continue
+        if persistent:  # C cannot take a TMA store: the tile kernel, still with TMA loads
+            a_arg, b_arg = _tma_desc(a_src), _tma_desc(b16)
         _launch_gemm(autotune, (a_src, a_scale, a_arg, b16, b_arg, gsa, gsb, bias_t, tile, tile, m1 - m0, n1 - n0, K,
                                 a_src.stride(0), a_scale.stride(0), a_scale.stride(1), b16.stride(0), tile.stride(0),
                                 tile.stride(1)), dict(kw, ACC_IN=False, FINAL=True))
