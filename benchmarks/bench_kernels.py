@@ -22,6 +22,7 @@ from titan_nvfp4.kernels import gemm as _g
 from titan_nvfp4.kernels.gemm import nvfp4_gemm_triton
 from titan_nvfp4.kernels.quantize import quantize_operand, quantize_weight_2d
 from titan_nvfp4.numerics.rht import rht_signs
+from titan_nvfp4.ops.library import StagedOperand
 
 LINEAR_SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096),
                  (2048, 4096, 4096), (2048, 4096, 14336), (2048, 14336, 4096)]
@@ -113,8 +114,11 @@ def main() -> int:
     res["quantize"] = rows
 
     # --- emulated GEMM
-    print("\n| GEMM M×N×K | A staged ms | TFLOP/s | A in registers ms | TFLOP/s | cuBLAS bf16 TFLOP/s | staged / cuBLAS | registers / cuBLAS |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    # three ways in: operands staged by the quantization kernels (the forward GEMM's case: the kernel
+    # alone), packed operands staged here in row chunks (dgrad's W, wgrad's X), A dequantized in registers
+    print("\n| GEMM M×N×K | staged in ms | TFLOP/s | packed in ms | TFLOP/s | A in registers ms | TFLOP/s "
+          "| cuBLAS bf16 TFLOP/s | staged / cuBLAS | packed / cuBLAS | registers / cuBLAS |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     gem = []
     shapes = [(8192, 8192, 8192), (16384, 4096, 4096), (16384, 14336, 4096), (16384, 4096, 14336)]
     if args.quick:
@@ -124,13 +128,18 @@ def main() -> int:
     for m, nn_, k in shapes:
         a, _ = quantize_operand(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
         b, _ = quantize_weight_2d(torch.randn(nn_, k, device="cuda", dtype=torch.bfloat16), emit_transpose=False)
+        a_st, b_st = (StagedOperand(q.scaled_codes(torch.float16), q.global_scale) for q in (a, b))
+        t_s = ms(lambda: nvfp4_gemm_triton(a_st, b_st, torch.bfloat16))
+        del a_st, b_st
         t = ms(lambda: nvfp4_gemm_triton(a, b, torch.bfloat16, stage_a=True))
         t_r = ms(lambda: nvfp4_gemm_triton(a, b, torch.bfloat16, stage_a=False))
-        tf, tf_r = (2 * m * nn_ * k / (x_ * 1e-3) / 1e12 for x_ in (t, t_r))
+        tf_s, tf, tf_r = (2 * m * nn_ * k / (x_ * 1e-3) / 1e12 for x_ in (t_s, t, t_r))
         ref = bf16_tflops(m, nn_, k)
-        gem.append({"shape": [m, nn_, k], "ms": t, "TFLOPs": tf, "bf16_TFLOPs": ref, "ratio": tf / ref,
+        gem.append({"shape": [m, nn_, k], "staged_ms": t_s, "staged_TFLOPs": tf_s, "staged_ratio": tf_s / ref,
+                    "ms": t, "TFLOPs": tf, "bf16_TFLOPs": ref, "ratio": tf / ref,
                     "registers_ms": t_r, "registers_TFLOPs": tf_r, "registers_ratio": tf_r / ref})
-        print(f"| {m}×{nn_}×{k} | {t:.3f} | {tf:.0f} | {t_r:.3f} | {tf_r:.0f} | {ref:.0f} | {tf / ref:.0%} | {tf_r / ref:.0%} |")
+        print(f"| {m}×{nn_}×{k} | {t_s:.3f} | {tf_s:.0f} | {t:.3f} | {tf:.0f} | {t_r:.3f} | {tf_r:.0f} | {ref:.0f} "
+              f"| {tf_s / ref:.0%} | {tf / ref:.0%} | {tf_r / ref:.0%} |")
     res["gemm"] = gem
 
     # --- NVFP4Linear vs nn.Linear, forward + backward
@@ -175,7 +184,8 @@ def main() -> int:
               f"| {out['nvfp4'][1]:.2f} | {out['mxfp8_bwd'][0]:.3f} | {mx_ratio:.2f}× | {out['mxfp8_bwd'][1]:.2f} |")
     res["linear"] = lin_rows
     res["linear_stage_a"] = args.stage_a
-    for name, tuner in (("gemm", _g._nvfp4_gemm_autotuned), ("dequant", _g._dequant_autotuned), ("quantize", _q._quantize_autotuned),
+    for name, tuner in (("gemm", _g._nvfp4_gemm_autotuned), ("gemm_persistent", _g._nvfp4_gemm_persistent_autotuned),
+                        ("dequant", _g._dequant_autotuned), ("quantize", _q._quantize_autotuned),
                         ("quantize_2d", _q._quantize_2d_autotuned), ("amax", _q._amax_autotuned)):
         picked = {str(k): str(v) for k, v in tuner.cache.items()}
         res[f"tiles_{name}"] = picked

@@ -189,6 +189,8 @@ def test_eager_calls_skip_the_dispatcher_and_modes_do_not():
     with mock.patch.object(CustomOpDef, "__call__", lambda self, *a, **k: calls.append(self) or real(self, *a, **k)):
         library.quantize(x, True, True, None, False, False, None)
         assert calls == []  # eager: straight to the kernels
+        library.quantize_2d(torch.nn.Parameter(_x(32, 64)), False, None)
+        assert calls == []  # a Parameter (the weight inside NVFP4LinearFunction) is a plain tensor too
         with Seen():
             library.quantize(x, True, True, None, False, False, None)
         assert calls == [library.quantize.op]

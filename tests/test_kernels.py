@@ -253,6 +253,29 @@ def test_persistent_gemm_matches_the_tile_kernel(monkeypatch):
     assert launched == [torch.Size((50, 80))]
 
 
+def test_prestaged_operands_are_not_chunked(monkeypatch):
+    """Operands that arrive staged (StagedOperand) go to one persistent launch over the whole output,
+    whatever the staging budget; packed ones are staged in row chunks. Same sums either way."""
+    from titan_nvfp4.kernels import gemm as g
+    from titan_nvfp4.ops.library import StagedOperand
+
+    if GPU and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA descriptors need sm_90+")
+    monkeypatch.setattr(g, "STAGE_BYTES", 256 * 2 * 64)  # 256-row chunks
+    launched = []
+    real = g._launch_persistent
+    monkeypatch.setattr(g, "_launch_persistent", lambda *a: launched.append(tuple(a[-1].shape)) or real(*a))
+    a = quantize_nvfp4(inputs(272, 64, "heavy", torch.float32))
+    b = quantize_nvfp4(inputs(48, 64, "normal", torch.float32), block_shape=(16, 16))
+    packed = nvfp4_gemm_triton(a, b, torch.float32, use_tma=True, stage_a=True)
+    assert launched == [(256, 48), (16, 48)]
+    launched.clear()
+    staged = [StagedOperand(t.scaled_codes(torch.float16), t.global_scale) for t in (a, b)]
+    got = nvfp4_gemm_triton(*staged, torch.float32, use_tma=True)
+    assert launched == [(272, 48)]
+    torch.testing.assert_close(got, packed, rtol=0 if not GPU else 1e-6, atol=0 if not GPU else 1e-6)
+
+
 @pytest.mark.skipif(not GPU, reason="autotuned large-tile configs only run compiled")
 def test_emulated_gemm_autotuned_tiles_on_gpu():
     a = quantize_nvfp4(inputs(2048, 4096, "heavy", torch.bfloat16))

@@ -12,9 +12,10 @@ Structure (chosen by measurement, see benchmarks/ and BENCHMARKS.md):
   * On sm_90 with both operands staged (the default) a persistent kernel runs: one program per SM
     walks the output tiles, the tile loop and the K loop flattened so that the next tile's TMA loads
     overlap this tile's epilogue, and C leaves through a TMA store (in two half tiles where the
-    autotuner picks that: less shared memory, one more pipeline stage). It measured 102–113% of
-    cuBLAS BF16 on an H100 where the one-tile-per-program kernel below reached 87–93%
-    (benchmarks/gemm_variants.py, BENCHMARKS.md).
+    autotuner picks that: less shared memory, one more pipeline stage). Its TMA descriptors are built
+    on the device: host descriptor objects cost ~30 µs of host time each per launch. It measured
+    102–113% of cuBLAS BF16 on an H100 where the one-tile-per-program kernel below reached 87–93%
+    (benchmarks/gemm_variants.py, BENCHMARKS.md). Operands that arrive staged are not chunked.
   * With ``stage_a=False`` A stays packed instead: each K step loads bytes and E4M3 scales and builds
     fp16 q·e_b·2⁻¹⁴ in registers (the 3 magnitude bits of a code shifted into fp16's exponent and
     mantissa give q·2⁻¹⁴ exactly; one exact fp16 multiply applies the scale; on CUDA a PTX routine
@@ -27,6 +28,8 @@ Reference twin: titan_nvfp4/ops/gemm.py:gemm_reference (checked in tests/test_ke
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -191,12 +194,18 @@ SMALL_TILES = {"BM": 32, "BN": 32, "BK": 32, "GROUP_M": 4}
 
 
 @triton.jit
-def _nvfp4_gemm_persistent_kernel(a_desc, b_desc, c_desc, GSA, GSB, BIAS, M, N, K, NUM_PROGRAMS,
+def _nvfp4_gemm_persistent_kernel(A, B, C, GSA, GSB, BIAS, M, N, K, sam, sbn, scm,
                                   HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                                  GROUP_M: tl.constexpr, SUBTILE: tl.constexpr):
+                                  GROUP_M: tl.constexpr, SUBTILE: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     """C[M, N] = (A[M, K] · B[N, K]ᵀ)·gs_A·gs_B [+ bias] for staged fp16 A and B, all three through TMA
-    descriptors (out-of-range rows and columns load as zeros and are not stored). Program p takes
-    tiles p, p + NUM_PROGRAMS, ... (swizzle_tile order). SUBTILE stores C as two [BM, BN/2] halves."""
+    descriptors built on the device (no host descriptor objects per launch: they cost more host time
+    than the kernel launch itself). Out-of-range rows and columns load as zeros and are not stored.
+    Program p takes tiles p, p + NUM_PROGRAMS, ... (swizzle_tile order). SUBTILE stores C as two
+    [BM, BN/2] halves."""
+    a_desc = tl.make_tensor_descriptor(A, shape=[M, K], strides=[sam, 1], block_shape=[BM, BK])
+    b_desc = tl.make_tensor_descriptor(B, shape=[N, K], strides=[sbn, 1], block_shape=[BN, BK])
+    c_desc = tl.make_tensor_descriptor(C, shape=[M, N], strides=[scm, 1],
+                                       block_shape=[BM, BN // 2] if SUBTILE else [BM, BN])
     tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
     gs = tl.load(GSA) * tl.load(GSB)
@@ -219,18 +228,9 @@ def _nvfp4_gemm_persistent_kernel(a_desc, b_desc, c_desc, GSA, GSB, BIAS, M, N, 
             c_desc.store([pid_m * BM, pid_n * BN], out.to(c_desc.dtype))
 
 
-def _set_persistent_blocks(nargs):
-    """Autotune pre-hook: each descriptor takes the tile shape of the config being run."""
-    bn_c = nargs["BN"] // 2 if nargs["SUBTILE"] else nargs["BN"]
-    for name, shape in (("a_desc", [nargs["BM"], nargs["BK"]]), ("b_desc", [nargs["BN"], nargs["BK"]]),
-                        ("c_desc", [nargs["BM"], bn_c])):
-        nargs[name].block_shape = shape
-
-
 def _persistent_configs():
-    # the best of benchmarks/gemm_variants.py (pf16, pf16st) on an H100 at 8192³ and the Linear shapes
-    return [triton.Config({"BM": bm, "BN": bn, "BK": 64, "GROUP_M": 8, "SUBTILE": sub}, num_warps=w, num_stages=st,
-                          pre_hook=_set_persistent_blocks)
+    # the best of benchmarks/gemm_variants.py (pf16, pf16st, dpf16) on an H100 at 8192³ and the Linear shapes
+    return [triton.Config({"BM": bm, "BN": bn, "BK": 64, "GROUP_M": 8, "SUBTILE": sub}, num_warps=w, num_stages=st)
             for bm, bn, w, st, sub in ((128, 256, 8, 3, False), (128, 256, 8, 3, True), (128, 256, 8, 4, True),
                                        (128, 128, 4, 4, False))]
 
@@ -317,33 +317,54 @@ def _launch_gemm(autotune: bool, args: tuple, kw: dict) -> None:
 
 def _programs(t: torch.Tensor) -> int:
     """Programs of a persistent launch: one per SM (a few in the interpreter)."""
-    return torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 4
+    return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device()) if t.is_cuda else 4
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _tma_storable(c: torch.Tensor) -> bool:
-    """A TMA store needs a 16-byte aligned base and row stride and a contiguous last dim."""
+    """A TMA descriptor needs a 16-byte aligned base and row stride and a contiguous last dim."""
     size = c.element_size()
     return c.stride(1) == 1 and (c.stride(0) * size) % 16 == 0 and c.data_ptr() % 16 == 0
 
 
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for device-side TMA descriptors (Triton asks for it at launch)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_scratch_allocator() -> None:
+    """Device-side descriptors need Triton's launch-time allocator. Triton keeps it in a ContextVar, so
+    each thread (autograd runs backward in its own) starts without one: set ours where none is set,
+    and leave a caller's own allocator alone."""
+    try:
+        from triton.runtime import _allocation
+        unset = isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
+    except (ImportError, AttributeError):  # another Triton layout: set it (a launch without one fails)
+        unset = True
+    if unset:
+        triton.set_allocator(_scratch)
+
+
 def _launch_persistent(autotune: bool, a16: torch.Tensor, b16: torch.Tensor, gsa, gsb, bias, c: torch.Tensor) -> None:
     """C = (a16 · b16ᵀ)·gs_A·gs_B [+ bias] with the persistent TMA kernel (both operands staged fp16)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     M, K = a16.shape
     N = b16.shape[0]
-    tiles = SMALL_TILES if not autotune else {"BM": 128, "BN": 128, "BK": 64}  # autotuning resets the blocks
-    descs = (TensorDescriptor(a16, [M, K], [a16.stride(0), 1], [tiles["BM"], tiles["BK"]]),
-             TensorDescriptor(b16, [N, K], [b16.stride(0), 1], [tiles["BN"], tiles["BK"]]),
-             TensorDescriptor(c, [M, N], [c.stride(0), 1], [tiles["BM"], tiles["BN"]]))
     progs = _programs(a16)
-    args = (*descs, gsa, gsb, bias if bias is not None else gsa, M, N, K, progs)
+    if a16.is_cuda:
+        _ensure_scratch_allocator()
+    args = (a16, b16, c, gsa, gsb, bias if bias is not None else gsa, M, N, K, a16.stride(0), b16.stride(0),
+            c.stride(0))
     if autotune:
         grid = lambda meta: (min(progs, triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"])),)  # noqa: E731
-        _nvfp4_gemm_persistent_autotuned[grid](*args, HAS_BIAS=bias is not None)
+        _nvfp4_gemm_persistent_autotuned[grid](*args, HAS_BIAS=bias is not None, NUM_PROGRAMS=progs)
     else:
         grid = (min(progs, triton.cdiv(M, SMALL_TILES["BM"]) * triton.cdiv(N, SMALL_TILES["BN"])),)
-        _nvfp4_gemm_persistent_kernel[grid](*args, HAS_BIAS=bias is not None, SUBTILE=False, **SMALL_TILES)
+        _nvfp4_gemm_persistent_kernel[grid](*args, HAS_BIAS=bias is not None, SUBTILE=False, NUM_PROGRAMS=progs,
+                                            **SMALL_TILES)
 
 
 def _chunks(rows: int, K: int):
@@ -393,7 +414,9 @@ def nvfp4_gemm_triton(a: NVFP4Tensor | StagedOperand, b: NVFP4Tensor | StagedOpe
     gsb = b.global_scale.reshape(1).float()
     kw = dict(A_SCALE_DIV=1 if pre_staged else _scale_div(a), HAS_BIAS=bias is not None, B_TMA=use_tma,
               A_STAGED=stage_a, USE_ASM=_use_asm(a_data) and not interpreting())
-    if stage_a and K >= max(M, N) and STAGE_BYTES // (2 * K) < min(MIN_CHUNK_ROWS, max(M, N)):
+    b_pre = isinstance(b, StagedOperand)
+    if (stage_a and not (pre_staged and b_pre) and K >= max(M, N)
+            and STAGE_BYTES // (2 * K) < min(MIN_CHUNK_ROWS, max(M, N))):
         # wgrad-like (long contraction, small output): row chunks would give launches of a few tiles,
         # so split K instead and carry fp32 partial sums in a [M, N] buffer (whose traffic grows with
         # the number of K chunks: hence only when the row chunks would be that small)
@@ -412,8 +435,9 @@ def nvfp4_gemm_triton(a: NVFP4Tensor | StagedOperand, b: NVFP4Tensor | StagedOpe
     persistent = use_tma and stage_a  # both operands staged, TMA available: the persistent kernel
     # Staged chunks: the operand with fewer restaging bytes goes in the inner loop. One chunk of each
     # operand is alive at a time.
-    a_rows = _chunks(M, K) if stage_a else [(0, M)]
-    b_rows = _chunks(N, K)
+    # (an operand that arrives staged is one chunk: its buffer exists already)
+    a_rows = _chunks(M, K) if stage_a and not pre_staged else [(0, M)]
+    b_rows = _chunks(N, K) if not b_pre else [(0, N)]
     a_outer = stage_a and len(a_rows) * N < len(b_rows) * M
     pairs = [(ar, br) for ar in a_rows for br in b_rows] if a_outer else [(ar, br) for br in b_rows for ar in a_rows]
     a_cur = b_cur = None

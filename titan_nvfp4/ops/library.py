@@ -40,7 +40,12 @@ def _runs_directly(args) -> bool:
         return False
     if torch._C._is_torch_function_mode_enabled():
         return False
-    return all(type(a) is torch.Tensor and a.device.type != "meta" for a in args if isinstance(a, torch.Tensor))
+    return all(type(a) in _PLAIN and a.device.type != "meta" for a in args if isinstance(a, torch.Tensor))
+
+
+#: Tensor types an eager call may hand to the implementation as they are (a Parameter is a plain
+#: tensor to the kernels: the weight reaches quantize_2d as one inside NVFP4LinearFunction.forward).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _op(name: str):
