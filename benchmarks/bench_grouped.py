@@ -1,6 +1,7 @@
 """NVFP4 grouped experts against BF16 torch._grouped_mm, forward + backward, in one run.
 
     python benchmarks/bench_grouped.py [--json out.json] [--shapes deepseek_v3_16b gpt_oss_20b]
+                                       [--rows-kernels persistent persistent_nested tiles]
 
 Each shape is a whole routed-expert block as TorchTitan runs it: DeepSeek-V3-style SwiGLU experts
 (h = silu(x W1ᵀ) ⊙ x W3ᵀ, out = h W2ᵀ) or gpt-oss's (mlp1 with bias to 2·hidden, clamped SwiGLU,
@@ -22,6 +23,7 @@ from bench_kernels import copy_ceiling  # benchmarks/ is on sys.path when run as
 from titan_nvfp4 import NVFP4Recipe
 from titan_nvfp4.grouped_function import nvfp4_grouped_mm, nvfp4_grouped_mm_shared
 from titan_nvfp4.linear_function import sr_counter
+from titan_nvfp4.kernels import grouped_gemm
 
 SHAPES = {
     # name: (experts, dim, hidden, tokens, top_k, gpt-oss style)
@@ -99,6 +101,9 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--profile", action="store_true", help="print the NVFP4 expert block's kernel times")
+    ap.add_argument("--rows-kernels", nargs="*", default=[grouped_gemm.ROWS_KERNEL],
+                    choices=["persistent", "persistent_nested", "tiles"],
+                    help="row-grouped GEMM kernels to time NVFP4 with (kernels/grouped_gemm.py ROWS_KERNEL)")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__, "rows": []}
@@ -141,15 +146,20 @@ def main() -> None:
         cases.append(("expert block forward+backward", fwd_bwd(bf16_mm, x, ws, offsets, dy, gpt_oss),
                       fwd_bwd(nv, x, ws, offsets, dy, gpt_oss)))
         for what, f_bf16, f_nv in cases:
-            f_nv()  # autotune outside the timing
             no_grad = "no grad" in what
             with torch.set_grad_enabled(not no_grad):
-                t_b, t_n = ms(f_bf16), ms(f_nv)
-                m_b, m_n = peak_gib(f_bf16), peak_gib(f_nv)
-            row = dict(shape=name, what=what, bf16_ms=t_b, nvfp4_ms=t_n, ratio=t_n / t_b, bf16_peak_gib=m_b,
-                       nvfp4_peak_gib=m_n, routed_rows=int(offsets[-1]), rows=rows)
-            res["rows"].append(row)
-            print(f"| {name} | {what} | {t_b:.3f} | {t_n:.3f} | {t_n / t_b:.2f} | {m_b:.2f} | {m_n:.2f} |", flush=True)
+                t_b, m_b = ms(f_bf16), peak_gib(f_bf16)
+                for kernel in args.rows_kernels:
+                    grouped_gemm.ROWS_KERNEL = kernel
+                    f_nv()  # autotune outside the timing
+                    t_n, m_n = ms(f_nv), peak_gib(f_nv)
+                    label = what if len(args.rows_kernels) == 1 else f"{what} [{kernel}]"
+                    row = dict(shape=name, what=what, rows_kernel=kernel, bf16_ms=t_b, nvfp4_ms=t_n, ratio=t_n / t_b,
+                               bf16_peak_gib=m_b, nvfp4_peak_gib=m_n, routed_rows=int(offsets[-1]), rows=rows)
+                    res["rows"].append(row)
+                    print(f"| {name} | {label} | {t_b:.3f} | {t_n:.3f} | {t_n / t_b:.2f} | {m_b:.2f} | {m_n:.2f} |",
+                          flush=True)
+            grouped_gemm.ROWS_KERNEL = args.rows_kernels[0]
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
             block = fwd_bwd(nv, x, ws, offsets, dy, gpt_oss)
@@ -157,6 +167,8 @@ def main() -> None:
                 block()
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    res["tiles_rows_persistent"] = {str(k): str(v) for k, v in grouped_gemm._rows_persistent_autotuned.cache.items()}
+    print("\nautotuned persistent rows GEMM: " + "; ".join(f"{k} -> {v}" for k, v in res["tiles_rows_persistent"].items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -136,10 +136,19 @@ ALIGNED = [0, 48, 0, 16, 64]
 
 
 @cpu_triton
-@pytest.mark.parametrize("weight_2d,rht", [(True, True), (False, False)])
-def test_grouped_kernels_bit_identical_to_reference(weight_2d, rht):
+@pytest.mark.parametrize("weight_2d,rht,rows_kernel", [(True, True, "persistent"), (False, False, "persistent"),
+                                                       (True, True, "tiles")])
+def test_grouped_kernels_bit_identical_to_reference(weight_2d, rht, rows_kernel, monkeypatch):
     """One launch per operand and product for all experts (emulated backend) against the per-expert
-    reference loop: the same bits for y, dx and dW; db sums in another order (fp32, ~1 ulp)."""
+    reference loop: the same bits for y, dx and dW; db sums in another order (fp32, ~1 ulp). Both
+    kernels of the row-grouped GEMM: persistent (sm_90) and one tile per program."""
+    from titan_nvfp4.kernels import grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "ROWS_KERNEL", rows_kernel)
+    launched = []
+    for name in ("_grouped_rows_persistent_kernel", "_grouped_rows_kernel"):
+        kernel = getattr(grouped_gemm, name)
+        monkeypatch.setattr(grouped_gemm, name, _Spy(kernel, name, launched))
     x, w, b, offsets, dy = _case(counts=ALIGNED, tail=16, k=64, n=48)
     out = {}
     for backend in ("reference", "emulated"):
@@ -152,6 +161,19 @@ def test_grouped_kernels_bit_identical_to_reference(weight_2d, rht):
     with torch.no_grad():  # forward only: the kernels quantize the row operand alone
         recipe = dataclasses.replace(REF, gemm_backend="emulated", weight_2d=weight_2d, rht=rht)
         assert torch.equal(nvfp4_grouped_mm(x, w, offsets, b, recipe), y)
+    want = "_grouped_rows_persistent_kernel" if rows_kernel == "persistent" else "_grouped_rows_kernel"
+    assert set(launched) == {want}  # forward and dgrad both took the chosen kernel
+
+
+class _Spy:
+    """A Triton kernel stand-in that records its launches (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel, name, log):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.name)
+        return self.kernel[grid]
 
 
 def test_grouped_kernels_take_given_per_expert_amaxes():

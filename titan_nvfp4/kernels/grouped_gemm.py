@@ -24,7 +24,8 @@ import triton.language as tl
 from ..numerics.nvfp4 import NVFP4Tensor
 from ..ops.backends import interpreting
 from ..ops.library import StagedOperand
-from .gemm import SMALL_TILES, _set_b_block, _tma_desc, _use_tma, dequantize_fp16, swizzle_tile
+from .gemm import (SMALL_TILES, _ensure_scratch_allocator, _programs, _set_b_block, _tma_desc, _tma_storable, _use_tma,
+                   dequantize_fp16, swizzle_tile)
 
 
 def _configs():
@@ -89,6 +90,55 @@ def _grouped_rows_kernel(A, a_desc, B, b_desc, OFFS, GSA, GSB, BIAS, C, E, T, N,
 
 
 @triton.jit
+def _grouped_rows_persistent_kernel(A, B, OFFS, GSA, GSB, BIAS, C, E, T, N, K, B_ROWS, B_COLS, B_ROW_STEP,
+                                    B_COL_STEP, sam, sbn, scm, HAS_BIAS: tl.constexpr, EP: tl.constexpr,
+                                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                                    NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr):
+    """_grouped_rows_kernel as a persistent kernel (sm_90, staged operands): one program per SM walks
+    the tiles of all experts (the count read from the offsets on the device), A and the stacked B
+    through TMA descriptors built on the device. FLATTEN fuses the tile and K loops so that the next
+    tile's loads overlap this tile's epilogue (benchmarks/bench_grouped.py compares both)."""
+    a_desc = tl.make_tensor_descriptor(A, shape=[T, K], strides=[sam, 1], block_shape=[BM, BK])
+    b_desc = tl.make_tensor_descriptor(B, shape=[B_ROWS, B_COLS], strides=[sbn, 1], block_shape=[BN, BK])
+    tiles_n = tl.cdiv(N, BN)
+    i = tl.arange(0, EP)
+    ends = tl.where(i < E, tl.load(OFFS + i, mask=i < E, other=0), T)
+    starts = tl.where(i <= E, tl.load(OFFS + i - 1, mask=(i > 0) & (i <= E), other=0), T)
+    ntiles = tl.cdiv(ends - starts, BM) * tiles_n
+    cum = tl.cumsum(ntiles, 0)
+    total = tl.sum(ntiles, 0)
+    for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=FLATTEN):
+        e = tl.sum((cum <= tile).to(tl.int32), 0)
+        first = tl.sum(tl.where(i == e, cum - ntiles, 0), 0)
+        start = tl.sum(tl.where(i == e, starts, 0), 0)
+        end = tl.sum(tl.where(i == e, ends, 0), 0)
+        pid_m, pid_n = swizzle_tile(tile - first, tl.cdiv(end - start, BM), tiles_n, GROUP_M)
+        m0 = start + pid_m * BM
+        b_row0 = e * B_ROW_STEP + pid_n * BN
+        b_col0 = e * B_COL_STEP
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        k_end = tl.where(e < E, K, 0)  # the tail pseudo-expert only writes zeros
+        for k0 in range(0, k_end, BK):
+            a = a_desc.load([m0, k0])
+            b = b_desc.load([b_row0, b_col0 + k0])
+            acc = tl.dot(a, b.T, acc)
+        ec = tl.minimum(e, E - 1)
+        rm = m0 + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        out = acc * (tl.load(GSA + e) * tl.load(GSB + ec))
+        if HAS_BIAS:
+            out = out + tl.load(BIAS + ec * N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        out = tl.where(e < E, out, 0.0)
+        tl.store(C + rm[:, None].to(tl.int64) * scm + rn[None, :], out.to(C.dtype.element_ty),
+                 mask=(rm < end)[:, None] & (rn < N)[None, :])
+
+
+def _persistent_configs():
+    return [triton.Config({"BM": bm, "BN": bn, "BK": 64, "GROUP_M": 8}, num_warps=w, num_stages=st)
+            for bm, bn, w, st in ((128, 256, 8, 3), (128, 128, 4, 4), (128, 128, 8, 4))]
+
+
+@triton.jit
 def _grouped_tokens_kernel(A, a_desc, B, b_desc, OFFS, GSA, GSB, C, M, N, sam, sbn, TMA: tl.constexpr,
                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     """C [E, M, N] with C[e] = A[:, tokens of e] · B[:, tokens of e]ᵀ · GSA[e]·GSB[e]; A [M, T],
@@ -131,6 +181,12 @@ def _grouped_tokens_kernel(A, a_desc, B, b_desc, OFFS, GSA, GSB, C, M, N, sam, s
 
 _rows_autotuned = triton.autotune(_configs(), key=["E", "N", "K", "B_ROW_STEP", "B_COL_STEP", "TMA"])(_grouped_rows_kernel)
 _tokens_autotuned = triton.autotune(_configs(), key=["M", "N", "TMA"])(_grouped_tokens_kernel)
+_rows_persistent_autotuned = triton.autotune(_persistent_configs(), key=["E", "N", "K", "B_ROW_STEP", "B_COL_STEP",
+                                                                        "FLATTEN"])(_grouped_rows_persistent_kernel)
+
+#: The rows GEMM's kernel on sm_90 with TMA: "persistent" (flattened loops), "persistent_nested", or
+#: "tiles" (one tile per program); benchmarks/bench_grouped.py --rows-kernel compares them.
+ROWS_KERNEL = "persistent"
 
 
 def _autotune(x: torch.Tensor, work: int) -> bool:
@@ -154,9 +210,24 @@ def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tenso
     if T == 0 or n_out == 0:
         return out
     tma = _use_tma(a16) and not interpreting()
+    gs_a, gs_b = gs_a.float().contiguous(), gs_b.float().contiguous()
+    bias_arg = bias if bias is not None else out
+    if (ROWS_KERNEL != "tiles" and (tma or interpreting()) and _tma_storable(a16) and _tma_storable(b16)
+            and (a16.is_cuda or interpreting())):
+        progs = _programs(a16)
+        if a16.is_cuda:
+            _ensure_scratch_allocator()
+        args = (a16, b16, offsets, gs_a, gs_b, bias_arg, out, E, T, n_out, K, b16.shape[0], b16.shape[1],
+                b_row_step, b_col_step, a16.stride(0), b16.stride(0), out.stride(0))
+        kw = dict(HAS_BIAS=bias is not None, EP=triton.next_power_of_2(E + 1), NUM_PROGRAMS=progs,
+                  FLATTEN=ROWS_KERNEL == "persistent")
+        if _autotune(a16, T * n_out):
+            _rows_persistent_autotuned[(progs,)](*args, **kw)
+        else:
+            _grouped_rows_persistent_kernel[(progs,)](*args, **kw, **SMALL_TILES)
+        return out
     a_arg, b_arg = (_tma_desc(a16), _tma_desc(b16)) if tma else (a16, b16)
-    args = (a16, a_arg, b16, b_arg, offsets, gs_a.float().contiguous(), gs_b.float().contiguous(),
-            bias if bias is not None else out, out, E, T, n_out, K, b_row_step, b_col_step,
+    args = (a16, a_arg, b16, b_arg, offsets, gs_a, gs_b, bias_arg, out, E, T, n_out, K, b_row_step, b_col_step,
             a16.stride(0), b16.stride(0), out.stride(0))
     kw = dict(HAS_BIAS=bias is not None, TMA=tma, EP=triton.next_power_of_2(E + 1))
     if _autotune(a16, T * n_out):
