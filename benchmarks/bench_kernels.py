@@ -5,7 +5,9 @@
 Ceilings: device-to-device copy (bytes read + written per second) and cuBLAS BF16 matmul TFLOP/s.
 Then each quantization kernel's bandwidth as a fraction of the copy ceiling, the emulated GEMM's
 TFLOP/s as a fraction of cuBLAS BF16 at the same shape, and NVFP4Linear forward+backward time and
-peak memory over BF16 nn.Linear's. Times are medians of triton.testing.do_bench (L2 flushed).
+peak memory over BF16 nn.Linear's. Times are medians of triton.testing.do_bench (L2 flushed); the
+quantization kernels and the Linear are also timed replayed from a CUDA graph, which leaves out the
+host time of an eager call (Python, launches): the kernels' own speed where the host is the slower.
 """
 
 from __future__ import annotations
@@ -30,6 +32,25 @@ LINEAR_SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096)
 
 def ms(fn, reps=50) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median")
+
+
+def graph_ms(fn) -> float | None:
+    """GPU time of fn's launches replayed from a CUDA graph: the kernels alone, without the host time
+    that an eager call spends in Python and launches (which do_bench's events also see when it exceeds
+    the GPU time). None, with the reason printed, if fn cannot be captured."""
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+    except Exception as e:  # noqa: BLE001  (a capture failure is a finding to print, not a crash)
+        print(f"  (CUDA graph capture failed: {type(e).__name__}: {str(e)[:160]})")
+        return None
+
+
+def _fmt(t: float | None) -> str:
+    return f"{t:.3f}" if t else "n/a"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}×" if a and b else "n/a"
 
 
 def copy_ceiling() -> float:
@@ -67,8 +88,10 @@ def main() -> int:
     print(f"copy ceiling {copy_bw / 1e12:.2f} TB/s | cuBLAS bf16 8192^3 {res['bf16_8192_TFLOPs']:.0f} TFLOP/s\n")
 
     # --- quantization kernels, bytes = what each launch sequence must read and write at minimum
-    print("| kernel | input | time ms | TB/s | of copy |")
-    print("| --- | --- | ---: | ---: | ---: |")
+    # two timings: an eager call (do_bench; host time included where it exceeds the GPU's) and the same
+    # launches replayed from a CUDA graph (the kernels' own bandwidth)
+    print("| kernel | input | eager ms | TB/s | of copy | graph ms | TB/s | of copy |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     rows = []
     M, K = 16384, 4096  # 128 MiB of bf16
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -109,8 +132,13 @@ def main() -> int:
     for name, fn, nbytes in (cases if "kernels" in only else []):
         t = ms(fn)
         bw = nbytes / (t * 1e-3)
-        rows.append({"kernel": name, "ms": t, "TBps": bw / 1e12, "of_copy": bw / copy_bw})
-        print(f"| {name} | {'x' if 'weight' not in name else 'W'} bf16 {'16384x4096' if 'weight' not in name else '14336x4096'} | {t:.3f} | {bw / 1e12:.2f} | {bw / copy_bw:.0%} |")
+        tg = graph_ms(fn)
+        bwg = nbytes / (tg * 1e-3) if tg else float("nan")
+        rows.append({"kernel": name, "ms": t, "TBps": bw / 1e12, "of_copy": bw / copy_bw,
+                     "graph_ms": tg, "graph_TBps": bwg / 1e12, "graph_of_copy": bwg / copy_bw})
+        inp = "x bf16 16384x4096" if "weight" not in name else "W bf16 14336x4096"
+        print(f"| {name} | {inp} | {t:.3f} | {bw / 1e12:.2f} | {bw / copy_bw:.0%} | "
+              f"{tg if tg else float('nan'):.3f} | {bwg / 1e12:.2f} | {bwg / copy_bw:.0%} |", flush=True)
     res["quantize"] = rows
 
     # --- emulated GEMM
@@ -146,8 +174,8 @@ def main() -> int:
     print(f"\n(GEMM operand A staged: {args.stage_a})")
     _g.STAGE_A = args.stage_a
     print("\n| Linear M×K×N | BF16 ms | NVFP4 ms | NVFP4/BF16 | BF16 peak GiB | NVFP4 peak GiB "
-          "| NVFP4 fwd + MXFP8 bwd ms | its /BF16 | its peak GiB |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| NVFP4 fwd + MXFP8 bwd ms | its /BF16 | its peak GiB | graph: BF16 ms | NVFP4 ms | NVFP4/BF16 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     lin_rows = []
     for m, k, nn_ in (LINEAR_SHAPES[:1] if args.quick else LINEAR_SHAPES) if "linear" in only else []:
         out = {}
@@ -167,21 +195,24 @@ def main() -> int:
                 layer.weight.grad = None
 
             t = ms(step, reps=100)
+            tg = graph_ms(step) if kind != "mxfp8_bwd" else None  # GPU work alone (no host time)
             step()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
             step()
             torch.cuda.synchronize()
-            out[kind] = (t, (torch.cuda.max_memory_allocated() - base) / 2**30)
+            out[kind] = (t, (torch.cuda.max_memory_allocated() - base) / 2**30, tg)
             del layer, xx, dy
         ratio, mx_ratio = out["nvfp4"][0] / out["bf16"][0], out["mxfp8_bwd"][0] / out["bf16"][0]
         lin_rows.append({"shape": [m, k, nn_], "bf16_ms": out["bf16"][0], "nvfp4_ms": out["nvfp4"][0], "ratio": ratio,
                          "bf16_peak_GiB": out["bf16"][1], "nvfp4_peak_GiB": out["nvfp4"][1],
                          "mxfp8_bwd_ms": out["mxfp8_bwd"][0], "mxfp8_bwd_ratio": mx_ratio,
-                         "mxfp8_bwd_peak_GiB": out["mxfp8_bwd"][1]})
+                         "mxfp8_bwd_peak_GiB": out["mxfp8_bwd"][1],
+                         "graph_bf16_ms": out["bf16"][2], "graph_nvfp4_ms": out["nvfp4"][2]})
         print(f"| {m}×{k}×{nn_} | {out['bf16'][0]:.3f} | {out['nvfp4'][0]:.3f} | {ratio:.2f}× | {out['bf16'][1]:.2f} "
-              f"| {out['nvfp4'][1]:.2f} | {out['mxfp8_bwd'][0]:.3f} | {mx_ratio:.2f}× | {out['mxfp8_bwd'][1]:.2f} |")
+              f"| {out['nvfp4'][1]:.2f} | {out['mxfp8_bwd'][0]:.3f} | {mx_ratio:.2f}× | {out['mxfp8_bwd'][1]:.2f} "
+              f"| {_fmt(out['bf16'][2])} | {_fmt(out['nvfp4'][2])} | {_ratio(out['nvfp4'][2], out['bf16'][2])} |", flush=True)
     res["linear"] = lin_rows
     res["linear_stage_a"] = args.stage_a
     for name, tuner in (("gemm", _g._nvfp4_gemm_autotuned), ("gemm_persistent", _g._nvfp4_gemm_persistent_autotuned),
