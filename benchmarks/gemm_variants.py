@@ -11,7 +11,8 @@ dequantized in registers, reached 33-41% of cuBLAS; see BENCHMARKS.md):
   pf16    - f16 as a persistent kernel (one program per SM walking the tiles, loops flattened so the
             next tile's loads overlap this tile's epilogue), C written by a TMA store
   pf16ws  - pf16 with Triton's warp specialization (producer warps for the loads)
-  dpf16   - pf16 with device-side tensor descriptors (no host descriptor objects per launch)
+  dpf16   - pf16 with device-side tensor descriptors (no host descriptor objects per launch): the
+            library's persistent kernel, _nvfp4_gemm_persistent_kernel
 Prints TFLOP/s per variant and tile config, and the ratio to cuBLAS BF16 in the same run.
 
     python benchmarks/gemm_variants.py [--shapes 8192x8192x8192,...]
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from titan_nvfp4.kernels.gemm import _dequant_asm, grouped_tile, swizzle_tile
+from titan_nvfp4.kernels.gemm import _dequant_asm, _nvfp4_gemm_persistent_kernel, grouped_tile, swizzle_tile
 from titan_nvfp4.numerics.nvfp4 import quantize_nvfp4
 
 
@@ -111,12 +112,6 @@ def _k_f16(a_desc, b_desc, C, GS, M, N, K, scm,
 @triton.jit
 def _k_pf16(a_desc, b_desc, c_desc, GS, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
             GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr, SUBTILE: tl.constexpr):
-    _k_pf16_body(a_desc, b_desc, c_desc, GS, M, N, K, BM, BN, BK, GROUP_M, NUM_SMS, WS, SUBTILE)
-
-
-@triton.jit
-def _k_pf16_body(a_desc, b_desc, c_desc, GS, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr, SUBTILE: tl.constexpr):
     tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
     gs = tl.load(GS)
@@ -134,16 +129,6 @@ def _k_pf16_body(a_desc, b_desc, c_desc, GS, M, N, K, BM: tl.constexpr, BN: tl.c
             c_desc.store([pid_m * BM, pid_n * BN + BN // 2], o1.to(c_desc.dtype))
         else:
             c_desc.store([pid_m * BM, pid_n * BN], out.to(c_desc.dtype))
-
-
-@triton.jit
-def _k_dpf16(A, B, C, GS, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr, SUBTILE: tl.constexpr):
-    a_desc = tl.make_tensor_descriptor(A, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
-    b_desc = tl.make_tensor_descriptor(B, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
-    c_desc = tl.make_tensor_descriptor(C, shape=[M, N], strides=[N, 1],
-                                       block_shape=[BM, BN // 2] if SUBTILE else [BM, BN])
-    _k_pf16_body(a_desc, b_desc, c_desc, GS, M, N, K, BM, BN, BK, GROUP_M, NUM_SMS, WS, SUBTILE)
 
 
 def _pair_split_fp16(t) -> torch.Tensor:
@@ -176,6 +161,7 @@ def main() -> None:
         aq = quantize_nvfp4(a)
         bq = quantize_nvfp4(b)
         gs = (aq.global_scale.float() * bq.global_scale.float()).reshape(1)
+        one = torch.ones(1, device="cuda")
         ref = None
         b_split = _pair_split_fp16(bq)
         a_f16 = aq.scaled_codes(torch.float16)
@@ -201,9 +187,9 @@ def main() -> None:
                     sms = torch.cuda.get_device_properties(0).multi_processor_count
                     grid = (min(sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
                     if var == "dpf16":
-                        fn = lambda: _k_dpf16[grid](  # noqa: E731
-                            a_f16, b_f16, out, gs, M, N, K, BM=bm, BN=bn, BK=bk, GROUP_M=8, NUM_SMS=sms,
-                            WS=False, SUBTILE=False, num_warps=w, num_stages=s)
+                        fn = lambda: _nvfp4_gemm_persistent_kernel[grid](  # noqa: E731
+                            a_f16, b_f16, out, gs, one, gs, M, N, K, K, K, N, HAS_BIAS=False, BM=bm, BN=bn, BK=bk,
+                            GROUP_M=8, SUBTILE=False, NUM_PROGRAMS=sms, num_warps=w, num_stages=s)
                     else:
                         descs = (TensorDescriptor.from_tensor(a_f16, [bm, bk]), TensorDescriptor.from_tensor(b_f16, [bn, bk]),
                                  TensorDescriptor.from_tensor(out, [bm, bn // 2 if sub else bn]))

@@ -336,10 +336,12 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _ensure_scratch_allocator() -> None:
-    """Device-side descriptors need Triton's launch-time allocator. Triton keeps it in a ContextVar, so
-    each thread (autograd runs backward in its own) starts without one: set ours where none is set,
-    and leave a caller's own allocator alone."""
+def _ensure_scratch_allocator(t: torch.Tensor) -> None:
+    """Device-side descriptors need Triton's launch-time allocator on CUDA (the interpreter needs none).
+    Triton keeps it in a ContextVar, so each thread (autograd runs backward in its own) starts without
+    one: set ours where none is set, and leave a caller's own allocator alone."""
+    if not t.is_cuda:
+        return
     try:
         from triton.runtime import _allocation
         unset = isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
@@ -354,8 +356,7 @@ def _launch_persistent(autotune: bool, a16: torch.Tensor, b16: torch.Tensor, gsa
     M, K = a16.shape
     N = b16.shape[0]
     progs = _programs(a16)
-    if a16.is_cuda:
-        _ensure_scratch_allocator()
+    _ensure_scratch_allocator(a16)
     args = (a16, b16, c, gsa, gsb, bias if bias is not None else gsa, M, N, K, a16.stride(0), b16.stride(0),
             c.stride(0))
     if autotune:

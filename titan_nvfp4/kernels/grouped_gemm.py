@@ -39,19 +39,41 @@ def _configs():
 
 
 @triton.jit
-def _expert_of_tile(OFFS, E, T, tile, BM: tl.constexpr, tiles_n, EP: tl.constexpr):
-    """(e, first row, end row, tile index within e) of linear tile ``tile``, where expert e owns
-    ⌈rows_e / BM⌉·tiles_n consecutive tiles and e = E is the tail [offsets[-1], T); e > E: no tile."""
+def _expert_tiles(OFFS, E, T, BM: tl.constexpr, tiles_n, EP: tl.constexpr):
+    """The tile table over expert slots i < EP: (i, first row, end row, tiles ⌈rows/BM⌉·tiles_n, their
+    running sum), where expert e owns that many consecutive tiles and slot E is the tail [offsets[-1], T)."""
     i = tl.arange(0, EP)
     ends = tl.where(i < E, tl.load(OFFS + i, mask=i < E, other=0), T)
     starts = tl.where(i <= E, tl.load(OFFS + i - 1, mask=(i > 0) & (i <= E), other=0), T)
     ntiles = tl.cdiv(ends - starts, BM) * tiles_n
-    cum = tl.cumsum(ntiles, 0)
+    return i, starts, ends, ntiles, tl.cumsum(ntiles, 0)
+
+
+@triton.jit
+def _tile_owner(tile, i, starts, ends, ntiles, cum):
+    """(e, first row, end row, tile index within e) of linear tile ``tile`` in the table of _expert_tiles;
+    e > E: past the last tile."""
     e = tl.sum((cum <= tile).to(tl.int32), 0)
     first = tl.sum(tl.where(i == e, cum - ntiles, 0), 0)
     start = tl.sum(tl.where(i == e, starts, 0), 0)
     end = tl.sum(tl.where(i == e, ends, 0), 0)
     return e, start, end, tile - first
+
+
+@triton.jit
+def _rows_epilogue(acc, e, E, m0, end, pid_n, N, GSA, GSB, BIAS, C, scm, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr):
+    """Expert e's tile · GSA[e]·GSB[e] (+ BIAS[e]), zeros for the tail pseudo-expert E, stored for the
+    rows before ``end`` and the columns before N."""
+    ec = tl.minimum(e, E - 1)
+    rm = m0 + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    out = acc * (tl.load(GSA + e) * tl.load(GSB + ec))
+    if HAS_BIAS:
+        out = out + tl.load(BIAS + ec * N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    out = tl.where(e < E, out, 0.0)
+    tl.store(C + rm[:, None].to(tl.int64) * scm + rn[None, :], out.to(C.dtype.element_ty),
+             mask=(rm < end)[:, None] & (rn < N)[None, :])
 
 
 @triton.jit
@@ -62,7 +84,8 @@ def _grouped_rows_kernel(A, a_desc, B, b_desc, OFFS, GSA, GSB, BIAS, C, E, T, N,
     last expert. A's tile rows past an expert's end are computed and not stored; B_e's tile columns
     past K (dgrad, B = Wᵀ) read the next expert's weights against A's zero-filled columns."""
     tiles_n = tl.cdiv(N, BN)
-    e, start, end, local = _expert_of_tile(OFFS, E, T, tl.program_id(0), BM, tiles_n, EP)
+    i, starts, ends, ntiles, cum = _expert_tiles(OFFS, E, T, BM, tiles_n, EP)
+    e, start, end, local = _tile_owner(tl.program_id(0), i, starts, ends, ntiles, cum)
     if e <= E:
         pid_m, pid_n = swizzle_tile(local, tl.cdiv(end - start, BM), tiles_n, GROUP_M)
         m0 = start + pid_m * BM
@@ -84,13 +107,7 @@ def _grouped_rows_kernel(A, a_desc, B, b_desc, OFFS, GSA, GSB, BIAS, C, E, T, N,
                 b = tl.load(B + (b_row0 + rn)[:, None].to(tl.int64) * sbn + (b_col0 + k0 + rk)[None, :],
                             mask=(rn < N)[:, None] & kmask, other=0.0)
             acc = tl.dot(a, b.T, acc)
-        ec = tl.minimum(e, E - 1)
-        out = acc * (tl.load(GSA + e) * tl.load(GSB + ec))
-        if HAS_BIAS:
-            out = out + tl.load(BIAS + ec * N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        out = tl.where(e < E, out, 0.0)
-        tl.store(C + rm[:, None].to(tl.int64) * scm + rn[None, :], out.to(C.dtype.element_ty),
-                 mask=(rm < end)[:, None] & (rn < N)[None, :])
+        _rows_epilogue(acc, e, E, m0, end, pid_n, N, GSA, GSB, BIAS, C, scm, HAS_BIAS, BM, BN)
 
 
 @triton.jit
@@ -105,18 +122,10 @@ def _grouped_rows_persistent_kernel(A, B, OFFS, GSA, GSB, BIAS, C, E, T, N, K, B
     a_desc = tl.make_tensor_descriptor(A, shape=[T, K], strides=[sam, 1], block_shape=[BM, BK])
     b_desc = tl.make_tensor_descriptor(B, shape=[B_ROWS, B_COLS], strides=[sbn, 1], block_shape=[BN, BK])
     tiles_n = tl.cdiv(N, BN)
-    i = tl.arange(0, EP)
-    ends = tl.where(i < E, tl.load(OFFS + i, mask=i < E, other=0), T)
-    starts = tl.where(i <= E, tl.load(OFFS + i - 1, mask=(i > 0) & (i <= E), other=0), T)
-    ntiles = tl.cdiv(ends - starts, BM) * tiles_n
-    cum = tl.cumsum(ntiles, 0)
-    total = tl.sum(ntiles, 0)
-    for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=FLATTEN):
-        e = tl.sum((cum <= tile).to(tl.int32), 0)
-        first = tl.sum(tl.where(i == e, cum - ntiles, 0), 0)
-        start = tl.sum(tl.where(i == e, starts, 0), 0)
-        end = tl.sum(tl.where(i == e, ends, 0), 0)
-        pid_m, pid_n = swizzle_tile(tile - first, tl.cdiv(end - start, BM), tiles_n, GROUP_M)
+    i, starts, ends, ntiles, cum = _expert_tiles(OFFS, E, T, BM, tiles_n, EP)
+    for tile in tl.range(tl.program_id(0), tl.sum(ntiles, 0), NUM_PROGRAMS, flatten=FLATTEN):
+        e, start, end, local = _tile_owner(tile, i, starts, ends, ntiles, cum)
+        pid_m, pid_n = swizzle_tile(local, tl.cdiv(end - start, BM), tiles_n, GROUP_M)
         m0 = start + pid_m * BM
         b_row0 = e * B_ROW_STEP + pid_n * BN
         b_col0 = e * B_COL_STEP
@@ -126,15 +135,7 @@ def _grouped_rows_persistent_kernel(A, B, OFFS, GSA, GSB, BIAS, C, E, T, N, K, B
             a = a_desc.load([m0, k0])
             b = b_desc.load([b_row0, b_col0 + k0])
             acc = tl.dot(a, b.T, acc)
-        ec = tl.minimum(e, E - 1)
-        rm = m0 + tl.arange(0, BM)
-        rn = pid_n * BN + tl.arange(0, BN)
-        out = acc * (tl.load(GSA + e) * tl.load(GSB + ec))
-        if HAS_BIAS:
-            out = out + tl.load(BIAS + ec * N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        out = tl.where(e < E, out, 0.0)
-        tl.store(C + rm[:, None].to(tl.int64) * scm + rn[None, :], out.to(C.dtype.element_ty),
-                 mask=(rm < end)[:, None] & (rn < N)[None, :])
+        _rows_epilogue(acc, e, E, m0, end, pid_n, N, GSA, GSB, BIAS, C, scm, HAS_BIAS, BM, BN)
 
 
 def _persistent_configs():
@@ -216,11 +217,9 @@ def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tenso
     tma = _use_tma(a16) and not interpreting()
     gs_a, gs_b = gs_a.float().contiguous(), gs_b.float().contiguous()
     bias_arg = bias if bias is not None else out
-    if (ROWS_KERNEL != "tiles" and (tma or interpreting()) and _tma_storable(a16) and _tma_storable(b16)
-            and (a16.is_cuda or interpreting())):
+    if ROWS_KERNEL != "tiles" and (tma or interpreting()) and _tma_storable(a16) and _tma_storable(b16):
         progs = _programs(a16)
-        if a16.is_cuda:
-            _ensure_scratch_allocator()
+        _ensure_scratch_allocator(a16)
         args = (a16, b16, offsets, gs_a, gs_b, bias_arg, out, E, T, n_out, K, b16.shape[0], b16.shape[1],
                 b_row_step, b_col_step, a16.stride(0), b16.stride(0), out.stride(0))
         kw = dict(HAS_BIAS=bias is not None, EP=triton.next_power_of_2(E + 1), NUM_PROGRAMS=progs,
