@@ -1,11 +1,12 @@
 """Host (CPU) time per call of each NVFP4 launcher, on inputs small enough that the GPU never limits:
 what a Linear forward+backward pays in Python and launch overhead before any kernel runs.
 
-    python benchmarks/host_overhead.py [--cprofile]
+    python benchmarks/host_overhead.py [--cprofile [--pstats PREFIX]]
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 
@@ -102,11 +103,28 @@ def main() -> None:
             torch.cuda.synchronize()
             print(f"\n== {name}: 20 calls")
             pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+            if "--pstats" in sys.argv:  # the whole profile, for pstats elsewhere
+                prof.dump_stats(sys.argv[sys.argv.index("--pstats") + 1] + "_" + re.sub(r"\W+", "_", name.split()[0].lower()) + ".prof")
         return
     print("| launcher | host µs per call |")
     print("| --- | ---: |")
     for name, fn in cases.items():
         print(f"| {name} | {host_us(fn):.1f} |")
+    from titan_nvfp4.kernels import launch
+    print("\ncompiled-kernel cache (kernel: specializations, cached launches): "
+          + "; ".join(f"{k}: {v[0]}, {v[1]}" for k, v in launch.stats().items()))
+    # the same calls with every kernel launched through Triton's own path, alternating, same process
+    print("\n| launcher | Triton's launch path µs | compiled-kernel cache µs |")
+    print("| --- | ---: | ---: |")
+    for name in ("quantize_operand row (amax + quantize)", "quantize_operand SR row + col", "quantize_weight_2d",
+                 "gemm, A staged, TMA", "NVFP4Linear forward+backward (2048x4096x4096)"):
+        t = {False: [], True: []}
+        for _ in range(3):
+            for on in (False, True):
+                launch.ENABLED = on
+                t[on].append(host_us(cases[name]))
+        launch.ENABLED = True
+        print(f"| {name} | {min(t[False]):.1f} | {min(t[True]):.1f} |")
 
 
 if __name__ == "__main__":

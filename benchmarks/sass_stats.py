@@ -50,7 +50,7 @@ _ALIGNED_INTS = ("K", "sxm", "Mpad")  # what Triton's specialization sees for a 
 OTHER = {
     "weight 16x16 staged + transpose (fwd W)": (q._quantize_2d_kernel, {"W": "*bf16", "AMAX": "*i32", "GS": "*fp32",
         "D": "*fp16", "S": "*fp8e4nv", "DT": "*u8", "ST": "*fp8e4nv", "BEXP": "*i32"},
-        dict(swk=1, EMIT_T=True, GROUPED=False, EMIT_F16=True, NSP2=1)),
+        dict(swk=1, EMIT_T=True, GROUPED=False, EMIT_F16=True, NSP2=1, FOUR_SIX=False)),
     "amax row + col RHT": (q._amax_kernel, {"X": "*bf16", "AMAX": "*i32", "SIGNS": "*fp32", "BEXP": "*i32"},
                            dict(sxk=1, ROW=True, COL=True, RHT=True, GROUPED=False)),
 }
@@ -73,7 +73,7 @@ def compile_variant(name: str, g=2, bk=128, warps=4, arch=90):
         return _compile(fn, pointers, dict(const, G=g, BK=bk), warps, arch)
     row, col, rht, sr_row, sr_col, row_f16 = VARIANTS[name]
     const = dict(sxk=1, ROW=row, COL=col, RHT=rht, SR_ROW=sr_row, SR_COL=sr_col, GROUPED=False,
-                 ROW_F16=row_f16, NSP2=2, G=g, BK=bk, COL_F16=col and sr_col)  # dY's columns go out staged
+                 ROW_F16=row_f16, NSP2=2, G=g, BK=bk, COL_F16=col and sr_col, FOUR_SIX=False)  # dY's columns go out staged
     return _compile(q._quantize_kernel, _POINTERS, const, warps, arch)
 
 

@@ -35,9 +35,15 @@ import torch
 import triton
 import triton.language as tl
 
+try:
+    from triton.runtime import _allocation
+except ImportError:  # pragma: no cover - another Triton layout (_ensure_scratch_allocator then always sets one)
+    _allocation = None
+
 from ..numerics.nvfp4 import NVFP4Tensor
-from ..ops.backends import interpreting
+from ..ops.backends import capability, interpreting
 from ..ops.library import StagedOperand
+from .launch import launch
 
 #: Staging budget per operand (bytes of fp16); larger operands are staged in row chunks.
 STAGE_BYTES = 64 * 2**20
@@ -283,16 +289,16 @@ def dequantize_fp16(t: NVFP4Tensor, rows: slice | None = None, cols: slice | Non
         args = (data, scale, words, R, C, data.stride(0), scale.stride(0), scale.stride(1), words.stride(0))
         if data.is_cuda and not interpreting() and R * C >= 2**22:
             grid = lambda meta: (triton.cdiv(R, meta["BR"]), triton.cdiv(C // 2, meta["BC"]))  # noqa: E731
-            _dequant_autotuned[grid](*args, SCALE_DIV=div)
+            launch(_dequant_autotuned, grid, *args, SCALE_DIV=div)
         else:
             BR, BC = (16, 256) if data.is_cuda else (16, 32)
-            _dequant_kernel[(triton.cdiv(R, BR), triton.cdiv(C // 2, BC))](*args, SCALE_DIV=div, BR=BR, BC=BC,
-                                                                             num_warps=4)
+            launch(_dequant_kernel, (triton.cdiv(R, BR), triton.cdiv(C // 2, BC)), *args, SCALE_DIV=div, BR=BR, BC=BC,
+                   num_warps=4)
     return out
 
 
 def _use_tma(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return x.is_cuda and torch.version.hip is None and capability(x.device)[0] >= 9
 
 
 def _use_asm(x: torch.Tensor) -> bool:
@@ -309,10 +315,10 @@ def _launch_gemm(autotune: bool, args: tuple, kw: dict) -> None:
     m, n = args[10], args[11]
     if autotune:
         grid = lambda meta: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)  # noqa: E731
-        _nvfp4_gemm_autotuned[grid](*args, **kw)
+        launch(_nvfp4_gemm_autotuned, grid, *args, **kw)
     else:
-        _nvfp4_gemm_kernel[(triton.cdiv(m, SMALL_TILES["BM"]) * triton.cdiv(n, SMALL_TILES["BN"]),)](
-            *args, **kw, **SMALL_TILES)
+        launch(_nvfp4_gemm_kernel, (triton.cdiv(m, SMALL_TILES["BM"]) * triton.cdiv(n, SMALL_TILES["BN"]),), *args,
+               **kw, **SMALL_TILES)
 
 
 def _programs(t: torch.Tensor) -> int:
@@ -343,9 +349,8 @@ def _ensure_scratch_allocator(t: torch.Tensor) -> None:
     if not t.is_cuda:
         return
     try:
-        from triton.runtime import _allocation
         unset = isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
-    except (ImportError, AttributeError):  # another Triton layout: set it (a launch without one fails)
+    except AttributeError:  # another Triton layout: set it (a launch without one fails)
         unset = True
     if unset:
         triton.set_allocator(_scratch)
@@ -361,11 +366,11 @@ def _launch_persistent(autotune: bool, a16: torch.Tensor, b16: torch.Tensor, gsa
             c.stride(0))
     if autotune:
         grid = lambda meta: (min(progs, triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"])),)  # noqa: E731
-        _nvfp4_gemm_persistent_autotuned[grid](*args, HAS_BIAS=bias is not None, NUM_PROGRAMS=progs)
+        launch(_nvfp4_gemm_persistent_autotuned, grid, *args, HAS_BIAS=bias is not None, NUM_PROGRAMS=progs)
     else:
         grid = (min(progs, triton.cdiv(M, SMALL_TILES["BM"]) * triton.cdiv(N, SMALL_TILES["BN"])),)
-        _nvfp4_gemm_persistent_kernel[grid](*args, HAS_BIAS=bias is not None, SUBTILE=False, NUM_PROGRAMS=progs,
-                                            **SMALL_TILES)
+        launch(_nvfp4_gemm_persistent_kernel, grid, *args, HAS_BIAS=bias is not None, SUBTILE=False,
+               NUM_PROGRAMS=progs, **SMALL_TILES)
 
 
 def _chunks(rows: int, K: int):

@@ -30,6 +30,7 @@ from ..ops.backends import interpreting
 from ..ops.library import StagedOperand
 from .gemm import (SMALL_TILES, _ensure_scratch_allocator, _programs, _set_b_block, _tma_desc, _tma_storable, _use_tma,
                    dequantize_fp16, swizzle_tile)
+from .launch import launch
 
 
 def _configs():
@@ -225,9 +226,9 @@ def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tenso
         kw = dict(HAS_BIAS=bias is not None, EP=triton.next_power_of_2(E + 1), NUM_PROGRAMS=progs,
                   FLATTEN=ROWS_KERNEL == "persistent")
         if _autotune(a16, T * n_out):
-            _rows_persistent_autotuned[(progs,)](*args, **kw)
+            launch(_rows_persistent_autotuned, (progs,), *args, **kw)
         else:
-            _grouped_rows_persistent_kernel[(progs,)](*args, **kw, **SMALL_TILES)
+            launch(_grouped_rows_persistent_kernel, (progs,), *args, **kw, **SMALL_TILES)
         return out
     a_arg, b_arg = (_tma_desc(a16), _tma_desc(b16)) if tma else (a16, b16)
     args = (a16, a_arg, b16, b_arg, offsets, gs_a, gs_b, bias_arg, out, E, T, n_out, K, b_row_step, b_col_step,
@@ -235,11 +236,11 @@ def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tenso
     kw = dict(HAS_BIAS=bias is not None, TMA=tma, EP=triton.next_power_of_2(E + 1))
     if _autotune(a16, T * n_out):
         grid = lambda meta: ((triton.cdiv(T, meta["BM"]) + E + 1) * triton.cdiv(n_out, meta["BN"]),)  # noqa: E731
-        _rows_autotuned[grid](*args, **kw)
+        launch(_rows_autotuned, grid, *args, **kw)
     else:
         t = SMALL_TILES
         grid = ((triton.cdiv(T, t["BM"]) + E + 1) * triton.cdiv(n_out, t["BN"]),)
-        _grouped_rows_kernel[grid](*args, **kw, **t)
+        launch(_grouped_rows_kernel, grid, *args, **kw, **t)
     return out
 
 
@@ -261,10 +262,10 @@ def grouped_gemm_tokens(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Ten
             a16.stride(0), b16.stride(0))
     if _autotune(a16, E * M * N):
         grid = lambda meta: (E * triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
-        _tokens_autotuned[grid](*args, TMA=tma)
+        launch(_tokens_autotuned, grid, *args, TMA=tma)
     else:
         t = SMALL_TILES
-        _grouped_tokens_kernel[(E * triton.cdiv(M, t["BM"]) * triton.cdiv(N, t["BN"]),)](*args, TMA=tma, **t)
+        launch(_grouped_tokens_kernel, (E * triton.cdiv(M, t["BM"]) * triton.cdiv(N, t["BN"]),), *args, TMA=tma, **t)
     return out
 
 

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from ..numerics.mxfp8 import MX_BLOCK, MXFP8Tensor
 from .nvfp4_jit import E4M3_MAX, e4m3_round, nan_to_inf_abs
+from .launch import launch
 
 
 @triton.jit
@@ -126,10 +127,10 @@ def quantize_mxfp8_tensors(x2d: torch.Tensor, rowwise: bool = True, colwise: boo
         args = (x2d, M, K, x2d.stride(0), x2d.stride(1), rd, rs, cd, cs, Mpad)
         if x2d.is_cuda and x2d.numel() >= 2**22:
             grid = lambda meta: (triton.cdiv(Mpad, meta["BM"]), triton.cdiv(K, meta["BK"]))  # noqa: E731
-            _mxfp8_autotuned[grid](*args, ROW=rowwise, COL=colwise, STAGED=staged)
+            launch(_mxfp8_autotuned, grid, *args, ROW=rowwise, COL=colwise, STAGED=staged)
         else:
             grid = (triton.cdiv(Mpad, _BM), triton.cdiv(K, _BK))
-            _mxfp8_kernel[grid](*args, ROW=rowwise, COL=colwise, BM=_BM, BK=_BK, STAGED=staged, num_warps=4)
+            launch(_mxfp8_kernel, grid, *args, ROW=rowwise, COL=colwise, BM=_BM, BK=_BK, STAGED=staged, num_warps=4)
     e8m0 = torch.float8_e8m0fnu
     return rd, rs.view(e8m0), cd, cs.view(e8m0)
 

@@ -25,6 +25,7 @@ import triton.language as tl
 from ..numerics.nvfp4 import NVFP4Tensor, global_encode_scale
 from ..ops.grouped import block_experts
 from ..ops.library import operand_pair, weight_pair
+from .launch import launch
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
 from .nvfp4_jit import (amax16, block_scales, e2m1_code, e2m1_staged, fos_d2, fos_unit, join_slices16,
                         pack16_along_slices, pack_pairs, pack_slices16, pick_four_or_six, quantize_slices16,
@@ -273,9 +274,11 @@ def _tuned(x: torch.Tensor) -> bool:
 def _launch(kernel, tuned_kernel, x: torch.Tensor, rows: int, cols: int, *args, **flags) -> None:
     """Run kernel over [rows, cols] with autotuned tiles (large CUDA inputs) or the fixed ones."""
     if _tuned(x):
-        tuned_kernel[lambda meta: (triton.cdiv(rows, 16 * meta["G"]), triton.cdiv(cols, meta["BK"]))](*args, **flags)
+        launch(tuned_kernel, lambda meta: (triton.cdiv(rows, 16 * meta["G"]), triton.cdiv(cols, meta["BK"])), *args,
+               **flags)
     else:
-        kernel[(triton.cdiv(rows, 16 * G_Q), triton.cdiv(cols, BK_Q))](*args, **flags, G=G_Q, BK=BK_Q, num_warps=1)
+        launch(kernel, (triton.cdiv(rows, 16 * G_Q), triton.cdiv(cols, BK_Q)), *args, **flags, G=G_Q, BK=BK_Q,
+               num_warps=1)
 
 
 # ----------------------------------------------------------------------------------------------- launchers
@@ -306,7 +309,7 @@ def _slots(x: torch.Tensor, groups: torch.Tensor | None) -> tuple[torch.Tensor, 
     """(block-expert map, amax slots per operand): a dummy and 1 for one tensor scale; with ``groups``
     (offsets) one slot per expert plus one for the rows past the last group."""
     if groups is None:
-        return torch.zeros(1, dtype=torch.int32, device=x.device), 1
+        return _placeholder(x.device), 1
     if groups.dim() != 1 or groups.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"grouped quantization: offsets must be a 1D integer tensor, got {tuple(groups.shape)} "
                          f"{groups.dtype}")
@@ -434,7 +437,7 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
                          f"{tuple(amax.shape)}")
     dev = w.device
     grouped = experts > 1
-    bexp = _expert_blocks(experts, N // 16 // experts, dev) if grouped else torch.zeros(1, dtype=torch.int32, device=dev)
+    bexp = _expert_blocks(experts, N // 16 // experts, dev) if grouped else _placeholder(dev)
     buf = torch.zeros(experts, dtype=torch.int32, device=dev)  # fp32 bits of the amaxes
     gs = torch.empty(experts, dtype=torch.float32, device=dev)
     if amax is None and N > 0:
@@ -471,6 +474,13 @@ def expert_amax_tensors(w: torch.Tensor, experts: int) -> torch.Tensor:
                 _expert_blocks(experts, N // 16 // experts, w.device), experts, ROW=True, COL=False, RHT=False,
                 GROUPED=True)
     return buf.view(torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _placeholder(device: torch.device) -> torch.Tensor:
+    """int32 [1] zero for a kernel's pointer argument that its flags leave unread (cached: a fresh one
+    cost a launch per call)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=64)

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -30,7 +31,17 @@ def triton_available() -> bool:
 
 
 def _is_blackwell(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 10
+    return device.type == "cuda" and torch.version.hip is None and capability(device)[0] >= 10
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability, asked once per device (every NVFP4 call resolves its backend)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def resolve_backend(name: str, device: torch.device) -> str:

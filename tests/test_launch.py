@@ -1,0 +1,142 @@
+"""The compiled-kernel launch cache (titan_nvfp4/kernels/launch.py): its key separates what Triton
+specializes on, anything it cannot key goes through Triton, and on a GPU cached launches give the same
+bits as Triton's own launches of every NVFP4 kernel family (and skip Triton's launch path)."""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from titan_nvfp4.kernels import launch as L  # noqa: E402
+
+GPU = torch.cuda.is_available()
+
+
+def _launcher(tune_keys=()):
+    la = L.Launcher.__new__(L.Launcher)
+    la.names = ["X", "M", "K", "FLAG"]
+    la.tune_keys = list(tune_keys)
+    return la
+
+
+def test_key_separates_what_triton_specializes_on(monkeypatch):
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    la = _launcher()
+    x = torch.zeros(64, dtype=torch.float32)
+    k = la._key((x, 32, 48), {"FLAG": True})
+    assert la._key((torch.ones(64), 64, 96), {"FLAG": True}) == k  # same dtype, alignment, int classes
+    assert la._key((x.half(), 32, 48), {"FLAG": True}) != k  # dtype
+    assert la._key((x[1:], 32, 48), {"FLAG": True}) != k  # a data pointer off 16 bytes
+    assert la._key((x, 1, 48), {"FLAG": True}) != k  # an int equal to 1 (a constant to Triton)
+    assert la._key((x, 33, 48), {"FLAG": True}) != k  # divisibility by 16
+    assert la._key((x, 2**31 + 16, 48), {"FLAG": True}) != k  # 64-bit int
+    assert la._key((x, 32, 48), {"FLAG": False}) != k  # constexpr values
+    assert la._key((x, 32, 48), {"FLAG": True, "num_warps": 4}) != k  # launch options
+
+
+def test_key_holds_the_autotuner_key_values(monkeypatch):
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    la = _launcher(tune_keys=["M", "FLAG"])
+    x = torch.zeros(64)
+    assert la._key((x, 32, 48), {"FLAG": True}) != la._key((x, 64, 48), {"FLAG": True})  # M: exact value
+    assert la._key((x, 32, 48), {"FLAG": True}) == la._key((x, 32, 96), {"FLAG": True})  # K: not a tune key
+
+
+@pytest.mark.parametrize("arg", [1.5, object(), [1, 2]])
+def test_key_refuses_what_it_cannot_describe(arg, monkeypatch):
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    with pytest.raises(L._Uncacheable):
+        _launcher()._key((torch.zeros(4), arg), {})
+
+
+def test_cpu_tensors_launch_through_triton():
+    """Off CUDA (the interpreter) every launch is Triton's own: nothing is cached."""
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append((grid, a, k)) or "ran"
+
+    fake = Kernel()
+    la = L.Launcher.__new__(L.Launcher)
+    la.fn, la.cache = fake, {}
+    assert la((3, 1), torch.zeros(4), 7, FLAG=True) == "ran"
+    assert calls and calls[0][0] == (3, 1) and la.cache == {}
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+def _no_triton_launch(monkeypatch, *fns):
+    """Make every later launch of ``fns`` through Triton's own path fail (cached ones do not go there)."""
+    def refuse(*a, **k):
+        raise AssertionError("launched through Triton, not the cache")
+    for fn in fns:
+        monkeypatch.setattr(fn, "run", refuse)
+
+
+@pytest.mark.skipif(not GPU, reason="the cache launches compiled CUDA kernels")
+@pytest.mark.parametrize("m", [2048, 272])  # autotuned tiles / fixed tiles
+def test_cached_launches_match_triton_on_gpu(m, monkeypatch):
+    from titan_nvfp4.kernels import gemm as g
+    from titan_nvfp4.kernels import quantize as q
+    from titan_nvfp4.kernels.mxfp8 import quantize_mxfp8_tensors
+    from titan_nvfp4.numerics.rht import rht_signs
+
+    torch.manual_seed(0)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16) * 3
+    w = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16)
+    signs = rht_signs(0, "cuda")
+    seed = torch.full((1,), 11, dtype=torch.int64, device="cuda")
+
+    def run():
+        xr, xc = q.quantize_operand(x, colwise=True, signs=signs, stochastic_row=True, stochastic_col=True, seed=seed)
+        wq, wt = q.quantize_weight_2d(w)
+        y = g.nvfp4_gemm_triton(xr, wq, torch.bfloat16)
+        mx = quantize_mxfp8_tensors(x, True, True)
+        return [xr.data, xr.scale.view(torch.uint8), xc.data, wq.data, wt.data, y, *[t.view(torch.uint8) for t in mx]]
+
+    monkeypatch.setattr(L, "ENABLED", False)
+    want = run()
+    monkeypatch.setattr(L, "ENABLED", True)
+    first = run()  # fills the cache
+    from titan_nvfp4.kernels import mxfp8
+
+    kernels = [q._quantize_kernel, q._amax_kernel, q._quantize_2d_kernel, g._dequant_kernel,
+               g._nvfp4_gemm_persistent_kernel, mxfp8._mxfp8_kernel]
+    _no_triton_launch(monkeypatch, *kernels)
+    for tuned in (q._quantize_autotuned, q._amax_autotuned, q._quantize_2d_autotuned, g._dequant_autotuned,
+                  g._nvfp4_gemm_persistent_autotuned, mxfp8._mxfp8_autotuned):
+        monkeypatch.setattr(tuned, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("autotuner ran")))
+    hits = {k: v[1] for k, v in L.stats().items()}
+    cached = run()
+    assert all(L.stats()[k][1] > hits[k] for k in ("_quantize_kernel", "_quantize_2d_kernel", "_mxfp8_kernel"))
+    for a, b, c in zip(want, first, cached):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def _kernel_src(X, M, K, FLAG: "tl.constexpr", BK: "tl.constexpr", FOUR: "tl.constexpr" = False):
+    pass
+
+
+def test_record_lays_out_every_parameter():
+    """A cached launch passes every parameter in order: positional, keyword, the autotuner's chosen
+    config, then the defaults (a compiled Triton function, built here without a GPU)."""
+    from triton.runtime.jit import JITFunction
+
+    jit = JITFunction(_kernel_src)
+    tuner = triton.autotune([triton.Config({"BK": 64}, num_warps=2), triton.Config({"BK": 128}, num_warps=4)],
+                            key=["M"])(jit)
+    la = L.Launcher(tuner)
+    assert la.names == ["X", "M", "K", "FLAG", "BK", "FOUR"] and la.defaults == {"FOUR": False}
+    assert la.tune_keys == ["M"]
+    tuner.best_config = tuner.configs[1]
+
+    class Compiled:
+        def _init_handles(self):
+            self.ready = True
+
+    entry = la._record(Compiled(), (torch.zeros(4), 32, 64), {"FLAG": True})
+    assert entry.sources == [0, 0, 0, 1, 2, 2] and entry.fixed == {"FOUR": False, "BK": 128}
+    assert entry.kernel.ready
+    tuner.best_config = triton.Config({"BK": 64}, pre_hook=lambda nargs: None)
+    assert la._record(Compiled(), (torch.zeros(4), 32, 64), {"FLAG": True}) is None  # a pre-hook: not cached

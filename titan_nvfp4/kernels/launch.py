@@ -1,0 +1,163 @@
+"""Kernel launches without Triton's per-call Python: a cache of compiled kernels keyed by what Triton
+specializes on, launched through the compiled kernel's own launcher.
+
+A launch through ``kernel[grid](...)`` binds and specializes every argument, hashes a cache key and,
+through ``triton.autotune``, builds the autotuning key too: 25-100 µs of host time per launch on the
+H100 machines (benchmarks/host_overhead.py), more than many of these kernels take on the GPU at
+M = 2048. ``launch`` does that once per specialization: the first call goes through Triton (compiling
+and autotuning as usual) and records the compiled kernel and the chosen config; later calls with the
+same specialization build the argument list and call the compiled kernel's launcher (~10 µs).
+
+The key holds what Triton's specialization looks at (benchmarks and tests compare both paths):
+tensors by dtype and 16-byte alignment of the data pointer, ints by ``== 1``, divisibility by 16 and
+32/64-bit range, and every other argument (constexprs, flags, None) by value, plus the values of the
+autotuner's key arguments. Anything the cache cannot key safely (a tensor descriptor, a float, an
+unknown object) and the CPU interpreter take Triton's own path; launch hooks (profilers) are called
+as Triton calls them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+from triton.runtime.autotuner import Autotuner
+
+from triton import knobs as _knobs  # the launch hooks (profilers such as proton), passed on as Triton does
+
+#: Set TITAN_NVFP4_TRITON_LAUNCH=1 to launch every kernel through Triton (to compare or to debug).
+ENABLED = os.environ.get("TITAN_NVFP4_TRITON_LAUNCH", "0") in ("", "0")
+
+_INT32 = (-2**31, 2**31)
+_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_current_device = torch.cuda.current_device
+_raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
+
+
+class _Uncacheable(Exception):
+    """An argument the key cannot describe: launch through Triton."""
+
+
+def _spec(a):
+    """What Triton's specialization sees of one argument (see the module docstring)."""
+    t = type(a)
+    if t in _TENSORS:
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if t is int:
+        return (a == 1, a % 16 == 0, _INT32[0] <= a < _INT32[1])
+    if a is None or t is bool or t is str or t is torch.dtype:
+        return a
+    raise _Uncacheable
+
+
+class _Entry:
+    """A compiled kernel and how to lay out its full argument list (every parameter, constexprs too)."""
+
+    __slots__ = ("kernel", "names", "fixed", "sources")
+
+    def __init__(self, kernel, names, fixed, sources):
+        self.kernel, self.names, self.fixed, self.sources = kernel, names, fixed, sources
+
+
+class Launcher:
+    """``launch(grid, *args, **kwargs)`` for one Triton kernel: a ``triton.jit`` function or a
+    ``triton.autotune`` over one (``grid`` a tuple or a function of the meta-parameter dict)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.autotuner = isinstance(fn, Autotuner)
+        self.jit = fn.fn if self.autotuner else fn
+        self.names = list(self.jit.arg_names)
+        self.defaults = {p.name: p.default for p in self.jit.params if p.default is not inspect.Parameter.empty}
+        self.tune_keys = list(fn.keys) if self.autotuner else []
+        self.cache: dict = {}
+        self.hits = 0  # cached launches (benchmarks/host_overhead.py reports them)
+
+    def _key(self, args, kwargs):
+        key = [_current_device()]
+        key += [_spec(a) for a in args]
+        for k in sorted(kwargs):
+            key += (k, _spec(kwargs[k]))
+        if self.tune_keys:  # the autotuner keys on these values exactly (shapes, flags)
+            pos = dict(zip(self.names, args))
+            key += [pos[k] if k in pos else kwargs.get(k) for k in self.tune_keys]
+        return tuple(key)
+
+    def __call__(self, grid, *args, **kwargs):
+        if not _fast(args):
+            return self.fn[grid](*args, **kwargs)
+        try:
+            key = self._key(args, kwargs)
+        except _Uncacheable:
+            return self.fn[grid](*args, **kwargs)
+        entry = self.cache.get(key)
+        if entry is None:
+            kernel = self.fn[grid](*args, **kwargs)
+            entry = self._record(kernel, args, kwargs)
+            if entry is not None:
+                self.cache[key] = entry
+            return kernel
+        full = [args[i] if src == 0 else kwargs[name] if src == 1 else entry.fixed[name]
+                for i, (name, src) in enumerate(zip(entry.names, entry.sources))]
+        if callable(grid):
+            grid = grid(dict(zip(entry.names, full)))
+        self.hits += 1
+        k, stream = entry.kernel, _raw_stream(key[0])
+        enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook  # as Triton passes them
+        meta = k.launch_metadata(grid, stream, *full) if enter is not None else None
+        k.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, k.function,
+              k.packed_metadata, meta, enter, leave, *full)
+        return k
+
+    def _record(self, kernel, args, kwargs) -> _Entry | None:
+        """How each parameter is filled on a cached launch: 0 positional, 1 keyword, 2 fixed (the
+        autotuner's chosen config or the parameter's default); None if a launch needs more than the
+        arguments (a config's pre-hook)."""
+        fixed = dict(self.defaults)
+        if self.autotuner:
+            config = self.fn.best_config
+            if config.pre_hook is not None:
+                return None
+            fixed.update(config.kwargs)
+        sources = []
+        for i, name in enumerate(self.names):
+            if i < len(args):
+                sources.append(0)
+            elif name in kwargs:
+                sources.append(1)
+            elif name in fixed:
+                sources.append(2)
+            else:
+                raise TypeError(f"{self.jit.__name__}: no value for parameter {name!r}")
+        kernel._init_handles()
+        return _Entry(kernel, self.names, fixed, sources)
+
+
+def launcher(fn) -> Launcher:
+    """The Launcher of a Triton kernel (one per kernel object, made on first use)."""
+    la = _LAUNCHERS.get(id(fn))
+    if la is None or la.fn is not fn:
+        la = _LAUNCHERS[id(fn)] = Launcher(fn)
+    return la
+
+
+_LAUNCHERS: dict[int, Launcher] = {}
+
+
+def _fast(args) -> bool:
+    """Whether a launch may use the cache: enabled, on a CUDA tensor (the interpreter runs on the CPU)."""
+    first = args[0] if args else None
+    return ENABLED and _raw_stream is not None and type(first) in _TENSORS and first.is_cuda
+
+
+def stats() -> dict[str, tuple[int, int]]:
+    """{kernel name: (specializations cached, cached launches)} of every kernel launched so far."""
+    return {la.jit.__name__: (len(la.cache), la.hits) for la in _LAUNCHERS.values()}
+
+
+def launch(fn, grid, *args, **kwargs):
+    """``fn[grid](*args, **kwargs)``, through the compiled-kernel cache when it can be (module docstring)."""
+    if not _fast(args):
+        return fn[grid](*args, **kwargs)
+    return launcher(fn)(grid, *args, **kwargs)
