@@ -1,7 +1,7 @@
 """Host (CPU) time per call of each NVFP4 launcher, on inputs small enough that the GPU never limits:
 what a Linear forward+backward pays in Python and launch overhead before any kernel runs.
 
-    python benchmarks/host_overhead.py [--cprofile [--pstats PREFIX]]
+    python benchmarks/host_overhead.py [--cprofile [--pstats PREFIX] | --torch-profile]
 """
 
 from __future__ import annotations
@@ -90,6 +90,16 @@ def main() -> None:
         "gemm, autotune off": lambda: g.nvfp4_gemm_triton(a, b, torch.bfloat16, autotune=False),
         "NVFP4Linear forward+backward (2048x4096x4096)": linear_step,
     }
+    if "--torch-profile" in sys.argv:  # the torch ops of a Linear step and their host time
+        from torch.profiler import ProfilerActivity, profile
+        host_us(linear_step, 5)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(20):
+                linear_step()
+        torch.cuda.synchronize()
+        print("== NVFP4Linear forward+backward (2048x4096x4096): torch ops of 20 steps")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+        return
     if "--cprofile" in sys.argv:  # where the host time of the heaviest launchers goes
         import cProfile
         import pstats
