@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe, build_recipe, quantize_nvfp4, rht, rht_signs
-from titan_nvfp4.linear_function import sr_seed
+from titan_nvfp4.linear_function import nvfp4_linear, sr_counter, sr_seed
 from titan_nvfp4.ops import nvfp4_gemm
 
 CPU = torch.device("cpu")
@@ -458,3 +458,24 @@ def test_no_wgrad_operand_without_autograd(monkeypatch):
     with torch.inference_mode():
         m(x)
     assert calls == [True, False, False]
+
+
+def test_backward_runs_the_gemm_order_with_the_lower_peak(monkeypatch):
+    """wgrad before dgrad where that leaves less memory (many tokens), dgrad first otherwise; same
+    gradients either way."""
+    from titan_nvfp4 import linear_function as lf
+
+    assert lf._wgrad_first(16384, 4096, 4096) and lf._wgrad_first(16384, 14336, 4096)
+    assert not lf._wgrad_first(2048, 4096, 14336)
+    recipe = NVFP4Recipe()
+    torch.manual_seed(0)
+    w = torch.randn(48, 64, requires_grad=True)
+    x = torch.randn(32, 64, requires_grad=True)
+    grads, asked = [], []
+    for first in (True, False):
+        monkeypatch.setattr(lf, "_wgrad_first", lambda m, k, n, first=first: asked.append((m, k, n)) or first)
+        x.grad = w.grad = None
+        nvfp4_linear(x, w, None, recipe, counter=sr_counter(recipe, 0)).square().sum().backward()
+        grads.append((x.grad.clone(), w.grad.clone()))
+    assert asked == [(32, 64, 48)] * 2
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])

@@ -215,10 +215,14 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
                     dy_amax = all_reduce_max(G.token_amaxes(dy2d, offsets, need_dw, signs), ctx.groups.grad)
                 dyq, dy_col = G.quantize_tokens(dy2d, offsets, need_dx, need_dw, signs, seed, col_staged=True,
                                                 four_six=ctx.recipe.four_over_six, amaxes=dy_amax)
+                # wgrad first, dY's staged column operand dropped before dgrad allocates its output
+                dws.append(G.gemm_tokens(dy_col, x_col, offsets, ctx.w_dtypes[j]) if need_dw else None)
+                del dy_col
                 if need_dx:  # summed in x's dtype, as autograd sums the gradients of separate GEMMs
                     part = G.gemm_rows(dyq, w_t, offsets, ctx.x_shape[-1], row_step, col_step, ctx.x_dtype)
-                    dx = part if dx is None else dx + part
-                dws.append(G.gemm_tokens(dy_col, x_col, offsets, ctx.w_dtypes[j]) if need_dw else None)
+                    dx = part if dx is None else dx.add_(part)  # dx is this function's own buffer
+                    del part
+                del dyq
                 dbs.append(G.expert_bias_grad(dy2d, offsets).to(dy.dtype) if need_db else None)
         return (dx.reshape(ctx.x_shape) if dx is not None else None, None, None, None, None, None, None, *dws,
                 *dbs, *([None] * n))

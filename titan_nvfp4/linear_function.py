@@ -180,15 +180,37 @@ class NVFP4LinearFunction(torch.autograd.Function):
         dyq, dy_col = quantize_gradient(dy2d, need_dx, need_dw, signs, seed, ctx.backend, dy_amax,
                                         recipe.four_over_six)
 
+        # Each dY operand is dropped right after its GEMM, and the GEMM that leaves the lower peak
+        # memory runs first (_wgrad_first); the two are independent, so the bits do not depend on it.
         dx = dw = db = None
-        if need_dx:
-            dx = nvfp4_gemm(dyq, w_t, out_dtype=ctx.x_dtype, backend=ctx.backend).reshape(ctx.x_shape)
-        if need_dw:
-            x_col = _repack(*saved[3:6], *ctx.x_col_meta)
-            dw = nvfp4_gemm(dy_col, x_col, out_dtype=ctx.w_dtype, backend=ctx.backend)
+        m, k = dy2d.shape[0], w_t.shape[0]
+        for gemm in (("dw", "dx") if _wgrad_first(m, k, out_features) else ("dx", "dw")):
+            if gemm == "dw":
+                if need_dw:
+                    x_col = _repack(*saved[3:6], *ctx.x_col_meta)
+                    dw = nvfp4_gemm(dy_col, x_col, out_dtype=ctx.w_dtype, backend=ctx.backend)
+                    del x_col
+                dy_col = None
+            else:
+                if need_dx:
+                    dx = nvfp4_gemm(dyq, w_t, out_dtype=ctx.x_dtype, backend=ctx.backend).reshape(ctx.x_shape)
+                dyq = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(dy.dtype)
         return dx, dw, db, None, None, None, None, None, None
+
+
+def _wgrad_first(m: int, k: int, n: int) -> bool:
+    """Whether backward should run wgrad before dgrad: the order whose peak is lower, counting what the
+    emulated backend holds (bytes of fp16 = 2 per element): dY staged both ways (m·n each), dX (m·k),
+    dW (n·k) and the staging chunk of the packed operand of each GEMM (Wᵀ for dgrad, Xᵀ for wgrad, at
+    most STAGE_BYTES). dgrad first: max(dY + dYᵀ + Wᵀ chunk + dX, dYᵀ + dX + Xᵀ chunk + dW); wgrad first:
+    max(dY + dYᵀ + Xᵀ chunk + dW, dY + dW + Wᵀ chunk + dX)."""
+    from .kernels.gemm import STAGE_BYTES  # here: the kernels load only when a kernel backend runs
+
+    dy, dx, dw = 2 * m * n, 2 * m * k, 2 * n * k
+    sd, sw = min(STAGE_BYTES, dw), min(STAGE_BYTES, dx)
+    return max(2 * dy + sw + dw, dy + dw + sd + dx) < max(2 * dy + sd + dx, dy + dx + sw + dw)
 
 
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe,
