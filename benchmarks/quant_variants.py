@@ -1,7 +1,8 @@
 """Where the quantization kernel's time goes: ``_quantize_kernel`` timed with one feature at a time
 (rowwise, columnwise, RHT, stochastic rounding) and over tile configs, with registers and spills.
 
-    python benchmarks/quant_variants.py [--m 16384 --k 4096] [--ncu]
+    python benchmarks/quant_variants.py [--m 16384 --k 4096] [--ncu] [--variants "row,col RHT"]
+                                        [--configs 2x64x2,4x128x4]
 
 ``--ncu`` launches each variant once (no timing) for ``ncu --kernel-name regex:_quantize``.
 """
@@ -34,6 +35,8 @@ def main() -> None:
     p.add_argument("--m", type=int, default=16384)
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--ncu", action="store_true")
+    p.add_argument("--variants", help="comma-separated names from VARIANTS (default: all)")
+    p.add_argument("--configs", help="comma-separated GxBKxWARPS tile configs (default: CONFIGS)")
     p.add_argument("--dump", help="folder for the TTGIR of each variant at the second config")
     args = p.parse_args()
     M, K = args.m, args.k
@@ -52,10 +55,13 @@ def main() -> None:
     print(f"copy of {M * K // 2 / 2**20:.0f} MiB: {copy_ms:.3f} ms ({2 * M * K // 2 / copy_ms / 1e9:.2f} TB/s)")
     print("| variant | G | BK | warps | ms | TB/s (read+write) | regs | spills | layout converts | smem B |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name, (row, col, rht, srr, src, rf16, cf16) in VARIANTS.items():
+    configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")] if args.configs else CONFIGS
+    names = args.variants.split(",") if args.variants else list(VARIANTS)
+    for name in names:
+        row, col, rht, srr, src, rf16, cf16 = VARIANTS[name]
         out_bytes = lambda on, f16: (M * K * 2 if f16 else M * K * 9 // 16) if on else 0  # noqa: E731
         nbytes = M * K * 2 + out_bytes(row, rf16) + out_bytes(col, cf16)
-        for g, bk, w in CONFIGS:
+        for g, bk, w in configs:
             def run():
                 return q._quantize_kernel[(triton.cdiv(M, 16 * g), triton.cdiv(K, bk))](
                     x, M, K, x.stride(0), x.stride(1), amax, gs, rd16 if rf16 else rd, rs, cd16 if cf16 else cd, cs,

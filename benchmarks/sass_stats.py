@@ -74,7 +74,8 @@ def compile_variant(name: str, g=2, bk=128, warps=4, arch=90):
     row, col, rht, sr_row, sr_col, row_f16 = VARIANTS[name]
     const = dict(sxk=1, ROW=row, COL=col, RHT=rht, SR_ROW=sr_row, SR_COL=sr_col, GROUPED=False,
                  ROW_F16=row_f16, NSP2=2, G=g, BK=bk, COL_F16=col and sr_col, FOUR_SIX=False)  # dY's columns go out staged
-    return _compile(q._quantize_kernel, _POINTERS, const, warps, arch)
+    pointers = dict(_POINTERS, RD="*fp16" if row_f16 else "*u8", CD="*fp16" if const["COL_F16"] else "*u8")
+    return _compile(q._quantize_kernel, pointers, const, warps, arch)
 
 
 def _tool(name: str) -> str:

@@ -134,14 +134,31 @@ def e2m1_magic(a):
 
 @triton.jit
 def e2m1_code(v):
-    """Twin of formats.e2m1_encode_rne for non-NaN v (NaN: any code; callers mask non-finite blocks).
-    f = a + magic holds k = (grid value)/step in its low bits and the range R in its exponent: less the
-    bits of 2²², f is (R << 23) + k and the code k + 2R is (f + (f >> 22)) & 7. No compares, no
-    float-to-int conversion."""
+    """Twin of formats.e2m1_encode_rne for non-NaN v (NaN: any code; callers mask non-finite blocks),
+    as uint8 (e2m1_nibble)."""
+    return e2m1_nibble(v).to(tl.uint8)
+
+
+@triton.jit
+def e2m1_nibble(v):
+    """The nearest-even E2M1 code of non-NaN v as an int32 holding 0-15 (sign in bit 3). The add
+    rounds a = min(|v|, 6) on its grid step with a magic 6 steps past 2²²·2^R (R the range of
+    e2m1_magic; an even offset keeps ties-to-even), so f's bits are base_R + 6 + k with k the rounded
+    a in steps, and (f + (f >> 22)) & 7 = k + 2R: the 6 cancels base_R >> 22 ≡ 2 (mod 8). Five
+    instructions and the sign's two; no compares, no float-to-int conversion."""
     a = tl.minimum(tl.abs(v), 6.0)
-    f = (a + e2m1_magic(a)).to(tl.int32, bitcast=True) - 0x4A800000  # (R << 23) + k
-    s = v.to(tl.uint32, bitcast=True) >> 28  # the sign at bit 3, exponent bits below it
-    return (((f + (f >> 22)) & 7) | (s.to(tl.int32) & -8)).to(tl.uint8)  # k + 2R | sign: one LOP3
+    f = (a + _range_bits(a).to(tl.float32, bitcast=True) * 4194307.0).to(tl.int32, bitcast=True)
+    return ((f + (f >> 22)) & 7) | (v.to(tl.uint32, bitcast=True) >> 28).to(tl.int32) & 8
+
+
+@triton.jit
+def nibble_word(ns):
+    """8 int32 tiles of nibbles 0-15 -> the int32 tile whose bits 4j..4j+3 hold ns[j]: 8 codes packed
+    as the bytes of formats.pack_nibbles, element 2j in the low nibble of byte j (little-endian)."""
+    w = ns[7]
+    for j in tl.static_range(6, -1, -1):
+        w = (w << 4) | ns[j]
+    return w
 
 
 @triton.jit
@@ -160,10 +177,16 @@ def e2m1_stochastic_code(v, u):
     blocks), uniforms u in [0, 1): up with probability (|v| - lo) / (hi - lo), saturating. With p the
     bits of max(2^⌊log₂ a⌋, 1) (1, 2 or 4: range R), t = a / step is a·2^(1-R) exactly, lo = ⌊t⌋ and
     frac = t - lo are the reference's values, and the code is k + 2R read off integer bits."""
+    return e2m1_stochastic_nibble(v, u).to(tl.uint8)
+
+
+@triton.jit
+def e2m1_stochastic_nibble(v, u):
+    """e2m1_stochastic_code as an int32 holding 0-15 (as e2m1_nibble)."""
     k, p = _stochastic_steps(v, u)
     kb = (k + 8388608.0).to(tl.int32, bitcast=True)  # 2²³ + k: k in the low bits
     sign = (v.to(tl.int32, bitcast=True) >> 28) & 8
-    return (((kb & 7) + (p >> 22) - 254) | sign).to(tl.uint8)
+    return ((kb & 7) + (p >> 22) - 254) | sign
 
 
 @triton.jit
@@ -248,42 +271,15 @@ def _u16_hi(r):
 
 
 @triton.jit
-def pack16_along_slices(codes):
-    """16-tuple of [G, C] uint8 codes (tile i = element i of 16-blocks running along G) -> [C, G·8]
-    bytes: row c holds the 16·G codes of column c packed in order, element 2j in the low nibble."""
-    p = ()
-    for j in tl.static_range(8):
-        p = p + (codes[2 * j] | (codes[2 * j + 1] << 4).to(tl.uint8),)
-    a = _join_in_order(p[0], p[1])
-    b = _join_in_order(p[2], p[3])
-    c = _join_in_order(p[4], p[5])
-    d = _join_in_order(p[6], p[7])
-    ab = _join_in_order(a, b)
-    cd = _join_in_order(c, d)
-    abcd = _join_in_order(ab, cd)  # [G, C, 8]
-    return tl.reshape(tl.permute(abcd, (1, 0, 2)), (abcd.shape[1], abcd.shape[0] * 8))
-
-
-@triton.jit
-def _join_in_order(a, b):
-    """Concatenate along the last dim ([.., n] + [.., n] -> [.., 2n]) for n a power of two (n = 1: join)."""
-    j = tl.join(a, b)  # [.., n, 2]: element (x, y) is (a, b)[y][x]
-    if len(a.shape) == 2:
-        out = j  # a, b were [G, C]: [G, C, 2] is already in order
-    else:
-        out = tl.reshape(tl.permute(j, (0, 1, 3, 2)), (j.shape[0], j.shape[1], 2 * j.shape[2]))
-    return out
-
-
-@triton.jit
 def quantize_slices16(xs, s_enc, STOCHASTIC: tl.constexpr, seed, counter, STAGED: tl.constexpr = False,
                       FOUR_SIX: tl.constexpr = False):
     """NVFP4 of 16-element blocks laid out across a 16-tuple of tiles (tile i = element i of each
-    block): (16 code tiles uint8, e4m3 scales, one per tile element). Stochastic draws come from
-    Philox at 2·counter and 2·counter + 1 (uniforms8), ``counter`` unique per block. Codes of a
-    non-finite block are 0 (the reference's NaN·r). STAGED: the 16 tiles are the GEMM's fp16 values
-    q·e_b (the decoded codes times e_b) instead of codes. FOUR_SIX: block scales by Four Over Six
-    (s_enc must then be the FOUR_SIX tensor scale)."""
+    block): (out, e4m3 scales, one per tile element). out is 2 int32 tiles, the packed codes of
+    elements 0-7 and 8-15 of each block (nibble_word), or with STAGED the 16 tiles of the GEMM's fp16
+    values q·e_b (the decoded codes times e_b). Stochastic draws come from Philox at 2·counter and
+    2·counter + 1 (uniforms8), ``counter`` unique per block. Codes of a non-finite block are 0 (the
+    reference's NaN·r). FOUR_SIX: block scales by Four Over Six (s_enc must then be the FOUR_SIX
+    tensor scale)."""
     if FOUR_SIX:
         e, r = four_six_scales16(xs, amax16(xs), s_enc)
     else:
@@ -292,21 +288,24 @@ def quantize_slices16(xs, s_enc, STOCHASTIC: tl.constexpr, seed, counter, STAGED
     # Ties the counters to the data's register layout (NaN blocks, coded 0 anyway, draw at 0): else
     # Triton computes Philox in the counters' own layout and moves every uniform between threads.
     counter = tl.where(finite, counter, 0)
-    keep = tl.where(finite, 15, 0).to(tl.uint8)
+    keep = tl.where(finite, -1, 0)  # a whole word of codes at once
     e32 = e.to(tl.float32)
     out = ()
     for h in tl.static_range(2):
         if STOCHASTIC:
             us = uniforms8(seed, counter * 2 + h)
+        ns = ()
         for i in tl.static_range(8):
             if STOCHASTIC and STAGED:
                 out = out + (e2m1_stochastic_staged(xs[8 * h + i] * r, us[i], e32).to(tl.float16),)
             elif STOCHASTIC:
-                out = out + (e2m1_stochastic_code(xs[8 * h + i] * r, us[i]) & keep,)
+                ns = ns + (e2m1_stochastic_nibble(xs[8 * h + i] * r, us[i]),)
             elif STAGED:
                 out = out + (e2m1_staged(xs[8 * h + i] * r, e32).to(tl.float16),)
             else:
-                out = out + (e2m1_code(xs[8 * h + i] * r) & keep,)
+                ns = ns + (e2m1_nibble(xs[8 * h + i] * r),)
+        if not STAGED:
+            out = out + (nibble_word(ns) & keep,)
     return out, e
 
 
@@ -321,18 +320,6 @@ def split8(t, R: tl.constexpr, C: tl.constexpr):
     s1, s5 = tl.split(b0)
     s3, s7 = tl.split(b1)
     return s0, s1, s2, s3, s4, s5, s6, s7
-
-
-@triton.jit
-def pack_slices16(codes, R: tl.constexpr, C: tl.constexpr):
-    """16-tuple of [R, C] codes (tile i = element i of a block) -> [R, C, 8] bytes, element 2j in the
-    low nibble of byte j (twin of pack_nibbles): joins add in-thread dims, so no data moves."""
-    b = ()
-    for j in tl.static_range(8):
-        b = b + (codes[2 * j] | (codes[2 * j + 1] << 4).to(tl.uint8),)
-    even = tl.join(tl.join(b[0], b[4]), tl.join(b[2], b[6]))  # (d1, d2) = byte 4·d1 + 2·d2
-    odd = tl.join(tl.join(b[1], b[5]), tl.join(b[3], b[7]))
-    return tl.reshape(tl.join(even, odd), (R, C, 8))
 
 
 @triton.jit

@@ -27,9 +27,8 @@ from ..ops.grouped import block_experts
 from ..ops.library import operand_pair, weight_pair
 from .launch import launch
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
-from .nvfp4_jit import (amax16, block_scales, e2m1_code, e2m1_staged, fos_d2, fos_unit, join_slices16,
-                        pack16_along_slices, pack_pairs, pack_slices16, pick_four_or_six, quantize_slices16,
-                        rht16_slices, split8)
+from .nvfp4_jit import (amax16, block_scales, e2m1_nibble, e2m1_staged, fos_d2, fos_unit, join_slices16,
+                        nibble_word, pack_pairs, pick_four_or_six, quantize_slices16, rht16_slices, split8)
 
 G_Q = 2  # 16-row blocks per program (fixed tiles: the interpreter, small inputs)
 BK_Q = 64  # features per program
@@ -144,11 +143,11 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
             vals = tl.reshape(tl.permute(join_slices16(out, G, BK), (1, 0, 2)), (BK, 16 * G))
             rt = tl.program_id(0) * (16 * G) + tl.arange(0, 16 * G)
             tl.store(CD + rk[:, None].to(tl.int64) * Mpad + rt[None, :], vals, mask=kmask & (rt < Mpad)[None, :])
-        else:
-            packed = pack16_along_slices(out)  # [BK, G·8]
-            rb = tl.program_id(0) * (G * 8) + tl.arange(0, G * 8)
-            tl.store(CD + rk[:, None].to(tl.int64) * (Mpad // 2) + rb[None, :], packed,
-                     mask=kmask & (rb < Mpad // 2)[None, :])
+        else:  # words [G, BK, 2] (block 16g.. of column k) -> [BK, 2G]: rows of xᵀ, 8 bytes per block
+            words = tl.reshape(tl.permute(tl.join(out[0], out[1]), (1, 0, 2)), (BK, 2 * G))
+            rw = tl.program_id(0) * (2 * G) + tl.arange(0, 2 * G)
+            tl.store(CD.to(tl.pointer_type(tl.int32)) + rk[:, None].to(tl.int64) * (Mpad // 8) + rw[None, :], words,
+                     mask=kmask & (rw < Mpad // 8)[None, :])
             tl.store(CS + rk[None, :].to(tl.int64) * (Mpad // 16) + blk[:, None], e,
                      mask=(rk < K)[None, :] & (blk < Mpad // 16)[:, None])
     if ROW:
@@ -165,10 +164,9 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
             vals = join_slices16(out, 16 * G, BK // 16)
             tl.store(RD + rows[:, None, None].to(tl.int64) * K + kb[None, :, None] * 16 + tl.arange(0, 16)[None, None, :],
                      vals, mask=(rmask & kmask)[:, :, None])
-        else:
-            packed = pack_slices16(out, 16 * G, BK // 16)  # [16G, BK/16, 8]
-            tl.store(RD + rows[:, None, None].to(tl.int64) * (K // 2) + kb[None, :, None] * 8
-                     + tl.arange(0, 8)[None, None, :], packed, mask=(rmask & kmask)[:, :, None])
+        else:  # two words of 8 codes per block
+            tl.store(RD.to(tl.pointer_type(tl.int32)) + rows[:, None, None].to(tl.int64) * (K // 8) + kb[None, :, None] * 2
+                     + tl.arange(0, 2)[None, None, :], tl.join(out[0], out[1]), mask=(rmask & kmask)[:, :, None])
             tl.store(RS + rows[:, None].to(tl.int64) * (K // 16) + kb[None, :], e, mask=rmask & kmask)
 
 
@@ -194,18 +192,18 @@ def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, 
     rk2 = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
     # per element: e_b (for the staged values) and the code mask of non-finite blocks (r is NaN there)
     e32 = tl.reshape(tl.broadcast_to(e.to(tl.float32)[:, :, None], (G, BK // 16, 16)), (G, BK))
-    keep = tl.reshape(tl.broadcast_to(tl.where(r == r, 15, 0).to(tl.uint8)[:, :, None], (G, BK // 16, 16)), (G, BK))
+    keep = tl.reshape(tl.broadcast_to(tl.where(r == r, 15, 0)[:, :, None], (G, BK // 16, 16)), (G, BK))
     codes = ()
     for i in tl.static_range(16):
         y = tl.reshape(tl.reshape(ws[i], (G, BK // 16, 16)) * r[:, :, None], (G, BK))
-        c = e2m1_code(y) & keep
+        c = e2m1_nibble(y) & keep
         codes = codes + (c,)
         row = (blk * 16 + i)[:, None]
         if EMIT_F16:
             tl.store(D + row.to(tl.int64) * K + rk[None, :], e2m1_staged(y, e32).to(tl.float16),
                      mask=(row < N) & (rk < K)[None, :])
         else:
-            tl.store(D + row.to(tl.int64) * (K // 2) + rk2[None, :], pack_pairs(c, G, BK),
+            tl.store(D + row.to(tl.int64) * (K // 2) + rk2[None, :], pack_pairs(c.to(tl.uint8), G, BK),
                      mask=(row < N) & (rk2 < K // 2)[None, :])
     rk16 = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
     smask = (blk < N // 16)[:, None] & (rk16 < K // 16)[None, :]
@@ -213,9 +211,13 @@ def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, 
         tl.store(S + blk[:, None] * (K // 16) + rk16[None, :], e, mask=smask)
     if EMIT_T:
         tl.store(ST + rk16[None, :] * (N // 16) + blk[:, None], e, mask=smask)
-        rb = tl.program_id(0) * (G * 8) + tl.arange(0, G * 8)
-        tl.store(DT + rk[:, None].to(tl.int64) * (N // 2) + rb[None, :], pack16_along_slices(codes),
-                 mask=(rk < K)[:, None] & (rb < N // 2)[None, :])
+        lo, hi = (), ()
+        for i in tl.static_range(8):
+            lo, hi = lo + (codes[i],), hi + (codes[8 + i],)
+        words = tl.join(nibble_word(lo), nibble_word(hi))  # [G, BK, 2]: Wᵀ's rows hold W's columns
+        rw = tl.program_id(0) * (2 * G) + tl.arange(0, 2 * G)
+        tl.store(DT.to(tl.pointer_type(tl.int32)) + rk[:, None].to(tl.int64) * (N // 8) + rw[None, :],
+                 tl.reshape(tl.permute(words, (1, 0, 2)), (BK, 2 * G)), mask=(rk < K)[:, None] & (rw < N // 8)[None, :])
 
 
 @triton.jit
