@@ -162,6 +162,13 @@ def nibble_word(ns):
 
 
 @triton.jit
+def words_along_slices(lo, hi):
+    """Packed codes of 16-blocks running along G (lo, hi: [G, C] words of elements 0-7 and 8-15, as
+    nibble_word) -> [C, 2G] words: row c holds the 16·G codes of column c in order (8 bytes per block)."""
+    return tl.reshape(tl.permute(tl.join(lo, hi), (1, 0, 2)), (lo.shape[1], 2 * lo.shape[0]))
+
+
+@triton.jit
 def e2m1_staged(v, e32):
     """q·e_b as fp32 for the E2M1 value q = rne(v) (sign kept, -0 included) and the block's decoded E4M3
     scale e32 (twin of formats.e2m1_decode of the code, times e_b), without forming the code. Exact."""

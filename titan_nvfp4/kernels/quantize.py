@@ -28,7 +28,8 @@ from ..ops.library import operand_pair, weight_pair
 from .launch import launch
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
 from .nvfp4_jit import (amax16, block_scales, e2m1_nibble, e2m1_staged, fos_d2, fos_unit, join_slices16,
-                        nibble_word, pack_pairs, pick_four_or_six, quantize_slices16, rht16_slices, split8)
+                        nibble_word, pack_pairs, pick_four_or_six, quantize_slices16, rht16_slices, split8,
+                        words_along_slices)
 
 G_Q = 2  # 16-row blocks per program (fixed tiles: the interpreter, small inputs)
 BK_Q = 64  # features per program
@@ -143,8 +144,8 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
             vals = tl.reshape(tl.permute(join_slices16(out, G, BK), (1, 0, 2)), (BK, 16 * G))
             rt = tl.program_id(0) * (16 * G) + tl.arange(0, 16 * G)
             tl.store(CD + rk[:, None].to(tl.int64) * Mpad + rt[None, :], vals, mask=kmask & (rt < Mpad)[None, :])
-        else:  # words [G, BK, 2] (block 16g.. of column k) -> [BK, 2G]: rows of xᵀ, 8 bytes per block
-            words = tl.reshape(tl.permute(tl.join(out[0], out[1]), (1, 0, 2)), (BK, 2 * G))
+        else:  # rows of xᵀ: the codes of column k, block after block
+            words = words_along_slices(out[0], out[1])
             rw = tl.program_id(0) * (2 * G) + tl.arange(0, 2 * G)
             tl.store(CD.to(tl.pointer_type(tl.int32)) + rk[:, None].to(tl.int64) * (Mpad // 8) + rw[None, :], words,
                      mask=kmask & (rw < Mpad // 8)[None, :])
@@ -214,10 +215,10 @@ def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, 
         lo, hi = (), ()
         for i in tl.static_range(8):
             lo, hi = lo + (codes[i],), hi + (codes[8 + i],)
-        words = tl.join(nibble_word(lo), nibble_word(hi))  # [G, BK, 2]: Wᵀ's rows hold W's columns
+        words = words_along_slices(nibble_word(lo), nibble_word(hi))  # Wᵀ's rows hold W's columns
         rw = tl.program_id(0) * (2 * G) + tl.arange(0, 2 * G)
-        tl.store(DT.to(tl.pointer_type(tl.int32)) + rk[:, None].to(tl.int64) * (N // 8) + rw[None, :],
-                 tl.reshape(tl.permute(words, (1, 0, 2)), (BK, 2 * G)), mask=(rk < K)[:, None] & (rw < N // 8)[None, :])
+        tl.store(DT.to(tl.pointer_type(tl.int32)) + rk[:, None].to(tl.int64) * (N // 8) + rw[None, :], words,
+                 mask=(rk < K)[:, None] & (rw < N // 8)[None, :])
 
 
 @triton.jit
