@@ -2,12 +2,15 @@
 
     python benchmarks/bench_grouped.py [--json out.json] [--shapes deepseek_v3_16b gpt_oss_20b]
                                        [--rows-kernels persistent persistent_nested tiles]
+                                       [--profile] [--bf16-compiled-swiglu]
 
 Each shape is a whole routed-expert block as TorchTitan runs it: DeepSeek-V3-style SwiGLU experts
 (h = silu(x W1ᵀ) ⊙ x W3ᵀ, out = h W2ᵀ) or gpt-oss's (mlp1 with bias to 2·hidden, clamped SwiGLU,
 mlp2 with bias). Tokens are routed uniformly at random (top-k of E), every group padded to 16 as
-TorchTitan's alignment does. Also one grouped GEMM alone (forward, and forward + backward), and the
-copy ceiling and cuBLAS BF16 for reference. Times: medians of triton.testing.do_bench (L2 flushed).
+TorchTitan's alignment does. NVFP4 runs the SwiGLU experts as NVFP4GroupedExperts does (SwiGLU fused
+with the amaxes of what it produces); a second row runs them with the eager SwiGLU, and
+``--bf16-compiled-swiglu`` adds a BF16 baseline whose SwiGLU torch.compile fuses. Also one grouped
+GEMM alone (forward, and forward + backward), and the copy ceiling for reference. Times: medians of triton.testing.do_bench (L2 flushed).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import triton
 
 from bench_kernels import copy_ceiling  # benchmarks/ is on sys.path when run as a script
 from titan_nvfp4 import NVFP4Recipe
-from titan_nvfp4.grouped_function import nvfp4_grouped_mm, nvfp4_grouped_mm_shared
+from titan_nvfp4.grouped_function import nvfp4_grouped_mm, nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
 from titan_nvfp4.linear_function import sr_counter
 from titan_nvfp4.kernels import grouped_gemm
 
@@ -53,11 +56,15 @@ def expert_block(mm, x, ws, offsets, gpt_oss: bool):
         h = gate * torch.sigmoid(1.702 * gate) * (up + 1)
         return mm(h, w2, offsets, b2, 1)
     w1, w2, w3 = ws
+    if getattr(mm, "swiglu", None):  # NVFP4 as NVFP4GroupedExperts runs it: SwiGLU fused with h's amaxes
+        h, h_amax = mm.swiglu(x, w1, w3, offsets)
+        return mm(h, w2, offsets, None, 1, x_amax=h_amax)
     if getattr(mm, "pair", None):  # NVFP4: W1 and W3 on one quantization of x, as NVFP4GroupedExperts does
         h1, h3 = mm.pair(x, w1, w3, offsets)
     else:
         h1, h3 = mm(x, w1, offsets, None, 0), mm(x, w3, offsets, None, 2)
-    return mm(F.silu(h1) * h3, w2, offsets, None, 1)
+    act = getattr(mm, "act", None) or (lambda a, b: F.silu(a) * b)
+    return mm(act(h1, h3), w2, offsets, None, 1)
 
 
 def bf16_mm(x, w, offsets, b, _i):
@@ -68,14 +75,36 @@ def bf16_mm(x, w, offsets, b, _i):
     return y
 
 
-def nvfp4_mm_factory(recipe, counters):
+def bf16_compiled_swiglu():
+    """BF16 with the SwiGLU compiled into one kernel, as torch.compile gives a BF16 model (a fairer
+    baseline for the fused NVFP4 SwiGLU)."""
+    act = torch.compile(lambda a, b: F.silu(a) * b)
+
     def run(x, w, offsets, b, i):
+        return bf16_mm(x, w, offsets, b, i)
+
+    run.pair = lambda x, w1, w3, offsets: (bf16_mm(x, w1, offsets, None, 0), bf16_mm(x, w3, offsets, None, 2))
+    run.act = act
+    return run
+
+
+def nvfp4_mm_factory(recipe, counters, fused_swiglu: bool = True):
+    def run(x, w, offsets, b, i, x_amax=None):
+        if x_amax is not None:
+            return nvfp4_grouped_mm_shared(x, (w,), offsets, (b,), recipe, (counters[i],), aligned=True,
+                                           x_amax=x_amax)[0]
         return nvfp4_grouped_mm(x, w, offsets, b, recipe, counters[i], None, aligned=True)
 
     def pair(x, w1, w3, offsets):
         return nvfp4_grouped_mm_shared(x, (w1, w3), offsets, (None, None), recipe, (counters[0], counters[2]),
                                        aligned=True)
+
+    def swiglu(x, w1, w3, offsets):
+        return nvfp4_grouped_swiglu(x, w1, w3, offsets, recipe, (counters[0], counters[2]), aligned=True,
+                                    h_colwise=torch.is_grad_enabled())
     run.pair = pair
+    if fused_swiglu:
+        run.swiglu = swiglu
     return run
 
 
@@ -101,6 +130,8 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--profile", action="store_true", help="print the NVFP4 expert block's kernel times")
+    ap.add_argument("--bf16-compiled-swiglu", action="store_true",
+                    help="also time the block against BF16 with a torch.compile'd SwiGLU")
     ap.add_argument("--rows-kernels", nargs="*", default=[grouped_gemm.ROWS_KERNEL],
                     choices=["persistent", "persistent_nested", "tiles"],
                     help="row-grouped GEMM kernels to time NVFP4 with (kernels/grouped_gemm.py ROWS_KERNEL)")
@@ -145,6 +176,15 @@ def main() -> None:
         cases.append(("first GEMM forward+backward", one_bwd(bf16_mm), one_bwd(nv)))
         cases.append(("expert block forward+backward", fwd_bwd(bf16_mm, x, ws, offsets, dy, gpt_oss),
                       fwd_bwd(nv, x, ws, offsets, dy, gpt_oss)))
+        if not gpt_oss:  # the fused SwiGLU's share, and BF16 with a fused SwiGLU of its own
+            cases.append(("expert block forward+backward, NVFP4 SwiGLU unfused",
+                          fwd_bwd(bf16_mm, x, ws, offsets, dy, gpt_oss),
+                          fwd_bwd(nvfp4_mm_factory(recipe, counters, fused_swiglu=False), x, ws, offsets, dy,
+                                  gpt_oss)))
+            if args.bf16_compiled_swiglu:
+                cases.append(("expert block forward+backward, BF16 SwiGLU compiled",
+                              fwd_bwd(bf16_compiled_swiglu(), x, ws, offsets, dy, gpt_oss),
+                              fwd_bwd(nv, x, ws, offsets, dy, gpt_oss)))
         for what, f_bf16, f_nv in cases:
             no_grad = "no grad" in what
             with torch.set_grad_enabled(not no_grad):

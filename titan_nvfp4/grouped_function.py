@@ -163,56 +163,81 @@ def _expert_amaxes(x2d: torch.Tensor, bounds, colwise: bool, signs: torch.Tensor
 class NVFP4GroupedKernelFunction(torch.autograd.Function):
     """The grouped kernels for ``n`` expert weights [E, N_i, K] that read the same routed tokens x (W1
     and W3 of a SwiGLU expert): x is quantized once for all of them; one output each. ``params`` are
-    the n weights, then their n biases (or None), then their n SR counters."""
+    the n weights, then their n biases (or None), then their n SR counters.
+
+    ``x_amax``: x's per-expert amaxes (token_amaxes) from the kernel that produced x, so that x's
+    quantization needs no amax pass. ``swiglu_col`` (n = 2, not None): the outputs are instead
+    h = silu(y1) ⊙ y2 and h's amaxes (column ones iff ``swiglu_col``) for the next GEMM's x_amax,
+    from one fused pass; backward then gets dy1, dy2 and their amaxes from one pass over dh."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, recipe: NVFP4Recipe, signs: torch.Tensor | None,
-                need_wgrad: bool, n: int, groups: AmaxGroups | None, *params):
+                need_wgrad: bool, n: int, groups: AmaxGroups | None, swiglu_col: bool | None,
+                x_amax: torch.Tensor | None, *params):
         weights, biases, counters = params[:n], params[n:2 * n], params[2 * n:3 * n]
         groups = groups or AmaxGroups()
         out_dtype = autocast_out_dtype(x)  # see linear_function.py
         in_features = weights[0].shape[2]
         with torch.autocast(x.device.type, enabled=False):
             x2d = x.reshape(-1, in_features)
-            x_amax = None
             if groups.x is not None:  # tokens whose features are sharded: per-expert amaxes over the ranks
-                x_amax = all_reduce_max(G.token_amaxes(x2d, offsets, need_wgrad, signs), groups.x)
+                if x_amax is None:
+                    x_amax = G.token_amaxes(x2d, offsets, need_wgrad, signs)
+                x_amax = all_reduce_max(x_amax, groups.x)
             xq, x_col = G.quantize_tokens(x2d, offsets, True, need_wgrad, signs, None,
                                           four_six=recipe.four_over_six, amaxes=x_amax)
             outs, saved, metas = [], [offsets, signs] + (list(x_col.tensors()) if x_col is not None else []), []
             for w, b in zip(weights, biases):
                 w_amax = all_reduce_max(G.expert_amaxes(w), groups.weight) if groups.weight is not None else None
                 gw = G.quantize_experts(w, recipe.weight_2d, recipe.four_over_six, w_amax)
-                outs.append(G.gemm_rows(xq, gw.w, offsets, w.shape[1], w.shape[1], 0, out_dtype, b)
-                            .reshape(*x.shape[:-1], w.shape[1]))
+                outs.append(G.gemm_rows(xq, gw.w, offsets, w.shape[1], w.shape[1], 0, out_dtype, b))
                 saved += list(gw.t.tensors())  # Wᵀ for dgrad; X only in its wgrad form, as the dense linear
                 metas.append((gw.t.tiles, gw.row_step, gw.col_step))
+            del xq
+            if swiglu_col is not None:  # y1, y2 kept for the SwiGLU's backward
+                saved += outs
+                h, h_amax = G.swiglu(outs[0], outs[1], offsets, swiglu_col, signs)
+                ctx.mark_non_differentiable(h_amax)
+                outs = [h.reshape(*x.shape[:-1], h.shape[-1]), h_amax]
+            else:
+                outs = [o.reshape(*x.shape[:-1], o.shape[-1]) for o in outs]
         ctx.counters = counters  # advanced in place by backward: see linear_function.py
         ctx.save_for_backward(*saved)
         ctx.n, ctx.metas, ctx.has_x_col, ctx.has_bias = n, metas, x_col is not None, [b is not None for b in biases]
         ctx.x_shape, ctx.x_dtype, ctx.recipe, ctx.groups = x.shape, x.dtype, recipe, groups
-        ctx.w_dtypes = [w.dtype for w in weights]
+        ctx.w_dtypes, ctx.swiglu = [w.dtype for w in weights], swiglu_col is not None
         return tuple(outs)
 
     @staticmethod
-    def backward(ctx, *dys):
+    def backward(ctx, *grads):
         n, recipe = ctx.n, ctx.recipe
         offsets, signs, *saved = ctx.saved_tensors
         x_col = G.GroupedOperand(*saved[:3]) if ctx.has_x_col else None
         saved = saved[3:] if ctx.has_x_col else saved
         need_dx = ctx.needs_input_grad[0]
+        wants_dw = [ctx.needs_input_grad[9 + j] and x_col is not None for j in range(n)]
         dx, dws, dbs = None, [], []
-        with torch.autocast(dys[0].device.type, enabled=False):
+        with torch.autocast(grads[0].device.type, enabled=False):
+            if ctx.swiglu:  # dy1, dy2 and their amaxes from one pass over dh
+                y1, y2 = saved[3 * n:]
+                dh = grads[0].reshape(-1, y1.shape[-1])
+                d1, d2, a1, a2 = G.swiglu_backward(dh, y1, y2, offsets, any(wants_dw), signs)
+                dys, dy_amaxes = (d1, d2), [a1, a2]
+                del dh, y1, y2
+            else:
+                dys, dy_amaxes = grads, [None] * n
             for j, dy in enumerate(dys):
                 tiles, row_step, col_step = ctx.metas[j]
                 w_t = G.GroupedOperand(*saved[3 * j:3 * j + 3], tiles)
                 dy2d = dy.reshape(-1, dy.shape[-1])
-                need_dw = ctx.needs_input_grad[7 + j] and x_col is not None
-                need_db = ctx.has_bias[j] and ctx.needs_input_grad[7 + n + j]
+                need_dw = wants_dw[j]
+                need_db = ctx.has_bias[j] and ctx.needs_input_grad[9 + n + j]
                 seed = next_sr_seed(ctx.counters[j]) if recipe.stochastic_rounding else None
-                dy_amax = None
+                dy_amax = dy_amaxes[j]
                 if ctx.groups.grad is not None:  # dY's features sharded: per-expert amaxes over the ranks
-                    dy_amax = all_reduce_max(G.token_amaxes(dy2d, offsets, need_dw, signs), ctx.groups.grad)
+                    if dy_amax is None:
+                        dy_amax = G.token_amaxes(dy2d, offsets, need_dw, signs)
+                    dy_amax = all_reduce_max(dy_amax, ctx.groups.grad)
                 dyq, dy_col = G.quantize_tokens(dy2d, offsets, need_dx, need_dw, signs, seed, col_staged=True,
                                                 four_six=ctx.recipe.four_over_six, amaxes=dy_amax)
                 # wgrad first, dY's staged column operand dropped before dgrad allocates its output
@@ -224,8 +249,8 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
                     del part
                 del dyq
                 dbs.append(G.expert_bias_grad(dy2d, offsets).to(dy.dtype) if need_db else None)
-        return (dx.reshape(ctx.x_shape) if dx is not None else None, None, None, None, None, None, None, *dws,
-                *dbs, *([None] * n))
+        return (dx.reshape(ctx.x_shape) if dx is not None else None, None, None, None, None, None, None, None, None,
+                *dws, *dbs, *([None] * n))
 
 
 def _use_grouped_kernels(backend: str, offsets: torch.Tensor, aligned: bool | None) -> bool:
@@ -267,10 +292,33 @@ def nvfp4_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tenso
 
 def nvfp4_grouped_mm_shared(x: torch.Tensor, weights, offsets: torch.Tensor, biases, recipe: NVFP4Recipe,
                             counters=None, signs: torch.Tensor | None = None,
-                            aligned: bool | None = None, groups: AmaxGroups | None = None) -> list[torch.Tensor]:
+                            aligned: bool | None = None, groups: AmaxGroups | None = None,
+                            x_amax: torch.Tensor | None = None) -> list[torch.Tensor]:
     """[nvfp4_grouped_mm(x, w_i, offsets, b_i, ...) for each i], with x quantized once on the grouped
     kernels (bit-identical to the separate calls). ``counters``: one SR counter per weight; ``groups``
-    as in nvfp4_grouped_mm, one for all the weights."""
+    as in nvfp4_grouped_mm, one for all the weights. ``x_amax``: x's per-expert amaxes as
+    ops.grouped.token_amaxes gives them, from the kernel that produced x (nvfp4_grouped_swiglu): the
+    grouped kernels then skip their amax pass; the per-expert path reduces its own."""
+    return _grouped(x, weights, offsets, biases, recipe, counters, signs, aligned, groups, None, x_amax)
+
+
+def nvfp4_grouped_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offsets: torch.Tensor,
+                         recipe: NVFP4Recipe, counters=None, signs: torch.Tensor | None = None,
+                         aligned: bool | None = None, groups: AmaxGroups | None = None,
+                         h_colwise: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(h = silu(nvfp4_grouped_mm(x, w1)) ⊙ nvfp4_grouped_mm(x, w3), h's per-expert amaxes or None):
+    the first half of a SwiGLU expert. On the grouped kernels the SwiGLU runs fused with the amaxes
+    of h (column ones iff ``h_colwise``, i.e. W2 needs its wgrad) for W2's nvfp4_grouped_mm_shared
+    ``x_amax``, and its backward with those of dy1, dy3; elsewhere as eager ops, amaxes None."""
+    use_kernels = _use_grouped_kernels(resolve_backend(recipe.gemm_backend, x.device), offsets, aligned)
+    if not use_kernels:
+        h1, h3 = _grouped(x, (w1, w3), offsets, (None, None), recipe, counters, signs, False, groups, None, None)
+        return torch.nn.functional.silu(h1) * h3, None
+    h, amax = _grouped(x, (w1, w3), offsets, (None, None), recipe, counters, signs, True, groups, h_colwise, None)
+    return h, amax
+
+
+def _grouped(x, weights, offsets, biases, recipe, counters, signs, aligned, groups, swiglu_col, x_amax):
     weights, biases = tuple(weights), tuple(biases)
     counters = tuple(counters) if counters is not None else (None,) * len(weights)
     for w in weights:
@@ -280,13 +328,15 @@ def nvfp4_grouped_mm_shared(x: torch.Tensor, weights, offsets: torch.Tensor, bia
     if signs is None and recipe.rht:
         signs = _signs(recipe.rht_seed, x.device)
     signs = signs if recipe.rht else None
-    if _use_grouped_kernels(resolve_backend(recipe.gemm_backend, x.device), offsets, aligned):
+    if swiglu_col is not None or _use_grouped_kernels(resolve_backend(recipe.gemm_backend, x.device), offsets,
+                                                      aligned):
         return list(NVFP4GroupedKernelFunction.apply(x, offsets, recipe, signs, need_wgrad, len(weights),
-                                                     groups if groups else None, *weights, *biases, *counters))
+                                                     groups if groups else None, swiglu_col, x_amax, *weights,
+                                                     *biases, *counters))
     return [NVFP4GroupedMMFunction.apply(x, w, b, offsets, recipe, c, signs,
                                          torch.is_grad_enabled() and w.requires_grad, groups if groups else None)
             for w, b, c in zip(weights, biases, counters)]
 
 
 __all__ = ["NVFP4GroupedKernelFunction", "NVFP4GroupedMMFunction", "expert_bounds", "nvfp4_grouped_mm",
-           "nvfp4_grouped_mm_shared"]
+           "nvfp4_grouped_mm_shared", "nvfp4_grouped_swiglu"]

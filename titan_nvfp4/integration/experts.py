@@ -39,7 +39,7 @@ from torchtitan.models.moe.utils import indices_padding_wrapper
 from ..decomposed_linear import LowRankState
 from ..distributed.amax import AmaxGroups
 from ..distributed.tensor_parallel import local
-from ..grouped_function import nvfp4_grouped_mm_shared
+from ..grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
 from ..layer_state import NVFP4LayerState
 from ..linear_function import autocast_out_dtype
 from ..numerics.lowrank import check_rank, lowrank_merge
@@ -150,14 +150,16 @@ class _NVFP4Experts(LowRankState, NVFP4LayerState):
         return {g: lowrank_merge(*self._factors(g), getattr(self, g)) for g in self.GEMMS}
 
     def _gemms(self, x: torch.Tensor, weights, offsets: torch.Tensor, biases, counters,
-               names: tuple[str, ...], groups: AmaxGroups | None = None) -> list[torch.Tensor]:
+               names: tuple[str, ...], groups: AmaxGroups | None = None,
+               x_amax: torch.Tensor | None = None) -> list[torch.Tensor]:
         """x times each of ``weights`` (named ``names``; x quantized once): NVFP4 grouped GEMMs, or after
         the ``bf16_after_fraction`` switch the same products in the input's dtype. ``groups``: the ranks
-        sharding the experts' features (tensor parallelism: _tp_groups)."""
+        sharding the experts' features (tensor parallelism: _tp_groups); ``x_amax``: x's per-expert
+        amaxes from the kernel that produced it (nvfp4_grouped_swiglu)."""
         if self.high_precision:
             return [grouped_linear(x, w, offsets, b) for w, b in zip(weights, biases)]
         ys = nvfp4_grouped_mm_shared(x, weights, offsets, biases, self.recipe, counters, local(self.rht_signs),
-                                     groups_aligned(), groups)
+                                     groups_aligned(), groups, x_amax)
         if self.telemetry is not None:
             for name, w, y in zip(names, weights, ys):
                 measure_experts(self, name, x, w, y)
@@ -204,7 +206,9 @@ class _NVFP4Experts(LowRankState, NVFP4LayerState):
 
 
 class NVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
-    """GroupedExperts with out = (silu(x W1ᵀ) ⊙ x W3ᵀ) W2ᵀ, each product an NVFP4 grouped GEMM."""
+    """GroupedExperts with out = (silu(x W1ᵀ) ⊙ x W3ᵀ) W2ᵀ, each product an NVFP4 grouped GEMM. Without
+    a low-rank branch or telemetry (which need h1, h3) the SwiGLU runs fused with the amaxes of h and,
+    in backward, of dh1, dh3 (nvfp4_grouped_swiglu): three amax passes fewer."""
 
     GEMMS = ("w1", "w2", "w3")
 
@@ -219,6 +223,12 @@ class NVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
         groups = groups or {}
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
         c = local(self.sr_counter)  # a replicated DTensor under expert parallelism
+        if not (self.high_precision or self.lora_rank or self.telemetry is not None):
+            # W1 and W3 on one quantization of x, the SwiGLU fused with the amaxes of h (W2's input)
+            h, h_amax = nvfp4_grouped_swiglu(x, w1, w3, offsets, self.recipe, (c[0], c[2]), local(self.rht_signs),
+                                             groups_aligned(), groups.get("w1"),
+                                             h_colwise=torch.is_grad_enabled() and w2.requires_grad)
+            return self._gemms(h, (w2,), offsets, (None,), (c[1],), ("w2",), groups.get("w2"), h_amax)[0]
         # W1 and W3 read the same tokens: quantized once for both (and sharded alike under TP)
         h1, h3 = self._gemms(x, (w1, w3), offsets, (None, None), (c[0], c[2]), ("w1", "w3"), groups.get("w1"))
         h = F.silu(self._lowrank_add(h1, "w1", x, offsets)) * self._lowrank_add(h3, "w3", x, offsets)

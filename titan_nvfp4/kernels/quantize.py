@@ -51,11 +51,20 @@ def _load16(X, blk, rk, M, K, sxm, sxk):
 @triton.jit
 def _amax_kernel(X, M, K, sxm, sxk, AMAX, SIGNS, BEXP, NSLOT, ROW: tl.constexpr, COL: tl.constexpr,
                  RHT: tl.constexpr, GROUPED: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
-    """AMAX[e] |= max|x| and AMAX[NSLOT + e] |= max|rht(xᵀ)| (fp32 bits in int32; non-finite -> +inf),
-    where e is 0, or with GROUPED the slot BEXP[b] of each 16-row block b (its expert)."""
+    """AMAX[e] |= max|x| and AMAX[NSLOT + e] |= max|rht(xᵀ)| (see reduce_amax16) over x's 16-row
+    blocks; programs tile [16·G rows, BK features]."""
     blk = tl.program_id(0) * G + tl.arange(0, G)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
-    xs = _load16(X, blk, rk, M, K, sxm, sxk)
+    reduce_amax16(_load16(X, blk, rk, M, K, sxm, sxk), blk, M, AMAX, SIGNS, BEXP, NSLOT, ROW, COL, RHT, GROUPED)
+
+
+@triton.jit
+def reduce_amax16(xs, blk, M, AMAX, SIGNS, BEXP, NSLOT, ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr,
+                  GROUPED: tl.constexpr):
+    """Fold 16 fp32 tiles [G, BK] (tile i = rows 16·blk + i, zeros outside the tensor) into the amaxes:
+    AMAX[e] |= max|x| and AMAX[NSLOT + e] |= max|rht(xᵀ)| (fp32 bits in int32; non-finite -> +inf),
+    where e is 0, or with GROUPED the slot BEXP[b] of each 16-row block b (its expert). Shared by the
+    amax pass and the kernels that produce a tensor and its amaxes together (swiglu.py)."""
     if GROUPED:
         valid = blk < tl.cdiv(M, 16)
         e = tl.load(BEXP + blk, mask=valid, other=0)

@@ -93,6 +93,18 @@ def token_amaxes(x2d: torch.Tensor, offsets: torch.Tensor, colwise: bool,
     return library.amax_grouped(x2d, offsets, colwise, signs)
 
 
+def swiglu(h1: torch.Tensor, h3: torch.Tensor, offsets: torch.Tensor, colwise: bool,
+           signs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h = silu(h1) ⊙ h3, token_amaxes(h, offsets, colwise, signs)) from one pass over h1 and h3."""
+    return library.swiglu_amax(h1, h3, offsets, colwise, signs)
+
+
+def swiglu_backward(dh: torch.Tensor, h1: torch.Tensor, h3: torch.Tensor, offsets: torch.Tensor, colwise: bool,
+                    signs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dh1, dh3, token_amaxes of dh1, token_amaxes of dh3): the gradients of silu(h1) ⊙ h3 given dh."""
+    return library.swiglu_backward_amax(dh, h1, h3, offsets, colwise, signs)
+
+
 def expert_amaxes(w: torch.Tensor) -> torch.Tensor:
     """fp32 [E]: each expert weight's tensor amax (w [E, N, K]), as quantize_experts reduces it."""
     E, N, K = w.shape
@@ -133,4 +145,4 @@ def gemm_tokens(a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, out
 
 
 __all__ = ["GroupedOperand", "GroupedWeight", "block_experts", "expert_amaxes", "expert_bias_grad", "gemm_rows",
-           "gemm_tokens", "quantize_experts", "quantize_tokens", "token_amaxes"]
+           "gemm_tokens", "quantize_experts", "quantize_tokens", "swiglu", "swiglu_backward", "token_amaxes"]

@@ -17,6 +17,7 @@ the registered op, so tracing and dispatch modes see one opaque op as before.
   titan_nvfp4::gemm         (A·Bᵀ)·gs_A·gs_B [+ bias] on the emulated or the native backend
   titan_nvfp4::quantize_mxfp8  rowwise and/or columnwise MXFP8 of one 2D operand
   titan_nvfp4::*_grouped, amax_experts, grouped_gemm_*  the same for MoE experts, per-expert tensor scales
+  titan_nvfp4::swiglu_amax, swiglu_backward_amax  the experts' SwiGLU fused with the amaxes of its outputs
 """
 
 from __future__ import annotations
@@ -331,3 +332,33 @@ def grouped_gemm_tokens(a_data: Tensor, a_scale: Tensor, b_data: Tensor, b_scale
 @grouped_gemm_tokens.op.register_fake
 def _grouped_gemm_tokens_fake(a_data, a_scale, b_data, b_scale, offsets, gs_a, gs_b, out_dtype):
     return a_data.new_empty((offsets.shape[0], a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
+
+
+@_op("swiglu_amax")
+def swiglu_amax(h1: Tensor, h3: Tensor, offsets: Tensor, colwise: bool,
+                signs: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(silu(h1) ⊙ h3, its per-expert (row, column) amaxes fp32 [2, E + 1] as amax_grouped gives them)
+    from one pass: the SwiGLU of MoE experts, see kernels/swiglu.py."""
+    from ..kernels.swiglu import swiglu_amax_tensors
+
+    return swiglu_amax_tensors(h1, h3, offsets, colwise, signs)
+
+
+@swiglu_amax.op.register_fake
+def _swiglu_amax_fake(h1, h3, offsets, colwise, signs):
+    return torch.empty_like(h1), h1.new_empty((2, offsets.shape[0] + 1), dtype=torch.float32)
+
+
+@_op("swiglu_backward_amax")
+def swiglu_backward_amax(dh: Tensor, h1: Tensor, h3: Tensor, offsets: Tensor, colwise: bool,
+                         signs: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dh1, dh3, amaxes of dh1, amaxes of dh3): swiglu_amax's backward, the amaxes as for h."""
+    from ..kernels.swiglu import swiglu_backward_amax_tensors
+
+    return swiglu_backward_amax_tensors(dh, h1, h3, offsets, colwise, signs)
+
+
+@swiglu_backward_amax.op.register_fake
+def _swiglu_backward_amax_fake(dh, h1, h3, offsets, colwise, signs):
+    amax = h1.new_empty((2, offsets.shape[0] + 1), dtype=torch.float32)
+    return torch.empty_like(h1), torch.empty_like(h3), amax, torch.empty_like(amax)

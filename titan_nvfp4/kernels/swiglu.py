@@ -1,0 +1,183 @@
+"""The SwiGLU between an MoE expert's W1/W3 and W2 GEMMs, fused with the per-expert amaxes of what it
+produces, so the NVFP4 quantization of its outputs needs no amax pass of its own.
+
+  forward   h = silu(h1) ⊙ h3, and the (row, RHT column) amaxes of h per expert    (W2's input)
+  backward  dh1, dh3 from dh, h1, h3, and the (row, RHT column) amaxes of each   (W1's, W3's dY)
+
+The amaxes are those ``quantize_grouped`` would reduce from the stored tensor (the same helper,
+``reduce_amax16``, on the values as rounded to the output dtype). The elementwise math repeats eager
+PyTorch's ``F.silu(h1) * h3`` and its autograd step by step, with the same roundings to the tensor
+dtype: silu(h1) is rounded before the product, dh1 = round(round(dh·h3) · σ·(1 + h1·(1 − σ))),
+dh3 = round(dh · round(silu(h1))), in fp32 with an IEEE exp and division, so on a GPU the result is
+what the unfused ops compute (checked in tests/test_gpu.py). Reference twin: ``swiglu_reference``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .quantize import _launch, _quant_configs, _slots, reduce_amax16
+
+
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    """exp(x) in fp32: libdevice's expf (what PyTorch's CUDA kernels call) on a GPU; tl.exp in the
+    interpreter, which has no libdevice."""
+    if PRECISE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _round(x, dt: tl.constexpr):
+    """fp32 x rounded to dtype dt (nearest-even), still as fp32. bf16 by its bits: the interpreter's own
+    float-to-bf16 conversion truncates. NaN stays NaN."""
+    if dt == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        r = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).to(tl.float32, bitcast=True)
+        return tl.where(x == x, r, x)
+    elif dt == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _tile(X, rows, rn, M, N, sxm):
+    ptr = X + rows[:, None].to(tl.int64) * sxm + rn[None, :]
+    return ptr, (rows < M)[:, None] & (rn < N)[None, :]
+
+
+@triton.jit
+def _swiglu_fwd_kernel(H1, H3, OUT, M, N, s1m, s3m, som, AMAX, SIGNS, BEXP, NSLOT, COL: tl.constexpr,
+                       RHT: tl.constexpr, PRECISE: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
+    """OUT = silu(H1) ⊙ H3 over 16·G rows and BK features; its amaxes into AMAX (reduce_amax16)."""
+    blk = tl.program_id(0) * G + tl.arange(0, G)
+    rn = tl.program_id(1) * BK + tl.arange(0, BK)
+    dt = OUT.dtype.element_ty
+    hs = ()
+    for i in tl.static_range(16):
+        rows = blk * 16 + i
+        p1, mask = _tile(H1, rows, rn, M, N, s1m)
+        p3, _ = _tile(H3, rows, rn, M, N, s3m)
+        po, _ = _tile(OUT, rows, rn, M, N, som)
+        a = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(p3, mask=mask, other=0.0).to(tl.float32)
+        silu = _round(tl.math.div_rn(a, 1.0 + _exp(-a, PRECISE)), dt)
+        h = _round(silu * b, dt)
+        tl.store(po, h.to(dt), mask=mask)
+        hs = hs + (h,)
+    reduce_amax16(hs, blk, M, AMAX, SIGNS, BEXP, NSLOT, True, COL, RHT, True)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(DH, H1, H3, D1, D3, M, N, sdm, s1m, s3m, sd1m, sd3m, AMAX1, AMAX3, SIGNS, BEXP, NSLOT,
+                       COL: tl.constexpr, RHT: tl.constexpr, PRECISE: tl.constexpr, G: tl.constexpr,
+                       BK: tl.constexpr):
+    """D1, D3 = the gradients of H1, H3 of silu(H1) ⊙ H3 given DH; their amaxes into AMAX1, AMAX3."""
+    blk = tl.program_id(0) * G + tl.arange(0, G)
+    rn = tl.program_id(1) * BK + tl.arange(0, BK)
+    dt = D1.dtype.element_ty
+    g1 = ()
+    g3 = ()
+    for i in tl.static_range(16):
+        rows = blk * 16 + i
+        pd, mask = _tile(DH, rows, rn, M, N, sdm)
+        p1, _ = _tile(H1, rows, rn, M, N, s1m)
+        p3, _ = _tile(H3, rows, rn, M, N, s3m)
+        q1, _ = _tile(D1, rows, rn, M, N, sd1m)
+        q3, _ = _tile(D3, rows, rn, M, N, sd3m)
+        dh = tl.load(pd, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(p3, mask=mask, other=0.0).to(tl.float32)
+        e = 1.0 + _exp(-a, PRECISE)
+        silu = _round(tl.math.div_rn(a, e), dt)  # the forward's rounded silu(h1)
+        sig = tl.math.div_rn(tl.full(e.shape, 1.0, tl.float32), e)
+        d_silu = _round(dh * b, dt)  # mul's gradient of silu(h1)
+        d1 = _round((d_silu * sig) * (1.0 + a * (1.0 - sig)), dt)  # silu_backward's formula
+        d3 = _round(dh * silu, dt)
+        tl.store(q1, d1.to(dt), mask=mask)
+        tl.store(q3, d3.to(dt), mask=mask)
+        g1 = g1 + (d1,)
+        g3 = g3 + (d3,)
+    reduce_amax16(g1, blk, M, AMAX1, SIGNS, BEXP, NSLOT, True, COL, RHT, True)
+    reduce_amax16(g3, blk, M, AMAX3, SIGNS, BEXP, NSLOT, True, COL, RHT, True)
+
+
+def _bwd_configs():
+    # 32 tiles are live (both gradients): at most 2 elements per thread and tile
+    return [triton.Config({"G": g, "BK": bk}, num_warps=w) for g, bk, w in ((2, 64, 1), (2, 64, 2), (1, 128, 2),
+                                                                            (2, 64, 4), (2, 128, 4))]
+
+
+_fwd_autotuned = triton.autotune(_quant_configs(), key=["M", "N", "COL", "RHT"], reset_to_zero=["AMAX"])(
+    _swiglu_fwd_kernel)
+_bwd_autotuned = triton.autotune(_bwd_configs(), key=["M", "N", "COL", "RHT"], reset_to_zero=["AMAX1", "AMAX3"])(
+    _swiglu_bwd_kernel)
+
+
+def _check(name: str, *ts: torch.Tensor) -> None:
+    shape, dtype, dev = ts[0].shape, ts[0].dtype, ts[0].device
+    for t in ts:
+        if t.dim() != 2 or t.shape != shape or t.dtype != dtype or t.device != dev or not t.is_floating_point():
+            raise ValueError(f"{name}: expected 2D floating-point tensors of one shape, dtype and device, got "
+                             f"{[(tuple(u.shape), u.dtype, u.device.type) for u in ts]}")
+        if t.stride(1) != 1:
+            raise ValueError(f"{name}: rows must be contiguous, got strides {t.stride()}")
+    if shape[1] % 16:
+        raise ValueError(f"{name}: the feature dim must be a multiple of 16, got {tuple(shape)}")
+
+
+def _signs(signs: torch.Tensor | None, buf: torch.Tensor) -> torch.Tensor:
+    return signs.to(device=buf.device, dtype=torch.float32).contiguous() if signs is not None else buf
+
+
+def swiglu_amax_tensors(h1: torch.Tensor, h3: torch.Tensor, offsets: torch.Tensor, colwise: bool,
+                        signs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h = silu(h1) ⊙ h3 [T, N], fp32 [2, E + 1] per-expert (row, column) amaxes of h): the
+    amaxes ``quantize_grouped(h, offsets, ...)`` would reduce; the column ones after the RHT with
+    ``signs``, and 0 without ``colwise``. ``offsets``: cumulative token-group ends (multiples of 16)."""
+    _check("swiglu", h1, h3)
+    M, N = h1.shape
+    bexp, ns = _slots(h1, offsets)
+    buf = torch.zeros(2 * ns, dtype=torch.int32, device=h1.device)
+    out = torch.empty_like(h1)
+    if M > 0:
+        _launch(_swiglu_fwd_kernel, _fwd_autotuned, h1, M, N, h1, h3, out, M, N, h1.stride(0), h3.stride(0),
+                out.stride(0), buf, _signs(signs, buf), bexp, ns, COL=colwise, RHT=signs is not None,
+                PRECISE=h1.is_cuda)
+    if colwise and signs is None:
+        buf[ns:] = buf[:ns]
+    return out, buf.view(torch.float32).view(2, ns)
+
+
+def swiglu_backward_amax_tensors(dh: torch.Tensor, h1: torch.Tensor, h3: torch.Tensor, offsets: torch.Tensor,
+                                 colwise: bool, signs: torch.Tensor | None):
+    """(dh1, dh3, amaxes of dh1, amaxes of dh3): the gradients of silu(h1) ⊙ h3 given dh, each with
+    its per-expert (row, column) amaxes as swiglu_amax_tensors gives them for h."""
+    _check("swiglu backward", dh, h1, h3)
+    M, N = h1.shape
+    bexp, ns = _slots(h1, offsets)
+    buf = torch.zeros(4 * ns, dtype=torch.int32, device=h1.device)
+    a1, a3 = buf[:2 * ns], buf[2 * ns:]
+    d1, d3 = torch.empty_like(h1), torch.empty_like(h3)
+    if M > 0:
+        _launch(_swiglu_bwd_kernel, _bwd_autotuned, h1, M, N, dh, h1, h3, d1, d3, M, N, dh.stride(0), h1.stride(0),
+                h3.stride(0), d1.stride(0), d3.stride(0), a1, a3, _signs(signs, buf), bexp, ns, COL=colwise,
+                RHT=signs is not None, PRECISE=h1.is_cuda)
+    if colwise and signs is None:
+        a1[ns:] = a1[:ns]
+        a3[ns:] = a3[:ns]
+    return d1, d3, a1.view(torch.float32).view(2, ns), a3.view(torch.float32).view(2, ns)
+
+
+def swiglu_reference(h1: torch.Tensor, h3: torch.Tensor) -> torch.Tensor:
+    """The eager ops the kernels fuse (their twin in tests): silu rounded to the dtype, then the product."""
+    return torch.nn.functional.silu(h1) * h3
+
+
+__all__ = ["swiglu_amax_tensors", "swiglu_backward_amax_tensors", "swiglu_reference"]
