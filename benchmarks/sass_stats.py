@@ -30,6 +30,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler import compile as triton_compile  # noqa: E402
 
 from titan_nvfp4.kernels import quantize as q  # noqa: E402
+from titan_nvfp4.kernels import swiglu as sw  # noqa: E402
 
 VARIANTS = {  # name: (ROW, COL, RHT, SR_ROW, SR_COL, ROW_F16)
     "row": (True, False, False, False, False, False),
@@ -53,6 +54,11 @@ OTHER = {
         dict(swk=1, EMIT_T=True, GROUPED=False, EMIT_F16=True, NSP2=1, FOUR_SIX=False)),
     "amax row + col RHT": (q._amax_kernel, {"X": "*bf16", "AMAX": "*i32", "SIGNS": "*fp32", "BEXP": "*i32"},
                            dict(sxk=1, ROW=True, COL=True, RHT=True, GROUPED=False)),
+    "MoE SwiGLU forward + amaxes (h)": (sw._swiglu_fwd_kernel, {"H1": "*bf16", "H3": "*bf16", "OUT": "*bf16",
+        "AMAX": "*i32", "SIGNS": "*fp32", "BEXP": "*i32"}, dict(COL=True, RHT=True, PRECISE=True, WIDE=False)),
+    "MoE SwiGLU backward + amaxes (dh1, dh3)": (sw._swiglu_bwd_kernel, {"DH": "*bf16", "H1": "*bf16", "H3": "*bf16",
+        "D1": "*bf16", "D3": "*bf16", "AMAX1": "*i32", "AMAX3": "*i32", "SIGNS": "*fp32", "BEXP": "*i32"},
+        dict(COL=True, RHT=True, PRECISE=True, WIDE=False)),
 }
 VARIANTS.update({name: None for name in OTHER})
 

@@ -166,13 +166,14 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
     the n weights, then their n biases (or None), then their n SR counters.
 
     ``x_amax``: x's per-expert amaxes (token_amaxes) from the kernel that produced x, so that x's
-    quantization needs no amax pass. ``swiglu_col`` (n = 2, not None): the outputs are instead
-    h = silu(y1) ⊙ y2 and h's amaxes (column ones iff ``swiglu_col``) for the next GEMM's x_amax,
-    from one fused pass; backward then gets dy1, dy2 and their amaxes from one pass over dh."""
+    quantization needs no amax pass. ``amax_carrier``: one more output, fp32 zeros [n, 2, E + 1],
+    whose gradient is taken as the per-expert amaxes of the n dYs: the consumer of the outputs (the
+    fused SwiGLU, _SwiGLUAmaxFunction) computes them with the dYs and hands them back this way, so
+    dY's quantization needs no amax pass either, while each function frees its own saved tensors."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, recipe: NVFP4Recipe, signs: torch.Tensor | None,
-                need_wgrad: bool, n: int, groups: AmaxGroups | None, swiglu_col: bool | None,
+                need_wgrad: bool, n: int, groups: AmaxGroups | None, amax_carrier: bool,
                 x_amax: torch.Tensor | None, *params):
         weights, biases, counters = params[:n], params[n:2 * n], params[2 * n:3 * n]
         groups = groups or AmaxGroups()
@@ -194,18 +195,16 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
                 saved += list(gw.t.tensors())  # Wᵀ for dgrad; X only in its wgrad form, as the dense linear
                 metas.append((gw.t.tiles, gw.row_step, gw.col_step))
             del xq
-            if swiglu_col is not None:  # y1, y2 kept for the SwiGLU's backward
-                saved += outs
-                h, h_amax = G.swiglu(outs[0], outs[1], offsets, swiglu_col, signs)
-                ctx.mark_non_differentiable(h_amax)
-                outs = [h.reshape(*x.shape[:-1], h.shape[-1]), h_amax]
-            else:
-                outs = [o.reshape(*x.shape[:-1], o.shape[-1]) for o in outs]
+            outs = [o.reshape(*x.shape[:-1], o.shape[-1]) for o in outs]
+            if amax_carrier:  # an absent gradient must stay None (no amaxes), not become zeros
+                outs.append(x2d.new_zeros((n, 2, offsets.numel() + 1), dtype=torch.float32))
+                ctx.set_materialize_grads(False)
         ctx.counters = counters  # advanced in place by backward: see linear_function.py
         ctx.save_for_backward(*saved)
         ctx.n, ctx.metas, ctx.has_x_col, ctx.has_bias = n, metas, x_col is not None, [b is not None for b in biases]
         ctx.x_shape, ctx.x_dtype, ctx.recipe, ctx.groups = x.shape, x.dtype, recipe, groups
-        ctx.w_dtypes, ctx.swiglu = [w.dtype for w in weights], swiglu_col is not None
+        ctx.w_dtypes, ctx.carrier = [w.dtype for w in weights], amax_carrier
+        ctx.out_shapes, ctx.out_dtype = [(*x.shape[:-1], w.shape[1]) for w in weights], out_dtype
         return tuple(outs)
 
     @staticmethod
@@ -218,14 +217,11 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
         wants_dw = [ctx.needs_input_grad[9 + j] and x_col is not None for j in range(n)]
         dx, dws, dbs = None, [], []
         with torch.autocast(grads[0].device.type, enabled=False):
-            if ctx.swiglu:  # dy1, dy2 and their amaxes from one pass over dh
-                y1, y2 = saved[3 * n:]
-                dh = grads[0].reshape(-1, y1.shape[-1])
-                d1, d2, a1, a2 = G.swiglu_backward(dh, y1, y2, offsets, any(wants_dw), signs)
-                dys, dy_amaxes = (d1, d2), [a1, a2]
-                del dh, y1, y2
-            else:
-                dys, dy_amaxes = grads, [None] * n
+            dys, dy_amaxes = grads[:n], [None] * n
+            if ctx.carrier:  # the dYs' amaxes came as the carrier's gradient; a dY not given is zeros
+                dy_amaxes = list(grads[n]) if grads[n] is not None else dy_amaxes
+                dys = [dy if dy is not None else offsets.new_zeros(shape, dtype=ctx.out_dtype)
+                       for dy, shape in zip(dys, ctx.out_shapes)]
             for j, dy in enumerate(dys):
                 tiles, row_step, col_step = ctx.metas[j]
                 w_t = G.GroupedOperand(*saved[3 * j:3 * j + 3], tiles)
@@ -251,6 +247,31 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
                 dbs.append(G.expert_bias_grad(dy2d, offsets).to(dy.dtype) if need_db else None)
         return (dx.reshape(ctx.x_shape) if dx is not None else None, None, None, None, None, None, None, None, None,
                 *dws, *dbs, *([None] * n))
+
+
+class _SwiGLUAmaxFunction(torch.autograd.Function):
+    """h = silu(y1) ⊙ y2 and h's per-expert amaxes (not differentiable) from one fused pass; backward
+    gives dy1, dy2 and, as the gradient of ``carrier`` (NVFP4GroupedKernelFunction's amax carrier),
+    their per-expert amaxes [2, 2, E + 1] from one pass over dh. A function of its own, so that y1 and
+    y2 are freed before the GEMMs' backward runs, as with the eager SwiGLU."""
+
+    @staticmethod
+    def forward(ctx, y1: torch.Tensor, y2: torch.Tensor, carrier: torch.Tensor, offsets: torch.Tensor,
+                signs: torch.Tensor | None, h_colwise: bool, dy_colwise: bool):
+        lead = y1.shape[:-1]
+        h, h_amax = G.swiglu(y1.reshape(-1, y1.shape[-1]), y2.reshape(-1, y2.shape[-1]), offsets, h_colwise, signs)
+        ctx.mark_non_differentiable(h_amax)
+        ctx.save_for_backward(y1, y2, offsets, signs)
+        ctx.dy_colwise = dy_colwise
+        return h.reshape(*lead, h.shape[-1]), h_amax
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor, _):
+        y1, y2, offsets, signs = ctx.saved_tensors
+        n = y1.shape[-1]
+        d1, d2, a1, a2 = G.swiglu_backward(dh.reshape(-1, n).contiguous(), y1.reshape(-1, n), y2.reshape(-1, n),
+                                           offsets, ctx.dy_colwise, signs)
+        return d1.reshape(y1.shape), d2.reshape(y2.shape), torch.stack([a1, a2]), None, None, None, None
 
 
 def _use_grouped_kernels(backend: str, offsets: torch.Tensor, aligned: bool | None) -> bool:
@@ -299,7 +320,7 @@ def nvfp4_grouped_mm_shared(x: torch.Tensor, weights, offsets: torch.Tensor, bia
     as in nvfp4_grouped_mm, one for all the weights. ``x_amax``: x's per-expert amaxes as
     ops.grouped.token_amaxes gives them, from the kernel that produced x (nvfp4_grouped_swiglu): the
     grouped kernels then skip their amax pass; the per-expert path reduces its own."""
-    return _grouped(x, weights, offsets, biases, recipe, counters, signs, aligned, groups, None, x_amax)
+    return _grouped(x, weights, offsets, biases, recipe, counters, signs, aligned, groups, False, x_amax)
 
 
 def nvfp4_grouped_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offsets: torch.Tensor,
@@ -310,28 +331,33 @@ def nvfp4_grouped_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, of
     the first half of a SwiGLU expert. On the grouped kernels the SwiGLU runs fused with the amaxes
     of h (column ones iff ``h_colwise``, i.e. W2 needs its wgrad) for W2's nvfp4_grouped_mm_shared
     ``x_amax``, and its backward with those of dy1, dy3; elsewhere as eager ops, amaxes None."""
-    use_kernels = _use_grouped_kernels(resolve_backend(recipe.gemm_backend, x.device), offsets, aligned)
-    if not use_kernels:
-        h1, h3 = _grouped(x, (w1, w3), offsets, (None, None), recipe, counters, signs, False, groups, None, None)
+    if not _use_grouped_kernels(resolve_backend(recipe.gemm_backend, x.device), offsets, aligned):
+        h1, h3 = _grouped(x, (w1, w3), offsets, (None, None), recipe, counters, signs, False, groups, False, None)
         return torch.nn.functional.silu(h1) * h3, None
-    h, amax = _grouped(x, (w1, w3), offsets, (None, None), recipe, counters, signs, True, groups, h_colwise, None)
-    return h, amax
+    h1, h3, carrier = _grouped(x, (w1, w3), offsets, (None, None), recipe, counters, signs, True, groups, True, None)
+    signs = _rht_signs(recipe, signs, x.device)
+    need_wgrad = torch.is_grad_enabled() and (w1.requires_grad or w3.requires_grad)
+    return _SwiGLUAmaxFunction.apply(h1, h3, carrier, offsets, signs, h_colwise, need_wgrad)
 
 
-def _grouped(x, weights, offsets, biases, recipe, counters, signs, aligned, groups, swiglu_col, x_amax):
+def _rht_signs(recipe: NVFP4Recipe, signs: torch.Tensor | None, device) -> torch.Tensor | None:
+    """The RHT signs the recipe uses (the given ones, or its seed's), None without the RHT."""
+    if not recipe.rht:
+        return None
+    return signs if signs is not None else _signs(recipe.rht_seed, device)
+
+
+def _grouped(x, weights, offsets, biases, recipe, counters, signs, aligned, groups, amax_carrier, x_amax):
     weights, biases = tuple(weights), tuple(biases)
     counters = tuple(counters) if counters is not None else (None,) * len(weights)
     for w in weights:
         _check(x, w, offsets)
     need_wgrad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
     counters = tuple(c if c is not None else sr_counter(recipe, i, x.device) for i, c in enumerate(counters))
-    if signs is None and recipe.rht:
-        signs = _signs(recipe.rht_seed, x.device)
-    signs = signs if recipe.rht else None
-    if swiglu_col is not None or _use_grouped_kernels(resolve_backend(recipe.gemm_backend, x.device), offsets,
-                                                      aligned):
+    signs = _rht_signs(recipe, signs, x.device)
+    if amax_carrier or _use_grouped_kernels(resolve_backend(recipe.gemm_backend, x.device), offsets, aligned):
         return list(NVFP4GroupedKernelFunction.apply(x, offsets, recipe, signs, need_wgrad, len(weights),
-                                                     groups if groups else None, swiglu_col, x_amax, *weights,
+                                                     groups if groups else None, amax_carrier, x_amax, *weights,
                                                      *biases, *counters))
     return [NVFP4GroupedMMFunction.apply(x, w, b, offsets, recipe, c, signs,
                                          torch.is_grad_enabled() and w.requires_grad, groups if groups else None)

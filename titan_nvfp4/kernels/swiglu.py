@@ -33,10 +33,12 @@ def _exp(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _round(x, dt: tl.constexpr):
-    """fp32 x rounded to dtype dt (nearest-even), still as fp32. bf16 by its bits: the interpreter's own
-    float-to-bf16 conversion truncates. NaN stays NaN."""
-    if dt == tl.bfloat16:
+def _round(x, dt: tl.constexpr, NATIVE: tl.constexpr):
+    """fp32 x rounded to dtype dt (nearest-even), still as fp32: the hardware conversion (``NATIVE``),
+    or for bf16 by its bits, since the interpreter's own float-to-bf16 conversion truncates."""
+    if NATIVE:
+        return x.to(dt).to(tl.float32)
+    elif dt == tl.bfloat16:
         bits = x.to(tl.int32, bitcast=True)
         r = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).to(tl.float32, bitcast=True)
         return tl.where(x == x, r, x)
@@ -47,36 +49,35 @@ def _round(x, dt: tl.constexpr):
 
 
 @triton.jit
-def _tile(X, rows, rn, M, N, sxm):
-    ptr = X + rows[:, None].to(tl.int64) * sxm + rn[None, :]
-    return ptr, (rows < M)[:, None] & (rn < N)[None, :]
+def _tile(rows, rn, M, N, WIDE: tl.constexpr):
+    """(element offsets, mask) of rows × rn in the [M, N] contiguous tensors (int64 offsets if ``WIDE``)."""
+    r = rows[:, None].to(tl.int64) if WIDE else rows[:, None]
+    return r * N + rn[None, :], (rows < M)[:, None] & (rn < N)[None, :]
 
 
 @triton.jit
-def _swiglu_fwd_kernel(H1, H3, OUT, M, N, s1m, s3m, som, AMAX, SIGNS, BEXP, NSLOT, COL: tl.constexpr,
-                       RHT: tl.constexpr, PRECISE: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
-    """OUT = silu(H1) ⊙ H3 over 16·G rows and BK features; its amaxes into AMAX (reduce_amax16)."""
+def _swiglu_fwd_kernel(H1, H3, OUT, M, N, AMAX, SIGNS, BEXP, NSLOT, COL: tl.constexpr, RHT: tl.constexpr,
+                       PRECISE: tl.constexpr, WIDE: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
+    """OUT = silu(H1) ⊙ H3 over 16·G rows and BK features; its amaxes into AMAX (reduce_amax16).
+    ``PRECISE``: compiled (libdevice exp, hardware rounding), else the interpreter's twins."""
     blk = tl.program_id(0) * G + tl.arange(0, G)
     rn = tl.program_id(1) * BK + tl.arange(0, BK)
     dt = OUT.dtype.element_ty
     hs = ()
     for i in tl.static_range(16):
-        rows = blk * 16 + i
-        p1, mask = _tile(H1, rows, rn, M, N, s1m)
-        p3, _ = _tile(H3, rows, rn, M, N, s3m)
-        po, _ = _tile(OUT, rows, rn, M, N, som)
-        a = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(p3, mask=mask, other=0.0).to(tl.float32)
-        silu = _round(tl.math.div_rn(a, 1.0 + _exp(-a, PRECISE)), dt)
-        h = _round(silu * b, dt)
-        tl.store(po, h.to(dt), mask=mask)
+        off, mask = _tile(blk * 16 + i, rn, M, N, WIDE)
+        a = tl.load(H1 + off, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(H3 + off, mask=mask, other=0.0).to(tl.float32)
+        silu = _round(tl.math.div_rn(a, 1.0 + _exp(-a, PRECISE)), dt, PRECISE)
+        h = _round(silu * b, dt, PRECISE)
+        tl.store(OUT + off, h.to(dt), mask=mask)
         hs = hs + (h,)
     reduce_amax16(hs, blk, M, AMAX, SIGNS, BEXP, NSLOT, True, COL, RHT, True)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(DH, H1, H3, D1, D3, M, N, sdm, s1m, s3m, sd1m, sd3m, AMAX1, AMAX3, SIGNS, BEXP, NSLOT,
-                       COL: tl.constexpr, RHT: tl.constexpr, PRECISE: tl.constexpr, G: tl.constexpr,
+def _swiglu_bwd_kernel(DH, H1, H3, D1, D3, M, N, AMAX1, AMAX3, SIGNS, BEXP, NSLOT, COL: tl.constexpr,
+                       RHT: tl.constexpr, PRECISE: tl.constexpr, WIDE: tl.constexpr, G: tl.constexpr,
                        BK: tl.constexpr):
     """D1, D3 = the gradients of H1, H3 of silu(H1) ⊙ H3 given DH; their amaxes into AMAX1, AMAX3."""
     blk = tl.program_id(0) * G + tl.arange(0, G)
@@ -85,23 +86,18 @@ def _swiglu_bwd_kernel(DH, H1, H3, D1, D3, M, N, sdm, s1m, s3m, sd1m, sd3m, AMAX
     g1 = ()
     g3 = ()
     for i in tl.static_range(16):
-        rows = blk * 16 + i
-        pd, mask = _tile(DH, rows, rn, M, N, sdm)
-        p1, _ = _tile(H1, rows, rn, M, N, s1m)
-        p3, _ = _tile(H3, rows, rn, M, N, s3m)
-        q1, _ = _tile(D1, rows, rn, M, N, sd1m)
-        q3, _ = _tile(D3, rows, rn, M, N, sd3m)
-        dh = tl.load(pd, mask=mask, other=0.0).to(tl.float32)
-        a = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(p3, mask=mask, other=0.0).to(tl.float32)
+        off, mask = _tile(blk * 16 + i, rn, M, N, WIDE)
+        dh = tl.load(DH + off, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(H1 + off, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(H3 + off, mask=mask, other=0.0).to(tl.float32)
         e = 1.0 + _exp(-a, PRECISE)
-        silu = _round(tl.math.div_rn(a, e), dt)  # the forward's rounded silu(h1)
+        silu = _round(tl.math.div_rn(a, e), dt, PRECISE)  # the forward's rounded silu(h1)
         sig = tl.math.div_rn(tl.full(e.shape, 1.0, tl.float32), e)
-        d_silu = _round(dh * b, dt)  # mul's gradient of silu(h1)
-        d1 = _round((d_silu * sig) * (1.0 + a * (1.0 - sig)), dt)  # silu_backward's formula
-        d3 = _round(dh * silu, dt)
-        tl.store(q1, d1.to(dt), mask=mask)
-        tl.store(q3, d3.to(dt), mask=mask)
+        d_silu = _round(dh * b, dt, PRECISE)  # mul's gradient of silu(h1)
+        d1 = _round((d_silu * sig) * (1.0 + a * (1.0 - sig)), dt, PRECISE)  # silu_backward's formula
+        d3 = _round(dh * silu, dt, PRECISE)
+        tl.store(D1 + off, d1.to(dt), mask=mask)
+        tl.store(D3 + off, d3.to(dt), mask=mask)
         g1 = g1 + (d1,)
         g3 = g3 + (d3,)
     reduce_amax16(g1, blk, M, AMAX1, SIGNS, BEXP, NSLOT, True, COL, RHT, True)
@@ -126,8 +122,8 @@ def _check(name: str, *ts: torch.Tensor) -> None:
         if t.dim() != 2 or t.shape != shape or t.dtype != dtype or t.device != dev or not t.is_floating_point():
             raise ValueError(f"{name}: expected 2D floating-point tensors of one shape, dtype and device, got "
                              f"{[(tuple(u.shape), u.dtype, u.device.type) for u in ts]}")
-        if t.stride(1) != 1:
-            raise ValueError(f"{name}: rows must be contiguous, got strides {t.stride()}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: expected contiguous tensors, got strides {t.stride()}")
     if shape[1] % 16:
         raise ValueError(f"{name}: the feature dim must be a multiple of 16, got {tuple(shape)}")
 
@@ -147,9 +143,8 @@ def swiglu_amax_tensors(h1: torch.Tensor, h3: torch.Tensor, offsets: torch.Tenso
     buf = torch.zeros(2 * ns, dtype=torch.int32, device=h1.device)
     out = torch.empty_like(h1)
     if M > 0:
-        _launch(_swiglu_fwd_kernel, _fwd_autotuned, h1, M, N, h1, h3, out, M, N, h1.stride(0), h3.stride(0),
-                out.stride(0), buf, _signs(signs, buf), bexp, ns, COL=colwise, RHT=signs is not None,
-                PRECISE=h1.is_cuda)
+        _launch(_swiglu_fwd_kernel, _fwd_autotuned, h1, M, N, h1, h3, out, M, N, buf, _signs(signs, buf), bexp, ns,
+                COL=colwise, RHT=signs is not None, PRECISE=h1.is_cuda, WIDE=h1.numel() >= 2**31)
     if colwise and signs is None:
         buf[ns:] = buf[:ns]
     return out, buf.view(torch.float32).view(2, ns)
@@ -166,9 +161,8 @@ def swiglu_backward_amax_tensors(dh: torch.Tensor, h1: torch.Tensor, h3: torch.T
     a1, a3 = buf[:2 * ns], buf[2 * ns:]
     d1, d3 = torch.empty_like(h1), torch.empty_like(h3)
     if M > 0:
-        _launch(_swiglu_bwd_kernel, _bwd_autotuned, h1, M, N, dh, h1, h3, d1, d3, M, N, dh.stride(0), h1.stride(0),
-                h3.stride(0), d1.stride(0), d3.stride(0), a1, a3, _signs(signs, buf), bexp, ns, COL=colwise,
-                RHT=signs is not None, PRECISE=h1.is_cuda)
+        _launch(_swiglu_bwd_kernel, _bwd_autotuned, h1, M, N, dh, h1, h3, d1, d3, M, N, a1, a3, _signs(signs, buf),
+                bexp, ns, COL=colwise, RHT=signs is not None, PRECISE=h1.is_cuda, WIDE=h1.numel() >= 2**31)
     if colwise and signs is None:
         a1[ns:] = a1[:ns]
         a3[ns:] = a3[:ns]
