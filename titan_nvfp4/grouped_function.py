@@ -216,7 +216,9 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[0]
         wants_dw = [ctx.needs_input_grad[9 + j] and x_col is not None for j in range(n)]
         dx, dws, dbs = None, [], []
-        with torch.autocast(grads[0].device.type, enabled=False):
+        if x_col is not None and sum(wants_dw) > 1:  # staged once for every wgrad that reads it
+            x_col = G.staged(x_col)
+        with torch.autocast(offsets.device.type, enabled=False):
             dys, dy_amaxes = grads[:n], [None] * n
             if ctx.carrier:  # the dYs' amaxes came as the carrier's gradient; a dY not given is zeros
                 dy_amaxes = list(grads[n]) if grads[n] is not None else dy_amaxes
@@ -239,10 +241,8 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
                 # wgrad first, dY's staged column operand dropped before dgrad allocates its output
                 dws.append(G.gemm_tokens(dy_col, x_col, offsets, ctx.w_dtypes[j]) if need_dw else None)
                 del dy_col
-                if need_dx:  # summed in x's dtype, as autograd sums the gradients of separate GEMMs
-                    part = G.gemm_rows(dyq, w_t, offsets, ctx.x_shape[-1], row_step, col_step, ctx.x_dtype)
-                    dx = part if dx is None else dx.add_(part)  # dx is this function's own buffer
-                    del part
+                if need_dx:  # summed in x's dtype (in the GEMM's epilogue), as autograd sums separate GEMMs'
+                    dx = G.gemm_rows(dyq, w_t, offsets, ctx.x_shape[-1], row_step, col_step, ctx.x_dtype, add_to=dx)
                 del dyq
                 dbs.append(G.expert_bias_grad(dy2d, offsets).to(dy.dtype) if need_db else None)
         return (dx.reshape(ctx.x_shape) if dx is not None else None, None, None, None, None, None, None, None, None,

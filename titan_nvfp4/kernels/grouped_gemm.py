@@ -31,6 +31,7 @@ from ..ops.library import StagedOperand
 from .gemm import (SMALL_TILES, _ensure_scratch_allocator, _programs, _set_b_block, _tma_desc, _tma_storable, _use_tma,
                    dequantize_fp16, swizzle_tile)
 from .launch import launch
+from .nvfp4_jit import round_to
 
 
 def _configs():
@@ -62,10 +63,11 @@ def _tile_owner(tile, i, starts, ends, ntiles, cum):
 
 
 @triton.jit
-def _rows_epilogue(acc, e, E, m0, end, pid_n, N, GSA, GSB, BIAS, C, scm, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
-                   BN: tl.constexpr):
+def _rows_epilogue(acc, e, E, m0, end, pid_n, N, GSA, GSB, BIAS, C, CIN, scm, HAS_BIAS: tl.constexpr,
+                   ACC: tl.constexpr, NATIVE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """Expert e's tile · GSA[e]·GSB[e] (+ BIAS[e]), zeros for the tail pseudo-expert E, stored for the
-    rows before ``end`` and the columns before N."""
+    rows before ``end`` and the columns before N. ``ACC``: C = CIN + that tile as rounded to C's dtype,
+    summed in fp32 and rounded (nearest-even) again: what adding two separate outputs would give."""
     ec = tl.minimum(e, E - 1)
     rm = m0 + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -73,14 +75,20 @@ def _rows_epilogue(acc, e, E, m0, end, pid_n, N, GSA, GSB, BIAS, C, scm, HAS_BIA
     if HAS_BIAS:
         out = out + tl.load(BIAS + ec * N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     out = tl.where(e < E, out, 0.0)
-    tl.store(C + rm[:, None].to(tl.int64) * scm + rn[None, :], out.to(C.dtype.element_ty),
-             mask=(rm < end)[:, None] & (rn < N)[None, :])
+    offs = rm[:, None].to(tl.int64) * scm + rn[None, :]
+    mask = (rm < end)[:, None] & (rn < N)[None, :]
+    dt = C.dtype.element_ty
+    if ACC:
+        prev = tl.load(CIN + offs, mask=mask, other=0.0).to(tl.float32)
+        out = round_to(prev + out.to(dt).to(tl.float32), dt, NATIVE)
+    tl.store(C + offs, out.to(dt), mask=mask)
 
 
 @triton.jit
-def _grouped_rows_kernel(A, a_desc, B, b_desc, OFFS, GSA, GSB, BIAS, C, E, T, N, K, B_ROW_STEP, B_COL_STEP,
-                         sam, sbn, scm, HAS_BIAS: tl.constexpr, TMA: tl.constexpr, EP: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+def _grouped_rows_kernel(A, a_desc, B, b_desc, OFFS, GSA, GSB, BIAS, C, CIN, E, T, N, K, B_ROW_STEP, B_COL_STEP,
+                         sam, sbn, scm, HAS_BIAS: tl.constexpr, ACC: tl.constexpr, NATIVE: tl.constexpr,
+                         TMA: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         GROUP_M: tl.constexpr):
     """C [T, N] = A [T, K] · B_eᵀ per expert row range, · GSA[e]·GSB[e] (+ BIAS[e]); zeros past the
     last expert. A's tile rows past an expert's end are computed and not stored; B_e's tile columns
     past K (dgrad, B = Wᵀ) read the next expert's weights against A's zero-filled columns."""
@@ -108,12 +116,13 @@ def _grouped_rows_kernel(A, a_desc, B, b_desc, OFFS, GSA, GSB, BIAS, C, E, T, N,
                 b = tl.load(B + (b_row0 + rn)[:, None].to(tl.int64) * sbn + (b_col0 + k0 + rk)[None, :],
                             mask=(rn < N)[:, None] & kmask, other=0.0)
             acc = tl.dot(a, b.T, acc)
-        _rows_epilogue(acc, e, E, m0, end, pid_n, N, GSA, GSB, BIAS, C, scm, HAS_BIAS, BM, BN)
+        _rows_epilogue(acc, e, E, m0, end, pid_n, N, GSA, GSB, BIAS, C, CIN, scm, HAS_BIAS, ACC, NATIVE, BM, BN)
 
 
 @triton.jit
-def _grouped_rows_persistent_kernel(A, B, OFFS, GSA, GSB, BIAS, C, E, T, N, K, B_ROWS, B_COLS, B_ROW_STEP,
-                                    B_COL_STEP, sam, sbn, scm, HAS_BIAS: tl.constexpr, EP: tl.constexpr,
+def _grouped_rows_persistent_kernel(A, B, OFFS, GSA, GSB, BIAS, C, CIN, E, T, N, K, B_ROWS, B_COLS, B_ROW_STEP,
+                                    B_COL_STEP, sam, sbn, scm, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
+                                    NATIVE: tl.constexpr, EP: tl.constexpr,
                                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                                     NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr):
     """_grouped_rows_kernel as a persistent kernel (sm_90, staged operands): one program per SM walks
@@ -136,7 +145,7 @@ def _grouped_rows_persistent_kernel(A, B, OFFS, GSA, GSB, BIAS, C, E, T, N, K, B
             a = a_desc.load([m0, k0])
             b = b_desc.load([b_row0, b_col0 + k0])
             acc = tl.dot(a, b.T, acc)
-        _rows_epilogue(acc, e, E, m0, end, pid_n, N, GSA, GSB, BIAS, C, scm, HAS_BIAS, BM, BN)
+        _rows_epilogue(acc, e, E, m0, end, pid_n, N, GSA, GSB, BIAS, C, CIN, scm, HAS_BIAS, ACC, NATIVE, BM, BN)
 
 
 def _persistent_configs():
@@ -185,10 +194,10 @@ def _grouped_tokens_kernel(A, a_desc, B, b_desc, OFFS, GSA, GSB, C, M, N, sam, s
              mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-_rows_autotuned = triton.autotune(_configs(), key=["E", "N", "K", "B_ROW_STEP", "B_COL_STEP", "TMA"])(_grouped_rows_kernel)
+_rows_autotuned = triton.autotune(_configs(), key=["E", "N", "K", "B_ROW_STEP", "B_COL_STEP", "TMA", "ACC"])(_grouped_rows_kernel)
 _tokens_autotuned = triton.autotune(_configs(), key=["M", "N", "TMA"])(_grouped_tokens_kernel)
 _rows_persistent_autotuned = triton.autotune(_persistent_configs(), key=["E", "N", "K", "B_ROW_STEP", "B_COL_STEP",
-                                                                        "FLATTEN"])(_grouped_rows_persistent_kernel)
+                                                                        "FLATTEN", "ACC"])(_grouped_rows_persistent_kernel)
 
 #: The rows GEMM's kernel on sm_90 with TMA: "persistent" (flattened loops), "persistent_nested", or
 #: "tiles" (one tile per program); benchmarks/bench_grouped.py --rows-kernel compares them.
@@ -206,34 +215,41 @@ def stage(t: NVFP4Tensor | StagedOperand) -> torch.Tensor:
 
 def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tensor, gs_a: torch.Tensor,
                       gs_b: torch.Tensor, n_out: int, b_row_step: int, b_col_step: int, out_dtype: torch.dtype,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, add_to: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, n_out]: row range r of expert e is A[r] · B_eᵀ · gs_a[e]·gs_b[e] (+ bias[e]) over the
     staged a16 [T, K] and b16, where B_e is the [n_out, K] window of b16 at (e·b_row_step,
-    e·b_col_step); zeros past the last expert. gs_a [≥E+1], gs_b [≥E]: per-expert decode scales."""
+    e·b_col_step); zeros past the last expert. gs_a [≥E+1], gs_b [≥E]: per-expert decode scales.
+    ``add_to`` [T, n_out] of out_dtype: out is add_to + that product, as two outputs added in
+    out_dtype (the dgrads of W1 and W3 summed in the epilogue, without a pass of their own)."""
     T, K = a16.shape
     E = offsets.numel()
+    if add_to is not None and (add_to.shape != (T, n_out) or add_to.dtype != out_dtype or not add_to.is_contiguous()):
+        raise ValueError(f"grouped GEMM: add_to must be a contiguous [{T}, {n_out}] {out_dtype} tensor, got "
+                         f"{tuple(add_to.shape)} {add_to.dtype}")
     out = torch.empty((T, n_out), dtype=out_dtype, device=a16.device)
     if T == 0 or n_out == 0:
         return out
     tma = _use_tma(a16) and not interpreting()
     gs_a, gs_b = gs_a.float().contiguous(), gs_b.float().contiguous()
     bias_arg = bias if bias is not None else out
+    add_arg = add_to if add_to is not None else out
     if ROWS_KERNEL != "tiles" and (tma or interpreting()) and _tma_storable(a16) and _tma_storable(b16):
         progs = _programs(a16)
         _ensure_scratch_allocator(a16)
-        args = (a16, b16, offsets, gs_a, gs_b, bias_arg, out, E, T, n_out, K, b16.shape[0], b16.shape[1],
+        args = (a16, b16, offsets, gs_a, gs_b, bias_arg, out, add_arg, E, T, n_out, K, b16.shape[0], b16.shape[1],
                 b_row_step, b_col_step, a16.stride(0), b16.stride(0), out.stride(0))
-        kw = dict(HAS_BIAS=bias is not None, EP=triton.next_power_of_2(E + 1), NUM_PROGRAMS=progs,
-                  FLATTEN=ROWS_KERNEL == "persistent")
+        kw = dict(HAS_BIAS=bias is not None, ACC=add_to is not None, NATIVE=not interpreting(),
+                  EP=triton.next_power_of_2(E + 1), NUM_PROGRAMS=progs, FLATTEN=ROWS_KERNEL == "persistent")
         if _autotune(a16, T * n_out):
             launch(_rows_persistent_autotuned, (progs,), *args, **kw)
         else:
             launch(_grouped_rows_persistent_kernel, (progs,), *args, **kw, **SMALL_TILES)
         return out
     a_arg, b_arg = (_tma_desc(a16), _tma_desc(b16)) if tma else (a16, b16)
-    args = (a16, a_arg, b16, b_arg, offsets, gs_a, gs_b, bias_arg, out, E, T, n_out, K, b_row_step, b_col_step,
-            a16.stride(0), b16.stride(0), out.stride(0))
-    kw = dict(HAS_BIAS=bias is not None, TMA=tma, EP=triton.next_power_of_2(E + 1))
+    args = (a16, a_arg, b16, b_arg, offsets, gs_a, gs_b, bias_arg, out, add_arg, E, T, n_out, K, b_row_step,
+            b_col_step, a16.stride(0), b16.stride(0), out.stride(0))
+    kw = dict(HAS_BIAS=bias is not None, ACC=add_to is not None, NATIVE=not interpreting(), TMA=tma,
+              EP=triton.next_power_of_2(E + 1))
     if _autotune(a16, T * n_out):
         grid = lambda meta: ((triton.cdiv(T, meta["BM"]) + E + 1) * triton.cdiv(n_out, meta["BN"]),)  # noqa: E731
         launch(_rows_autotuned, grid, *args, **kw)

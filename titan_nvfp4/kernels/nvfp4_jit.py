@@ -245,6 +245,22 @@ def rht16_slices(xs, SIGNS):
 
 
 @triton.jit
+def round_to(x, dt: tl.constexpr, NATIVE: tl.constexpr):
+    """fp32 x rounded to dtype dt (nearest-even), still as fp32: the hardware conversion (``NATIVE``),
+    or for bf16 by its bits, since the interpreter's own float-to-bf16 conversion truncates."""
+    if NATIVE:
+        return x.to(dt).to(tl.float32)
+    elif dt == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        r = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).to(tl.float32, bitcast=True)
+        return tl.where(x == x, r, x)
+    elif dt == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
 def amax16(xs):
     """Elementwise max of |x| over a 16-tuple of tiles, NaN mapped to +inf (as nan_to_inf_abs): one
     NaN-propagating max per element, the mapping once per result."""

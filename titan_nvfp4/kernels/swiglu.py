@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .nvfp4_jit import round_to
 from .quantize import _launch, _quant_configs, _slots, reduce_amax16
 
 
@@ -30,22 +31,6 @@ def _exp(x, PRECISE: tl.constexpr):
         return libdevice.exp(x)
     else:
         return tl.exp(x)
-
-
-@triton.jit
-def _round(x, dt: tl.constexpr, NATIVE: tl.constexpr):
-    """fp32 x rounded to dtype dt (nearest-even), still as fp32: the hardware conversion (``NATIVE``),
-    or for bf16 by its bits, since the interpreter's own float-to-bf16 conversion truncates."""
-    if NATIVE:
-        return x.to(dt).to(tl.float32)
-    elif dt == tl.bfloat16:
-        bits = x.to(tl.int32, bitcast=True)
-        r = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).to(tl.float32, bitcast=True)
-        return tl.where(x == x, r, x)
-    elif dt == tl.float16:
-        return x.to(tl.float16).to(tl.float32)
-    else:
-        return x
 
 
 @triton.jit
@@ -68,8 +53,8 @@ def _swiglu_fwd_kernel(H1, H3, OUT, M, N, AMAX, SIGNS, BEXP, NSLOT, COL: tl.cons
         off, mask = _tile(blk * 16 + i, rn, M, N, WIDE)
         a = tl.load(H1 + off, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(H3 + off, mask=mask, other=0.0).to(tl.float32)
-        silu = _round(tl.math.div_rn(a, 1.0 + _exp(-a, PRECISE)), dt, PRECISE)
-        h = _round(silu * b, dt, PRECISE)
+        silu = round_to(tl.math.div_rn(a, 1.0 + _exp(-a, PRECISE)), dt, PRECISE)
+        h = round_to(silu * b, dt, PRECISE)
         tl.store(OUT + off, h.to(dt), mask=mask)
         hs = hs + (h,)
     reduce_amax16(hs, blk, M, AMAX, SIGNS, BEXP, NSLOT, True, COL, RHT, True)
@@ -91,11 +76,11 @@ def _swiglu_bwd_kernel(DH, H1, H3, D1, D3, M, N, AMAX1, AMAX3, SIGNS, BEXP, NSLO
         a = tl.load(H1 + off, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(H3 + off, mask=mask, other=0.0).to(tl.float32)
         e = 1.0 + _exp(-a, PRECISE)
-        silu = _round(tl.math.div_rn(a, e), dt, PRECISE)  # the forward's rounded silu(h1)
+        silu = round_to(tl.math.div_rn(a, e), dt, PRECISE)  # the forward's rounded silu(h1)
         sig = tl.math.div_rn(tl.full(e.shape, 1.0, tl.float32), e)
-        d_silu = _round(dh * b, dt, PRECISE)  # mul's gradient of silu(h1)
-        d1 = _round((d_silu * sig) * (1.0 + a * (1.0 - sig)), dt, PRECISE)  # silu_backward's formula
-        d3 = _round(dh * silu, dt, PRECISE)
+        d_silu = round_to(dh * b, dt, PRECISE)  # mul's gradient of silu(h1)
+        d1 = round_to((d_silu * sig) * (1.0 + a * (1.0 - sig)), dt, PRECISE)  # silu_backward's formula
+        d3 = round_to(dh * silu, dt, PRECISE)
         tl.store(D1 + off, d1.to(dt), mask=mask)
         tl.store(D3 + off, d3.to(dt), mask=mask)
         g1 = g1 + (d1,)
@@ -157,11 +142,10 @@ def swiglu_backward_amax_tensors(dh: torch.Tensor, h1: torch.Tensor, h3: torch.T
     _check("swiglu backward", dh, h1, h3)
     M, N = h1.shape
     bexp, ns = _slots(h1, offsets)
-    buf = torch.zeros(4 * ns, dtype=torch.int32, device=h1.device)
-    a1, a3 = buf[:2 * ns], buf[2 * ns:]
+    a1, a3 = (torch.zeros(2 * ns, dtype=torch.int32, device=h1.device) for _ in range(2))  # no aliasing: custom op
     d1, d3 = torch.empty_like(h1), torch.empty_like(h3)
     if M > 0:
-        _launch(_swiglu_bwd_kernel, _bwd_autotuned, h1, M, N, dh, h1, h3, d1, d3, M, N, a1, a3, _signs(signs, buf),
+        _launch(_swiglu_bwd_kernel, _bwd_autotuned, h1, M, N, dh, h1, h3, d1, d3, M, N, a1, a3, _signs(signs, a1),
                 bexp, ns, COL=colwise, RHT=signs is not None, PRECISE=h1.is_cuda, WIDE=h1.numel() >= 2**31)
     if colwise and signs is None:
         a1[ns:] = a1[:ns]

@@ -133,10 +133,19 @@ def quantize_experts(w: torch.Tensor, weight_2d: bool, four_six: bool = False,
 
 
 def gemm_rows(a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, n_out: int, row_step: int,
-              col_step: int, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """[T, n_out]: expert e's rows of A times its [n_out, K] window of B (see grouped_gemm.py)."""
+              col_step: int, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+              add_to: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, n_out]: expert e's rows of A times its [n_out, K] window of B (see grouped_gemm.py), plus
+    ``add_to`` as a separate output of out_dtype would be added to it."""
     return library.grouped_gemm_rows(a.data, a.scale, b.data, b.scale, b.tiles, offsets, a.gs, b.gs, n_out,
-                                     row_step, col_step, out_dtype, bias)
+                                     row_step, col_step, out_dtype, bias, add_to)
+
+
+def staged(a: GroupedOperand) -> GroupedOperand:
+    """``a`` with its values staged as fp16 (what every grouped GEMM reading it would stage again)."""
+    if a.data.dtype == torch.float16:
+        return a
+    return GroupedOperand(library.stage_grouped(a.data, a.scale, a.tiles), a.scale.new_empty((0,)), a.gs)
 
 
 def gemm_tokens(a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -145,4 +154,4 @@ def gemm_tokens(a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, out
 
 
 __all__ = ["GroupedOperand", "GroupedWeight", "block_experts", "expert_amaxes", "expert_bias_grad", "gemm_rows",
-           "gemm_tokens", "quantize_experts", "quantize_tokens", "swiglu", "swiglu_backward", "token_amaxes"]
+           "gemm_tokens", "quantize_experts", "quantize_tokens", "staged", "swiglu", "swiglu_backward", "token_amaxes"]

@@ -302,20 +302,35 @@ def _quantize_2d_grouped_fake(w, experts, staged, four_six=False, amax=None):
 @_op("grouped_gemm_rows")
 def grouped_gemm_rows(a_data: Tensor, a_scale: Tensor, b_data: Tensor, b_scale: Tensor, b_tiles: bool,
                       offsets: Tensor, gs_a: Tensor, gs_b: Tensor, n_out: int, b_row_step: int, b_col_step: int,
-                      out_dtype: torch.dtype, bias: Optional[Tensor]) -> Tensor:
+                      out_dtype: torch.dtype, bias: Optional[Tensor], add_to: Optional[Tensor] = None) -> Tensor:
     """Tokens grouped along M (fprop, dgrad): see kernels/grouped_gemm.py. An fp16 ``a_data`` is A
-    already staged (``quantize_grouped(row_fp16=True)``)."""
+    already staged (``quantize_grouped(row_fp16=True)``). ``add_to``: the result is add_to plus the
+    product, summed as two outputs would be (a new tensor; add_to is only read)."""
     from ..kernels.grouped_gemm import grouped_gemm_rows as run
     from ..kernels.grouped_gemm import stage
 
-    return run(stage(_operand(a_data, a_scale, gs_a[:1], False)), stage(_operand(b_data, b_scale, gs_b[:1], b_tiles)), offsets, gs_a, gs_b, n_out, b_row_step,
-               b_col_step, out_dtype, bias)
+    return run(stage(_operand(a_data, a_scale, gs_a[:1], False)), stage(_operand(b_data, b_scale, gs_b[:1], b_tiles)),
+               offsets, gs_a, gs_b, n_out, b_row_step, b_col_step, out_dtype, bias, add_to)
 
 
 @grouped_gemm_rows.op.register_fake
 def _grouped_gemm_rows_fake(a_data, a_scale, b_data, b_scale, b_tiles, offsets, gs_a, gs_b, n_out, b_row_step,
-                            b_col_step, out_dtype, bias):
+                            b_col_step, out_dtype, bias, add_to=None):
     return a_data.new_empty((a_data.shape[0], n_out), dtype=out_dtype)
+
+
+@_op("stage_grouped")
+def stage_grouped(data: Tensor, scale: Tensor, tiles: bool) -> Tensor:
+    """fp16 q·e_b [R, 2·C] of NVFP4 codes [R, C] and their block scales (16×16 with ``tiles``): the
+    staged form a grouped GEMM reads, for an operand that two GEMMs read (X's column operand)."""
+    from ..kernels.grouped_gemm import stage
+
+    return stage(_operand(data, scale, scale.new_ones((), dtype=torch.float32), tiles))
+
+
+@stage_grouped.op.register_fake
+def _stage_grouped_fake(data, scale, tiles):
+    return data.new_empty((data.shape[0], 2 * data.shape[1]), dtype=torch.float16)
 
 
 @_op("grouped_gemm_tokens")
