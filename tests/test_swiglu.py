@@ -176,3 +176,18 @@ def test_fused_swiglu_block_compiles_without_graph_breaks():
         outs.append((fn(*ts, c), *[t.grad for t in ts], *c))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+@cpu_triton
+def test_grouped_gemm_add_to_is_checked():
+    """The dgrad accumulation's ``add_to`` must be the output's shape and dtype: else a clear error."""
+    from titan_nvfp4.kernels.grouped_gemm import grouped_gemm_rows
+
+    a, b = torch.ones(32, 16, dtype=torch.float16, device=DEV), torch.ones(16, 16, dtype=torch.float16, device=DEV)
+    offsets = torch.tensor([32], dtype=torch.int32, device=DEV)
+    gs = torch.ones(2, device=DEV)
+    with pytest.raises(ValueError, match="add_to"):
+        grouped_gemm_rows(a, b, offsets, gs, gs, 16, 16, 0, torch.bfloat16, add_to=torch.zeros(32, 8, device=DEV))
+    out = grouped_gemm_rows(a, b, offsets, gs, gs, 16, 16, 0, torch.bfloat16,
+                            add_to=torch.full((32, 16), 0.5, dtype=torch.bfloat16, device=DEV))
+    assert torch.equal(out, torch.full_like(out, 16.5)), "16 ones summed, plus the 0.5 added"

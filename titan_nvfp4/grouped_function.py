@@ -18,7 +18,9 @@ Two implementations of that definition:
 
   * grouped (the "emulated" backend, groups aligned to 16): each operand of all experts quantized in
     one launch with per-expert tensor scales, and one grouped GEMM launch per product
-    (ops/grouped.py, kernels/grouped_gemm.py); the offsets stay on the device, nothing syncs.
+    (ops/grouped.py, kernels/grouped_gemm.py); the offsets stay on the device, nothing syncs. A
+    SwiGLU expert (nvfp4_grouped_swiglu) also gets its SwiGLU fused with the per-expert amaxes of h
+    and, in backward, of dh1 and dh3 (kernels/swiglu.py), which then need no amax pass.
   * per expert (the "reference" backend, unaligned groups, and "native": PyTorch offers no NVFP4
     grouped GEMM, its scaled_grouped_mm takes FP8 and MXFP8 scales only): the dense quantize/GEMM
     dispatch expert after expert, after reading the offsets on the host.
@@ -216,8 +218,6 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[0]
         wants_dw = [ctx.needs_input_grad[9 + j] and x_col is not None for j in range(n)]
         dx, dws, dbs = None, [], []
-        if x_col is not None and sum(wants_dw) > 1:  # staged once for every wgrad that reads it
-            x_col = G.staged(x_col)
         with torch.autocast(offsets.device.type, enabled=False):
             dys, dy_amaxes = grads[:n], [None] * n
             if ctx.carrier:  # the dYs' amaxes came as the carrier's gradient; a dY not given is zeros

@@ -9,7 +9,7 @@ The amaxes are those ``quantize_grouped`` would reduce from the stored tensor (t
 PyTorch's ``F.silu(h1) * h3`` and its autograd step by step, with the same roundings to the tensor
 dtype: silu(h1) is rounded before the product, dh1 = round(round(dh·h3) · σ·(1 + h1·(1 − σ))),
 dh3 = round(dh · round(silu(h1))), in fp32 with an IEEE exp and division, so on a GPU the result is
-what the unfused ops compute (checked in tests/test_gpu.py). Reference twin: ``swiglu_reference``.
+what the unfused ops compute (checked in tests/test_swiglu.py). Reference twin: ``swiglu_reference``.
 """
 
 from __future__ import annotations

@@ -141,17 +141,10 @@ def gemm_rows(a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, n_out
                                      row_step, col_step, out_dtype, bias, add_to)
 
 
-def staged(a: GroupedOperand) -> GroupedOperand:
-    """``a`` with its values staged as fp16 (what every grouped GEMM reading it would stage again)."""
-    if a.data.dtype == torch.float16:
-        return a
-    return GroupedOperand(library.stage_grouped(a.data, a.scale, a.tiles), a.scale.new_empty((0,)), a.gs)
-
-
 def gemm_tokens(a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """[E, M, N]: expert e's tokens of A [M, T] times those of B [N, T], transposed (wgrad)."""
     return library.grouped_gemm_tokens(a.data, a.scale, b.data, b.scale, offsets, a.gs, b.gs, out_dtype)
 
 
 __all__ = ["GroupedOperand", "GroupedWeight", "block_experts", "expert_amaxes", "expert_bias_grad", "gemm_rows",
-           "gemm_tokens", "quantize_experts", "quantize_tokens", "staged", "swiglu", "swiglu_backward", "token_amaxes"]
+           "gemm_tokens", "quantize_experts", "quantize_tokens", "swiglu", "swiglu_backward", "token_amaxes"]

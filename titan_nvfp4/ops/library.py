@@ -319,20 +319,6 @@ def _grouped_gemm_rows_fake(a_data, a_scale, b_data, b_scale, b_tiles, offsets, 
     return a_data.new_empty((a_data.shape[0], n_out), dtype=out_dtype)
 
 
-@_op("stage_grouped")
-def stage_grouped(data: Tensor, scale: Tensor, tiles: bool) -> Tensor:
-    """fp16 q·e_b [R, 2·C] of NVFP4 codes [R, C] and their block scales (16×16 with ``tiles``): the
-    staged form a grouped GEMM reads, for an operand that two GEMMs read (X's column operand)."""
-    from ..kernels.grouped_gemm import stage
-
-    return stage(_operand(data, scale, scale.new_ones((), dtype=torch.float32), tiles))
-
-
-@stage_grouped.op.register_fake
-def _stage_grouped_fake(data, scale, tiles):
-    return data.new_empty((data.shape[0], 2 * data.shape[1]), dtype=torch.float16)
-
-
 @_op("grouped_gemm_tokens")
 def grouped_gemm_tokens(a_data: Tensor, a_scale: Tensor, b_data: Tensor, b_scale: Tensor, offsets: Tensor,
                         gs_a: Tensor, gs_b: Tensor, out_dtype: torch.dtype) -> Tensor:
