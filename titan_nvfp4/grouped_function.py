@@ -331,11 +331,11 @@ def nvfp4_grouped_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, of
     the first half of a SwiGLU expert. On the grouped kernels the SwiGLU runs fused with the amaxes
     of h (column ones iff ``h_colwise``, i.e. W2 needs its wgrad) for W2's nvfp4_grouped_mm_shared
     ``x_amax``, and its backward with those of dy1, dy3; elsewhere as eager ops, amaxes None."""
+    signs = _rht_signs(recipe, signs, x.device)
     if not _use_grouped_kernels(resolve_backend(recipe.gemm_backend, x.device), offsets, aligned):
         h1, h3 = _grouped(x, (w1, w3), offsets, (None, None), recipe, counters, signs, False, groups, False, None)
         return torch.nn.functional.silu(h1) * h3, None
     h1, h3, carrier = _grouped(x, (w1, w3), offsets, (None, None), recipe, counters, signs, True, groups, True, None)
-    signs = _rht_signs(recipe, signs, x.device)
     need_wgrad = torch.is_grad_enabled() and (w1.requires_grad or w3.requires_grad)
     return _SwiGLUAmaxFunction.apply(h1, h3, carrier, offsets, signs, h_colwise, need_wgrad)
 

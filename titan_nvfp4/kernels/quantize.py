@@ -308,6 +308,14 @@ def _amax_bits(amaxes: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(amaxes.float(), nan=inf, posinf=inf, neginf=inf).contiguous().view(torch.int32)
 
 
+def signs_arg(signs: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    """The RHT signs as the kernels read them (fp32, contiguous, on the placeholder's device), or the
+    placeholder when there are none (the kernel's RHT flag is then off and never reads it)."""
+    if signs is None:
+        return placeholder
+    return signs.to(device=placeholder.device, dtype=torch.float32).contiguous()
+
+
 def _check_2d(x: torch.Tensor, name: str) -> None:
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"{name}: expected a 2D floating-point tensor, got {tuple(x.shape)} {x.dtype}")
@@ -361,7 +369,7 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
     same_amax = colwise and signs is None and amax_col is None and group_amaxes is None
     row_needed = amax is None and group_amaxes is None and (rowwise or same_amax)
     col_needed = colwise and signs is not None and amax_col is None and group_amaxes is None
-    signs_t = signs.to(device=dev, dtype=torch.float32).contiguous() if signs is not None else buf
+    signs_t = signs_arg(signs, buf)
     flags = dict(GROUPED=groups is not None)
     if (row_needed or col_needed) and M > 0:
         _launch(_amax_kernel, _amax_autotuned, x2d, M, K, x2d, M, K, x2d.stride(0), x2d.stride(1), buf, signs_t,
@@ -407,7 +415,7 @@ def operand_amax_tensors(x2d: torch.Tensor, colwise: bool, signs: torch.Tensor |
     bexp, ns = _slots(x2d, groups)
     buf = torch.zeros(2 * ns, dtype=torch.int32, device=x2d.device)
     rht = colwise and signs is not None
-    signs_t = signs.to(device=x2d.device, dtype=torch.float32).contiguous() if rht else buf
+    signs_t = signs_arg(signs if rht else None, buf)
     if M > 0:
         _launch(_amax_kernel, _amax_autotuned, x2d, M, K, x2d, M, K, x2d.stride(0), x2d.stride(1), buf, signs_t,
                 bexp, ns, ROW=True, COL=rht, RHT=True, GROUPED=groups is not None)

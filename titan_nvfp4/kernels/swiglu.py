@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .nvfp4_jit import round_to
-from .quantize import _launch, _quant_configs, _slots, reduce_amax16
+from .quantize import _launch, _quant_configs, _slots, reduce_amax16, signs_arg
 
 
 @triton.jit
@@ -113,10 +113,6 @@ def _check(name: str, *ts: torch.Tensor) -> None:
         raise ValueError(f"{name}: the feature dim must be a multiple of 16, got {tuple(shape)}")
 
 
-def _signs(signs: torch.Tensor | None, buf: torch.Tensor) -> torch.Tensor:
-    return signs.to(device=buf.device, dtype=torch.float32).contiguous() if signs is not None else buf
-
-
 def swiglu_amax_tensors(h1: torch.Tensor, h3: torch.Tensor, offsets: torch.Tensor, colwise: bool,
                         signs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(h = silu(h1) ⊙ h3 [T, N], fp32 [2, E + 1] per-expert (row, column) amaxes of h): the
@@ -128,7 +124,7 @@ def swiglu_amax_tensors(h1: torch.Tensor, h3: torch.Tensor, offsets: torch.Tenso
     buf = torch.zeros(2 * ns, dtype=torch.int32, device=h1.device)
     out = torch.empty_like(h1)
     if M > 0:
-        _launch(_swiglu_fwd_kernel, _fwd_autotuned, h1, M, N, h1, h3, out, M, N, buf, _signs(signs, buf), bexp, ns,
+        _launch(_swiglu_fwd_kernel, _fwd_autotuned, h1, M, N, h1, h3, out, M, N, buf, signs_arg(signs, buf), bexp, ns,
                 COL=colwise, RHT=signs is not None, PRECISE=h1.is_cuda, WIDE=h1.numel() >= 2**31)
     if colwise and signs is None:
         buf[ns:] = buf[:ns]
@@ -145,7 +141,7 @@ def swiglu_backward_amax_tensors(dh: torch.Tensor, h1: torch.Tensor, h3: torch.T
     a1, a3 = (torch.zeros(2 * ns, dtype=torch.int32, device=h1.device) for _ in range(2))  # no aliasing: custom op
     d1, d3 = torch.empty_like(h1), torch.empty_like(h3)
     if M > 0:
-        _launch(_swiglu_bwd_kernel, _bwd_autotuned, h1, M, N, dh, h1, h3, d1, d3, M, N, a1, a3, _signs(signs, a1),
+        _launch(_swiglu_bwd_kernel, _bwd_autotuned, h1, M, N, dh, h1, h3, d1, d3, M, N, a1, a3, signs_arg(signs, a1),
                 bexp, ns, COL=colwise, RHT=signs is not None, PRECISE=h1.is_cuda, WIDE=h1.numel() >= 2**31)
     if colwise and signs is None:
         a1[ns:] = a1[:ns]
