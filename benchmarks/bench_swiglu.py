@@ -1,0 +1,63 @@
+"""The MoE SwiGLU kernels alone (kernels/swiglu.py): forward h = silu(h1) ⊙ h3 with h's per-expert
+amaxes, backward dh1, dh3 with theirs, against the eager ops and the copy ceiling, in one run.
+
+    python benchmarks/bench_swiglu.py [--shapes deepseek_v3_16b] [--json out.json]
+
+Routed rows as bench_grouped.py makes them (uniform top-k, groups padded to 16). Bytes counted: the
+tensors read and written once (forward 3, backward 5 of T×H in the dtype). Times: medians of
+triton.testing.do_bench (L2 flushed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from bench_grouped import SHAPES, ms, routed_offsets  # benchmarks/ is on sys.path when run as a script
+from bench_kernels import copy_ceiling
+from titan_nvfp4.kernels.swiglu import swiglu_amax_tensors, swiglu_backward_amax_tensors
+from titan_nvfp4.numerics.rht import rht_signs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="*", default=["deepseek_v3_16b"])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    ceiling = copy_ceiling()
+    print(f"copy ceiling {ceiling / 1e12:.2f} TB/s (read + write)")
+    print("| shape T×H | kernel | ms | TB/s | of copy | eager ops ms |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    rows = []
+    for name in args.shapes:
+        E, _dim, hidden, tokens, top_k, _ = SHAPES[name]
+        gen = torch.Generator().manual_seed(0)
+        offsets, T = routed_offsets(E, tokens, top_k, gen)
+        h1, h3, dh = (torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        signs = rht_signs(0, "cuda")
+        fwd = ms(lambda: swiglu_amax_tensors(h1, h3, offsets, True, signs))
+        bwd = ms(lambda: swiglu_backward_amax_tensors(dh, h1, h3, offsets, True, signs))
+        a, b = h1.clone().requires_grad_(), h3.clone().requires_grad_()
+        eager_fwd = ms(lambda: F.silu(h1) * h3)
+
+        def eager_step():
+            a.grad = b.grad = None
+            (F.silu(a) * b).backward(dh)
+        eager_bwd = ms(eager_step) - eager_fwd
+        for kernel, t, tensors, eager in (("forward + amaxes", fwd, 3, eager_fwd),
+                                          ("backward + amaxes", bwd, 5, eager_bwd)):
+            moved = tensors * h1.numel() * h1.element_size()
+            bw = moved / (t * 1e-3)
+            print(f"| {name} {T}×{hidden} | {kernel} | {t:.3f} | {bw / 1e12:.2f} | {bw / ceiling:.0%} | {eager:.3f} |")
+            rows.append(dict(shape=name, T=T, hidden=hidden, kernel=kernel, ms=t, tbps=bw / 1e12,
+                             of_copy=bw / ceiling, eager_ms=eager))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(copy_tbps=ceiling / 1e12, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
