@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 import torch
@@ -74,6 +75,7 @@ def main() -> int:
                     help="GEMM operand A staged as fp16 (1) or dequantized in registers (0) in the Linear rows")
     ap.add_argument("--only", default="kernels,gemm,linear",
                     help="comma-separated sections to run: kernels, gemm, linear (default: all)")
+    ap.add_argument("--kernels", default="", help="regex: only the quantization kernel rows whose name matches")
     args = ap.parse_args()
     only = set(args.only.split(","))
     if not only <= {"kernels", "gemm", "linear"}:
@@ -130,6 +132,11 @@ def main() -> int:
     mx = n + n // 32  # e4m3 elements + e8m0 scales of one MXFP8 operand
     cases.append(("MXFP8 rowwise 1x32", lambda: quantize_mxfp8_operand(x), 2 * n + mx))
     cases.append(("MXFP8 rowwise + colwise (bwd operands)", lambda: quantize_mxfp8_operand(x, colwise=True), 2 * n + 2 * mx))
+    from titan_nvfp4.kernels.mxfp8 import quantize_mxfp8_tensors
+
+    cases.append(("MXFP8 rowwise + colwise, staged bf16 (bwd dY as trained)",
+                  lambda: quantize_mxfp8_tensors(x, True, True, staged=True), 2 * n + 2 * (2 * n)))
+    cases = [c for c in cases if re.search(args.kernels, c[0])]
     for name, fn, nbytes in (cases if "kernels" in only else []):
         t = ms(fn)
         bw = nbytes / (t * 1e-3)

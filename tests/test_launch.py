@@ -12,9 +12,10 @@ from titan_nvfp4.kernels import launch as L  # noqa: E402
 GPU = torch.cuda.is_available()
 
 
-def _launcher(tune_keys=()):
+def _launcher(tune_keys=(), names=("X", "M", "K", "FLAG"), constexprs=("FLAG",)):
     la = L.Launcher.__new__(L.Launcher)
-    la.names = ["X", "M", "K", "FLAG"]
+    la.names = list(names)
+    la.constexprs = set(constexprs)
     la.tune_keys = list(tune_keys)
     return la
 
@@ -32,6 +33,20 @@ def test_key_separates_what_triton_specializes_on(monkeypatch):
     assert la._key((x, 2**31 + 16, 48), {"FLAG": True}) != k  # 64-bit int
     assert la._key((x, 32, 48), {"FLAG": False}) != k  # constexpr values
     assert la._key((x, 32, 48), {"FLAG": True, "num_warps": 4}) != k  # launch options
+
+
+def test_key_holds_constexpr_ints_by_value(monkeypatch):
+    """A constexpr is compiled into the kernel: 16 and 32 (both multiples of 16, one class as runtime
+    ints) must not share a cached kernel, passed by keyword or by position."""
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    la = _launcher(names=("X", "M", "NSP2", "FLAG"), constexprs=("NSP2", "FLAG"))
+    x = torch.zeros(64)
+    assert la._key((x, 32, 16), {"FLAG": True}) != la._key((x, 32, 32), {"FLAG": True})
+    assert la._key((x, 32), {"NSP2": 16, "FLAG": True}) != la._key((x, 32), {"NSP2": 32, "FLAG": True})
+    assert la._key((x, 32), {"NSP2": 1, "FLAG": True}) != la._key((x, 32), {"NSP2": True, "FLAG": True})
+    assert la._key((x, 32), {"NSP2": 16, "FLAG": True}) == la._key((x, 48), {"NSP2": 16, "FLAG": True})
+    with pytest.raises(L._Uncacheable):
+        la._key((x, 32), {"NSP2": [16], "FLAG": True})
 
 
 def test_key_holds_the_autotuner_key_values(monkeypatch):
@@ -114,6 +129,26 @@ def test_cached_launches_match_triton_on_gpu(m, monkeypatch):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+@pytest.mark.skipif(not GPU, reason="the cache launches compiled CUDA kernels")
+def test_cached_kernels_of_other_constexpr_ints_are_not_reused(monkeypatch):
+    """The bug the constexpr key fixes: grouped quantization of 4 experts (NSP2 = 16 amax slots)
+    then of 8 (18 slots, NSP2 = 32) through the cache; the 8-expert decode scales must equal Triton's
+    own launch (the 16-slot kernel wrote 16 of them and left two unset)."""
+    from titan_nvfp4.kernels.quantize import quantize_operand_tensors
+
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) * torch.arange(1, 513, device="cuda")[:, None]
+    monkeypatch.setattr(L, "ENABLED", True)
+    for experts in (4, 8):
+        offsets = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (512 // experts)
+        cached = quantize_operand_tensors(x, colwise=True, groups=offsets)
+        monkeypatch.setattr(L, "ENABLED", False)
+        want = quantize_operand_tensors(x, colwise=True, groups=offsets)
+        monkeypatch.setattr(L, "ENABLED", True)
+        for a, b in zip(cached, want):
+            assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                               b.view(torch.uint8) if b.dtype != torch.float32 else b), f"{experts} experts"
+
+
 def _kernel_src(X, M, K, FLAG: "tl.constexpr", BK: "tl.constexpr", FOUR: "tl.constexpr" = False):
     pass
 
@@ -128,6 +163,7 @@ def test_record_lays_out_every_parameter():
                             key=["M"])(jit)
     la = L.Launcher(tuner)
     assert la.names == ["X", "M", "K", "FLAG", "BK", "FOUR"] and la.defaults == {"FOUR": False}
+    assert la.constexprs == {"FLAG", "BK", "FOUR"}
     assert la.tune_keys == ["M"]
     tuner.best_config = tuner.configs[1]
 

@@ -10,8 +10,9 @@ same specialization build the argument list and call the compiled kernel's launc
 
 The key holds what Triton's specialization looks at (benchmarks and tests compare both paths):
 tensors by dtype and 16-byte alignment of the data pointer, ints by ``== 1``, divisibility by 16 and
-32/64-bit range, and every other argument (constexprs, flags, None) by value, plus the values of the
-autotuner's key arguments. Anything the cache cannot key safely (a tensor descriptor, a float, an
+32/64-bit range, and every ``tl.constexpr`` parameter and other argument (flags, None) by value, plus
+the values of the autotuner's key arguments. (A constexpr int keyed like a runtime int once let a
+kernel compiled for 16 amax slots serve a call with 18.) Anything the cache cannot key safely (a tensor descriptor, a float, an
 unknown object) and the CPU interpreter take Triton's own path; launch hooks (profilers) are called
 as Triton calls them.
 """
@@ -50,6 +51,15 @@ def _spec(a):
     raise _Uncacheable
 
 
+def _const(a):
+    """A constexpr argument as the key holds it: its value (with its type, so that 1 and True differ)."""
+    if a is None or type(a) in (bool, int, str, float) or type(a) is torch.dtype:
+        return (type(a), a)
+    if hasattr(a, "value") and type(a.value) in (bool, int, str, float):  # a tl.constexpr
+        return (type(a.value), a.value)
+    raise _Uncacheable
+
+
 class _Entry:
     """A compiled kernel and how to lay out its full argument list (every parameter, constexprs too)."""
 
@@ -68,6 +78,7 @@ class Launcher:
         self.autotuner = isinstance(fn, Autotuner)
         self.jit = fn.fn if self.autotuner else fn
         self.names = list(self.jit.arg_names)
+        self.constexprs = {p.name for p in self.jit.params if p.is_constexpr}  # compiled in: keyed by value
         self.defaults = {p.name: p.default for p in self.jit.params if p.default is not inspect.Parameter.empty}
         self.tune_keys = list(fn.keys) if self.autotuner else []
         self.cache: dict = {}
@@ -75,9 +86,9 @@ class Launcher:
 
     def _key(self, args, kwargs):
         key = [_current_device()]
-        key += [_spec(a) for a in args]
+        key += [_const(a) if name in self.constexprs else _spec(a) for name, a in zip(self.names, args)]
         for k in sorted(kwargs):
-            key += (k, _spec(kwargs[k]))
+            key += (k, _const(kwargs[k]) if k in self.constexprs else _spec(kwargs[k]))
         if self.tune_keys:  # the autotuner keys on these values exactly (shapes, flags)
             pos = dict(zip(self.names, args))
             key += [pos[k] if k in pos else kwargs.get(k) for k in self.tune_keys]
