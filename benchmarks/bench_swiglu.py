@@ -2,6 +2,10 @@
 amaxes, backward dh1, dh3 with theirs, against the eager ops and the copy ceiling, in one run.
 
     python benchmarks/bench_swiglu.py [--shapes deepseek_v3_16b] [--json out.json]
+                                      [--sweep 2x64x2,1x128x2 --maxnreg 0,64]
+
+``--sweep``: the two kernels launched directly at each GxBKxWARPS tile config and register cap
+(0: none) instead of the autotuned call, with registers and spills.
 
 Routed rows as bench_grouped.py makes them (uniform top-k, groups padded to 16). Bytes counted: the
 tensors read and written once (forward 3, backward 5 of T×H in the dtype). Times: medians of
@@ -18,7 +22,9 @@ import torch.nn.functional as F
 
 from bench_grouped import SHAPES, ms, routed_offsets  # benchmarks/ is on sys.path when run as a script
 from bench_kernels import copy_ceiling
+from titan_nvfp4.kernels import swiglu as sw
 from titan_nvfp4.kernels.swiglu import swiglu_amax_tensors, swiglu_backward_amax_tensors
+from titan_nvfp4.ops.grouped import block_experts
 from titan_nvfp4.numerics.rht import rht_signs
 
 
@@ -26,7 +32,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=["deepseek_v3_16b"])
     ap.add_argument("--json")
+    ap.add_argument("--sweep", help="comma-separated GxBKxWARPS configs to time the kernels at")
+    ap.add_argument("--maxnreg", default="0")
     args = ap.parse_args()
+    if args.sweep:
+        return sweep(args)
     ceiling = copy_ceiling()
     print(f"copy ceiling {ceiling / 1e12:.2f} TB/s (read + write)")
     print("| shape T×H | kernel | ms | TB/s | of copy | eager ops ms |")
@@ -57,6 +67,36 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(copy_tbps=ceiling / 1e12, rows=rows), f, indent=1)
+
+
+def sweep(args) -> None:
+    """Each kernel at each tile config and register cap, launched directly (no autotuner)."""
+    import triton
+
+    configs = [tuple(int(v) for v in c.split("x")) for c in args.sweep.split(",")]
+    caps = [int(c) for c in args.maxnreg.split(",")]
+    print("| shape | kernel | G | BK | warps | maxnreg | ms | regs | spills |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name in args.shapes:
+        E, _dim, N, tokens, top_k, _ = SHAPES[name]
+        offsets, M = routed_offsets(E, tokens, top_k, torch.Generator().manual_seed(0))
+        h1, h3, dh, out, d1, d3 = (torch.randn(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(6))
+        signs = rht_signs(0, "cuda").float()
+        bexp, ns = block_experts(offsets, M), E + 1
+        a1, a3 = (torch.zeros(2 * ns, dtype=torch.int32, device="cuda") for _ in range(2))
+        for (g, bk, w), cap in ((c, r) for c in configs for r in caps):
+            opts = dict(num_warps=w, **(dict(maxnreg=cap) if cap else {}))
+            grid = (triton.cdiv(M, 16 * g), triton.cdiv(N, bk))
+            flags = dict(COL=True, RHT=True, PRECISE=True, WIDE=False, G=g, BK=bk, **opts)
+            runs = {"forward + amaxes": lambda: sw._swiglu_fwd_kernel[grid](h1, h3, out, M, N, a1, signs, bexp, ns,
+                                                                           **flags),
+                    "backward + amaxes": lambda: sw._swiglu_bwd_kernel[grid](dh, h1, h3, d1, d3, M, N, a1, a3, signs,
+                                                                            bexp, ns, **flags)}
+            for kernel, run in runs.items():
+                k = run()
+                t = ms(run)
+                print(f"| {name} | {kernel} | {g} | {bk} | {w} | {cap or '-'} | {t:.3f} | {k.n_regs} | {k.n_spills} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 (rowwise, columnwise, RHT, stochastic rounding) and over tile configs, with registers and spills.
 
     python benchmarks/quant_variants.py [--m 16384 --k 4096] [--ncu] [--variants "row,col RHT"]
-                                        [--configs 2x64x2,4x128x4]
+                                        [--configs 2x64x2,4x128x4] [--maxnreg 0,64]
 
 ``--ncu`` launches each variant once (no timing) for ``ncu --kernel-name regex:_quantize``.
 """
@@ -38,6 +38,8 @@ def main() -> None:
     p.add_argument("--variants", help="comma-separated names from VARIANTS (default: all)")
     p.add_argument("--configs", help="comma-separated GxBKxWARPS tile configs (default: CONFIGS)")
     p.add_argument("--dump", help="folder for the TTGIR of each variant at the second config")
+    p.add_argument("--maxnreg", default="0", help="comma-separated register caps per thread to try (0: none); "
+                   "fewer registers, more warps resident")
     args = p.parse_args()
     M, K = args.m, args.k
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -53,26 +55,29 @@ def main() -> None:
     cd16 = torch.empty(K, M, dtype=torch.float16, device="cuda")
     copy_ms = triton.testing.do_bench(lambda: rd.view(-1)[: M * K // 2].copy_(x.view(torch.uint8).view(-1)[: M * K // 2]))
     print(f"copy of {M * K // 2 / 2**20:.0f} MiB: {copy_ms:.3f} ms ({2 * M * K // 2 / copy_ms / 1e9:.2f} TB/s)")
-    print("| variant | G | BK | warps | ms | TB/s (read+write) | regs | spills | layout converts | smem B |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| variant | G | BK | warps | maxnreg | ms | TB/s (read+write) | regs | spills | layout converts | smem B |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    caps = [int(c) for c in args.maxnreg.split(",")]
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")] if args.configs else CONFIGS
     names = args.variants.split(",") if args.variants else list(VARIANTS)
     for name in names:
         row, col, rht, srr, src, rf16, cf16 = VARIANTS[name]
         out_bytes = lambda on, f16: (M * K * 2 if f16 else M * K * 9 // 16) if on else 0  # noqa: E731
         nbytes = M * K * 2 + out_bytes(row, rf16) + out_bytes(col, cf16)
-        for g, bk, w in configs:
+        for (g, bk, w), cap in ((c, r) for c in configs for r in caps):
+            opts = dict(maxnreg=cap) if cap else {}
+
             def run():
                 return q._quantize_kernel[(triton.cdiv(M, 16 * g), triton.cdiv(K, bk))](
                     x, M, K, x.stride(0), x.stride(1), amax, gs, rd16 if rf16 else rd, rs, cd16 if cf16 else cd, cs,
                     signs, seed, M, amax, 1, ROW=row, COL=col, RHT=rht, SR_ROW=srr, SR_COL=src, GROUPED=False,
-                    ROW_F16=rf16, COL_F16=cf16, NSP2=2, G=g, BK=bk, num_warps=w)
+                    ROW_F16=rf16, COL_F16=cf16, NSP2=2, G=g, BK=bk, num_warps=w, **opts)
             k = run()
             if args.ncu:
                 continue
             ms = triton.testing.do_bench(run)
             cvt = k.asm["ttgir"].count("convert_layout")
-            print(f"| {name} | {g} | {bk} | {w} | {ms:.3f} | {nbytes / ms / 1e9:.2f} | {k.n_regs} | {k.n_spills} "
+            print(f"| {name} | {g} | {bk} | {w} | {cap or '-'} | {ms:.3f} | {nbytes / ms / 1e9:.2f} | {k.n_regs} | {k.n_spills} "
                   f"| {cvt} | {k.metadata.shared} |", flush=True)
             if args.dump and (g, bk, w) == CONFIGS[2] and name in ("row", "col RHT", "row SR + col RHT SR (bwd dY)"):
                 with open(f"{args.dump}/{name.split(' (')[0].replace(' ', '_').replace('+', 'p')}.ttgir", "w") as f:
