@@ -12,9 +12,9 @@ The key holds what Triton's specialization looks at (benchmarks and tests compar
 tensors by dtype and 16-byte alignment of the data pointer, ints by ``== 1``, divisibility by 16 and
 32/64-bit range, and every ``tl.constexpr`` parameter and other argument (flags, None) by value, plus
 the values of the autotuner's key arguments. (A constexpr int keyed like a runtime int once let a
-kernel compiled for 16 amax slots serve a call with 18.) Anything the cache cannot key safely (a tensor descriptor, a float, an
-unknown object) and the CPU interpreter take Triton's own path; launch hooks (profilers) are called
-as Triton calls them.
+kernel compiled for 16 amax slots serve a call with 18.) Anything the cache cannot key safely (a
+tensor descriptor, a float, an unknown object) and the CPU interpreter take Triton's own path;
+launch hooks (profilers) are called as Triton calls them.
 """
 
 from __future__ import annotations
