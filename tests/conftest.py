@@ -3,6 +3,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))  # test-only helpers such as nvfp4_twin
 
+# Every cached kernel launch is checked against the kernel Triton itself would launch
+# (titan_nvfp4/kernels/launch.py, CHECK): a cache key that misses a specialization fails the test.
+os.environ.setdefault("TITAN_NVFP4_LAUNCH_CHECK", "1")
+
 # Without a GPU the Triton kernels run in Triton's CPU interpreter; this must be set before triton is
 # imported anywhere (titan_nvfp4 imports it lazily, the first time a kernel is used).
 try:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+tl = triton.language
 
 from titan_nvfp4.kernels import launch as L  # noqa: E402
 
@@ -82,11 +83,37 @@ def test_cpu_tensors_launch_through_triton():
 # ----------------------------------------------------------------------------------------------- GPU
 
 def _no_triton_launch(monkeypatch, *fns):
-    """Make every later launch of ``fns`` through Triton's own path fail (cached ones do not go there)."""
+    """Make every later launch of ``fns`` through Triton's own path fail (cached ones do not go there).
+    The cache's CHECK mode asks Triton too, so it is off here."""
     def refuse(*a, **k):
         raise AssertionError("launched through Triton, not the cache")
+    monkeypatch.setattr(L, "CHECK", False)
     for fn in fns:
         monkeypatch.setattr(fn, "run", refuse)
+
+
+@triton.jit
+def _fill_kernel(OUT, n, V: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(OUT + i, tl.full((BLOCK,), V, tl.int32), mask=i < n)
+
+
+@pytest.mark.skipif(not GPU, reason="the cache launches compiled CUDA kernels")
+def test_check_mode_catches_a_cached_kernel_of_other_arguments(monkeypatch):
+    """A cache entry filed under the wrong key (the kind of bug the constexpr key fixed, simulated):
+    without CHECK it silently runs the other kernel; with CHECK the launch fails and says so."""
+    out = torch.zeros(16, dtype=torch.int32, device="cuda")
+    monkeypatch.setattr(L, "ENABLED", True)
+    L.launch(_fill_kernel, (1,), out, 16, V=16, BLOCK=16)
+    la = L.launcher(_fill_kernel)
+    la.cache[la._key((out, 16), {"V": 32, "BLOCK": 16})] = la.cache[la._key((out, 16), {"V": 16, "BLOCK": 16})]
+    monkeypatch.setattr(L, "CHECK", False)
+    L.launch(_fill_kernel, (1,), out, 16, V=32, BLOCK=16)
+    assert (out == 16).all()  # the wrong kernel ran
+    monkeypatch.setattr(L, "CHECK", True)
+    with pytest.raises(AssertionError, match="_fill_kernel would run a kernel compiled for other arguments"):
+        L.launch(_fill_kernel, (1,), out, 16, V=32, BLOCK=16)
+    L.launch(_fill_kernel, (1,), out, 16, V=16, BLOCK=16)  # a correct entry passes the check
 
 
 @pytest.mark.skipif(not GPU, reason="the cache launches compiled CUDA kernels")

@@ -28,6 +28,10 @@ from triton.runtime.autotuner import Autotuner
 
 #: Set TITAN_NVFP4_TRITON_LAUNCH=1 to launch every kernel through Triton (to compare or to debug).
 ENABLED = os.environ.get("TITAN_NVFP4_TRITON_LAUNCH", "0") in ("", "0")
+#: Set TITAN_NVFP4_LAUNCH_CHECK=1 (the test suite does) to verify every cached launch: Triton is asked,
+#: without launching, which compiled kernel it would run for the same arguments, and another one is an
+#: error. It catches a key that misses something Triton compiles in, at the cost of Triton's host time.
+CHECK = os.environ.get("TITAN_NVFP4_LAUNCH_CHECK", "0") not in ("", "0")
 
 _INT32 = (-2**31, 2**31)
 _TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -63,10 +67,11 @@ def _const(a):
 class _Entry:
     """A compiled kernel and how to lay out its full argument list (every parameter, constexprs too)."""
 
-    __slots__ = ("kernel", "names", "fixed", "sources")
+    __slots__ = ("kernel", "names", "fixed", "sources", "options")
 
-    def __init__(self, kernel, names, fixed, sources):
+    def __init__(self, kernel, names, fixed, sources, options):
         self.kernel, self.names, self.fixed, self.sources = kernel, names, fixed, sources
+        self.options = options  # the autotuner's chosen config with its launch options (for CHECK)
 
 
 class Launcher:
@@ -110,6 +115,8 @@ class Launcher:
             return kernel
         full = [args[i] if src == 0 else kwargs[name] if src == 1 else entry.fixed[name]
                 for i, (name, src) in enumerate(zip(entry.names, entry.sources))]
+        if CHECK:
+            self._verify(entry, args, kwargs)
         if callable(grid):
             grid = grid(dict(zip(entry.names, full)))
         self.hits += 1
@@ -120,16 +127,25 @@ class Launcher:
               k.packed_metadata, meta, enter, leave, *full)
         return k
 
+    def _verify(self, entry: _Entry, args, kwargs) -> None:
+        """CHECK: the cached kernel is the one Triton would launch for these arguments."""
+        want = self.jit.warmup(*args, grid=(1,), **kwargs, **entry.options)
+        if want is not entry.kernel:
+            raise AssertionError(f"launch cache: {self.jit.__name__} would run a kernel compiled for other arguments "
+                                 f"than Triton's for key {self._key(args, kwargs)}")
+
     def _record(self, kernel, args, kwargs) -> _Entry | None:
         """How each parameter is filled on a cached launch: 0 positional, 1 keyword, 2 fixed (the
         autotuner's chosen config or the parameter's default); None if a launch needs more than the
         arguments (a config's pre-hook)."""
         fixed = dict(self.defaults)
+        options = {}
         if self.autotuner:
             config = self.fn.best_config
             if config.pre_hook is not None:
                 return None
             fixed.update(config.kwargs)
+            options = config.all_kwargs()
         sources = []
         for i, name in enumerate(self.names):
             if i < len(args):
@@ -141,7 +157,7 @@ class Launcher:
             else:
                 raise TypeError(f"{self.jit.__name__}: no value for parameter {name!r}")
         kernel._init_handles()
-        return _Entry(kernel, self.names, fixed, sources)
+        return _Entry(kernel, self.names, fixed, sources, options)
 
 
 def launcher(fn) -> Launcher:
