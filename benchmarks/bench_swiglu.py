@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from bench_grouped import SHAPES, ms, routed_offsets  # benchmarks/ is on sys.path when run as a script
 from bench_kernels import copy_ceiling
 from titan_nvfp4.kernels import swiglu as sw
+from titan_nvfp4.kernels.launch import tune_bucket
 from titan_nvfp4.kernels.swiglu import swiglu_amax_tensors, swiglu_backward_amax_tensors
 from titan_nvfp4.ops.grouped import block_experts
 from titan_nvfp4.numerics.rht import rht_signs
@@ -83,15 +84,16 @@ def sweep(args) -> None:
         h1, h3, dh, out, d1, d3 = (torch.randn(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(6))
         signs = rht_signs(0, "cuda").float()
         bexp, ns = block_experts(offsets, M), E + 1
+        tm = tune_bucket(M)
         a1, a3 = (torch.zeros(2 * ns, dtype=torch.int32, device="cuda") for _ in range(2))
         for (g, bk, w), cap in ((c, r) for c in configs for r in caps):
             opts = dict(num_warps=w, **(dict(maxnreg=cap) if cap else {}))
             grid = (triton.cdiv(M, 16 * g), triton.cdiv(N, bk))
             flags = dict(COL=True, RHT=True, PRECISE=True, WIDE=False, G=g, BK=bk, **opts)
-            runs = {"forward + amaxes": lambda: sw._swiglu_fwd_kernel[grid](h1, h3, out, M, N, a1, signs, bexp, ns,
+            runs = {"forward + amaxes": lambda: sw._swiglu_fwd_kernel[grid](h1, h3, out, M, N, a1, signs, bexp, ns, tm,
                                                                            **flags),
                     "backward + amaxes": lambda: sw._swiglu_bwd_kernel[grid](dh, h1, h3, d1, d3, M, N, a1, a3, signs,
-                                                                            bexp, ns, **flags)}
+                                                                            bexp, ns, tm, **flags)}
             for kernel, run in runs.items():
                 k = run()
                 t = ms(run)

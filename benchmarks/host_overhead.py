@@ -38,14 +38,16 @@ def _launch_paths(x: torch.Tensor) -> dict:
     import triton
 
     from titan_nvfp4.kernels import quantize as q
+    from titan_nvfp4.kernels.launch import tune_bucket
 
     buf = torch.zeros(2, dtype=torch.int32, device=x.device)
     M, K = x.shape
     args = (x, M, K, x.stride(0), x.stride(1), buf, buf, buf, 1)
     flags = dict(ROW=True, COL=False, RHT=True, GROUPED=False)
     grid = (triton.cdiv(M, 16 * 2), triton.cdiv(K, 128))
-    compiled = q._amax_kernel[grid](*args, **flags, G=2, BK=128, num_warps=2)
-    all_args = (*args, True, False, True, False, 2, 128)  # every parameter in order, constexprs included
+    tm = tune_bucket(M)
+    compiled = q._amax_kernel[grid](*args, tm, **flags, G=2, BK=128, num_warps=2)
+    all_args = (*args, tm, True, False, True, False, 2, 128)  # every parameter in order, constexprs included
     stream = torch.cuda.current_stream().cuda_stream
 
     def direct(stream_query: bool):
@@ -54,7 +56,7 @@ def _launch_paths(x: torch.Tensor) -> dict:
 
     return {
         "amax kernel via the autotuner": lambda: q._launch(q._amax_kernel, q._amax_autotuned, x, M, K, *args, **flags),
-        "amax kernel via the JIT, fixed tiles": lambda: q._amax_kernel[grid](*args, **flags, G=2, BK=128, num_warps=2),
+        "amax kernel via the JIT, fixed tiles": lambda: q._amax_kernel[grid](*args, tm, **flags, G=2, BK=128, num_warps=2),
         "amax kernel via its compiled launcher": lambda: direct(False),
         "amax kernel via its compiled launcher + stream query": lambda: direct(True),
     }

@@ -15,6 +15,7 @@ import torch
 import triton
 
 from titan_nvfp4.kernels import quantize as q
+from titan_nvfp4.kernels.launch import tune_bucket
 from titan_nvfp4.numerics.rht import rht_signs
 
 VARIANTS = {  # name: (ROW, COL, RHT, SR_ROW, SR_COL, ROW_F16, COL_F16)
@@ -70,7 +71,7 @@ def main() -> None:
             def run():
                 return q._quantize_kernel[(triton.cdiv(M, 16 * g), triton.cdiv(K, bk))](
                     x, M, K, x.stride(0), x.stride(1), amax, gs, rd16 if rf16 else rd, rs, cd16 if cf16 else cd, cs,
-                    signs, seed, M, amax, 1, ROW=row, COL=col, RHT=rht, SR_ROW=srr, SR_COL=src, GROUPED=False,
+                    signs, seed, M, amax, 1, tune_bucket(M), ROW=row, COL=col, RHT=rht, SR_ROW=srr, SR_COL=src, GROUPED=False,
                     ROW_F16=rf16, COL_F16=cf16, NSP2=2, G=g, BK=bk, num_warps=w, **opts)
             k = run()
             if args.ncu:

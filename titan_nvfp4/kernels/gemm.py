@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - another Triton layout (_ensure_scratch
 from ..numerics.nvfp4 import NVFP4Tensor
 from ..ops.backends import capability, interpreting
 from ..ops.library import StagedOperand
-from .launch import launch
+from .launch import launch, tune_bucket
 
 #: Staging budget per operand (bytes of fp16); larger operands are staged in row chunks.
 STAGE_BYTES = 64 * 2**20
@@ -246,7 +246,8 @@ _nvfp4_gemm_persistent_autotuned = triton.autotune(configs=_persistent_configs()
 
 
 @triton.jit
-def _dequant_kernel(D, S, OUT, R, C, sdr, ssr, ssc, sor, SCALE_DIV: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def _dequant_kernel(D, S, OUT, R, C, sdr, ssr, ssc, sor, TUNE_R, TUNE_C, SCALE_DIV: tl.constexpr, BR: tl.constexpr,
+                    BC: tl.constexpr):
     """OUT [R, C] fp16 = q·e_b of packed D [R, C/2] with scales S (row r uses scale row r // SCALE_DIV).
     OUT is written as int32 words, one per packed byte: (fp16 of the high nibble) << 16 | (low nibble)."""
     rr = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -266,7 +267,7 @@ def _dequant_kernel(D, S, OUT, R, C, sdr, ssr, ssc, sor, SCALE_DIV: tl.constexpr
 _dequant_autotuned = triton.autotune(
     [triton.Config({"BR": br, "BC": bc}, num_warps=w)
      for br, bc, w in ((16, 256, 4), (32, 256, 8), (16, 512, 8), (64, 128, 8), (32, 128, 4))],
-    key=["R", "C", "SCALE_DIV"])(_dequant_kernel)
+    key=["TUNE_R", "TUNE_C", "SCALE_DIV"])(_dequant_kernel)  # R, C as launch.tune_bucket rounds them
 
 
 def _scale_div(t: NVFP4Tensor) -> int:
@@ -286,7 +287,8 @@ def dequantize_fp16(t: NVFP4Tensor, rows: slice | None = None, cols: slice | Non
     if R and C:
         data, scale = t.data[r0:r1, c0 // 2:c1 // 2], t.scale[r0 // div:, c0 // 16:]
         words = out.view(torch.int32)  # [R, C/2]: one word per packed byte
-        args = (data, scale, words, R, C, data.stride(0), scale.stride(0), scale.stride(1), words.stride(0))
+        args = (data, scale, words, R, C, data.stride(0), scale.stride(0), scale.stride(1), words.stride(0),
+                tune_bucket(R), tune_bucket(C))
         if data.is_cuda and not interpreting() and R * C >= 2**22:
             grid = lambda meta: (triton.cdiv(R, meta["BR"]), triton.cdiv(C // 2, meta["BC"]))  # noqa: E731
             launch(_dequant_autotuned, grid, *args, SCALE_DIV=div)

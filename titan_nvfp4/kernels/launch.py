@@ -182,6 +182,13 @@ def stats() -> dict[str, tuple[int, int]]:
     return {la.jit.__name__: (len(la.cache), la.hits) for la in _LAUNCHERS.values()}
 
 
+def tune_bucket(n: int) -> int:
+    """A size as the autotuners key on it: n rounded up to a power of two. The routed-token count changes
+    every step under expert parallelism; keyed exactly, each new count would autotune its kernels again
+    (a benchmark of every config, hundreds of ms), and each would be a new launch-cache entry."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def launch(fn, grid, *args, **kwargs):
     """``fn[grid](*args, **kwargs)``, through the compiled-kernel cache when it can be (module docstring)."""
     if not _fast(args):

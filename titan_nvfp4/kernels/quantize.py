@@ -25,7 +25,7 @@ import triton.language as tl
 from ..numerics.nvfp4 import NVFP4Tensor, global_encode_scale
 from ..ops.grouped import block_experts
 from ..ops.library import operand_pair, weight_pair
-from .launch import launch
+from .launch import launch, tune_bucket
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
 from .nvfp4_jit import (amax16, block_scales, e2m1_nibble, e2m1_staged, fos_d2, fos_unit, join_slices16,
                         nibble_word, pack_pairs, pick_four_or_six, quantize_slices16, rht16_slices, split8,
@@ -49,7 +49,7 @@ def _load16(X, blk, rk, M, K, sxm, sxk):
 
 
 @triton.jit
-def _amax_kernel(X, M, K, sxm, sxk, AMAX, SIGNS, BEXP, NSLOT, ROW: tl.constexpr, COL: tl.constexpr,
+def _amax_kernel(X, M, K, sxm, sxk, AMAX, SIGNS, BEXP, NSLOT, TUNE_M, ROW: tl.constexpr, COL: tl.constexpr,
                  RHT: tl.constexpr, GROUPED: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
     """AMAX[e] |= max|x| and AMAX[NSLOT + e] |= max|rht(xᵀ)| (see reduce_amax16) over x's 16-row
     blocks; programs tile [16·G rows, BK features]."""
@@ -118,7 +118,7 @@ def _load16_cols(X, rows, kb, M, K, sxm, sxk):
 
 
 @triton.jit
-def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, Mpad, BEXP, NSLOT,
+def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, Mpad, BEXP, NSLOT, TUNE_M,
                      ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr, SR_ROW: tl.constexpr,
                      SR_COL: tl.constexpr, GROUPED: tl.constexpr, ROW_F16: tl.constexpr, NSP2: tl.constexpr,
                      G: tl.constexpr, BK: tl.constexpr, COL_F16: tl.constexpr = False,
@@ -181,7 +181,7 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
 
 
 @triton.jit
-def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, EMIT_T: tl.constexpr,
+def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, TUNE_M, EMIT_T: tl.constexpr,
                         GROUPED: tl.constexpr, EMIT_F16: tl.constexpr, NSP2: tl.constexpr, G: tl.constexpr,
                         BK: tl.constexpr, FOUR_SIX: tl.constexpr = False):
     """16×16 blocks, nearest-even: D [N, K/2], S [N/16, K/16], GS the decode scales, and DT [K, N/2]
@@ -271,10 +271,10 @@ def _operand_configs():
 
 _quantize_autotuned = triton.autotune(
     _operand_configs(),
-    key=["M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL", "GROUPED", "ROW_F16", "COL_F16", "FOUR_SIX"])(
+    key=["TUNE_M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL", "GROUPED", "ROW_F16", "COL_F16", "FOUR_SIX"])(
     _quantize_kernel)
-_quantize_2d_autotuned = triton.autotune(_quant_configs(), key=["N", "K", "EMIT_T", "EMIT_F16", "FOUR_SIX"])(_quantize_2d_kernel)
-_amax_autotuned = triton.autotune(_quant_configs(), key=["M", "K", "ROW", "COL", "RHT"], reset_to_zero=["AMAX"])(
+_quantize_2d_autotuned = triton.autotune(_quant_configs(), key=["TUNE_M", "K", "EMIT_T", "EMIT_F16", "FOUR_SIX"])(_quantize_2d_kernel)
+_amax_autotuned = triton.autotune(_quant_configs(), key=["TUNE_M", "K", "ROW", "COL", "RHT"], reset_to_zero=["AMAX"])(
     _amax_kernel)
 
 
@@ -284,7 +284,10 @@ def _tuned(x: torch.Tensor) -> bool:
 
 
 def _launch(kernel, tuned_kernel, x: torch.Tensor, rows: int, cols: int, *args, **flags) -> None:
-    """Run kernel over [rows, cols] with autotuned tiles (large CUDA inputs) or the fixed ones."""
+    """Run kernel over [rows, cols] with autotuned tiles (large CUDA inputs) or the fixed ones. The
+    tuning is keyed on ``TUNE_M``, the rows rounded up to a power of two (launch.tune_bucket), so
+    routed-token counts that change every step share one tuning."""
+    flags["TUNE_M"] = tune_bucket(rows)
     if _tuned(x):
         launch(tuned_kernel, lambda meta: (triton.cdiv(rows, 16 * meta["G"]), triton.cdiv(cols, meta["BK"])), *args,
                **flags)

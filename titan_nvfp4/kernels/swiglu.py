@@ -41,7 +41,7 @@ def _tile(rows, rn, M, N, WIDE: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_fwd_kernel(H1, H3, OUT, M, N, AMAX, SIGNS, BEXP, NSLOT, COL: tl.constexpr, RHT: tl.constexpr,
+def _swiglu_fwd_kernel(H1, H3, OUT, M, N, AMAX, SIGNS, BEXP, NSLOT, TUNE_M, COL: tl.constexpr, RHT: tl.constexpr,
                        PRECISE: tl.constexpr, WIDE: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
     """OUT = silu(H1) ⊙ H3 over 16·G rows and BK features; its amaxes into AMAX (reduce_amax16).
     ``PRECISE``: compiled (libdevice exp, hardware rounding), else the interpreter's twins."""
@@ -61,7 +61,7 @@ def _swiglu_fwd_kernel(H1, H3, OUT, M, N, AMAX, SIGNS, BEXP, NSLOT, COL: tl.cons
 
 
 @triton.jit
-def _swiglu_bwd_kernel(DH, H1, H3, D1, D3, M, N, AMAX1, AMAX3, SIGNS, BEXP, NSLOT, COL: tl.constexpr,
+def _swiglu_bwd_kernel(DH, H1, H3, D1, D3, M, N, AMAX1, AMAX3, SIGNS, BEXP, NSLOT, TUNE_M, COL: tl.constexpr,
                        RHT: tl.constexpr, PRECISE: tl.constexpr, WIDE: tl.constexpr, G: tl.constexpr,
                        BK: tl.constexpr):
     """D1, D3 = the gradients of H1, H3 of silu(H1) ⊙ H3 given DH; their amaxes into AMAX1, AMAX3."""
@@ -95,9 +95,9 @@ def _bwd_configs():
                                                                             (2, 64, 4), (2, 128, 4))]
 
 
-_fwd_autotuned = triton.autotune(_quant_configs(), key=["M", "N", "COL", "RHT"], reset_to_zero=["AMAX"])(
+_fwd_autotuned = triton.autotune(_quant_configs(), key=["TUNE_M", "N", "COL", "RHT"], reset_to_zero=["AMAX"])(
     _swiglu_fwd_kernel)
-_bwd_autotuned = triton.autotune(_bwd_configs(), key=["M", "N", "COL", "RHT"], reset_to_zero=["AMAX1", "AMAX3"])(
+_bwd_autotuned = triton.autotune(_bwd_configs(), key=["TUNE_M", "N", "COL", "RHT"], reset_to_zero=["AMAX1", "AMAX3"])(
     _swiglu_bwd_kernel)
 
 
