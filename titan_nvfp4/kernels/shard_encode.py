@@ -1,6 +1,7 @@
 """Triton kernels for FSDP2's NVFP4 all-gather: a shard of rows [offset, offset + R) of a 16×16-tiled
 weight W [N, K] reduces into W's tile-amax grid, then encodes its rows with W's tile scales. One launch
-each, instead of the reference's chain of small ops. Reference twins: numerics/nvfp4.py
+each (through the launch cache, kernels/launch.py: FSDP2 calls them for every weight at every
+all-gather), instead of the reference's chain of small ops. Reference twins: numerics/nvfp4.py
 tile_amax_of_rows and encode_tile_rows (tests/test_fsdp_all_gather.py checks them bit for bit)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .nvfp4_jit import e2m1_code, encode_factor, nan_to_inf_abs, pack_pairs
 
 BK = 128  # columns per program
@@ -66,8 +68,8 @@ def tile_amax_of_rows_triton(rows: torch.Tensor, offset: int, n_rows: int) -> to
     keep = _keep(rows, offset, n_rows)
     if keep:
         tiles = (offset + keep - 1) // 16 - offset // 16 + 1
-        _tile_amax_kernel[(tiles, triton.cdiv(k, BK))](rows, r, k, rows.stride(0), offset, keep, grid, BK=BK,
-                                                       num_warps=4)
+        launch(_tile_amax_kernel, (tiles, triton.cdiv(k, BK)), rows, r, k, rows.stride(0), offset, keep, grid,
+               BK=BK, num_warps=4)
     return grid
 
 
@@ -78,7 +80,6 @@ def encode_tile_rows_triton(rows: torch.Tensor, offset: int, e_b: torch.Tensor, 
     out = torch.empty(r, k // 2, dtype=torch.uint8, device=rows.device)
     if r:
         keep = _keep(rows, offset, e_b.shape[0] * 16)
-        _encode_rows_kernel[(triton.cdiv(r, 16), triton.cdiv(k, BK))](
-            rows, r, k, rows.stride(0), offset, keep, e_b.contiguous(), s_enc.reshape(1).float(), out, BK=BK,
-            num_warps=4)
+        launch(_encode_rows_kernel, (triton.cdiv(r, 16), triton.cdiv(k, BK)), rows, r, k, rows.stride(0), offset,
+               keep, e_b.contiguous(), s_enc.reshape(1).float(), out, BK=BK, num_warps=4)
     return out
