@@ -249,7 +249,8 @@ _nvfp4_gemm_persistent_autotuned = triton.autotune(configs=_persistent_configs()
 def _dequant_kernel(D, S, OUT, R, C, sdr, ssr, ssc, sor, TUNE_R, TUNE_C, SCALE_DIV: tl.constexpr, BR: tl.constexpr,
                     BC: tl.constexpr):
     """OUT [R, C] fp16 = q·e_b of packed D [R, C/2] with scales S (row r uses scale row r // SCALE_DIV).
-    OUT is written as int32 words, one per packed byte: (fp16 of the high nibble) << 16 | (low nibble)."""
+    OUT is written as int32 words, one per packed byte: (fp16 of the high nibble) << 16 | (low nibble).
+    TUNE_R, TUNE_C: R and C as the autotuner keys on them (launch.tune_bucket), not read here."""
     rr = tl.program_id(0) * BR + tl.arange(0, BR)
     rb = tl.program_id(1) * BC + tl.arange(0, BC)  # packed byte columns
     mask = (rr < R)[:, None] & (rb < C // 2)[None, :]

@@ -12,6 +12,9 @@ block: for the column operand tile i holds rows 16g + i, for the row operand col
 are then elementwise work between tiles and no value crosses threads; only the transposed column
 codes are moved once before their store. Reference twin: titan_nvfp4/numerics/nvfp4.py (checked in
 tests/test_kernels.py).
+
+``TUNE_M`` (every kernel here, and the SwiGLU kernels) is not read by the kernels: it is the row count
+rounded up to a power of two, which the autotuners key on instead of the row count (launch.tune_bucket).
 """
 
 from __future__ import annotations
@@ -273,7 +276,8 @@ _quantize_autotuned = triton.autotune(
     _operand_configs(),
     key=["TUNE_M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL", "GROUPED", "ROW_F16", "COL_F16", "FOUR_SIX"])(
     _quantize_kernel)
-_quantize_2d_autotuned = triton.autotune(_quant_configs(), key=["TUNE_M", "K", "EMIT_T", "EMIT_F16", "FOUR_SIX"])(_quantize_2d_kernel)
+_quantize_2d_autotuned = triton.autotune(_quant_configs(), key=["TUNE_M", "K", "EMIT_T", "EMIT_F16", "FOUR_SIX"])(
+    _quantize_2d_kernel)
 _amax_autotuned = triton.autotune(_quant_configs(), key=["TUNE_M", "K", "ROW", "COL", "RHT"], reset_to_zero=["AMAX"])(
     _amax_kernel)
 
