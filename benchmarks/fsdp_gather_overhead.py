@@ -43,7 +43,8 @@ class Block(nn.Module):
     def __init__(self, i: int, dim: int, hidden: int, recipe: NVFP4Recipe):
         super().__init__()
         lin = lambda a, b, n: NVFP4Linear(a, b, False, recipe=recipe, layer_id=7 * i + n, name=f"{i}.{n}")  # noqa: E731
-        self.q, self.k, self.v, self.o = lin(dim, dim, 0), lin(dim, dim // 2, 1), lin(dim, dim // 2, 2), lin(dim, dim, 3)
+        self.q, self.k, self.v = lin(dim, dim, 0), lin(dim, dim // 2, 1), lin(dim, dim // 2, 2)
+        self.o = lin(dim, dim, 3)
         self.w1, self.w3, self.w2 = lin(dim, hidden, 4), lin(dim, hidden, 5), lin(hidden, dim, 6)
 
     def forward(self, x):
@@ -155,7 +156,8 @@ def main() -> None:
         b, n = res["bf16_gather"], res["nvfp4_gather"]
         print(f"# {res['gpu']} x{world}, torch {torch.__version__}; {args.layers} blocks dim {args.dim} hidden "
               f"{args.hidden}, {args.tokens} tokens per rank, median of {args.steps} steps")
-        print("| all-gather | step ms | hooks: pre ms/step (host) | post ms/step (host) | pre-hook calls/step | peak GiB |")
+        print("| all-gather | step ms | hooks: pre ms/step (host) | post ms/step (host) | pre-hook calls/step "
+              "| peak GiB |")
         print("| --- | ---: | ---: | ---: | ---: | ---: |")
         for name, r in (("BF16", b), ("NVFP4", n)):
             print(f"| {name} | {r['step_ms']:.1f} | {r['hook_pre_ms']:.1f} | {r['hook_post_ms']:.1f} | "

@@ -71,8 +71,8 @@ def main() -> None:
             def run():
                 return q._quantize_kernel[(triton.cdiv(M, 16 * g), triton.cdiv(K, bk))](
                     x, M, K, x.stride(0), x.stride(1), amax, gs, rd16 if rf16 else rd, rs, cd16 if cf16 else cd, cs,
-                    signs, seed, M, amax, 1, tune_bucket(M), ROW=row, COL=col, RHT=rht, SR_ROW=srr, SR_COL=src, GROUPED=False,
-                    ROW_F16=rf16, COL_F16=cf16, NSP2=2, G=g, BK=bk, num_warps=w, **opts)
+                    signs, seed, M, amax, 1, tune_bucket(M), ROW=row, COL=col, RHT=rht, SR_ROW=srr, SR_COL=src,
+                    GROUPED=False, ROW_F16=rf16, COL_F16=cf16, NSP2=2, G=g, BK=bk, num_warps=w, **opts)
             k = run()
             if args.ncu:
                 continue
