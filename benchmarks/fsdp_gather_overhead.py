@@ -3,7 +3,7 @@ all-gather of the same NVFP4 model: step time, host time inside the all-gather h
 kernels that differ between the two.
 
     torchrun --nproc_per_node=1 benchmarks/fsdp_gather_overhead.py [--layers 8] [--dim 2048]
-        [--hidden 5632] [--tokens 32768] [--steps 20] [--json out.json]
+        [--hidden 5632] [--tokens 32768] [--steps 20] [--profile-hooks 2] [--json out.json]
     torchrun --nproc_per_node=2 benchmarks/fsdp_gather_overhead.py ...   (two GPUs of one host)
 
 The model is the Linears of Llama3 `2B_bench` blocks (q, k, v, o and the SwiGLU MLP's three; RMSNorm
@@ -16,9 +16,12 @@ synchronization (the hooks all-reduce each weight's tile amaxes); two ranks add 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
+import io
 import json
 import os
+import pstats
 import statistics
 import time
 
@@ -60,6 +63,7 @@ class HookTimer:
     def __init__(self):
         self.pre = self.post = 0.0
         self.calls = 0
+        self.profile: cProfile.Profile | None = None  # --profile-hooks: cProfile inside the pre hook
         AG.NVFP4ShardedWeight.fsdp_pre_all_gather = self._wrap(AG.NVFP4ShardedWeight.fsdp_pre_all_gather, "pre")
         AG.NVFP4ShardedWeight.fsdp_post_all_gather = self._wrap(AG.NVFP4ShardedWeight.fsdp_post_all_gather, "post")
 
@@ -67,9 +71,14 @@ class HookTimer:
         @functools.wraps(fn)
         def timed(*a, **k):
             t = time.perf_counter()
+            prof = self.profile if which == "pre" else None
+            if prof is not None:
+                prof.enable()
             try:
                 return fn(*a, **k)
             finally:
+                if prof is not None:
+                    prof.disable()
                 setattr(self, which, getattr(self, which) + time.perf_counter() - t)
                 self.calls += which == "pre"
         return timed
@@ -116,6 +125,15 @@ def run_arm(args, nvfp4_gather: bool, mesh, timer: HookTimer) -> dict:
         step()
         sync()
         times.append((time.perf_counter() - t) * 1e3)
+    hook_profile = ""
+    if args.profile_hooks and nvfp4_gather:
+        timer.profile = cProfile.Profile()
+        for _ in range(args.profile_hooks):
+            step()
+        sync()
+        buf = io.StringIO()
+        pstats.Stats(timer.profile, stream=buf).sort_stats("tottime").print_stats(15)
+        hook_profile, timer.profile = buf.getvalue(), None
     kernels = {}
     if DEV == "cuda":
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -127,7 +145,8 @@ def run_arm(args, nvfp4_gather: bool, mesh, timer: HookTimer) -> dict:
                 kernels[ev.key] = ev.self_device_time_total / 2e3  # ms per step
     return dict(step_ms=statistics.median(times), hook_pre_ms=timer.pre * 1e3 / args.steps,
                 hook_post_ms=timer.post * 1e3 / args.steps, hook_calls=timer.calls / args.steps,
-                peak_gib=torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else 0.0, kernels=kernels)
+                peak_gib=torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else 0.0, kernels=kernels,
+                hook_profile=hook_profile)
 
 
 def main() -> None:
@@ -137,6 +156,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=5632)
     ap.add_argument("--tokens", type=int, default=32768, help="tokens per rank and step (16 x 2048 by default)")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--profile-hooks", type=int, default=0, metavar="STEPS",
+                    help="after timing, cProfile the NVFP4 pre-all-gather hook over this many steps (rank 0 prints it)")
     ap.add_argument("--json")
     args = ap.parse_args()
     from torch.distributed.device_mesh import init_device_mesh
@@ -156,18 +177,20 @@ def main() -> None:
         b, n = res["bf16_gather"], res["nvfp4_gather"]
         print(f"# {res['gpu']} x{world}, torch {torch.__version__}; {args.layers} blocks dim {args.dim} hidden "
               f"{args.hidden}, {args.tokens} tokens per rank, median of {args.steps} steps")
-        print("| all-gather | step ms | hooks: pre ms/step (host) | post ms/step (host) | pre-hook calls/step "
-              "| peak GiB |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        print("| all-gather | step ms | GPU kernels ms/step | hooks: pre ms/step (host) | post ms/step (host) "
+              "| pre-hook calls/step | peak GiB |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for name, r in (("BF16", b), ("NVFP4", n)):
-            print(f"| {name} | {r['step_ms']:.1f} | {r['hook_pre_ms']:.1f} | {r['hook_post_ms']:.1f} | "
-                  f"{r['hook_calls']:.0f} | {r['peak_gib']:.2f} |")
+            print(f"| {name} | {r['step_ms']:.1f} | {sum(r['kernels'].values()):.1f} | {r['hook_pre_ms']:.1f} | "
+                  f"{r['hook_post_ms']:.1f} | {r['hook_calls']:.0f} | {r['peak_gib']:.2f} |")
         print(f"NVFP4/BF16 step time: {n['step_ms'] / b['step_ms']:.3f}")
         diff = {k: n["kernels"].get(k, 0.0) - b["kernels"].get(k, 0.0) for k in set(n["kernels"]) | set(b["kernels"])}
         print("\nGPU kernels, ms per step, largest NVFP4 - BF16 differences:")
         print("| kernel | BF16 | NVFP4 | diff |\n| --- | ---: | ---: | ---: |")
         for k in sorted(diff, key=lambda k: -abs(diff[k]))[:15]:
             print(f"| {k[:90]} | {b['kernels'].get(k, 0.0):.2f} | {n['kernels'].get(k, 0.0):.2f} | {diff[k]:+.2f} |")
+        if n["hook_profile"]:
+            print(f"\ncProfile of the NVFP4 pre-all-gather hook over {args.profile_hooks} steps:\n{n['hook_profile']}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1)

@@ -76,10 +76,12 @@ def main() -> None:
         timed(fixed)  # tunes and compiles for its count
     fixed_ms = statistics.median(timed(fixed) for _ in range(10))
     times, counts = [], []
-    for _ in range(args.steps):
+    print(f"fixed count {fixed_ms:.2f} ms; changing count, step by step (rows: ms):", flush=True)
+    for i in range(args.steps):
         routed = received_rows(E_local, tokens, top_k, args.ep, gen)
         counts.append(routed[1])
         times.append(timed(step_at(routed)))
+        print(f"  {i + 1}: {counts[-1]}: {times[-1]:.1f}", flush=True)  # shown even if a slow version is cut off
     tuners = {}
     for mod in ("quantize", "swiglu", "gemm", "grouped_gemm"):
         m = __import__(f"titan_nvfp4.kernels.{mod}", fromlist=["_"])

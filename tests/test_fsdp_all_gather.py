@@ -85,6 +85,11 @@ def test_without_the_all_reduce_the_shards_disagree():
     assert not torch.equal(codes, ref.data)
 
 
+def _same_or_both_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where the other is NaN (NaN payloads differ between CUDA's division and torch's)."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
 _DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -95,7 +100,7 @@ def test_shard_kernels_equal_their_reference_twins(kind, world, device):
     """kernels/shard_encode.py (Triton: the interpreter on a CPU, compiled on a GPU) against
     tile_amax_of_rows and encode_tile_rows, shard by shard: grids bit for bit, codes bit for bit
     outside non-finite tiles."""
-    from titan_nvfp4.kernels.shard_encode import encode_tile_rows_triton, tile_amax_of_rows_triton
+    from titan_nvfp4.kernels.shard_encode import encode_tile_rows_triton, tile_amax_of_rows_triton, tile_scales_triton
 
     if device == "cpu" and torch.cuda.is_available():
         pytest.skip("Triton's interpreter is only on for CPU-only machines (conftest.py)")
@@ -104,9 +109,15 @@ def test_shard_kernels_equal_their_reference_twins(kind, world, device):
         w[37, 5], w[70, 150] = float("nan"), float("-inf")
     shards = _shards(w, world)
     grids = [tile_amax_of_rows(s, off, w.shape[0]) for s, off in shards]
+    bufs = []
     for (s, off), ref in zip(shards, grids):
-        assert torch.equal(tile_amax_of_rows_triton(s.to(device), off, w.shape[0]).cpu(), ref)
+        got = tile_amax_of_rows_triton(s.to(device), off, w.shape[0]).cpu()
+        assert torch.equal(got[:-1].view_as(ref), ref) and torch.equal(got[-1], ref.amax())
+        bufs.append(got)
     e_b, s_enc = tile_scales(torch.stack(grids).amax(0))
+    got_e, got_s = tile_scales_triton(torch.stack(bufs).amax(0).to(device), *w.shape)  # the all-reduced buffer
+    assert torch.equal(got_e.cpu().view(torch.uint8), e_b.view(torch.uint8))
+    assert _same_or_both_nan(got_s.cpu(), torch.stack([s_enc, torch.reciprocal(s_enc)]))
     finite = torch.isfinite(e_b.float()).repeat_interleave(16, 0).repeat_interleave(8, 1)  # per code byte
     for s, off in shards:
         got = encode_tile_rows_triton(s.to(device), off, e_b.to(device), s_enc.to(device)).cpu()
@@ -114,6 +125,92 @@ def test_shard_kernels_equal_their_reference_twins(kind, world, device):
         rows = torch.arange(off, off + s.shape[0]).clamp(max=w.shape[0] - 1)
         ok = finite[rows] | (torch.arange(off, off + s.shape[0]) >= w.shape[0]).unsqueeze(1)
         assert torch.equal(got[ok], ref[ok])
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_tile_scales_kernel_equals_its_reference_over_many_programs(device):
+    """tile_scales_triton over 2100 tiles (three programs) of amaxes from 2^-140 to 2^120 with zeros,
+    E4M3-saturating tiles and ties, against tile_scales; then with one +inf tile (a NaN weight), where
+    every scale is NaN; then an all-zero weight (S = 1)."""
+    from titan_nvfp4.kernels.shard_encode import tile_scales_triton
+
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("Triton's interpreter is only on for CPU-only machines (conftest.py)")
+    g = torch.Generator().manual_seed(3)
+    n, k = 16 * 30, 16 * 70
+    grid = torch.exp2(torch.empty(n // 16, k // 16).uniform_(-140, 120, generator=g))
+    grid.view(-1)[::13] = 0.0
+    grid.view(-1)[5::17] = grid.max() * torch.tensor([1.0, 0.5, 1 / 448, 1e-9]).repeat(124)[:124]
+    for case in ("finite", "inf", "zero"):
+        if case == "inf":
+            grid[3, 4] = float("inf")
+        if case == "zero":
+            grid.zero_()
+        buf = torch.cat([grid.flatten(), grid.amax().reshape(1)])
+        e_b, s_enc = tile_scales(grid)
+        got_e, got_s = tile_scales_triton(buf.to(device), n, k)
+        assert torch.equal(got_e.cpu().view(torch.uint8), e_b.view(torch.uint8)), case
+        assert _same_or_both_nan(got_s.cpu(), torch.stack([s_enc, torch.reciprocal(s_enc)])), case
+    assert got_s[0].item() == 1.0
+    with pytest.raises(ValueError, match="tile-amax buffer of 2101"):
+        tile_scales_triton(buf[:-1].to(device), n, k)
+
+
+class _FlatMesh:
+    """What the pre-all-gather hook asks of FSDP2's mesh, for a 1-D mesh over the default group."""
+
+    ndim = 1
+
+    def size(self, dim: int = 0) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size()
+
+    def get_local_rank(self, dim: int = 0) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank()
+
+    def get_group(self, dim: int = 0):
+        import torch.distributed as dist
+
+        return dist.group.WORLD
+
+
+def _hook_worker(rank, world, out, w):
+    """Each rank runs the hooks on its CUDA shard (the kernels' path), the codes are gathered as FSDP2
+    would (gloo all-gathers CUDA tensors too), and rank 0 reports the unsharded weight's parts."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from titan_nvfp4.distributed.fsdp_all_gather import NVFP4ShardedWeight
+
+    shard, _ = _shards(w, world)[rank]
+    local = NVFP4ShardedWeight(shard.float().cuda())
+    module = nn.Linear(160, 80)
+    (codes,), meta = local.fsdp_pre_all_gather(_FlatMesh(), w.shape, None, module,
+                                               MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    parts = [torch.empty_like(codes) for _ in range(world)]
+    dist.all_gather(parts, codes)
+    full, _ = local.fsdp_post_all_gather((torch.cat(parts),), meta, torch.bfloat16)
+    q = full.nvfp4()
+    if rank == 0:
+        out.update(data=q.data.cpu(), scale=q.scale.view(torch.uint8).cpu(), gs=q.global_scale.cpu())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the hook's kernel path runs on CUDA tensors")
+@pytest.mark.parametrize("kind", ["random", "tiny_huge", "all_zero"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_gpu_hooks_give_the_whole_weights_quantization(kind, world):
+    """The pre/post all-gather hooks on CUDA shards (tile amax, all-reduce, tile scales, encode: the
+    Triton kernels) give bit for bit the reference quantization of the whole weight; world 2 splits a
+    tile between ranks, world 3 pads the last shard (codes travel one per byte)."""
+    w = _weight(kind, n=80, k=160)  # made here: str hashes (its seed) differ between processes
+    got = run_ranks(_hook_worker, world, w)
+    ref = quantize_nvfp4(w, (16, 16))
+    assert torch.equal(got["data"], ref.data)
+    assert torch.equal(got["scale"], ref.scale.view(torch.uint8))
+    assert torch.equal(got["gs"], ref.global_scale)
 
 
 # ----------------------------------------------------------------- FSDP2 on gloo ranks (CPU)

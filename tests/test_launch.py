@@ -203,3 +203,21 @@ def test_record_lays_out_every_parameter():
     assert entry.kernel.ready
     tuner.best_config = triton.Config({"BK": 64}, pre_hook=lambda nargs: None)
     assert la._record(Compiled(), (torch.zeros(4), 32, 64), {"FLAG": True}) is None  # a pre-hook: not cached
+
+
+def test_stats_sum_the_launchers_of_one_kernel(monkeypatch):
+    """A kernel launched both through its autotuner and with fixed tiles has two launchers under one
+    name; stats() reports both (it once showed whichever was made last, so cached launches through the
+    other went uncounted)."""
+    from triton.runtime.jit import JITFunction
+
+    jit = JITFunction(_kernel_src)
+    tuner = triton.autotune([triton.Config({"BK": 64})], key=["M"])(jit)
+    monkeypatch.setattr(L, "_LAUNCHERS", {})
+    tuned, fixed = L.launcher(tuner), L.launcher(jit)
+    assert tuned is not fixed and L.launcher(tuner) is tuned
+    tuned.cache, tuned.hits = {1: None, 2: None}, 5
+    fixed.cache, fixed.hits = {3: None}, 7
+    assert L.stats() == {"_kernel_src": (3, 12)}
+    tuned.hits += 1
+    assert L.stats()["_kernel_src"] == (3, 13)

@@ -10,7 +10,8 @@ unsharded parameter from the gathered tensors. Here:
    can straddle two shards when a shard's row count is not a multiple of 16; derive the E4M3 tile
    scales and the tensor scale from it (the same on every rank); encode the shard's rows
    (numerics/nvfp4.py: tile_amax_of_rows, tile_scales, encode_tile_rows; on a GPU their Triton twins
-   in kernels/shard_encode.py).
+   in kernels/shard_encode.py, one launch each: FSDP2 runs this hook for every weight at every
+   all-gather, and the reference's ~35 small ops cost ~1 ms of host time per weight there).
 2. gather the packed codes, [rows, K/2] uint8 per rank. When FSDP pads the last shard (N not a
    multiple of the world size), FSDP2 requires every all-gather input to have the padded shard's shape
    [rows, K], so the codes then travel one per byte: a 2× saving instead of 4×.
@@ -43,13 +44,26 @@ _KEEP_WRAPPED = {
 }
 
 
-def _shard_functions(w: torch.Tensor):
-    """(tile amax, encode) for a shard: the Triton kernels on a GPU, the reference elsewhere."""
-    if w.is_cuda:
-        from ..kernels.shard_encode import encode_tile_rows_triton, tile_amax_of_rows_triton
+def _tile_amax_ref(rows: torch.Tensor, offset: int, n_rows: int) -> torch.Tensor:
+    """The reference's tile-amax grid of a shard, flattened, with its max appended (the kernels' layout)."""
+    grid = tile_amax_of_rows(rows, offset, n_rows).flatten()
+    return torch.cat([grid, grid.amax().reshape(1) if grid.numel() else grid.new_zeros(1)])
 
-        return tile_amax_of_rows_triton, encode_tile_rows_triton
-    return tile_amax_of_rows, encode_tile_rows
+
+def _tile_scales_ref(grid: torch.Tensor, n_rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's tile scales of the all-reduced buffer, and fp32 [2]: the encode scale and its inverse."""
+    e_b, s_enc = tile_scales(grid[:-1].view(n_rows // BLOCK, k // BLOCK))
+    return e_b, torch.stack([s_enc, torch.reciprocal(s_enc)])
+
+
+def _shard_functions(w: torch.Tensor):
+    """(tile amax, tile scales, encode) for a shard: the Triton kernels on a GPU (three launches, so the
+    hook's host time stays small), the reference elsewhere."""
+    if w.is_cuda:
+        from ..kernels.shard_encode import encode_tile_rows_triton, tile_amax_of_rows_triton, tile_scales_triton
+
+        return tile_amax_of_rows_triton, tile_scales_triton, encode_tile_rows_triton
+    return _tile_amax_ref, _tile_scales_ref, encode_tile_rows
 
 
 class NVFP4ShardedWeight(torch.Tensor):
@@ -103,14 +117,14 @@ class NVFP4ShardedWeight(torch.Tensor):
         offset = mesh.get_local_rank(mesh.ndim - 1) * chunk
         if w.shape[0] < chunk:  # the padded shard, as FSDP2 gathers it
             w = torch.cat([w, w.new_zeros(chunk - w.shape[0], *w.shape[1:])])
-        tile_amax, encode = _shard_functions(w)
-        grid = tile_amax(w, offset, n_rows)  # the whole weight's tile amaxes, once all-reduced
+        tile_amax, scales, encode = _shard_functions(w)
+        grid = tile_amax(w, offset, n_rows)  # the whole weight's tile amaxes and their max, once all-reduced
         dist.all_reduce(grid, op=dist.ReduceOp.MAX, group=mesh.get_group(mesh.ndim - 1))
-        e_b, s_enc = tile_scales(grid)
-        codes = encode(w, offset, e_b, s_enc)
+        e_b, s = scales(grid, n_rows, w.shape[1])  # s: encode scale, decode scale
+        codes = encode(w, offset, e_b, s[:1])
         if n_rows % ws:  # FSDP2 wants the padded shard's shape [chunk, K]: one code per byte
             codes = unpack_nibbles(codes)
-        return (codes,), ("nvfp4", e_b, torch.reciprocal(s_enc), n_rows)
+        return (codes,), ("nvfp4", e_b, s[1], n_rows)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         (data,) = all_gather_outputs

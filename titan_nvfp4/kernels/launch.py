@@ -178,8 +178,13 @@ def _fast(args) -> bool:
 
 
 def stats() -> dict[str, tuple[int, int]]:
-    """{kernel name: (specializations cached, cached launches)} of every kernel launched so far."""
-    return {la.jit.__name__: (len(la.cache), la.hits) for la in _LAUNCHERS.values()}
+    """{kernel name: (specializations cached, cached launches)} of every kernel launched so far, summed
+    over a kernel's launchers (a jit function and an autotuner over it are two, under one name)."""
+    out: dict[str, tuple[int, int]] = {}
+    for la in _LAUNCHERS.values():
+        n, h = out.get(la.jit.__name__, (0, 0))
+        out[la.jit.__name__] = (n + len(la.cache), h + la.hits)
+    return out
 
 
 def tune_bucket(n: int) -> int:

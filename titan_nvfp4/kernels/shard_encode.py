@@ -1,8 +1,10 @@
 """Triton kernels for FSDP2's NVFP4 all-gather: a shard of rows [offset, offset + R) of a 16×16-tiled
-weight W [N, K] reduces into W's tile-amax grid, then encodes its rows with W's tile scales. One launch
-each (through the launch cache, kernels/launch.py: FSDP2 calls them for every weight at every
-all-gather), instead of the reference's chain of small ops. Reference twins: numerics/nvfp4.py
-tile_amax_of_rows and encode_tile_rows (tests/test_fsdp_all_gather.py checks them bit for bit)."""
+weight W [N, K] reduces into W's tile-amax grid (and the grid's max), the all-reduced grid gives W's
+tile scales and tensor scale, then the shard encodes its rows with them. One launch each (through the
+launch cache, kernels/launch.py: FSDP2 calls them for every weight at every all-gather), instead of
+the reference's chain of small ops, each of which costs host time in FSDP2's hook. Reference twins:
+numerics/nvfp4.py tile_amax_of_rows, tile_scales and encode_tile_rows (tests/test_fsdp_all_gather.py
+checks them bit for bit)."""
 
 from __future__ import annotations
 
@@ -11,15 +13,17 @@ import triton
 import triton.language as tl
 
 from .launch import launch
-from .nvfp4_jit import e2m1_code, encode_factor, nan_to_inf_abs, pack_pairs
+from .nvfp4_jit import block_scales, e2m1_code, encode_factor, global_encode_scale, nan_to_inf_abs, pack_pairs
 
 BK = 128  # columns per program
+BT = 1024  # tiles per program of the scales kernel
 
 
 @triton.jit
-def _tile_amax_kernel(X, R, K, sx, OFFSET, KEEP, GRID, BK: tl.constexpr):
+def _tile_amax_kernel(X, R, K, sx, OFFSET, KEEP, GRID, T, BK: tl.constexpr):
     """Program (t, kb): tile row OFFSET // 16 + t of W, columns [kb·BK, …): the amax (NaN as +inf) of
-    the shard's rows in each 16×16 tile, stored in GRID [N/16, K/16]."""
+    the shard's rows in each 16×16 tile, stored in GRID [N/16, K/16]; their max goes (atomic max; GRID
+    starts at 0 and amaxes are >= 0) to GRID[T], T = N/16 · K/16, the slot after the grid."""
     tile = OFFSET // 16 + tl.program_id(0)
     g = tile * 16 + tl.arange(0, 16)  # global rows of the tile
     r = g - OFFSET  # the shard's rows
@@ -29,6 +33,21 @@ def _tile_amax_kernel(X, R, K, sx, OFFSET, KEEP, GRID, BK: tl.constexpr):
     a = tl.max(tl.reshape(tl.max(nan_to_inf_abs(x), axis=0), (BK // 16, 16)), axis=1)
     kb = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
     tl.store(GRID + tile * (K // 16) + kb, a, mask=kb < K // 16)
+    tl.atomic_max(GRID + T, tl.max(tl.where(kb < K // 16, a, 0.0), axis=0))
+
+
+@triton.jit
+def _tile_scales_kernel(GRID, T, E, S, BT: tl.constexpr):
+    """Program i: tiles [i·BT, …) of the all-reduced GRID [T + 1] (tile amaxes, then their max): the
+    E4M3 tile scales into E [T]; program 0 also stores the tensor's encode scale S[0] and decode scale
+    S[1] = 1/S[0] (correctly rounded, as torch.reciprocal)."""
+    s_enc = global_encode_scale(tl.load(GRID + T))
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    e, _ = block_scales(tl.load(GRID + t, mask=t < T, other=0.0), s_enc)
+    tl.store(E + t, e, mask=t < T)
+    if tl.program_id(0) == 0:
+        tl.store(S, s_enc)
+        tl.store(S + 1, tl.math.div_rn(1.0, s_enc))
 
 
 @triton.jit
@@ -59,18 +78,34 @@ def _keep(rows: torch.Tensor, offset: int, n_rows: int) -> int:
 
 
 def tile_amax_of_rows_triton(rows: torch.Tensor, offset: int, n_rows: int) -> torch.Tensor:
-    """Kernel twin of numerics.nvfp4.tile_amax_of_rows."""
+    """Kernel twin of numerics.nvfp4.tile_amax_of_rows, flattened, with the grid's max appended:
+    fp32 [N/16 · K/16 + 1] (one buffer, so that one all-reduce (max) gives both)."""
     r, k = rows.shape
     if k % 16 or n_rows % 16:
         raise ValueError(f"16x16 tiles need both weight dims to be multiples of 16, got [{n_rows}, {k}]")
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
-    grid = torch.zeros(n_rows // 16, k // 16, dtype=torch.float32, device=rows.device)
+    tiles_total = n_rows // 16 * (k // 16)
+    grid = torch.zeros(tiles_total + 1, dtype=torch.float32, device=rows.device)
     keep = _keep(rows, offset, n_rows)
     if keep:
         tiles = (offset + keep - 1) // 16 - offset // 16 + 1
         launch(_tile_amax_kernel, (tiles, triton.cdiv(k, BK)), rows, r, k, rows.stride(0), offset, keep, grid,
-               BK=BK, num_warps=4)
+               tiles_total, BK=BK, num_warps=4)
     return grid
+
+
+def tile_scales_triton(grid: torch.Tensor, n_rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel twin of numerics.nvfp4.tile_scales on tile_amax_of_rows_triton's buffer (all-reduced):
+    (E4M3 tile scales [N/16, K/16], fp32 [2] holding the encode scale S and the decode scale 1/S)."""
+    tiles_total = n_rows // 16 * (k // 16)
+    if grid.shape != (tiles_total + 1,):
+        raise ValueError(f"expected a tile-amax buffer of {tiles_total + 1} values for [{n_rows}, {k}], "
+                         f"got shape {tuple(grid.shape)}")
+    e_b = torch.empty(n_rows // 16, k // 16, dtype=torch.float8_e4m3fn, device=grid.device)
+    s = torch.empty(2, dtype=torch.float32, device=grid.device)
+    launch(_tile_scales_kernel, (max(1, triton.cdiv(tiles_total, BT)),), grid, tiles_total, e_b, s, BT=BT,
+           num_warps=4)
+    return e_b, s
 
 
 def encode_tile_rows_triton(rows: torch.Tensor, offset: int, e_b: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
