@@ -9,8 +9,9 @@ kernels that differ between the two.
 The model is the Linears of Llama3 `2B_bench` blocks (q, k, v, o and the SwiGLU MLP's three; RMSNorm
 and attention's softmax left out, since neither all-gather touches them) as NVFP4Linear with the
 `nvidia_paper` recipe, each block and the root under fully_shard with bf16 params and fp32 reduction,
-as TorchTitan applies FSDP2. One rank isolates the hooks' own GPU and host cost from cross-rank
-synchronization (the hooks all-reduce each weight's tile amaxes); two ranks add it back.
+as TorchTitan applies FSDP2. One rank isolates the hooks' own GPU and host cost: there the hook skips
+the all-reduce of each weight's tile amaxes, which two ranks add back. --profile-hooks prints where the
+pre hook's host time goes (cProfile inflates it: read the shares, not the totals).
 """
 
 from __future__ import annotations

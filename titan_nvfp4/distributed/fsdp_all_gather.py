@@ -66,6 +66,20 @@ def _shard_functions(w: torch.Tensor):
     return _tile_amax_ref, _tile_scales_ref, encode_tile_rows
 
 
+_MESH_DIMS: dict = {}
+
+
+def _shard_dim(mesh) -> tuple[int, int, object]:
+    """(size, this rank's index, process group) of the mesh dim FSDP2 shards on (its last), looked up
+    once per mesh: the hook runs for every weight at every all-gather, and DeviceMesh's lookups are
+    Python."""
+    dims = _MESH_DIMS.get(mesh)
+    if dims is None:
+        d = mesh.ndim - 1
+        dims = _MESH_DIMS[mesh] = (mesh.size(d), mesh.get_local_rank(d), mesh.get_group(d))
+    return dims
+
+
 class NVFP4ShardedWeight(torch.Tensor):
     """A weight (or its FSDP2 shard) that FSDP2 all-gathers as NVFP4 codes. Everything else (optimizer,
     init_weights, state_dict, checkpoint) sees the high-precision tensor it wraps, ``_data``."""
@@ -112,14 +126,16 @@ class NVFP4ShardedWeight(torch.Tensor):
         if getattr(module, "high_precision", False):  # the config refuses it; a module switched by hand
             raise RuntimeError(f"{getattr(module, 'layer_name', type(module).__name__)}: a layer in high precision "
                                "cannot use fsdp_nvfp4_all_gather (FSDP2 keeps the buffers of the codes)")
-        n_rows, ws = outer_size[0], mesh.size(-1)
+        n_rows = outer_size[0]
+        ws, rank, group = _shard_dim(mesh)
         chunk = -(-n_rows // ws)
-        offset = mesh.get_local_rank(mesh.ndim - 1) * chunk
+        offset = rank * chunk
         if w.shape[0] < chunk:  # the padded shard, as FSDP2 gathers it
             w = torch.cat([w, w.new_zeros(chunk - w.shape[0], *w.shape[1:])])
         tile_amax, scales, encode = _shard_functions(w)
         grid = tile_amax(w, offset, n_rows)  # the whole weight's tile amaxes and their max, once all-reduced
-        dist.all_reduce(grid, op=dist.ReduceOp.MAX, group=mesh.get_group(mesh.ndim - 1))
+        if ws > 1:  # one rank holds every tile already
+            dist.all_reduce(grid, op=dist.ReduceOp.MAX, group=group)
         e_b, s = scales(grid, n_rows, w.shape[1])  # s: encode scale, decode scale
         codes = encode(w, offset, e_b, s[:1])
         if n_rows % ws:  # FSDP2 wants the padded shard's shape [chunk, K]: one code per byte

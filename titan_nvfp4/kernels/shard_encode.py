@@ -116,5 +116,7 @@ def encode_tile_rows_triton(rows: torch.Tensor, offset: int, e_b: torch.Tensor, 
     if r:
         keep = _keep(rows, offset, e_b.shape[0] * 16)
         launch(_encode_rows_kernel, (triton.cdiv(r, 16), triton.cdiv(k, BK)), rows, r, k, rows.stride(0), offset,
-               keep, e_b.contiguous(), s_enc.reshape(1).float(), out, BK=BK, num_warps=4)
+               keep, e_b if e_b.is_contiguous() else e_b.contiguous(),
+               s_enc if s_enc.shape == (1,) and s_enc.dtype == torch.float32 else s_enc.reshape(1).float(), out,
+               BK=BK, num_warps=4)
     return out
