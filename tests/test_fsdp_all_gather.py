@@ -214,6 +214,75 @@ def test_gpu_hooks_give_the_whole_weights_quantization(kind, world):
     assert torch.equal(got["gs"], ref.global_scale)
 
 
+class _OneRank:
+    """A one-rank mesh (the hook then skips its all-reduce): no process group needed."""
+
+    ndim = 1
+
+    def size(self, dim=0):
+        return 1
+
+    def get_local_rank(self, dim=0):
+        return 0
+
+    def get_group(self, dim=0):
+        return None
+
+
+def test_backward_regather_reuses_the_forward_gathers_scales(monkeypatch):
+    """Forward all-gathers reduce the tile amaxes every time; a re-gather inside backward (FSDP2's for a
+    resharded block) reuses them, with the same codes; an in-place op on the shard, plain or foreach
+    (the optimizer's), drops them, so backward then reduces again and encodes the new weight."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from titan_nvfp4.distributed import fsdp_all_gather as AG
+
+    calls = []
+    real = AG._shard_functions
+
+    def counted(w):
+        amax, scales, encode = real(w)
+        return (lambda *a: calls.append(1) or amax(*a)), scales, encode
+
+    monkeypatch.setattr(AG, "_shard_functions", counted)
+    w = AG.NVFP4ShardedWeight(_weight("random").float())
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+
+    def gather():
+        (codes,), meta = w.fsdp_pre_all_gather(_OneRank(), w.shape, None, nn.Linear(64, 96), mp)
+        return codes, meta
+
+    class InBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            got.append(gather())
+            return g
+
+    def backward_gather():
+        InBackward.apply(torch.ones(1, requires_grad=True)).sum().backward()
+        return got.pop()
+
+    got = []
+    codes, _ = gather()
+    gather()
+    assert len(calls) == 2  # forward: always
+    b_codes, (_, e_b, gs, _) = backward_gather()
+    assert len(calls) == 2 and torch.equal(b_codes, codes)  # reused
+    ref = quantize_nvfp4(w._data.bfloat16(), (16, 16))
+    assert torch.equal(e_b.view(torch.uint8), ref.scale.view(torch.uint8)) and torch.equal(gs, ref.global_scale)
+    for update in (lambda: w.mul_(4.0), lambda: torch._foreach_add_([w], [torch.full_like(w._data, 0.5)])):
+        with torch.no_grad():
+            update()
+        b_codes, (_, e_b, gs, _) = backward_gather()
+        ref = quantize_nvfp4(w._data.bfloat16(), (16, 16))
+        assert torch.equal(b_codes, ref.data) and torch.equal(gs, ref.global_scale)
+    assert len(calls) == 4
+
+
 # ----------------------------------------------------------------- FSDP2 on gloo ranks (CPU)
 
 RNE_SR = NVFP4Recipe(gemm_backend="reference")  # the preset: SR and RHT on
@@ -275,11 +344,20 @@ def _train(world: int, nvfp4_gather: bool, steps: int = 3):
 def _fsdp_worker(rank, world, out):
     import warnings
 
+    from titan_nvfp4.distributed import fsdp_all_gather as AG
+
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     ys_bf16, g_bf16, _ = _train(world, False)
+    reductions, real = [], AG._shard_functions
+
+    def counted(w):
+        amax, scales, encode = real(w)
+        return amax, (lambda *a: reductions.append(1) or scales(*a)), encode
+
+    AG._shard_functions = counted
     ys, g, nbytes = _train(world, True)
     if rank == 0:
-        out.update(ys_bf16=ys_bf16, g_bf16=g_bf16, ys=ys, g=g, nbytes=nbytes)
+        out.update(ys_bf16=ys_bf16, g_bf16=g_bf16, ys=ys, g=g, nbytes=nbytes, reductions=len(reductions))
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -287,7 +365,7 @@ def test_fsdp2_nvfp4_all_gather_trains_exactly_as_the_bf16_all_gather(world):
     """2 ranks: even shards (56 and 32 rows, tiles straddling ranks at row 56). 3 ranks: 112 and 64
     rows shard into 38/38/36 and 22/22/20 (odd offsets, a padded last shard). SR and RHT on. Three SGD
     steps with the NVFP4 all-gather give outputs and gradients bit for bit those of FSDP2's BF16
-    all-gather."""
+    all-gather, with backward's re-gathers reusing the forward's tile scales."""
     out = run_ranks(_fsdp_worker, world)
     for step, (a, b) in enumerate(zip(out["ys_bf16"], out["ys"])):
         assert torch.equal(a, b), step
@@ -295,6 +373,9 @@ def test_fsdp2_nvfp4_all_gather_trains_exactly_as_the_bf16_all_gather(world):
         for name in a:
             assert torch.equal(a[name], b[name]), (step, name)
     assert not torch.equal(out["ys"][0], out["ys"][-1])  # the steps did train
+    # tile amaxes reduced once per weight and step (forward), not again at backward's re-gather; the
+    # last 2: _train's own pre-all-gather calls for the byte count
+    assert out["reductions"] == 3 * 2 + 2
     # packed codes move a quarter of BF16's bytes; uneven shards travel one code per byte (FSDP2 wants
     # the padded shard's shape), half of BF16's
     chunks = {2: (56, 32), 3: (38, 22)}[world]

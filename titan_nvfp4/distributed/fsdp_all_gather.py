@@ -19,8 +19,12 @@ unsharded parameter from the gathered tensors. Here:
    NVFP4LinearFunction reads it instead of quantizing the weight (bit-identical to quantizing the
    BF16-gathered weight: tests/test_fsdp_all_gather.py).
 
-The tile-amax all-reduce runs at every all-gather (forward, and backward's re-gather of a resharded
-block); it moves N·K/256 fp32 values, about 3% of the codes' bytes. bf16_after_fraction is refused
+The tile-amax all-reduce moves N·K/256 fp32 values, about 3% of the codes' bytes. It runs at every
+forward all-gather. Backward's re-gather of a resharded block reuses the tile scales of the forward's
+gather and only encodes: the weight cannot have changed in between, and any in-place op on the shard
+(copy_, the optimizer's plain, foreach or fused updates) drops the kept scales anyway. (Version
+counters cannot tell: an op reaching the shard through DTensor's or this wrapper's dispatch does not
+bump the inner tensor's.) bf16_after_fraction is refused
 with this all-gather: FSDP2 sizes its all-gather buffers once, at the first step, for the codes.
 """
 
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..numerics.formats import pack_nibbles, unpack_nibbles
 from ..numerics.nvfp4 import BLOCK, NVFP4Tensor, encode_tile_rows, tile_amax_of_rows, tile_scales
@@ -66,6 +70,13 @@ def _shard_functions(w: torch.Tensor):
     return _tile_amax_ref, _tile_scales_ref, encode_tile_rows
 
 
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread (FSDP2 re-gathers a
+    resharded block there, for the weights its forward gathered)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
 _MESH_DIMS: dict = {}
 
 
@@ -92,6 +103,7 @@ class NVFP4ShardedWeight(torch.Tensor):
 
     def __init__(self, data: torch.Tensor):
         self._data = data
+        self._scales = None  # (key, tile scales, [S, 1/S]) of the last all-gather (module docstring)
 
     def __repr__(self) -> str:
         return f"NVFP4ShardedWeight({self._data})"
@@ -112,7 +124,11 @@ class NVFP4ShardedWeight(torch.Tensor):
         kwargs = kwargs or {}
         unwrap = lambda t: t._data if isinstance(t, cls) else t  # noqa: E731
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
-        if func._schema.is_mutable and isinstance(args[0], cls):  # in place (copy_, the optimizer's updates)
+        if func._schema.is_mutable:  # in place (copy_, the optimizer's updates, foreach and fused ones too)
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, cls):
+                    t._scales = None  # the weight may have changed: the next all-gather reduces again
+        if func._schema.is_mutable and isinstance(args[0], cls):
             return args[0]
         if func in _KEEP_WRAPPED:
             return tree_map(lambda t: cls(t) if isinstance(t, torch.Tensor) else t, out)
@@ -133,10 +149,15 @@ class NVFP4ShardedWeight(torch.Tensor):
         if w.shape[0] < chunk:  # the padded shard, as FSDP2 gathers it
             w = torch.cat([w, w.new_zeros(chunk - w.shape[0], *w.shape[1:])])
         tile_amax, scales, encode = _shard_functions(w)
-        grid = tile_amax(w, offset, n_rows)  # the whole weight's tile amaxes and their max, once all-reduced
-        if ws > 1:  # one rank holds every tile already
-            dist.all_reduce(grid, op=dist.ReduceOp.MAX, group=group)
-        e_b, s = scales(grid, n_rows, w.shape[1])  # s: encode scale, decode scale
+        key = (self._data.data_ptr(), dtype, n_rows, ws, rank)
+        if self._scales is not None and self._scales[0] == key and _in_backward():  # forward's gather's scales
+            _, e_b, s = self._scales
+        else:
+            grid = tile_amax(w, offset, n_rows)  # the whole weight's tile amaxes and their max, once all-reduced
+            if ws > 1:  # one rank holds every tile already
+                dist.all_reduce(grid, op=dist.ReduceOp.MAX, group=group)
+            e_b, s = scales(grid, n_rows, w.shape[1])  # s: encode scale, decode scale
+            self._scales = (key, e_b, s)
         codes = encode(w, offset, e_b, s[:1])
         if n_rows % ws:  # FSDP2 wants the padded shard's shape [chunk, K]: one code per byte
             codes = unpack_nibbles(codes)
