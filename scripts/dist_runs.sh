@@ -3,6 +3,8 @@
 #   bash scripts/dist_runs.sh runs  [STEPS]   loss curves: 1-GPU references, then each 2-GPU layout
 #   bash scripts/dist_runs.sh bench [STEPS]   FSDP2 step time, BF16 vs NVFP4 all-gather, Llama3 2B_bench
 #   bash scripts/dist_runs.sh ep [STEPS]      EP2 speed: the BF16 twin, and NVFP4 with autotuning printed
+#   bash scripts/dist_runs.sh compile [STEPS] FSDP2 (NVFP4 all-gather), TP2 and EP2 with torch.compile and
+#                                             selective activation checkpointing, against the eager 1-GPU runs
 # "runs": train_configs/llama3_nvfp4 and deepseek_v3_nvfp4 on one GPU each (side by side), then
 # llama3_nvfp4_fsdp2 (BF16 all-gather), llama3_nvfp4_fsdp2_ag (NVFP4 all-gather), llama3_nvfp4_tp2 and
 # deepseek_v3_nvfp4_ep2 on both GPUs, STEPS (default 150) each, same seed and global batch; then one
@@ -62,8 +64,23 @@ elif [[ $mode == ep ]]; then
   grep "Triton autotuning" "$run/deepseek_v3_nvfp4_ep2@autotune.log" | sed 's/ with.*//' | sort | uniq -c | sort -rn | head
   logs=(deepseek_v3_bf16_ep2 "deepseek_v3_nvfp4_ep2@autotune")
   tables=(ep.md)
+elif [[ $mode == compile ]]; then
+  # each 2-GPU layout with --compile.enable and selective AC (the custom ops under both), against the same
+  # eager 1-GPU references as "runs" (already-finished arms are skipped: rerun to finish a stopped call)
+  ca=(--compile.enable --activation_checkpoint.mode selective)
+  train llama3_nvfp4 1 0 29500 & train deepseek_v3_nvfp4 1 1 29501 & wait
+  for arm in llama3_nvfp4_fsdp2_ag llama3_nvfp4_tp2 deepseek_v3_nvfp4_ep2; do
+    train "$arm@compile_ac" 2 0,1 29502 "${ca[@]}"
+  done
+  python -m titan_nvfp4.tools.loss_log "$run"/llama3_nvfp4.log "$run/llama3_nvfp4_fsdp2_ag@compile_ac.log" \
+      "$run/llama3_nvfp4_tp2@compile_ac.log" --last 10 --markdown | tee "$run/compile_llama3.md"
+  python -m titan_nvfp4.tools.loss_log "$run"/deepseek_v3_nvfp4.log "$run/deepseek_v3_nvfp4_ep2@compile_ac.log" \
+      --last 10 --markdown | tee "$run/compile_deepseek_v3.md"
+  logs=(llama3_nvfp4 deepseek_v3_nvfp4 "llama3_nvfp4_fsdp2_ag@compile_ac" "llama3_nvfp4_tp2@compile_ac"
+        "deepseek_v3_nvfp4_ep2@compile_ac")
+  tables=(compile_llama3.md compile_deepseek_v3.md)
 else
-  echo "usage: bash scripts/dist_runs.sh runs|bench|ep [STEPS]"; exit 2
+  echo "usage: bash scripts/dist_runs.sh runs|bench|ep|compile [STEPS]"; exit 2
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2
 if [[ -n ${OUT:-} ]]; then  # at most 8 files come back
