@@ -1,14 +1,16 @@
 """Expert-parallel token churn on one GPU: an NVFP4 expert block whose routed-token count changes
 every step, as an EP rank receives it, against the same block at a fixed count.
 
-    python benchmarks/token_churn.py [--shape deepseek_v3_16b] [--ep 2] [--steps 30] [--json out.json]
+    python benchmarks/token_churn.py [--shape deepseek_v3_16b] [--ep 2] [--steps 30] [--bf16] [--json out.json]
 
 Under TorchTitan's expert parallelism each rank gets the tokens routed to its experts by all ranks, a
 different number every step (padded to tokens·k/ep + 16·local experts, then to 16). A kernel whose
 autotuning key holds that count re-tunes every step (benchmarks every config). The script times each
 step (wall clock, synchronized) and prints the first steps, the median of the rest against the
 fixed-count block, and how many entries each autotuner's cache and the launch cache hold. Run it
-from a checkout, or with PYTHONPATH pointing at another titan_nvfp4 to compare versions.
+from a checkout, or with PYTHONPATH pointing at another titan_nvfp4 to compare versions. --bf16 adds
+the same churn on BF16 grouped GEMMs (torch._grouped_mm): what a changing count costs without any
+NVFP4 kernel (new allocation sizes, cuBLAS heuristics), to tell it from ours.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 import torch
 import triton
 
-from bench_grouped import SHAPES, fwd_bwd, nvfp4_mm_factory  # benchmarks/ is on sys.path as a script
+from bench_grouped import SHAPES, bf16_mm, fwd_bwd, nvfp4_mm_factory  # benchmarks/ is on sys.path as a script
 from titan_nvfp4 import NVFP4Recipe
 from titan_nvfp4.kernels import launch as L
 from titan_nvfp4.linear_function import sr_counter
@@ -52,6 +54,7 @@ def main() -> None:
     ap.add_argument("--shape", default="deepseek_v3_16b", choices=[k for k, v in SHAPES.items() if not v[5]])
     ap.add_argument("--ep", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--bf16", action="store_true", help="also run the churn on BF16 grouped GEMMs (a control)")
     ap.add_argument("--json")
     args = ap.parse_args()
     E, dim, hidden, tokens, top_k, _ = SHAPES[args.shape]
@@ -65,11 +68,14 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     cap = tokens * top_k + 16 * E_local  # the rows of a perfectly balanced split
 
-    def step_at(routed):
+    def step_inputs(routed):
         offsets, rows = routed
         x = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16)
-        return fwd_bwd(nv, x, ws, offsets.cuda(), dy, False)
+        return x, ws, offsets.cuda(), dy
+
+    def step_at(routed):
+        return fwd_bwd(nv, *step_inputs(routed), False)
 
     fixed = step_at(received_rows(E_local, tokens, top_k, args.ep, torch.Generator().manual_seed(1)))
     for _ in range(3):
@@ -100,10 +106,23 @@ def main() -> None:
     print("autotuner cache entries: " + ", ".join(f"{k} {v}" for k, v in sorted(tuners.items())))
     print("launch cache (specializations, cached launches): " +
           ", ".join(f"{k} {v}" for k, v in sorted(L.stats().items())))
+    bf16 = None
+    if args.bf16:  # the same counts, in the same order, on BF16 grouped GEMMs
+        gen = torch.Generator().manual_seed(0)
+        bstep = lambda routed: fwd_bwd(bf16_mm, *step_inputs(routed), False)  # noqa: E731
+        fixed_b = bstep(received_rows(E_local, tokens, top_k, args.ep, torch.Generator().manual_seed(1)))
+        for _ in range(3):
+            timed(fixed_b)
+        bf16 = dict(fixed_ms=statistics.median(timed(fixed_b) for _ in range(10)),
+                    step_ms=[timed(bstep(received_rows(E_local, tokens, top_k, args.ep, gen)))
+                             for _ in range(args.steps)])
+        b_later = statistics.median(bf16["step_ms"][5:]) if args.steps > 5 else float("nan")
+        print(f"BF16 control: fixed count {bf16['fixed_ms']:.2f} ms, changing count median of steps 6-{args.steps} "
+              f"{b_later:.2f} ms ({b_later / bf16['fixed_ms']:.2f}x; NVFP4: {later / fixed_ms:.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), shape=args.shape, ep=args.ep, counts=counts,
-                           step_ms=times, fixed_ms=fixed_ms, tuners=tuners, launch=L.stats()), f, indent=1)
+                           step_ms=times, fixed_ms=fixed_ms, tuners=tuners, launch=L.stats(), bf16=bf16), f, indent=1)
 
 
 if __name__ == "__main__":
