@@ -126,6 +126,8 @@ def run_arm(args, nvfp4_gather: bool, mesh, timer: HookTimer) -> dict:
         step()
         sync()
         times.append((time.perf_counter() - t) * 1e3)
+    hooks = dict(hook_pre_ms=timer.pre * 1e3 / args.steps, hook_post_ms=timer.post * 1e3 / args.steps,
+                 hook_calls=timer.calls / args.steps)  # the timed steps only, before the profiled ones
     hook_profile = ""
     if args.profile_hooks and nvfp4_gather:
         timer.profile = cProfile.Profile()
@@ -144,8 +146,7 @@ def run_arm(args, nvfp4_gather: bool, mesh, timer: HookTimer) -> dict:
         for ev in prof.key_averages():
             if ev.device_type == torch.autograd.DeviceType.CUDA and ev.self_device_time_total > 0:
                 kernels[ev.key] = ev.self_device_time_total / 2e3  # ms per step
-    return dict(step_ms=statistics.median(times), hook_pre_ms=timer.pre * 1e3 / args.steps,
-                hook_post_ms=timer.post * 1e3 / args.steps, hook_calls=timer.calls / args.steps,
+    return dict(step_ms=statistics.median(times), **hooks,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else 0.0, kernels=kernels,
                 hook_profile=hook_profile)
 
