@@ -11,7 +11,7 @@ unsharded parameter from the gathered tensors. Here:
    scales and the tensor scale from it (the same on every rank); encode the shard's rows
    (numerics/nvfp4.py: tile_amax_of_rows, tile_scales, encode_tile_rows; on a GPU their Triton twins
    in kernels/shard_encode.py, one launch each: FSDP2 runs this hook for every weight at every
-   all-gather, and the reference's ~35 small ops cost ~1 ms of host time per weight there).
+   all-gather, and the reference's ~35 small ops cost ~1.35 ms of host time per weight there).
 2. gather the packed codes, [rows, K/2] uint8 per rank. When FSDP pads the last shard (N not a
    multiple of the world size), FSDP2 requires every all-gather input to have the padded shard's shape
    [rows, K], so the codes then travel one per byte: a 2× saving instead of 4×.
