@@ -65,7 +65,6 @@ def main() -> None:
     ws = [(torch.randn(E_local, hidden, dim, device="cuda", dtype=torch.bfloat16) * dim ** -0.5).requires_grad_(),
           (torch.randn(E_local, dim, hidden, device="cuda", dtype=torch.bfloat16) * hidden ** -0.5).requires_grad_(),
           (torch.randn(E_local, hidden, dim, device="cuda", dtype=torch.bfloat16) * dim ** -0.5).requires_grad_()]
-    gen = torch.Generator().manual_seed(0)
     cap = tokens * top_k + 16 * E_local  # the rows of a perfectly balanced split
 
     def step_inputs(routed):
@@ -74,20 +73,26 @@ def main() -> None:
         dy = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16)
         return x, ws, offsets.cuda(), dy
 
-    def step_at(routed):
-        return fwd_bwd(nv, *step_inputs(routed), False)
+    def churn(mm, progress: bool) -> tuple[float, list[float], list[int]]:
+        """(fixed-count ms, ms of each changing-count step, its row counts) of the block with grouped mm:
+        the counts come from the same seeds for every mm, so the arms see the same sequence."""
+        step_at = lambda routed: fwd_bwd(mm, *step_inputs(routed), False)  # noqa: E731
+        fixed = step_at(received_rows(E_local, tokens, top_k, args.ep, torch.Generator().manual_seed(1)))
+        for _ in range(3):
+            timed(fixed)  # tunes and compiles for its count
+        fixed_ms = statistics.median(timed(fixed) for _ in range(10))
+        gen, times, counts = torch.Generator().manual_seed(0), [], []
+        if progress:
+            print(f"fixed count {fixed_ms:.2f} ms; changing count, step by step (rows: ms):", flush=True)
+        for i in range(args.steps):
+            routed = received_rows(E_local, tokens, top_k, args.ep, gen)
+            counts.append(routed[1])
+            times.append(timed(step_at(routed)))
+            if progress:  # shown even if a slow version is cut off
+                print(f"  {i + 1}: {counts[-1]}: {times[-1]:.1f}", flush=True)
+        return fixed_ms, times, counts
 
-    fixed = step_at(received_rows(E_local, tokens, top_k, args.ep, torch.Generator().manual_seed(1)))
-    for _ in range(3):
-        timed(fixed)  # tunes and compiles for its count
-    fixed_ms = statistics.median(timed(fixed) for _ in range(10))
-    times, counts = [], []
-    print(f"fixed count {fixed_ms:.2f} ms; changing count, step by step (rows: ms):", flush=True)
-    for i in range(args.steps):
-        routed = received_rows(E_local, tokens, top_k, args.ep, gen)
-        counts.append(routed[1])
-        times.append(timed(step_at(routed)))
-        print(f"  {i + 1}: {counts[-1]}: {times[-1]:.1f}", flush=True)  # shown even if a slow version is cut off
+    fixed_ms, times, counts = churn(nv, progress=True)
     tuners = {}
     for mod in ("quantize", "swiglu", "gemm", "grouped_gemm"):
         m = __import__(f"titan_nvfp4.kernels.{mod}", fromlist=["_"])
@@ -108,17 +113,11 @@ def main() -> None:
           ", ".join(f"{k} {v}" for k, v in sorted(L.stats().items())))
     bf16 = None
     if args.bf16:  # the same counts, in the same order, on BF16 grouped GEMMs
-        gen = torch.Generator().manual_seed(0)
-        bstep = lambda routed: fwd_bwd(bf16_mm, *step_inputs(routed), False)  # noqa: E731
-        fixed_b = bstep(received_rows(E_local, tokens, top_k, args.ep, torch.Generator().manual_seed(1)))
-        for _ in range(3):
-            timed(fixed_b)
-        bf16 = dict(fixed_ms=statistics.median(timed(fixed_b) for _ in range(10)),
-                    step_ms=[timed(bstep(received_rows(E_local, tokens, top_k, args.ep, gen)))
-                             for _ in range(args.steps)])
-        b_later = statistics.median(bf16["step_ms"][5:]) if args.steps > 5 else float("nan")
-        print(f"BF16 control: fixed count {bf16['fixed_ms']:.2f} ms, changing count median of steps 6-{args.steps} "
-              f"{b_later:.2f} ms ({b_later / bf16['fixed_ms']:.2f}x; NVFP4: {later / fixed_ms:.2f}x)")
+        b_fixed, b_times, _ = churn(bf16_mm, progress=False)
+        bf16 = dict(fixed_ms=b_fixed, step_ms=b_times)
+        b_later = statistics.median(b_times[5:]) if args.steps > 5 else float("nan")
+        print(f"BF16 control: fixed count {b_fixed:.2f} ms, changing count median of steps 6-{args.steps} "
+              f"{b_later:.2f} ms ({b_later / b_fixed:.2f}x; NVFP4: {later / fixed_ms:.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), shape=args.shape, ep=args.ep, counts=counts,

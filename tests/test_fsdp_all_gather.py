@@ -156,25 +156,33 @@ def test_tile_scales_kernel_equals_its_reference_over_many_programs(device):
         tile_scales_triton(buf[:-1].to(device), n, k)
 
 
-class _FlatMesh:
-    """What the pre-all-gather hook asks of FSDP2's mesh, for a 1-D mesh over the default group."""
+class _Mesh:
+    """What the pre-all-gather hook asks of FSDP2's 1-D mesh: its size, this rank and the group."""
 
     ndim = 1
 
-    def size(self, dim: int = 0) -> int:
-        import torch.distributed as dist
+    def __init__(self, size: int, rank: int, group=None):
+        self._size, self._rank, self._group = size, rank, group
 
-        return dist.get_world_size()
+    def size(self, dim: int = 0) -> int:
+        return self._size
 
     def get_local_rank(self, dim: int = 0) -> int:
-        import torch.distributed as dist
-
-        return dist.get_rank()
+        return self._rank
 
     def get_group(self, dim: int = 0):
-        import torch.distributed as dist
+        return self._group
 
-        return dist.group.WORLD
+
+def _count_reductions(ag, calls: list) -> None:
+    """Make the hook's tile-scales step append to ``calls`` (one entry per reduction of the tile amaxes)."""
+    real = ag._shard_functions
+
+    def counted(w):
+        amax, scales, encode = real(w)
+        return amax, (lambda *a: calls.append(1) or scales(*a)), encode
+
+    ag._shard_functions = counted
 
 
 def _hook_worker(rank, world, out, w):
@@ -188,7 +196,7 @@ def _hook_worker(rank, world, out, w):
     shard, _ = _shards(w, world)[rank]
     local = NVFP4ShardedWeight(shard.float().cuda())
     module = nn.Linear(160, 80)
-    (codes,), meta = local.fsdp_pre_all_gather(_FlatMesh(), w.shape, None, module,
+    (codes,), meta = local.fsdp_pre_all_gather(_Mesh(world, rank, dist.group.WORLD), w.shape, None, module,
                                                MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     parts = [torch.empty_like(codes) for _ in range(world)]
     dist.all_gather(parts, codes)
@@ -214,21 +222,6 @@ def test_gpu_hooks_give_the_whole_weights_quantization(kind, world):
     assert torch.equal(got["gs"], ref.global_scale)
 
 
-class _OneRank:
-    """A one-rank mesh (the hook then skips its all-reduce): no process group needed."""
-
-    ndim = 1
-
-    def size(self, dim=0):
-        return 1
-
-    def get_local_rank(self, dim=0):
-        return 0
-
-    def get_group(self, dim=0):
-        return None
-
-
 def test_backward_regather_reuses_the_forward_gathers_scales(monkeypatch):
     """Forward all-gathers reduce the tile amaxes every time; a re-gather inside backward (FSDP2's for a
     resharded block) reuses them, with the same codes; an in-place op on the shard, plain or foreach
@@ -238,18 +231,13 @@ def test_backward_regather_reuses_the_forward_gathers_scales(monkeypatch):
     from titan_nvfp4.distributed import fsdp_all_gather as AG
 
     calls = []
-    real = AG._shard_functions
-
-    def counted(w):
-        amax, scales, encode = real(w)
-        return (lambda *a: calls.append(1) or amax(*a)), scales, encode
-
-    monkeypatch.setattr(AG, "_shard_functions", counted)
+    monkeypatch.setattr(AG, "_shard_functions", AG._shard_functions)  # restored after the test
+    _count_reductions(AG, calls)
     w = AG.NVFP4ShardedWeight(_weight("random").float())
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 
     def gather():
-        (codes,), meta = w.fsdp_pre_all_gather(_OneRank(), w.shape, None, nn.Linear(64, 96), mp)
+        (codes,), meta = w.fsdp_pre_all_gather(_Mesh(1, 0), w.shape, None, nn.Linear(64, 96), mp)
         return codes, meta
 
     class InBackward(torch.autograd.Function):
@@ -348,13 +336,8 @@ def _fsdp_worker(rank, world, out):
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     ys_bf16, g_bf16, _ = _train(world, False)
-    reductions, real = [], AG._shard_functions
-
-    def counted(w):
-        amax, scales, encode = real(w)
-        return amax, (lambda *a: reductions.append(1) or scales(*a)), encode
-
-    AG._shard_functions = counted
+    reductions = []
+    _count_reductions(AG, reductions)
     ys, g, nbytes = _train(world, True)
     if rank == 0:
         out.update(ys_bf16=ys_bf16, g_bf16=g_bf16, ys=ys, g=g, nbytes=nbytes, reductions=len(reductions))

@@ -128,8 +128,8 @@ class NVFP4ShardedWeight(torch.Tensor):
             for t in tree_flatten((args, kwargs))[0]:
                 if isinstance(t, cls):
                     t._scales = None  # the weight may have changed: the next all-gather reduces again
-        if func._schema.is_mutable and isinstance(args[0], cls):
-            return args[0]
+            if isinstance(args[0], cls):
+                return args[0]
         if func in _KEEP_WRAPPED:
             return tree_map(lambda t: cls(t) if isinstance(t, torch.Tensor) else t, out)
         return out
