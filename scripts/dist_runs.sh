@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# Issue 6 on a 2-GPU machine (nvidia-h200-x2), from the repo root (".whl" carried, ".kernel_cache" too):
-#   bash scripts/dist_runs.sh runs  [STEPS]   loss curves: 1-GPU references, then each 2-GPU layout
+# Issue 6 on a 2-GPU machine (nvidia-h100-x2 / nvidia-h200-x2), from the repo root (".whl" carried, and
+# ".kernel_cache" and "outputs/dist_runs" from an earlier call when there is one):
+#   bash scripts/dist_runs.sh runs  [STEPS]   loss curves: 1-GPU references and controls, then each 2-GPU layout
 #   bash scripts/dist_runs.sh bench [STEPS]   FSDP2 step time, BF16 vs NVFP4 all-gather, Llama3 2B_bench
 #   bash scripts/dist_runs.sh ep [STEPS]      EP2 speed: the BF16 twin, and NVFP4 with autotuning printed
 #   bash scripts/dist_runs.sh compile [STEPS] FSDP2 (NVFP4 all-gather), TP2 and EP2 with torch.compile and
 #                                             selective activation checkpointing, against the eager 1-GPU runs
-# "runs": train_configs/llama3_nvfp4 and deepseek_v3_nvfp4 on one GPU each (side by side), then
-# llama3_nvfp4_fsdp2 (BF16 all-gather), llama3_nvfp4_fsdp2_ag (NVFP4 all-gather), llama3_nvfp4_tp2 and
-# deepseek_v3_nvfp4_ep2 on both GPUs, STEPS (default 150) each, same seed and global batch; then one
-# loss table per model (titan_nvfp4.tools.loss_log, deltas against the 1-GPU run). An arm whose log
-# already reached STEPS is skipped, so a stopped call is finished by running it again.
+# "runs": train_configs/llama3_nvfp4 and deepseek_v3_nvfp4 on one GPU each (side by side), with two
+# controls each for the run-to-run noise: another seed (@seed43: other initial weights and SR streams)
+# and another document order (@rotated: the training file from its middle on); then llama3_nvfp4_fsdp2
+# (BF16 all-gather), llama3_nvfp4_fsdp2_ag (NVFP4 all-gather), llama3_nvfp4_tp2 and deepseek_v3_nvfp4_ep2
+# on both GPUs, STEPS (default 150) each, same global batch; then one loss table per model
+# (titan_nvfp4.tools.loss_log, deltas against the 1-GPU run).
+# Every arm validates at steps 1, 50, 100, 150 on 16 batches of 8 x 512 tokens of the validation split
+# written twice (titan_nvfp4.data.variants): each data-parallel rank then reads the same tokens as a
+# one-GPU run, so validation losses compare layouts whose training batches differ.
+# An arm whose log already reached STEPS is skipped, so a stopped call is finished by running it again;
+# an arm that could not end before DEADLINE (epoch seconds; ARM_TIMEOUT each, default 240) is not started.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1): see KINDS.md.
 # Logs, tables and the kernel caches go to $OUT when set (logs packed in one file).
 set -uo pipefail
@@ -18,34 +25,49 @@ run=./outputs/dist_runs
 mkdir -p "$run"
 source scripts/device_setup.sh >/dev/null 2>&1 || { echo "device_setup.sh failed"; exit 1; }
 python -m titan_nvfp4.data.prepare 2>&1 | tail -1
+variants=./outputs/data_variants
+mkdir -p "$variants"
+python -m titan_nvfp4.data.variants replicate ./assets/pystdlib/validation.jsonl "$variants/validation_x2.jsonl"
+python -m titan_nvfp4.data.variants rotate ./assets/pystdlib/train.jsonl "$variants/train_rotated.jsonl"
+val=(--validation.enable --validation.dataset pystdlib_validation
+     --validation.dataset_path "$variants/validation_x2.jsonl" --validation.local_batch_size 8
+     --validation.seq_len 512 --validation.freq 50 --validation.steps 16)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTORCH_ALLOC_CONF=expandable_segments:True
 
 done_() { grep -qE "step: *${steps} " "$run/$1.log" 2>/dev/null; }
 train() {  # ARM NPROC GPUS PORT [OVERRIDES...]
-  local arm=$1 n=$2 gpus=$3 port=$4 start=$(date +%s)
+  local arm=$1 n=$2 gpus=$3 port=$4 start=$(date +%s) limit=${ARM_TIMEOUT:-240}
   shift 4
   done_ "$arm" && { echo "$arm: already done"; return; }
-  CUDA_VISIBLE_DEVICES=$gpus timeout --kill-after=20 "${ARM_TIMEOUT:-240}" \
+  (( start + limit > ${DEADLINE:-start + limit} )) && { echo "$arm: not started (DEADLINE)"; return; }
+  CUDA_VISIBLE_DEVICES=$gpus timeout --kill-after=20 "$limit" \
     torchrun --nproc_per_node="$n" --master_port="$port" -m torchtitan.train \
-      --job.config_file "train_configs/${arm%%@*}.toml" --training.steps "$steps" "$@" > "$run/$arm.log" 2>&1
+      --job.config_file "train_configs/${arm%%@*}.toml" --training.steps "$steps" "${val[@]}" "$@" > "$run/$arm.log" 2>&1
   echo "$arm ($n GPU): exit $? in $(( $(date +%s) - start )) s, last: $(grep -oE "step: *[0-9]+ " "$run/$arm.log" | tail -1)"
   grep -E "NVFP4: (converted|FSDP2)|Traceback|Error" "$run/$arm.log" | grep -v lspci | sort -u | head -4
 }
 
 if [[ $mode == runs ]]; then
   train llama3_nvfp4 1 0 29500 & train deepseek_v3_nvfp4 1 1 29501 & wait
-  for arm in llama3_nvfp4_fsdp2 llama3_nvfp4_fsdp2_ag llama3_nvfp4_tp2 deepseek_v3_nvfp4_ep2; do
+  train llama3_nvfp4@seed43 1 0 29500 --debug.seed 43 & train deepseek_v3_nvfp4@seed43 1 1 29501 --debug.seed 43 & wait
+  rot=(--training.dataset_path "$variants/train_rotated.jsonl")
+  train llama3_nvfp4@rotated 1 0 29500 "${rot[@]}" & train deepseek_v3_nvfp4@rotated 1 1 29501 "${rot[@]}" & wait
+  for arm in llama3_nvfp4_fsdp2 llama3_nvfp4_fsdp2_ag llama3_nvfp4_tp2; do
     train "$arm" 2 0,1 29502
   done
-  python -m titan_nvfp4.tools.loss_log "$run"/llama3_nvfp4.log "$run"/llama3_nvfp4_fsdp2.log \
-      "$run"/llama3_nvfp4_fsdp2_ag.log "$run"/llama3_nvfp4_tp2.log --last 10 --markdown \
-      --csv "$run/llama3.csv" | tee "$run/llama3.md"
-  python -m titan_nvfp4.tools.loss_log "$run"/deepseek_v3_nvfp4.log "$run"/deepseek_v3_nvfp4_ep2.log --last 10 \
-      --markdown --csv "$run/deepseek_v3.csv" | tee "$run/deepseek_v3.md"
-  logs=(llama3_nvfp4 deepseek_v3_nvfp4 llama3_nvfp4_fsdp2 llama3_nvfp4_fsdp2_ag llama3_nvfp4_tp2 deepseek_v3_nvfp4_ep2)
+  TRITON_PRINT_AUTOTUNING=1 train deepseek_v3_nvfp4_ep2 2 0,1 29502
+  llama=(llama3_nvfp4 llama3_nvfp4@seed43 llama3_nvfp4@rotated llama3_nvfp4_fsdp2 llama3_nvfp4_fsdp2_ag llama3_nvfp4_tp2)
+  deepseek=(deepseek_v3_nvfp4 deepseek_v3_nvfp4@seed43 deepseek_v3_nvfp4@rotated deepseek_v3_nvfp4_ep2)
+  python -m titan_nvfp4.tools.loss_log $(printf "$run/%s.log " "${llama[@]}") --last 10 --markdown --csv "$run/llama3.csv" \
+      | tee "$run/llama3.md"
+  python -m titan_nvfp4.tools.loss_log $(printf "$run/%s.log " "${deepseek[@]}") --last 10 --markdown --csv "$run/deepseek_v3.csv" \
+      | tee "$run/deepseek_v3.md"
+  echo "EP2 autotuning events: $(grep -c "Triton autotuning" "$run/deepseek_v3_nvfp4_ep2.log")"
+  logs=("${llama[@]}" "${deepseek[@]}")
   tables=(llama3.md llama3.csv deepseek_v3.md deepseek_v3.csv)
 elif [[ $mode == bench ]]; then
   # 2B_bench with FSDP2 over both GPUs, local batch 16: BF16 all-gather, then NVFP4 all-gather
+  val=()  # step time only
   common=(--parallelism.data_parallel_shard_degree 2 --training.local_batch_size 16)
   train "llama3_2b_bench_nvfp4@ag_false" 2 0,1 29502 "${common[@]}"
   train "llama3_2b_bench_nvfp4@ag_true" 2 0,1 29502 "${common[@]}" --quantize.linear.nvfp4.fsdp_nvfp4_all_gather
@@ -57,12 +79,12 @@ elif [[ $mode == ep ]]; then
   # why EP2 is slow: the BF16 twin under the same layout, then NVFP4 with Triton's autotuning printed
   # (a new token count that re-tunes a kernel shows up as one "Triton autotuning" line per step)
   train deepseek_v3_bf16_ep2 2 0,1 29502
-  TRITON_PRINT_AUTOTUNING=1 train "deepseek_v3_nvfp4_ep2@autotune" 2 0,1 29502
-  python -m titan_nvfp4.tools.loss_log "$run/deepseek_v3_bf16_ep2.log" "$run/deepseek_v3_nvfp4_ep2@autotune.log" \
+  TRITON_PRINT_AUTOTUNING=1 train deepseek_v3_nvfp4_ep2 2 0,1 29502  # the "runs" arm, if that ran
+  python -m titan_nvfp4.tools.loss_log "$run/deepseek_v3_bf16_ep2.log" "$run/deepseek_v3_nvfp4_ep2.log" \
       --last 10 --markdown | tee "$run/ep.md"
-  echo "autotuning events: $(grep -c "Triton autotuning" "$run/deepseek_v3_nvfp4_ep2@autotune.log")"
-  grep "Triton autotuning" "$run/deepseek_v3_nvfp4_ep2@autotune.log" | sed 's/ with.*//' | sort | uniq -c | sort -rn | head
-  logs=(deepseek_v3_bf16_ep2 "deepseek_v3_nvfp4_ep2@autotune")
+  echo "autotuning events: $(grep -c "Triton autotuning" "$run/deepseek_v3_nvfp4_ep2.log")"
+  grep "Triton autotuning" "$run/deepseek_v3_nvfp4_ep2.log" | sed 's/ with.*//' | sort | uniq -c | sort -rn | head
+  logs=(deepseek_v3_bf16_ep2 deepseek_v3_nvfp4_ep2)
   tables=(ep.md)
 elif [[ $mode == compile ]]; then
   # each 2-GPU layout with --compile.enable and selective AC (the custom ops under both), against the same

@@ -202,6 +202,35 @@ def test_build_text_dataloader_train_and_validation(built, tok, splits):
     assert len(override._data) == len(splits.validation)
 
 
+def test_replicated_validation_reads_alike_in_every_layout(built, tok, splits, tmp_path):
+    """With the split written twice, both ranks of a 2-way data-parallel run see the one-rank token stream,
+    across the copy boundary and a re-loop; without it, rank 1 starts elsewhere (the test can fail)."""
+    from itertools import islice
+
+    from titan_nvfp4.data.variants import replicate, rotate
+
+    src = built.path / "validation.jsonl"
+    twice = replicate(src, tmp_path / "val_x2.jsonl", copies=2)
+
+    def windows(path, rank, world, n):
+        ds = HuggingFaceTextDataset("pystdlib_validation", str(path), tok, seq_len=256, dp_rank=rank,
+                                    dp_world_size=world, infinite=True)
+        return [x["input"] for x, _ in islice(iter(ds), n)]
+
+    n_tokens = sum(len(tok.encode(d, add_bos=True, add_eos=True)) for d in splits.validation)
+    n = n_tokens // 257 + 20  # past the end of one copy
+    one_rank = windows(twice, 0, 1, n)
+    for rank in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(windows(twice, rank, 2, n), one_rank, strict=True))
+    assert not torch.equal(windows(src, 1, 2, 1)[0], one_rank[0])
+
+    rotated = read_jsonl(rotate(src, tmp_path / "rot.jsonl"))
+    half = len(splits.validation) // 2
+    assert rotated == splits.validation[half:] + splits.validation[:half]
+    with pytest.raises(ValueError, match="copies"):
+        replicate(src, tmp_path / "x.jsonl", copies=0)
+
+
 def test_ensure_assets_reuses_and_detects_stale(built, tmp_path):
     before = (built.path / "manifest.json").read_bytes()
     t0 = time.perf_counter()

@@ -49,6 +49,19 @@ def test_paired_standard_error_of_the_difference():
     assert rows[1]["delta_se"] < 0.01 and rows[0]["delta_se"] == 0.0
 
 
+def test_validation_loss_compared_at_the_last_validated_step(tmp_path, capsys):
+    val = "[titan] 2026-11-25 10:00:00,000 - root - INFO - \x1b[33mvalidate step: {s:2}  \x1b[32mloss: {v:7.4f}  memory:  1.00GiB\n"
+    a, b, c = tmp_path / "one_gpu.log", tmp_path / "fsdp2.log", tmp_path / "no_val.log"
+    a.write_text(_LOG + val.format(s=10, v=6.5) + val.format(s=20, v=5.25))
+    b.write_text(_LOG + val.format(s=10, v=6.4) + val.format(s=20, v=5.5))
+    c.write_text(_LOG)
+    assert parse_log(a.read_text()) == parse_log(_LOG)  # validation lines are not training steps
+    main([str(a), str(b), str(c), "--last", "1", "--markdown"])
+    out = capsys.readouterr().out
+    assert "| 5.2500 (20) | +0.0000 |" in out and "| 5.5000 (20) | +0.2500 |" in out
+    assert "| no_val | 20 |" in out and "| – | – |" in out
+
+
 def test_empty_log_is_an_error():
     with pytest.raises(ValueError, match="no TorchTitan metric lines"):
         summarize({"x": parse_log("nothing here")})

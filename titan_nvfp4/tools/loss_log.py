@@ -2,12 +2,14 @@
 
     python -m titan_nvfp4.tools.loss_log bf16.log nvfp4.log [more.log ...] [--last 20] [--markdown] [--gap]
 
-Parses TorchTitan's metric lines ("step: N  loss: X  grad_norm: G  memory: M GiB ... tps: T"),
-colored or not, and prints the final loss (mean over the last k logged steps), its difference to
-the first run with the standard error of that difference (from the per-step paired differences over
-the same steps: runs on the same data share most of their batch-to-batch noise), throughput and peak
-memory. ``--gap``: for the third run on, the share of the gap
-between the first two runs (e.g. BF16 and plain NVFP4) that it closes.
+Parses TorchTitan's metric lines ("step: N  loss: X  grad_norm: G  memory: M GiB ... tps: T") and
+validation lines ("validate step: N  loss: X"), colored or not. Prints per run the final loss (mean
+over the last k logged steps), its difference to the first run with the standard error of that
+difference (from the per-step paired differences over the same steps: runs on the same data share
+most of their batch-to-batch noise), throughput, peak memory, and the last validation loss with its
+difference to the first run's at that step (with a validation set every run reads alike, this compares
+runs whose training batches differ). ``--gap``: for the third run on, the share of the gap between the
+first two runs (e.g. BF16 and plain NVFP4) that it closes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ _LINE = re.compile(
     r"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>[-+0-9.eEnaif]+)\s+grad_norm:\s*(?P<gn>[-+0-9.eEnaif]+)"
     r"\s+memory:\s*(?P<mem>[0-9.]+)GiB.*?tps:\s*(?P<tps>[0-9,]+)"
 )
+_VALIDATION = re.compile(r"validate step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>[-+0-9.eEnaif]+)")
 
 
 @dataclass
@@ -44,6 +47,11 @@ def parse_log(text: str) -> list[StepMetrics]:
     return [by_step[k] for k in sorted(by_step)]
 
 
+def parse_validation(text: str) -> dict[int, float]:
+    """Validation loss by step from TorchTitan's "validate step: N  loss: X" lines (later duplicates win)."""
+    return {int(m["step"]): float(m["loss"]) for m in map(_VALIDATION.search, _ANSI.sub("", text).splitlines()) if m}
+
+
 def gap_closed_pct(baseline: float, reference: float, final: float) -> float:
     """100 · (reference − final) / (reference − baseline): 0 = no better than the reference run, 100 =
     as good as the baseline (NaN when the two coincide)."""
@@ -62,10 +70,12 @@ def paired_se(steps: list[StepMetrics], base: list[StepMetrics], last: int) -> f
     return (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs)) ** 0.5
 
 
-def summarize(runs: dict[str, list[StepMetrics]], last: int = 10, gap: bool = False) -> list[dict]:
+def summarize(runs: dict[str, list[StepMetrics]], last: int = 10, gap: bool = False,
+              validation: dict[str, dict[int, float]] | None = None) -> list[dict]:
     """One row per run: steps, first/final loss (mean of the last k logged), Δ vs the first run and
     its paired standard error, tps, memory; with ``gap``, rows from the third on get gap_closed_pct
-    against the first two."""
+    against the first two; with ``validation``, runs that validated get val_step/val_loss (their last
+    validation) and val_delta (against the first run's validation at that step, NaN if it has none)."""
     rows, base, base_steps = [], None, None
     for name, steps in runs.items():
         if not steps:
@@ -85,6 +95,13 @@ def summarize(runs: dict[str, list[StepMetrics]], last: int = 10, gap: bool = Fa
             "tps": sorted(s.tps for s in steps[1:] or steps)[len(steps[1:] or steps) // 2],
             "peak_memory_gib": max(s.memory_gib for s in steps),
         })
+    if validation:
+        base_val = validation.get(next(iter(runs)), {})
+        for r in rows:
+            val = validation.get(r["run"], {})
+            if val:
+                step = max(val)
+                r.update(val_step=step, val_loss=val[step], val_delta=val[step] - base_val.get(step, float("nan")))
     if gap and len(rows) >= 3:
         for r in rows[2:]:
             r["gap_closed_pct"] = gap_closed_pct(rows[0]["final_loss"], rows[1]["final_loss"], r["final_loss"])
@@ -93,13 +110,16 @@ def summarize(runs: dict[str, list[StepMetrics]], last: int = 10, gap: bool = Fa
 
 def to_markdown(rows: list[dict], last: int) -> str:
     gap = any("gap_closed_pct" in r for r in rows)
+    val = any("val_loss" in r for r in rows)
     head = (f"| run | steps | first loss | final loss (mean of last {last} logged) | Δ vs {rows[0]['run']} ± paired s.e. | "
-            + (f"gap to {rows[1]['run']} closed | " if gap else "") + "tokens/s (median) | peak memory GiB |\n")
-    head += "| --- | ---: | ---: | ---: | ---: | " + ("---: | " if gap else "") + "---: | ---: |\n"
+            + (f"gap to {rows[1]['run']} closed | " if gap else "")
+            + ("validation loss (step) | Δ validation | " if val else "") + "tokens/s (median) | peak memory GiB |\n")
+    head += "| --- | ---: | ---: | ---: | ---: | " + ("---: | " if gap else "") + ("---: | ---: | " if val else "") + "---: | ---: |\n"
     body = "".join(
         f"| {r['run']} | {r['steps']} | {r['first_loss']:.4f} | {r['final_loss']:.4f} | "
         f"{r['delta']:+.4f} ± {r['delta_se']:.4f} ({r['rel_delta_pct']:+.2f}%) | "
         + ((f"{r['gap_closed_pct']:.1f}% | " if "gap_closed_pct" in r else "– | ") if gap else "")
+        + ((f"{r['val_loss']:.4f} ({r['val_step']}) | {r['val_delta']:+.4f} | " if "val_loss" in r else "– | – | ") if val else "")
         + f"{r['tps']:,} | {r['peak_memory_gib']:.2f} |\n"
         for r in rows
     )
@@ -123,8 +143,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--csv", type=Path, help="also write every run's per-step metrics here")
     ap.add_argument("--gap", action="store_true", help="share of the gap between the first two runs closed by the others")
     args = ap.parse_args(argv)
-    runs = {p.stem: parse_log(p.read_text(errors="replace")) for p in args.logs}
-    rows = summarize(runs, args.last, args.gap)
+    texts = {p.stem: p.read_text(errors="replace") for p in args.logs}
+    runs = {name: parse_log(t) for name, t in texts.items()}
+    rows = summarize(runs, args.last, args.gap, {name: parse_validation(t) for name, t in texts.items()})
     if args.csv:
         write_csv(runs, args.csv)
     if args.markdown:
