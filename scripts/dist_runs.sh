@@ -16,7 +16,8 @@
 # written twice (titan_nvfp4.data.variants): each data-parallel rank then reads the same tokens as a
 # one-GPU run, so validation losses compare layouts whose training batches differ.
 # An arm whose log already reached STEPS is skipped, so a stopped call is finished by running it again;
-# an arm that could not end before DEADLINE (epoch seconds; ARM_TIMEOUT each, default 240) is not started.
+# each arm is stopped after ARM_TIMEOUT s (default 240) or at DEADLINE (epoch seconds), whichever is first,
+# and not started with less than ARM_MIN s (default 60) left before DEADLINE.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1): see KINDS.md.
 # Logs, tables and the kernel caches go to $OUT when set (logs packed in one file).
 set -uo pipefail
@@ -39,7 +40,10 @@ train() {  # ARM NPROC GPUS PORT [OVERRIDES...]
   local arm=$1 n=$2 gpus=$3 port=$4 start=$(date +%s) limit=${ARM_TIMEOUT:-240}
   shift 4
   done_ "$arm" && { echo "$arm: already done"; return; }
-  (( start + limit > ${DEADLINE:-start + limit} )) && { echo "$arm: not started (DEADLINE)"; return; }
+  if [[ -n ${DEADLINE:-} ]]; then  # end by DEADLINE; not worth starting with less than ARM_MIN s left
+    (( DEADLINE - start < ${ARM_MIN:-60} )) && { echo "$arm: not started (DEADLINE)"; return; }
+    (( DEADLINE - start < limit )) && limit=$(( DEADLINE - start ))
+  fi
   CUDA_VISIBLE_DEVICES=$gpus timeout --kill-after=20 "$limit" \
     torchrun --nproc_per_node="$n" --master_port="$port" -m torchtitan.train \
       --job.config_file "train_configs/${arm%%@*}.toml" --training.steps "$steps" "${val[@]}" "$@" > "$run/$arm.log" 2>&1
@@ -48,10 +52,14 @@ train() {  # ARM NPROC GPUS PORT [OVERRIDES...]
 }
 
 if [[ $mode == runs ]]; then
-  train llama3_nvfp4 1 0 29500 & train deepseek_v3_nvfp4 1 1 29501 & wait
-  train llama3_nvfp4@seed43 1 0 29500 --debug.seed 43 & train deepseek_v3_nvfp4@seed43 1 1 29501 --debug.seed 43 & wait
+  # the six 1-GPU runs at once, each model's three on one GPU (they compile the same kernels side by side)
   rot=(--training.dataset_path "$variants/train_rotated.jsonl")
-  train llama3_nvfp4@rotated 1 0 29500 "${rot[@]}" & train deepseek_v3_nvfp4@rotated 1 1 29501 "${rot[@]}" & wait
+  for m in "llama3_nvfp4 0 29500" "deepseek_v3_nvfp4 1 29510"; do
+    read -r cfg gpu port <<<"$m"
+    train "$cfg" 1 "$gpu" "$port" & train "$cfg@seed43" 1 "$gpu" $((port + 1)) --debug.seed 43 &
+    train "$cfg@rotated" 1 "$gpu" $((port + 2)) "${rot[@]}" &
+  done
+  wait
   for arm in llama3_nvfp4_fsdp2 llama3_nvfp4_fsdp2_ag llama3_nvfp4_tp2; do
     train "$arm" 2 0,1 29502
   done

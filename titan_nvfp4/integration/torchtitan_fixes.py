@@ -8,11 +8,19 @@ through `custom_config_module`), so both arms of a comparison run the same model
     whatever to_empty() left in memory (NaN under deterministic mode). It is zeroed after the
     weight's initialization, as upstream now does; a version that already zeroes it is unaffected.
 
+  * Validation for the MoE models: TorchTitan's deepseek_v3 and gpt_oss train specs have no
+    ``build_validator_fn``, so ``[validation] enable = true`` fails on an assertion. Those two get
+    TorchTitan's own text validator (forward and the training loss on the validation split, as for
+    llama3 and qwen3); a spec that has a validator keeps it.
+
 And one extension: the Trainer's checkpointed ``train_state`` also carries the NVFP4 layers'
 stochastic-rounding call counts, so a resumed run draws the same random numbers (train_state.py).
 """
 
 from __future__ import annotations
+
+import functools
+import importlib
 
 import torch
 from torchtitan.models.moe.moe import TokenChoiceTopKRouter
@@ -29,10 +37,33 @@ def _router_init_weights(self, *args, **kwargs):
     return out
 
 
+_MODELS_WITHOUT_VALIDATOR = ("deepseek_v3", "gpt_oss")
+
+
+def _with_text_validator(get_train_spec):
+    """``get_train_spec`` whose spec falls back to TorchTitan's ``build_validator`` when it has none."""
+
+    @functools.wraps(get_train_spec)
+    def wrapped():
+        spec = get_train_spec()
+        if spec.build_validator_fn is None:
+            from torchtitan.components.validate import build_validator
+
+            spec.build_validator_fn = build_validator
+        return spec
+
+    wrapped._nvfp4_text_validator = True
+    return wrapped
+
+
 def apply() -> None:
     """Install the backports (idempotent)."""
     if TokenChoiceTopKRouter.init_weights is _original_router_init:
         TokenChoiceTopKRouter.init_weights = _router_init_weights
+    for name in _MODELS_WITHOUT_VALIDATOR:
+        module = importlib.import_module(f"torchtitan.models.{name}")
+        if not getattr(module.get_train_spec, "_nvfp4_text_validator", False):
+            module.get_train_spec = _with_text_validator(module.get_train_spec)
     from .train_state import install_on_running_trainers
 
     install_on_running_trainers()
