@@ -579,10 +579,25 @@ def test_moe_train_specs_get_torchtitans_validator(name):
     torchtitan_fixes supplies TorchTitan's text validator (applied on importing the integration)."""
     import importlib
 
+    from types import SimpleNamespace
+
     import titan_nvfp4.integration  # noqa: F401  (applies the fixes)
-    from torchtitan.components.validate import build_validator
+    from titan_nvfp4.integration.torchtitan_fixes import TextValidator
     from torchtitan.protocols.train_spec import get_train_spec
 
-    assert get_train_spec(name).build_validator_fn is build_validator
+    assert get_train_spec(name).build_validator_fn is TextValidator
     module = importlib.import_module(f"torchtitan.models.{name}")
     assert module.get_train_spec.__wrapped__().build_validator_fn is None  # the unpatched spec has none
+
+    # Masks only for flex attention: DeepSeek-V3's SDPA attention asserts it gets none.
+    validator = object.__new__(TextValidator)
+    validator.tokenizer, validator.parallel_dims = None, SimpleNamespace(cp_enabled=False)
+    made = []
+    model = SimpleNamespace(model_args=SimpleNamespace(attn_type="sdpa"),
+                            get_attention_masks=lambda **kw: made.append(kw) or "mask")
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    *_, kwargs = validator.post_dataloading_process({"input": tokens}, tokens, [model])
+    assert "attention_masks" not in kwargs and not made
+    model.model_args.attn_type = "flex"
+    *_, kwargs = validator.post_dataloading_process({"input": tokens}, tokens, [model])
+    assert kwargs["attention_masks"] == "mask" and len(made) == 1

@@ -11,7 +11,9 @@ through `custom_config_module`), so both arms of a comparison run the same model
   * Validation for the MoE models: TorchTitan's deepseek_v3 and gpt_oss train specs have no
     ``build_validator_fn``, so ``[validation] enable = true`` fails on an assertion. Those two get
     TorchTitan's own text validator (forward and the training loss on the validation split, as for
-    llama3 and qwen3); a spec that has a validator keeps it.
+    llama3 and qwen3); a spec that has a validator keeps it. That validator builds flex-attention
+    masks whenever the model has ``get_attention_masks``, which DeepSeek-V3's SDPA attention rejects
+    (it asserts ``attention_masks is None``); like the Trainer, ours builds them only for flex/varlen.
 
 And one extension: the Trainer's checkpointed ``train_state`` also carries the NVFP4 layers'
 stochastic-rounding call counts, so a resumed run draws the same random numbers (train_state.py).
@@ -23,6 +25,7 @@ import functools
 import importlib
 
 import torch
+from torchtitan.components.validate import Validator
 from torchtitan.models.moe.moe import TokenChoiceTopKRouter
 
 _original_router_init = TokenChoiceTopKRouter.init_weights
@@ -40,16 +43,32 @@ def _router_init_weights(self, *args, **kwargs):
 _MODELS_WITHOUT_VALIDATOR = ("deepseek_v3", "gpt_oss")
 
 
+class _NoMasks:
+    """Stands in for the model where no attention masks are wanted: TorchTitan's Validator leaves the
+    masks out when ``get_attention_masks`` raises TypeError."""
+
+    def get_attention_masks(self, *args, **kwargs):
+        raise TypeError("SDPA attention takes no attention masks")
+
+
+class TextValidator(Validator):
+    """TorchTitan's Validator, building attention masks only for flex/varlen attention, as TorchTitan's
+    Trainer does for training batches. Built with the Trainer's keywords, so the class is the builder."""
+
+    def post_dataloading_process(self, input_dict, labels, model_parts):
+        attn = getattr(getattr(model_parts[0], "model_args", None), "attn_type", "sdpa")
+        parts = model_parts if attn in ("flex", "varlen") else [_NoMasks()]
+        return super().post_dataloading_process(input_dict, labels, parts)
+
+
 def _with_text_validator(get_train_spec):
-    """``get_train_spec`` whose spec falls back to TorchTitan's ``build_validator`` when it has none."""
+    """``get_train_spec`` whose spec falls back to ``TextValidator`` when it has no validator."""
 
     @functools.wraps(get_train_spec)
     def wrapped():
         spec = get_train_spec()
         if spec.build_validator_fn is None:
-            from torchtitan.components.validate import build_validator
-
-            spec.build_validator_fn = build_validator
+            spec.build_validator_fn = TextValidator
         return spec
 
     wrapped._nvfp4_text_validator = True
