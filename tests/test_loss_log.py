@@ -60,6 +60,8 @@ def test_validation_loss_compared_at_the_last_validated_step(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| 5.2500 (20) | +0.0000 |" in out and "| 5.5000 (20) | +0.2500 |" in out
     assert "| no_val | 20 |" in out and "| – | – |" in out
+    assert "| run | validation loss @ 10 | validation loss @ 20 |" in out
+    assert "| fsdp2 | 6.4000 | 5.5000 |" in out and "| no_val | – | – |" in out
 
 
 def test_empty_log_is_an_error():

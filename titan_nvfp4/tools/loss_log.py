@@ -126,6 +126,19 @@ def to_markdown(rows: list[dict], last: int) -> str:
     return head + body
 
 
+def validation_markdown(validation: dict[str, dict[int, float]]) -> str:
+    """Validation loss of every run at every validated step, one row per run ("" when none validated)."""
+    steps = sorted({s for v in validation.values() for s in v})
+    if not steps:
+        return ""
+    head = "| run | " + " | ".join(f"validation loss @ {s}" for s in steps) + " |\n"
+    head += "| --- |" + " ---: |" * len(steps) + "\n"
+    return head + "".join(
+        f"| {name} | " + " | ".join(f"{v[s]:.4f}" if s in v else "–" for s in steps) + " |\n"
+        for name, v in validation.items()
+    )
+
+
 def write_csv(runs: dict[str, list[StepMetrics]], path: Path) -> None:
     """Every run's per-step metrics, one row per (run, step)."""
     with open(path, "w") as f:
@@ -145,11 +158,14 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     texts = {p.stem: p.read_text(errors="replace") for p in args.logs}
     runs = {name: parse_log(t) for name, t in texts.items()}
-    rows = summarize(runs, args.last, args.gap, {name: parse_validation(t) for name, t in texts.items()})
+    validation = {name: parse_validation(t) for name, t in texts.items()}
+    rows = summarize(runs, args.last, args.gap, validation)
     if args.csv:
         write_csv(runs, args.csv)
     if args.markdown:
         print(to_markdown(rows, args.last), end="")
+        if any(validation.values()):
+            print("\n" + validation_markdown(validation), end="")
     else:
         for r in rows:
             print(" ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
