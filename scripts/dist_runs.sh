@@ -6,6 +6,10 @@
 #   bash scripts/dist_runs.sh ep [STEPS]      EP2 speed: the BF16 twin, and NVFP4 with autotuning printed
 #   bash scripts/dist_runs.sh compile [STEPS] FSDP2 (NVFP4 all-gather), TP2 and EP2 with torch.compile and
 #                                             selective activation checkpointing, against the eager 1-GPU runs
+#   bash scripts/dist_runs.sh moe_seeds [STEPS] more seeds of the MoE comparison: deepseek_v3_nvfp4 on one GPU
+#                                             (seeds 44-46) and deepseek_v3_nvfp4_ep2 (seeds 43, 44)
+# The 1-GPU reference logs of an earlier session can stand in for a rerun (same torch/triton/GPU kind):
+#   mkdir -p outputs/dist_runs && cp docs/dist_runs/*nvfp4*.log outputs/dist_runs/
 # "runs": train_configs/llama3_nvfp4 and deepseek_v3_nvfp4 on one GPU each (side by side), with two
 # controls each for the run-to-run noise: another seed (@seed43: other initial weights and SR streams)
 # and another document order (@rotated: the training file from its middle on); then llama3_nvfp4_fsdp2
@@ -109,8 +113,20 @@ elif [[ $mode == compile ]]; then
   logs=(llama3_nvfp4 deepseek_v3_nvfp4 "llama3_nvfp4_fsdp2_ag@compile_ac" "llama3_nvfp4_tp2@compile_ac"
         "deepseek_v3_nvfp4_ep2@compile_ac")
   tables=(compile_llama3.md compile_deepseek_v3.md)
+elif [[ $mode == moe_seeds ]]; then
+  # is EP2's lower validation loss (docs/dist_runs.md) noise? more seeds of both sides
+  train deepseek_v3_nvfp4@seed44 1 0 29510 --debug.seed 44 & train deepseek_v3_nvfp4@seed45 1 0 29511 --debug.seed 45 &
+  train deepseek_v3_nvfp4@seed46 1 1 29512 --debug.seed 46 & wait
+  train deepseek_v3_nvfp4_ep2@seed43 2 0,1 29502 --debug.seed 43
+  train deepseek_v3_nvfp4_ep2@seed44 2 0,1 29502 --debug.seed 44
+  logs=(deepseek_v3_nvfp4 deepseek_v3_nvfp4@seed43 deepseek_v3_nvfp4@rotated deepseek_v3_nvfp4@seed44
+        deepseek_v3_nvfp4@seed45 deepseek_v3_nvfp4@seed46 deepseek_v3_nvfp4_ep2 deepseek_v3_nvfp4_ep2@seed43
+        deepseek_v3_nvfp4_ep2@seed44)
+  python -m titan_nvfp4.tools.loss_log $(for a in "${logs[@]}"; do [[ -f $run/$a.log ]] && echo "$run/$a.log"; done) \
+      --last 10 --markdown | tee "$run/moe_seeds.md"
+  tables=(moe_seeds.md)
 else
-  echo "usage: bash scripts/dist_runs.sh runs|bench|ep|compile [STEPS]"; exit 2
+  echo "usage: bash scripts/dist_runs.sh runs|bench|ep|compile|moe_seeds [STEPS]"; exit 2
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2
 if [[ -n ${OUT:-} ]]; then  # at most 8 files come back
