@@ -338,9 +338,12 @@ def _fsdp_worker(rank, world, out):
     ys_bf16, g_bf16, _ = _train(world, False)
     reductions = []
     _count_reductions(AG, reductions)
+    AG.TRAFFIC.take()
     ys, g, nbytes = _train(world, True)
     if rank == 0:
-        out.update(ys_bf16=ys_bf16, g_bf16=g_bf16, ys=ys, g=g, nbytes=nbytes, reductions=len(reductions))
+        traffic = AG.TRAFFIC.take()
+        out.update(ys_bf16=ys_bf16, g_bf16=g_bf16, ys=ys, g=g, nbytes=nbytes, reductions=len(reductions),
+                   traffic=traffic, summary=AG.GatherTraffic.summary(traffic))
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -364,3 +367,9 @@ def test_fsdp2_nvfp4_all_gather_trains_exactly_as_the_bf16_all_gather(world):
     chunks = {2: (56, 32), 3: (38, 22)}[world]
     bf16_bytes = 2 * world * (chunks[0] * 64 + chunks[1] * 112)
     assert out["nbytes"] * {2: 4, 3: 2}[world] == bf16_bytes
+    # the traffic counter the converter logs: every gather (forward, backward's re-gathers, the 2 above)
+    t = out["traffic"]
+    assert t["gathers"] % 2 == 0 and t["gathers"] >= 3 * 2 + 2
+    assert t["codes_bytes"] == t["gathers"] // 2 * out["nbytes"] and t["param_dtype_bytes"] == t["gathers"] // 2 * bf16_bytes
+    assert t["reduced_bytes"] == out["reductions"] // 2 * 2 * 4 * (7 * 4 + 1)  # both grids: 7x4 tiles + max, fp32
+    assert f"{t['gathers']} weight all-gathers moved" in out["summary"] and ("4.0x" if world == 2 else "2.0x") in out["summary"]

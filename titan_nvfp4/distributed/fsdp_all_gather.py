@@ -77,6 +77,39 @@ def _in_backward() -> bool:
     return current is not None and current() != -1
 
 
+class GatherTraffic:
+    """Bytes this process's NVFP4 all-gathers moved since the last ``take()``: the gathered codes (all
+    ranks' shards, what the all-gather delivers here), what FSDP2's all-gather in the param dtype would
+    have moved for the same shards, and the tile amaxes all-reduced. Python ints, no device sync."""
+
+    FIELDS = ("gathers", "codes_bytes", "param_dtype_bytes", "reduced_bytes")
+
+    def __init__(self) -> None:
+        self.take()
+
+    def add(self, codes: int, param_dtype: int, reduced: int) -> None:
+        self.gathers += 1
+        self.codes_bytes += codes
+        self.param_dtype_bytes += param_dtype
+        self.reduced_bytes += reduced
+
+    def take(self) -> dict[str, int]:
+        """The counts so far, and start again from zero."""
+        counts = {f: getattr(self, f, 0) for f in self.FIELDS}
+        self.gathers = self.codes_bytes = self.param_dtype_bytes = self.reduced_bytes = 0
+        return counts
+
+    @staticmethod
+    def summary(counts: dict[str, int]) -> str:
+        mb = 1e-6
+        ratio = counts["param_dtype_bytes"] / counts["codes_bytes"] if counts["codes_bytes"] else float("nan")
+        return (f"{counts['gathers']} weight all-gathers moved {counts['codes_bytes'] * mb:.2f} MB of NVFP4 codes "
+                f"(in the param dtype: {counts['param_dtype_bytes'] * mb:.2f} MB, {ratio:.1f}x) and all-reduced "
+                f"{counts['reduced_bytes'] * mb:.3f} MB of tile amaxes")
+
+
+TRAFFIC = GatherTraffic()  # this process's; the converter logs the first optimizer step's
+
 _MESH_DIMS: dict = {}
 
 
@@ -150,17 +183,20 @@ class NVFP4ShardedWeight(torch.Tensor):
             w = torch.cat([w, w.new_zeros(chunk - w.shape[0], *w.shape[1:])])
         tile_amax, scales, encode = _shard_functions(w)
         key = (self._data.data_ptr(), dtype, n_rows, ws, rank)
+        reduced = 0
         if self._scales is not None and self._scales[0] == key and _in_backward():  # forward's gather's scales
             _, e_b, s = self._scales
         else:
             grid = tile_amax(w, offset, n_rows)  # the whole weight's tile amaxes and their max, once all-reduced
             if ws > 1:  # one rank holds every tile already
                 dist.all_reduce(grid, op=dist.ReduceOp.MAX, group=group)
+                reduced = grid.numel() * grid.element_size()
             e_b, s = scales(grid, n_rows, w.shape[1])  # s: encode scale, decode scale
             self._scales = (key, e_b, s)
         codes = encode(w, offset, e_b, s[:1])
         if n_rows % ws:  # FSDP2 wants the padded shard's shape [chunk, K]: one code per byte
             codes = unpack_nibbles(codes)
+        TRAFFIC.add(codes.numel() * codes.element_size() * ws, w.numel() * w.element_size() * ws, reduced)
         return (codes,), ("nvfp4", e_b, s[1], n_rows)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):

@@ -17,7 +17,7 @@ from torchtitan.tools.logging import logger
 
 from ..amax_history import AmaxHistory, layers_with_history, register_buffers, roll
 from ..decomposed_linear import DecomposedLinear, LowRankState
-from ..distributed.fsdp_all_gather import wrap_weight
+from ..distributed.fsdp_all_gather import TRAFFIC, wrap_weight
 from ..nvfp4_linear import NVFP4Linear, check_linear_dims
 from ..recipe import NVFP4Recipe
 from ..schedule import PrecisionSchedule, StepCounter, switch_step
@@ -136,6 +136,7 @@ class NVFP4LinearConverter(QuantizationConverter):
         self.bf16_after_fraction = section.bf16_after_fraction
         self.total_steps = job_config.training.steps
         self.nvfp4_all_gather = section.fsdp_nvfp4_all_gather and _fsdp_all_gather_applies(parallel_dims)
+        self._traffic_logged = False
         self.telemetry_every = section.telemetry_every
         if self.telemetry_every:
             install_metrics_hook()
@@ -174,7 +175,11 @@ class NVFP4LinearConverter(QuantizationConverter):
 
     def post_optimizer_hook(self, model) -> None:
         """Push the step's activation amaxes into the histories; count the optimizer step; switch to high
-        precision at bf16_after_fraction; re-decompose the low-rank modules every lora_refresh_steps."""
+        precision at bf16_after_fraction; re-decompose the low-rank modules every lora_refresh_steps; after
+        the first step, log the NVFP4 all-gather's traffic on this rank."""
+        if self.nvfp4_all_gather and not self._traffic_logged:
+            self._traffic_logged = True
+            logger.info(f"NVFP4: FSDP2 all-gather, first step on this rank: {TRAFFIC.summary(TRAFFIC.take())}")
         if self.amax_history:
             roll(layers_with_history(model))
         for i, (part, counter) in enumerate(step_counters(model, LINEAR_STEPS)):
