@@ -6,6 +6,8 @@
 #   bash scripts/dist_runs.sh ep [STEPS]      EP2 speed: the BF16 twin, and NVFP4 with autotuning printed
 #   bash scripts/dist_runs.sh compile [STEPS] FSDP2 (NVFP4 all-gather), TP2 and EP2 with torch.compile and
 #                                             selective activation checkpointing, against the eager 1-GPU runs
+#   bash scripts/dist_runs.sh four [STEPS]    issue 8 on 4 GPUs (nvidia-h200-x4 / -h100-x4): FSDP2 2 x TP2 with the
+#                                             BF16 and the NVFP4 all-gather, and the MoE with experts EP2 x FSDP2 2
 #   bash scripts/dist_runs.sh moe_seeds [STEPS] more seeds of the MoE comparison: deepseek_v3_nvfp4 on one GPU
 #                                             (seeds 44-46) and deepseek_v3_nvfp4_ep2 (seeds 43, 44)
 # The 1-GPU reference logs of an earlier session can stand in for a rerun (same torch/triton/GPU kind):
@@ -17,8 +19,8 @@
 # on both GPUs, STEPS (default 150) each, same global batch; then one loss table per model
 # (titan_nvfp4.tools.loss_log, deltas against the 1-GPU run).
 # Every arm validates at steps 1, 50, 100, 150 on 16 batches of 8 x 512 tokens of the validation split
-# written twice (titan_nvfp4.data.variants): each data-parallel rank then reads the same tokens as a
-# one-GPU run, so validation losses compare layouts whose training batches differ.
+# written four times (titan_nvfp4.data.variants): each rank of a 1-, 2- or 4-way data-parallel run then
+# reads the same tokens as a one-GPU run, so validation losses compare layouts whose training batches differ.
 # An arm whose log already reached STEPS is skipped, so a stopped call is finished by running it again;
 # each arm is stopped after ARM_TIMEOUT s (default 240) or at DEADLINE (epoch seconds), whichever is first,
 # and not started with less than ARM_MIN s (default 60) left before DEADLINE.
@@ -32,10 +34,11 @@ source scripts/device_setup.sh >/dev/null 2>&1 || { echo "device_setup.sh failed
 python -m titan_nvfp4.data.prepare 2>&1 | tail -1
 variants=./outputs/data_variants
 mkdir -p "$variants"
-python -m titan_nvfp4.data.variants replicate ./assets/pystdlib/validation.jsonl "$variants/validation_x2.jsonl"
+python -m titan_nvfp4.data.variants replicate ./assets/pystdlib/validation.jsonl "$variants/validation_x4.jsonl" \
+    --copies 4
 python -m titan_nvfp4.data.variants rotate ./assets/pystdlib/train.jsonl "$variants/train_rotated.jsonl"
 val=(--validation.enable --validation.dataset pystdlib_validation
-     --validation.dataset_path "$variants/validation_x2.jsonl" --validation.local_batch_size 8
+     --validation.dataset_path "$variants/validation_x4.jsonl" --validation.local_batch_size 8
      --validation.seq_len 512 --validation.freq 50 --validation.steps 16)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTORCH_ALLOC_CONF=expandable_segments:True
 
@@ -55,25 +58,32 @@ train() {  # ARM NPROC GPUS PORT [OVERRIDES...]
   grep -E "NVFP4: (converted|FSDP2)|Traceback|Error" "$run/$arm.log" | grep -v lspci | sort -u | head -4
 }
 
-if [[ $mode == runs ]]; then
-  # the six 1-GPU runs at once, each model's three on one GPU (they compile the same kernels side by side)
-  rot=(--training.dataset_path "$variants/train_rotated.jsonl")
+references() {  # the six 1-GPU runs at once, each model's three on one GPU (they compile the same kernels side by side)
+  local rot=(--training.dataset_path "$variants/train_rotated.jsonl") m cfg gpu port
   for m in "llama3_nvfp4 0 29500" "deepseek_v3_nvfp4 1 29510"; do
     read -r cfg gpu port <<<"$m"
     train "$cfg" 1 "$gpu" "$port" & train "$cfg@seed43" 1 "$gpu" $((port + 1)) --debug.seed 43 &
     train "$cfg@rotated" 1 "$gpu" $((port + 2)) "${rot[@]}" &
   done
   wait
+}
+tables_of() {  # NAME ARM... : the loss table of these arms (those with a log), first the reference
+  local name=$1 a
+  shift
+  python -m titan_nvfp4.tools.loss_log $(for a in "$@"; do [[ -f $run/$a.log ]] && echo "$run/$a.log"; done) \
+      --last 10 --markdown --csv "$run/$name.csv" | tee "$run/$name.md"
+}
+
+if [[ $mode == runs ]]; then
+  references
   for arm in llama3_nvfp4_fsdp2 llama3_nvfp4_fsdp2_ag llama3_nvfp4_tp2; do
     train "$arm" 2 0,1 29502
   done
   TRITON_PRINT_AUTOTUNING=1 train deepseek_v3_nvfp4_ep2 2 0,1 29502
   llama=(llama3_nvfp4 llama3_nvfp4@seed43 llama3_nvfp4@rotated llama3_nvfp4_fsdp2 llama3_nvfp4_fsdp2_ag llama3_nvfp4_tp2)
   deepseek=(deepseek_v3_nvfp4 deepseek_v3_nvfp4@seed43 deepseek_v3_nvfp4@rotated deepseek_v3_nvfp4_ep2)
-  python -m titan_nvfp4.tools.loss_log $(printf "$run/%s.log " "${llama[@]}") --last 10 --markdown --csv "$run/llama3.csv" \
-      | tee "$run/llama3.md"
-  python -m titan_nvfp4.tools.loss_log $(printf "$run/%s.log " "${deepseek[@]}") --last 10 --markdown --csv "$run/deepseek_v3.csv" \
-      | tee "$run/deepseek_v3.md"
+  tables_of llama3 "${llama[@]}"
+  tables_of deepseek_v3 "${deepseek[@]}"
   echo "EP2 autotuning events: $(grep -c "Triton autotuning" "$run/deepseek_v3_nvfp4_ep2.log")"
   logs=("${llama[@]}" "${deepseek[@]}")
   tables=(llama3.md llama3.csv deepseek_v3.md deepseek_v3.csv)
@@ -106,10 +116,10 @@ elif [[ $mode == compile ]]; then
   for arm in llama3_nvfp4_fsdp2_ag llama3_nvfp4_tp2 deepseek_v3_nvfp4_ep2; do
     train "$arm@compile_ac" 2 0,1 29502 "${ca[@]}"
   done
-  python -m titan_nvfp4.tools.loss_log "$run"/llama3_nvfp4.log "$run/llama3_nvfp4_fsdp2_ag@compile_ac.log" \
-      "$run/llama3_nvfp4_tp2@compile_ac.log" --last 10 --markdown | tee "$run/compile_llama3.md"
-  python -m titan_nvfp4.tools.loss_log "$run"/deepseek_v3_nvfp4.log "$run/deepseek_v3_nvfp4_ep2@compile_ac.log" \
-      --last 10 --markdown | tee "$run/compile_deepseek_v3.md"
+  tables_of compile_llama3 llama3_nvfp4 llama3_nvfp4@seed43 llama3_nvfp4@rotated "llama3_nvfp4_fsdp2_ag@compile_ac" \
+      "llama3_nvfp4_tp2@compile_ac"
+  tables_of compile_deepseek_v3 deepseek_v3_nvfp4 deepseek_v3_nvfp4@seed43 deepseek_v3_nvfp4@rotated \
+      "deepseek_v3_nvfp4_ep2@compile_ac"
   logs=(llama3_nvfp4 deepseek_v3_nvfp4 "llama3_nvfp4_fsdp2_ag@compile_ac" "llama3_nvfp4_tp2@compile_ac"
         "deepseek_v3_nvfp4_ep2@compile_ac")
   tables=(compile_llama3.md compile_deepseek_v3.md)
@@ -122,9 +132,21 @@ elif [[ $mode == moe_seeds ]]; then
   logs=(deepseek_v3_nvfp4 deepseek_v3_nvfp4@seed43 deepseek_v3_nvfp4@rotated deepseek_v3_nvfp4@seed44
         deepseek_v3_nvfp4@seed45 deepseek_v3_nvfp4@seed46 deepseek_v3_nvfp4_ep2 deepseek_v3_nvfp4_ep2@seed43
         deepseek_v3_nvfp4_ep2@seed44)
-  python -m titan_nvfp4.tools.loss_log $(for a in "${logs[@]}"; do [[ -f $run/$a.log ]] && echo "$run/$a.log"; done) \
-      --last 10 --markdown | tee "$run/moe_seeds.md"
-  tables=(moe_seeds.md)
+  tables_of moe_seeds "${logs[@]}"
+  tables=(moe_seeds.md moe_seeds.csv)
+elif [[ $mode == four ]]; then
+  # issue 8: the 1-GPU references and controls (skipped where their logs are there), then the 4-GPU layouts
+  references
+  train llama3_nvfp4_fsdp2_tp2 4 0,1,2,3 29502
+  train llama3_nvfp4_fsdp2_tp2_ag 4 0,1,2,3 29502
+  train deepseek_v3_nvfp4_ep2_fsdp4 4 0,1,2,3 29502
+  llama=(llama3_nvfp4 llama3_nvfp4@seed43 llama3_nvfp4@rotated llama3_nvfp4_fsdp2_tp2 llama3_nvfp4_fsdp2_tp2_ag)
+  deepseek=(deepseek_v3_nvfp4 deepseek_v3_nvfp4@seed43 deepseek_v3_nvfp4@rotated deepseek_v3_nvfp4_ep2_fsdp4)
+  tables_of four_llama3 "${llama[@]}"
+  tables_of four_deepseek_v3 "${deepseek[@]}"
+  grep -h "NVFP4: FSDP2 all-gather, first step" "$run/llama3_nvfp4_fsdp2_tp2_ag.log" | sort -u
+  logs=("${llama[@]}" "${deepseek[@]}")
+  tables=(four_llama3.md four_llama3.csv four_deepseek_v3.md four_deepseek_v3.csv)
 else
   echo "usage: bash scripts/dist_runs.sh runs|bench|ep|compile|moe_seeds [STEPS]"; exit 2
 fi
