@@ -280,8 +280,8 @@ def _ep_worker(rank, world, out, job, state, tokens):
 
     torch.histc = histc_for_cpu()
     _cpu_meshes()
-    model, cfg, dims = _moe_model(job, ep=world, dp=world)
-    parallelize_deepseekv3(model, dims, cfg)  # EP over the experts, FSDP2 over the rest
+    model, cfg, dims = _moe_model(job, ep=2, dp=world)
+    parallelize_deepseekv3(model, dims, cfg)  # EP over the experts (x FSDP2 over 4 ranks), FSDP2 over the rest
     _materialize_parallel(model, state)
     experts = [m for m in model.modules() if isinstance(m, NVFP4GroupedExperts)]
     assert experts and all(isinstance(m.w1, DTensor) and "ep" in m.w1.device_mesh.mesh_dim_names for m in experts)
@@ -292,22 +292,25 @@ def _ep_worker(rank, world, out, job, state, tokens):
         out.update(logits=logits.detach().clone(), grads=grads)
 
 
-def test_deepseek_v3_experts_under_expert_parallelism_match_one_process(tmp_path, cpu_histc):
-    """EP = 2 (and FSDP2 over the dense part) on 2 gloo ranks with TorchTitan's parallelize function: each
-    rank holds whole experts, so each expert's tensor amax is its own whole weight's. Both ranks get the
-    same batch, so each expert sees both copies of its tokens, rank 0's first: exactly what one process
-    sees with the batch doubled. Logits and all gradients (summed over the ranks: halved) match it."""
+@pytest.mark.parametrize("world", [2, 4], ids=["ep2", "ep2xfsdp2"])
+def test_deepseek_v3_experts_under_expert_parallelism_match_one_process(tmp_path, cpu_histc, world):
+    """EP = 2 with TorchTitan's parallelize function, on 2 gloo ranks (FSDP2 2 over the dense part) and on 4
+    (the experts EP2 x FSDP2 2 on TorchTitan's efsdp mesh, the dense part FSDP2 4): each rank holds whole
+    experts, so each expert's tensor amax is its own whole weight's. Every rank gets the same batch, so
+    each expert sees its EP group's two copies of its tokens, rank 0's first: exactly what one process
+    sees with the batch doubled. Logits and all gradients (summed over the ranks: divided by the world
+    size) match it."""
     job = _moe_job(tmp_path)
     ref, _, _ = _moe_model(job, ep=1, dp=1)
     state = _initialized_state(ref)
     tokens = torch.randint(0, 2000, (2, 32), generator=torch.Generator().manual_seed(1))
     logits = ref(torch.cat([tokens, tokens]))
     logits.float().square().mean().backward()
-    out = run_ranks(_ep_worker, 2, job, state, tokens)
+    out = run_ranks(_ep_worker, world, job, state, tokens)
     assert _rel(out["logits"], logits[:2]) < 1e-6
     for name, p in ref.named_parameters():
         # measured: at most 1.9e-7 (fp32 summation order), experts and the rest alike
-        assert _rel(out["grads"][name] / 2, p.grad) < 1e-5, name
+        assert _rel(out["grads"][name] / world, p.grad) < 1e-5, name
 
 
 def _moe_tp_worker_bf16(rank, world, out, job, state, tokens):
