@@ -285,13 +285,15 @@ def _moe_models():
     }
 
 
-def _build(name: str, seq: int = 32, score_before_experts: bool | None = None):
+def _build(name: str, seq: int = 32, score_before_experts: bool | None = None, n_layers: int | None = None):
     from torchtitan.config import ConfigManager
 
     cls, args = _moe_models()[name]
     args = copy.deepcopy(args)
     if score_before_experts is not None:
         args.moe_args.score_before_experts = score_before_experts
+    if n_layers is not None:  # fewer blocks (deepseek_v3: the first stays dense), for the multi-process tests
+        args.n_layers = n_layers
     # as TorchTitan's trainer does (max_seq_len, the MoE implementation, ...)
     args.update_from_config(ConfigManager().parse_args(["--training.seq_len", str(seq)]))
     with torch.device("meta"):

@@ -256,7 +256,7 @@ def _moe_job(tmp_path):
     return job
 
 
-def _moe_model(job, ep: int, dp: int, score_before_experts: bool | None = None):
+def _moe_model(job, ep: int, dp: int, score_before_experts: bool | None = None, n_layers: int | None = None):
     from test_grouped import _build
     from torchtitan.config import ConfigManager
     from torchtitan.distributed import ParallelDims
@@ -267,9 +267,12 @@ def _moe_model(job, ep: int, dp: int, score_before_experts: bool | None = None):
                                       "--parallelism.data_parallel_shard_degree", str(dp),
                                       "--training.mixed_precision_param", "float32"])
     dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=1, pp=1, ep=ep, etp=1, world_size=dp)
-    model, _ = _build("deepseek_v3", score_before_experts=score_before_experts)
+    model, _ = _build("deepseek_v3", score_before_experts=score_before_experts, n_layers=n_layers)
     build_model_converters(cfg, dims).convert(model)
     return model, cfg, dims
+
+
+MOE_TEST_LAYERS = 3  # deepseek_v3 debug's dense first block and two MoE blocks (of 6): the same code paths
 
 
 def _ep_worker(rank, world, out, job, state, tokens):
@@ -280,7 +283,7 @@ def _ep_worker(rank, world, out, job, state, tokens):
 
     torch.histc = histc_for_cpu()
     _cpu_meshes()
-    model, cfg, dims = _moe_model(job, ep=2, dp=world)
+    model, cfg, dims = _moe_model(job, ep=2, dp=world, n_layers=MOE_TEST_LAYERS)
     parallelize_deepseekv3(model, dims, cfg)  # EP over the experts (x FSDP2 over 4 ranks), FSDP2 over the rest
     _materialize_parallel(model, state)
     experts = [m for m in model.modules() if isinstance(m, NVFP4GroupedExperts)]
@@ -301,7 +304,7 @@ def test_deepseek_v3_experts_under_expert_parallelism_match_one_process(tmp_path
     sees with the batch doubled. Logits and all gradients (summed over the ranks: divided by the world
     size) match it."""
     job = _moe_job(tmp_path)
-    ref, _, _ = _moe_model(job, ep=1, dp=1)
+    ref, _, _ = _moe_model(job, ep=1, dp=1, n_layers=MOE_TEST_LAYERS)
     state = _initialized_state(ref)
     tokens = torch.randint(0, 2000, (2, 32), generator=torch.Generator().manual_seed(1))
     logits = ref(torch.cat([tokens, tokens]))
@@ -333,7 +336,7 @@ def _moe_tp_worker(rank, world, out, job, state, tokens, check_experts=True):
                                       "--parallelism.tensor_parallel_degree", str(world),
                                       "--training.mixed_precision_param", "float32"])
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world, pp=1, ep=1, etp=1, world_size=world)
-    model, _ = _build("deepseek_v3", score_before_experts=True)
+    model, _ = _build("deepseek_v3", score_before_experts=True, n_layers=MOE_TEST_LAYERS)
     build_model_converters(cfg, dims).convert(model)
     parallelize_deepseekv3(model, dims, cfg)  # TorchTitan's TP plan: attention, dense MLPs and the experts
     _materialize_parallel(model, state)
@@ -355,7 +358,7 @@ def test_deepseek_v3_under_torchtitan_tp_plan_matches_one_process(tmp_path, cpu_
     scaling after them, TorchTitan 0.2.2's TP leaves the router gate's gradient a per-rank partial sum
     (measured in BF16 too: 0.7 relative error), which is TorchTitan's, not ours."""
     job = _moe_job(tmp_path)
-    ref, _, _ = _moe_model(job, ep=1, dp=1, score_before_experts=True)
+    ref, _, _ = _moe_model(job, ep=1, dp=1, score_before_experts=True, n_layers=MOE_TEST_LAYERS)
     state = _initialized_state(ref)
     tokens = torch.randint(0, 2000, (2, 32), generator=torch.Generator().manual_seed(1))
     logits = ref(tokens)
