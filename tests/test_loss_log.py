@@ -94,3 +94,9 @@ def test_loss_plot_writes_a_png(tmp_path):
     plot_main([str(a), str(b), "--out", str(out)])
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    val = "validate step: {s}  loss: {v:.4f}  memory:  1.00GiB\n"  # validation adds its own lines
+    a.write_text(_LOG + val.format(s=10, v=6.5) + val.format(s=20, v=5.2))
+    b.write_text(_LOG + val.format(s=10, v=6.6) + val.format(s=20, v=5.4))
+    with_val = tmp_path / "with_validation.png"
+    plot_main([str(a), str(b), "--out", str(with_val)])
+    assert with_val.read_bytes()[:8] == data[:8] and with_val.read_bytes() != data

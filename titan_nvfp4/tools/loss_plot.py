@@ -4,8 +4,9 @@
 
 Reads TorchTitan logs (loss_log.parse_log). Top: each run's loss per logged step (thin) and its
 exponential moving average (thick). Bottom: loss minus the first run's at the steps both logged
-(same seed and data, so batch-to-batch noise cancels), with its moving average. Needs matplotlib
-(the `plot` extra).
+(same seed and data, so batch-to-batch noise cancels), with its moving average. Runs that validated
+(loss_log.parse_validation) add their validation losses as dashed lines with markers, in both panels.
+Needs matplotlib (the `plot` extra).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .loss_log import StepMetrics, parse_log
+from .loss_log import StepMetrics, parse_log, parse_validation
 
 
 def ema(values: list[float], decay: float) -> list[float]:
@@ -26,8 +27,10 @@ def ema(values: list[float], decay: float) -> list[float]:
     return out
 
 
-def plot_runs(runs: dict[str, list[StepMetrics]], out: Path, smooth: float = 0.6, title: str = "") -> Path:
-    """Write the two-panel PNG for ``runs`` (name -> metrics; the first is the reference)."""
+def plot_runs(runs: dict[str, list[StepMetrics]], out: Path, smooth: float = 0.6, title: str = "",
+              validation: dict[str, dict[int, float]] | None = None) -> Path:
+    """Write the two-panel PNG for ``runs`` (name -> metrics; the first is the reference), with the
+    ``validation`` losses (name -> step -> loss) of the runs that have them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -49,8 +52,19 @@ def plot_runs(runs: dict[str, list[StepMetrics]], out: Path, smooth: float = 0.6
             diff = [s.loss - base[s.step] for s in common]
             bottom.plot([s.step for s in common], diff, color=color, alpha=0.25, linewidth=0.8)
             bottom.plot([s.step for s in common], ema(diff, smooth), color=color, linewidth=2, label=f"{name} − {names[0]}")
+        val = (validation or {}).get(name, {})
+        if val:
+            steps = sorted(val)
+            top.plot(steps, [val[k] for k in steps], color=color, linestyle="--", marker="o", markersize=4)
+            base_val = (validation or {}).get(names[0], {})
+            both = [k for k in steps if k in base_val]
+            if i and both:
+                bottom.plot(both, [val[k] - base_val[k] for k in both], color=color, linestyle="--", marker="o",
+                            markersize=4)
     top.set_ylabel("loss")
-    top.legend()
+    if any((validation or {}).values()):
+        top.plot([], [], color="grey", linestyle="--", marker="o", markersize=4, label="dashed: validation loss")
+    top.legend(fontsize="small")
     top.grid(alpha=0.3)
     top.set_title(title or f"loss per logged step (thick: EMA {smooth})")
     bottom.axhline(0.0, color="k", linewidth=0.8)
@@ -58,7 +72,7 @@ def plot_runs(runs: dict[str, list[StepMetrics]], out: Path, smooth: float = 0.6
     bottom.set_ylabel("Δ loss")
     bottom.grid(alpha=0.3)
     if len(names) > 1:
-        bottom.legend()
+        bottom.legend(fontsize="small")
     fig.tight_layout()
     out = Path(out)
     fig.savefig(out, dpi=110)
@@ -73,8 +87,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smooth", type=float, default=0.6, help="EMA decay per logged step")
     ap.add_argument("--title", default="")
     args = ap.parse_args(argv)
-    runs = {p.stem: parse_log(p.read_text(errors="replace")) for p in args.logs}
-    print(f"loss_plot: wrote {plot_runs(runs, args.out, args.smooth, args.title)}")
+    texts = {p.stem: p.read_text(errors="replace") for p in args.logs}
+    runs = {name: parse_log(t) for name, t in texts.items()}
+    validation = {name: parse_validation(t) for name, t in texts.items()}
+    print(f"loss_plot: wrote {plot_runs(runs, args.out, args.smooth, args.title, validation)}")
 
 
 if __name__ == "__main__":
