@@ -41,6 +41,11 @@ val=(--validation.enable --validation.dataset pystdlib_validation
      --validation.dataset_path "$variants/validation_x4.jsonl" --validation.local_batch_size 8
      --validation.seq_len 512 --validation.freq 50 --validation.steps 16)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTORCH_ALLOC_CONF=expandable_segments:True
+# Triton keeps each autotuning result in its cache dir and later processes reuse it: without this, every
+# arm re-benchmarks every kernel's tile configs (most of a 2-3 minute MoE arm), and arms may pick different
+# tiles, hence different fp32 summation orders. Loss runs only: the benchmarks tune afresh (a result
+# measured while several runs shared a GPU is no speed reference). Set it to 0 to tune in every arm.
+export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 
 done_() { grep -qE "step: *${steps} " "$run/$1.log" 2>/dev/null; }
 train() {  # ARM NPROC GPUS PORT [OVERRIDES...]
