@@ -95,6 +95,7 @@ if [[ $mode == runs ]]; then
 elif [[ $mode == bench ]]; then
   # 2B_bench with FSDP2 over both GPUs, local batch 16: BF16 all-gather, then NVFP4 all-gather
   val=()  # step time only
+  export TRITON_CACHE_AUTOTUNING=0  # a speed comparison: each arm tunes on an otherwise idle machine
   common=(--parallelism.data_parallel_shard_degree 2 --training.local_batch_size 16)
   train "llama3_2b_bench_nvfp4@ag_false" 2 0,1 29502 "${common[@]}"
   train "llama3_2b_bench_nvfp4@ag_true" 2 0,1 29502 "${common[@]}" --quantize.linear.nvfp4.fsdp_nvfp4_all_gather
