@@ -322,7 +322,7 @@ def cpu_histc(monkeypatch):
 @pytest.mark.parametrize("name", ["deepseek_v3", "llama4", "qwen3", "gpt_oss"])
 def test_moe_debug_model_converts_on_meta_and_trains_on_cpu(name, cpu_histc):
     torch.manual_seed(0)
-    model, args = _build(name)
+    model, args = _build(name, n_layers=2)  # a dense and a MoE block where the flavour has both
     keys = set(model.state_dict().keys())
     recipe = NVFP4Recipe(gemm_backend="reference")
     report = convert_experts(model, recipe, ["experts"])
@@ -427,7 +427,7 @@ def test_expert_lowrank_branch_meta_build_decomposition_and_gradients(name, cpu_
     from titan_nvfp4.integration.experts import grouped_lowrank
 
     torch.manual_seed(0)
-    model, args = _build(name)
+    model, args = _build(name, n_layers=2)  # a dense and a MoE block where the flavour has both
     recipe = NVFP4Recipe(gemm_backend="reference")
     report = convert_experts(model, recipe, ["experts"], lora_rank=16)
     decompose_after_init(model)
@@ -465,13 +465,13 @@ def test_expert_lowrank_branch_meta_build_decomposition_and_gradients(name, cpu_
     from titan_nvfp4.tools.export_dense import fold_decomposed
 
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    plain, _ = _build(name)
+    plain, _ = _build(name, n_layers=2)
     dense = fold_decomposed(state)
     assert not any("lora" in k for k in dense) and set(dense) == set(plain.state_dict())
     prefix = next(k for k in state if k.endswith(f"{g0}_lora_u"))[: -len(f"{g0}_lora_u")]
     for g, w in experts[0].dense_weights().items():
         assert torch.equal(dense[prefix + g], w.to(dense[prefix + g].dtype))  # R + U·diag(σ)·V in R's dtype
-    again, _ = _build(name)
+    again, _ = _build(name, n_layers=2)
     convert_experts(again, recipe, ["experts"], lora_rank=16)
     again.to_empty(device="cpu")
     again.load_state_dict(state)
