@@ -108,17 +108,16 @@ elif [[ $mode == ep ]]; then
   # (a new token count that re-tunes a kernel shows up as one "Triton autotuning" line per step)
   train deepseek_v3_bf16_ep2 2 0,1 29502
   TRITON_PRINT_AUTOTUNING=1 train deepseek_v3_nvfp4_ep2 2 0,1 29502  # the "runs" arm, if that ran
-  python -m titan_nvfp4.tools.loss_log "$run/deepseek_v3_bf16_ep2.log" "$run/deepseek_v3_nvfp4_ep2.log" \
-      --last 10 --markdown | tee "$run/ep.md"
+  tables_of ep deepseek_v3_bf16_ep2 deepseek_v3_nvfp4_ep2
   echo "autotuning events: $(grep -c "Triton autotuning" "$run/deepseek_v3_nvfp4_ep2.log")"
   grep "Triton autotuning" "$run/deepseek_v3_nvfp4_ep2.log" | sed 's/ with.*//' | sort | uniq -c | sort -rn | head
   logs=(deepseek_v3_bf16_ep2 deepseek_v3_nvfp4_ep2)
-  tables=(ep.md)
+  tables=(ep.md ep.csv)
 elif [[ $mode == compile ]]; then
   # each 2-GPU layout with --compile.enable and selective AC (the custom ops under both), against the same
-  # eager 1-GPU references as "runs" (already-finished arms are skipped: rerun to finish a stopped call)
+  # eager 1-GPU references and controls as "runs" (already-finished arms are skipped: rerun to finish a stopped call)
   ca=(--compile.enable --activation_checkpoint.mode selective)
-  train llama3_nvfp4 1 0 29500 & train deepseek_v3_nvfp4 1 1 29501 & wait
+  references
   for arm in llama3_nvfp4_fsdp2_ag llama3_nvfp4_tp2 deepseek_v3_nvfp4_ep2; do
     train "$arm@compile_ac" 2 0,1 29502 "${ca[@]}"
   done
@@ -126,7 +125,8 @@ elif [[ $mode == compile ]]; then
       "llama3_nvfp4_tp2@compile_ac"
   tables_of compile_deepseek_v3 deepseek_v3_nvfp4 deepseek_v3_nvfp4@seed43 deepseek_v3_nvfp4@rotated \
       "deepseek_v3_nvfp4_ep2@compile_ac"
-  logs=(llama3_nvfp4 deepseek_v3_nvfp4 "llama3_nvfp4_fsdp2_ag@compile_ac" "llama3_nvfp4_tp2@compile_ac"
+  logs=(llama3_nvfp4 llama3_nvfp4@seed43 llama3_nvfp4@rotated deepseek_v3_nvfp4 deepseek_v3_nvfp4@seed43
+        deepseek_v3_nvfp4@rotated "llama3_nvfp4_fsdp2_ag@compile_ac" "llama3_nvfp4_tp2@compile_ac"
         "deepseek_v3_nvfp4_ep2@compile_ac")
   tables=(compile_llama3.md compile_deepseek_v3.md)
 elif [[ $mode == moe_seeds ]]; then

@@ -9,6 +9,7 @@ _LOG = """[titan] 2026-11-22 23:00:00,000 - root - INFO - Training starts at ste
 [titan] 2026-11-22 23:00:02,000 - root - INFO - step: 10  loss:  6.00000  grad_norm:  1.5000  memory:  1.50GiB(1.90%)  tps: 50,000  tflops: 1.00  mfu: 0.10%
 [titan] 2026-11-22 23:00:03,000 - root - INFO - step: 20  loss:  5.00000  grad_norm:  1.0000  memory:  1.40GiB(1.80%)  tps: 52,000  tflops: 1.00  mfu: 0.10%
 """
+_VAL = "[titan] 2026-11-25 10:00:00,000 - root - INFO - \x1b[33mvalidate step: {s:2}  \x1b[32mloss: {v:7.4f}  memory:  1.00GiB\n"
 
 
 def test_parse_colored_and_plain_lines():
@@ -50,7 +51,7 @@ def test_paired_standard_error_of_the_difference():
 
 
 def test_validation_loss_compared_at_the_last_validated_step(tmp_path, capsys):
-    val = "[titan] 2026-11-25 10:00:00,000 - root - INFO - \x1b[33mvalidate step: {s:2}  \x1b[32mloss: {v:7.4f}  memory:  1.00GiB\n"
+    val = _VAL
     a, b, c = tmp_path / "one_gpu.log", tmp_path / "fsdp2.log", tmp_path / "no_val.log"
     a.write_text(_LOG + val.format(s=10, v=6.5) + val.format(s=20, v=5.25))
     b.write_text(_LOG + val.format(s=10, v=6.4) + val.format(s=20, v=5.5))
@@ -94,7 +95,7 @@ def test_loss_plot_writes_a_png(tmp_path):
     plot_main([str(a), str(b), "--out", str(out)])
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
-    val = "validate step: {s}  loss: {v:.4f}  memory:  1.00GiB\n"  # validation adds its own lines
+    val = _VAL  # validation adds its own lines
     a.write_text(_LOG + val.format(s=10, v=6.5) + val.format(s=20, v=5.2))
     b.write_text(_LOG + val.format(s=10, v=6.6) + val.format(s=20, v=5.4))
     with_val = tmp_path / "with_validation.png"

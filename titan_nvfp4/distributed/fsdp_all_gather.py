@@ -96,7 +96,8 @@ class GatherTraffic:
     def take(self) -> dict[str, int]:
         """The counts so far, and start again from zero."""
         counts = {f: getattr(self, f, 0) for f in self.FIELDS}
-        self.gathers = self.codes_bytes = self.param_dtype_bytes = self.reduced_bytes = 0
+        for f in self.FIELDS:
+            setattr(self, f, 0)
         return counts
 
     @staticmethod

@@ -39,7 +39,9 @@ def plot_runs(runs: dict[str, list[StepMetrics]], out: Path, smooth: float = 0.6
     if len(runs) < 1 or any(not m for m in runs.values()):
         raise ValueError("loss_plot: every run needs at least one logged step")
     names = list(runs)
+    validation = validation or {}
     base = {s.step: s.loss for s in runs[names[0]]}
+    base_val = validation.get(names[0], {})
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     for i, name in enumerate(names):
         color = f"C{i}"
@@ -52,17 +54,16 @@ def plot_runs(runs: dict[str, list[StepMetrics]], out: Path, smooth: float = 0.6
             diff = [s.loss - base[s.step] for s in common]
             bottom.plot([s.step for s in common], diff, color=color, alpha=0.25, linewidth=0.8)
             bottom.plot([s.step for s in common], ema(diff, smooth), color=color, linewidth=2, label=f"{name} − {names[0]}")
-        val = (validation or {}).get(name, {})
+        val = validation.get(name, {})
         if val:
             steps = sorted(val)
             top.plot(steps, [val[k] for k in steps], color=color, linestyle="--", marker="o", markersize=4)
-            base_val = (validation or {}).get(names[0], {})
             both = [k for k in steps if k in base_val]
             if i and both:
                 bottom.plot(both, [val[k] - base_val[k] for k in both], color=color, linestyle="--", marker="o",
                             markersize=4)
     top.set_ylabel("loss")
-    if any((validation or {}).values()):
+    if any(validation.values()):
         top.plot([], [], color="grey", linestyle="--", marker="o", markersize=4, label="dashed: validation loss")
     top.legend(fontsize="small")
     top.grid(alpha=0.3)
