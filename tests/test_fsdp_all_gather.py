@@ -191,7 +191,7 @@ def _hook_worker(rank, world, out, w):
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from titan_nvfp4.distributed.fsdp_all_gather import NVFP4ShardedWeight
+    from titan_nvfp4.distributed.fsdp_all_gather import NVFP4ShardedWeight, gathered_nvfp4
 
     shard, _ = _shards(w, world)[rank]
     local = NVFP4ShardedWeight(shard.float().cuda())
@@ -201,7 +201,7 @@ def _hook_worker(rank, world, out, w):
     parts = [torch.empty_like(codes) for _ in range(world)]
     dist.all_gather(parts, codes)
     full, _ = local.fsdp_post_all_gather((torch.cat(parts),), meta, torch.bfloat16)
-    q = full.nvfp4()
+    q = gathered_nvfp4(full)
     if rank == 0:
         out.update(data=q.data.cpu(), scale=q.scale.view(torch.uint8).cpu(), gs=q.global_scale.cpu())
 

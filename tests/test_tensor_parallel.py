@@ -55,10 +55,10 @@ def _load(model: MLP, w: dict) -> None:
 
 def _grads(model: nn.Module) -> dict:
     """{parameter name: its whole gradient} (a collective for DTensors: every rank calls it), names without
-    TorchTitan's activation-checkpoint wrapper."""
+    TorchTitan's activation-checkpoint and torch.compile wrappers."""
     from torch.distributed.tensor import DTensor
 
-    return {n.replace("._checkpoint_wrapped_module", ""):
+    return {n.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", ""):
             (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
             for n, p in model.named_parameters()}
 
@@ -148,12 +148,12 @@ def test_stochastic_rounding_streams_differ_per_rank():
 LLAMA_KEYS = ('gemm_backend = "reference"', "stochastic_rounding = false")
 
 
-def _llama_cfg(toml, tp: int, dp: int):
+def _llama_cfg(toml, tp: int, dp: int, *extra: str):
     from test_converter import parse
 
     return parse("--parallelism.tensor_parallel_degree", str(tp), "--parallelism.data_parallel_shard_degree",
                  str(dp), "--training.seq_len", "32", "--training.mixed_precision_param", "float32",
-                 "--training.mixed_precision_reduce", "float32", toml=toml)
+                 "--training.mixed_precision_reduce", "float32", *extra, toml=toml)
 
 
 def _llama(cfg, dims, n_layers: int | None = None):
@@ -505,6 +505,47 @@ def test_tensor_parallel_layers_compile_without_graph_breaks():
     out = run_ranks(_compiled_tp_worker, 2, w, x, recipe)
     for key in ("y", "w1.weight", "w2.weight", "w2.bias"):
         assert _rel(out[key], ref[key]) < 1e-5, key
+
+
+def _compiled_fsdp_worker(rank, world, out, toml, state, tokens, extra):
+    """Llama3 (2 blocks) under TorchTitan's parallelize function with FSDP2 over ``world`` ranks and the
+    NVFP4 all-gather, with the job's ``extra`` flags (compile, activation checkpointing): one backward."""
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.llama3.infra.parallelize import parallelize_llama
+
+    _cpu_meshes()
+    cfg = _llama_cfg(toml, 1, world, *extra)
+    dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world)
+    model = _llama(cfg, dims, n_layers=2)
+    parallelize_llama(model, dims, cfg)
+    _materialize_parallel(model, state)
+    logits = model(tokens)
+    logits.float().square().mean().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    grads = _grads(model) if not missing else {}
+    if rank == 0:
+        out.update(logits=logits.detach().clone(), grads=grads, missing=missing)
+
+
+def test_fsdp2_nvfp4_all_gather_under_compile_and_activation_checkpointing_matches_eager(tmp_path):
+    """FSDP2 2 with fsdp_nvfp4_all_gather, each block compiled (fullgraph, aot_eager) and op-level
+    selective activation checkpointing, as TorchTitan applies them: the same logits and weight gradients
+    as the eager run. Before the gathered weight was a traceable subclass (__tensor_flatten__), the
+    compiled blocks left the NVFP4 weights without a gradient, silently: a 2-GPU run trained only its
+    BF16 layers (docs/dist_runs.md)."""
+    from test_converter import edited_toml, world1
+
+    toml = edited_toml(tmp_path, add=LLAMA_KEYS + ("fsdp_nvfp4_all_gather = true",))
+    state = _initialized_state(_llama(_llama_cfg(toml, 1, 1), world1(), n_layers=2))
+    tokens = torch.randint(0, 2000, (2, 32), generator=torch.Generator().manual_seed(1))
+    eager = run_ranks(_compiled_fsdp_worker, 2, toml, state, tokens, ("--activation_checkpoint.mode", "none"))
+    compiled = run_ranks(_compiled_fsdp_worker, 2, toml, state, tokens, (
+        "--compile.enable", "--compile.backend", "aot_eager", "--activation_checkpoint.mode", "selective",
+        "--activation_checkpoint.selective_ac_option", "op"))
+    assert eager["missing"] == [] and compiled["missing"] == [], compiled["missing"]
+    assert _rel(compiled["logits"], eager["logits"]) < 1e-6
+    for name, g in eager["grads"].items():
+        assert _rel(compiled["grads"][name], g) < 1e-5, name
 
 
 # --------------------------------------------------------------- distributed checkpoints (DCP) and resume

@@ -18,7 +18,7 @@ import functools
 import torch
 
 from .distributed.amax import AmaxGroups, all_reduce_max
-from .distributed.fsdp_all_gather import NVFP4GatheredWeight
+from .distributed.fsdp_all_gather import NVFP4GatheredWeight, gathered_nvfp4
 from .numerics.mxfp8 import MXFP8Tensor
 from .numerics.nvfp4 import NVFP4Tensor
 from .numerics.rht import rht_signs
@@ -100,7 +100,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         fos = recipe.four_over_six
         xq, x_col = quantize_activation(x2d, fp4_wgrad, signs, backend, x_amax, fos)
         if isinstance(weight, NVFP4GatheredWeight):  # FSDP2 gathered it as NVFP4: distributed/fsdp_all_gather.py
-            wq = weight.nvfp4()
+            wq = gathered_nvfp4(weight)
             w_t = wq.t()
         else:
             wq, w_t = quantize_weight(weight, recipe.weight_2d, backend, w_amax, fos)

@@ -215,8 +215,8 @@ class NVFP4ShardedWeight(torch.Tensor):
 
 class NVFP4GatheredWeight(torch.Tensor):
     """The unsharded weight FSDP2 builds from NVFP4 codes: what NVFP4LinearFunction multiplies with
-    (``nvfp4()``), W's shape and param dtype to autograd (its gradient is a dense tensor, which FSDP2
-    reduce-scatters)."""
+    (``gathered_nvfp4``), W's shape and param dtype to autograd (its gradient is a dense tensor, which
+    FSDP2 reduce-scatters)."""
 
     @staticmethod
     def __new__(cls, codes, scale, global_scale, shape, dtype):
@@ -229,12 +229,17 @@ class NVFP4GatheredWeight(torch.Tensor):
         """Refill after a later all-gather (FSDP2's ``out`` path)."""
         self._codes, self._scale, self._gs = codes, scale, global_scale
 
-    def nvfp4(self) -> NVFP4Tensor:
-        """W as an NVFP4Tensor with 16×16 tiles (what quantize_weight would have produced)."""
-        return NVFP4Tensor(self._codes, self._scale, self._gs, self.shape, (BLOCK, BLOCK))
-
     def __repr__(self) -> str:
         return f"NVFP4GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    # traceable by torch.compile: its inner tensors become graph inputs at every call (read fresh after
+    # each all-gather), and the weight stays an autograd input of the NVFP4 linear (its dense gradient)
+    def __tensor_flatten__(self):
+        return ["_codes", "_scale", "_gs"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner, dtype, outer_size, outer_stride):
+        return NVFP4GatheredWeight(inner["_codes"], inner["_scale"], inner["_gs"], outer_size, dtype)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -245,6 +250,13 @@ class NVFP4GatheredWeight(torch.Tensor):
         raise RuntimeError(
             f"an NVFP4-gathered weight (fsdp_nvfp4_all_gather) reached {func}: only the NVFP4 linear reads "
             "it. A module that uses its converted layer's weight directly needs fsdp_nvfp4_all_gather = false")
+
+
+def gathered_nvfp4(w: NVFP4GatheredWeight) -> NVFP4Tensor:
+    """W as an NVFP4Tensor with 16×16 tiles (what quantize_weight would have produced). A function, not
+    a method: torch.compile reads a traceable subclass's inner tensors but puts its methods' calls in
+    the graph, where a non-tensor result is a graph break."""
+    return NVFP4Tensor(w._codes, w._scale, w._gs, w.shape, (BLOCK, BLOCK))
 
 
 def wrap_weight(module: torch.nn.Module) -> None:
