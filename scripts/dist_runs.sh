@@ -8,8 +8,9 @@
 #                                             selective activation checkpointing, against the eager 1-GPU runs
 #   bash scripts/dist_runs.sh four [STEPS]    issue 8 on 4 GPUs (nvidia-h200-x4 / -h100-x4): FSDP2 2 x TP2 with the
 #                                             BF16 and the NVFP4 all-gather, and the MoE with experts EP2 x FSDP2 2
+#   bash scripts/dist_runs.sh moe_fsdp [STEPS]  deepseek_v3_nvfp4_ep2 with expert_parallel_degree 1 (FSDP2 alone)
 #   bash scripts/dist_runs.sh moe_seeds [STEPS] more seeds of the MoE comparison: deepseek_v3_nvfp4 on one GPU
-#                                             (seeds 44-46) and deepseek_v3_nvfp4_ep2 (seeds 43, 44)
+#                                             (seeds 44-49) and deepseek_v3_nvfp4_ep2 (seeds 43, 44)
 # The 1-GPU reference logs of an earlier session can stand in for a rerun (same torch/triton/GPU kind):
 #   mkdir -p outputs/dist_runs && cp docs/dist_runs/*nvfp4*.log outputs/dist_runs/
 # "runs": train_configs/llama3_nvfp4 and deepseek_v3_nvfp4 on one GPU each (side by side), with two
@@ -25,7 +26,8 @@
 # each arm is stopped after ARM_TIMEOUT s (default 240) or at DEADLINE (epoch seconds), whichever is first,
 # and not started with less than ARM_MIN s (default 60) left before DEADLINE.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1): see KINDS.md.
-# Logs, tables and the kernel caches go to $OUT when set (logs packed in one file).
+# Logs, tables and the kernel caches go to $OUT when set (logs packed in one file); SAVE_KERNEL_CACHE=0
+# leaves the caches out (packing them takes about a minute of the call).
 set -uo pipefail
 mode=${1:-runs} steps=${2:-150}
 run=./outputs/dist_runs
@@ -131,15 +133,25 @@ elif [[ $mode == compile ]]; then
   tables=(compile_llama3.md compile_deepseek_v3.md)
 elif [[ $mode == moe_seeds ]]; then
   # is EP2's lower validation loss (docs/dist_runs.md) noise? more seeds of both sides
-  train deepseek_v3_nvfp4@seed44 1 0 29510 --debug.seed 44 & train deepseek_v3_nvfp4@seed45 1 0 29511 --debug.seed 45 &
-  train deepseek_v3_nvfp4@seed46 1 1 29512 --debug.seed 46 & wait
+  for s in 44 45 46 47 48 49; do  # three a GPU at once
+    train "deepseek_v3_nvfp4@seed$s" 1 $(( s % 2 )) $(( 29470 + s )) --debug.seed "$s" &
+  done
+  wait
   train deepseek_v3_nvfp4_ep2@seed43 2 0,1 29502 --debug.seed 43
   train deepseek_v3_nvfp4_ep2@seed44 2 0,1 29502 --debug.seed 44
-  logs=(deepseek_v3_nvfp4 deepseek_v3_nvfp4@seed43 deepseek_v3_nvfp4@rotated deepseek_v3_nvfp4@seed44
-        deepseek_v3_nvfp4@seed45 deepseek_v3_nvfp4@seed46 deepseek_v3_nvfp4_ep2 deepseek_v3_nvfp4_ep2@seed43
-        deepseek_v3_nvfp4_ep2@seed44)
+  logs=(deepseek_v3_nvfp4 deepseek_v3_nvfp4@seed43 deepseek_v3_nvfp4@rotated deepseek_v3_nvfp4@seed{44..49}
+        deepseek_v3_nvfp4_ep2 deepseek_v3_nvfp4_ep2@compile_ac deepseek_v3_nvfp4_ep2@seed43 deepseek_v3_nvfp4_ep2@seed44)
   tables_of moe_seeds "${logs[@]}"
   tables=(moe_seeds.md moe_seeds.csv)
+elif [[ $mode == moe_fsdp ]]; then
+  # EP2 over FSDP2 against FSDP2 alone (experts replicated, both in bf16 mixed precision): is a lower
+  # MoE loss on two GPUs expert parallelism's, or FSDP2's mixed precision (one GPU runs under autocast)?
+  train deepseek_v3_nvfp4_ep2@ep1 2 0,1 29502 --parallelism.expert_parallel_degree 1
+  train deepseek_v3_nvfp4_ep2@ep1_seed43 2 0,1 29502 --parallelism.expert_parallel_degree 1 --debug.seed 43
+  logs=(deepseek_v3_nvfp4 deepseek_v3_nvfp4@seed43 deepseek_v3_nvfp4_ep2 deepseek_v3_nvfp4_ep2@seed43
+        deepseek_v3_nvfp4_ep2@ep1 deepseek_v3_nvfp4_ep2@ep1_seed43)
+  tables_of moe_fsdp "${logs[@]}"
+  tables=(moe_fsdp.md moe_fsdp.csv)
 elif [[ $mode == four ]]; then
   # issue 8: the 1-GPU references and controls (skipped where their logs are there), then the 4-GPU layouts
   references
@@ -154,12 +166,12 @@ elif [[ $mode == four ]]; then
   logs=("${llama[@]}" "${deepseek[@]}")
   tables=(four_llama3.md four_llama3.csv four_deepseek_v3.md four_deepseek_v3.csv)
 else
-  echo "usage: bash scripts/dist_runs.sh runs|bench|ep|compile|moe_seeds [STEPS]"; exit 2
+  echo "usage: bash scripts/dist_runs.sh runs|bench|ep|compile|moe_seeds|moe_fsdp|four [STEPS]"; exit 2
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2
 if [[ -n ${OUT:-} ]]; then  # at most 8 files come back
   tar -cJf "$OUT/dist_logs_$mode.tar.xz" -C "$run" $(cd "$run" && ls "${logs[@]/%/.log}" 2>/dev/null)
   for t in "${tables[@]}"; do cp "$run/$t" "$OUT/" 2>/dev/null; done
-  bash scripts/save_kernel_cache.sh
+  [[ ${SAVE_KERNEL_CACHE:-1} == 0 ]] || bash scripts/save_kernel_cache.sh
 fi
 true
