@@ -11,7 +11,9 @@ and attention's softmax left out, since neither all-gather touches them) as NVFP
 `nvidia_paper` recipe, each block and the root under fully_shard with bf16 params and fp32 reduction,
 as TorchTitan applies FSDP2. One rank isolates the hooks' own GPU and host cost: there the hook skips
 the all-reduce of each weight's tile amaxes, which two ranks add back. --profile-hooks prints where the
-pre hook's host time goes (cProfile inflates it: read the shares, not the totals).
+pre hook's host time goes (cProfile inflates it: read the shares, not the totals). The third arm calls
+``precompute_scales`` after each optimizer step, as the converter does in training: the forward's hooks
+then only encode, and one all-reduce per step carries every weight's tile amaxes.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ def build(args, nvfp4_gather: bool, mesh):
     return model
 
 
-def run_arm(args, nvfp4_gather: bool, mesh, timer: HookTimer) -> dict:
+def run_arm(args, nvfp4_gather: bool, mesh, timer: HookTimer, precompute: bool = False) -> dict:
     model = build(args, nvfp4_gather, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(args.tokens, args.dim, device=DEV, dtype=torch.bfloat16)
@@ -111,6 +113,8 @@ def run_arm(args, nvfp4_gather: bool, mesh, timer: HookTimer) -> dict:
     def step():
         model(x).float().square().mean().backward()
         opt.step()
+        if precompute:  # what the converter's post-optimizer hook does: all tile amaxes in one all-reduce
+            AG.precompute_scales(model)
         opt.zero_grad(set_to_none=True)
 
     for _ in range(3):
@@ -171,21 +175,23 @@ def main() -> None:
     mesh = init_device_mesh(DEV, (world,))
     timer = HookTimer()
     res = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "CPU (smoke run)", "world": world, **vars(args)}
-    for name, on in (("bf16_gather", False), ("nvfp4_gather", True)):
+    arms = (("bf16_gather", False, False), ("nvfp4_gather", True, False), ("nvfp4_gather_precomputed", True, True))
+    for name, on, pre in arms:
         if DEV == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        res[name] = run_arm(args, on, mesh, timer)
+        res[name] = run_arm(args, on, mesh, timer, precompute=pre)
     if rank == 0:
-        b, n = res["bf16_gather"], res["nvfp4_gather"]
+        b, n, p = res["bf16_gather"], res["nvfp4_gather"], res["nvfp4_gather_precomputed"]
         print(f"# {res['gpu']} x{world}, torch {torch.__version__}; {args.layers} blocks dim {args.dim} hidden "
               f"{args.hidden}, {args.tokens} tokens per rank, median of {args.steps} steps")
         print("| all-gather | step ms | GPU kernels ms/step | hooks: pre ms/step (host) | post ms/step (host) "
               "| pre-hook calls/step | peak GiB |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for name, r in (("BF16", b), ("NVFP4", n)):
+        for name, r in (("BF16", b), ("NVFP4 (each hook reduces)", n), ("NVFP4, precomputed scales", p)):
             print(f"| {name} | {r['step_ms']:.1f} | {sum(r['kernels'].values()):.1f} | {r['hook_pre_ms']:.1f} | "
                   f"{r['hook_post_ms']:.1f} | {r['hook_calls']:.0f} | {r['peak_gib']:.2f} |")
-        print(f"NVFP4/BF16 step time: {n['step_ms'] / b['step_ms']:.3f}")
+        print(f"NVFP4/BF16 step time: {n['step_ms'] / b['step_ms']:.3f}; with precomputed scales: "
+              f"{p['step_ms'] / b['step_ms']:.3f}")
         diff = {k: n["kernels"].get(k, 0.0) - b["kernels"].get(k, 0.0) for k in set(n["kernels"]) | set(b["kernels"])}
         print("\nGPU kernels, ms per step, largest NVFP4 - BF16 differences:")
         print("| kernel | BF16 | NVFP4 | diff |\n| --- | ---: | ---: | ---: |")

@@ -286,14 +286,15 @@ class _MLP(nn.Module):
         return self.w2(torch.relu(self.w1(x)))
 
 
-def _train(world: int, nvfp4_gather: bool, steps: int = 3):
+def _train(world: int, nvfp4_gather: bool, steps: int = 3, precompute: bool = False):
     """Train the MLP a few SGD steps under FSDP2 (bf16 params, fp32 reduce); return the outputs, the
-    gathered gradients and (NVFP4 gather) the bytes one all-gather of both weights moved."""
+    gathered gradients and (NVFP4 gather) the bytes one all-gather of both weights moved. ``precompute``:
+    reduce the tile amaxes after every step, as the converter's post-optimizer hook does."""
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from titan_nvfp4.distributed.fsdp_all_gather import NVFP4ShardedWeight, wrap_weight
+    from titan_nvfp4.distributed.fsdp_all_gather import NVFP4ShardedWeight, precompute_scales, wrap_weight
 
     torch.manual_seed(0)
     model = _MLP()
@@ -317,6 +318,8 @@ def _train(world: int, nvfp4_gather: bool, steps: int = 3):
             for p in model.parameters():
                 p -= 0.05 * p.grad
                 p.grad = None
+        if precompute:
+            assert precompute_scales(model) == 2
     gathered_bytes = None
     if nvfp4_gather:
         w = model.w1.weight._local_tensor
@@ -340,10 +343,21 @@ def _fsdp_worker(rank, world, out):
     _count_reductions(AG, reductions)
     AG.TRAFFIC.take()
     ys, g, nbytes = _train(world, True)
+    traffic, n_reductions = AG.TRAFFIC.take(), len(reductions)
+    # precomputed after each step: count the all-reduces of tile amaxes (op MAX) and what they moved
+    import torch.distributed as dist
+
+    real, maxes = dist.all_reduce, []
+    dist.all_reduce = lambda t, *a, **k: (maxes.append(t.numel()) if k.get("op") == dist.ReduceOp.MAX else None,
+                                          real(t, *a, **k))[1]
+    try:
+        ys_pre, g_pre, _ = _train(world, True, precompute=True)
+    finally:
+        dist.all_reduce = real
     if rank == 0:
-        traffic = AG.TRAFFIC.take()
-        out.update(ys_bf16=ys_bf16, g_bf16=g_bf16, ys=ys, g=g, nbytes=nbytes, reductions=len(reductions),
-                   traffic=traffic, summary=AG.GatherTraffic.summary(traffic))
+        out.update(ys_bf16=ys_bf16, g_bf16=g_bf16, ys=ys, g=g, nbytes=nbytes, reductions=n_reductions,
+                   traffic=traffic, summary=AG.GatherTraffic.summary(traffic), ys_pre=ys_pre, g_pre=g_pre,
+                   maxes=maxes, traffic_pre=AG.TRAFFIC.take())
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -373,3 +387,11 @@ def test_fsdp2_nvfp4_all_gather_trains_exactly_as_the_bf16_all_gather(world):
     assert t["codes_bytes"] == t["gathers"] // 2 * out["nbytes"] and t["param_dtype_bytes"] == t["gathers"] // 2 * bf16_bytes
     assert t["reduced_bytes"] == out["reductions"] // 2 * 2 * 4 * (7 * 4 + 1)  # both grids: 7x4 tiles + max, fp32
     assert f"{t['gathers']} weight all-gathers moved" in out["summary"] and ("4.0x" if world == 2 else "2.0x") in out["summary"]
+    # precompute_scales after every step (the converter's post-optimizer hook): the same bits, with one
+    # all-reduce for both weights per step instead of one per weight, and none in the forward hooks
+    # after the first step; then _train's own pre-all-gather calls reuse the precomputed scales too
+    for a, b in zip(out["ys_bf16"] + out["g_bf16"], out["ys_pre"] + out["g_pre"]):
+        assert all(torch.equal(a[n], b[n]) for n in a) if isinstance(a, dict) else torch.equal(a, b)
+    grid = 7 * 4 + 1  # fp32 tile amaxes and their max, per weight
+    assert out["maxes"] == [grid, grid] + [2 * grid] * 3, out["maxes"]
+    assert out["traffic_pre"]["reduced_bytes"] == 4 * (2 * grid + 3 * 2 * grid)

@@ -156,8 +156,9 @@ def _llama_cfg(toml, tp: int, dp: int, *extra: str):
                  "--training.mixed_precision_reduce", "float32", *extra, toml=toml)
 
 
-def _llama(cfg, dims, n_layers: int | None = None):
-    """TorchTitan's Llama3 debug model (``n_layers`` of its blocks) on meta, converted per ``cfg``."""
+def _llama(cfg, dims, n_layers: int | None = None, converters: list | None = None):
+    """TorchTitan's Llama3 debug model (``n_layers`` of its blocks) on meta, converted per ``cfg``
+    (the converters container appended to ``converters``, for its post-optimizer hook)."""
     import copy
 
     from torchtitan.models.llama3 import Transformer, llama3_args
@@ -169,7 +170,10 @@ def _llama(cfg, dims, n_layers: int | None = None):
         args.n_layers = n_layers
     with torch.device("meta"):
         model = Transformer(args)
-    build_model_converters(cfg, dims).convert(model)
+    container = build_model_converters(cfg, dims)
+    container.convert(model)
+    if converters is not None:
+        converters.append(container)
     return model
 
 
@@ -562,7 +566,8 @@ def _train_worker(rank, world, out, toml, tp, dp, state, batches, ckpt, phase):
     _cpu_meshes()
     cfg = _llama_cfg(toml, tp, dp)
     dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=world)
-    model = _llama(cfg, dims, n_layers=2)
+    converters = []
+    model = _llama(cfg, dims, n_layers=2, converters=converters)
     parallelize_llama(model, dims, cfg)
     _materialize_parallel(model, state)  # init_weights also splits the DecomposedLinears
     if dp > 1:
@@ -587,6 +592,7 @@ def _train_worker(rank, world, out, toml, tp, dp, state, batches, ckpt, phase):
         loss = logits.float().square().mean()
         loss.backward()
         opt.step()
+        converters[0].post_optimizer_hook([model])  # as TorchTitan's optimizer step hook calls it
         opt.zero_grad()
         losses.append(loss.detach().clone())
         if phase == "save" and i == 0:
@@ -601,7 +607,9 @@ def test_dcp_checkpoint_resume_reproduces_the_run_bit_for_bit(tmp_path, tp, dp):
     """NVFP4 and DecomposedLinear layers (lora_rank 16) under TorchTitan's TP or FSDP2 plan, with
     stochastic rounding: a run resumed from a DCP checkpoint (model, AdamW state and the train_state
     with the SR call counts) repeats the uninterrupted run's losses exactly. Under FSDP2 the weights
-    are all-gathered as NVFP4 (fsdp_nvfp4_all_gather), so their sharded wrapper goes through DCP too."""
+    are all-gathered as NVFP4 (fsdp_nvfp4_all_gather), so their sharded wrapper goes through DCP too,
+    and the converter's post-optimizer hook precomputes their scales (the resumed run's first forward
+    reduces them itself: the load dropped them)."""
     from test_converter import edited_toml, world1
 
     keys = ('gemm_backend = "reference"', "lora_rank = 16") + (("fsdp_nvfp4_all_gather = true",) if dp > 1 else ())

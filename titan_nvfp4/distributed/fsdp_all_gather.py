@@ -19,13 +19,16 @@ unsharded parameter from the gathered tensors. Here:
    NVFP4LinearFunction reads it instead of quantizing the weight (bit-identical to quantizing the
    BF16-gathered weight: tests/test_fsdp_all_gather.py).
 
-The tile-amax all-reduce moves N·K/256 fp32 values, about 3% of the codes' bytes. It runs at every
-forward all-gather. Backward's re-gather of a resharded block reuses the tile scales of the forward's
-gather and only encodes: the weight cannot have changed in between, and any in-place op on the shard
-(copy_, the optimizer's plain, foreach or fused updates) drops the kept scales anyway. (Version
-counters cannot tell: an op reaching the shard through DTensor's or this wrapper's dispatch does not
-bump the inner tensor's.) bf16_after_fraction is refused
-with this all-gather: FSDP2 sizes its all-gather buffers once, at the first step, for the codes.
+The tile-amax all-reduce moves N·K/256 fp32 values, about 3% of the codes' bytes. Left to the hook it
+runs at every forward all-gather, one small all-reduce per weight on FSDP2's critical path. The
+converter's post-optimizer hook instead calls ``precompute_scales`` (as TorchAO precomputes its float8
+scales for FSDP): right after the optimizer step it reduces the tile amaxes of every gathered weight of
+the model in one all-reduce per FSDP group, and the next forward's hooks only encode. Backward's
+re-gather of a resharded block likewise reuses the forward's scales. Kept scales are dropped by any
+in-place op on the shard (copy_, the optimizer's plain, foreach or fused updates), so a changed weight
+is always reduced again. (Version counters cannot tell: an op reaching the shard through DTensor's or
+this wrapper's dispatch does not bump the inner tensor's.) bf16_after_fraction is refused with this
+all-gather: FSDP2 sizes its all-gather buffers once, at the first step, for the codes.
 """
 
 from __future__ import annotations
@@ -93,6 +96,10 @@ class GatherTraffic:
         self.param_dtype_bytes += param_dtype
         self.reduced_bytes += reduced
 
+    def add_reduced(self, reduced: int) -> None:
+        """Tile amaxes all-reduced outside a gather (``precompute_scales``)."""
+        self.reduced_bytes += reduced
+
     def take(self) -> dict[str, int]:
         """The counts so far, and start again from zero."""
         counts = {f: getattr(self, f, 0) for f in self.FIELDS}
@@ -137,7 +144,9 @@ class NVFP4ShardedWeight(torch.Tensor):
 
     def __init__(self, data: torch.Tensor):
         self._data = data
-        self._scales = None  # (key, tile scales, [S, 1/S]) of the last all-gather (module docstring)
+        # (key, tile scales, [S, 1/S], precomputed) of the last reduction (module docstring)
+        self._scales = None
+        self._gathered_as = None  # (mesh, rows, param dtype) of FSDP2's all-gathers: precompute_scales
 
     def __repr__(self) -> str:
         return f"NVFP4ShardedWeight({self._data})"
@@ -170,30 +179,36 @@ class NVFP4ShardedWeight(torch.Tensor):
 
     # -- FSDP2's all-gather extension ----------------------------------------------------------------
 
+    def _shard(self, mesh, n_rows: int, dtype: torch.dtype):
+        """(this rank's rows in the gather dtype, padded as FSDP2 gathers them; their first row's index in
+        the weight; the key the kept scales must match; the FSDP group and its size)."""
+        ws, rank, group = _shard_dim(mesh)
+        chunk = -(-n_rows // ws)
+        w = self._data.to(dtype)
+        if w.shape[0] < chunk:  # the padded shard, as FSDP2 gathers it
+            w = torch.cat([w, w.new_zeros(chunk - w.shape[0], *w.shape[1:])])
+        return w, rank * chunk, (self._data.data_ptr(), dtype, n_rows, ws, rank), group, ws
+
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         dtype = mp_policy.param_dtype or self._data.dtype
-        w = self._data.to(dtype)
         if getattr(module, "high_precision", False):  # the config refuses it; a module switched by hand
             raise RuntimeError(f"{getattr(module, 'layer_name', type(module).__name__)}: a layer in high precision "
                                "cannot use fsdp_nvfp4_all_gather (FSDP2 keeps the buffers of the codes)")
         n_rows = outer_size[0]
-        ws, rank, group = _shard_dim(mesh)
-        chunk = -(-n_rows // ws)
-        offset = rank * chunk
-        if w.shape[0] < chunk:  # the padded shard, as FSDP2 gathers it
-            w = torch.cat([w, w.new_zeros(chunk - w.shape[0], *w.shape[1:])])
+        self._gathered_as = (mesh, n_rows, dtype)
+        w, offset, key, group, ws = self._shard(mesh, n_rows, dtype)
         tile_amax, scales, encode = _shard_functions(w)
-        key = (self._data.data_ptr(), dtype, n_rows, ws, rank)
         reduced = 0
-        if self._scales is not None and self._scales[0] == key and _in_backward():  # forward's gather's scales
-            _, e_b, s = self._scales
+        kept = self._scales
+        if kept is not None and kept[0] == key and (kept[3] or _in_backward()):  # precomputed, or forward's
+            _, e_b, s, _ = kept
         else:
             grid = tile_amax(w, offset, n_rows)  # the whole weight's tile amaxes and their max, once all-reduced
             if ws > 1:  # one rank holds every tile already
                 dist.all_reduce(grid, op=dist.ReduceOp.MAX, group=group)
                 reduced = grid.numel() * grid.element_size()
             e_b, s = scales(grid, n_rows, w.shape[1])  # s: encode scale, decode scale
-            self._scales = (key, e_b, s)
+            self._scales = (key, e_b, s, False)
         codes = encode(w, offset, e_b, s[:1])
         if n_rows % ws:  # FSDP2 wants the padded shard's shape [chunk, K]: one code per byte
             codes = unpack_nibbles(codes)
@@ -257,6 +272,45 @@ def gathered_nvfp4(w: NVFP4GatheredWeight) -> NVFP4Tensor:
     a method: torch.compile reads a traceable subclass's inner tensors but puts its methods' calls in
     the graph, where a non-tensor result is a graph break."""
     return NVFP4Tensor(w._codes, w._scale, w._gs, w.shape, (BLOCK, BLOCK))
+
+
+def _sharded_weights(model) -> list[NVFP4ShardedWeight]:
+    """The model's (or model parts') NVFP4-gathered weight shards that FSDP2 has all-gathered before, in
+    parameter order (the same on every rank)."""
+    parts = model if isinstance(model, (list, tuple)) else [model]
+    found = []
+    for part in parts:
+        for p in part.parameters():
+            local = getattr(p, "_local_tensor", p)  # FSDP2's sharded DTensor holds the wrapper as its shard
+            if isinstance(local, NVFP4ShardedWeight) and local._gathered_as is not None:
+                found.append(local)
+    return found
+
+
+def precompute_scales(model) -> int:
+    """Reduce the tile amaxes of every NVFP4-gathered weight of ``model`` (a module or a list of model
+    parts) in one all-reduce per FSDP group, and keep each weight's tile scales and tensor scale for its
+    next all-gathers. Call it after the optimizer step on every rank (the converter's post-optimizer hook
+    does); the result is bit for bit what each hook would have reduced. Returns the number of weights."""
+    weights = _sharded_weights(model)
+    by_group: dict = {}  # group -> [(weight, shard, offset, key, rows, grid)], in parameter order
+    for wt in weights:
+        mesh, n_rows, dtype = wt._gathered_as
+        w, offset, key, group, ws = wt._shard(mesh, n_rows, dtype)
+        tile_amax, _, _ = _shard_functions(w)
+        by_group.setdefault((group, ws), []).append((wt, w, key, n_rows, tile_amax(w, offset, n_rows)))
+    for (group, ws), entries in by_group.items():
+        grids = [e[-1] for e in entries]
+        if ws > 1:
+            flat = torch.cat(grids)
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+            TRAFFIC.add_reduced(flat.numel() * flat.element_size())
+            grids = flat.split([g.numel() for g in grids])
+        for (wt, w, key, n_rows, _), grid in zip(entries, grids):
+            _, scales, _ = _shard_functions(w)
+            e_b, s = scales(grid, n_rows, w.shape[1])
+            wt._scales = (key, e_b, s, True)
+    return len(weights)
 
 
 def wrap_weight(module: torch.nn.Module) -> None:

@@ -17,7 +17,7 @@ from torchtitan.tools.logging import logger
 
 from ..amax_history import AmaxHistory, layers_with_history, register_buffers, roll
 from ..decomposed_linear import DecomposedLinear, LowRankState
-from ..distributed.fsdp_all_gather import TRAFFIC, wrap_weight
+from ..distributed.fsdp_all_gather import TRAFFIC, precompute_scales, wrap_weight
 from ..nvfp4_linear import NVFP4Linear, check_linear_dims
 from ..recipe import NVFP4Recipe
 from ..schedule import PrecisionSchedule, StepCounter, switch_step
@@ -176,10 +176,17 @@ class NVFP4LinearConverter(QuantizationConverter):
     def post_optimizer_hook(self, model) -> None:
         """Push the step's activation amaxes into the histories; count the optimizer step; switch to high
         precision at bf16_after_fraction; re-decompose the low-rank modules every lora_refresh_steps; after
-        the first step, log the NVFP4 all-gather's traffic on this rank."""
-        if self.nvfp4_all_gather and not self._traffic_logged:
-            self._traffic_logged = True
-            logger.info(f"NVFP4: FSDP2 all-gather, first step on this rank: {TRAFFIC.summary(TRAFFIC.take())}")
+        the first step, log the NVFP4 all-gather's traffic on this rank; reduce the gathered weights' tile
+        amaxes for their next all-gathers, all in one all-reduce (fsdp_all_gather.precompute_scales)."""
+        if self.nvfp4_all_gather:
+            first = not self._traffic_logged
+            if first:
+                self._traffic_logged = True
+                logger.info(f"NVFP4: FSDP2 all-gather, first step on this rank: {TRAFFIC.summary(TRAFFIC.take())}")
+            n = precompute_scales(model)
+            if first:
+                logger.info(f"NVFP4: after each optimizer step the tile amaxes of {n} NVFP4-gathered weights are "
+                            "all-reduced at once (one all-reduce per FSDP group), ahead of their next all-gathers")
         if self.amax_history:
             roll(layers_with_history(model))
         for i, (part, counter) in enumerate(step_counters(model, LINEAR_STEPS)):
