@@ -9,6 +9,8 @@
 #   bash scripts/dist_runs.sh four [STEPS]    issue 8 on 4 GPUs (nvidia-h200-x4 / -h100-x4): FSDP2 2 x TP2 with the
 #                                             BF16 and the NVFP4 all-gather, and the MoE with experts EP2 x FSDP2 2
 #   bash scripts/dist_runs.sh moe_fsdp [STEPS]  deepseek_v3_nvfp4_ep2 with expert_parallel_degree 1 (FSDP2 alone)
+#   bash scripts/dist_runs.sh moe_bf16 [STEPS]  the MoE comparison in BF16: deepseek_v3_bf16 on one GPU (seeds
+#                                             42-47) and deepseek_v3_bf16_ep2 (seeds 42-44)
 #   bash scripts/dist_runs.sh moe_seeds [STEPS] more seeds of the MoE comparison: deepseek_v3_nvfp4 on one GPU
 #                                             (seeds 44-49) and deepseek_v3_nvfp4_ep2 (seeds 43, 44)
 # The 1-GPU reference logs of an earlier session can stand in for a rerun (same torch/triton/GPU kind):
@@ -152,6 +154,16 @@ elif [[ $mode == moe_fsdp ]]; then
         deepseek_v3_nvfp4_ep2@ep1 deepseek_v3_nvfp4_ep2@ep1_seed43)
   tables_of moe_fsdp "${logs[@]}"
   tables=(moe_fsdp.md moe_fsdp.csv)
+elif [[ $mode == moe_bf16 ]]; then
+  # the same comparison in BF16: is EP2's lower MoE loss (docs/dist_runs.md) the layout's, whatever the precision?
+  for s in 42 43 44 45 46 47; do  # three a GPU at once
+    train "deepseek_v3_bf16@seed$s" 1 $(( s % 2 )) $(( 29470 + s )) --debug.seed "$s" &
+  done
+  wait
+  for s in 42 43 44; do train "deepseek_v3_bf16_ep2@seed$s" 2 0,1 29502 --debug.seed "$s"; done
+  logs=(deepseek_v3_bf16@seed{42..47} deepseek_v3_bf16_ep2@seed{42..44})
+  tables_of moe_bf16 "${logs[@]}"
+  tables=(moe_bf16.md moe_bf16.csv)
 elif [[ $mode == four ]]; then
   # issue 8: the 1-GPU references and controls (skipped where their logs are there), then the 4-GPU layouts
   references
@@ -166,7 +178,7 @@ elif [[ $mode == four ]]; then
   logs=("${llama[@]}" "${deepseek[@]}")
   tables=(four_llama3.md four_llama3.csv four_deepseek_v3.md four_deepseek_v3.csv)
 else
-  echo "usage: bash scripts/dist_runs.sh runs|bench|ep|compile|moe_seeds|moe_fsdp|four [STEPS]"; exit 2
+  echo "usage: bash scripts/dist_runs.sh runs|bench|ep|compile|moe_seeds|moe_fsdp|moe_bf16|four [STEPS]"; exit 2
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2
 if [[ -n ${OUT:-} ]]; then  # at most 8 files come back
