@@ -174,13 +174,15 @@ class _Mesh:
         return self._group
 
 
-def _count_reductions(ag, calls: list) -> None:
-    """Make the hook's tile-scales step append to ``calls`` (one entry per reduction of the tile amaxes)."""
+def _count_reductions(ag, calls: list, encodes: list | None = None) -> None:
+    """Make the hook's tile-scales step append to ``calls`` (one entry per reduction of the tile amaxes),
+    and its encode step to ``encodes``."""
     real = ag._shard_functions
+    encodes = [] if encodes is None else encodes
 
     def counted(w):
         amax, scales, encode = real(w)
-        return amax, (lambda *a: calls.append(1) or scales(*a)), encode
+        return amax, (lambda *a: calls.append(1) or scales(*a)), (lambda *a: encodes.append(1) or encode(*a))
 
     ag._shard_functions = counted
 
@@ -224,7 +226,7 @@ def test_gpu_hooks_give_the_whole_weights_quantization(kind, world):
 
 def test_backward_regather_reuses_the_forward_gathers_scales(monkeypatch):
     """Forward all-gathers reduce the tile amaxes every time; a re-gather inside backward (FSDP2's for a
-    resharded block) reuses them, with the same codes; an in-place op on the shard, plain or foreach
+    resharded block) reuses them and the forward's codes; an in-place op on the shard, plain or foreach
     (the optimizer's), drops them, so backward then reduces again and encodes the new weight."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -339,11 +341,11 @@ def _fsdp_worker(rank, world, out):
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     ys_bf16, g_bf16, _ = _train(world, False)
-    reductions = []
-    _count_reductions(AG, reductions)
+    reductions, encodes = [], []
+    _count_reductions(AG, reductions, encodes)
     AG.TRAFFIC.take()
     ys, g, nbytes = _train(world, True)
-    traffic, n_reductions = AG.TRAFFIC.take(), len(reductions)
+    traffic, n_reductions, n_encodes = AG.TRAFFIC.take(), len(reductions), len(encodes)
     # precomputed after each step: count the all-reduces of tile amaxes (op MAX) and what they moved
     import torch.distributed as dist
 
@@ -357,7 +359,8 @@ def _fsdp_worker(rank, world, out):
     if rank == 0:
         out.update(ys_bf16=ys_bf16, g_bf16=g_bf16, ys=ys, g=g, nbytes=nbytes, reductions=n_reductions,
                    traffic=traffic, summary=AG.GatherTraffic.summary(traffic), ys_pre=ys_pre, g_pre=g_pre,
-                   maxes=maxes, traffic_pre=AG.TRAFFIC.take())
+                   maxes=maxes, traffic_pre=AG.TRAFFIC.take(), encodes=n_encodes,
+                   encodes_pre=len(encodes) - n_encodes)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -394,4 +397,7 @@ def test_fsdp2_nvfp4_all_gather_trains_exactly_as_the_bf16_all_gather(world):
         assert all(torch.equal(a[n], b[n]) for n in a) if isinstance(a, dict) else torch.equal(a, b)
     grid = 7 * 4 + 1  # fp32 tile amaxes and their max, per weight
     assert out["maxes"] == [grid, grid] + [2 * grid] * 3, out["maxes"]
+    # encodes: each forward gather (3 steps x 2 weights) and _train's 2 calls; backward re-gathers reuse the
+    # forward's codes. Precomputed: step 1's forward, then each precompute_scales; the hooks encode nothing
+    assert (out["encodes"], out["encodes_pre"]) == (3 * 2 + 2, 2 + 3 * 2)
     assert out["traffic_pre"]["reduced_bytes"] == 4 * (2 * grid + 3 * 2 * grid)

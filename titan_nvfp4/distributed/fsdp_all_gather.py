@@ -23,10 +23,11 @@ The tile-amax all-reduce moves N·K/256 fp32 values, about 3% of the codes' byte
 runs at every forward all-gather, one small all-reduce per weight on FSDP2's critical path. The
 converter's post-optimizer hook instead calls ``precompute_scales`` (as TorchAO precomputes its float8
 scales for FSDP): right after the optimizer step it reduces the tile amaxes of every gathered weight of
-the model in one all-reduce per FSDP group, and the next forward's hooks only encode. Backward's
-re-gather of a resharded block likewise reuses the forward's scales. Kept scales are dropped by any
-in-place op on the shard (copy_, the optimizer's plain, foreach or fused updates), so a changed weight
-is always reduced again. (Version counters cannot tell: an op reaching the shard through DTensor's or
+the model in one all-reduce per FSDP group and encodes each shard, and the next forward's hooks return
+the kept codes. Backward's re-gather of a resharded block likewise reuses the forward's scales and
+codes. Kept scales and codes (an eighth of the fp32 shard's bytes) are dropped by any in-place op on
+the shard (copy_, the optimizer's plain, foreach or fused updates), so a changed weight is always
+reduced and encoded again. (Version counters cannot tell: an op reaching the shard through DTensor's or
 this wrapper's dispatch does not bump the inner tensor's.) bf16_after_fraction is refused with this
 all-gather: FSDP2 sizes its all-gather buffers once, at the first step, for the codes.
 """
@@ -144,8 +145,8 @@ class NVFP4ShardedWeight(torch.Tensor):
 
     def __init__(self, data: torch.Tensor):
         self._data = data
-        # (key, tile scales, [S, 1/S], precomputed) of the last reduction (module docstring)
-        self._scales = None
+        # (key, tile scales, [S, 1/S], codes, precomputed) of the last encode (module docstring)
+        self._kept = None
         self._gathered_as = None  # (mesh, rows, param dtype) of FSDP2's all-gathers: precompute_scales
 
     def __repr__(self) -> str:
@@ -170,7 +171,7 @@ class NVFP4ShardedWeight(torch.Tensor):
         if func._schema.is_mutable:  # in place (copy_, the optimizer's updates, foreach and fused ones too)
             for t in tree_flatten((args, kwargs))[0]:
                 if isinstance(t, cls):
-                    t._scales = None  # the weight may have changed: the next all-gather reduces again
+                    t._kept = None  # the weight may have changed: the next all-gather reduces again
             if isinstance(args[0], cls):
                 return args[0]
         if func in _KEEP_WRAPPED:
@@ -179,15 +180,41 @@ class NVFP4ShardedWeight(torch.Tensor):
 
     # -- FSDP2's all-gather extension ----------------------------------------------------------------
 
-    def _shard(self, mesh, n_rows: int, dtype: torch.dtype):
-        """(this rank's rows in the gather dtype, padded as FSDP2 gathers them; their first row's index in
-        the weight; the key the kept scales must match; the FSDP group and its size)."""
-        ws, rank, group = _shard_dim(mesh)
+    def _key(self, mesh, n_rows: int, dtype: torch.dtype) -> tuple:
+        """What kept scales and codes must match: this shard's storage, the gather dtype and the layout."""
+        ws, rank, _ = _shard_dim(mesh)
+        return (self._data.data_ptr(), dtype, n_rows, ws, rank)
+
+    def _rows(self, mesh, n_rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        """This rank's rows in the gather dtype, padded as FSDP2 gathers them, and the first one's index."""
+        ws, rank, _ = _shard_dim(mesh)
         chunk = -(-n_rows // ws)
         w = self._data.to(dtype)
-        if w.shape[0] < chunk:  # the padded shard, as FSDP2 gathers it
+        if w.shape[0] < chunk:  # the padded shard
             w = torch.cat([w, w.new_zeros(chunk - w.shape[0], *w.shape[1:])])
-        return w, rank * chunk, (self._data.data_ptr(), dtype, n_rows, ws, rank), group, ws
+        return w, rank * chunk
+
+    def _encode(self, mesh, n_rows: int, dtype: torch.dtype, grid: torch.Tensor | None = None,
+                rows: tuple[torch.Tensor, int] | None = None, precomputed: bool = False) -> int:
+        """Quantize this shard's rows with the whole weight's scales and keep the scales and the codes (in
+        the layout FSDP2 gathers). ``grid`` and ``rows``: the all-reduced tile amaxes and ``_rows()``, when
+        precompute_scales has them; else they are computed (and all-reduced) here. Returns the bytes
+        all-reduced here."""
+        ws, _, group = _shard_dim(mesh)
+        w, offset = rows or self._rows(mesh, n_rows, dtype)
+        tile_amax, scales, encode = _shard_functions(w)
+        reduced = 0
+        if grid is None:
+            grid = tile_amax(w, offset, n_rows)  # the whole weight's tile amaxes and their max, once reduced
+            if ws > 1:  # one rank holds every tile already
+                dist.all_reduce(grid, op=dist.ReduceOp.MAX, group=group)
+                reduced = grid.numel() * grid.element_size()
+        e_b, s = scales(grid, n_rows, w.shape[1])  # s: encode scale, decode scale
+        codes = encode(w, offset, e_b, s[:1])
+        if n_rows % ws:  # FSDP2 wants the padded shard's shape [chunk, K]: one code per byte
+            codes = unpack_nibbles(codes)
+        self._kept = (self._key(mesh, n_rows, dtype), e_b, s, codes, precomputed)
+        return reduced
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         dtype = mp_policy.param_dtype or self._data.dtype
@@ -196,23 +223,15 @@ class NVFP4ShardedWeight(torch.Tensor):
                                "cannot use fsdp_nvfp4_all_gather (FSDP2 keeps the buffers of the codes)")
         n_rows = outer_size[0]
         self._gathered_as = (mesh, n_rows, dtype)
-        w, offset, key, group, ws = self._shard(mesh, n_rows, dtype)
-        tile_amax, scales, encode = _shard_functions(w)
-        reduced = 0
-        kept = self._scales
-        if kept is not None and kept[0] == key and (kept[3] or _in_backward()):  # precomputed, or forward's
-            _, e_b, s, _ = kept
-        else:
-            grid = tile_amax(w, offset, n_rows)  # the whole weight's tile amaxes and their max, once all-reduced
-            if ws > 1:  # one rank holds every tile already
-                dist.all_reduce(grid, op=dist.ReduceOp.MAX, group=group)
-                reduced = grid.numel() * grid.element_size()
-            e_b, s = scales(grid, n_rows, w.shape[1])  # s: encode scale, decode scale
-            self._scales = (key, e_b, s, False)
-        codes = encode(w, offset, e_b, s[:1])
-        if n_rows % ws:  # FSDP2 wants the padded shard's shape [chunk, K]: one code per byte
-            codes = unpack_nibbles(codes)
-        TRAFFIC.add(codes.numel() * codes.element_size() * ws, w.numel() * w.element_size() * ws, reduced)
+        kept, reduced = self._kept, 0
+        # precomputed after the optimizer step, or (inside backward) the forward gather's: the weight has not
+        # changed since, or an in-place op would have dropped them
+        if kept is None or kept[0] != self._key(mesh, n_rows, dtype) or not (kept[4] or _in_backward()):
+            reduced = self._encode(mesh, n_rows, dtype)
+        _, e_b, s, codes, _ = self._kept
+        ws = _shard_dim(mesh)[0]
+        param_dtype_bytes = -(-n_rows // ws) * self._data.shape[1] * dtype.itemsize * ws
+        TRAFFIC.add(codes.numel() * codes.element_size() * ws, param_dtype_bytes, reduced)
         return (codes,), ("nvfp4", e_b, s[1], n_rows)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
@@ -289,27 +308,25 @@ def _sharded_weights(model) -> list[NVFP4ShardedWeight]:
 
 def precompute_scales(model) -> int:
     """Reduce the tile amaxes of every NVFP4-gathered weight of ``model`` (a module or a list of model
-    parts) in one all-reduce per FSDP group, and keep each weight's tile scales and tensor scale for its
-    next all-gathers. Call it after the optimizer step on every rank (the converter's post-optimizer hook
-    does); the result is bit for bit what each hook would have reduced. Returns the number of weights."""
+    parts) in one all-reduce per FSDP group, encode each shard, and keep its scales and codes for its next
+    all-gathers. Call it after the optimizer step on every rank (the converter's post-optimizer hook
+    does); the result is bit for bit what each hook would have computed. Returns the number of weights."""
     weights = _sharded_weights(model)
-    by_group: dict = {}  # group -> [(weight, shard, offset, key, rows, grid)], in parameter order
-    for wt in weights:
+    by_group: dict = {}  # (group, size) -> [(weight, its rows and first row, its tile-amax grid)]
+    for wt in weights:  # in parameter order, the same on every rank
         mesh, n_rows, dtype = wt._gathered_as
-        w, offset, key, group, ws = wt._shard(mesh, n_rows, dtype)
-        tile_amax, _, _ = _shard_functions(w)
-        by_group.setdefault((group, ws), []).append((wt, w, key, n_rows, tile_amax(w, offset, n_rows)))
+        ws, _, group = _shard_dim(mesh)
+        w, offset = wt._rows(mesh, n_rows, dtype)
+        by_group.setdefault((group, ws), []).append((wt, (w, offset), _shard_functions(w)[0](w, offset, n_rows)))
     for (group, ws), entries in by_group.items():
-        grids = [e[-1] for e in entries]
+        grids = [grid for *_, grid in entries]
         if ws > 1:
             flat = torch.cat(grids)
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
             TRAFFIC.add_reduced(flat.numel() * flat.element_size())
             grids = flat.split([g.numel() for g in grids])
-        for (wt, w, key, n_rows, _), grid in zip(entries, grids):
-            _, scales, _ = _shard_functions(w)
-            e_b, s = scales(grid, n_rows, w.shape[1])
-            wt._scales = (key, e_b, s, True)
+        for (wt, rows, _), grid in zip(entries, grids):
+            wt._encode(*wt._gathered_as, grid=grid, rows=rows, precomputed=True)
     return len(weights)
 
 
