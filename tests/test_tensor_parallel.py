@@ -511,28 +511,32 @@ def test_tensor_parallel_layers_compile_without_graph_breaks():
         assert _rel(out[key], ref[key]) < 1e-5, key
 
 
-def _compiled_fsdp_worker(rank, world, out, toml, state, tokens, extra):
-    """Llama3 (2 blocks) under TorchTitan's parallelize function with FSDP2 over ``world`` ranks and the
-    NVFP4 all-gather, with the job's ``extra`` flags (compile, activation checkpointing): one backward."""
+def _compiled_fsdp_worker(rank, world, out, toml, state, tokens):
+    """Llama3 (1 block) under TorchTitan's parallelize function with FSDP2 over ``world`` ranks and the
+    NVFP4 all-gather: one backward eager, then one with the block compiled and checkpointed."""
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.llama3.infra.parallelize import parallelize_llama
 
     _cpu_meshes()
-    cfg = _llama_cfg(toml, 1, world, *extra)
     dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world)
-    model = _llama(cfg, dims, n_layers=2)
-    parallelize_llama(model, dims, cfg)
-    _materialize_parallel(model, state)
-    logits = model(tokens)
-    logits.float().square().mean().backward()
-    missing = [n for n, p in model.named_parameters() if p.grad is None]
-    grads = _grads(model) if not missing else {}
-    if rank == 0:
-        out.update(logits=logits.detach().clone(), grads=grads, missing=missing)
+    runs = {"eager": ("--activation_checkpoint.mode", "none"),
+            "compiled": ("--compile.enable", "--compile.backend", "aot_eager", "--activation_checkpoint.mode",
+                         "selective", "--activation_checkpoint.selective_ac_option", "op")}
+    for name, extra in runs.items():
+        cfg = _llama_cfg(toml, 1, world, *extra)
+        model = _llama(cfg, dims, n_layers=1)
+        parallelize_llama(model, dims, cfg)
+        _materialize_parallel(model, state)
+        logits = model(tokens)
+        logits.float().square().mean().backward()
+        missing = [n for n, p in model.named_parameters() if p.grad is None]
+        grads = _grads(model) if not missing else {}
+        if rank == 0:
+            out[name] = dict(logits=logits.detach().clone(), grads=grads, missing=missing)
 
 
 def test_fsdp2_nvfp4_all_gather_under_compile_and_activation_checkpointing_matches_eager(tmp_path):
-    """FSDP2 2 with fsdp_nvfp4_all_gather, each block compiled (fullgraph, aot_eager) and op-level
+    """FSDP2 2 with fsdp_nvfp4_all_gather, the block compiled (fullgraph, aot_eager) and op-level
     selective activation checkpointing, as TorchTitan applies them: the same logits and weight gradients
     as the eager run. Before the gathered weight was a traceable subclass (__tensor_flatten__), the
     compiled blocks left the NVFP4 weights without a gradient, silently: a 2-GPU run trained only its
@@ -540,12 +544,10 @@ def test_fsdp2_nvfp4_all_gather_under_compile_and_activation_checkpointing_match
     from test_converter import edited_toml, world1
 
     toml = edited_toml(tmp_path, add=LLAMA_KEYS + ("fsdp_nvfp4_all_gather = true",))
-    state = _initialized_state(_llama(_llama_cfg(toml, 1, 1), world1(), n_layers=2))
+    state = _initialized_state(_llama(_llama_cfg(toml, 1, 1), world1(), n_layers=1))
     tokens = torch.randint(0, 2000, (2, 32), generator=torch.Generator().manual_seed(1))
-    eager = run_ranks(_compiled_fsdp_worker, 2, toml, state, tokens, ("--activation_checkpoint.mode", "none"))
-    compiled = run_ranks(_compiled_fsdp_worker, 2, toml, state, tokens, (
-        "--compile.enable", "--compile.backend", "aot_eager", "--activation_checkpoint.mode", "selective",
-        "--activation_checkpoint.selective_ac_option", "op"))
+    out = run_ranks(_compiled_fsdp_worker, 2, toml, state, tokens)
+    eager, compiled = out["eager"], out["compiled"]
     assert eager["missing"] == [] and compiled["missing"] == [], compiled["missing"]
     assert _rel(compiled["logits"], eager["logits"]) < 1e-6
     for name, g in eager["grads"].items():
