@@ -195,13 +195,12 @@ class NVFP4ShardedWeight(torch.Tensor):
         return w, rank * chunk
 
     def _encode(self, mesh, n_rows: int, dtype: torch.dtype, grid: torch.Tensor | None = None,
-                rows: tuple[torch.Tensor, int] | None = None, precomputed: bool = False) -> int:
+                precomputed: bool = False) -> int:
         """Quantize this shard's rows with the whole weight's scales and keep the scales and the codes (in
-        the layout FSDP2 gathers). ``grid`` and ``rows``: the all-reduced tile amaxes and ``_rows()``, when
-        precompute_scales has them; else they are computed (and all-reduced) here. Returns the bytes
-        all-reduced here."""
+        the layout FSDP2 gathers). ``grid``: the all-reduced tile amaxes, when precompute_scales has them;
+        else they are computed and all-reduced here. Returns the bytes all-reduced here."""
         ws, _, group = _shard_dim(mesh)
-        w, offset = rows or self._rows(mesh, n_rows, dtype)
+        w, offset = self._rows(mesh, n_rows, dtype)
         tile_amax, scales, encode = _shard_functions(w)
         reduced = 0
         if grid is None:
@@ -312,21 +311,22 @@ def precompute_scales(model) -> int:
     all-gathers. Call it after the optimizer step on every rank (the converter's post-optimizer hook
     does); the result is bit for bit what each hook would have computed. Returns the number of weights."""
     weights = _sharded_weights(model)
-    by_group: dict = {}  # (group, size) -> [(weight, its rows and first row, its tile-amax grid)]
+    by_group: dict = {}  # (group, size) -> [(weight, its tile-amax grid)]
     for wt in weights:  # in parameter order, the same on every rank
         mesh, n_rows, dtype = wt._gathered_as
         ws, _, group = _shard_dim(mesh)
-        w, offset = wt._rows(mesh, n_rows, dtype)
-        by_group.setdefault((group, ws), []).append((wt, (w, offset), _shard_functions(w)[0](w, offset, n_rows)))
+        w, offset = wt._rows(mesh, n_rows, dtype)  # one shard's cast copy at a time (cast again to encode)
+        by_group.setdefault((group, ws), []).append((wt, _shard_functions(w)[0](w, offset, n_rows)))
+        del w
     for (group, ws), entries in by_group.items():
-        grids = [grid for *_, grid in entries]
+        grids = [grid for _, grid in entries]
         if ws > 1:
             flat = torch.cat(grids)
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
             TRAFFIC.add_reduced(flat.numel() * flat.element_size())
             grids = flat.split([g.numel() for g in grids])
-        for (wt, rows, _), grid in zip(entries, grids):
-            wt._encode(*wt._gathered_as, grid=grid, rows=rows, precomputed=True)
+        for (wt, _), grid in zip(entries, grids):
+            wt._encode(*wt._gathered_as, grid=grid, precomputed=True)
     return len(weights)
 
 
