@@ -65,6 +65,29 @@ def test_validation_loss_compared_at_the_last_validated_step(tmp_path, capsys):
     assert "| fsdp2 | 6.4000 | 5.5000 |" in out and "| no_val | – | – |" in out
 
 
+def test_layouts_compared_across_seeds(tmp_path, capsys):
+    """--group pools runs by name: one GPU (3 runs) against EP2 (2 runs) at each validated step, with the
+    Welch standard error of the difference of the means and the share of pairs in which EP2 is lower; a
+    run goes to the first group it matches, and a bad spec is an error that names it."""
+    import math
+    import statistics
+
+    one = {"a": 5.6, "a@seed43": 5.5, "a@rotated": 5.7}
+    ep2 = {"a_ep2": 5.3, "a_ep2@seed43": 5.65}
+    for name, v in {**one, **ep2}.items():
+        (tmp_path / f"{name}.log").write_text(_LOG + _VAL.format(s=20, v=v))
+    logs = [str(tmp_path / f"{n}.log") for n in {**one, **ep2}]
+    main(logs + ["--last", "1", "--group", "1 GPU=a,a@*", "--group", "EP2=a_ep2*"])
+    out = capsys.readouterr().out
+    se = math.sqrt(statistics.variance(ep2.values()) / 2 + statistics.variance(one.values()) / 3)
+    assert f"| 20 | 1 GPU | 3 | 5.6000 ± 0.1000 | 5.5000–5.7000 |  |  |" in out
+    delta = statistics.fmean(ep2.values()) - 5.6
+    assert f"| 20 | EP2 | 2 | 5.4750 ± {statistics.stdev(ep2.values()):.4f} | 5.3000–5.6500 | {delta:+.4f} ± {se:.4f} | 67% |" in out
+    with pytest.raises(SystemExit):
+        main(logs + ["--group", "EP2"])
+    assert "--group 'EP2': expected NAME=PATTERN" in capsys.readouterr().err
+
+
 def test_empty_log_is_an_error():
     with pytest.raises(ValueError, match="no TorchTitan metric lines"):
         summarize({"x": parse_log("nothing here")})

@@ -9,13 +9,19 @@ difference (from the per-step paired differences over the same steps: runs on th
 most of their batch-to-batch noise), throughput, peak memory, and the last validation loss with its
 difference to the first run's at that step (with a validation set every run reads alike, this compares
 runs whose training batches differ). ``--gap``: for the third run on, the share of the gap between the
-first two runs (e.g. BF16 and plain NVFP4) that it closes.
+first two runs (e.g. BF16 and plain NVFP4) that it closes. ``--group NAME=PATTERN[,PATTERN]`` (repeated):
+pool runs by name (fnmatch) into layouts and compare their validation losses across seeds: per group
+and validated step the mean, standard deviation and range, and against the first group the difference
+of the means with its standard error (Welch) and the share of cross-group pairs in which the group is lower.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
+import math
 import re
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,6 +145,48 @@ def validation_markdown(validation: dict[str, dict[int, float]]) -> str:
     )
 
 
+def group_validation(validation: dict[str, dict[int, float]], groups: list[tuple[str, list[str]]]) -> list[dict]:
+    """Validation losses pooled per group (a run joins the first group with a matching pattern), at every
+    step all of a group's runs validated: n, mean, s.d., range; vs the first group: Δ of the means, its
+    standard error (Welch: sqrt(s1²/n1 + s2²/n2)) and the share of cross pairs in which this group is lower."""
+    members: dict[str, list[str]] = {name: [] for name, _ in groups}
+    for run in validation:
+        for name, patterns in groups:
+            if any(fnmatch.fnmatchcase(run, p) for p in patterns):
+                members[name].append(run)
+                break
+    rows = []
+    steps = sorted({s for v in validation.values() for s in v})
+    for step in steps:
+        values = {g: [validation[r][step] for r in runs if step in validation[r]] for g, runs in members.items()}
+        ref = values[groups[0][0]]
+        for g, v in values.items():
+            if not v:
+                continue
+            row = dict(step=step, group=g, n=len(v), mean=statistics.fmean(v),
+                       sd=statistics.stdev(v) if len(v) > 1 else float("nan"), lo=min(v), hi=max(v))
+            if g != groups[0][0] and ref:
+                row["delta"] = row["mean"] - statistics.fmean(ref)
+                var = (statistics.variance(v) / len(v) if len(v) > 1 else float("nan")) + (
+                    statistics.variance(ref) / len(ref) if len(ref) > 1 else float("nan"))
+                row["se"] = math.sqrt(var)
+                row["lower_pairs"] = sum((a < b) + 0.5 * (a == b) for a in v for b in ref) / (len(v) * len(ref))
+            rows.append(row)
+    return rows
+
+
+def groups_markdown(rows: list[dict]) -> str:
+    head = ("| step | group | runs | mean ± s.d. | range | Δ mean vs first group ± s.e. | pairs lower than the first group |\n"
+            "| ---: | --- | ---: | ---: | --- | ---: | ---: |\n")
+    body = ""
+    for r in rows:
+        delta = f"{r['delta']:+.4f} ± {r['se']:.4f}" if "delta" in r else ""
+        lower = f"{100 * r['lower_pairs']:.0f}%" if "delta" in r else ""
+        body += (f"| {r['step']} | {r['group']} | {r['n']} | {r['mean']:.4f} ± {r['sd']:.4f} | "
+                 f"{r['lo']:.4f}–{r['hi']:.4f} | {delta} | {lower} |\n")
+    return head + body
+
+
 def write_csv(runs: dict[str, list[StepMetrics]], path: Path) -> None:
     """Every run's per-step metrics, one row per (run, step)."""
     with open(path, "w") as f:
@@ -155,7 +203,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--csv", type=Path, help="also write every run's per-step metrics here")
     ap.add_argument("--gap", action="store_true", help="share of the gap between the first two runs closed by the others")
+    ap.add_argument("--group", action="append", default=[], metavar="NAME=PATTERN[,PATTERN]",
+                    help="pool runs into a layout for the validation comparison across seeds (repeat; the first is the reference)")
     args = ap.parse_args(argv)
+    groups = []
+    for spec in args.group:
+        name, sep, patterns = spec.partition("=")
+        if not sep or not name or not patterns:
+            ap.error(f"--group {spec!r}: expected NAME=PATTERN[,PATTERN]")
+        groups.append((name, patterns.split(",")))
     texts = {p.stem: p.read_text(errors="replace") for p in args.logs}
     runs = {name: parse_log(t) for name, t in texts.items()}
     validation = {name: parse_validation(t) for name, t in texts.items()}
@@ -169,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         for r in rows:
             print(" ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+    if groups:
+        print("\n" + groups_markdown(group_validation(validation, groups)), end="")
 
 
 if __name__ == "__main__":
