@@ -76,6 +76,13 @@ references() {  # the six 1-GPU runs at once, each model's three on one GPU (the
   done
   wait
 }
+seeds() {  # CONFIG "SEEDS" EP_CONFIG "SEEDS": CONFIG@seedS on one GPU each (three a GPU at once), then
+  # EP_CONFIG@seedS on both GPUs, one after another
+  local one=$1 ones=$2 two=$3 twos=$4 s
+  for s in $ones; do train "$one@seed$s" 1 $(( s % 2 )) $(( 29470 + s )) --debug.seed "$s" & done
+  wait
+  for s in $twos; do train "$two@seed$s" 2 0,1 29502 --debug.seed "$s"; done
+}
 tables_of() {  # NAME ARM... : the loss table of these arms (those with a log), first the reference
   local name=$1 a
   shift
@@ -135,12 +142,7 @@ elif [[ $mode == compile ]]; then
   tables=(compile_llama3.md compile_deepseek_v3.md)
 elif [[ $mode == moe_seeds ]]; then
   # is EP2's lower validation loss (docs/dist_runs.md) noise? more seeds of both sides
-  for s in 44 45 46 47 48 49; do  # three a GPU at once
-    train "deepseek_v3_nvfp4@seed$s" 1 $(( s % 2 )) $(( 29470 + s )) --debug.seed "$s" &
-  done
-  wait
-  train deepseek_v3_nvfp4_ep2@seed43 2 0,1 29502 --debug.seed 43
-  train deepseek_v3_nvfp4_ep2@seed44 2 0,1 29502 --debug.seed 44
+  seeds deepseek_v3_nvfp4 "44 45 46 47 48 49" deepseek_v3_nvfp4_ep2 "43 44"
   logs=(deepseek_v3_nvfp4 deepseek_v3_nvfp4@seed43 deepseek_v3_nvfp4@rotated deepseek_v3_nvfp4@seed{44..49}
         deepseek_v3_nvfp4_ep2 deepseek_v3_nvfp4_ep2@compile_ac deepseek_v3_nvfp4_ep2@seed43 deepseek_v3_nvfp4_ep2@seed44)
   tables_of moe_seeds "${logs[@]}"
@@ -156,11 +158,7 @@ elif [[ $mode == moe_fsdp ]]; then
   tables=(moe_fsdp.md moe_fsdp.csv)
 elif [[ $mode == moe_bf16 ]]; then
   # the same comparison in BF16: is EP2's lower MoE loss (docs/dist_runs.md) the layout's, whatever the precision?
-  for s in 42 43 44 45 46 47; do  # three a GPU at once
-    train "deepseek_v3_bf16@seed$s" 1 $(( s % 2 )) $(( 29470 + s )) --debug.seed "$s" &
-  done
-  wait
-  for s in 42 43 44; do train "deepseek_v3_bf16_ep2@seed$s" 2 0,1 29502 --debug.seed "$s"; done
+  seeds deepseek_v3_bf16 "42 43 44 45 46 47" deepseek_v3_bf16_ep2 "42 43 44"
   logs=(deepseek_v3_bf16@seed{42..47} deepseek_v3_bf16_ep2@seed{42..44})
   tables_of moe_bf16 "${logs[@]}"
   tables=(moe_bf16.md moe_bf16.csv)
