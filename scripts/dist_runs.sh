@@ -8,6 +8,9 @@
 #                                             selective activation checkpointing, against the eager 1-GPU runs
 #   bash scripts/dist_runs.sh four [STEPS]    issue 8 on 4 GPUs (nvidia-h200-x4 / -h100-x4): FSDP2 2 x TP2 with the
 #                                             BF16 and the NVFP4 all-gather, and the MoE with experts EP2 x FSDP2 2
+#   bash scripts/dist_runs.sh same_tokens [STEPS]  deepseek_v3_nvfp4 (seeds 42-47) and llama3_nvfp4 (42-44) on one
+#                                             GPU each, trained on the batches of the 2-GPU runs
+#                                             (titan_nvfp4.tools.emulated_dp --data-parallel 2); EP2 seeds 45, 46
 #   bash scripts/dist_runs.sh moe_fsdp [STEPS]  deepseek_v3_nvfp4_ep2 with expert_parallel_degree 1 (FSDP2 alone)
 #   bash scripts/dist_runs.sh moe_bf16 [STEPS]  the MoE comparison in BF16: deepseek_v3_bf16 on one GPU (seeds
 #                                             42-47) and deepseek_v3_bf16_ep2 (seeds 42-44)
@@ -60,8 +63,10 @@ train() {  # ARM NPROC GPUS PORT [OVERRIDES...]
     (( DEADLINE - start < ${ARM_MIN:-60} )) && { echo "$arm: not started (DEADLINE)"; return; }
     (( DEADLINE - start < limit )) && limit=$(( DEADLINE - start ))
   fi
+  local module=torchtitan.train  # --data-parallel N: the 1-GPU run reads an N-way run's batches
+  [[ " $* " == *" --data-parallel "* ]] && module=titan_nvfp4.tools.emulated_dp
   CUDA_VISIBLE_DEVICES=$gpus timeout --kill-after=20 "$limit" \
-    torchrun --nproc_per_node="$n" --master_port="$port" -m torchtitan.train \
+    torchrun --nproc_per_node="$n" --master_port="$port" -m "$module" \
       --job.config_file "train_configs/${arm%%@*}.toml" --training.steps "$steps" "${val[@]}" "$@" > "$run/$arm.log" 2>&1
   echo "$arm ($n GPU): exit $? in $(( $(date +%s) - start )) s, last: $(grep -oE "step: *[0-9]+ " "$run/$arm.log" | tail -1)"
   grep -E "NVFP4: (converted|FSDP2)|Traceback|Error" "$run/$arm.log" | grep -v lspci | sort -u | head -4
@@ -147,6 +152,28 @@ elif [[ $mode == moe_seeds ]]; then
         deepseek_v3_nvfp4_ep2 deepseek_v3_nvfp4_ep2@compile_ac deepseek_v3_nvfp4_ep2@seed43 deepseek_v3_nvfp4_ep2@seed44)
   tables_of moe_seeds "${logs[@]}"
   tables=(moe_seeds.md moe_seeds.csv)
+elif [[ $mode == same_tokens ]]; then
+  # the 1-GPU runs on the 2-GPU runs' batches (titan_nvfp4.tools.emulated_dp): rank 0's 8 rows, then rank 1's,
+  # so a 1-GPU vs 2-GPU difference is the layout's and not the data order's; then more EP2 seeds
+  for s in 42 43 44 45 46 47; do
+    train "deepseek_v3_nvfp4@dp2_seed$s" 1 $(( s % 2 )) $(( 29470 + s )) --debug.seed "$s" --data-parallel 2 &
+  done
+  for s in 42 43 44; do
+    train "llama3_nvfp4@dp2_seed$s" 1 $(( s % 2 )) $(( 29440 + s )) --debug.seed "$s" --data-parallel 2 &
+  done
+  wait
+  for s in 45 46; do train "deepseek_v3_nvfp4_ep2@seed$s" 2 0,1 29502 --debug.seed "$s"; done
+  logs=(deepseek_v3_nvfp4 deepseek_v3_nvfp4@seed{43..49} deepseek_v3_nvfp4@dp2_seed{42..47}
+        deepseek_v3_nvfp4_ep2 deepseek_v3_nvfp4_ep2@seed{43..46})
+  tables_of same_tokens_deepseek_v3 "${logs[@]}"
+  python -m titan_nvfp4.tools.loss_log $(ls "${logs[@]/#/$run/}" 2>/dev/null) --markdown \
+      --group "1 GPU=deepseek_v3_nvfp4,deepseek_v3_nvfp4@seed*" --group "1 GPU, EP2's batches=*@dp2_seed*" \
+      --group "EP2=deepseek_v3_nvfp4_ep2*" | tee -a "$run/same_tokens_deepseek_v3.md"
+  llama=(llama3_nvfp4 llama3_nvfp4@seed43 llama3_nvfp4@rotated llama3_nvfp4@dp2_seed{42..44} llama3_nvfp4_fsdp2
+         llama3_nvfp4_fsdp2_ag)
+  tables_of same_tokens_llama3 "${llama[@]}"
+  logs+=("${llama[@]}")
+  tables=(same_tokens_deepseek_v3.md same_tokens_llama3.md)
 elif [[ $mode == moe_fsdp ]]; then
   # EP2 over FSDP2 against FSDP2 alone (experts replicated, both in bf16 mixed precision): is a lower
   # MoE loss on two GPUs expert parallelism's, or FSDP2's mixed precision (one GPU runs under autocast)?
@@ -176,7 +203,7 @@ elif [[ $mode == four ]]; then
   logs=("${llama[@]}" "${deepseek[@]}")
   tables=(four_llama3.md four_llama3.csv four_deepseek_v3.md four_deepseek_v3.csv)
 else
-  echo "usage: bash scripts/dist_runs.sh runs|bench|ep|compile|moe_seeds|moe_fsdp|moe_bf16|four [STEPS]"; exit 2
+  echo "usage: bash scripts/dist_runs.sh runs|bench|ep|compile|moe_seeds|same_tokens|moe_fsdp|moe_bf16|four [STEPS]"; exit 2
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2
 if [[ -n ${OUT:-} ]]; then  # at most 8 files come back
