@@ -154,23 +154,25 @@ elif [[ $mode == moe_seeds ]]; then
   tables=(moe_seeds.md moe_seeds.csv)
 elif [[ $mode == same_tokens ]]; then
   # the 1-GPU runs on the 2-GPU runs' batches (titan_nvfp4.tools.emulated_dp): rank 0's 8 rows, then rank 1's,
-  # so a 1-GPU vs 2-GPU difference is the layout's and not the data order's; then more EP2 seeds
-  for s in 42 43 44 45 46 47; do
+  # so a 1-GPU vs 2-GPU difference is the layout's and not the data order's; then more EP2 seeds.
+  # DS_SEEDS, LLAMA_SEEDS, EP2_SEEDS pick the seeds; the tables pool every such log there is.
+  for s in ${DS_SEEDS-42 43 44 45 46 47}; do
     train "deepseek_v3_nvfp4@dp2_seed$s" 1 $(( s % 2 )) $(( 29470 + s )) --debug.seed "$s" --data-parallel 2 &
   done
-  for s in 42 43 44; do
+  for s in ${LLAMA_SEEDS-42 43 44}; do
     train "llama3_nvfp4@dp2_seed$s" 1 $(( s % 2 )) $(( 29440 + s )) --debug.seed "$s" --data-parallel 2 &
   done
   wait
-  for s in 45 46; do train "deepseek_v3_nvfp4_ep2@seed$s" 2 0,1 29502 --debug.seed "$s"; done
-  logs=(deepseek_v3_nvfp4 deepseek_v3_nvfp4@seed{43..49} deepseek_v3_nvfp4@dp2_seed{42..47}
-        deepseek_v3_nvfp4_ep2 deepseek_v3_nvfp4_ep2@seed{43..46})
+  for s in ${EP2_SEEDS-45 46}; do train "deepseek_v3_nvfp4_ep2@seed$s" 2 0,1 29502 --debug.seed "$s"; done
+  arms() { (cd "$run" && for p in "$@"; do ls $p 2>/dev/null; done | sed 's/\.log$//'); }  # quoted globs
+  logs=($(arms deepseek_v3_nvfp4.log "deepseek_v3_nvfp4@seed*.log" "deepseek_v3_nvfp4@dp2_seed*.log"
+          deepseek_v3_nvfp4_ep2.log "deepseek_v3_nvfp4_ep2@seed*.log"))
   tables_of same_tokens_deepseek_v3 "${logs[@]}"
-  python -m titan_nvfp4.tools.loss_log $(ls "${logs[@]/#/$run/}" 2>/dev/null) --markdown \
+  python -m titan_nvfp4.tools.loss_log $(for a in "${logs[@]}"; do echo "$run/$a.log"; done) --markdown \
       --group "1 GPU=deepseek_v3_nvfp4,deepseek_v3_nvfp4@seed*" --group "1 GPU, EP2's batches=*@dp2_seed*" \
-      --group "EP2=deepseek_v3_nvfp4_ep2*" | tee -a "$run/same_tokens_deepseek_v3.md"
-  llama=(llama3_nvfp4 llama3_nvfp4@seed43 llama3_nvfp4@rotated llama3_nvfp4@dp2_seed{42..44} llama3_nvfp4_fsdp2
-         llama3_nvfp4_fsdp2_ag)
+      --group "EP2=deepseek_v3_nvfp4_ep2*" | tail -14 | tee -a "$run/same_tokens_deepseek_v3.md"
+  llama=($(arms llama3_nvfp4.log llama3_nvfp4@seed43.log llama3_nvfp4@rotated.log "llama3_nvfp4@dp2_seed*.log"
+           llama3_nvfp4_fsdp2.log llama3_nvfp4_fsdp2_ag.log))
   tables_of same_tokens_llama3 "${llama[@]}"
   logs+=("${llama[@]}")
   tables=(same_tokens_deepseek_v3.md same_tokens_llama3.md)
