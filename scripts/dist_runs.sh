@@ -165,13 +165,13 @@ elif [[ $mode == same_tokens ]]; then
   wait
   for s in ${EP2_SEEDS-45 46}; do train "deepseek_v3_nvfp4_ep2@seed$s" 2 0,1 29502 --debug.seed "$s"; done
   arms() { (cd "$run" && for p in "$@"; do ls $p 2>/dev/null; done | sed 's/\.log$//'); }  # quoted globs
-  logs=($(arms deepseek_v3_nvfp4.log "deepseek_v3_nvfp4@seed*.log" "deepseek_v3_nvfp4@dp2_seed*.log"
+  logs=($(arms deepseek_v3_nvfp4.log "deepseek_v3_nvfp4@seed*.log" "deepseek_v3_nvfp4@dp2_seed*.log" \
           deepseek_v3_nvfp4_ep2.log "deepseek_v3_nvfp4_ep2@seed*.log"))
   tables_of same_tokens_deepseek_v3 "${logs[@]}"
   python -m titan_nvfp4.tools.loss_log $(for a in "${logs[@]}"; do echo "$run/$a.log"; done) --markdown \
       --group "1 GPU=deepseek_v3_nvfp4,deepseek_v3_nvfp4@seed*" --group "1 GPU, EP2's batches=*@dp2_seed*" \
       --group "EP2=deepseek_v3_nvfp4_ep2*" | tail -14 | tee -a "$run/same_tokens_deepseek_v3.md"
-  llama=($(arms llama3_nvfp4.log llama3_nvfp4@seed43.log llama3_nvfp4@rotated.log "llama3_nvfp4@dp2_seed*.log"
+  llama=($(arms llama3_nvfp4.log llama3_nvfp4@seed43.log llama3_nvfp4@rotated.log "llama3_nvfp4@dp2_seed*.log" \
            llama3_nvfp4_fsdp2.log llama3_nvfp4_fsdp2_ag.log))
   tables_of same_tokens_llama3 "${llama[@]}"
   logs+=("${llama[@]}")
@@ -179,11 +179,17 @@ elif [[ $mode == same_tokens ]]; then
 elif [[ $mode == moe_fsdp ]]; then
   # EP2 over FSDP2 against FSDP2 alone (experts replicated, both in bf16 mixed precision): is a lower
   # MoE loss on two GPUs expert parallelism's, or FSDP2's mixed precision (one GPU runs under autocast)?
-  train deepseek_v3_nvfp4_ep2@ep1 2 0,1 29502 --parallelism.expert_parallel_degree 1
-  train deepseek_v3_nvfp4_ep2@ep1_seed43 2 0,1 29502 --parallelism.expert_parallel_degree 1 --debug.seed 43
-  logs=(deepseek_v3_nvfp4 deepseek_v3_nvfp4@seed43 deepseek_v3_nvfp4_ep2 deepseek_v3_nvfp4_ep2@seed43
-        deepseek_v3_nvfp4_ep2@ep1 deepseek_v3_nvfp4_ep2@ep1_seed43)
+  # (FSDP_SEEDS, default 42 43; all three layouts read the same batches, see same_tokens)
+  for s in ${FSDP_SEEDS-42 43}; do
+    train "deepseek_v3_nvfp4_ep2@ep1_seed$s" 2 0,1 29502 --parallelism.expert_parallel_degree 1 --debug.seed "$s"
+  done
+  arms() { (cd "$run" && for p in "$@"; do ls $p 2>/dev/null; done | sed 's/\.log$//'); }  # quoted globs
+  logs=($(arms "deepseek_v3_nvfp4@dp2_seed*.log" deepseek_v3_nvfp4_ep2.log "deepseek_v3_nvfp4_ep2@seed*.log" \
+          "deepseek_v3_nvfp4_ep2@ep1_seed*.log"))
   tables_of moe_fsdp "${logs[@]}"
+  python -m titan_nvfp4.tools.loss_log $(for a in "${logs[@]}"; do echo "$run/$a.log"; done) --markdown \
+      --group "1 GPU, EP2's batches=*@dp2_seed*" --group "FSDP2, no EP=*@ep1_seed*" \
+      --group "EP2=deepseek_v3_nvfp4_ep2*" | tail -14 | tee -a "$run/moe_fsdp.md"
   tables=(moe_fsdp.md moe_fsdp.csv)
 elif [[ $mode == moe_bf16 ]]; then
   # the same comparison in BF16: is EP2's lower MoE loss (docs/dist_runs.md) the layout's, whatever the precision?
