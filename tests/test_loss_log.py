@@ -88,6 +88,33 @@ def test_layouts_compared_across_seeds(tmp_path, capsys):
     assert "--group 'EP2': expected NAME=PATTERN" in capsys.readouterr().err
 
 
+def test_training_loss_windows_pooled_per_group(tmp_path, capsys):
+    """--train-windows pools each run's mean training loss over a window of logged steps, per group, with
+    the same statistics as the validation table; a malformed window is an error that names it."""
+    import math
+    import statistics
+
+    step20 = {"one@dp2_seed1": 5.0, "one@dp2_seed2": 5.4, "ep2@seed1": 4.8, "ep2@seed2": 5.0, "ep2@seed3": 5.6}
+    for name, v in step20.items():
+        (tmp_path / f"{name}.log").write_text(_LOG.replace("5.00000", f"{v:.5f}"))
+    logs = [str(tmp_path / f"{n}.log") for n in step20]
+    main(logs + ["--group", "1 GPU=one@*", "--group", "EP2=ep2@*", "--train-windows", "10-20,1-1"])
+    out = capsys.readouterr().out
+    assert "Training loss, mean of the logged steps in each window" in out
+    one = [(6.0 + v) / 2 for k, v in step20.items() if k.startswith("one")]
+    ep2 = [(6.0 + v) / 2 for k, v in step20.items() if k.startswith("ep2")]
+    se = math.sqrt(statistics.variance(one) / 2 + statistics.variance(ep2) / 3)
+    lower = sum((a < b) + 0.5 * (a == b) for a in ep2 for b in one) / 6  # 3.5 of 6 pairs: a tie counts half
+    assert f"| 10–20 | 1 GPU | 2 | {statistics.fmean(one):.4f} ± {statistics.stdev(one):.4f} |" in out
+    assert (f"| 10–20 | EP2 | 3 | {statistics.fmean(ep2):.4f} ± {statistics.stdev(ep2):.4f} | 5.4000–5.8000 | "
+            f"{statistics.fmean(ep2) - statistics.fmean(one):+.4f} ± {se:.4f} | {100 * lower:.0f}% |") in out
+    assert "| 1–1 | EP2 | 3 | 7.6543 ± 0.0000 |" in out  # step 1 alone: the same in every run
+    for bad in ("10", "20-10", "a-b"):
+        with pytest.raises(SystemExit):
+            main(logs + ["--group", "1 GPU=one@*", "--train-windows", bad])
+        assert f"--train-windows: {bad!r}" in capsys.readouterr().err
+
+
 def test_empty_log_is_an_error():
     with pytest.raises(ValueError, match="no TorchTitan metric lines"):
         summarize({"x": parse_log("nothing here")})

@@ -13,6 +13,8 @@ first two runs (e.g. BF16 and plain NVFP4) that it closes. ``--group NAME=PATTER
 pool runs by name (fnmatch) into layouts and compare their validation losses across seeds: per group
 and validated step the mean, standard deviation and range, and against the first group the difference
 of the means with its standard error (Welch) and the share of cross-group pairs in which the group is lower.
+``--train-windows 10-50,60-100`` adds the same table for each run's mean training loss over those steps:
+comparable across groups only when they trained on the same batches (``titan_nvfp4.tools.emulated_dp``).
 """
 
 from __future__ import annotations
@@ -145,25 +147,26 @@ def validation_markdown(validation: dict[str, dict[int, float]]) -> str:
     )
 
 
-def group_validation(validation: dict[str, dict[int, float]], groups: list[tuple[str, list[str]]]) -> list[dict]:
-    """Validation losses pooled per group (a run joins the first group with a matching pattern), at every
-    step all of a group's runs validated: n, mean, s.d., range; vs the first group: Δ of the means, its
-    standard error (Welch: sqrt(s1²/n1 + s2²/n2)) and the share of cross pairs in which this group is lower."""
+def pool_groups(values: dict[str, dict], groups: list[tuple[str, list[str]]]) -> list[dict]:
+    """Per-run values pooled per group (a run joins the first group with a matching pattern), at every key
+    (a validated step, or a window of training steps) the group's runs have: n, mean, s.d., range; vs the
+    first group: Δ of the means, its standard error (Welch: sqrt(s1²/n1 + s2²/n2)) and the share of cross
+    pairs in which this group is lower."""
     members: dict[str, list[str]] = {name: [] for name, _ in groups}
-    for run in validation:
+    for run in values:
         for name, patterns in groups:
             if any(fnmatch.fnmatchcase(run, p) for p in patterns):
                 members[name].append(run)
                 break
     rows = []
-    steps = sorted({s for v in validation.values() for s in v})
-    for step in steps:
-        values = {g: [validation[r][step] for r in runs if step in validation[r]] for g, runs in members.items()}
-        ref = values[groups[0][0]]
-        for g, v in values.items():
+    keys = sorted({k for v in values.values() for k in v})
+    for key in keys:
+        pooled = {g: [values[r][key] for r in runs if key in values[r]] for g, runs in members.items()}
+        ref = pooled[groups[0][0]]
+        for g, v in pooled.items():
             if not v:
                 continue
-            row = dict(step=step, group=g, n=len(v), mean=statistics.fmean(v),
+            row = dict(key=key, group=g, n=len(v), mean=statistics.fmean(v),
                        sd=statistics.stdev(v) if len(v) > 1 else float("nan"), lo=min(v), hi=max(v))
             if g != groups[0][0] and ref:
                 row["delta"] = row["mean"] - statistics.fmean(ref)
@@ -175,14 +178,42 @@ def group_validation(validation: dict[str, dict[int, float]], groups: list[tuple
     return rows
 
 
-def groups_markdown(rows: list[dict]) -> str:
-    head = ("| step | group | runs | mean ± s.d. | range | Δ mean vs first group ± s.e. | pairs lower than the first group |\n"
+def window_means(runs: dict[str, list[StepMetrics]], windows: list[tuple[int, int]]) -> dict[str, dict]:
+    """Each run's mean training loss over the logged steps in each window [a, b] (windows it logged no step of are left out)."""
+    out: dict[str, dict] = {}
+    for name, steps in runs.items():
+        out[name] = {}
+        for a, b in windows:
+            losses = [m.loss for m in steps if a <= m.step <= b]
+            if losses:
+                out[name][(a, b)] = statistics.fmean(losses)
+    return out
+
+
+def parse_windows(spec: str) -> list[tuple[int, int]]:
+    """``"10-50,60-100"`` -> [(10, 50), (60, 100)]."""
+    windows = []
+    for part in spec.split(","):
+        a, sep, b = part.partition("-")
+        try:
+            lo, hi = int(a), int(b)
+        except ValueError:
+            raise ValueError(f"--train-windows: {part!r} is not FIRST-LAST") from None
+        if not sep or lo > hi:
+            raise ValueError(f"--train-windows: {part!r} is not FIRST-LAST with FIRST <= LAST")
+        windows.append((lo, hi))
+    return windows
+
+
+def groups_markdown(rows: list[dict], key: str = "step") -> str:
+    head = (f"| {key} | group | runs | mean ± s.d. | range | Δ mean vs first group ± s.e. | pairs lower than the first group |\n"
             "| ---: | --- | ---: | ---: | --- | ---: | ---: |\n")
     body = ""
     for r in rows:
+        k = f"{r['key'][0]}–{r['key'][1]}" if isinstance(r["key"], tuple) else r["key"]
         delta = f"{r['delta']:+.4f} ± {r['se']:.4f}" if "delta" in r else ""
         lower = f"{100 * r['lower_pairs']:.0f}%" if "delta" in r else ""
-        body += (f"| {r['step']} | {r['group']} | {r['n']} | {r['mean']:.4f} ± {r['sd']:.4f} | "
+        body += (f"| {k} | {r['group']} | {r['n']} | {r['mean']:.4f} ± {r['sd']:.4f} | "
                  f"{r['lo']:.4f}–{r['hi']:.4f} | {delta} | {lower} |\n")
     return head + body
 
@@ -205,7 +236,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gap", action="store_true", help="share of the gap between the first two runs closed by the others")
     ap.add_argument("--group", action="append", default=[], metavar="NAME=PATTERN[,PATTERN]",
                     help="pool runs into a layout for the validation comparison across seeds (repeat; the first is the reference)")
+    ap.add_argument("--train-windows", metavar="FIRST-LAST[,FIRST-LAST]",
+                    help="with --group: also pool each run's mean training loss over these step windows "
+                         "(only meaningful for runs trained on the same batches)")
     args = ap.parse_args(argv)
+    try:
+        windows = parse_windows(args.train_windows) if args.train_windows else []
+    except ValueError as e:
+        ap.error(str(e))
     groups = []
     for spec in args.group:
         name, sep, patterns = spec.partition("=")
@@ -226,7 +264,10 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows:
             print(" ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
     if groups:
-        print("\n" + groups_markdown(group_validation(validation, groups)), end="")
+        print("\n" + groups_markdown(pool_groups(validation, groups)), end="")
+        if windows:
+            print("\nTraining loss, mean of the logged steps in each window:\n\n"
+                  + groups_markdown(pool_groups(window_means(runs, windows), groups), key="steps"), end="")
 
 
 if __name__ == "__main__":
