@@ -249,6 +249,7 @@ def test_decompose_under_fsdp2_matches_one_process():
     import socket
 
     import torch.multiprocessing as mp
+    from dist_util import spawn
 
     w = _weight()
     x = torch.randn(8, 96)
@@ -257,7 +258,7 @@ def test_decompose_under_fsdp2_matches_one_process():
         port = s.getsockname()[1]
     manager = mp.Manager()
     out = manager.dict()
-    mp.spawn(_fsdp_worker, args=(2, port, w, x, out), nprocs=2, join=True)
+    spawn(_fsdp_worker, (2, port, w, x, out), 2)
     lin = nn.Linear(96, 64, bias=False)
     with torch.no_grad():
         lin.weight.copy_(w)

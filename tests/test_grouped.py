@@ -552,6 +552,7 @@ def test_expert_lowrank_under_fsdp2_matches_one_process():
     import socket
 
     import torch.multiprocessing as mp
+    from dist_util import spawn
     from torchtitan.models.moe.moe import GroupedExperts
 
     g = torch.Generator().manual_seed(4)
@@ -564,7 +565,7 @@ def test_expert_lowrank_under_fsdp2_matches_one_process():
         port = s.getsockname()[1]
     manager = mp.Manager()
     out = manager.dict()
-    mp.spawn(_experts_fsdp_worker, args=(2, port, weights, x, counts, out), nprocs=2, join=True)
+    spawn(_experts_fsdp_worker, (2, port, weights, x, counts, out), 2)
     ref = GroupedExperts(dim=64, hidden_dim=32, num_experts=4, use_grouped_mm=True)
     with torch.no_grad():
         for name, w in weights.items():
