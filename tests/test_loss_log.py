@@ -1,8 +1,10 @@
 """The log reader used to compare training runs."""
 
+from pathlib import Path
+
 import pytest
 
-from titan_nvfp4.tools.loss_log import main, parse_log, summarize
+from titan_nvfp4.tools.loss_log import main, parse_log, parse_validation, summarize
 
 _LOG = """[titan] 2026-11-22 23:00:00,000 - root - INFO - Training starts at step 1
 [titan] 2026-11-22 23:00:01,000 - root - INFO - \x1b[31mstep:  1  \x1b[32mloss:  7.65430  \x1b[33mgrad_norm:  2.1000  \x1b[34mmemory:  1.23GiB(1.55%)  \x1b[34mtps: 1,234  \x1b[36mtflops: 0.10  \x1b[35mmfu: 0.01%\x1b[39m
@@ -151,3 +153,37 @@ def test_loss_plot_writes_a_png(tmp_path):
     with_val = tmp_path / "with_validation.png"
     plot_main([str(a), str(b), "--out", str(with_val)])
     assert with_val.read_bytes()[:8] == data[:8] and with_val.read_bytes() != data
+
+
+def test_loss_plot_pools_groups(tmp_path, capsys):
+    """--group plots layouts pooled over seeds: per group the mean and s.d. of the training loss at the steps
+    every run logged and of the validation loss; a group that matches no run is an error naming it."""
+    import statistics
+
+    from titan_nvfp4.tools.loss_plot import group_curves, main as plot_main
+
+    losses = {"one@s1": 5.0, "one@s2": 5.4, "ep2@s1": 4.8, "ep2@s2": 5.0, "ep2@s3": 5.6}
+    logs = []
+    for i, (name, v) in enumerate(losses.items()):
+        p = tmp_path / f"{name}.log"
+        p.write_text(_LOG.replace("5.00000", f"{v:.5f}") + _VAL.format(s=20, v=v + 0.5) + _VAL.format(s=10, v=6.0 + i))
+        logs.append(str(p))
+    runs = {Path(p).stem: parse_log(Path(p).read_text()) for p in logs}
+    val = {Path(p).stem: parse_validation(Path(p).read_text()) for p in logs}
+    groups = [("1 GPU", ["one@*"]), ("EP2", ["ep2@*"])]
+    members, curves, vals = group_curves(runs, groups, val)
+    assert members == {"1 GPU": ["one@s1", "one@s2"], "EP2": ["ep2@s1", "ep2@s2", "ep2@s3"]}
+    steps, stats = curves["EP2"]
+    assert steps == [1, 10, 20]
+    assert stats[2] == pytest.approx((statistics.fmean([4.8, 5.0, 5.6]), statistics.stdev([4.8, 5.0, 5.6])))
+    assert stats[0] == pytest.approx((7.6543, 0.0))
+    assert vals["1 GPU"][0] == [10, 20]
+    assert vals["1 GPU"][1][1] == pytest.approx((5.7, statistics.stdev([5.5, 5.9])))
+    out = tmp_path / "groups.png"
+    plot_main(logs + ["--out", str(out), "--group", "1 GPU=one@*", "--group", "EP2=ep2@*"])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match=r"no run matches group\(s\) \['TP2'\]"):
+        group_curves(runs, groups + [("TP2", ["tp2*"])], val)
+    with pytest.raises(SystemExit):
+        plot_main(logs + ["--out", str(out), "--group", "EP2"])
+    assert "--group 'EP2': expected NAME=PATTERN" in capsys.readouterr().err

@@ -147,17 +147,31 @@ def validation_markdown(validation: dict[str, dict[int, float]]) -> str:
     )
 
 
+def group_members(runs, groups: list[tuple[str, list[str]]]) -> dict[str, list[str]]:
+    """Run names per group: each run joins the first group with a matching fnmatch pattern (or none)."""
+    members: dict[str, list[str]] = {name: [] for name, _ in groups}
+    for run in runs:
+        for name, patterns in groups:
+            if any(fnmatch.fnmatchcase(run, p) for p in patterns):
+                members[name].append(run)
+                break
+    return members
+
+
+def parse_group(spec: str) -> tuple[str, list[str]]:
+    """``"NAME=PATTERN[,PATTERN]"`` -> (NAME, [PATTERN, ...])."""
+    name, sep, patterns = spec.partition("=")
+    if not sep or not name or not patterns:
+        raise ValueError(f"--group {spec!r}: expected NAME=PATTERN[,PATTERN]")
+    return name, patterns.split(",")
+
+
 def pool_groups(values: dict[str, dict], groups: list[tuple[str, list[str]]]) -> list[dict]:
     """Per-run values pooled per group (a run joins the first group with a matching pattern), at every key
     (a validated step, or a window of training steps) the group's runs have: n, mean, s.d., range; vs the
     first group: Δ of the means, its standard error (Welch: sqrt(s1²/n1 + s2²/n2)) and the share of cross
     pairs in which this group is lower."""
-    members: dict[str, list[str]] = {name: [] for name, _ in groups}
-    for run in values:
-        for name, patterns in groups:
-            if any(fnmatch.fnmatchcase(run, p) for p in patterns):
-                members[name].append(run)
-                break
+    members = group_members(values, groups)
     rows = []
     keys = sorted({k for v in values.values() for k in v})
     for key in keys:
@@ -244,12 +258,10 @@ def main(argv: list[str] | None = None) -> None:
         windows = parse_windows(args.train_windows) if args.train_windows else []
     except ValueError as e:
         ap.error(str(e))
-    groups = []
-    for spec in args.group:
-        name, sep, patterns = spec.partition("=")
-        if not sep or not name or not patterns:
-            ap.error(f"--group {spec!r}: expected NAME=PATTERN[,PATTERN]")
-        groups.append((name, patterns.split(",")))
+    try:
+        groups = [parse_group(spec) for spec in args.group]
+    except ValueError as e:
+        ap.error(str(e))
     texts = {p.stem: p.read_text(errors="replace") for p in args.logs}
     runs = {name: parse_log(t) for name, t in texts.items()}
     validation = {name: parse_validation(t) for name, t in texts.items()}

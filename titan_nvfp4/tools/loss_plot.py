@@ -6,6 +6,9 @@ Reads TorchTitan logs (loss_log.parse_log). Top: each run's loss per logged step
 exponential moving average (thick). Bottom: loss minus the first run's at the steps both logged
 (same seed and data, so batch-to-batch noise cancels), with its moving average. Runs that validated
 (loss_log.parse_validation) add their validation losses as dashed lines with markers, in both panels.
+``--group NAME=PATTERN[,PATTERN]`` (repeated, as in loss_log) plots layouts pooled over seeds instead: per
+group the mean training loss per logged step (EMA) with a ±1 s.d. band across its runs, and the mean
+validation loss with ±1 s.d. bars; the bottom panel shows each group's means minus the first group's.
 Needs matplotlib (the `plot` extra).
 """
 
@@ -14,7 +17,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .loss_log import StepMetrics, parse_log, parse_validation
+import statistics
+
+from .loss_log import StepMetrics, group_members, parse_group, parse_log, parse_validation
 
 
 def ema(values: list[float], decay: float) -> list[float]:
@@ -81,17 +86,104 @@ def plot_runs(runs: dict[str, list[StepMetrics]], out: Path, smooth: float = 0.6
     return out
 
 
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def group_curves(runs: dict[str, list[StepMetrics]], groups: list[tuple[str, list[str]]],
+                 validation: dict[str, dict[int, float]]) -> tuple[dict, dict, dict]:
+    """Per group: its runs, (steps every run logged, [(mean, s.d.) of the training loss]), and the same for
+    the validation steps every run validated."""
+    members = group_members(runs, groups)
+    empty = [g for g, m in members.items() if not m]
+    if empty:
+        raise ValueError(f"loss_plot: no run matches group(s) {empty}")
+    curves, vals = {}, {}
+    for g, names in members.items():
+        per_run = [{s.step: s.loss for s in runs[n]} for n in names]
+        steps = sorted(set.intersection(*(set(r) for r in per_run)))
+        if not steps:
+            raise ValueError(f"loss_plot: the runs of group {g!r} ({names}) share no logged step")
+        curves[g] = (steps, [_mean_sd([r[k] for r in per_run]) for k in steps])
+        vsteps = sorted(set.intersection(*(set(validation.get(n, {})) for n in names)))
+        vals[g] = (vsteps, [_mean_sd([validation[n][k] for n in names]) for k in vsteps])
+    return members, curves, vals
+
+
+def plot_groups(runs: dict[str, list[StepMetrics]], groups: list[tuple[str, list[str]]], out: Path,
+                smooth: float = 0.6, title: str = "", validation: dict[str, dict[int, float]] | None = None) -> Path:
+    """Write the two-panel PNG of runs pooled into ``groups`` (the first is the reference): per group and
+    logged step the mean training loss across its runs (steps every run logged), EMA-smoothed, with a ±1 s.d.
+    band; validation means with ±1 s.d. bars; bottom: group means minus the first group's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    members, curves, vals = group_curves(runs, groups, validation or {})
+    ref = groups[0][0]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    for i, (g, (steps, stats)) in enumerate(curves.items()):
+        color = f"C{i}"
+        mean = ema([m for m, _ in stats], smooth)
+        sd = [s for _, s in stats]
+        top.plot(steps, mean, color=color, linewidth=2, label=f"{g} ({len(members[g])} runs)")
+        top.fill_between(steps, [m - s for m, s in zip(mean, sd)], [m + s for m, s in zip(mean, sd)],
+                         color=color, alpha=0.15, linewidth=0)
+        vsteps, vstats = vals[g]
+        if vsteps:
+            top.errorbar(vsteps, [m for m, _ in vstats], yerr=[s for _, s in vstats], color=color, linestyle="--",
+                         marker="o", markersize=4, capsize=3)
+        if g != ref:
+            base = dict(zip(curves[ref][0], (m for m, _ in curves[ref][1])))
+            common = [(k, m) for k, (m, _) in zip(steps, stats) if k in base]
+            bottom.plot([k for k, _ in common], ema([m - base[k] for k, m in common], smooth), color=color,
+                        linewidth=2, label=f"{g} − {ref}")
+            vbase = dict(zip(vals[ref][0], (m for m, _ in vals[ref][1])))
+            vcommon = [(k, m) for k, (m, _) in zip(vsteps, vstats) if k in vbase]
+            if vcommon:
+                bottom.plot([k for k, _ in vcommon], [m - vbase[k] for k, m in vcommon], color=color, linestyle="--",
+                            marker="o", markersize=4)
+    top.set_ylabel("loss")
+    if any(v[0] for v in vals.values()):
+        top.plot([], [], color="grey", linestyle="--", marker="o", markersize=4, label="dashed: validation mean ± s.d.")
+    top.legend(fontsize="small")
+    top.grid(alpha=0.3)
+    top.set_title(title or f"mean training loss per group (EMA {smooth}; band: ±1 s.d. across runs)")
+    bottom.axhline(0.0, color="k", linewidth=0.8)
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("Δ mean loss")
+    bottom.grid(alpha=0.3)
+    if len(curves) > 1:
+        bottom.legend(fontsize="small")
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("logs", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--smooth", type=float, default=0.6, help="EMA decay per logged step")
     ap.add_argument("--title", default="")
+    ap.add_argument("--group", action="append", default=[], metavar="NAME=PATTERN[,PATTERN]",
+                    help="plot runs pooled into layouts (repeat; the first is the reference)")
     args = ap.parse_args(argv)
+    try:
+        groups = [parse_group(spec) for spec in args.group]
+    except ValueError as e:
+        ap.error(str(e))
     texts = {p.stem: p.read_text(errors="replace") for p in args.logs}
     runs = {name: parse_log(t) for name, t in texts.items()}
     validation = {name: parse_validation(t) for name, t in texts.items()}
-    print(f"loss_plot: wrote {plot_runs(runs, args.out, args.smooth, args.title, validation)}")
+    if groups:
+        out = plot_groups(runs, groups, args.out, args.smooth, args.title, validation)
+    else:
+        out = plot_runs(runs, args.out, args.smooth, args.title, validation)
+    print(f"loss_plot: wrote {out}")
 
 
 if __name__ == "__main__":
