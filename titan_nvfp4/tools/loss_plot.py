@@ -32,6 +32,29 @@ def ema(values: list[float], decay: float) -> list[float]:
     return out
 
 
+def _finish(fig, top, bottom, out: Path, title: str, delta_label: str, validation_label: str, bottom_legend: bool) -> Path:
+    """Labels, grids and legends of the two panels; save the PNG and close the figure."""
+    import matplotlib.pyplot as plt
+
+    top.set_ylabel("loss")
+    if validation_label:
+        top.plot([], [], color="grey", linestyle="--", marker="o", markersize=4, label=validation_label)
+    top.legend(fontsize="small")
+    top.grid(alpha=0.3)
+    top.set_title(title)
+    bottom.axhline(0.0, color="k", linewidth=0.8)
+    bottom.set_xlabel("step")
+    bottom.set_ylabel(delta_label)
+    bottom.grid(alpha=0.3)
+    if bottom_legend:
+        bottom.legend(fontsize="small")
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot_runs(runs: dict[str, list[StepMetrics]], out: Path, smooth: float = 0.6, title: str = "",
               validation: dict[str, dict[int, float]] | None = None) -> Path:
     """Write the two-panel PNG for ``runs`` (name -> metrics; the first is the reference), with the
@@ -67,23 +90,8 @@ def plot_runs(runs: dict[str, list[StepMetrics]], out: Path, smooth: float = 0.6
             if i and both:
                 bottom.plot(both, [val[k] - base_val[k] for k in both], color=color, linestyle="--", marker="o",
                             markersize=4)
-    top.set_ylabel("loss")
-    if any(validation.values()):
-        top.plot([], [], color="grey", linestyle="--", marker="o", markersize=4, label="dashed: validation loss")
-    top.legend(fontsize="small")
-    top.grid(alpha=0.3)
-    top.set_title(title or f"loss per logged step (thick: EMA {smooth})")
-    bottom.axhline(0.0, color="k", linewidth=0.8)
-    bottom.set_xlabel("step")
-    bottom.set_ylabel("Δ loss")
-    bottom.grid(alpha=0.3)
-    if len(names) > 1:
-        bottom.legend(fontsize="small")
-    fig.tight_layout()
-    out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _finish(fig, top, bottom, out, title or f"loss per logged step (thick: EMA {smooth})", "Δ loss",
+                   "dashed: validation loss" if any(validation.values()) else "", len(names) > 1)
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:
@@ -144,23 +152,9 @@ def plot_groups(runs: dict[str, list[StepMetrics]], groups: list[tuple[str, list
             if vcommon:
                 bottom.plot([k for k, _ in vcommon], [m - vbase[k] for k, m in vcommon], color=color, linestyle="--",
                             marker="o", markersize=4)
-    top.set_ylabel("loss")
-    if any(v[0] for v in vals.values()):
-        top.plot([], [], color="grey", linestyle="--", marker="o", markersize=4, label="dashed: validation mean ± s.d.")
-    top.legend(fontsize="small")
-    top.grid(alpha=0.3)
-    top.set_title(title or f"mean training loss per group (EMA {smooth}; band: ±1 s.d. across runs)")
-    bottom.axhline(0.0, color="k", linewidth=0.8)
-    bottom.set_xlabel("step")
-    bottom.set_ylabel("Δ mean loss")
-    bottom.grid(alpha=0.3)
-    if len(curves) > 1:
-        bottom.legend(fontsize="small")
-    fig.tight_layout()
-    out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _finish(fig, top, bottom, out, title or f"mean training loss per group (EMA {smooth}; band: ±1 s.d. across runs)",
+                   "Δ mean loss", "dashed: validation mean ± s.d." if any(v[0] for v in vals.values()) else "",
+                   len(curves) > 1)
 
 
 def main(argv: list[str] | None = None) -> None:
