@@ -88,10 +88,12 @@ seeds() {  # CONFIG "SEEDS" EP_CONFIG "SEEDS": CONFIG@seedS on one GPU each (thr
   wait
   for s in $twos; do train "$two@seed$s" 2 0,1 29502 --debug.seed "$s"; done
 }
+arms() { (cd "$run" && for p in "$@"; do ls $p 2>/dev/null; done | sed 's/\.log$//'); }  # QUOTED_GLOB... : arms with a log
+paths() { local a; for a in "$@"; do [[ -f $run/$a.log ]] && echo "$run/$a.log"; done; }  # ARM... : their logs
 tables_of() {  # NAME ARM... : the loss table of these arms (those with a log), first the reference
-  local name=$1 a
+  local name=$1
   shift
-  python -m titan_nvfp4.tools.loss_log $(for a in "$@"; do [[ -f $run/$a.log ]] && echo "$run/$a.log"; done) \
+  python -m titan_nvfp4.tools.loss_log $(paths "$@") \
       --last 10 --markdown --csv "$run/$name.csv" | tee "$run/$name.md"
 }
 
@@ -164,11 +166,10 @@ elif [[ $mode == same_tokens ]]; then
   done
   wait
   for s in ${EP2_SEEDS-45 46}; do train "deepseek_v3_nvfp4_ep2@seed$s" 2 0,1 29502 --debug.seed "$s"; done
-  arms() { (cd "$run" && for p in "$@"; do ls $p 2>/dev/null; done | sed 's/\.log$//'); }  # quoted globs
   logs=($(arms deepseek_v3_nvfp4.log "deepseek_v3_nvfp4@seed*.log" "deepseek_v3_nvfp4@dp2_seed*.log" \
           deepseek_v3_nvfp4_ep2.log "deepseek_v3_nvfp4_ep2@seed*.log"))
   tables_of same_tokens_deepseek_v3 "${logs[@]}"
-  python -m titan_nvfp4.tools.loss_log $(for a in "${logs[@]}"; do echo "$run/$a.log"; done) --markdown \
+  python -m titan_nvfp4.tools.loss_log $(paths "${logs[@]}") --markdown \
       --group "1 GPU=deepseek_v3_nvfp4,deepseek_v3_nvfp4@seed*" --group "1 GPU, EP2's batches=*@dp2_seed*" \
       --group "EP2=deepseek_v3_nvfp4_ep2*" | tail -14 | tee -a "$run/same_tokens_deepseek_v3.md"
   llama=($(arms llama3_nvfp4.log llama3_nvfp4@seed43.log llama3_nvfp4@rotated.log "llama3_nvfp4@dp2_seed*.log" \
@@ -183,11 +184,10 @@ elif [[ $mode == moe_fsdp ]]; then
   for s in ${FSDP_SEEDS-42 43}; do
     train "deepseek_v3_nvfp4_ep2@ep1_seed$s" 2 0,1 29502 --parallelism.expert_parallel_degree 1 --debug.seed "$s"
   done
-  arms() { (cd "$run" && for p in "$@"; do ls $p 2>/dev/null; done | sed 's/\.log$//'); }  # quoted globs
   logs=($(arms "deepseek_v3_nvfp4@dp2_seed*.log" deepseek_v3_nvfp4_ep2.log "deepseek_v3_nvfp4_ep2@seed*.log" \
           "deepseek_v3_nvfp4_ep2@ep1_seed*.log"))
   tables_of moe_fsdp "${logs[@]}"
-  python -m titan_nvfp4.tools.loss_log $(for a in "${logs[@]}"; do echo "$run/$a.log"; done) --markdown \
+  python -m titan_nvfp4.tools.loss_log $(paths "${logs[@]}") --markdown \
       --group "1 GPU, EP2's batches=*@dp2_seed*" --group "FSDP2, no EP=*@ep1_seed*" \
       --group "EP2=deepseek_v3_nvfp4_ep2*" | tail -14 | tee -a "$run/moe_fsdp.md"
   tables=(moe_fsdp.md moe_fsdp.csv)

@@ -246,16 +246,12 @@ def _fsdp_worker(rank: int, world: int, port: int, w_full: torch.Tensor, x: torc
 def test_decompose_under_fsdp2_matches_one_process():
     """Sharded weights (FSDP2 over 2 gloo ranks): the SVD of the gathered weight, every rank holding
     shards of rank 0's factors; the same factors and outputs as one process."""
-    import socket
-
     import torch.multiprocessing as mp
-    from dist_util import spawn
+    from dist_util import free_port, spawn
 
     w = _weight()
     x = torch.randn(8, 96)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     manager = mp.Manager()
     out = manager.dict()
     spawn(_fsdp_worker, (2, port, w, x, out), 2)

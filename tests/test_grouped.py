@@ -549,10 +549,8 @@ def test_expert_lowrank_under_fsdp2_matches_one_process():
     """Expert weights sharded by FSDP2 over 2 gloo ranks (along the expert dim): each expert's SVD on the
     gathered weight, every rank holding shards of rank 0's factors, and the forward (unsharded
     parameters) as in one process."""
-    import socket
-
     import torch.multiprocessing as mp
-    from dist_util import spawn
+    from dist_util import free_port, spawn
     from torchtitan.models.moe.moe import GroupedExperts
 
     g = torch.Generator().manual_seed(4)
@@ -560,9 +558,7 @@ def test_expert_lowrank_under_fsdp2_matches_one_process():
                "w3": torch.randn(4, 32, 64, generator=g) * 0.1}
     counts = torch.tensor([16, 0, 32, 16])
     x = torch.randn(64, 64, generator=g)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     manager = mp.Manager()
     out = manager.dict()
     spawn(_experts_fsdp_worker, (2, port, weights, x, counts, out), 2)

@@ -15,9 +15,8 @@ Needs matplotlib (the `plot` extra).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-
 import statistics
+from pathlib import Path
 
 from .loss_log import StepMetrics, group_members, parse_group, parse_log, parse_validation
 
@@ -130,6 +129,8 @@ def plot_groups(runs: dict[str, list[StepMetrics]], groups: list[tuple[str, list
 
     members, curves, vals = group_curves(runs, groups, validation or {})
     ref = groups[0][0]
+    base = dict(zip(curves[ref][0], (m for m, _ in curves[ref][1])))
+    vbase = dict(zip(vals[ref][0], (m for m, _ in vals[ref][1])))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     for i, (g, (steps, stats)) in enumerate(curves.items()):
         color = f"C{i}"
@@ -143,11 +144,9 @@ def plot_groups(runs: dict[str, list[StepMetrics]], groups: list[tuple[str, list
             top.errorbar(vsteps, [m for m, _ in vstats], yerr=[s for _, s in vstats], color=color, linestyle="--",
                          marker="o", markersize=4, capsize=3)
         if g != ref:
-            base = dict(zip(curves[ref][0], (m for m, _ in curves[ref][1])))
             common = [(k, m) for k, (m, _) in zip(steps, stats) if k in base]
             bottom.plot([k for k, _ in common], ema([m - base[k] for k, m in common], smooth), color=color,
                         linewidth=2, label=f"{g} − {ref}")
-            vbase = dict(zip(vals[ref][0], (m for m, _ in vals[ref][1])))
             vcommon = [(k, m) for k, (m, _) in zip(vsteps, vstats) if k in vbase]
             if vcommon:
                 bottom.plot([k for k, _ in vcommon], [m - vbase[k] for k, m in vcommon], color=color, linestyle="--",
