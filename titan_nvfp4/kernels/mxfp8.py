@@ -101,7 +101,7 @@ _BM, _BK = 32, 64  # fixed tiles (the interpreter, small inputs)
 
 _mxfp8_autotuned = triton.autotune(
     [triton.Config({"BM": bm, "BK": bk}, num_warps=w)
-     for bm, bk, w in ((32, 128, 4), (64, 128, 4), (64, 64, 4), (128, 64, 8), (32, 256, 4))],
+     for bm, bk, w in ((32, 64, 2), (32, 128, 2), (32, 128, 4), (64, 128, 4), (64, 64, 4), (128, 64, 8), (32, 256, 4))],
     key=["M", "K", "ROW", "COL", "STAGED"])(_mxfp8_kernel)
 
 
