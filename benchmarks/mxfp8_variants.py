@@ -1,8 +1,9 @@
 """MXFP8 quantization layouts timed side by side (graph-timed, best tile config each): the package's
 kernel (column operand stored transposed, [K, Mpad]) against a variant that stores the column operand
-in x's own layout ([Mpad, K], scales [Mpad/32, K]), which a BF16 GEMM reads transposed at no cost.
+in x's own layout ([Mpad, K], scales [Mpad/32, K]), which a BF16 GEMM reads transposed at no cost; and
+the package's kernel rounding on fp32 bits against the hardware E4M3 conversion (``--hw``).
 
-    python benchmarks/mxfp8_variants.py [--m 16384 --k 4096]
+    python benchmarks/mxfp8_variants.py [--m 16384 --k 4096] [--layouts transposed,x] [--hw 0,1]
 
 Bytes counted: the bf16 input read plus every element and scale written.
 """
@@ -66,6 +67,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--configs", help="comma-separated BMxBKxWARPS tile configs (default: CONFIGS)")
     ap.add_argument("--layouts", default="transposed,x", help="column-operand layouts to time")
+    ap.add_argument("--hw", default="0", help="package kernel: 0 rounds on fp32 bits, 1 the hardware conversion")
     args = ap.parse_args()
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")] if args.configs else CONFIGS
     M, K = args.m, args.k
@@ -74,14 +76,16 @@ def main() -> None:
     ceiling = copy_ceiling()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; x bf16 {M}x{K}; "
           f"copy ceiling {ceiling / 1e12:.2f} TB/s")
-    print("| layout | operands | best BMxBKxWARPS | graph ms | of copy | all configs ms |")
-    print("| --- | --- | --- | ---: | ---: | --- |")
+    print("| layout | E4M3 rounding | operands | best BMxBKxWARPS | graph ms | of copy | all configs ms |")
+    print("| --- | --- | --- | --- | ---: | ---: | --- |")
     f8, u8, bf = torch.float8_e4m3fn, torch.uint8, torch.bfloat16
-    for same, row, col, staged in ((False, True, False, False), (True, True, False, False),
-                                   (False, True, True, False), (True, True, True, False),
-                                   (False, True, True, True), (True, True, True, True),
-                                   (False, False, True, False), (True, False, True, False)):
+    cases = [(same, row, col, staged, hw) for row, col, staged in ((True, False, False), (True, True, False),
+                                                                  (True, True, True), (False, True, False))
+             for same in (False, True) for hw in (0, 1)]
+    for same, row, col, staged, hw in cases:
         if ("x" if same else "transposed") not in args.layouts.split(","):
+            continue
+        if str(hw) not in args.hw.split(",") or (same and hw):
             continue
         ed = bf if staged else f8
         rd = torch.empty((M, K) if row else (1,), dtype=ed, device="cuda")
@@ -99,7 +103,8 @@ def main() -> None:
                                                               num_warps=w)
             else:
                 fn = lambda: mx._mxfp8_kernel[grid](x, M, K, x.stride(0), 1, rd, rs, cd, cs, Mpad,  # noqa: E731
-                                                     ROW=row, COL=col, BM=bm, BK=bk, STAGED=staged, num_warps=w)
+                                                     ROW=row, COL=col, BM=bm, BK=bk, STAGED=staged, HW=bool(hw),
+                                                     num_warps=w)
             fn()
             torch.cuda.synchronize()
             times[(bm, bk, w)] = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
@@ -107,7 +112,8 @@ def main() -> None:
         t = times[best]
         what = " + ".join(n for n, on in (("rows", row), ("cols", col)) if on) + (" staged bf16" if staged else "")
         allc = ", ".join(f"{bm}x{bk}x{w} {v:.3f}" for (bm, bk, w), v in times.items())
-        print(f"| {'x layout' if same else 'transposed'} | {what} | {best[0]}x{best[1]}x{best[2]} | {t:.3f} | "
+        layout, rounding = "x layout" if same else "transposed", "hardware" if hw else "fp32 bits"
+        print(f"| {layout} | {rounding} | {what} | {best[0]}x{best[1]}x{best[2]} | {t:.3f} | "
               f"{nbytes / (t * 1e-3) / ceiling:.0%} | {allc} |", flush=True)
 
 

@@ -73,8 +73,10 @@ def test_adversarial_inputs_bit_identical():
     x[7, 100] = float("inf")
     x[8, 70] = float("-inf")
     x[60, 5] = float("nan")  # a NaN in a column block
+    x[9, 10] = -float("nan")  # a negative NaN: stored as the one NaN byte 0x7F, as on the GPU
     row, col = _check(x)
     assert torch.isnan(row.dequantize()[6, :32]).all() and torch.isfinite(row.dequantize()[6, 32:]).all()
+    assert _bytes(row.data)[9, 10] == 0x7F and _bytes(col.data)[10, 9] == 0x7F
 
 
 def test_strided_input_and_single_operands():

@@ -6,7 +6,9 @@ Each program holds a [BM, BK] tile: the row blocks are its [BM, BK/32, 32] view,
 [BM/32, 32, BK] view, so both come from registers. The math is the reference's (numerics/mxfp8.py,
 RCEIL scales), done on fp32 bits so that every path (GPU, interpreter) gives the same bytes:
 scale exponent e = ceil(log2(amax / 448)) clamped to [-127, 127] (-127 for a zero block, 128 = NaN
-for a non-finite one), element = e4m3_rne_sat(x · 2^-e).
+for a non-finite one), element = e4m3_rne_sat(x · 2^-e). On sm_89+ the element rounding is the GPU's
+own E4M3 conversion (the same rounding, a quarter of the instructions: 94% of the copy ceiling rowwise
+on an H100 against 75%, BENCHMARKS.md); the interpreter, sm_80 and ROCm round on fp32 bits.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import triton.language as tl
 
 from ..numerics.mxfp8 import MX_BLOCK, MXFP8Tensor
 from .nvfp4_jit import E4M3_MAX, e4m3_round, nan_to_inf_abs
+from ..ops.backends import interpreting
 from .launch import launch
 
 
@@ -50,21 +53,26 @@ def _pow2_pos(e):
 
 
 @triton.jit
-def _to_e4m3(v):
-    """Twin of formats.to_e4m3_saturating: nearest-even E4M3 of fp32 v, ±448 saturation, NaN kept."""
-    mag = e4m3_round(tl.minimum(tl.abs(v), E4M3_MAX))
-    sign = v.to(tl.int32, bitcast=True) & -0x80000000  # -0.0 stays -0
-    r = (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True).to(tl.float8e4nv)
+def _to_e4m3(v, HW: tl.constexpr = False):
+    """Twin of formats.to_e4m3_saturating: nearest-even E4M3 of fp32 v, ±448 saturation, NaN kept.
+    HW (sm_89+): the hardware conversion (cvt.rn.satfinite, the same rounding and saturation) in place
+    of the rounding on fp32 bits, which the interpreter and sm_80 need (see nvfp4_jit.e4m3_round)."""
+    if HW:
+        r = v.to(tl.float8e4nv)
+    else:
+        mag = e4m3_round(tl.minimum(tl.abs(v), E4M3_MAX))
+        sign = v.to(tl.int32, bitcast=True) & -0x80000000  # -0.0 stays -0
+        r = (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True).to(tl.float8e4nv)
     nan = tl.full(v.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True)
     return tl.where(v == v, r, nan)
 
 
 @triton.jit
 def _mxfp8_kernel(X, M, K, sxm, sxk, RD, RS, CD, CS, Mpad, ROW: tl.constexpr, COL: tl.constexpr,
-                  BM: tl.constexpr, BK: tl.constexpr, STAGED: tl.constexpr = False):
+                  BM: tl.constexpr, BK: tl.constexpr, STAGED: tl.constexpr = False, HW: tl.constexpr = False):
     """RD [M, K] e4m3 and RS [M, K/32] E8M0 bytes; CD [K, Mpad] and CS [K, Mpad/32] for xᵀ. STAGED: RD
     and CD get the dequantized values element·2^e in BF16 instead (what a BF16 GEMM reads; exact unless
-    below BF16's normal range), and no scales."""
+    below BF16's normal range), and no scales. HW: round with the hardware E4M3 conversion (_to_e4m3)."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rm < M)[:, None] & (rk < K)[None, :]
@@ -72,7 +80,7 @@ def _mxfp8_kernel(X, M, K, sxm, sxk, RD, RS, CD, CS, Mpad, ROW: tl.constexpr, CO
     if ROW:
         blocks = tl.reshape(x, (BM, BK // 32, 32))
         e = _ceil_log2_div448(tl.max(nan_to_inf_abs(blocks), axis=2))  # [BM, BK/32]
-        q = _to_e4m3(blocks * _pow2_neg(e)[:, :, None])
+        q = _to_e4m3(blocks * _pow2_neg(e)[:, :, None], HW)
         if STAGED:
             v = (q.to(tl.float32) * _pow2_pos(e)[:, :, None]).to(tl.bfloat16)
             tl.store(RD + rm[:, None].to(tl.int64) * K + rk[None, :], tl.reshape(v, (BM, BK)), mask=mask)
@@ -84,7 +92,7 @@ def _mxfp8_kernel(X, M, K, sxm, sxk, RD, RS, CD, CS, Mpad, ROW: tl.constexpr, CO
     if COL:
         blocks = tl.reshape(x, (BM // 32, 32, BK))
         e = _ceil_log2_div448(tl.max(nan_to_inf_abs(blocks), axis=1))  # [BM/32, BK]
-        q = _to_e4m3(blocks * _pow2_neg(e)[:, None, :])
+        q = _to_e4m3(blocks * _pow2_neg(e)[:, None, :], HW)
         cmask = (rk < K)[:, None] & (rm < Mpad)[None, :]
         if STAGED:
             v = tl.reshape((q.to(tl.float32) * _pow2_pos(e)[:, None, :]).to(tl.bfloat16), (BM, BK))
@@ -101,8 +109,16 @@ _BM, _BK = 32, 64  # fixed tiles (the interpreter, small inputs)
 
 _mxfp8_autotuned = triton.autotune(
     [triton.Config({"BM": bm, "BK": bk}, num_warps=w)
-     for bm, bk, w in ((32, 64, 2), (32, 128, 2), (32, 128, 4), (64, 128, 4), (64, 64, 4), (128, 64, 8), (32, 256, 4))],
-    key=["M", "K", "ROW", "COL", "STAGED"])(_mxfp8_kernel)
+     for bm, bk, w in ((32, 64, 1), (32, 64, 2), (32, 128, 2), (32, 128, 4), (64, 128, 4), (64, 64, 4), (128, 64, 8),
+                       (32, 256, 4))],
+    key=["M", "K", "ROW", "COL", "STAGED", "HW"])(_mxfp8_kernel)
+
+
+def hardware_e4m3(device: torch.device) -> bool:
+    """Whether the kernel may round with the GPU's own E4M3 conversion: CUDA sm_89 and up (not ROCm,
+    not the interpreter, which run the rounding on fp32 bits)."""
+    return (device.type == "cuda" and torch.version.hip is None and not interpreting()
+            and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
 def quantize_mxfp8_tensors(x2d: torch.Tensor, rowwise: bool = True, colwise: bool = False, staged: bool = False):
@@ -125,12 +141,14 @@ def quantize_mxfp8_tensors(x2d: torch.Tensor, rowwise: bool = True, colwise: boo
     cs = torch.empty((K, Mpad // 32) if colwise and not staged else (0,), dtype=e8, device=dev)
     if M and K and (rowwise or colwise):
         args = (x2d, M, K, x2d.stride(0), x2d.stride(1), rd, rs, cd, cs, Mpad)
+        hw = hardware_e4m3(x2d.device)
         if x2d.is_cuda and x2d.numel() >= 2**22:
             grid = lambda meta: (triton.cdiv(Mpad, meta["BM"]), triton.cdiv(K, meta["BK"]))  # noqa: E731
-            launch(_mxfp8_autotuned, grid, *args, ROW=rowwise, COL=colwise, STAGED=staged)
+            launch(_mxfp8_autotuned, grid, *args, ROW=rowwise, COL=colwise, STAGED=staged, HW=hw)
         else:
             grid = (triton.cdiv(Mpad, _BM), triton.cdiv(K, _BK))
-            launch(_mxfp8_kernel, grid, *args, ROW=rowwise, COL=colwise, BM=_BM, BK=_BK, STAGED=staged, num_warps=4)
+            launch(_mxfp8_kernel, grid, *args, ROW=rowwise, COL=colwise, BM=_BM, BK=_BK, STAGED=staged, HW=hw,
+                   num_warps=4)
     e8m0 = torch.float8_e8m0fnu
     return rd, rs.view(e8m0), cd, cs.view(e8m0)
 

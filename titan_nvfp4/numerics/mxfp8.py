@@ -3,6 +3,7 @@
 Scales follow cuBLAS's round-up rule ("RCEIL"): the block scale is the smallest power of two
 2^e >= amax_b / 448, so no element saturates. Elements are x · 2^-e rounded to nearest-even E4M3.
 A block of zeros gets 2^-127; a block holding NaN or ±Inf gets the E8M0 NaN scale and decodes to NaN.
+A NaN element is stored as 0x7F whatever its sign (a GPU's arithmetic drops a NaN's sign, x86's keeps it).
 """
 
 from __future__ import annotations
@@ -51,5 +52,7 @@ def quantize_mxfp8(x: torch.Tensor) -> MXFP8Tensor:
     bad = ~torch.isfinite(amax)
     exp = torch.where(bad, torch.full_like(exp, 128), exp)
     inv = torch.ldexp(torch.ones_like(amax), -exp)
-    elems = to_e4m3_saturating(blocks * inv.unsqueeze(-1)).view(shape)
+    scaled = blocks * inv.unsqueeze(-1)
+    scaled = torch.where(torch.isnan(scaled), torch.full_like(scaled, float("nan")), scaled)  # one NaN byte, 0x7F
+    elems = to_e4m3_saturating(scaled).view(shape)
     return MXFP8Tensor(data=elems, scale=e8m0_from_exponent(exp))
