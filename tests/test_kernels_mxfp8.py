@@ -29,13 +29,18 @@ def _check(x):
     ref_col = quantize_mxfp8(xt.contiguous())
     assert torch.equal(_bytes(col.data), _bytes(ref_col.data)), "column elements"
     assert torch.equal(_bytes(col.scale), _bytes(ref_col.scale)), "column scales"
+    _, col_alone = quantize_mxfp8_operand(x, rowwise=False, colwise=True)  # the columns-only kernel
+    assert torch.equal(_bytes(col_alone.data), _bytes(ref_col.data)), "column elements, columns alone"
+    assert torch.equal(_bytes(col_alone.scale), _bytes(ref_col.scale)), "column scales, columns alone"
     # staged: the dequantized values in BF16, bit for bit the reference's wherever they are BF16 normals
     # (or 0, ±inf, NaN); below 2^-126 the BF16 subnormal rounding of the two conversions may differ
     from titan_nvfp4.kernels.mxfp8 import quantize_mxfp8_tensors
 
     srd, srs, scd, scs = quantize_mxfp8_tensors(x, True, True, staged=True)
     assert srd.dtype == scd.dtype == torch.bfloat16 and srs.numel() == scs.numel() == 0
-    for got, ref, what in ((srd, ref_row, "staged rows"), (scd, ref_col, "staged columns")):
+    scd_alone = quantize_mxfp8_tensors(x, False, True, staged=True)[2]
+    for got, ref, what in ((srd, ref_row, "staged rows"), (scd, ref_col, "staged columns"),
+                           (scd_alone, ref_col, "staged columns alone")):
         want = ref.dequantize(torch.float32)
         got = got.cpu().contiguous()
         nan = torch.isnan(want)
@@ -85,7 +90,7 @@ def test_strided_input_and_single_operands():
     row, col = quantize_mxfp8_operand(x, rowwise=True, colwise=False)
     assert col is None and torch.equal(_bytes(row.data), _bytes(quantize_mxfp8(x.cpu()).data))
     row, col = quantize_mxfp8_operand(x, rowwise=False, colwise=True)
-    assert row is None and col.data.shape == (96, 64)
+    assert row is None and col.data.shape == (96, 64)  # the columns-only kernel: checked in _check
 
 
 def test_rejects_bad_shapes():

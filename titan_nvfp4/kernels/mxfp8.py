@@ -2,8 +2,10 @@
 rowwise MXFP8 (1×32 blocks along K) and its columnwise MXFP8 (32-element blocks along the tokens,
 stored transposed, tokens zero-padded to a multiple of 32), the operands of an MXFP8 backward.
 
-Each program holds a [BM, BK] tile: the row blocks are its [BM, BK/32, 32] view, the column blocks its
-[BM/32, 32, BK] view, so both come from registers. The math is the reference's (numerics/mxfp8.py,
+``_mxfp8_kernel``: each program holds a [BM, BK] tile; the row blocks are its [BM, BK/32, 32] view, the
+column blocks its [BM/32, 32, BK] view, so both come from registers. ``_mxfp8_cols_kernel`` emits the
+column operand alone (the forward's saved Xᵀ, backward's W) from 32 row tiles, each column block in
+one thread. The math is the reference's (numerics/mxfp8.py,
 RCEIL scales), done on fp32 bits so that every path (GPU, interpreter) gives the same bytes:
 scale exponent e = ceil(log2(amax / 448)) clamped to [-127, 127] (-127 for a zero block, 128 = NaN
 for a non-finite one), element = e4m3_rne_sat(x · 2^-e). On sm_89+ the element rounding is the GPU's
@@ -105,6 +107,58 @@ def _mxfp8_kernel(X, M, K, sxm, sxk, RD, RS, CD, CS, Mpad, ROW: tl.constexpr, CO
                      mask=(rk < K)[:, None] & (cb < Mpad // 32)[None, :])
 
 
+@triton.jit
+def _join32(t, G: tl.constexpr, C: tl.constexpr):
+    """32-tuple of [G, C] tiles -> [G, C, 32], tile i at index i: the joins only add in-thread dims."""
+    a = ()
+    for i in tl.static_range(16):
+        a = a + (tl.join(t[i], t[i + 16]),)
+    b = ()
+    for i in tl.static_range(8):
+        b = b + (tl.join(a[i], a[i + 8]),)
+    c = ()
+    for i in tl.static_range(4):
+        c = c + (tl.join(b[i], b[i + 4]),)
+    d = (tl.join(c[0], c[2]), tl.join(c[1], c[3]))
+    return tl.reshape(tl.join(d[0], d[1]), (G, C, 32))  # index 16·d0 + 8·d1 + 4·d2 + 2·d3 + d4
+
+
+@triton.jit
+def _mxfp8_cols_kernel(X, M, K, sxm, sxk, CD, CS, Mpad, G: tl.constexpr, BK: tl.constexpr,
+                       STAGED: tl.constexpr = False, HW: tl.constexpr = False):
+    """The column operand alone (CD, CS as _mxfp8_kernel's): a program covers G 32-row blocks and BK
+    features through 32 loads of [G, BK] tiles, tile i holding rows 32g + i, so that each column
+    block's max, its scaling and its 32 stored values stay in one thread (no cross-warp reduction,
+    no transpose through shared memory). Programs run along K first (a 1D grid: any row count)."""
+    n_k = tl.cdiv(K, BK)
+    g0 = (tl.program_id(0) // n_k) * G
+    blk = g0 + tl.arange(0, G)
+    rk = (tl.program_id(0) % n_k) * BK + tl.arange(0, BK)
+    kmask = (rk < K)[None, :]
+    xs = ()
+    for i in tl.static_range(32):
+        row = blk * 32 + i
+        xs = xs + (tl.load(X + row[:, None].to(tl.int64) * sxm + rk[None, :] * sxk, mask=kmask & (row < M)[:, None],
+                           other=0.0).to(tl.float32),)
+    m = nan_to_inf_abs(xs[0])
+    for i in tl.static_range(1, 32):
+        m = tl.maximum(m, nan_to_inf_abs(xs[i]))
+    e = _ceil_log2_div448(m)  # [G, BK]
+    inv = _pow2_neg(e)
+    qs = ()
+    for i in tl.static_range(32):
+        q = _to_e4m3(xs[i] * inv, HW)
+        if STAGED:
+            q = (q.to(tl.float32) * _pow2_pos(e)).to(tl.bfloat16)
+        qs = qs + (q,)
+    vals = tl.reshape(tl.permute(_join32(qs, G, BK), (1, 0, 2)), (BK, 32 * G))  # [G, BK, 32] -> rows of xᵀ
+    rt = g0 * 32 + tl.arange(0, 32 * G)
+    tl.store(CD + rk[:, None].to(tl.int64) * Mpad + rt[None, :], vals, mask=(rk < K)[:, None] & (rt < Mpad)[None, :])
+    if not STAGED:
+        tl.store(CS + rk[None, :].to(tl.int64) * (Mpad // 32) + blk[:, None], (e + 127).to(tl.uint8),
+                 mask=kmask & (blk < Mpad // 32)[:, None])
+
+
 _BM, _BK = 32, 64  # fixed tiles (the interpreter, small inputs)
 
 _mxfp8_autotuned = triton.autotune(
@@ -112,6 +166,11 @@ _mxfp8_autotuned = triton.autotune(
      for bm, bk, w in ((32, 64, 1), (32, 64, 2), (32, 128, 2), (32, 128, 4), (64, 128, 4), (64, 64, 4), (128, 64, 8),
                        (32, 256, 4))],
     key=["M", "K", "ROW", "COL", "STAGED", "HW"])(_mxfp8_kernel)
+
+_cols_autotuned = triton.autotune(  # the best of a 30-config sweep, codes and staged (BENCHMARKS.md)
+    [triton.Config({"G": g, "BK": bk}, num_warps=w)
+     for g, bk, w in ((2, 64, 2), (1, 128, 2), (1, 64, 1), (2, 64, 1), (1, 256, 4), (2, 128, 4))],
+    key=["M", "K", "STAGED", "HW"])(_mxfp8_cols_kernel)
 
 
 def hardware_e4m3(device: torch.device) -> bool:
@@ -142,7 +201,16 @@ def quantize_mxfp8_tensors(x2d: torch.Tensor, rowwise: bool = True, colwise: boo
     if M and K and (rowwise or colwise):
         args = (x2d, M, K, x2d.stride(0), x2d.stride(1), rd, rs, cd, cs, Mpad)
         hw = hardware_e4m3(x2d.device)
-        if x2d.is_cuda and x2d.numel() >= 2**22:
+        tuned = x2d.is_cuda and x2d.numel() >= 2**22
+        if colwise and not rowwise:  # the columns alone: the 32-row-tile kernel
+            cargs = (x2d, M, K, x2d.stride(0), x2d.stride(1), cd, cs, Mpad)
+            grid = lambda meta: (triton.cdiv(Mpad // 32, meta["G"]) * triton.cdiv(K, meta["BK"]),)  # noqa: E731
+            if tuned:
+                launch(_cols_autotuned, grid, *cargs, STAGED=staged, HW=hw)
+            else:
+                launch(_mxfp8_cols_kernel, grid({"G": 1, "BK": _BK}), *cargs, G=1, BK=_BK, STAGED=staged, HW=hw,
+                       num_warps=2)
+        elif tuned:
             grid = lambda meta: (triton.cdiv(Mpad, meta["BM"]), triton.cdiv(K, meta["BK"]))  # noqa: E731
             launch(_mxfp8_autotuned, grid, *args, ROW=rowwise, COL=colwise, STAGED=staged, HW=hw)
         else:
