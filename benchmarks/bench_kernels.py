@@ -22,6 +22,7 @@ import triton
 
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
 from titan_nvfp4.kernels import gemm as _g
+from titan_nvfp4.kernels import mxfp8 as _mx
 from titan_nvfp4.kernels.gemm import nvfp4_gemm_triton
 from titan_nvfp4.kernels.quantize import quantize_operand, quantize_weight_2d
 from titan_nvfp4.numerics.rht import rht_signs
@@ -132,10 +133,14 @@ def main() -> int:
     mx = n + n // 32  # e4m3 elements + e8m0 scales of one MXFP8 operand
     cases.append(("MXFP8 rowwise 1x32", lambda: quantize_mxfp8_operand(x), 2 * n + mx))
     cases.append(("MXFP8 rowwise + colwise (bwd operands)", lambda: quantize_mxfp8_operand(x, colwise=True), 2 * n + 2 * mx))
+    cases.append(("MXFP8 colwise alone (fwd: saved X^T)",
+                  lambda: quantize_mxfp8_operand(x, rowwise=False, colwise=True), 2 * n + mx))
     from titan_nvfp4.kernels.mxfp8 import quantize_mxfp8_tensors
 
     cases.append(("MXFP8 rowwise + colwise, staged bf16 (bwd dY as trained)",
                   lambda: quantize_mxfp8_tensors(x, True, True, staged=True), 2 * n + 2 * (2 * n)))
+    cases.append(("MXFP8 colwise alone, staged bf16 (bwd W as trained)",
+                  lambda: quantize_mxfp8_tensors(x, False, True, staged=True), 2 * n + 2 * n))
     cases = [c for c in cases if re.search(args.kernels, c[0])]
     for name, fn, nbytes in (cases if "kernels" in only else []):
         t = ms(fn)
@@ -225,7 +230,8 @@ def main() -> int:
     res["linear_stage_a"] = args.stage_a
     for name, tuner in (("gemm", _g._nvfp4_gemm_autotuned), ("gemm_persistent", _g._nvfp4_gemm_persistent_autotuned),
                         ("dequant", _g._dequant_autotuned), ("quantize", _q._quantize_autotuned),
-                        ("quantize_2d", _q._quantize_2d_autotuned), ("amax", _q._amax_autotuned)):
+                        ("quantize_2d", _q._quantize_2d_autotuned), ("amax", _q._amax_autotuned),
+                        ("mxfp8", _mx._mxfp8_autotuned), ("mxfp8_cols", _mx._cols_autotuned)):
         picked = {str(k): str(v) for k, v in tuner.cache.items()}
         res[f"tiles_{name}"] = picked
         print(f"\nautotuned {name}: " + "; ".join(f"{k} -> {v}" for k, v in picked.items()))

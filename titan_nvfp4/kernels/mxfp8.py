@@ -169,7 +169,7 @@ _mxfp8_autotuned = triton.autotune(
 
 _cols_autotuned = triton.autotune(  # the best of a 30-config sweep, codes and staged (BENCHMARKS.md)
     [triton.Config({"G": g, "BK": bk}, num_warps=w)
-     for g, bk, w in ((2, 64, 2), (1, 128, 2), (1, 64, 1), (2, 64, 1), (1, 256, 4), (2, 128, 4))],
+     for g, bk, w in ((2, 64, 2), (2, 64, 1), (1, 128, 2), (2, 128, 4))],
     key=["M", "K", "STAGED", "HW"])(_mxfp8_cols_kernel)
 
 
