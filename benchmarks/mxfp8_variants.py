@@ -1,9 +1,10 @@
 """MXFP8 quantization layouts timed side by side (graph-timed, best tile config each): the package's
 kernel (column operand stored transposed, [K, Mpad]) against a variant that stores the column operand
-in x's own layout ([Mpad, K], scales [Mpad/32, K]), which a BF16 GEMM reads transposed at no cost; and
-the package's kernel rounding on fp32 bits against the hardware E4M3 conversion (``--hw``).
+in x's own layout ([Mpad, K], scales [Mpad/32, K]), which a BF16 GEMM reads transposed at no cost; the
+package's kernel rounding on fp32 bits against the hardware E4M3 conversion (``--hw``); and the
+package's columns-only kernel over its tile configs (``--cols-tiles``).
 
-    python benchmarks/mxfp8_variants.py [--m 16384 --k 4096] [--layouts transposed,x] [--hw 0,1]
+    python benchmarks/mxfp8_variants.py [--m 16384 --k 4096] [--layouts transposed,x] [--hw 0,1] [--cols-tiles]
 
 Bytes counted: the bf16 input read plus every element and scale written.
 """
@@ -57,59 +58,6 @@ def _mxfp8_same_layout_kernel(X, M, K, sxm, RD, RS, CD, CS, Mpad, ROW: tl.conste
                      mask=(cb < Mpad // 32)[:, None] & (rk < K)[None, :])
 
 
-@triton.jit
-def _join32(t, G: tl.constexpr, C: tl.constexpr):
-    """32-tuple of [G, C] tiles -> [G, C, 32], tile i at index i: the joins only add in-thread dims."""
-    a = ()
-    for i in tl.static_range(16):
-        a = a + (tl.join(t[i], t[i + 16]),)
-    b = ()
-    for i in tl.static_range(8):
-        b = b + (tl.join(a[i], a[i + 8]),)
-    c = ()
-    for i in tl.static_range(4):
-        c = c + (tl.join(b[i], b[i + 4]),)
-    d = (tl.join(c[0], c[2]), tl.join(c[1], c[3]))
-    return tl.reshape(tl.join(d[0], d[1]), (G, C, 32))  # index 16·d0 + 8·d1 + 4·d2 + 2·d3 + d4
-
-
-@triton.jit
-def _mxfp8_cols_tiles_kernel(X, M, K, sxm, CD, CS, Mpad, BK: tl.constexpr, G: tl.constexpr, STAGED: tl.constexpr,
-                             HW: tl.constexpr, K_FIRST: tl.constexpr):
-    """Columns only, G 32-row blocks per program: 32 loads of [G, BK] tiles (tile i = rows 32g + i),
-    so each column block's max and its 32 stored values stay in one thread; CD [K, Mpad], CS [K,
-    Mpad/32]. K_FIRST: consecutive programs walk along K (the same rows) rather than down the rows."""
-    if K_FIRST:
-        pk, pg = tl.program_id(0), tl.program_id(1)
-    else:
-        pg, pk = tl.program_id(0), tl.program_id(1)
-    blk = pg * G + tl.arange(0, G)
-    rk = pk * BK + tl.arange(0, BK)
-    kmask = (rk < K)[None, :]
-    xs = ()
-    for i in tl.static_range(32):
-        row = blk * 32 + i
-        xs = xs + (tl.load(X + row[:, None].to(tl.int64) * sxm + rk[None, :], mask=kmask & (row < M)[:, None],
-                           other=0.0).to(tl.float32),)
-    m = nan_to_inf_abs(xs[0])
-    for i in tl.static_range(1, 32):
-        m = tl.maximum(m, nan_to_inf_abs(xs[i]))
-    e = mx._ceil_log2_div448(m)  # [G, BK]
-    inv = mx._pow2_neg(e)
-    qs = ()
-    for i in tl.static_range(32):
-        q = mx._to_e4m3(xs[i] * inv, HW)
-        if STAGED:
-            q = (q.to(tl.float32) * mx._pow2_pos(e)).to(tl.bfloat16)
-        qs = qs + (q,)
-    vals = tl.reshape(tl.permute(_join32(qs, G, BK), (1, 0, 2)), (BK, 32 * G))  # [G, BK, 32] -> rows of xᵀ
-    rt = pg * (32 * G) + tl.arange(0, 32 * G)
-    tl.store(CD + rk[:, None].to(tl.int64) * Mpad + rt[None, :], vals, mask=(rk < K)[:, None] & (rt < Mpad)[None, :])
-    if not STAGED:
-        tl.store(CS + rk[None, :].to(tl.int64) * (Mpad // 32) + blk[:, None], (e + 127).to(tl.uint8),
-                 mask=kmask & (blk < Mpad // 32)[:, None])
-
-
 CONFIGS = [(32, 128, 4), (64, 128, 4), (64, 64, 4), (128, 64, 8), (32, 256, 4), (64, 256, 8), (128, 128, 8),
            (32, 64, 2), (64, 128, 8), (128, 64, 4)]
 
@@ -121,7 +69,8 @@ def main() -> None:
     ap.add_argument("--configs", help="comma-separated BMxBKxWARPS tile configs (default: CONFIGS)")
     ap.add_argument("--layouts", default="transposed,x", help="column-operand layouts to time")
     ap.add_argument("--hw", default="0", help="package kernel: 0 rounds on fp32 bits, 1 the hardware conversion")
-    ap.add_argument("--cols-tiles", action="store_true", help="also time the columns-only kernel on 32 row tiles")
+    ap.add_argument("--cols-tiles", action="store_true",
+                    help="also time the package's columns-only kernel (32 row tiles) over its tile configs")
     args = ap.parse_args()
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")] if args.configs else CONFIGS
     M, K = args.m, args.k
@@ -143,16 +92,14 @@ def main() -> None:
             cs = torch.empty((K, Mpad // 32), dtype=u8, device="cuda")
             nbytes = 2 * M * K + M * K * (2 if staged else 1) + (0 if staged else M * K // 32)
             times = {}
-            for bk, w, gg, kf in [(bk, w, gg, kf) for bk in (64, 128, 256) for w in (1, 2, 4) for gg in (1, 2)
-                                  for kf in (False, True) if bk >= 32 * w and bk * gg <= 256 * w]:
-                grid = ((triton.cdiv(K, bk), triton.cdiv(Mpad // 32, gg)) if kf
-                        else (triton.cdiv(Mpad // 32, gg), triton.cdiv(K, bk)))
-                fn = lambda: _mxfp8_cols_tiles_kernel[grid](x, M, K, x.stride(0), cd, cs, Mpad, BK=bk, G=gg,  # noqa: E731
-                                                             STAGED=staged, HW=True, K_FIRST=kf, num_warps=w)
+            for bk, w, gg in [(bk, w, gg) for bk in (64, 128, 256) for w in (1, 2, 4) for gg in (1, 2)
+                              if bk >= 32 * w and bk * gg <= 256 * w]:
+                grid = (triton.cdiv(Mpad // 32, gg) * triton.cdiv(K, bk),)
+                fn = lambda: mx._mxfp8_cols_kernel[grid](x, M, K, x.stride(0), 1, cd, cs, Mpad, G=gg, BK=bk,  # noqa: E731
+                                                          STAGED=staged, HW=True, num_warps=w)
                 fn()
                 torch.cuda.synchronize()
-                times[(f"{gg}x32", bk, f"{w}{'k' if kf else ''}")] = triton.testing.do_bench_cudagraph(
-                    fn, rep=50, return_mode="median")
+                times[(f"{gg}x32", bk, w)] = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
             best = min(times, key=times.get)
             t = times[best]
             allc = ", ".join(f"{bm}x{bk}x{w} {v:.3f}" for (bm, bk, w), v in times.items())

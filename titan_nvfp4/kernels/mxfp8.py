@@ -4,13 +4,15 @@ stored transposed, tokens zero-padded to a multiple of 32), the operands of an M
 
 ``_mxfp8_kernel``: each program holds a [BM, BK] tile; the row blocks are its [BM, BK/32, 32] view, the
 column blocks its [BM/32, 32, BK] view, so both come from registers. ``_mxfp8_cols_kernel`` emits the
-column operand alone (the forward's saved Xᵀ, backward's W) from 32 row tiles, each column block in
-one thread. The math is the reference's (numerics/mxfp8.py,
-RCEIL scales), done on fp32 bits so that every path (GPU, interpreter) gives the same bytes:
-scale exponent e = ceil(log2(amax / 448)) clamped to [-127, 127] (-127 for a zero block, 128 = NaN
-for a non-finite one), element = e4m3_rne_sat(x · 2^-e). On sm_89+ the element rounding is the GPU's
-own E4M3 conversion (the same rounding, a quarter of the instructions: 94% of the copy ceiling rowwise
-on an H100 against 75%, BENCHMARKS.md); the interpreter, sm_80 and ROCm round on fp32 bits.
+column operand alone (the forward's saved Xᵀ, the backward's W) from 32 row tiles, each column block in
+one thread.
+
+The math is the reference's (numerics/mxfp8.py, RCEIL scales): scale exponent e = ceil(log2(amax /
+448)) clamped to [-127, 127] (-127 for a zero block, 128 = NaN for a non-finite one), element =
+e4m3_rne_sat(x · 2^-e), on fp32 bits so that every path gives the same bytes. On sm_89+ the element
+rounding is the GPU's own E4M3 conversion instead (the same rounding in fewer instructions:
+94% of the copy ceiling rowwise on an H100, against 75%; BENCHMARKS.md); the interpreter, sm_80 and
+ROCm round on fp32 bits.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ import triton
 import triton.language as tl
 
 from ..numerics.mxfp8 import MX_BLOCK, MXFP8Tensor
-from .nvfp4_jit import E4M3_MAX, e4m3_round, nan_to_inf_abs
 from ..ops.backends import interpreting
 from .launch import launch
+from .nvfp4_jit import E4M3_MAX, e4m3_round, nan_to_inf_abs
 
 
 @triton.jit
