@@ -17,6 +17,8 @@ ROCm round on fp32 bits.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -179,7 +181,12 @@ def hardware_e4m3(device: torch.device) -> bool:
     """Whether the kernel may round with the GPU's own E4M3 conversion: CUDA sm_89 and up (not ROCm,
     not the interpreter, which run the rounding on fp32 bits)."""
     return (device.type == "cuda" and torch.version.hip is None and not interpreting()
-            and torch.cuda.get_device_capability(device) >= (8, 9))
+            and _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def quantize_mxfp8_tensors(x2d: torch.Tensor, rowwise: bool = True, colwise: bool = False, staged: bool = False):
