@@ -92,9 +92,9 @@ def main() -> None:
             cs = torch.empty((K, Mpad // 32), dtype=u8, device="cuda")
             nbytes = 2 * M * K + M * K * (2 if staged else 1) + (0 if staged else M * K // 32)
             times = {}
-            for bk, w, gg in [(bk, w, gg) for bk in (64, 128, 256) for w in (1, 2, 4) for gg in (1, 2)
+            for bk, w, gg in [(bk, w, gg) for bk in (32, 64, 128, 256) for w in (1, 2, 4) for gg in (1, 2, 4)
                               if bk >= 32 * w and bk * gg <= 256 * w]:
-                grid = (triton.cdiv(Mpad // 32, gg) * triton.cdiv(K, bk),)
+                grid = mx._cols_grid(Mpad, K, gg, bk)
                 fn = lambda: mx._mxfp8_cols_kernel[grid](x, M, K, x.stride(0), 1, cd, cs, Mpad, G=gg, BK=bk,  # noqa: E731
                                                           STAGED=staged, HW=True, num_warps=w)
                 fn()

@@ -111,6 +111,36 @@ def test_matches_torchao_rceil():
     assert torch.equal(_bytes(row.data), _bytes(data))
 
 
+@pytest.mark.parametrize("staged", [False, True])
+def test_columns_kernel_every_tile_config_bit_identical(staged):
+    """Each config the columns-only kernel's autotuner may pick (G row blocks, BK features, warps), run
+    directly on a ragged input with NaN, inf and zero blocks, against the reference's column operand."""
+    import triton
+
+    from titan_nvfp4.kernels import mxfp8 as k
+
+    x = _rand(200, 96, torch.float32, seed=21)
+    x[0:32, 5] = 0.0
+    x[40, 7] = float("nan")
+    x[70, 90] = float("-inf")
+    M, K, Mpad = 200, 96, 224
+    ref = quantize_mxfp8(F.pad(x.cpu().t(), (0, Mpad - M)).contiguous())
+    for cfg in k._cols_autotuned.configs:
+        g, bk = cfg.kwargs["G"], cfg.kwargs["BK"]
+        cd = torch.empty((K, Mpad), dtype=torch.bfloat16 if staged else torch.float8_e4m3fn, device=DEV)
+        cs = torch.empty((K, Mpad // 32), dtype=torch.uint8, device=DEV)
+        k._mxfp8_cols_kernel[k._cols_grid(Mpad, K, g, bk)](x, M, K, x.stride(0), x.stride(1), cd, cs, Mpad, G=g, BK=bk,
+                                                           STAGED=staged, HW=k.hardware_e4m3(x.device),
+                                                           num_warps=cfg.num_warps)
+        if staged:
+            want, got = ref.dequantize(torch.float32), cd.float().cpu()
+            assert torch.equal(got.isnan(), want.isnan()), cfg
+            assert torch.equal(got[~want.isnan()], want[~want.isnan()]), cfg  # exact: no BF16 subnormals here
+        else:
+            assert torch.equal(_bytes(cd), _bytes(ref.data)) and torch.equal(cs.cpu(), _bytes(ref.scale)), cfg
+    assert {c.kwargs["G"] for c in k._cols_autotuned.configs} >= {1, 2, 4}
+
+
 @pytest.mark.skipif(DEV == "cpu", reason="autotuned tiles run compiled only")
 def test_large_input_autotuned_bit_identical():
     _check(_rand(4096, 2048, torch.bfloat16, seed=13))

@@ -133,11 +133,11 @@ def _mxfp8_cols_kernel(X, M, K, sxm, sxk, CD, CS, Mpad, G: tl.constexpr, BK: tl.
     """The column operand alone (CD, CS as _mxfp8_kernel's): a program covers G 32-row blocks and BK
     features through 32 loads of [G, BK] tiles, tile i holding rows 32g + i, so that each column
     block's max, its scaling and its 32 stored values stay in one thread (no cross-warp reduction,
-    no transpose through shared memory). Programs run along K first (a 1D grid: any row count)."""
-    n_k = tl.cdiv(K, BK)
-    g0 = (tl.program_id(0) // n_k) * G
+    no transpose through shared memory). Programs run along K first: grid axis 0 walks K, axes 1 and 2
+    the row blocks (axis 2 only past CUDA's 65535 limit on axis 1; programs past the end store nothing)."""
+    g0 = (tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)) * G
     blk = g0 + tl.arange(0, G)
-    rk = (tl.program_id(0) % n_k) * BK + tl.arange(0, BK)
+    rk = tl.program_id(0) * BK + tl.arange(0, BK)
     kmask = (rk < K)[None, :]
     xs = ()
     for i in tl.static_range(32):
@@ -171,10 +171,16 @@ _mxfp8_autotuned = triton.autotune(
                        (32, 256, 4))],
     key=["M", "K", "ROW", "COL", "STAGED", "HW"])(_mxfp8_kernel)
 
-_cols_autotuned = triton.autotune(  # the best of a 30-config sweep, codes and staged (BENCHMARKS.md)
+_cols_autotuned = triton.autotune(  # the best of a 23-config sweep, codes and staged (BENCHMARKS.md)
     [triton.Config({"G": g, "BK": bk}, num_warps=w)
-     for g, bk, w in ((2, 64, 2), (2, 64, 1), (1, 128, 2), (2, 128, 4))],
+     for g, bk, w in ((4, 32, 1), (2, 64, 2), (2, 64, 1), (1, 128, 2), (2, 128, 4))],
     key=["M", "K", "STAGED", "HW"])(_mxfp8_cols_kernel)
+
+
+def _cols_grid(Mpad: int, K: int, G: int, BK: int) -> tuple[int, int, int]:
+    """_mxfp8_cols_kernel's grid: K blocks on axis 0, the row blocks on axis 1 (and 2 past 65535)."""
+    row_blocks = triton.cdiv(Mpad // 32, G)
+    return triton.cdiv(K, BK), min(row_blocks, 65535), triton.cdiv(row_blocks, 65535)
 
 
 def hardware_e4m3(device: torch.device) -> bool:
@@ -213,7 +219,7 @@ def quantize_mxfp8_tensors(x2d: torch.Tensor, rowwise: bool = True, colwise: boo
         tuned = x2d.is_cuda and x2d.numel() >= 2**22
         if colwise and not rowwise:  # the columns alone: the 32-row-tile kernel
             cargs = (x2d, M, K, x2d.stride(0), x2d.stride(1), cd, cs, Mpad)
-            grid = lambda meta: (triton.cdiv(Mpad // 32, meta["G"]) * triton.cdiv(K, meta["BK"]),)  # noqa: E731
+            grid = lambda meta: _cols_grid(Mpad, K, meta["G"], meta["BK"])  # noqa: E731
             if tuned:
                 launch(_cols_autotuned, grid, *cargs, STAGED=staged, HW=hw)
             else:
