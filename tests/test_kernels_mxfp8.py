@@ -115,8 +115,6 @@ def test_matches_torchao_rceil():
 def test_columns_kernel_every_tile_config_bit_identical(staged):
     """Each config the columns-only kernel's autotuner may pick (G row blocks, BK features, warps), run
     directly on a ragged input with NaN, inf and zero blocks, against the reference's column operand."""
-    import triton
-
     from titan_nvfp4.kernels import mxfp8 as k
 
     x = _rand(200, 96, torch.float32, seed=21)
@@ -138,7 +136,6 @@ def test_columns_kernel_every_tile_config_bit_identical(staged):
             assert torch.equal(got[~want.isnan()], want[~want.isnan()]), cfg  # exact: no BF16 subnormals here
         else:
             assert torch.equal(_bytes(cd), _bytes(ref.data)) and torch.equal(cs.cpu(), _bytes(ref.scale)), cfg
-    assert {c.kwargs["G"] for c in k._cols_autotuned.configs} >= {1, 2, 4}
 
 
 @pytest.mark.skipif(DEV == "cpu", reason="autotuned tiles run compiled only")
