@@ -2,9 +2,12 @@
 (rowwise, columnwise, RHT, stochastic rounding) and over tile configs, with registers and spills.
 
     python benchmarks/quant_variants.py [--m 16384 --k 4096] [--ncu] [--variants "row,col RHT"]
-                                        [--configs 2x64x2,4x128x4] [--maxnreg 0,64]
+                                        [--configs 2x64x2,4x128x4] [--maxnreg 0,64] [--amax]
 
 ``--ncu`` launches each variant once (no timing) for ``ncu --kernel-name regex:_quantize``.
+``--amax`` times the amax pass (``_amax_kernel``) instead: |x|, |x| with |RHT xᵀ|, |RHT xᵀ| alone,
+and each also with per-program partial maxima stored instead of atomics (a prototype kernel here),
+to tell the atomics' share of its time from the loads' and the RHT's.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ import argparse
 
 import torch
 import triton
+import triton.language as tl
 
 from titan_nvfp4.kernels import quantize as q
 from titan_nvfp4.kernels.launch import tune_bucket
+from titan_nvfp4.kernels.nvfp4_jit import amax16, rht16_slices
 from titan_nvfp4.numerics.rht import rht_signs
 
 VARIANTS = {  # name: (ROW, COL, RHT, SR_ROW, SR_COL, ROW_F16, COL_F16)
@@ -28,6 +33,7 @@ VARIANTS = {  # name: (ROW, COL, RHT, SR_ROW, SR_COL, ROW_F16, COL_F16)
     "row SR + col RHT SR (bwd dY, codes)": (True, True, True, True, True, False, False),
     "row SR f16 + col RHT SR f16 (bwd dY as trained)": (True, True, True, True, True, True, True),
 }
+AMAX_VARIANTS = {"amax |x|": (True, False), "amax |x| + |RHT x^T|": (True, True), "amax |RHT x^T|": (False, True)}
 CONFIGS = [(2, 64, 1), (1, 128, 2), (2, 64, 2), (2, 128, 4), (1, 256, 4), (4, 128, 8), (1, 256, 2), (4, 128, 4), (1, 512, 4)]
 
 
@@ -36,12 +42,17 @@ def main() -> None:
     p.add_argument("--m", type=int, default=16384)
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--ncu", action="store_true")
-    p.add_argument("--variants", help="comma-separated names from VARIANTS (default: all)")
+    p.add_argument("--variants", help="comma-separated names from VARIANTS (default: all; with --amax, "
+                   "semicolon-separated names from AMAX_VARIANTS)")
     p.add_argument("--configs", help="comma-separated GxBKxWARPS tile configs (default: CONFIGS)")
     p.add_argument("--dump", help="folder for the TTGIR of each variant at the second config")
     p.add_argument("--maxnreg", default="0", help="comma-separated register caps per thread to try (0: none); "
                    "fewer registers, more warps resident")
+    p.add_argument("--amax", action="store_true", help="time the amax pass instead (module docstring)")
+    p.add_argument("--spread", nargs="*", default=[], help="with --amax: also atomics spread over SxSTRIDE copies")
     args = p.parse_args()
+    if args.amax:
+        return amax_main(args)
     M, K = args.m, args.k
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     signs = rht_signs(0, x.device).float()
@@ -83,6 +94,89 @@ def main() -> None:
             if args.dump and (g, bk, w) == CONFIGS[2] and name in ("row", "col RHT", "row SR + col RHT SR (bwd dY)"):
                 with open(f"{args.dump}/{name.split(' (')[0].replace(' ', '_').replace('+', 'p')}.ttgir", "w") as f:
                     f.write(k.asm["ttgir"])
+
+
+@triton.jit
+def _amax_partials_kernel(X, M, K, sxm, PART, SIGNS, ROW: tl.constexpr, COL: tl.constexpr, G: tl.constexpr,
+                          BK: tl.constexpr):
+    """Prototype: _amax_kernel's reductions, each program's two maxima stored to PART (no atomics)."""
+    blk = tl.program_id(0) * G + tl.arange(0, G)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    xs = q._load16(X, blk, rk, M, K, sxm, 1)
+    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    if ROW:
+        tl.store(PART + 2 * pid, tl.max(tl.max(amax16(xs), axis=1), axis=0))
+    if COL:
+        xs = rht16_slices(xs, SIGNS)
+        tl.store(PART + 2 * pid + 1, tl.max(tl.max(amax16(xs), axis=1), axis=0))
+
+
+@triton.jit
+def _amax_spread_kernel(X, M, K, sxm, AMAX, SIGNS, ROW: tl.constexpr, COL: tl.constexpr, SPREAD: tl.constexpr,
+                        STRIDE: tl.constexpr, RELAXED: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
+    """Prototype: _amax_kernel with each program's atomics on copy pid % SPREAD of the two amaxes, the
+    copies STRIDE int32 apart (a reader then takes the max over the copies); RELAXED: relaxed atomics
+    (no fence) instead of Triton's default acq_rel."""
+    blk = tl.program_id(0) * G + tl.arange(0, G)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    xs = q._load16(X, blk, rk, M, K, sxm, 1)
+    c = ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) % SPREAD) * STRIDE
+    if ROW:
+        v = tl.max(tl.max(amax16(xs), axis=1), axis=0).to(tl.int32, bitcast=True)
+        if RELAXED:
+            tl.atomic_max(AMAX + c, v, sem="relaxed")
+        else:
+            tl.atomic_max(AMAX + c, v)
+    if COL:
+        xs = rht16_slices(xs, SIGNS)
+        v = tl.max(tl.max(amax16(xs), axis=1), axis=0).to(tl.int32, bitcast=True)
+        if RELAXED:
+            tl.atomic_max(AMAX + c + 1, v, sem="relaxed")
+        else:
+            tl.atomic_max(AMAX + c + 1, v)
+
+
+def amax_main(args) -> None:
+    M, K = args.m, args.k
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    signs = rht_signs(0, x.device).float()
+    buf = torch.zeros(2, dtype=torch.int32, device="cuda")
+    spread_buf = torch.zeros(64 * 32, dtype=torch.int32, device="cuda")
+    part = torch.empty(2 * M * K // 16, dtype=torch.float32, device="cuda")
+    dst = torch.empty(M * K // 2, dtype=torch.uint8, device="cuda")
+    copy_ms = triton.testing.do_bench_cudagraph(lambda: dst.copy_(x.view(torch.uint8).view(-1)[: M * K // 2]))
+    print(f"copy of {M * K // 2 / 2**20:.0f} MiB: {copy_ms:.3f} ms ({2 * M * K // 2 / copy_ms / 1e9:.2f} TB/s), graph-timed")
+    print("| variant | G | BK | warps | atomics | ms | read TB/s | of copy | regs |")
+    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+    configs = ([tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")] if args.configs
+               else [(2, 64, 1), (2, 128, 2), (1, 128, 2), (2, 64, 4), (1, 256, 1), (2, 128, 1), (4, 64, 1),
+                     (4, 128, 2), (1, 256, 2), (4, 64, 2), (8, 64, 4)])
+    copy_tbs = 2 * M * K // 2 / copy_ms / 1e9
+    for name in (args.variants.split(";") if args.variants else list(AMAX_VARIANTS)):
+        row, col = AMAX_VARIANTS[name]
+        for g, bk, w in configs:
+            grid = (triton.cdiv(M, 16 * g), triton.cdiv(K, bk))
+            for atomics in (True, False) + tuple(args.spread):
+                if isinstance(atomics, str):
+                    sp, st, *rel = atomics.split("x")  # SPREADxSTRIDE[xrelaxed]
+
+                    def run():
+                        return _amax_spread_kernel[grid](x, M, K, x.stride(0), spread_buf, signs, ROW=row, COL=col,
+                                                         SPREAD=int(sp), STRIDE=int(st), RELAXED=bool(rel), G=g, BK=bk,
+                                                         num_warps=w)
+                elif atomics:
+                    def run():
+                        return q._amax_kernel[grid](x, M, K, x.stride(0), x.stride(1), buf, signs, buf, 1, tune_bucket(M),
+                                                    ROW=row, COL=col, RHT=True, GROUPED=False, G=g, BK=bk, num_warps=w)
+                else:
+                    def run():
+                        return _amax_partials_kernel[grid](x, M, K, x.stride(0), part, signs, ROW=row, COL=col, G=g,
+                                                           BK=bk, num_warps=w)
+                k = run()
+                ms = triton.testing.do_bench_cudagraph(run)
+                tbs = M * K * 2 / ms / 1e9
+                print(f"| {name} | {g} | {bk} | {w} | {atomics if isinstance(atomics, str) else 'yes' if atomics else 'no (partials)'} | {ms:.4f} | {tbs:.2f} | "
+                      f"{100 * tbs / copy_tbs:.0f}% | {k.n_regs} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -67,22 +67,27 @@ def reduce_amax16(xs, blk, M, AMAX, SIGNS, BEXP, NSLOT, ROW: tl.constexpr, COL: 
     """Fold 16 fp32 tiles [G, BK] (tile i = rows 16·blk + i, zeros outside the tensor) into the amaxes:
     AMAX[e] |= max|x| and AMAX[NSLOT + e] |= max|rht(xᵀ)| (fp32 bits in int32; non-finite -> +inf),
     where e is 0, or with GROUPED the slot BEXP[b] of each 16-row block b (its expert). Shared by the
-    amax pass and the kernels that produce a tensor and its amaxes together (swiglu.py)."""
+    amax pass and the kernels that produce a tensor and its amaxes together (swiglu.py). The atomics
+    are relaxed: only later kernels read AMAX, and Triton's default (acq_rel) fences every program's
+    end with a GPU-wide memory barrier and an L1 invalidation, which cost the RHT amax pass ~25% of
+    its time (BENCHMARKS.md, twenty-sixth entry)."""
     if GROUPED:
         valid = blk < tl.cdiv(M, 16)
         e = tl.load(BEXP + blk, mask=valid, other=0)
     if ROW:
         if GROUPED:
-            tl.atomic_max(AMAX + e, tl.max(amax16(xs), axis=1).to(tl.int32, bitcast=True), mask=valid)
+            tl.atomic_max(AMAX + e, tl.max(amax16(xs), axis=1).to(tl.int32, bitcast=True), mask=valid, sem="relaxed")
         else:
-            tl.atomic_max(AMAX, tl.max(tl.max(amax16(xs), axis=1), axis=0).to(tl.int32, bitcast=True))
+            tl.atomic_max(AMAX, tl.max(tl.max(amax16(xs), axis=1), axis=0).to(tl.int32, bitcast=True), sem="relaxed")
     if COL:
         if RHT:
             xs = rht16_slices(xs, SIGNS)
         if GROUPED:
-            tl.atomic_max(AMAX + NSLOT + e, tl.max(amax16(xs), axis=1).to(tl.int32, bitcast=True), mask=valid)
+            tl.atomic_max(AMAX + NSLOT + e, tl.max(amax16(xs), axis=1).to(tl.int32, bitcast=True), mask=valid,
+                          sem="relaxed")
         else:
-            tl.atomic_max(AMAX + NSLOT, tl.max(tl.max(amax16(xs), axis=1), axis=0).to(tl.int32, bitcast=True))
+            tl.atomic_max(AMAX + NSLOT, tl.max(tl.max(amax16(xs), axis=1), axis=0).to(tl.int32, bitcast=True),
+                          sem="relaxed")
 
 
 @triton.jit
@@ -272,13 +277,20 @@ def _operand_configs():
             for g, bk, w in ((2, 64, 2), (2, 128, 4), (4, 128, 8), (1, 256, 2), (4, 128, 4))]
 
 
+def _amax_configs():
+    # the fastest tiles of `benchmarks/quant_variants.py --amax` (H200, relaxed atomics): 2-4 warps over
+    # 64-128 rows for |x| and |RHT xᵀ|, one warp over 16-32 rows and 128-256 features for |x| alone
+    return [triton.Config({"G": g, "BK": bk}, num_warps=w)
+            for g, bk, w in ((4, 128, 2), (8, 64, 4), (1, 256, 1), (2, 128, 1), (2, 128, 2))]
+
+
 _quantize_autotuned = triton.autotune(
     _operand_configs(),
     key=["TUNE_M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL", "GROUPED", "ROW_F16", "COL_F16", "FOUR_SIX"])(
     _quantize_kernel)
 _quantize_2d_autotuned = triton.autotune(_quant_configs(), key=["TUNE_M", "K", "EMIT_T", "EMIT_F16", "FOUR_SIX"])(
     _quantize_2d_kernel)
-_amax_autotuned = triton.autotune(_quant_configs(), key=["TUNE_M", "K", "ROW", "COL", "RHT"], reset_to_zero=["AMAX"])(
+_amax_autotuned = triton.autotune(_amax_configs(), key=["TUNE_M", "K", "ROW", "COL", "RHT"], reset_to_zero=["AMAX"])(
     _amax_kernel)
 
 

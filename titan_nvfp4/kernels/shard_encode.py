@@ -33,7 +33,7 @@ def _tile_amax_kernel(X, R, K, sx, OFFSET, KEEP, GRID, T, BK: tl.constexpr):
     a = tl.max(tl.reshape(tl.max(nan_to_inf_abs(x), axis=0), (BK // 16, 16)), axis=1)
     kb = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
     tl.store(GRID + tile * (K // 16) + kb, a, mask=kb < K // 16)
-    tl.atomic_max(GRID + T, tl.max(tl.where(kb < K // 16, a, 0.0), axis=0))
+    tl.atomic_max(GRID + T, tl.max(tl.where(kb < K // 16, a, 0.0), axis=0), sem="relaxed")  # read by a later kernel
 
 
 @triton.jit
