@@ -1,6 +1,9 @@
 """16×16 weight quantization alone, replayed from a CUDA graph, against a device copy in the same run.
 
-    python benchmarks/weight_quant_bench.py [--n 14336 --k 4096]
+    python benchmarks/weight_quant_bench.py [--n 14336 --k 4096] [--configs 2x64x1,1x256x2]
+
+``--configs``: also time ``_quantize_2d_kernel`` itself, as a training step runs it (W staged in fp16
+plus Wᵀ codes, amax given), at each GxBKxWARPS tile config, with its registers.
 
 Bytes counted as in bench_kernels.py: the bf16 weight read, W and Wᵀ codes written, the scales (and the
 amax pass's read when the amax is not given).
@@ -13,6 +16,8 @@ import argparse
 import torch
 import triton
 
+from titan_nvfp4.kernels import quantize as q
+from titan_nvfp4.kernels.launch import tune_bucket
 from titan_nvfp4.kernels.quantize import quantize_weight_2d
 
 
@@ -20,6 +25,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=14336)
     p.add_argument("--k", type=int, default=4096)
+    p.add_argument("--configs", help="comma-separated GxBKxWARPS tiles of the kernel to time (module docstring)")
     args = p.parse_args()
     w = torch.randn(args.n, args.k, device="cuda", dtype=torch.bfloat16)
     amax = w.abs().amax().float()
@@ -40,6 +46,30 @@ def main() -> None:
         ms = triton.testing.do_bench_cudagraph(fn, rep=50)
         bw = nbytes / (ms * 1e-3)
         print(f"| {name} | {ms:.3f} | {bw / 1e12:.2f} | {bw / copy_bw:.0%} |", flush=True)
+    if args.configs:
+        _sweep(w, amax, [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")], copy_bw)
+
+
+def _sweep(w: torch.Tensor, amax: torch.Tensor, configs, copy_bw: float) -> None:
+    """The kernel as trained (staged W, Wᵀ codes, amax given) at each tile config."""
+    N, K = w.shape
+    buf = amax.reshape(1).view(torch.int32).clone()
+    gs = torch.empty(1, device=w.device)
+    d = torch.empty(N, K, dtype=torch.float16, device=w.device)
+    dt = torch.empty(K, N // 2, dtype=torch.uint8, device=w.device)
+    st = torch.empty(K // 16, N // 16, dtype=torch.float8_e4m3fn, device=w.device)
+    nbytes = 2 * w.numel() + 2 * w.numel() + w.numel() // 2 + w.numel() // 256
+    print("\n| _quantize_2d_kernel (W staged + Wᵀ codes, amax given) G | BK | warps | graph ms | of copy | regs | spills |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for g, bk, wp in configs:
+        def run():
+            return q._quantize_2d_kernel[(triton.cdiv(N, 16 * g), triton.cdiv(K, bk))](
+                w, N, K, w.stride(0), w.stride(1), buf, gs, d, st, dt, st, buf, 1, tune_bucket(N), EMIT_T=True,
+                GROUPED=False, EMIT_F16=True, NSP2=1, FOUR_SIX=False, G=g, BK=bk, num_warps=wp)
+        k = run()
+        ms = triton.testing.do_bench_cudagraph(run, rep=50)
+        print(f"| {g} | {bk} | {wp} | {ms:.4f} | {nbytes / (ms * 1e-3) / copy_bw:.0%} | {k.n_regs} | {k.n_spills} |",
+              flush=True)
 
 
 if __name__ == "__main__":
