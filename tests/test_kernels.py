@@ -178,6 +178,45 @@ def test_weight_2d_and_its_transpose_bit_identical(shape, kind):
     assert torch.equal(wt.dequantize(), wq.dequantize().t())
 
 
+@pytest.mark.parametrize("kind", ["heavy", "adversarial"])
+def test_amax_and_weight_kernels_every_tile_config_bit_identical(kind):
+    """Each config the amax pass's and the 16×16 weight kernel's autotuners may pick, launched directly
+    on ragged shapes (partial row and feature tiles), against the reference: the amaxes of x and of
+    its RHT'd columns, and W's and Wᵀ's codes and scales."""
+    from titan_nvfp4.kernels import quantize as q
+    from titan_nvfp4.kernels.launch import tune_bucket
+
+    x = inputs(200, 96, kind, torch.float32)
+    x[37, 10] = float("-inf")  # non-finite in x, not in x[:, 48:]: both amaxes of x become +inf
+    signs = rht_signs(0, DEV)
+    w = inputs(96, 208, kind, torch.float32)
+    ref_w = quantize_nvfp4(w, block_shape=(16, 16))
+    w_amax = w.abs().amax().float().reshape(1).view(torch.int32)
+    for xin, want in ((x[:, 48:], None), (x, torch.tensor([float("inf")] * 2))):
+        want = operand_amax(xin, True, signs, "reference").cpu() if want is None else want
+        for cfg in q._amax_autotuned.configs:
+            g, bk = cfg.kwargs["G"], cfg.kwargs["BK"]
+            buf = torch.zeros(2, dtype=torch.int32, device=DEV)
+            M, K = xin.shape
+            q._amax_kernel[(triton.cdiv(M, 16 * g), triton.cdiv(K, bk))](
+                xin, M, K, xin.stride(0), xin.stride(1), buf, signs, buf, 1, tune_bucket(M), ROW=True, COL=True,
+                RHT=True, GROUPED=False, G=g, BK=bk, num_warps=cfg.num_warps)
+            assert torch.equal(buf.view(torch.float32).cpu(), want), cfg
+    N, K = w.shape
+    for cfg in q._quantize_2d_autotuned.configs:
+        g, bk = cfg.kwargs["G"], cfg.kwargs["BK"]
+        d = torch.empty((N, K // 2), dtype=torch.uint8, device=DEV)
+        s = torch.empty((N // 16, K // 16), dtype=torch.float8_e4m3fn, device=DEV)
+        dt = torch.empty((K, N // 2), dtype=torch.uint8, device=DEV)
+        st = torch.empty((K // 16, N // 16), dtype=torch.float8_e4m3fn, device=DEV)
+        gs = torch.empty(1, device=DEV)
+        q._quantize_2d_kernel[(triton.cdiv(N, 16 * g), triton.cdiv(K, bk))](
+            w, N, K, w.stride(0), w.stride(1), w_amax, gs, d, s, dt, st, w_amax, 1, tune_bucket(N), EMIT_T=True,
+            GROUPED=False, EMIT_F16=False, NSP2=1, FOUR_SIX=False, G=g, BK=bk, num_warps=cfg.num_warps)
+        same_bits(NVFP4Tensor(d, s, gs[0], w.shape, (16, 16)), ref_w, f"W 16x16 {cfg}")
+        same_bits(NVFP4Tensor(dt, st, gs[0], torch.Size((K, N)), (16, 16)), ref_w.t(), f"W^T 16x16 {cfg}")
+
+
 def test_stochastic_rounding_reproducible_unbiased_and_neighbouring():
     x = inputs(64, 64, "normal", torch.float32)
     signs = rht_signs(0, DEV)
