@@ -263,12 +263,6 @@ def _four_six_tiles(ws, bamax, s, G: tl.constexpr, BK: tl.constexpr):
     return pick_four_or_six(e6, r6, e4, r4, err6, err4)
 
 
-def _quant_configs():
-    # 16 tiles [G, BK] are live at once: 1-4 elements per thread and tile keep them in registers
-    return [triton.Config({"G": g, "BK": bk}, num_warps=w)
-            for g, bk, w in ((2, 64, 1), (2, 128, 2), (1, 128, 2), (2, 64, 4))]
-
-
 def _operand_configs():
     # three of the best of benchmarks/quant_variants.py on an H100 (32 elements per thread), and two
     # with 64 per thread: fewer instructions per element (benchmarks/sass_stats.py: 48 instead of 56

@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .nvfp4_jit import round_to
-from .quantize import _launch, _quant_configs, _slots, reduce_amax16, signs_arg
+from .quantize import _launch, _slots, reduce_amax16, signs_arg
 
 
 @triton.jit
@@ -89,13 +89,20 @@ def _swiglu_bwd_kernel(DH, H1, H3, D1, D3, M, N, AMAX1, AMAX3, SIGNS, BEXP, NSLO
     reduce_amax16(g3, blk, M, AMAX3, SIGNS, BEXP, NSLOT, True, COL, RHT, True)
 
 
+def _fwd_configs():
+    # 16 tiles [G, BK] are live at once: 1-4 elements per thread and tile keep them in registers; the
+    # sweep of `bench_swiglu.py --sweep` (H100, 2026-11-26) found none faster than 2×128×2 warps
+    return [triton.Config({"G": g, "BK": bk}, num_warps=w)
+            for g, bk, w in ((2, 64, 1), (2, 128, 2), (1, 128, 2), (2, 64, 4))]
+
+
 def _bwd_configs():
     # 32 tiles are live (both gradients): at most 2 elements per thread and tile
     return [triton.Config({"G": g, "BK": bk}, num_warps=w) for g, bk, w in ((2, 64, 1), (2, 64, 2), (1, 128, 2),
                                                                             (2, 64, 4), (2, 128, 4))]
 
 
-_fwd_autotuned = triton.autotune(_quant_configs(), key=["TUNE_M", "N", "COL", "RHT"], reset_to_zero=["AMAX"])(
+_fwd_autotuned = triton.autotune(_fwd_configs(), key=["TUNE_M", "N", "COL", "RHT"], reset_to_zero=["AMAX"])(
     _swiglu_fwd_kernel)
 _bwd_autotuned = triton.autotune(_bwd_configs(), key=["TUNE_M", "N", "COL", "RHT"], reset_to_zero=["AMAX1", "AMAX3"])(
     _swiglu_bwd_kernel)
