@@ -144,6 +144,10 @@ def test_operand_amax_kernel_equals_reference(shape, bad):
         row, col = quantize_operand(x, rowwise=True, colwise=True, signs=signs, amax=a[0], amax_col=a[1])
         same_bits(row, quantize_nvfp4(x), "rowwise with its own amax given")
         same_bits(col, quantize_wgrad_operand(x, signs), "wgrad operand with its own amax given")
+        _, col = quantize_operand(x, rowwise=False, colwise=True, signs=signs, amax_col=2 * a[1])
+        same_bits(col, quantize_wgrad_operand(x, signs, amax=2 * a[1]), "wgrad operand alone, amax given")
+        _, col = quantize_operand(x, rowwise=True, colwise=True, amax=a[0])  # no RHT: the row amax serves both
+        same_bits(col, quantize_wgrad_operand(x, None), "wgrad operand without RHT, row amax given")
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])

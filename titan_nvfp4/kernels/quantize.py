@@ -328,6 +328,21 @@ def _amax_bits(amaxes: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(amaxes.float(), nan=inf, posinf=inf, neginf=inf).contiguous().view(torch.int32)
 
 
+def _given_amaxes(x: torch.Tensor, amax, amax_col, group_amaxes: torch.Tensor | None) -> torch.Tensor | None:
+    """The amax buffer of quantize_operand_tensors when no amax is reduced from x: the given per-expert
+    [2, E + 1] or the given row amax and column amax (the row one where no column amax is given: it
+    is then the column operand's too, or unread). One or two small kernels instead of a zeroed buffer
+    and a copy per amax. None when no row amax is given (an operand without one is not quantized)."""
+    if group_amaxes is not None:
+        return _amax_bits(group_amaxes.reshape(-1))
+    if amax is None and amax_col is None:
+        return None
+    row = torch.as_tensor(amax if amax is not None else 0.0, dtype=torch.float32, device=x.device).reshape(1)
+    if amax_col is None:
+        return _amax_bits(row.expand(2))
+    return _amax_bits(torch.cat([row, torch.as_tensor(amax_col, dtype=torch.float32, device=x.device).reshape(1)]))
+
+
 def signs_arg(signs: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
     """The RHT signs as the kernels read them (fp32, contiguous, on the placeholder's device), or the
     placeholder when there are none (the kernel's RHT flag is then off and never reads it)."""
@@ -383,25 +398,26 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
     if group_amaxes is not None and (groups is None or tuple(group_amaxes.shape) != (2, ns)):
         raise ValueError(f"quantize_operand: group_amaxes must be fp32 [2, {ns}] with groups, got "
                          f"{tuple(group_amaxes.shape)}")
-    buf = torch.zeros(2 * ns, dtype=torch.int32, device=dev)  # fp32 bits of the row amaxes, then the column ones
     gs = torch.empty(2 * ns, dtype=torch.float32, device=dev)  # the decode scales, written by the kernel
     # Without the RHT the column operand holds the same values as the rows: one amax serves both.
     same_amax = colwise and signs is None and amax_col is None and group_amaxes is None
     row_needed = amax is None and group_amaxes is None and (rowwise or same_amax)
     col_needed = colwise and signs is not None and amax_col is None and group_amaxes is None
+    buf = _given_amaxes(x2d, amax, amax_col, group_amaxes) if not (row_needed or col_needed) else None
+    if buf is None:  # int32 fp32 bits of the row amaxes, then the column ones, reduced here
+        buf = torch.zeros(2 * ns, dtype=torch.int32, device=dev)
+        if (row_needed or col_needed) and M > 0:
+            _launch(_amax_kernel, _amax_autotuned, x2d, M, K, x2d, M, K, x2d.stride(0), x2d.stride(1), buf,
+                    signs_arg(signs, buf), bexp, ns, ROW=row_needed, COL=col_needed, RHT=True,
+                    GROUPED=groups is not None)
+        if amax is not None:  # given amaxes go in after the reduction (autotuning zeroes the buffer)
+            buf[0:1] = _amax_buffer(x2d, amax, 1)
+        if amax_col is not None:
+            buf[1:2] = _amax_buffer(x2d, amax_col, 1)
+        if same_amax:
+            buf[ns:] = buf[:ns]
     signs_t = signs_arg(signs, buf)
     flags = dict(GROUPED=groups is not None)
-    if (row_needed or col_needed) and M > 0:
-        _launch(_amax_kernel, _amax_autotuned, x2d, M, K, x2d, M, K, x2d.stride(0), x2d.stride(1), buf, signs_t,
-                bexp, ns, ROW=row_needed, COL=col_needed, RHT=True, **flags)
-    if group_amaxes is not None:
-        buf.copy_(_amax_bits(group_amaxes.reshape(-1)))
-    if amax is not None:  # given amaxes go in after the reduction (autotuning zeroes the buffer)
-        buf[0:1] = _amax_buffer(x2d, amax, 1)
-    if amax_col is not None:
-        buf[1:2] = _amax_buffer(x2d, amax_col, 1)
-    if same_amax:
-        buf[ns:] = buf[:ns]
     def empty(dtype):  # a fresh one each: custom ops may not return one tensor twice
         return x2d.new_empty((0,), dtype=dtype)
     rd = torch.empty((M, K // 2), dtype=torch.uint8, device=dev) if rowwise else empty(torch.uint8)
