@@ -200,8 +200,8 @@ elif [[ $mode == moe_bf16 ]]; then
 elif [[ $mode == four ]]; then
   # issue 8: the 1-GPU references and controls (skipped where their logs are there), then the 4-GPU layouts
   references
+  train llama3_nvfp4_fsdp2_tp2_ag 4 0,1,2,3 29502  # (a) the NVFP4 all-gather first, then (b) BF16, then (c) the MoE
   train llama3_nvfp4_fsdp2_tp2 4 0,1,2,3 29502
-  train llama3_nvfp4_fsdp2_tp2_ag 4 0,1,2,3 29502
   train deepseek_v3_nvfp4_ep2_fsdp4 4 0,1,2,3 29502
   llama=(llama3_nvfp4 llama3_nvfp4@seed43 llama3_nvfp4@rotated llama3_nvfp4_fsdp2_tp2 llama3_nvfp4_fsdp2_tp2_ag)
   deepseek=(deepseek_v3_nvfp4 deepseek_v3_nvfp4@seed43 deepseek_v3_nvfp4@rotated deepseek_v3_nvfp4_ep2_fsdp4)
