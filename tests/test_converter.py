@@ -166,19 +166,17 @@ def test_bad_values_fail_at_parse_time(tmp_path, replace, add, needles):
         assert needle in msg, f"{needle!r} missing from: {msg}"
 
 
-def test_fsdp_nvfp4_all_gather_wraps_under_fsdp_only_and_refuses_tensor_parallelism(tmp_path):
+def test_fsdp_nvfp4_all_gather_wraps_under_fsdp_with_or_without_tensor_parallelism(tmp_path):
     from titan_nvfp4.distributed.fsdp_all_gather import NVFP4ShardedWeight
 
     cfg = parse(toml=edited_toml(tmp_path, add=("fsdp_nvfp4_all_gather = true",)))
     dims = {n: ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=dp * tp)
             for n, dp, tp in (("one", 1, 1), ("fsdp", 2, 1), ("tp", 2, 2))}
-    for name, wrapped in (("one", False), ("fsdp", True)):
+    for name, wrapped in (("one", False), ("fsdp", True), ("tp", True)):  # FSDP2 x TP: test_tensor_parallel.py
         model = meta_llama(cfg)
         build_model_converters(cfg, dims[name]).convert(model)
         assert isinstance(model.layers["0"].attention.wq.weight, NVFP4ShardedWeight) == wrapped, name
         assert not isinstance(model.output.weight, NVFP4ShardedWeight)  # filtered: stays BF16, gathers as BF16
-    with pytest.raises(ValueError, match="fsdp_nvfp4_all_gather.*tensor parallelism.*tensor_parallel_degree = 2"):
-        build_model_converters(cfg, dims["tp"])
 
 
 def test_available_presets_listed():

@@ -248,6 +248,48 @@ def test_llama3_under_torchtitan_tp_plan_matches_one_process(tmp_path, tp, dp):
         assert _rel(out["grads"][name], p.grad) < 2e-3, name
 
 
+def _llama_ag_worker(rank, world, out, toml, state, tokens):
+    """FSDP2 2 × TP2 over 4 ranks, the weights all-gathered in BF16 and then as NVFP4: each run's logits
+    and gradients (rank 0's view), from the same state and tokens."""
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.llama3.infra.parallelize import parallelize_llama
+
+    from titan_nvfp4.distributed.fsdp_all_gather import NVFP4ShardedWeight
+
+    _cpu_meshes()
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, etp=1, world_size=world)
+    for nvfp4 in (False, True):
+        cfg = _llama_cfg(toml, 2, 2, *(["--quantize.linear.nvfp4.fsdp_nvfp4_all_gather"] if nvfp4 else []))
+        model = _llama(cfg, dims, n_layers=2)
+        parallelize_llama(model, dims, cfg)
+        _materialize_parallel(model, state)
+        wrapped = sum(isinstance(getattr(p, "_local_tensor", None), NVFP4ShardedWeight) for p in model.parameters())
+        logits = model(tokens).full_tensor()
+        logits.float().square().mean().backward()
+        grads = _grads(model)  # full tensors: a collective on every rank
+        if rank == 0:
+            out[nvfp4] = dict(logits=logits.detach().clone(), grads=grads, wrapped=wrapped)
+
+
+def test_fsdp2_x_tp2_nvfp4_all_gather_equals_the_bf16_all_gather(tmp_path):
+    """fsdp_nvfp4_all_gather under FSDP2 × TP: each rank encodes its FSDP shard of its TP shard with the
+    tile amaxes all-reduced over the FSDP group and the tensor amax over the FSDP and TP groups, so the
+    gathered codes are the TP shard's quantization with the whole weight's tensor scale, as the BF16
+    all-gather's path computes it: logits and gradients bit for bit."""
+    from test_converter import edited_toml, world1
+
+    toml = edited_toml(tmp_path, add=LLAMA_KEYS)
+    ref = _llama(_llama_cfg(toml, 1, 1), world1(), n_layers=2)
+    state = _initialized_state(ref)
+    tokens = torch.randint(0, 2000, (2, 32), generator=torch.Generator().manual_seed(3))
+    out = run_ranks(_llama_ag_worker, 4, toml, state, tokens)
+    bf16, nvfp4 = out[False], out[True]
+    assert bf16["wrapped"] == 0 and nvfp4["wrapped"] == 2 * 7, "every block Linear's weight gathers as NVFP4"
+    assert torch.equal(nvfp4["logits"], bf16["logits"])
+    for name, g in bf16["grads"].items():
+        assert torch.equal(nvfp4["grads"][name], g), name
+
+
 # ------------------------------------------------------------------- MoE: expert parallelism (EP)
 
 def _moe_job(tmp_path):

@@ -95,7 +95,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         w_amax = None
         if x_amax is None and groups.x is not None:
             x_amax = all_reduce_max(operand_amax(x2d, fp4_wgrad, signs, backend), groups.x)
-        if groups.weight is not None:
+        if groups.weight is not None and not isinstance(weight, NVFP4GatheredWeight):  # gathered: scales reduced
             w_amax = all_reduce_max(operand_amax(weight, False, None, backend)[:1], groups.weight)
         fos = recipe.four_over_six
         xq, x_col = quantize_activation(x2d, fp4_wgrad, signs, backend, x_amax, fos)

@@ -60,7 +60,7 @@ def _tile_amax_ref(rows: torch.Tensor, offset: int, n_rows: int) -> torch.Tensor
 
 def _tile_scales_ref(grid: torch.Tensor, n_rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's tile scales of the all-reduced buffer, and fp32 [2]: the encode scale and its inverse."""
-    e_b, s_enc = tile_scales(grid[:-1].view(n_rows // BLOCK, k // BLOCK))
+    e_b, s_enc = tile_scales(grid[:-1].view(n_rows // BLOCK, k // BLOCK), grid[-1])  # the max: over TP too
     return e_b, torch.stack([s_enc, torch.reciprocal(s_enc)])
 
 
@@ -148,6 +148,7 @@ class NVFP4ShardedWeight(torch.Tensor):
         # (key, tile scales, [S, 1/S], codes, precomputed) of the last encode (module docstring)
         self._kept = None
         self._gathered_as = None  # (mesh, rows, param dtype) of FSDP2's all-gathers: precompute_scales
+        self._tp_group = None  # the tensor-parallel group of a TP-sharded weight, False without one (_tp_group_of)
 
     def __repr__(self) -> str:
         return f"NVFP4ShardedWeight({self._data})"
@@ -208,6 +209,9 @@ class NVFP4ShardedWeight(torch.Tensor):
             if ws > 1:  # one rank holds every tile already
                 dist.all_reduce(grid, op=dist.ReduceOp.MAX, group=group)
                 reduced = grid.numel() * grid.element_size()
+            if self._tp_group:  # a TP shard: the tensor amax is the whole weight's, over the TP group too
+                dist.all_reduce(grid[-1:], op=dist.ReduceOp.MAX, group=self._tp_group)
+                reduced += grid.element_size()
         e_b, s = scales(grid, n_rows, w.shape[1])  # s: encode scale, decode scale
         codes = encode(w, offset, e_b, s[:1])
         if n_rows % ws:  # FSDP2 wants the padded shard's shape [chunk, K]: one code per byte
@@ -222,6 +226,8 @@ class NVFP4ShardedWeight(torch.Tensor):
                                "cannot use fsdp_nvfp4_all_gather (FSDP2 keeps the buffers of the codes)")
         n_rows = outer_size[0]
         self._gathered_as = (mesh, n_rows, dtype)
+        if self._tp_group is None:
+            self._tp_group = _tp_group_of(self, module.parameters(), mesh)
         kept, reduced = self._kept, 0
         # precomputed after the optimizer step, or (inside backward) the forward gather's: the weight has not
         # changed since, or an in-place op would have dropped them
@@ -240,8 +246,8 @@ class NVFP4ShardedWeight(torch.Tensor):
         codes = data[:n_rows]
         if codes.shape[1] == k:  # gathered one per byte (uneven shards): pack
             codes = pack_nibbles(codes)
-        if out is not None:
-            out._set(codes=codes, scale=e_b, global_scale=gs)
+        if out is not None:  # under TP, FSDP2's unsharded parameter is a DTensor around the gathered weight
+            getattr(out, "_local_tensor", out)._set(codes=codes, scale=e_b, global_scale=gs)
             return
         return NVFP4GatheredWeight(codes, e_b, gs, torch.Size((n_rows, k)), param_dtype), (data,)
 
@@ -276,8 +282,8 @@ class NVFP4GatheredWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func in (aten.detach.default, aten.alias.default) or (
-                func is aten.as_strided.default and tuple(args[1]) == tuple(args[0].shape)):
+        if func in (aten.detach.default, aten.alias.default) or (  # same-shape views: FSDP2, DTensor.to_local (TP)
+                func in (aten.as_strided.default, aten.view.default) and tuple(args[1]) == tuple(args[0].shape)):
             w = args[0]
             return cls(w._codes, w._scale, w._gs, w.shape, w.dtype)
         raise RuntimeError(
@@ -290,6 +296,23 @@ def gathered_nvfp4(w: NVFP4GatheredWeight) -> NVFP4Tensor:
     a method: torch.compile reads a traceable subclass's inner tensors but puts its methods' calls in
     the graph, where a non-tensor result is a graph break."""
     return NVFP4Tensor(w._codes, w._scale, w._gs, w.shape, (BLOCK, BLOCK))
+
+
+def _tp_group_of(local: NVFP4ShardedWeight, params, fsdp_mesh):
+    """The process group of the tensor-parallel mesh dim that shards the weight whose FSDP2 shard is
+    ``local`` (a mesh dim not FSDP2's, placing the weight as Shard), False when none does: found among
+    ``params``, the sharded DTensor parameters of the module FSDP2 gathers for."""
+    fsdp_dims = set(getattr(fsdp_mesh, "mesh_dim_names", None) or ())
+    for p in params:
+        if getattr(p, "_local_tensor", None) is not local:
+            continue
+        mesh = p.device_mesh
+        names = mesh.mesh_dim_names or ()
+        for i, placement in enumerate(p.placements):
+            if names and names[i] not in fsdp_dims and placement.is_shard():
+                return mesh.get_group(i)
+        return False
+    return False
 
 
 def _sharded_weights(model) -> list[NVFP4ShardedWeight]:
@@ -318,6 +341,7 @@ def precompute_scales(model) -> int:
         w, offset = wt._rows(mesh, n_rows, dtype)  # one shard's cast copy at a time (cast again to encode)
         by_group.setdefault((group, ws), []).append((wt, _shard_functions(w)[0](w, offset, n_rows)))
         del w
+    reduced = []  # (weight, its all-reduced grid), in parameter order
     for (group, ws), entries in by_group.items():
         grids = [grid for _, grid in entries]
         if ws > 1:
@@ -325,8 +349,19 @@ def precompute_scales(model) -> int:
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
             TRAFFIC.add_reduced(flat.numel() * flat.element_size())
             grids = flat.split([g.numel() for g in grids])
-        for (wt, _), grid in zip(entries, grids):
-            wt._encode(*wt._gathered_as, grid=grid, precomputed=True)
+        reduced += [(wt, grid) for (wt, _), grid in zip(entries, grids)]
+    by_tp: dict = {}  # TP-sharded weights: their tensor amaxes (the grids' last slots) over each TP group
+    for wt, grid in reduced:
+        if wt._tp_group:
+            by_tp.setdefault(wt._tp_group, []).append(grid)
+    for group, grids in by_tp.items():
+        maxes = torch.cat([g[-1:] for g in grids])
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+        TRAFFIC.add_reduced(maxes.numel() * maxes.element_size())
+        for g, m in zip(grids, maxes):
+            g[-1] = m
+    for wt, grid in reduced:
+        wt._encode(*wt._gathered_as, grid=grid, precomputed=True)
     return len(weights)
 
 

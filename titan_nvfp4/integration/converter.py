@@ -111,12 +111,9 @@ def convert_linears(model: nn.Module, recipe: NVFP4Recipe, filter_fqns: list[str
 
 
 def _fsdp_all_gather_applies(parallel_dims: ParallelDims | None) -> bool:
-    """Whether fsdp_nvfp4_all_gather = true takes effect here: FSDP2 shards the weights and no tensor
-    parallelism does (refused by name: a TP shard's scales would need the TP group's amaxes too)."""
+    """Whether fsdp_nvfp4_all_gather = true takes effect here: FSDP2 shards the weights (with tensor
+    parallelism too: each TP shard then gathers with the whole weight's tensor amax, fsdp_all_gather.py)."""
     key = f"[{CONVERTER_NAME}] fsdp_nvfp4_all_gather"
-    if parallel_dims is not None and parallel_dims.tp_enabled:
-        raise ValueError(f"{key} = true is not supported with tensor parallelism "
-                         f"(parallelism.tensor_parallel_degree = {parallel_dims.tp}): set it to false")
     if parallel_dims is None or not parallel_dims.fsdp_enabled:
         logger.info(f"NVFP4: {key} has no effect without FSDP (data_parallel_shard_degree = 1)")
         return False

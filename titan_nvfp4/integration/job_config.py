@@ -101,8 +101,8 @@ class NVFP4LinearConfig(_RecipeKnobs):
     default). Elements above the history's amax saturate. Dense Linears only."""
     fsdp_nvfp4_all_gather: bool = False
     """Under FSDP2, all-gather the converted Linears' weights as NVFP4 codes (4 bits per element)
-    instead of BF16: each rank quantizes its shard with the whole weight's scales. Needs 16×16 weight
-    blocks (weight_2d) and no tensor parallelism."""
+    instead of BF16: each rank quantizes its shard with the whole weight's scales (with tensor
+    parallelism, its TP shard's, with the whole weight's tensor amax). Needs 16×16 weight blocks (weight_2d)."""
 
     def __post_init__(self) -> None:
         self._check_fqns("filter_fqns")

@@ -297,10 +297,12 @@ def tile_amax_of_rows(rows: torch.Tensor, offset: int, n_rows: int) -> torch.Ten
     return grid.scatter_reduce_(0, tile, a, reduce="amax")
 
 
-def tile_scales(tile_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def tile_scales(tile_amax: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(E4M3 tile scales e_b, fp32 global encode scale S) of a weight from its whole tile-amax grid;
-    the decode scale NVFP4Tensor stores is 1/S, as in quantize_nvfp4."""
-    amax = tile_amax.amax() if tile_amax.numel() else tile_amax.new_zeros(())
+    the decode scale NVFP4Tensor stores is 1/S, as in quantize_nvfp4. ``amax``: the tensor amax to
+    use instead of the grid's max (a tensor-parallel shard's: the whole weight's)."""
+    if amax is None:
+        amax = tile_amax.amax() if tile_amax.numel() else tile_amax.new_zeros(())
     s_enc = global_encode_scale(amax)
     return block_decode_scale(tile_amax, s_enc), s_enc
 
