@@ -267,8 +267,15 @@ def _llama_ag_worker(rank, world, out, toml, state, tokens):
         logits = model(tokens).full_tensor()
         logits.float().square().mean().backward()
         grads = _grads(model)  # full tensors: a collective on every rank
+        again = None
+        if nvfp4:  # the post-optimizer path: scales precomputed over both groups, then the next forward
+            from titan_nvfp4.distributed.fsdp_all_gather import precompute_scales
+
+            assert precompute_scales(model) == 2 * 7
+            with torch.no_grad():
+                again = model(tokens).full_tensor()
         if rank == 0:
-            out[nvfp4] = dict(logits=logits.detach().clone(), grads=grads, wrapped=wrapped)
+            out[nvfp4] = dict(logits=logits.detach().clone(), grads=grads, wrapped=wrapped, again=again)
 
 
 def test_fsdp2_x_tp2_nvfp4_all_gather_equals_the_bf16_all_gather(tmp_path):
@@ -286,6 +293,7 @@ def test_fsdp2_x_tp2_nvfp4_all_gather_equals_the_bf16_all_gather(tmp_path):
     bf16, nvfp4 = out[False], out[True]
     assert bf16["wrapped"] == 0 and nvfp4["wrapped"] == 2 * 7, "every block Linear's weight gathers as NVFP4"
     assert torch.equal(nvfp4["logits"], bf16["logits"])
+    assert torch.equal(nvfp4["again"], bf16["logits"]), "precomputed scales (the post-optimizer hook's path)"
     for name, g in bf16["grads"].items():
         assert torch.equal(nvfp4["grads"][name], g), name
 
