@@ -332,7 +332,7 @@ def _given_amaxes(x: torch.Tensor, amax, amax_col, group_amaxes: torch.Tensor | 
     """The amax buffer of quantize_operand_tensors when no amax is reduced from x: the given per-expert
     [2, E + 1] or the given row amax and column amax (the row one where no column amax is given: it
     is then the column operand's too, or unread). One or two small kernels instead of a zeroed buffer
-    and a copy per amax. None when no row amax is given (an operand without one is not quantized)."""
+    and a copy per amax. None when no amax is given."""
     if group_amaxes is not None:
         return _amax_bits(group_amaxes.reshape(-1))
     if amax is None and amax_col is None:
