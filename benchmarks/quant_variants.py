@@ -97,43 +97,42 @@ def main() -> None:
 
 
 @triton.jit
-def _amax_partials_kernel(X, M, K, sxm, PART, SIGNS, ROW: tl.constexpr, COL: tl.constexpr, G: tl.constexpr,
-                          BK: tl.constexpr):
-    """Prototype: _amax_kernel's reductions, each program's two maxima stored to PART (no atomics)."""
+def _program_maxima(X, M, K, sxm, SIGNS, COL: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
+    """A program's max|x| and (with COL) max|RHT xᵀ| as _amax_kernel reduces them, fp32."""
     blk = tl.program_id(0) * G + tl.arange(0, G)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     xs = q._load16(X, blk, rk, M, K, sxm, 1)
+    row = tl.max(tl.max(amax16(xs), axis=1), axis=0)
+    col = row
+    if COL:
+        col = tl.max(tl.max(amax16(rht16_slices(xs, SIGNS)), axis=1), axis=0)
+    return row, col
+
+
+@triton.jit
+def _amax_partials_kernel(X, M, K, sxm, PART, SIGNS, ROW: tl.constexpr, COL: tl.constexpr, G: tl.constexpr,
+                          BK: tl.constexpr):
+    """Prototype: _amax_kernel's reductions, each program's two maxima stored to PART (no atomics)."""
+    row, col = _program_maxima(X, M, K, sxm, SIGNS, COL, G, BK)
     pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     if ROW:
-        tl.store(PART + 2 * pid, tl.max(tl.max(amax16(xs), axis=1), axis=0))
+        tl.store(PART + 2 * pid, row)
     if COL:
-        xs = rht16_slices(xs, SIGNS)
-        tl.store(PART + 2 * pid + 1, tl.max(tl.max(amax16(xs), axis=1), axis=0))
+        tl.store(PART + 2 * pid + 1, col)
 
 
 @triton.jit
 def _amax_spread_kernel(X, M, K, sxm, AMAX, SIGNS, ROW: tl.constexpr, COL: tl.constexpr, SPREAD: tl.constexpr,
-                        STRIDE: tl.constexpr, RELAXED: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
+                        STRIDE: tl.constexpr, SEM: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
     """Prototype: _amax_kernel with each program's atomics on copy pid % SPREAD of the two amaxes, the
-    copies STRIDE int32 apart (a reader then takes the max over the copies); RELAXED: relaxed atomics
-    (no fence) instead of Triton's default acq_rel."""
-    blk = tl.program_id(0) * G + tl.arange(0, G)
-    rk = tl.program_id(1) * BK + tl.arange(0, BK)
-    xs = q._load16(X, blk, rk, M, K, sxm, 1)
+    copies STRIDE int32 apart (a reader then takes the max over the copies), with memory order SEM
+    ("relaxed": no fence; "acq_rel": Triton's default)."""
+    row, col = _program_maxima(X, M, K, sxm, SIGNS, COL, G, BK)
     c = ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) % SPREAD) * STRIDE
     if ROW:
-        v = tl.max(tl.max(amax16(xs), axis=1), axis=0).to(tl.int32, bitcast=True)
-        if RELAXED:
-            tl.atomic_max(AMAX + c, v, sem="relaxed")
-        else:
-            tl.atomic_max(AMAX + c, v)
+        tl.atomic_max(AMAX + c, row.to(tl.int32, bitcast=True), sem=SEM)
     if COL:
-        xs = rht16_slices(xs, SIGNS)
-        v = tl.max(tl.max(amax16(xs), axis=1), axis=0).to(tl.int32, bitcast=True)
-        if RELAXED:
-            tl.atomic_max(AMAX + c + 1, v, sem="relaxed")
-        else:
-            tl.atomic_max(AMAX + c + 1, v)
+        tl.atomic_max(AMAX + c + 1, col.to(tl.int32, bitcast=True), sem=SEM)
 
 
 def amax_main(args) -> None:
@@ -162,7 +161,8 @@ def amax_main(args) -> None:
 
                     def run():
                         return _amax_spread_kernel[grid](x, M, K, x.stride(0), spread_buf, signs, ROW=row, COL=col,
-                                                         SPREAD=int(sp), STRIDE=int(st), RELAXED=bool(rel), G=g, BK=bk,
+                                                         SPREAD=int(sp), STRIDE=int(st),
+                                                         SEM="relaxed" if rel else "acq_rel", G=g, BK=bk,
                                                          num_warps=w)
                 elif atomics:
                     def run():

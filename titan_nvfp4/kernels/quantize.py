@@ -335,11 +335,9 @@ def _given_amaxes(x: torch.Tensor, amax, amax_col, group_amaxes: torch.Tensor | 
     and a copy per amax. None when no amax is given."""
     if group_amaxes is not None:
         return _amax_bits(group_amaxes.reshape(-1))
-    if amax is None and amax_col is None:
-        return None
-    row = torch.as_tensor(amax if amax is not None else 0.0, dtype=torch.float32, device=x.device).reshape(1)
     if amax_col is None:
-        return _amax_bits(row.expand(2))
+        return None if amax is None else _amax_buffer(x, amax, 2)
+    row = torch.as_tensor(amax if amax is not None else 0.0, dtype=torch.float32, device=x.device).reshape(1)
     return _amax_bits(torch.cat([row, torch.as_tensor(amax_col, dtype=torch.float32, device=x.device).reshape(1)]))
 
 
@@ -403,21 +401,22 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
     same_amax = colwise and signs is None and amax_col is None and group_amaxes is None
     row_needed = amax is None and group_amaxes is None and (rowwise or same_amax)
     col_needed = colwise and signs is not None and amax_col is None and group_amaxes is None
-    buf = _given_amaxes(x2d, amax, amax_col, group_amaxes) if not (row_needed or col_needed) else None
+    reduce = row_needed or col_needed
+    buf = None if reduce else _given_amaxes(x2d, amax, amax_col, group_amaxes)
     if buf is None:  # int32 fp32 bits of the row amaxes, then the column ones, reduced here
         buf = torch.zeros(2 * ns, dtype=torch.int32, device=dev)
-        if (row_needed or col_needed) and M > 0:
-            _launch(_amax_kernel, _amax_autotuned, x2d, M, K, x2d, M, K, x2d.stride(0), x2d.stride(1), buf,
-                    signs_arg(signs, buf), bexp, ns, ROW=row_needed, COL=col_needed, RHT=True,
-                    GROUPED=groups is not None)
+    signs_t = signs_arg(signs, buf)
+    flags = dict(GROUPED=groups is not None)
+    if reduce:
+        if M > 0:
+            _launch(_amax_kernel, _amax_autotuned, x2d, M, K, x2d, M, K, x2d.stride(0), x2d.stride(1), buf, signs_t,
+                    bexp, ns, ROW=row_needed, COL=col_needed, RHT=True, **flags)
         if amax is not None:  # given amaxes go in after the reduction (autotuning zeroes the buffer)
             buf[0:1] = _amax_buffer(x2d, amax, 1)
         if amax_col is not None:
             buf[1:2] = _amax_buffer(x2d, amax_col, 1)
         if same_amax:
             buf[ns:] = buf[:ns]
-    signs_t = signs_arg(signs, buf)
-    flags = dict(GROUPED=groups is not None)
     def empty(dtype):  # a fresh one each: custom ops may not return one tensor twice
         return x2d.new_empty((0,), dtype=dtype)
     rd = torch.empty((M, K // 2), dtype=torch.uint8, device=dev) if rowwise else empty(torch.uint8)
