@@ -55,7 +55,7 @@ def inputs(m: int, k: int, kind: str, dtype=torch.bfloat16) -> torch.Tensor:
 def _encoder_probe(V, U, C, S, SR, SRS, N, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(V + i, mask=i < N, other=0.0)
-    u = tl.load(U + i, mask=i < N, other=0.0)
+    u = tl.load(U + i, mask=i < N, other=0)
     tl.store(SR + i, e2m1_stochastic_code(v, u), mask=i < N)
     tl.store(SRS + i, e2m1_stochastic_staged(v, u, 0.375), mask=i < N)
     tl.store(C + i, e2m1_code(v), mask=i < N)
@@ -77,17 +77,18 @@ def _encoder_probe_values() -> torch.Tensor:
 def test_e2m1_encoder_and_staged_value_bit_identical_to_the_reference():
     """The kernels' one-add E2M1 rounding (nvfp4_jit.e2m1_code / e2m1_staged) element by element against
     formats.e2m1_encode_rne and its decode: ties to even, the signs of zeros, saturation; and the
-    stochastic encoder against formats.e2m1_encode_stochastic for the same uniforms, including the
-    uniform equal to each value's fraction (a strict compare: stays down)."""
+    stochastic encoder against formats.e2m1_encode_stochastic for the same random bits, including
+    those on either side of each value's rounding threshold."""
     v = _encoder_probe_values()
     v_all = v.to(DEV)
     g = torch.Generator().manual_seed(9)
-    u = torch.randint(0, 2**16, (v_all.numel(),), generator=g).float() * 2.0**-16
-    a = v_all.cpu().abs().clamp(max=6.0)
+    r = torch.randint(0, 2**16, (v_all.numel(),), generator=g, dtype=torch.int32)
+    a = v.abs().clamp(max=6.0).double()
     step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
-    frac = a / step - torch.floor(a / step)
-    u[::3] = frac[::3]  # exactly at the fraction
-    u = u.to(DEV)
+    steps = torch.round((a / step - torch.floor(a / step)) * 2**16).int()  # the fraction in 2⁻¹⁶, as the reference
+    r[::3] = (2**16 - steps[::3]).clamp(max=2**16 - 1)  # the smallest bits that round up
+    r[1::3] = (2**16 - 1 - steps[1::3]).clamp(min=0)  # the largest that stay down
+    u = r.to(DEV)
     codes, sr = (torch.empty(v_all.numel(), dtype=torch.uint8, device=DEV) for _ in range(2))
     staged, sr_staged = (torch.empty(v_all.numel(), dtype=torch.float32, device=DEV) for _ in range(2))
     _encoder_probe[(triton.cdiv(v_all.numel(), 1024),)](v_all, u, codes, staged, sr, sr_staged, v_all.numel(),

@@ -179,39 +179,39 @@ def e2m1_staged(v, e32):
 
 
 @triton.jit
-def e2m1_stochastic_code(v, u):
+def e2m1_stochastic_code(v, r):
     """Twin of formats.e2m1_encode_stochastic for non-NaN v (NaN: any code; callers mask non-finite
-    blocks), uniforms u in [0, 1): up with probability (|v| - lo) / (hi - lo), saturating. With p the
-    bits of max(2^⌊log₂ a⌋, 1) (1, 2 or 4: range R), t = a / step is a·2^(1-R) exactly, lo = ⌊t⌋ and
-    frac = t - lo are the reference's values, and the code is k + 2R read off integer bits."""
-    return e2m1_stochastic_nibble(v, u).to(tl.uint8)
+    blocks) and 16 random bits r (int32 in [0, 2¹⁶)), as uint8 (e2m1_stochastic_nibble)."""
+    return e2m1_stochastic_nibble(v, r).to(tl.uint8)
 
 
 @triton.jit
-def e2m1_stochastic_nibble(v, u):
-    """e2m1_stochastic_code as an int32 holding 0-15 (as e2m1_nibble)."""
-    k, p = _stochastic_steps(v, u)
-    kb = (k + 8388608.0).to(tl.int32, bitcast=True)  # 2²³ + k: k in the low bits
-    sign = (v.to(tl.int32, bitcast=True) >> 28) & 8
-    return ((kb & 7) + (p >> 22) - 254) | sign
+def e2m1_stochastic_nibble(v, r):
+    """e2m1_stochastic_code as an int32 holding 0-15 (as e2m1_nibble): the k grid steps of
+    _stochastic_bits sit in bits 16-18 of its word, and the code is k + 2R, R the range of p."""
+    f, p = _stochastic_bits(v, r)
+    return (((f >> 16) & 7) + (p >> 22) - 254) | (v.to(tl.int32, bitcast=True) >> 28) & 8
 
 
 @triton.jit
-def _stochastic_steps(v, u):
-    """(k, p) of e2m1_stochastic_code: the rounded |v| is k grid steps (fp32 0-4), p the bits of the
-    range's 2^R (1, 2 or 4; the step is 2^R / 2)."""
+def _stochastic_bits(v, r):
+    """(f, p): |v| (saturated at 6) rounded stochastically on its E2M1 grid, as the fp32 bits f of
+    c + k·step with c = 2⁷·step, p the bits of the range's 2^R (the step is 2^R / 2). Adding c to a
+    fixes a in units of step·2⁻¹⁶ (nearest-even: the reference's F = rne(2¹⁶·frac)); adding the
+    random r and clearing the low 16 bits then rounds up exactly when F + r ≥ 2¹⁶, with probability
+    F / 2¹⁶. Four integer and two float instructions, no compares."""
     a = tl.minimum(tl.abs(v), 6.0)
     p = _range_bits(a)
-    t = a * (0x7F800000 - p).to(tl.float32, bitcast=True)  # times 2, 1 or 1/2
-    lo = tl.floor(t)
-    return lo + tl.where(u < t - lo, 1.0, 0.0), p
+    f = (a + p.to(tl.float32, bitcast=True) * 64.0).to(tl.int32, bitcast=True)  # p·64 exact: one FFMA
+    return (f + r) & -65536, p
 
 
 @triton.jit
-def e2m1_stochastic_staged(v, u, e32):
-    """q·e_b as fp32 for q = e2m1_stochastic_code(v, u) (as e2m1_staged for nearest-even). Exact."""
-    k, p = _stochastic_steps(v, u)
-    g = k * (p - 0x800000).to(tl.float32, bitcast=True)  # k · step, step = 2^R / 2
+def e2m1_stochastic_staged(v, r, e32):
+    """q·e_b as fp32 for q = e2m1_stochastic_code(v, r) (as e2m1_staged for nearest-even). Exact:
+    f - c is k·step, both in one binade."""
+    f, p = _stochastic_bits(v, r)
+    g = f.to(tl.float32, bitcast=True) - p.to(tl.float32, bitcast=True) * 64.0
     return _with_sign_of(g, v) * e32
 
 
@@ -271,26 +271,22 @@ def amax16(xs):
 
 
 @triton.jit
-def uniforms8(seed, counter):
-    """8 tiles of uniforms in [0, 1) with 16 random bits each (a rounding up is then at most 2⁻¹⁶ of a
-    gap more or less likely than exact; hardware SR uses fewer bits) from one Philox call at
-    ``counter``, which must be unique per tile element and call. Drawn next to their use, 8 at a time,
-    so that 16 tiles of uniforms are never live at once."""
+def random16x8(seed, counter):
+    """8 tiles of 16 random bits each (int32 in [0, 2¹⁶)) from one Philox call at ``counter``, which
+    must be unique per tile element and call: the low and high halves of its four words. Drawn next
+    to their use, 8 at a time, so that 16 tiles of them are never live at once."""
     r0, r1, r2, r3 = tl.randint4x(seed, counter)
-    return (_u16_lo(r0), _u16_hi(r0), _u16_lo(r1), _u16_hi(r1), _u16_lo(r2), _u16_hi(r2),
-            _u16_lo(r3), _u16_hi(r3))
+    return (_lo16(r0), _hi16(r0), _lo16(r1), _hi16(r1), _lo16(r2), _hi16(r2), _lo16(r3), _hi16(r3))
 
 
 @triton.jit
-def _u16_lo(r):
-    """(r & 0xFFFF)·2⁻¹⁶, built as the float 1 + m·2⁻¹⁶ from bits minus 1 (exact; no int-to-float)."""
-    return (((r.to(tl.uint32, bitcast=True) << 7) & 0x7FFF80) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
+def _lo16(r):
+    return r.to(tl.int32, bitcast=True) & 0xFFFF
 
 
 @triton.jit
-def _u16_hi(r):
-    """(r >> 16)·2⁻¹⁶, as _u16_lo."""
-    return (((r.to(tl.uint32, bitcast=True) >> 9) & 0x7FFF80) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
+def _hi16(r):
+    return (r.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -300,7 +296,7 @@ def quantize_slices16(xs, s_enc, STOCHASTIC: tl.constexpr, seed, counter, STAGED
     block): (out, e4m3 scales, one per tile element). out is 2 int32 tiles, the packed codes of
     elements 0-7 and 8-15 of each block (nibble_word), or with STAGED the 16 tiles of the GEMM's fp16
     values q·e_b (the decoded codes times e_b). Stochastic draws come from Philox at 2·counter and
-    2·counter + 1 (uniforms8), ``counter`` unique per block. Codes of a non-finite block are 0 (the
+    2·counter + 1 (random16x8), ``counter`` unique per block. Codes of a non-finite block are 0 (the
     reference's NaN·r). FOUR_SIX: block scales by Four Over Six (s_enc must then be the FOUR_SIX
     tensor scale)."""
     if FOUR_SIX:
@@ -309,14 +305,14 @@ def quantize_slices16(xs, s_enc, STOCHASTIC: tl.constexpr, seed, counter, STAGED
         e, r = block_scales(amax16(xs), s_enc)
     finite = r == r
     # Ties the counters to the data's register layout (NaN blocks, coded 0 anyway, draw at 0): else
-    # Triton computes Philox in the counters' own layout and moves every uniform between threads.
+    # Triton computes Philox in the counters' own layout and moves all its random bits between threads.
     counter = tl.where(finite, counter, 0)
     keep = tl.where(finite, -1, 0)  # a whole word of codes at once
     e32 = e.to(tl.float32)
     out = ()
     for h in tl.static_range(2):
         if STOCHASTIC:
-            us = uniforms8(seed, counter * 2 + h)
+            us = random16x8(seed, counter * 2 + h)
         ns = ()
         for i in tl.static_range(8):
             if STOCHASTIC and STAGED:

@@ -46,11 +46,17 @@ def _sign_bit(v: torch.Tensor) -> torch.Tensor:
     return (torch.signbit(v) & ~torch.isnan(v)).to(torch.uint8)
 
 
-def e2m1_encode_stochastic(v: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Stochastically round fp32 values to E2M1 codes: up with probability equal to the distance
-    from the lower grid neighbour over the gap, so E[decode(code)] = v for |v| <= 6 (unbiased).
+#: Random bits per stochastically rounded element.
+SR_BITS = 16
 
-    ``uniform`` holds independent U[0, 1) draws, one per element. Saturates at ±6; NaN gives +0.
+
+def e2m1_encode_stochastic(v: torch.Tensor, rbits: torch.Tensor) -> torch.Tensor:
+    """Stochastically round fp32 values to E2M1 codes: up with probability F / 2¹⁶, where F is the
+    distance from the lower grid neighbour over the gap in units of 2⁻¹⁶, rounded to nearest even.
+    So E[decode(code)] = v within 2⁻¹⁷ of a gap for |v| <= 6 (unbiased to that resolution).
+
+    ``rbits`` holds independent random integers in [0, 2¹⁶), one per element; the value rounds up
+    when F + rbits >= 2¹⁶. Saturates at ±6; NaN gives +0.
     """
     v = v.float()
     a = v.abs().clamp(max=F4_E2M1_MAX)
@@ -60,8 +66,9 @@ def e2m1_encode_stochastic(v: torch.Tensor, uniform: torch.Tensor) -> torch.Tens
     lo = grid[lo_idx.long()]
     hi = grid[hi_idx.long()]
     gap = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
-    frac = (a - lo) / gap
-    code = lo_idx + (uniform < frac).to(torch.uint8)
+    frac = (a.double() - lo.double()) / gap.double()  # exact: fp32 difference over a power of two
+    steps = torch.round(frac * 2.0**SR_BITS)  # half to even
+    code = lo_idx + (steps + rbits.double() >= 2.0**SR_BITS).to(torch.uint8)
     code = torch.where(torch.isnan(v), torch.zeros_like(code), code)
     return code | (_sign_bit(v) << 3)
 

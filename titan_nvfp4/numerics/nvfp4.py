@@ -49,6 +49,7 @@ from .formats import (
     F4_E2M1_MAX,
     F8_E4M3_MAX,
     FP32_MAX,
+    SR_BITS,
     e2m1_decode,
     e2m1_encode_rne,
     e2m1_encode_stochastic,
@@ -214,10 +215,11 @@ def _as_storage(x: torch.Tensor, block_shape: tuple[int, int]) -> torch.Tensor:
     return x.float()
 
 
-def _uniform_like(a: torch.Tensor, seed: int | None, generator: torch.Generator | None) -> torch.Tensor:
+def _random_bits_like(a: torch.Tensor, seed: int | None, generator: torch.Generator | None) -> torch.Tensor:
+    """SR_BITS random bits per element of a (int32), from ``generator`` or a fresh one seeded with ``seed``."""
     if generator is None and seed is not None:
         generator = torch.Generator(device=a.device).manual_seed(int(seed))
-    return torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
+    return torch.randint(0, 2**SR_BITS, a.shape, generator=generator, device=a.device, dtype=torch.int32)
 
 
 def quantize_nvfp4(
@@ -263,7 +265,7 @@ def quantize_nvfp4(
         factor = block_encode_factor(e_b, s_enc)
     v = (a.view(rows, cols // BLOCK, BLOCK) * factor.unsqueeze(-1)).view(rows, cols)
     if stochastic:
-        codes = e2m1_encode_stochastic(v, _uniform_like(v, seed, generator))
+        codes = e2m1_encode_stochastic(v, _random_bits_like(v, seed, generator))
     else:
         codes = e2m1_encode_rne(v)
     return NVFP4Tensor(
