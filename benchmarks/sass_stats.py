@@ -32,7 +32,7 @@ from triton.compiler import compile as triton_compile  # noqa: E402
 from titan_nvfp4.kernels import quantize as q  # noqa: E402
 from titan_nvfp4.kernels import swiglu as sw  # noqa: E402
 
-VARIANTS = {  # name: (ROW, COL, RHT, SR_ROW, SR_COL, ROW_F16)
+VARIANTS = {  # name: (ROW, COL, RHT, SR_ROW, SR_COL, ROW_F16[, FOUR_SIX])
     "row": (True, False, False, False, False, False),
     "row f16": (True, False, False, False, False, True),
     "row SR": (True, False, False, True, False, False),
@@ -40,6 +40,8 @@ VARIANTS = {  # name: (ROW, COL, RHT, SR_ROW, SR_COL, ROW_F16)
     "col RHT SR": (False, True, True, False, True, False),
     "row f16 + col RHT (fwd X)": (True, True, True, False, False, True),
     "row SR f16 + col RHT SR f16 (bwd dY)": (True, True, True, True, True, True),
+    "4/6: row": (True, False, False, False, False, False, True),
+    "4/6: row f16 + col RHT (fwd X)": (True, True, True, False, False, True, True),
 }
 _POINTERS = {"X": "*bf16", "AMAX": "*i32", "GS": "*fp32", "RD": "*u8", "RS": "*fp8e4nv", "CD": "*u8",
              "CS": "*fp8e4nv", "SIGNS": "*fp32", "SEED": "*i64", "BEXP": "*i32"}
@@ -77,9 +79,9 @@ def compile_variant(name: str, g=2, bk=128, warps=4, arch=90):
     if name in OTHER:
         fn, pointers, const = OTHER[name]
         return _compile(fn, pointers, dict(const, G=g, BK=bk), warps, arch)
-    row, col, rht, sr_row, sr_col, row_f16 = VARIANTS[name]
+    row, col, rht, sr_row, sr_col, row_f16, *four_six = VARIANTS[name]
     const = dict(sxk=1, ROW=row, COL=col, RHT=rht, SR_ROW=sr_row, SR_COL=sr_col, GROUPED=False,
-                 ROW_F16=row_f16, NSP2=2, G=g, BK=bk, COL_F16=col and sr_col, FOUR_SIX=False)  # dY's columns go out staged
+                 ROW_F16=row_f16, NSP2=2, G=g, BK=bk, COL_F16=col and sr_col, FOUR_SIX=bool(four_six and four_six[0]))  # dY's columns go out staged
     pointers = dict(_POINTERS, RD="*fp16" if row_f16 else "*u8", CD="*fp16" if const["COL_F16"] else "*u8")
     return _compile(q._quantize_kernel, pointers, const, warps, arch)
 

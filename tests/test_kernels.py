@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from titan_nvfp4.kernels.gemm import nvfp4_gemm_triton
-from titan_nvfp4.kernels.nvfp4_jit import e2m1_code, e2m1_staged, e2m1_stochastic_code, e2m1_stochastic_staged
+from titan_nvfp4.kernels.nvfp4_jit import (e2m1_code, e2m1_staged, e2m1_stochastic_code, e2m1_stochastic_staged,
+                                           philox4x32)
 from titan_nvfp4.kernels.native import native_operands, swizzle_scales, unswizzle_scales
 from titan_nvfp4.kernels.quantize import quantize_operand, quantize_weight_2d
 from titan_nvfp4.numerics.formats import e2m1_decode, e2m1_encode_rne, e2m1_encode_stochastic
@@ -72,6 +73,28 @@ def _encoder_probe_values() -> torch.Tensor:
         torch.randint(-140, 30, (4000,), generator=g).float())])
     v = torch.cat([near, rand, torch.tensor([float("inf"), 1e-45, 3e-39])]).clamp(min=0)
     return torch.cat([v, -v])
+
+
+@triton.jit
+def _philox_probe(SEED, OUT, BLOCK: tl.constexpr):
+    seed = tl.load(SEED)
+    i = tl.arange(0, BLOCK)
+    c = (i * 7919 - 3).to(tl.int32)  # negative counters included
+    ours = philox4x32(seed, c)
+    theirs = tl.randint4x(seed, c)
+    for j in tl.static_range(4):
+        tl.store(OUT + j * BLOCK + i, ours[j].to(tl.int32, bitcast=True))
+        tl.store(OUT + (4 + j) * BLOCK + i, theirs[j].to(tl.int32, bitcast=True))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**31 + 5, -(2**62) + 12345])
+def test_philox_equals_triton_randint4x(seed):
+    """The kernels' Philox (one wide multiply per product) draws Triton's own Philox4x32-10 words."""
+    out = torch.empty(8 * 256, dtype=torch.int32, device=DEV)
+    _philox_probe[(1,)](torch.tensor([seed], dtype=torch.int64, device=DEV), out, BLOCK=256)
+    ours, theirs = out.view(2, 4, 256)
+    assert torch.equal(ours, theirs)
+    assert len(torch.unique(ours)) > 1000  # distinct words, not a constant
 
 
 def test_e2m1_encoder_and_staged_value_bit_identical_to_the_reference():

@@ -154,11 +154,18 @@ def e2m1_nibble(v):
 @triton.jit
 def nibble_word(ns):
     """8 int32 tiles of nibbles 0-15 -> the int32 tile whose bits 4j..4j+3 hold ns[j]: 8 codes packed
-    as the bytes of formats.pack_nibbles, element 2j in the low nibble of byte j (little-endian)."""
-    w = ns[7]
-    for j in tl.static_range(6, -1, -1):
-        w = (w << 4) | ns[j]
+    as the bytes of formats.pack_nibbles, element 2j in the low nibble of byte j (little-endian).
+    Folded in code order, so that each code can be packed as soon as it exists."""
+    w = ns[0]
+    for j in tl.static_range(1, 8):
+        w = add_nibble(w, ns[j], j)
     return w
+
+
+@triton.jit
+def add_nibble(w, n, j: tl.constexpr):
+    """w with nibble n (0-15) placed in bits 4j..4j+3, which must be clear: one shift-add (LEA)."""
+    return w + (n << (4 * j))
 
 
 @triton.jit
@@ -275,8 +282,36 @@ def random16x8(seed, counter):
     """8 tiles of 16 random bits each (int32 in [0, 2¹⁶)) from one Philox call at ``counter``, which
     must be unique per tile element and call: the low and high halves of its four words. Drawn next
     to their use, 8 at a time, so that 16 tiles of them are never live at once."""
-    r0, r1, r2, r3 = tl.randint4x(seed, counter)
+    r0, r1, r2, r3 = philox4x32(seed, counter)
     return (_lo16(r0), _hi16(r0), _lo16(r1), _hi16(r1), _lo16(r2), _hi16(r2), _lo16(r3), _hi16(r3))
+
+
+@triton.jit
+def philox4x32(seed, counter):
+    """Philox4x32-10 of (counter, 0, 0, 0) under the 64-bit key ``seed``: the same four words as
+    tl.randint4x(seed, counter) (tests/test_kernels.py checks it), with each round's two products
+    formed by one 32×32→64-bit multiply each instead of separate high and low multiplies."""
+    seed = seed.to(tl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = (seed >> 32).to(tl.uint32)
+    c0 = counter.to(tl.uint32, bitcast=True)
+    c1 = tl.zeros_like(c0)
+    c2 = tl.zeros_like(c0)
+    c3 = tl.zeros_like(c0)
+    for _ in tl.static_range(10):
+        hi_b, lo_b = _mul_wide(c2, 0xCD9E8D57)
+        hi_a, lo_a = _mul_wide(c0, 0xD2511F53)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
+        k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _mul_wide(c, m: tl.constexpr):
+    """(high, low) 32-bit words of the 64-bit product of uint32 c and the constant m."""
+    p = c.to(tl.uint64) * m
+    return (p >> 32).to(tl.uint32), p.to(tl.uint32)
 
 
 @triton.jit

@@ -30,7 +30,7 @@ from ..ops.grouped import block_experts
 from ..ops.library import operand_pair, weight_pair
 from .launch import launch, tune_bucket
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
-from .nvfp4_jit import (amax16, block_scales, e2m1_nibble, e2m1_staged, fos_d2, fos_unit, join_slices16,
+from .nvfp4_jit import (add_nibble, amax16, block_scales, e2m1_nibble, e2m1_staged, fos_d2, fos_unit, join_slices16,
                         nibble_word, pack_pairs, pick_four_or_six, quantize_slices16, rht16_slices, split8,
                         words_along_slices)
 
@@ -39,15 +39,17 @@ BK_Q = 64  # features per program
 
 
 @triton.jit
-def _load16(X, blk, rk, M, K, sxm, sxk):
-    """Sixteen fp32 tiles [G, BK] of x; tile i holds rows 16·blk + i (zeros outside x)."""
+def _load16(X, blk, rk, M, K, sxm, sxk, AS_LOADED: tl.constexpr = False):
+    """Sixteen fp32 tiles [G, BK] of x; tile i holds rows 16·blk + i (zeros outside x). AS_LOADED:
+    in x's own dtype (fewer registers while all 16 are live; exact, as fp32 is taken on use)."""
     col = rk[None, :] * sxk
     kmask = (rk < K)[None, :]
     xs = ()
     for i in tl.static_range(16):
         rows = blk * 16 + i
         ptr = X + rows[:, None].to(tl.int64) * sxm + col
-        xs = xs + (tl.load(ptr, mask=(rows < M)[:, None] & kmask, other=0.0).to(tl.float32),)
+        x = tl.load(ptr, mask=(rows < M)[:, None] & kmask, other=0.0)
+        xs = xs + (x if AS_LOADED else x.to(tl.float32),)
     return xs
 
 
@@ -199,10 +201,10 @@ def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, 
     FOUR_SIX: Four Over Six tile scales, the error summed over each tile's 256 elements (int32, exact)."""
     blk = tl.program_id(0) * G + tl.arange(0, G)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
-    ws = _load16(W, blk, rk, N, K, swn, swk)
+    ws = _load16(W, blk, rk, N, K, swn, swk, AS_LOADED=not FOUR_SIX)
     _store_decode_scales(GS, AMAX, NSLOT, NSP2, FOUR_SIX)
     s = _encode_scale(AMAX, BEXP, blk, N // 16, GROUPED, FOUR_SIX)
-    bamax = tl.max(tl.reshape(amax16(ws), (G, BK // 16, 16)), axis=2)
+    bamax = tl.max(tl.reshape(amax16(ws), (G, BK // 16, 16)), axis=2).to(tl.float32)
     if FOUR_SIX:
         e, r = _four_six_tiles(ws, bamax, s, G, BK)
     else:
@@ -210,18 +212,23 @@ def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, 
     rk2 = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
     # per element: e_b (for the staged values) and the code mask of non-finite blocks (r is NaN there)
     e32 = tl.reshape(tl.broadcast_to(e.to(tl.float32)[:, :, None], (G, BK // 16, 16)), (G, BK))
-    keep = tl.reshape(tl.broadcast_to(tl.where(r == r, 15, 0)[:, :, None], (G, BK // 16, 16)), (G, BK))
-    codes = ()
+    keep = tl.reshape(tl.broadcast_to(tl.where(r == r, -1, 0)[:, :, None], (G, BK // 16, 16)), (G, BK))
+    # Wᵀ's code words of rows 0-7 and 8-15, filled as the codes come (8 live nibbles would cost registers)
+    lo = tl.zeros((G, BK), tl.int32)
+    hi = tl.zeros((G, BK), tl.int32)
     for i in tl.static_range(16):
-        y = tl.reshape(tl.reshape(ws[i], (G, BK // 16, 16)) * r[:, :, None], (G, BK))
-        c = e2m1_nibble(y) & keep
-        codes = codes + (c,)
+        y = tl.reshape(tl.reshape(ws[i].to(tl.float32), (G, BK // 16, 16)) * r[:, :, None], (G, BK))
+        c = e2m1_nibble(y)
+        if i < 8:
+            lo = add_nibble(lo, c, i)
+        else:
+            hi = add_nibble(hi, c, i - 8)
         row = (blk * 16 + i)[:, None]
         if EMIT_F16:
             tl.store(D + row.to(tl.int64) * K + rk[None, :], e2m1_staged(y, e32).to(tl.float16),
                      mask=(row < N) & (rk < K)[None, :])
         else:
-            tl.store(D + row.to(tl.int64) * (K // 2) + rk2[None, :], pack_pairs(c.to(tl.uint8), G, BK),
+            tl.store(D + row.to(tl.int64) * (K // 2) + rk2[None, :], pack_pairs((c & keep).to(tl.uint8), G, BK),
                      mask=(row < N) & (rk2 < K // 2)[None, :])
     rk16 = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
     smask = (blk < N // 16)[:, None] & (rk16 < K // 16)[None, :]
@@ -229,10 +236,7 @@ def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, 
         tl.store(S + blk[:, None] * (K // 16) + rk16[None, :], e, mask=smask)
     if EMIT_T:
         tl.store(ST + rk16[None, :] * (N // 16) + blk[:, None], e, mask=smask)
-        lo, hi = (), ()
-        for i in tl.static_range(8):
-            lo, hi = lo + (codes[i],), hi + (codes[8 + i],)
-        words = words_along_slices(nibble_word(lo), nibble_word(hi))  # Wᵀ's rows hold W's columns
+        words = words_along_slices(lo & keep, hi & keep)  # Wᵀ's rows hold W's columns; non-finite tiles 0
         rw = tl.program_id(0) * (2 * G) + tl.arange(0, 2 * G)
         tl.store(DT.to(tl.pointer_type(tl.int32)) + rk[:, None].to(tl.int64) * (N // 8) + rw[None, :], words,
                  mask=(rk < K)[:, None] & (rw < N // 8)[None, :])
