@@ -335,9 +335,9 @@ def quantize_slices16(xs, s_enc, STOCHASTIC: tl.constexpr, seed, counter, STAGED
     reference's NaN·r). FOUR_SIX: block scales by Four Over Six (s_enc must then be the FOUR_SIX
     tensor scale)."""
     if FOUR_SIX:
-        e, r = four_six_scales16(xs, amax16(xs), s_enc)
+        e, r = four_six_scales16(xs, amax16(xs).to(tl.float32), s_enc)
     else:
-        e, r = block_scales(amax16(xs), s_enc)
+        e, r = block_scales(amax16(xs).to(tl.float32), s_enc)
     finite = r == r
     # Ties the counters to the data's register layout (NaN blocks, coded 0 anyway, draw at 0): else
     # Triton computes Philox in the counters' own layout and moves all its random bits between threads.
