@@ -316,11 +316,13 @@ def _mul_wide(c, m: tl.constexpr):
 
 @triton.jit
 def _lo16(r):
+    """Bits 0-15 of a Philox word, as an int32 in [0, 2¹⁶)."""
     return r.to(tl.int32, bitcast=True) & 0xFFFF
 
 
 @triton.jit
 def _hi16(r):
+    """Bits 16-31 of a Philox word, as an int32 in [0, 2¹⁶)."""
     return (r.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
 
 
