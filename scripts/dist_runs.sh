@@ -8,6 +8,8 @@
 #                                             selective activation checkpointing, against the eager 1-GPU runs
 #   bash scripts/dist_runs.sh four [STEPS]    issue 8 on 4 GPUs (nvidia-h200-x4 / -h100-x4): FSDP2 2 x TP2 with the
 #                                             BF16 and the NVFP4 all-gather, and the MoE with experts EP2 x FSDP2 2
+#   bash scripts/dist_runs.sh four_bench [STEPS]  issue 8's step time: Llama3 2B_bench FSDP2 2 x TP2 on 4 GPUs,
+#                                             BF16 model, NVFP4 with the BF16 and with the NVFP4 all-gather
 #   bash scripts/dist_runs.sh same_tokens [STEPS]  deepseek_v3_nvfp4 (seeds 42-47) and llama3_nvfp4 (42-44) on one
 #                                             GPU each, trained on the batches of the 2-GPU runs
 #                                             (titan_nvfp4.tools.emulated_dp --data-parallel 2); EP2 seeds 45, 46
@@ -121,6 +123,25 @@ elif [[ $mode == bench ]]; then
       "$run/llama3_2b_bench_nvfp4@ag_true.log" --skip 5 | tee "$run/fsdp_bench.md"
   logs=("llama3_2b_bench_nvfp4@ag_false" "llama3_2b_bench_nvfp4@ag_true")
   tables=(fsdp_bench.md)
+elif [[ $mode == four_bench ]]; then
+  # issue 8's step time at a size where compute counts: 2B_bench on 4 GPUs, FSDP2 2 x TP2, local batch 16:
+  # the BF16 model, then NVFP4 with the BF16 all-gather, then NVFP4 with the NVFP4 all-gather. TorchTitan's
+  # tps divides a rank's tokens by the TP degree too, so a step's time is (16 x 2048 / 2) / tps
+  val=()
+  export TRITON_CACHE_AUTOTUNING=0
+  common=(--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2
+          --training.local_batch_size 16)
+  train "llama3_2b_bench_bf16@fsdp2_tp2" 4 0,1,2,3 29502 "${common[@]}"
+  train "llama3_2b_bench_nvfp4@fsdp2_tp2" 4 0,1,2,3 29502 "${common[@]}"
+  train "llama3_2b_bench_nvfp4@fsdp2_tp2_ag" 4 0,1,2,3 29502 "${common[@]}" \
+      --quantize.linear.nvfp4.fsdp_nvfp4_all_gather
+  python -m titan_nvfp4.tools.e2e_report "$run/llama3_2b_bench_bf16@fsdp2_tp2.log" \
+      "$run/llama3_2b_bench_nvfp4@fsdp2_tp2.log" "$run/llama3_2b_bench_nvfp4@fsdp2_tp2_ag.log" --skip 5 \
+      --tokens-per-step $(( 16 * 2048 / 2 )) \
+      | tee "$run/four_bench.md"
+  grep -h "NVFP4: FSDP2 all-gather, first step" "$run/llama3_2b_bench_nvfp4@fsdp2_tp2_ag.log" | sort -u
+  logs=("llama3_2b_bench_bf16@fsdp2_tp2" "llama3_2b_bench_nvfp4@fsdp2_tp2" "llama3_2b_bench_nvfp4@fsdp2_tp2_ag")
+  tables=(four_bench.md)
 elif [[ $mode == ep ]]; then
   # why EP2 is slow: the BF16 twin under the same layout, then NVFP4 with Triton's autotuning printed
   # (a new token count that re-tunes a kernel shows up as one "Triton autotuning" line per step)
@@ -211,7 +232,7 @@ elif [[ $mode == four ]]; then
   logs=("${llama[@]}" "${deepseek[@]}")
   tables=(four_llama3.md four_llama3.csv four_deepseek_v3.md four_deepseek_v3.csv)
 else
-  echo "usage: bash scripts/dist_runs.sh runs|bench|ep|compile|moe_seeds|same_tokens|moe_fsdp|moe_bf16|four [STEPS]"; exit 2
+  echo "usage: bash scripts/dist_runs.sh runs|bench|ep|compile|moe_seeds|same_tokens|moe_fsdp|moe_bf16|four|four_bench [STEPS]"; exit 2
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2
 if [[ -n ${OUT:-} ]]; then  # at most 8 files come back
