@@ -13,6 +13,9 @@
 #   bash scripts/dist_runs.sh same_tokens [STEPS]  deepseek_v3_nvfp4 (seeds 42-47) and llama3_nvfp4 (42-44) on one
 #                                             GPU each, trained on the batches of the 2-GPU runs
 #                                             (titan_nvfp4.tools.emulated_dp --data-parallel 2); EP2 seeds 45, 46
+#   bash scripts/dist_runs.sh same_tokens4 [STEPS]  deepseek_v3_nvfp4 on one GPU each (seeds 42-47) trained on
+#                                             the batches of the 4-GPU MoE arm (--data-parallel 4); its seed 43
+#                                             (PRECISION=bf16: the same in BF16)
 #   bash scripts/dist_runs.sh moe_fsdp [STEPS]  deepseek_v3_nvfp4_ep2 with expert_parallel_degree 1 (FSDP2 alone)
 #   bash scripts/dist_runs.sh moe_bf16 [STEPS]  the MoE comparison in BF16: deepseek_v3_bf16 on one GPU (seeds
 #                                             42-47) and deepseek_v3_bf16_ep2 (seeds 42-44)
@@ -198,6 +201,28 @@ elif [[ $mode == same_tokens ]]; then
   tables_of same_tokens_llama3 "${llama[@]}"
   logs+=("${llama[@]}")
   tables=(same_tokens_deepseek_v3.md same_tokens_llama3.md)
+elif [[ $mode == same_tokens4 ]]; then
+  # issue 8's MoE arm against one GPU on its own batches: deepseek_v3_nvfp4 with --data-parallel 4 (the
+  # EP2 x FSDP2 2 run's four data-parallel ranks), seeds DS4_SEEDS, two a GPU; then more 4-GPU seeds (EP4_SEEDS).
+  # PRECISION=bf16 runs the BF16 twins instead (deepseek_v3_bf16, and deepseek_v3_bf16_ep2 over 4 GPUs).
+  p=${PRECISION:-nvfp4}
+  one=deepseek_v3_$p four=deepseek_v3_${p}_ep2_fsdp4 four_args=()
+  [[ $p == bf16 ]] && { four="deepseek_v3_bf16_ep2@fsdp4"
+    four_args=(--parallelism.data_parallel_shard_degree 4 --training.local_batch_size 4); }
+  for s in ${DS4_SEEDS-42 43 44 45 46 47}; do
+    train "$one@dp4_seed$s" 1 $(( s % 4 )) $(( 29470 + s )) --debug.seed "$s" --data-parallel 4 &
+  done
+  wait
+  for s in ${EP4_SEEDS-43}; do train "$four@seed$s" 4 0,1,2,3 29502 --debug.seed "$s" "${four_args[@]}"; done
+  [[ $p == bf16 ]] && train "$four" 4 0,1,2,3 29502 "${four_args[@]}"  # the twin of seed 42
+  logs=($(arms $one.log "$one@seed*.log" $one@rotated.log "$one@dp4_seed*.log" "${four%%@*}*.log"))
+  [[ $p == bf16 ]] && logs=($(arms $one.log "$one@seed*.log" "$one@dp4_seed*.log" "$four*.log"))
+  tables_of same_tokens4_$one "${logs[@]}"
+  python -m titan_nvfp4.tools.loss_log $(paths "${logs[@]}") --markdown \
+      --group "1 GPU=$one,$one@seed*,$one@rotated" \
+      --group "1 GPU, EP2 x FSDP2 2's batches=*@dp4_seed*" --group "EP2 x FSDP2 2=${four%%@*}*" \
+      --train-windows 51-100,101-150 | tail -24 | tee -a "$run/same_tokens4_$one.md"
+  tables=(same_tokens4_$one.md same_tokens4_$one.csv)
 elif [[ $mode == moe_fsdp ]]; then
   # EP2 over FSDP2 against FSDP2 alone (experts replicated, both in bf16 mixed precision): is a lower
   # MoE loss on two GPUs expert parallelism's, or FSDP2's mixed precision (one GPU runs under autocast)?
@@ -232,7 +257,7 @@ elif [[ $mode == four ]]; then
   logs=("${llama[@]}" "${deepseek[@]}")
   tables=(four_llama3.md four_llama3.csv four_deepseek_v3.md four_deepseek_v3.csv)
 else
-  echo "usage: bash scripts/dist_runs.sh runs|bench|ep|compile|moe_seeds|same_tokens|moe_fsdp|moe_bf16|four|four_bench [STEPS]"; exit 2
+  echo "usage: bash scripts/dist_runs.sh runs|bench|ep|compile|moe_seeds|same_tokens|moe_fsdp|moe_bf16|four|four_bench|same_tokens4 [STEPS]"; exit 2
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2
 if [[ -n ${OUT:-} ]]; then  # at most 8 files come back
