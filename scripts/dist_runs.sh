@@ -203,7 +203,7 @@ elif [[ $mode == same_tokens ]]; then
   tables=(same_tokens_deepseek_v3.md same_tokens_llama3.md)
 elif [[ $mode == same_tokens4 ]]; then
   # issue 8's MoE arm against one GPU on its own batches: deepseek_v3_nvfp4 with --data-parallel 4 (the
-  # EP2 x FSDP2 2 run's four data-parallel ranks), seeds DS4_SEEDS, two a GPU; then more 4-GPU seeds (EP4_SEEDS).
+  # EP2 x FSDP2 2 run's four data-parallel ranks), seeds DS4_SEEDS on GPU seed % 4 at once; then more 4-GPU seeds (EP4_SEEDS).
   # PRECISION=bf16 runs the BF16 twins instead (deepseek_v3_bf16, and deepseek_v3_bf16_ep2 over 4 GPUs).
   p=${PRECISION:-nvfp4}
   one=deepseek_v3_$p four=deepseek_v3_${p}_ep2_fsdp4 four_args=()
