@@ -129,18 +129,19 @@ elif [[ $mode == bench ]]; then
 elif [[ $mode == four_bench ]]; then
   # issue 8's step time at a size where compute counts: 2B_bench on 4 GPUs, FSDP2 2 x TP2, local batch 16:
   # the BF16 model, then NVFP4 with the BF16 all-gather, then NVFP4 with the NVFP4 all-gather. TorchTitan's
-  # tps divides a rank's tokens by the TP degree too, so a step's time is (16 x 2048 / 2) / tps
+  # tps divides a rank's tokens by the TP degree too, so a step's time is (local batch x 2048 / 2) / tps
   val=()
   export TRITON_CACHE_AUTOTUNING=0
+  lb=16
   common=(--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2
-          --training.local_batch_size 16)
+          --training.local_batch_size $lb)
   train "llama3_2b_bench_bf16@fsdp2_tp2" 4 0,1,2,3 29502 "${common[@]}"
   train "llama3_2b_bench_nvfp4@fsdp2_tp2" 4 0,1,2,3 29502 "${common[@]}"
   train "llama3_2b_bench_nvfp4@fsdp2_tp2_ag" 4 0,1,2,3 29502 "${common[@]}" \
       --quantize.linear.nvfp4.fsdp_nvfp4_all_gather
   python -m titan_nvfp4.tools.e2e_report "$run/llama3_2b_bench_bf16@fsdp2_tp2.log" \
       "$run/llama3_2b_bench_nvfp4@fsdp2_tp2.log" "$run/llama3_2b_bench_nvfp4@fsdp2_tp2_ag.log" --skip 5 \
-      --tokens-per-step $(( 16 * 2048 / 2 )) \
+      --tokens-per-step $(( lb * 2048 / 2 )) \
       | tee "$run/four_bench.md"
   grep -h "NVFP4: FSDP2 all-gather, first step" "$run/llama3_2b_bench_nvfp4@fsdp2_tp2_ag.log" | sort -u
   logs=("llama3_2b_bench_bf16@fsdp2_tp2" "llama3_2b_bench_nvfp4@fsdp2_tp2" "llama3_2b_bench_nvfp4@fsdp2_tp2_ag")
@@ -215,12 +216,11 @@ elif [[ $mode == same_tokens4 ]]; then
   wait
   for s in ${EP4_SEEDS-43}; do train "$four@seed$s" 4 0,1,2,3 29502 --debug.seed "$s" "${four_args[@]}"; done
   [[ $p == bf16 ]] && train "$four" 4 0,1,2,3 29502 "${four_args[@]}"  # the twin of seed 42
-  logs=($(arms $one.log "$one@seed*.log" $one@rotated.log "$one@dp4_seed*.log" "${four%%@*}*.log"))
-  [[ $p == bf16 ]] && logs=($(arms $one.log "$one@seed*.log" "$one@dp4_seed*.log" "$four*.log"))
+  logs=($(arms $one.log "$one@seed*.log" $one@rotated.log "$one@dp4_seed*.log" "$four*.log"))  # those there are
   tables_of same_tokens4_$one "${logs[@]}"
   python -m titan_nvfp4.tools.loss_log $(paths "${logs[@]}") --markdown \
       --group "1 GPU=$one,$one@seed*,$one@rotated" \
-      --group "1 GPU, EP2 x FSDP2 2's batches=*@dp4_seed*" --group "EP2 x FSDP2 2=${four%%@*}*" \
+      --group "1 GPU, EP2 x FSDP2 2's batches=*@dp4_seed*" --group "EP2 x FSDP2 2=$four*" \
       --train-windows 51-100,101-150 | tail -24 | tee -a "$run/same_tokens4_$one.md"
   tables=(same_tokens4_$one.md same_tokens4_$one.csv)
 elif [[ $mode == moe_fsdp ]]; then

@@ -285,16 +285,15 @@ def _moe_models():
     }
 
 
-def _build(name: str, seq: int = 32, score_before_experts: bool | None = None, n_layers: int | None = None,
-           vocab_size: int = 2048):
-    """TorchTitan's debug flavour of ``name`` on the meta device. The vocabulary is cut to ``vocab_size``
-    (the other flavours' 2048): gpt_oss's debug flavour keeps its tokenizer's 201,088, whose embedding and
-    output layer would take most of a CPU test's time in init_weights."""
+def _build(name: str, seq: int = 32, score_before_experts: bool | None = None, n_layers: int | None = None):
+    """TorchTitan's debug flavour of ``name`` on the meta device, its vocabulary cut to the other flavours'
+    2048: gpt_oss's debug flavour keeps its tokenizer's 201,088, whose embedding and output layer would
+    take most of a CPU test's time in init_weights."""
     from torchtitan.config import ConfigManager
 
     cls, args = _moe_models()[name]
     args = copy.deepcopy(args)
-    args.vocab_size = min(args.vocab_size, vocab_size)
+    args.vocab_size = min(args.vocab_size, 2048)
     if score_before_experts is not None:
         args.moe_args.score_before_experts = score_before_experts
     if n_layers is not None:  # fewer blocks (deepseek_v3: the first stays dense), for the multi-process tests
