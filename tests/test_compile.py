@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
+from titan_nvfp4.numerics.nvfp4 import NVFP4Tensor
 from titan_nvfp4.numerics.rht import rht_signs
 from titan_nvfp4.ops import library
 from titan_nvfp4.ops.backends import interpreting
@@ -62,6 +63,27 @@ def test_quantize_mxfp8_op_passes_opcheck(rows):
     x = _x(rows, 64, dtype=torch.bfloat16)
     for flags in [(True, True), (True, False), (False, True), (True, True, True), (False, True, True)]:
         torch.library.opcheck(library.quantize_mxfp8.op, (x, *flags))  # third: staged BF16 values
+
+
+def test_grouped_quantize_stage_and_wgrad_ops_pass_opcheck():
+    """The wgrad path of the grouped experts: X's column operand as codes, staged once by stage_grouped
+    (exactly the codes' q·e_b) and read by the tokens GEMM, which gives the same bits either way."""
+    x, dy = _x(48, 32), _x(48, 64, seed=3)
+    offsets = torch.tensor([16, 16, 48], dtype=torch.int32, device=DEV)  # an empty expert in the middle
+    signs = rht_signs(1, DEV)
+    torch.library.opcheck(library.quantize_grouped.op, (x, offsets, True, True, signs, False, False, None, True))
+    _, _, cd, cs, gs = library.quantize_grouped(x, offsets, False, True, signs, False, False, None, False)
+    no_schema = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")  # see above
+    torch.library.opcheck(library.stage_grouped.op, (cd, cs), test_utils=no_schema)
+    staged = library.stage_grouped(cd, cs)
+    want = NVFP4Tensor(cd, cs, gs[1, 0], torch.Size((32, 48)), (1, 16)).scaled_codes(torch.float32)
+    assert staged.dtype == torch.float16 and torch.equal(staged.float(), want)
+    _, _, dd, _, gd = library.quantize_grouped(dy, offsets, False, True, signs, False, False, None, False, True)
+    args = (dd, dd.new_empty((0,)), cd, cs, offsets, gd[1], gs[1], torch.float32)
+    torch.library.opcheck(library.grouped_gemm_tokens.op, args, test_utils=no_schema)
+    assert torch.equal(library.grouped_gemm_tokens(*args),
+                       library.grouped_gemm_tokens(dd, dd.new_empty((0,)), staged, cs.new_empty((0,)), offsets, gd[1],
+                                                   gs[1], torch.float32))
 
 
 def test_gemm_op_rejects_unknown_backend():

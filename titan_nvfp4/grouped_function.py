@@ -218,7 +218,10 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[0]
         wants_dw = [ctx.needs_input_grad[9 + j] and x_col is not None for j in range(n)]
         dx, dws, dbs = None, [], []
+        last_dw = max((j for j in range(n) if wants_dw[j]), default=-1)
         with torch.autocast(offsets.device.type, enabled=False):
+            if sum(wants_dw) > 1:  # X's wgrad operand staged once for all the wgrads that read it
+                x_col = G.staged(x_col)
             dys, dy_amaxes = grads[:n], [None] * n
             if ctx.carrier:  # the dYs' amaxes came as the carrier's gradient; a dY not given is zeros
                 dy_amaxes = list(grads[n]) if grads[n] is not None else dy_amaxes
@@ -241,6 +244,8 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
                 # wgrad first, dY's staged column operand dropped before dgrad allocates its output
                 dws.append(G.gemm_tokens(dy_col, x_col, offsets, ctx.w_dtypes[j]) if need_dw else None)
                 del dy_col
+                if j == last_dw:
+                    x_col = None  # freed before the last dgrad allocates its output
                 if need_dx:  # summed in x's dtype (in the GEMM's epilogue), as autograd sums separate GEMMs'
                     dx = G.gemm_rows(dyq, w_t, offsets, ctx.x_shape[-1], row_step, col_step, ctx.x_dtype, add_to=dx)
                 del dyq

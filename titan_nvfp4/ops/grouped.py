@@ -132,6 +132,14 @@ def quantize_experts(w: torch.Tensor, weight_2d: bool, four_six: bool = False,
     return GroupedWeight(GroupedOperand(rd, rs, gs[0]), GroupedOperand(td, ts, gst[0]), K, 0)
 
 
+def staged(op: GroupedOperand) -> GroupedOperand:
+    """``op`` with its codes turned into the GEMMs' fp16 values once (exact), for an operand that
+    several GEMMs read: each would otherwise stage it again. Already staged operands come back as they are."""
+    if op.data.dtype == torch.float16:
+        return op
+    return GroupedOperand(library.stage_grouped(op.data, op.scale), op.scale.new_empty((0,)), op.gs, op.tiles)
+
+
 def gemm_rows(a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, n_out: int, row_step: int,
               col_step: int, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
               add_to: torch.Tensor | None = None) -> torch.Tensor:
@@ -147,4 +155,4 @@ def gemm_tokens(a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, out
 
 
 __all__ = ["GroupedOperand", "GroupedWeight", "block_experts", "expert_amaxes", "expert_bias_grad", "gemm_rows",
-           "gemm_tokens", "quantize_experts", "quantize_tokens", "swiglu", "swiglu_backward", "token_amaxes"]
+           "gemm_tokens", "quantize_experts", "quantize_tokens", "staged", "swiglu", "swiglu_backward", "token_amaxes"]

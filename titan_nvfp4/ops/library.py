@@ -17,6 +17,7 @@ the registered op, so tracing and dispatch modes see one opaque op as before.
   titan_nvfp4::gemm         (A·Bᵀ)·gs_A·gs_B [+ bias] on the emulated or the native backend
   titan_nvfp4::quantize_mxfp8  rowwise and/or columnwise MXFP8 of one 2D operand
   titan_nvfp4::*_grouped, amax_experts, grouped_gemm_*  the same for MoE experts, per-expert tensor scales
+  titan_nvfp4::stage_grouped  a grouped operand's codes as the GEMMs' fp16 values, for one read by several GEMMs
   titan_nvfp4::swiglu_amax, swiglu_backward_amax  the experts' SwiGLU fused with the amaxes of its outputs
 """
 
@@ -333,6 +334,21 @@ def grouped_gemm_tokens(a_data: Tensor, a_scale: Tensor, b_data: Tensor, b_scale
 @grouped_gemm_tokens.op.register_fake
 def _grouped_gemm_tokens_fake(a_data, a_scale, b_data, b_scale, offsets, gs_a, gs_b, out_dtype):
     return a_data.new_empty((offsets.shape[0], a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
+
+
+@_op("stage_grouped")
+def stage_grouped(data: Tensor, scale: Tensor) -> Tensor:
+    """fp16 q·e_b [R, C] of a grouped 1×16 operand's codes [R, C/2] and scales (no global scale: the
+    GEMMs apply it per expert), exact: what the grouped GEMMs stage from codes on each call, for an
+    operand that feeds several of them (X's wgrad operand, read by both W1's and W3's wgrad)."""
+    from ..kernels.grouped_gemm import stage
+
+    return stage(_operand(data, scale, scale.new_ones((), dtype=torch.float32), False))
+
+
+@stage_grouped.op.register_fake
+def _stage_grouped_fake(data, scale):
+    return data.new_empty((data.shape[0], 2 * data.shape[1]), dtype=torch.float16)
 
 
 @_op("swiglu_amax")
