@@ -165,6 +165,32 @@ def test_grouped_kernels_bit_identical_to_reference(weight_2d, rht, rows_kernel,
     assert set(launched) == {want}  # forward and dgrad both took the chosen kernel
 
 
+@cpu_triton
+@pytest.mark.parametrize("m, n", [(256, 128), (128, 256)])  # the first is swapped (fewer padded tiles)
+def test_wgrad_gemm_swapped_operands_store_the_same_bits(m, n, monkeypatch):
+    """grouped_gemm_tokens may run with its operands swapped and store the tiles transposed: against
+    float64 (exact here: half-integer operands) and against the unswapped kernel, bit for bit, with an
+    empty expert (zeros) and rows past the last expert (ignored)."""
+    from titan_nvfp4.kernels import grouped_gemm
+
+    g = torch.Generator().manual_seed(5)
+    offsets = torch.cumsum(torch.tensor(ALIGNED), 0).to(torch.int32)
+    t = int(offsets[-1]) + 16
+    a = (torch.randint(-12, 13, (m, t), generator=g) * 0.5).half()
+    b = (torch.randint(-12, 13, (n, t), generator=g) * 0.5).half()
+    gs_a, gs_b = torch.rand(len(ALIGNED) + 1, generator=g) + 0.5, torch.rand(len(ALIGNED) + 1, generator=g) + 0.5
+    outs = []
+    for swap in (True, False):
+        monkeypatch.setattr(grouped_gemm, "SWAP_WGRAD", swap)
+        outs.append(grouped_gemm.grouped_gemm_tokens(a, b, offsets, gs_a, gs_b, torch.float32))
+    assert torch.equal(outs[0], outs[1])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        exact = a[:, start:end].double() @ b[:, start:end].double().T  # fits fp32 exactly
+        assert torch.equal(outs[0][e], exact.float() * (gs_a[e] * gs_b[e])), e  # the epilogue's fp32 scaling
+        start = end
+
+
 class _Spy:
     """A Triton kernel stand-in that records its launches (``kernel[grid](...)``)."""
 

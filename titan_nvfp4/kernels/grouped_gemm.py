@@ -154,10 +154,10 @@ def _persistent_configs():
 
 
 @triton.jit
-def _grouped_tokens_kernel(A, a_desc, B, b_desc, OFFS, GSA, GSB, C, M, N, sam, sbn, TMA: tl.constexpr,
+def _grouped_tokens_kernel(A, a_desc, B, b_desc, OFFS, GSA, GSB, C, M, N, sam, sbn, scm, scn, TMA: tl.constexpr,
                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    """C [E, M, N] with C[e] = A[:, tokens of e] · B[:, tokens of e]ᵀ · GSA[e]·GSB[e]; A [M, T],
-    B [N, T]. The last, partial step of an expert zeroes A's columns past its end (the next
+    """C[e] = A[:, tokens of e] · B[:, tokens of e]ᵀ · GSA[e]·GSB[e] at C + e·M·N + i·scm + j·scn;
+    A [M, T], B [N, T]. The last, partial step of an expert zeroes A's columns past its end (the next
     expert's tokens); an empty expert writes zeros."""
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
@@ -190,8 +190,8 @@ def _grouped_tokens_kernel(A, a_desc, B, b_desc, OFFS, GSA, GSB, C, M, N, sam, s
                         other=0.0)
         acc = tl.dot(tl.where(kmask, a, tl.zeros_like(a)), b.T, acc)
     out = acc * (tl.load(GSA + e) * tl.load(GSB + e))
-    tl.store(C + e.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :], out.to(C.dtype.element_ty),
-             mask=(rm < M)[:, None] & (rn < N)[None, :])
+    tl.store(C + e.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * scm + rn[None, :].to(tl.int64) * scn,
+             out.to(C.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
 _rows_autotuned = triton.autotune(_configs(), key=["E", "N", "K", "B_ROW_STEP", "B_COL_STEP", "TMA", "ACC"])(_grouped_rows_kernel)
@@ -202,6 +202,14 @@ _rows_persistent_autotuned = triton.autotune(_persistent_configs(), key=["E", "N
 #: The rows GEMM's kernel on sm_90 with TMA: "persistent" (flattened loops), "persistent_nested", or
 #: "tiles" (one tile per program); benchmarks/bench_grouped.py --rows-kernel compares them.
 ROWS_KERNEL = "persistent"
+
+
+#: Whether grouped_gemm_tokens may swap its operands where that pads fewer tiles (benchmarks compare).
+SWAP_WGRAD = True
+
+
+def _padded(n: int, tile: int) -> int:
+    return -(-n // tile) * tile
 
 
 def _autotune(x: torch.Tensor, work: int) -> bool:
@@ -263,7 +271,9 @@ def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tenso
 def grouped_gemm_tokens(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tensor, gs_a: torch.Tensor,
                         gs_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """out [E, M, N] with out[e] = A[:, tokens of e] · B[:, tokens of e]ᵀ · gs_a[e]·gs_b[e] over the
-    staged a16 [M, T] and b16 [N, T] (16-element blocks along the tokens)."""
+    staged a16 [M, T] and b16 [N, T] (16-element blocks along the tokens). Where N tiles worse than M
+    (hidden 1408 is 5.5 tiles of 256 but 11 of 128: W2's wgrad), the kernel runs with the operands
+    swapped and stores its tiles transposed: the same products and sums, less padding."""
     M, T = a16.shape
     N, Tb = b16.shape
     if T != Tb:
@@ -273,9 +283,12 @@ def grouped_gemm_tokens(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Ten
     if E == 0 or M == 0 or N == 0:
         return out
     tma = _use_tma(a16) and not interpreting()
+    gs_a, gs_b = gs_a.float().contiguous(), gs_b.float().contiguous()
+    strides = (N, 1)
+    if SWAP_WGRAD and _padded(N, 128) * _padded(M, 256) < _padded(M, 128) * _padded(N, 256):
+        a16, b16, gs_a, gs_b, M, N, strides = b16, a16, gs_b, gs_a, N, M, (1, N)  # out[e, i, j] at i·N + j
     a_arg, b_arg = (_tma_desc(a16), _tma_desc(b16)) if tma else (a16, b16)
-    args = (a16, a_arg, b16, b_arg, offsets, gs_a.float().contiguous(), gs_b.float().contiguous(), out, M, N,
-            a16.stride(0), b16.stride(0))
+    args = (a16, a_arg, b16, b_arg, offsets, gs_a, gs_b, out, M, N, a16.stride(0), b16.stride(0), *strides)
     if _autotune(a16, E * M * N):
         grid = lambda meta: (E * triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
         launch(_tokens_autotuned, grid, *args, TMA=tma)
