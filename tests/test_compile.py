@@ -86,6 +86,35 @@ def test_grouped_quantize_stage_and_wgrad_ops_pass_opcheck():
                                                    gs[1], torch.float32))
 
 
+def test_compiled_grouped_swiglu_matches_eager_bit_for_bit():
+    """A SwiGLU expert's grouped kernels (W1 and W3 on one quantization of x, the fused SwiGLU, X's
+    wgrad operand staged once for both wgrads) under dynamo with fullgraph=True: the same bits as
+    eager for h, dx and the three weight gradients, stochastic rounding included."""
+    from titan_nvfp4.grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
+    from titan_nvfp4.linear_function import sr_counter
+
+    recipe = NVFP4Recipe(gemm_backend="emulated")
+    offsets = torch.tensor([32, 32, 64], dtype=torch.int32, device=DEV)
+    signs = rht_signs(recipe.rht_seed, DEV)  # as the expert module holds them (made outside the graph)
+    x = _x(80, 32)
+    ws = [_x(3 * 48, 32, seed=s).reshape(3, 48, 32) * 0.1 for s in (1, 2)] + [_x(3 * 32, 48, seed=3).reshape(3, 32, 48)]
+
+    def block(x, w1, w3, w2, c1, c3, c2):
+        h, h_amax = nvfp4_grouped_swiglu(x, w1, w3, offsets, recipe, (c1, c3), signs, aligned=True)
+        return nvfp4_grouped_mm_shared(h, (w2,), offsets, (None,), recipe, (c2,), signs, aligned=True,
+                                       x_amax=h_amax)[0]
+
+    torch._dynamo.reset()
+    outs = []
+    for f in (block, torch.compile(block, backend="aot_eager", fullgraph=True)):
+        xi, wi = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws]
+        y = f(xi, *wi, *(sr_counter(recipe, i, DEV) for i in range(3)))
+        y.square().sum().backward()
+        outs.append([y, xi.grad, *(w.grad for w in wi)])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 def test_gemm_op_rejects_unknown_backend():
     d, s, _, _, gs = library.quantize_2d(_x(16, 32))
     with pytest.raises(ValueError, match="backend must be 'emulated' or 'native', got 'cublas'"):

@@ -218,9 +218,12 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[0]
         wants_dw = [ctx.needs_input_grad[9 + j] and x_col is not None for j in range(n)]
         dx, dws, dbs = None, [], []
-        last_dw = max((j for j in range(n) if wants_dw[j]), default=-1)
+        last_dw = -1  # (a loop: dynamo does not trace max() over a generator)
+        for j in range(n):
+            if wants_dw[j]:
+                last_dw = j
         with torch.autocast(offsets.device.type, enabled=False):
-            if sum(wants_dw) > 1:  # X's wgrad operand staged once for all the wgrads that read it
+            if wants_dw.count(True) > 1:  # X's wgrad operand staged once for all the wgrads that read it
                 x_col = G.staged(x_col)
             dys, dy_amaxes = grads[:n], [None] * n
             if ctx.carrier:  # the dYs' amaxes came as the carrier's gradient; a dY not given is zeros
