@@ -86,6 +86,33 @@ def test_grouped_quantize_stage_and_wgrad_ops_pass_opcheck():
                                                    gs[1], torch.float32))
 
 
+def test_expert_pair_ops_pass_opcheck_and_equal_separate_ones():
+    """quantize_2d_grouped_pair: the staged W1|W3 rows, the Wᵀ codes and scales and the decode scales
+    of two separate quantize_2d_grouped calls; the split grouped GEMM over it: each half of its
+    output equals that weight's GEMM alone."""
+    E, n, k = 2, 32, 48
+    w1, w3 = _x(E * n, k, seed=4), _x(E * n, k, seed=5) * 3
+    no_schema = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")  # see above
+    torch.library.opcheck(library.quantize_2d_grouped_pair.op, (w1, w3, E), test_utils=no_schema)
+    d, *rest = library.quantize_2d_grouped_pair(w1, w3, E)
+    one = [library.quantize_2d_grouped(w, E, True) for w in (w1, w3)]
+    for i, (d_i, _, dt, st, gs) in enumerate(one):
+        assert torch.equal(d.view(E, 2, n, k)[:, i].reshape(E * n, k), d_i)
+        for a, b in zip(rest[3 * i:3 * i + 3], (dt, st, gs)):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    offsets = torch.tensor([16, 48], dtype=torch.int32, device=DEV)
+    xd, xs, _, _, gx = library.quantize_grouped(_x(64, k, seed=6), offsets, True, False, None, False, False, None, True)
+    gs_b = torch.stack([rest[2], rest[5]])
+    args = (xd, xs, d, d.new_empty((0,)), True, offsets, gx[0], gs_b, 2 * n, 2 * n, 0, torch.float32, None, None, n)
+    torch.library.opcheck(library.grouped_gemm_rows.op, args, test_utils=no_schema)
+    y = library.grouped_gemm_rows(*args)
+    for i, (d_i, *_, gs) in enumerate(one):
+        alone = library.grouped_gemm_rows(xd, xs, d_i, d_i.new_empty((0,)), True, offsets, gx[0], gs, n, n, 0,
+                                          torch.float32, None)
+        assert torch.equal(y[:, i * n:(i + 1) * n], alone), i
+
+
 def test_compiled_grouped_swiglu_matches_eager_bit_for_bit():
     """A SwiGLU expert's grouped kernels (W1 and W3 on one quantization of x, the fused SwiGLU, X's
     wgrad operand staged once for both wgrads) under dynamo with fullgraph=True: the same bits as

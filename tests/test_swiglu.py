@@ -140,6 +140,57 @@ def test_fused_swiglu_experts_equal_the_unfused_block(stochastic):
         _same(a, b, f"output {i}")
 
 
+@cpu_triton
+def test_w1_w3_as_one_gemm_equal_two(monkeypatch):
+    """SwiGLU experts run W1 and W3 as one grouped GEMM of 2·hidden outputs (quantize_expert_pair, the
+    SwiGLU reading its two halves as strided views): the block's output, gradients and SR counters
+    bit-identical to two GEMMs (FUSE_W1_W3 off)."""
+    from titan_nvfp4 import grouped_function
+
+    recipe = NVFP4Recipe(gemm_backend="emulated")
+    g = torch.Generator().manual_seed(4)
+    E, dim, hidden = 3, 32, 48
+    offsets = torch.tensor([32, 32, 80], dtype=torch.int32, device=DEV)
+    x = torch.randn(96, dim, generator=g).bfloat16().to(DEV)
+    w1, w3 = (torch.randn(E, hidden, dim, generator=g).mul(dim ** -0.5).bfloat16().to(DEV) for _ in range(2))
+    w2 = torch.randn(E, dim, hidden, generator=g).mul(hidden ** -0.5).bfloat16().to(DEV)
+    dy = torch.randn(96, dim, generator=g).bfloat16().to(DEV)
+    pairs = []
+    monkeypatch.setattr(G, "quantize_expert_pair", lambda *a: pairs.append(1) or _pair(*a))
+    runs = []
+    for fuse in (False, True):
+        monkeypatch.setattr(grouped_function, "FUSE_W1_W3", fuse)
+        xi, w1i, w2i, w3i = (t.clone().requires_grad_() for t in (x, w1, w2, w3))
+        c1, c2, c3 = (sr_counter(recipe, i, DEV) for i in range(3))
+        h, h_amax = nvfp4_grouped_swiglu(xi, w1i, w3i, offsets, recipe, (c1, c3), aligned=True)
+        (y,) = nvfp4_grouped_mm_shared(h, (w2i,), offsets, (None,), recipe, (c2,), aligned=True, x_amax=h_amax)
+        y.backward(dy)
+        runs.append((h, y, xi.grad, w1i.grad, w2i.grad, w3i.grad, c1, c2, c3))
+        assert len(pairs) == int(fuse), "the fused run takes one quantize_expert_pair, the other none"
+    for i, (a, b) in enumerate(zip(*runs)):
+        _same(a, b, f"output {i}")
+
+
+_pair = G.quantize_expert_pair
+
+
+@cpu_triton
+def test_swiglu_kernels_read_strided_halves():
+    """h1 and h3 as the two column halves of one [T, 2N] GEMM output (row stride 2N): the same h, dh1,
+    dh3 and amaxes as from contiguous copies."""
+    h1, h3, dh, offsets = _operands((32, 0, 16), 16, 48)
+    both = torch.cat([h1, h3], dim=1)
+    v1, v3 = both[:, :48], both[:, 48:]
+    signs = rht_signs(1).to(DEV)
+    for a, b in zip(swiglu_amax_tensors(h1, h3, offsets, True, signs), swiglu_amax_tensors(v1, v3, offsets, True, signs)):
+        _same(a, b, "forward")
+    for a, b in zip(swiglu_backward_amax_tensors(dh, h1, h3, offsets, True, signs),
+                    swiglu_backward_amax_tensors(dh, v1, v3, offsets, True, signs)):
+        _same(a, b, "backward")
+    with pytest.raises(ValueError, match="rows of one stride"):
+        swiglu_amax_tensors(v1, h3, offsets, True, signs)
+
+
 def test_fused_swiglu_falls_back_off_the_grouped_kernels():
     """On the reference backend (or unaligned groups) the SwiGLU stays eager and no amaxes are given."""
     recipe = NVFP4Recipe(gemm_backend="reference")

@@ -190,13 +190,22 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
             xq, x_col = G.quantize_tokens(x2d, offsets, True, need_wgrad, signs, None,
                                           four_six=recipe.four_over_six, amaxes=x_amax)
             outs, saved, metas = [], [offsets, signs] + (list(x_col.tensors()) if x_col is not None else []), []
-            for w, b in zip(weights, biases):
-                w_amax = all_reduce_max(G.expert_amaxes(w), groups.weight) if groups.weight is not None else None
-                gw = G.quantize_experts(w, recipe.weight_2d, recipe.four_over_six, w_amax)
-                outs.append(G.gemm_rows(xq, gw.w, offsets, w.shape[1], w.shape[1], 0, out_dtype, b))
+            w_amaxes = [all_reduce_max(G.expert_amaxes(w), groups.weight) if groups.weight is not None else None
+                        for w in weights]
+            if amax_carrier and _pair_fusable(recipe, weights, biases):  # W1|W3: one GEMM of both, then views
+                both, *gws = G.quantize_expert_pair(*weights, recipe.four_over_six, *w_amaxes)
+                n_w = weights[0].shape[1]
+                y = G.gemm_rows(xq, both, offsets, 2 * n_w, 2 * n_w, 0, out_dtype, n_split=n_w)
+                outs = [y[:, :n_w], y[:, n_w:]]
+            else:  # (a loop, not a comprehension: a closure over xq would keep dynamo from deleting it)
+                gws = []
+                for w, b, w_amax in zip(weights, biases, w_amaxes):
+                    gws.append(G.quantize_experts(w, recipe.weight_2d, recipe.four_over_six, w_amax))
+                    outs.append(G.gemm_rows(xq, gws[-1].w, offsets, w.shape[1], w.shape[1], 0, out_dtype, b))
+            for gw in gws:
                 saved += list(gw.t.tensors())  # Wᵀ for dgrad; X only in its wgrad form, as the dense linear
                 metas.append((gw.t.tiles, gw.row_step, gw.col_step))
-            del xq
+            del xq, gws
             outs = [o.reshape(*x.shape[:-1], o.shape[-1]) for o in outs]
             if amax_carrier:  # an absent gradient must stay None (no amaxes), not become zeros
                 outs.append(x2d.new_zeros((n, 2, offsets.numel() + 1), dtype=torch.float32))
@@ -280,6 +289,17 @@ class _SwiGLUAmaxFunction(torch.autograd.Function):
         d1, d2, a1, a2 = G.swiglu_backward(dh.reshape(-1, n).contiguous(), y1.reshape(-1, n), y2.reshape(-1, n),
                                            offsets, ctx.dy_colwise, signs)
         return d1.reshape(y1.shape), d2.reshape(y2.shape), torch.stack([a1, a2]), None, None, None, None
+
+
+#: Whether SwiGLU experts run W1 and W3 as one grouped GEMM of both (tests and benchmarks turn it off).
+FUSE_W1_W3 = True
+
+
+def _pair_fusable(recipe: NVFP4Recipe, weights, biases) -> bool:
+    """W1 and W3 go through one GEMM (quantize_expert_pair): two bias-free weights of one shape, 16×16
+    blocks (staged forward values). Hidden 1408 is 5.5 output tiles of 256 each but 11 together."""
+    return (FUSE_W1_W3 and recipe.weight_2d and len(weights) == 2 and weights[0].shape == weights[1].shape
+            and all(b is None for b in biases))
 
 
 def _use_grouped_kernels(backend: str, offsets: torch.Tensor, aligned: bool | None) -> bool:

@@ -63,15 +63,20 @@ def _tile_owner(tile, i, starts, ends, ntiles, cum):
 
 
 @triton.jit
-def _rows_epilogue(acc, e, E, m0, end, pid_n, N, GSA, GSB, BIAS, C, CIN, scm, HAS_BIAS: tl.constexpr,
-                   ACC: tl.constexpr, NATIVE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def _rows_epilogue(acc, e, E, m0, end, pid_n, N, GSA, GSB, BIAS, C, CIN, scm, N_SPLIT, GSB_HI,
+                   HAS_BIAS: tl.constexpr, ACC: tl.constexpr, NATIVE: tl.constexpr, SPLIT: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr):
     """Expert e's tile · GSA[e]·GSB[e] (+ BIAS[e]), zeros for the tail pseudo-expert E, stored for the
     rows before ``end`` and the columns before N. ``ACC``: C = CIN + that tile as rounded to C's dtype,
-    summed in fp32 and rounded (nearest-even) again: what adding two separate outputs would give."""
+    summed in fp32 and rounded (nearest-even) again: what adding two separate outputs would give.
+    ``SPLIT``: B stacks two weights per expert, columns from N_SPLIT on take GSB[GSB_HI + e]."""
     ec = tl.minimum(e, E - 1)
     rm = m0 + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
-    out = acc * (tl.load(GSA + e) * tl.load(GSB + ec))
+    if SPLIT:
+        out = acc * (tl.load(GSA + e) * tl.load(GSB + ec + tl.where(rn >= N_SPLIT, GSB_HI, 0)))[None, :]
+    else:
+        out = acc * (tl.load(GSA + e) * tl.load(GSB + ec))
     if HAS_BIAS:
         out = out + tl.load(BIAS + ec * N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     out = tl.where(e < E, out, 0.0)
@@ -86,9 +91,9 @@ def _rows_epilogue(acc, e, E, m0, end, pid_n, N, GSA, GSB, BIAS, C, CIN, scm, HA
 
 @triton.jit
 def _grouped_rows_kernel(A, a_desc, B, b_desc, OFFS, GSA, GSB, BIAS, C, CIN, E, T, N, K, B_ROW_STEP, B_COL_STEP,
-                         sam, sbn, scm, HAS_BIAS: tl.constexpr, ACC: tl.constexpr, NATIVE: tl.constexpr,
-                         TMA: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         GROUP_M: tl.constexpr):
+                         sam, sbn, scm, N_SPLIT, GSB_HI, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
+                         NATIVE: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, EP: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     """C [T, N] = A [T, K] · B_eᵀ per expert row range, · GSA[e]·GSB[e] (+ BIAS[e]); zeros past the
     last expert. A's tile rows past an expert's end are computed and not stored; B_e's tile columns
     past K (dgrad, B = Wᵀ) read the next expert's weights against A's zero-filled columns."""
@@ -116,13 +121,14 @@ def _grouped_rows_kernel(A, a_desc, B, b_desc, OFFS, GSA, GSB, BIAS, C, CIN, E, 
                 b = tl.load(B + (b_row0 + rn)[:, None].to(tl.int64) * sbn + (b_col0 + k0 + rk)[None, :],
                             mask=(rn < N)[:, None] & kmask, other=0.0)
             acc = tl.dot(a, b.T, acc)
-        _rows_epilogue(acc, e, E, m0, end, pid_n, N, GSA, GSB, BIAS, C, CIN, scm, HAS_BIAS, ACC, NATIVE, BM, BN)
+        _rows_epilogue(acc, e, E, m0, end, pid_n, N, GSA, GSB, BIAS, C, CIN, scm, N_SPLIT, GSB_HI, HAS_BIAS, ACC,
+                       NATIVE, SPLIT, BM, BN)
 
 
 @triton.jit
 def _grouped_rows_persistent_kernel(A, B, OFFS, GSA, GSB, BIAS, C, CIN, E, T, N, K, B_ROWS, B_COLS, B_ROW_STEP,
-                                    B_COL_STEP, sam, sbn, scm, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
-                                    NATIVE: tl.constexpr, EP: tl.constexpr,
+                                    B_COL_STEP, sam, sbn, scm, N_SPLIT, GSB_HI, HAS_BIAS: tl.constexpr,
+                                    ACC: tl.constexpr, NATIVE: tl.constexpr, SPLIT: tl.constexpr, EP: tl.constexpr,
                                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                                     NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr):
     """_grouped_rows_kernel as a persistent kernel (sm_90, staged operands): one program per SM walks
@@ -145,7 +151,8 @@ def _grouped_rows_persistent_kernel(A, B, OFFS, GSA, GSB, BIAS, C, CIN, E, T, N,
             a = a_desc.load([m0, k0])
             b = b_desc.load([b_row0, b_col0 + k0])
             acc = tl.dot(a, b.T, acc)
-        _rows_epilogue(acc, e, E, m0, end, pid_n, N, GSA, GSB, BIAS, C, CIN, scm, HAS_BIAS, ACC, NATIVE, BM, BN)
+        _rows_epilogue(acc, e, E, m0, end, pid_n, N, GSA, GSB, BIAS, C, CIN, scm, N_SPLIT, GSB_HI, HAS_BIAS, ACC,
+                       NATIVE, SPLIT, BM, BN)
 
 
 def _persistent_configs():
@@ -223,14 +230,20 @@ def stage(t: NVFP4Tensor | StagedOperand) -> torch.Tensor:
 
 def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tensor, gs_a: torch.Tensor,
                       gs_b: torch.Tensor, n_out: int, b_row_step: int, b_col_step: int, out_dtype: torch.dtype,
-                      bias: torch.Tensor | None = None, add_to: torch.Tensor | None = None) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, add_to: torch.Tensor | None = None,
+                      n_split: int = 0) -> torch.Tensor:
     """out [T, n_out]: row range r of expert e is A[r] · B_eᵀ · gs_a[e]·gs_b[e] (+ bias[e]) over the
     staged a16 [T, K] and b16, where B_e is the [n_out, K] window of b16 at (e·b_row_step,
     e·b_col_step); zeros past the last expert. gs_a [≥E+1], gs_b [≥E]: per-expert decode scales.
     ``add_to`` [T, n_out] of out_dtype: out is add_to + that product, as two outputs added in
-    out_dtype (the dgrads of W1 and W3 summed in the epilogue, without a pass of their own)."""
+    out_dtype (the dgrads of W1 and W3 summed in the epilogue, without a pass of their own).
+    ``n_split`` > 0: B_e stacks two weights (W1_e over W3_e, one GEMM for both), gs_b is [2, ≥E] and
+    the output columns from n_split on take gs_b[1]."""
     T, K = a16.shape
     E = offsets.numel()
+    if n_split and (bias is not None or gs_b.dim() != 2 or gs_b.shape[0] != 2 or not 0 < n_split < n_out):
+        raise ValueError(f"grouped GEMM: two stacked weights need gs_b [2, E], no bias and 0 < n_split < {n_out}, "
+                         f"got gs_b {tuple(gs_b.shape)}, n_split {n_split}")
     if add_to is not None and (add_to.shape != (T, n_out) or add_to.dtype != out_dtype or not add_to.is_contiguous()):
         raise ValueError(f"grouped GEMM: add_to must be a contiguous [{T}, {n_out}] {out_dtype} tensor, got "
                          f"{tuple(add_to.shape)} {add_to.dtype}")
@@ -238,6 +251,8 @@ def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tenso
     if T == 0 or n_out == 0:
         return out
     tma = _use_tma(a16) and not interpreting()
+    split = dict(SPLIT=n_split > 0)
+    gsb_hi = gs_b.shape[-1] if n_split else 0
     gs_a, gs_b = gs_a.float().contiguous(), gs_b.float().contiguous()
     bias_arg = bias if bias is not None else out
     add_arg = add_to if add_to is not None else out
@@ -245,9 +260,9 @@ def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tenso
         progs = _programs(a16)
         _ensure_scratch_allocator(a16)
         args = (a16, b16, offsets, gs_a, gs_b, bias_arg, out, add_arg, E, T, n_out, K, b16.shape[0], b16.shape[1],
-                b_row_step, b_col_step, a16.stride(0), b16.stride(0), out.stride(0))
+                b_row_step, b_col_step, a16.stride(0), b16.stride(0), out.stride(0), n_split, gsb_hi)
         kw = dict(HAS_BIAS=bias is not None, ACC=add_to is not None, NATIVE=not interpreting(),
-                  EP=triton.next_power_of_2(E + 1), NUM_PROGRAMS=progs, FLATTEN=ROWS_KERNEL == "persistent")
+                  EP=triton.next_power_of_2(E + 1), NUM_PROGRAMS=progs, FLATTEN=ROWS_KERNEL == "persistent", **split)
         if _autotune(a16, T * n_out):
             launch(_rows_persistent_autotuned, (progs,), *args, **kw)
         else:
@@ -255,9 +270,9 @@ def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tenso
         return out
     a_arg, b_arg = (_tma_desc(a16), _tma_desc(b16)) if tma else (a16, b16)
     args = (a16, a_arg, b16, b_arg, offsets, gs_a, gs_b, bias_arg, out, add_arg, E, T, n_out, K, b_row_step,
-            b_col_step, a16.stride(0), b16.stride(0), out.stride(0))
+            b_col_step, a16.stride(0), b16.stride(0), out.stride(0), n_split, gsb_hi)
     kw = dict(HAS_BIAS=bias is not None, ACC=add_to is not None, NATIVE=not interpreting(), TMA=tma,
-              EP=triton.next_power_of_2(E + 1))
+              EP=triton.next_power_of_2(E + 1), **split)
     if _autotune(a16, T * n_out):
         grid = lambda meta: ((triton.cdiv(T, meta["BM"]) + E + 1) * triton.cdiv(n_out, meta["BN"]),)  # noqa: E731
         launch(_rows_autotuned, grid, *args, **kw)

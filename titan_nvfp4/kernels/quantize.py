@@ -194,13 +194,15 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
 
 
 @triton.jit
-def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, TUNE_M, EMIT_T: tl.constexpr,
-                        GROUPED: tl.constexpr, EMIT_F16: tl.constexpr, NSP2: tl.constexpr, G: tl.constexpr,
-                        BK: tl.constexpr, FOUR_SIX: tl.constexpr = False):
+def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, D_ROWS, D_EXPERT, TUNE_M,
+                        EMIT_T: tl.constexpr, GROUPED: tl.constexpr, EMIT_F16: tl.constexpr, NSP2: tl.constexpr,
+                        G: tl.constexpr, BK: tl.constexpr, FOUR_SIX: tl.constexpr = False):
     """16×16 blocks, nearest-even: D [N, K/2], S [N/16, K/16], GS the decode scales, and DT [K, N/2]
     with ST = Sᵀ, the codes and scales of Wᵀ (whose tiles are the transposed tiles of W). With
     GROUPED, W stacks experts along N and 16-row block b takes the tensor scale of slot BEXP[b].
-    EMIT_F16: D [N, K] gets the GEMM's staged fp16 values q·e_b of W instead of codes (S unused).
+    EMIT_F16: D gets the GEMM's staged fp16 values q·e_b of W instead of codes (S unused), row r of
+    each D_ROWS-row expert at D + expert·D_EXPERT + r·K (D_EXPERT = D_ROWS·K: plain [N, K]; larger:
+    into every expert's slice of a wider buffer, see quantize_expert_pair).
     FOUR_SIX: Four Over Six tile scales, the error summed over each tile's 256 elements (int32, exact)."""
     blk = tl.program_id(0) * G + tl.arange(0, G)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
@@ -216,6 +218,9 @@ def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, 
     # per element: e_b (for the staged values) and the code mask of non-finite blocks (r is NaN there)
     e32 = tl.reshape(tl.broadcast_to(e.to(tl.float32)[:, :, None], (G, BK // 16, 16)), (G, BK))
     keep = tl.reshape(tl.broadcast_to(tl.where(r == r, -1, 0)[:, :, None], (G, BK // 16, 16)), (G, BK))
+    if EMIT_F16:  # where each 16-row block's first staged row goes (blocks never straddle experts)
+        e_of = blk * 16 // D_ROWS
+        d_row0 = e_of.to(tl.int64) * D_EXPERT + (blk * 16 - e_of * D_ROWS).to(tl.int64) * K
     # Wᵀ's code words of rows 0-7 and 8-15, filled as the codes come (8 live nibbles would cost registers)
     lo = tl.zeros((G, BK), tl.int32)
     hi = tl.zeros((G, BK), tl.int32)
@@ -228,7 +233,7 @@ def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, 
             hi = add_nibble(hi, c, i - 8)
         row = (blk * 16 + i)[:, None]
         if EMIT_F16:
-            tl.store(D + row.to(tl.int64) * K + rk[None, :], e2m1_staged(y, e32).to(tl.float16),
+            tl.store(D + (d_row0 + i * K)[:, None] + rk[None, :], e2m1_staged(y, e32).to(tl.float16),
                      mask=(row < N) & (rk < K)[None, :])
         else:
             tl.store(D + row.to(tl.int64) * (K // 2) + rk2[None, :], pack_pairs((c & keep).to(tl.uint8), G, BK),
@@ -482,12 +487,15 @@ def quantize_operand(x2d: torch.Tensor, *, rowwise: bool = True, colwise: bool =
 
 
 def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None, emit_transpose: bool = True,
-                               experts: int = 1, staged: bool = False, four_six: bool = False):
+                               experts: int = 1, staged: bool = False, four_six: bool = False,
+                               staged_into: tuple[torch.Tensor, int] | None = None):
     """``quantize_weight_2d`` as plain tensors: (codes, scales, codes of Wᵀ, scales of Wᵀ, fp32 decode
     scales [experts]); without ``emit_transpose`` the last-but-one two are empty. ``experts`` > 1: w
     stacks that many expert weights along its rows ([E·N, K]), each with its own tensor scale; the
     transpose is then that of the whole stack, [K, E·N]. ``staged``: W itself comes as the GEMM's
     staged fp16 values [N, K] (exact) with empty scales; Wᵀ stays codes (what backward keeps).
+    ``staged_into`` (with ``staged``): (buffer, rows per expert in it): expert e's staged rows go to
+    buffer rows e·rows.. instead of a new [N, K] tensor, which comes back as given.
     ``four_six``: Four Over Six tile and tensor scales."""
     _check_2d(w, "quantize_weight_2d")
     N, K = w.shape
@@ -509,14 +517,22 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
         buf.copy_(_amax_bits(torch.as_tensor(amax, dtype=torch.float32, device=dev).reshape(experts)))
     d = torch.empty((N, K // 2), dtype=torch.uint8, device=dev)
     s = torch.empty((N // 16, K // 16), dtype=torch.float8_e4m3fn, device=dev)
-    if staged:
+    d_rows, d_expert = N // experts, (N // experts) * K
+    if staged and staged_into is not None:
+        d, rows = staged_into
+        if d.dtype != torch.float16 or d.stride(1) != 1 or d.stride(0) != K or rows < N // experts:
+            raise ValueError(f"quantize_weight_2d: staged_into must be a row-major fp16 buffer of {K} columns "
+                             f"and at least {N // experts} rows per expert")
+        d, s, d_expert = d, s.new_empty((0,)), rows * K
+    elif staged:
         d, s = torch.empty((N, K), dtype=torch.float16, device=dev), s.new_empty((0,))
     dt = torch.empty((K, N // 2) if emit_transpose else (0,), dtype=torch.uint8, device=dev)
     st = torch.empty((K // 16, N // 16) if emit_transpose else (0,), dtype=torch.float8_e4m3fn, device=dev)
     if N > 0:
         _launch(_quantize_2d_kernel, _quantize_2d_autotuned, w, N, K,
                 w, N, K, w.stride(0), w.stride(1), buf, gs, d, s, dt if emit_transpose else d,
-                st if emit_transpose else s, bexp, experts, EMIT_T=emit_transpose, GROUPED=grouped, EMIT_F16=staged,
+                st if emit_transpose else s, bexp, experts, d_rows, d_expert, EMIT_T=emit_transpose, GROUPED=grouped,
+                EMIT_F16=staged,
                 NSP2=triton.next_power_of_2(experts), FOUR_SIX=four_six)
     else:
         gs.copy_(torch.reciprocal(global_encode_scale(buf.view(torch.float32), four_six)))

@@ -34,25 +34,28 @@ def _exp(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _tile(rows, rn, M, N, WIDE: tl.constexpr):
-    """(element offsets, mask) of rows × rn in the [M, N] contiguous tensors (int64 offsets if ``WIDE``)."""
+def _tile(rows, rn, M, N, stride, WIDE: tl.constexpr):
+    """(element offsets, mask) of rows × rn in an [M, N] tensor of row stride ``stride`` (int64 offsets if ``WIDE``)."""
     r = rows[:, None].to(tl.int64) if WIDE else rows[:, None]
-    return r * N + rn[None, :], (rows < M)[:, None] & (rn < N)[None, :]
+    return r * stride + rn[None, :], (rows < M)[:, None] & (rn < N)[None, :]
 
 
 @triton.jit
-def _swiglu_fwd_kernel(H1, H3, OUT, M, N, AMAX, SIGNS, BEXP, NSLOT, TUNE_M, COL: tl.constexpr, RHT: tl.constexpr,
-                       PRECISE: tl.constexpr, WIDE: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
+def _swiglu_fwd_kernel(H1, H3, OUT, M, N, SH, AMAX, SIGNS, BEXP, NSLOT, TUNE_M, COL: tl.constexpr,
+                       RHT: tl.constexpr, PRECISE: tl.constexpr, WIDE: tl.constexpr, G: tl.constexpr,
+                       BK: tl.constexpr):
     """OUT = silu(H1) ⊙ H3 over 16·G rows and BK features; its amaxes into AMAX (reduce_amax16).
+    H1 and H3 have row stride SH (views of one GEMM's output), OUT is contiguous.
     ``PRECISE``: compiled (libdevice exp, hardware rounding), else the interpreter's twins."""
     blk = tl.program_id(0) * G + tl.arange(0, G)
     rn = tl.program_id(1) * BK + tl.arange(0, BK)
     dt = OUT.dtype.element_ty
     hs = ()
     for i in tl.static_range(16):
-        off, mask = _tile(blk * 16 + i, rn, M, N, WIDE)
-        a = tl.load(H1 + off, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(H3 + off, mask=mask, other=0.0).to(tl.float32)
+        off, mask = _tile(blk * 16 + i, rn, M, N, N, WIDE)
+        off_h, _ = _tile(blk * 16 + i, rn, M, N, SH, WIDE)
+        a = tl.load(H1 + off_h, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(H3 + off_h, mask=mask, other=0.0).to(tl.float32)
         silu = round_to(tl.math.div_rn(a, 1.0 + _exp(-a, PRECISE)), dt, PRECISE)
         h = round_to(silu * b, dt, PRECISE)
         tl.store(OUT + off, h.to(dt), mask=mask)
@@ -61,20 +64,22 @@ def _swiglu_fwd_kernel(H1, H3, OUT, M, N, AMAX, SIGNS, BEXP, NSLOT, TUNE_M, COL:
 
 
 @triton.jit
-def _swiglu_bwd_kernel(DH, H1, H3, D1, D3, M, N, AMAX1, AMAX3, SIGNS, BEXP, NSLOT, TUNE_M, COL: tl.constexpr,
+def _swiglu_bwd_kernel(DH, H1, H3, D1, D3, M, N, SH, AMAX1, AMAX3, SIGNS, BEXP, NSLOT, TUNE_M, COL: tl.constexpr,
                        RHT: tl.constexpr, PRECISE: tl.constexpr, WIDE: tl.constexpr, G: tl.constexpr,
                        BK: tl.constexpr):
-    """D1, D3 = the gradients of H1, H3 of silu(H1) ⊙ H3 given DH; their amaxes into AMAX1, AMAX3."""
+    """D1, D3 = the gradients of H1, H3 of silu(H1) ⊙ H3 given DH; their amaxes into AMAX1, AMAX3.
+    H1 and H3 have row stride SH; DH, D1 and D3 are contiguous."""
     blk = tl.program_id(0) * G + tl.arange(0, G)
     rn = tl.program_id(1) * BK + tl.arange(0, BK)
     dt = D1.dtype.element_ty
     g1 = ()
     g3 = ()
     for i in tl.static_range(16):
-        off, mask = _tile(blk * 16 + i, rn, M, N, WIDE)
+        off, mask = _tile(blk * 16 + i, rn, M, N, N, WIDE)
+        off_h, _ = _tile(blk * 16 + i, rn, M, N, SH, WIDE)
         dh = tl.load(DH + off, mask=mask, other=0.0).to(tl.float32)
-        a = tl.load(H1 + off, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(H3 + off, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(H1 + off_h, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(H3 + off_h, mask=mask, other=0.0).to(tl.float32)
         e = 1.0 + _exp(-a, PRECISE)
         silu = round_to(tl.math.div_rn(a, e), dt, PRECISE)  # the forward's rounded silu(h1)
         sig = tl.math.div_rn(tl.full(e.shape, 1.0, tl.float32), e)
@@ -108,16 +113,24 @@ _bwd_autotuned = triton.autotune(_bwd_configs(), key=["TUNE_M", "N", "COL", "RHT
     _swiglu_bwd_kernel)
 
 
-def _check(name: str, *ts: torch.Tensor) -> None:
-    shape, dtype, dev = ts[0].shape, ts[0].dtype, ts[0].device
-    for t in ts:
+def _check(name: str, h1: torch.Tensor, h3: torch.Tensor, *ts: torch.Tensor) -> int:
+    """The row stride of h1 and h3 (rows of one stride, elements contiguous: views of one GEMM output
+    qualify); the other tensors must be contiguous."""
+    shape, dtype, dev = h1.shape, h1.dtype, h1.device
+    for t in (h1, h3, *ts):
         if t.dim() != 2 or t.shape != shape or t.dtype != dtype or t.device != dev or not t.is_floating_point():
             raise ValueError(f"{name}: expected 2D floating-point tensors of one shape, dtype and device, got "
-                             f"{[(tuple(u.shape), u.dtype, u.device.type) for u in ts]}")
+                             f"{[(tuple(u.shape), u.dtype, u.device.type) for u in (h1, h3, *ts)]}")
+    for t in ts:
         if not t.is_contiguous():
-            raise ValueError(f"{name}: expected contiguous tensors, got strides {t.stride()}")
+            raise ValueError(f"{name}: expected contiguous dh, got strides {t.stride()}")
+    if shape[0] > 1 and (h1.stride(1) != 1 or h3.stride(1) != 1 or h1.stride(0) != h3.stride(0)
+                         or h1.stride(0) < shape[1]):
+        raise ValueError(f"{name}: h1 and h3 need contiguous rows of one stride, got strides {h1.stride()} and "
+                         f"{h3.stride()}")
     if shape[1] % 16:
         raise ValueError(f"{name}: the feature dim must be a multiple of 16, got {tuple(shape)}")
+    return h1.stride(0) if shape[0] > 1 else shape[1]
 
 
 def swiglu_amax_tensors(h1: torch.Tensor, h3: torch.Tensor, offsets: torch.Tensor, colwise: bool,
@@ -125,14 +138,14 @@ def swiglu_amax_tensors(h1: torch.Tensor, h3: torch.Tensor, offsets: torch.Tenso
     """(h = silu(h1) ⊙ h3 [T, N], fp32 [2, E + 1] per-expert (row, column) amaxes of h): the
     amaxes ``quantize_grouped(h, offsets, ...)`` would reduce; the column ones after the RHT with
     ``signs``, and 0 without ``colwise``. ``offsets``: cumulative token-group ends (multiples of 16)."""
-    _check("swiglu", h1, h3)
+    sh = _check("swiglu", h1, h3)
     M, N = h1.shape
     bexp, ns = _slots(h1, offsets)
     buf = torch.zeros(2 * ns, dtype=torch.int32, device=h1.device)
-    out = torch.empty_like(h1)
+    out = torch.empty((M, N), dtype=h1.dtype, device=h1.device)
     if M > 0:
-        _launch(_swiglu_fwd_kernel, _fwd_autotuned, h1, M, N, h1, h3, out, M, N, buf, signs_arg(signs, buf), bexp, ns,
-                COL=colwise, RHT=signs is not None, PRECISE=h1.is_cuda, WIDE=h1.numel() >= 2**31)
+        _launch(_swiglu_fwd_kernel, _fwd_autotuned, h1, M, N, h1, h3, out, M, N, sh, buf, signs_arg(signs, buf), bexp,
+                ns, COL=colwise, RHT=signs is not None, PRECISE=h1.is_cuda, WIDE=M * sh >= 2**31)
     if colwise and signs is None:
         buf[ns:] = buf[:ns]
     return out, buf.view(torch.float32).view(2, ns)
@@ -142,14 +155,15 @@ def swiglu_backward_amax_tensors(dh: torch.Tensor, h1: torch.Tensor, h3: torch.T
                                  colwise: bool, signs: torch.Tensor | None):
     """(dh1, dh3, amaxes of dh1, amaxes of dh3): the gradients of silu(h1) ⊙ h3 given dh, each with
     its per-expert (row, column) amaxes as swiglu_amax_tensors gives them for h."""
-    _check("swiglu backward", dh, h1, h3)
+    sh = _check("swiglu backward", h1, h3, dh)
     M, N = h1.shape
     bexp, ns = _slots(h1, offsets)
     a1, a3 = (torch.zeros(2 * ns, dtype=torch.int32, device=h1.device) for _ in range(2))  # no aliasing: custom op
-    d1, d3 = torch.empty_like(h1), torch.empty_like(h3)
+    d1, d3 = (torch.empty((M, N), dtype=h1.dtype, device=h1.device) for _ in range(2))
     if M > 0:
-        _launch(_swiglu_bwd_kernel, _bwd_autotuned, h1, M, N, dh, h1, h3, d1, d3, M, N, a1, a3, signs_arg(signs, a1),
-                bexp, ns, COL=colwise, RHT=signs is not None, PRECISE=h1.is_cuda, WIDE=h1.numel() >= 2**31)
+        _launch(_swiglu_bwd_kernel, _bwd_autotuned, h1, M, N, dh, h1, h3, d1, d3, M, N, sh, a1, a3,
+                signs_arg(signs, a1), bexp, ns, COL=colwise, RHT=signs is not None, PRECISE=h1.is_cuda,
+                WIDE=M * sh >= 2**31)
     if colwise and signs is None:
         a1[ns:] = a1[:ns]
         a3[ns:] = a3[:ns]

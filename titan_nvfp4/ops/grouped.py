@@ -132,6 +132,21 @@ def quantize_experts(w: torch.Tensor, weight_2d: bool, four_six: bool = False,
     return GroupedWeight(GroupedOperand(rd, rs, gs[0]), GroupedOperand(td, ts, gst[0]), K, 0)
 
 
+def quantize_expert_pair(w1: torch.Tensor, w3: torch.Tensor, four_six: bool = False,
+                         amax1: torch.Tensor | None = None,
+                         amax3: torch.Tensor | None = None) -> tuple[GroupedOperand, GroupedWeight, GroupedWeight]:
+    """W1 and W3 [E, N, K] of SwiGLU experts with 16×16 blocks, as quantize_experts gives each, except
+    that their staged forward values share one [E·2N, K] operand (expert e: W1_e over W3_e; decode
+    scales [2, E]) for one grouped GEMM of both (gemm_rows ``n_split`` = N). Returns (that operand,
+    W1's weight, W3's weight); the weights' ``w`` is the shared operand, their ``t`` their own Wᵀ."""
+    E, N, K = w1.shape
+    d, dt1, st1, gs1, dt3, st3, gs3 = library.quantize_2d_grouped_pair(w1.reshape(E * N, K), w3.reshape(E * N, K), E,
+                                                                      four_six, amax1, amax3)
+    both = GroupedOperand(d, d.new_empty((0,)), torch.stack([gs1, gs3]), True)
+    return (both, GroupedWeight(both, GroupedOperand(dt1, st1, gs1, True), 0, N),
+            GroupedWeight(both, GroupedOperand(dt3, st3, gs3, True), 0, N))
+
+
 def staged(op: GroupedOperand) -> GroupedOperand:
     """``op`` with its codes turned into the GEMMs' fp16 values once (exact), for an operand that
     several GEMMs read: each would otherwise stage it again. Already staged operands come back as they are."""
@@ -142,11 +157,12 @@ def staged(op: GroupedOperand) -> GroupedOperand:
 
 def gemm_rows(a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, n_out: int, row_step: int,
               col_step: int, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
-              add_to: torch.Tensor | None = None) -> torch.Tensor:
+              add_to: torch.Tensor | None = None, n_split: int = 0) -> torch.Tensor:
     """[T, n_out]: expert e's rows of A times its [n_out, K] window of B (see grouped_gemm.py), plus
-    ``add_to`` as a separate output of out_dtype would be added to it."""
+    ``add_to`` as a separate output of out_dtype would be added to it. ``n_split``: B is the shared
+    operand of quantize_expert_pair, whose second weight's outputs start at column n_split."""
     return library.grouped_gemm_rows(a.data, a.scale, b.data, b.scale, b.tiles, offsets, a.gs, b.gs, n_out,
-                                     row_step, col_step, out_dtype, bias, add_to)
+                                     row_step, col_step, out_dtype, bias, add_to, n_split)
 
 
 def gemm_tokens(a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -155,4 +171,5 @@ def gemm_tokens(a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, out
 
 
 __all__ = ["GroupedOperand", "GroupedWeight", "block_experts", "expert_amaxes", "expert_bias_grad", "gemm_rows",
-           "gemm_tokens", "quantize_experts", "quantize_tokens", "staged", "swiglu", "swiglu_backward", "token_amaxes"]
+           "gemm_tokens", "quantize_expert_pair", "quantize_experts", "quantize_tokens", "staged", "swiglu",
+           "swiglu_backward", "token_amaxes"]

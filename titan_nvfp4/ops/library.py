@@ -18,6 +18,7 @@ the registered op, so tracing and dispatch modes see one opaque op as before.
   titan_nvfp4::quantize_mxfp8  rowwise and/or columnwise MXFP8 of one 2D operand
   titan_nvfp4::*_grouped, amax_experts, grouped_gemm_*  the same for MoE experts, per-expert tensor scales
   titan_nvfp4::stage_grouped  a grouped operand's codes as the GEMMs' fp16 values, for one read by several GEMMs
+  titan_nvfp4::quantize_2d_grouped_pair  W1 and W3 of SwiGLU experts staged into one buffer, for one GEMM of both
   titan_nvfp4::swiglu_amax, swiglu_backward_amax  the experts' SwiGLU fused with the amaxes of its outputs
 """
 
@@ -300,23 +301,62 @@ def _quantize_2d_grouped_fake(w, experts, staged, four_six=False, amax=None):
     return d, s, dt, st, w.new_empty((experts,), dtype=torch.float32)
 
 
+_SevenTensors = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+@_op("quantize_2d_grouped_pair")
+def quantize_2d_grouped_pair(w1: Tensor, w3: Tensor, experts: int, four_six: bool = False,
+                             amax1: Optional[Tensor] = None, amax3: Optional[Tensor] = None) -> _SevenTensors:
+    """``quantize_2d_grouped(staged=True)`` of two stacked expert weights of one shape [E·N, K] (W1 and
+    W3 of SwiGLU experts, read by the same tokens), their staged values interleaved in one [E·2N, K]
+    buffer, expert e's W1_e rows then its W3_e rows, so one grouped GEMM of 2N outputs
+    (grouped_gemm_rows ``n_split``) computes both products: (staged W1|W3, W1ᵀ codes, W1ᵀ scales, W1's
+    decode scales [E], the same three for W3). The values and scales are bit for bit those of two
+    separate calls."""
+    from ..kernels.quantize import quantize_weight_2d_tensors
+
+    if w1.shape != w3.shape:
+        raise ValueError(f"quantize_2d_grouped_pair: the two weights differ in shape, {tuple(w1.shape)} vs "
+                         f"{tuple(w3.shape)}")
+    n, k = w1.shape[0] // experts, w1.shape[1]
+    staged = torch.empty((2 * w1.shape[0], k), dtype=torch.float16, device=w1.device)
+    out = [staged]
+    for i, (w, amax) in enumerate(((w1, amax1), (w3, amax3))):
+        _, _, dt, st, gs = quantize_weight_2d_tensors(w, amax, experts=experts, staged=True, four_six=four_six,
+                                                      staged_into=(staged[i * n:], 2 * n))
+        out += [dt, st, gs]
+    return tuple(out)
+
+
+@quantize_2d_grouped_pair.op.register_fake
+def _quantize_2d_grouped_pair_fake(w1, w3, experts, four_six=False, amax1=None, amax3=None):
+    out = [w1.new_empty((2 * w1.shape[0], w1.shape[1]), dtype=torch.float16)]
+    for w in (w1, w3):
+        _, _, dt, st, _ = _quantize_2d_fake(w, True)
+        out += [dt, st, w.new_empty((experts,), dtype=torch.float32)]
+    return tuple(out)
+
+
 @_op("grouped_gemm_rows")
 def grouped_gemm_rows(a_data: Tensor, a_scale: Tensor, b_data: Tensor, b_scale: Tensor, b_tiles: bool,
                       offsets: Tensor, gs_a: Tensor, gs_b: Tensor, n_out: int, b_row_step: int, b_col_step: int,
-                      out_dtype: torch.dtype, bias: Optional[Tensor], add_to: Optional[Tensor] = None) -> Tensor:
+                      out_dtype: torch.dtype, bias: Optional[Tensor], add_to: Optional[Tensor] = None,
+                      n_split: int = 0) -> Tensor:
     """Tokens grouped along M (fprop, dgrad): see kernels/grouped_gemm.py. An fp16 ``a_data`` is A
     already staged (``quantize_grouped(row_fp16=True)``). ``add_to``: the result is add_to plus the
-    product, summed as two outputs would be (a new tensor; add_to is only read)."""
+    product, summed as two outputs would be (a new tensor; add_to is only read). ``n_split``: B holds
+    two stacked weights per expert (quantize_2d_grouped_pair), gs_b their decode scales [2, E]."""
     from ..kernels.grouped_gemm import grouped_gemm_rows as run
     from ..kernels.grouped_gemm import stage
 
-    return run(stage(_operand(a_data, a_scale, gs_a[:1], False)), stage(_operand(b_data, b_scale, gs_b[:1], b_tiles)),
-               offsets, gs_a, gs_b, n_out, b_row_step, b_col_step, out_dtype, bias, add_to)
+    a = stage(_operand(a_data, a_scale, gs_a.reshape(-1)[:1], False))
+    b = stage(_operand(b_data, b_scale, gs_b.reshape(-1)[:1], b_tiles))
+    return run(a, b, offsets, gs_a, gs_b, n_out, b_row_step, b_col_step, out_dtype, bias, add_to, n_split)
 
 
 @grouped_gemm_rows.op.register_fake
 def _grouped_gemm_rows_fake(a_data, a_scale, b_data, b_scale, b_tiles, offsets, gs_a, gs_b, n_out, b_row_step,
-                            b_col_step, out_dtype, bias, add_to=None):
+                            b_col_step, out_dtype, bias, add_to=None, n_split=0):
     return a_data.new_empty((a_data.shape[0], n_out), dtype=out_dtype)
 
 
@@ -363,7 +403,7 @@ def swiglu_amax(h1: Tensor, h3: Tensor, offsets: Tensor, colwise: bool,
 
 @swiglu_amax.op.register_fake
 def _swiglu_amax_fake(h1, h3, offsets, colwise, signs):
-    return torch.empty_like(h1), h1.new_empty((2, offsets.shape[0] + 1), dtype=torch.float32)
+    return h1.new_empty(h1.shape), h1.new_empty((2, offsets.shape[0] + 1), dtype=torch.float32)
 
 
 @_op("swiglu_backward_amax")
@@ -378,4 +418,4 @@ def swiglu_backward_amax(dh: Tensor, h1: Tensor, h3: Tensor, offsets: Tensor, co
 @swiglu_backward_amax.op.register_fake
 def _swiglu_backward_amax_fake(dh, h1, h3, offsets, colwise, signs):
     amax = h1.new_empty((2, offsets.shape[0] + 1), dtype=torch.float32)
-    return torch.empty_like(h1), torch.empty_like(h3), amax, torch.empty_like(amax)
+    return h1.new_empty(h1.shape), h3.new_empty(h3.shape), amax, torch.empty_like(amax)
