@@ -6,7 +6,7 @@ For each GEMM of the block (forward W1, W3, W2; dgrad; wgrad) it times the group
 fp16 operands, with TFLOP/s and the ratio to a dense cuBLAS BF16 GEMM of the same FLOPs, and the
 fused variants W1|W3 (one GEMM of 2·hidden outputs forward, one of 2·hidden rows in wgrad): they
 show what tile waste (hidden = 1408 is 5.5 tiles of 256) and separate launches cost. Also the
-staging pass (codes to fp16) of each operand the backward stages. Medians of triton.testing.do_bench.
+staging pass (codes to fp16) of each operand the backward stages (random codes, unit scales). Medians of triton.testing.do_bench.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import triton
 
 from bench_grouped import SHAPES, routed_offsets  # benchmarks/ is on sys.path when run as a script
 from titan_nvfp4.kernels import grouped_gemm
-from titan_nvfp4.kernels.grouped_gemm import grouped_gemm_rows, grouped_gemm_tokens
-from titan_nvfp4.ops import library
+from titan_nvfp4.kernels.grouped_gemm import grouped_gemm_rows, grouped_gemm_tokens, stage
+from titan_nvfp4.numerics.nvfp4 import NVFP4Tensor
 
 
 def ms(fn) -> float:
@@ -41,6 +41,7 @@ def main() -> None:
         return (torch.randint(-6, 7, shape, device=dev).half() * 0.5)
 
     gs = torch.ones(E + 1, device=dev)
+    gs2 = torch.ones(2, E + 1, device=dev)  # W1's and W3's decode scales for the fused GEMM
     x, h, dy2 = staged(rows, dim), staged(rows, hidden), staged(rows, dim)
     dh = staged(rows, hidden)
     w13 = staged(E * 2 * hidden, dim)  # W1|W3 interleaved per expert
@@ -63,7 +64,7 @@ def main() -> None:
     cases = [
         ("fwd W1 (or W3)", T * dim * hidden, lambda: grouped_gemm_rows(x, w1, offsets, gs, gs, hidden, hidden, 0, bf)),
         ("fwd W1|W3 fused (per GEMM)", T * dim * hidden,
-         lambda: grouped_gemm_rows(x, w13, offsets, gs, gs, 2 * hidden, 2 * hidden, 0, bf)),
+         lambda: grouped_gemm_rows(x, w13, offsets, gs, gs2, 2 * hidden, 2 * hidden, 0, bf, n_split=hidden)),
         ("fwd W2", T * dim * hidden, lambda: grouped_gemm_rows(h, w2, offsets, gs, gs, dim, dim, 0, bf)),
         ("dgrad W2 (dh)", T * dim * hidden, lambda: grouped_gemm_rows(dy2, w2t, offsets, gs, gs, hidden, 0, dim, bf)),
         ("dgrad W1 (dx)", T * dim * hidden, lambda: grouped_gemm_rows(dh, w1t, offsets, gs, gs, dim, 0, hidden, bf)),
@@ -94,10 +95,10 @@ def main() -> None:
         res["rows"].append(dict(what=what, ms=t, tflops=tf))
         print(f"| {what} | {t:.3f} | {tf:.0f} | {t_ref / t:.0%} |", flush=True)
     # the staging passes of the codes the backward keeps (X's and h's wgrad operands, the Wᵀ stacks)
-    for what, src in (("stage X col", xc), ("stage h col", hc), ("stage W1ᵀ", w1t)):
-        d, s = torch.zeros(src.shape[0], src.shape[1] // 2, dtype=torch.uint8, device=dev), \
-            torch.ones(src.shape[0], src.shape[1] // 16, device=dev).to(torch.float8_e4m3fn)
-        t = ms(lambda: library.stage_grouped(d, s))
+    for what, src, div in (("stage X col", xc, 1), ("stage h col", hc, 1), ("stage W1ᵀ (16x16)", w1t, 16)):
+        d = torch.randint(0, 256, (src.shape[0], src.shape[1] // 2), dtype=torch.uint8, device=dev)
+        s = torch.ones(src.shape[0] // div, src.shape[1] // 16, device=dev).to(torch.float8_e4m3fn)
+        t = ms(lambda: stage(NVFP4Tensor(d, s, torch.ones((), device=dev), src.shape, (div, 16))))
         gb = src.numel() * 2.5625 / 1e9
         res["rows"].append(dict(what=what, ms=t, tbps=gb / t))
         print(f"| {what} | {t:.3f} | {gb / t:.2f} TB/s | |", flush=True)
