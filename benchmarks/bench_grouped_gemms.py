@@ -6,8 +6,7 @@ For each GEMM of the block (forward W1, W3, W2; dgrad; wgrad) it times the group
 fp16 operands, with TFLOP/s and the ratio to a dense cuBLAS BF16 GEMM of the same FLOPs, and the
 fused variants W1|W3 (one GEMM of 2·hidden outputs forward, one of 2·hidden rows in wgrad): they
 show what tile waste (hidden = 1408 is 5.5 tiles of 256) and separate launches cost. Also the
-staging pass (codes to fp16) of each operand the backward stages (random codes, unit scales). The
-row-grouped GEMMs are timed with their TMA-store epilogue and with masked stores. Medians of triton.testing.do_bench.
+staging pass (codes to fp16) of each operand the backward stages (random codes, unit scales). Medians of triton.testing.do_bench.
 """
 
 from __future__ import annotations
@@ -88,17 +87,13 @@ def main() -> None:
     print("| GEMM | ms | TFLOP/s | vs dense cuBLAS |")
     print("| --- | ---: | ---: | ---: |")
     for what, mnk, fn in cases:
-        for tma_store in ((True, False) if "wgrad" not in what else (True,)):
-            grouped_gemm.ROWS_TMA_STORE = tma_store
-            fn()
-            t = ms(fn)
-            if "fused" in what:
-                t /= 2  # two GEMMs' worth of work in one launch
-            tf = 2 * mnk / t / 1e9
-            label = what if tma_store else f"{what}, masked stores"
-            res["rows"].append(dict(what=label, ms=t, tflops=tf))
-            print(f"| {label} | {t:.3f} | {tf:.0f} | {t_ref / t:.0%} |", flush=True)
-    grouped_gemm.ROWS_TMA_STORE = True
+        fn()
+        t = ms(fn)
+        if "fused" in what:
+            t /= 2  # two GEMMs' worth of work in one launch
+        tf = 2 * mnk / t / 1e9
+        res["rows"].append(dict(what=what, ms=t, tflops=tf))
+        print(f"| {what} | {t:.3f} | {tf:.0f} | {t_ref / t:.0%} |", flush=True)
     # the staging passes of the codes the backward keeps (X's and h's wgrad operands, the Wᵀ stacks)
     for what, src, div in (("stage X col", xc, 1), ("stage h col", hc, 1), ("stage W1ᵀ (16x16)", w1t, 16)):
         d = torch.randint(0, 256, (src.shape[0], src.shape[1] // 2), dtype=torch.uint8, device=dev)

@@ -65,13 +65,11 @@ def _tile_owner(tile, i, starts, ends, ntiles, cum):
 @triton.jit
 def _rows_epilogue(acc, e, E, m0, end, pid_n, N, GSA, GSB, BIAS, C, CIN, scm, N_SPLIT, GSB_HI,
                    HAS_BIAS: tl.constexpr, ACC: tl.constexpr, NATIVE: tl.constexpr, SPLIT: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, TMA_STORE: tl.constexpr = False):
+                   BM: tl.constexpr, BN: tl.constexpr):
     """Expert e's tile · GSA[e]·GSB[e] (+ BIAS[e]), zeros for the tail pseudo-expert E, stored for the
     rows before ``end`` and the columns before N. ``ACC``: C = CIN + that tile as rounded to C's dtype,
     summed in fp32 and rounded (nearest-even) again: what adding two separate outputs would give.
-    ``SPLIT``: B stacks two weights per expert, columns from N_SPLIT on take GSB[GSB_HI + e].
-    ``TMA_STORE``: stored through a TMA descriptor of C's first ``end`` rows, which clips the rows of
-    the next expert (whose own tiles write them)."""
+    ``SPLIT``: B stacks two weights per expert, columns from N_SPLIT on take GSB[GSB_HI + e]."""
     ec = tl.minimum(e, E - 1)
     rm = m0 + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -88,11 +86,7 @@ def _rows_epilogue(acc, e, E, m0, end, pid_n, N, GSA, GSB, BIAS, C, CIN, scm, N_
     if ACC:
         prev = tl.load(CIN + offs, mask=mask, other=0.0).to(tl.float32)
         out = round_to(prev + out.to(dt).to(tl.float32), dt, NATIVE)
-    if TMA_STORE:
-        c_desc = tl.make_tensor_descriptor(C, shape=[end, N], strides=[scm, 1], block_shape=[BM, BN])
-        c_desc.store([m0, pid_n * BN], out.to(dt))
-    else:
-        tl.store(C + offs, out.to(dt), mask=mask)
+    tl.store(C + offs, out.to(dt), mask=mask)
 
 
 @triton.jit
@@ -136,7 +130,7 @@ def _grouped_rows_persistent_kernel(A, B, OFFS, GSA, GSB, BIAS, C, CIN, E, T, N,
                                     B_COL_STEP, sam, sbn, scm, N_SPLIT, GSB_HI, HAS_BIAS: tl.constexpr,
                                     ACC: tl.constexpr, NATIVE: tl.constexpr, SPLIT: tl.constexpr, EP: tl.constexpr,
                                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                                    NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, TMA_STORE: tl.constexpr):
+                                    NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr):
     """_grouped_rows_kernel as a persistent kernel (sm_90, staged operands): one program per SM walks
     the tiles of all experts (the count read from the offsets on the device), A and the stacked B
     through TMA descriptors built on the device. FLATTEN fuses the tile and K loops so that the next
@@ -158,7 +152,7 @@ def _grouped_rows_persistent_kernel(A, B, OFFS, GSA, GSB, BIAS, C, CIN, E, T, N,
             b = b_desc.load([b_row0, b_col0 + k0])
             acc = tl.dot(a, b.T, acc)
         _rows_epilogue(acc, e, E, m0, end, pid_n, N, GSA, GSB, BIAS, C, CIN, scm, N_SPLIT, GSB_HI, HAS_BIAS, ACC,
-                       NATIVE, SPLIT, BM, BN, TMA_STORE)
+                       NATIVE, SPLIT, BM, BN)
 
 
 def _persistent_configs():
@@ -217,10 +211,6 @@ _rows_persistent_autotuned = triton.autotune(_persistent_configs(), key=["E", "N
 ROWS_KERNEL = "persistent"
 
 
-#: Whether the persistent rows GEMM stores its tiles through TMA (per-tile descriptors clipped at the
-#: expert's last row) instead of masked stores; benchmarks compare both.
-ROWS_TMA_STORE = True
-
 #: Whether grouped_gemm_tokens may swap its operands where that pads fewer tiles (benchmarks compare).
 SWAP_WGRAD = True
 
@@ -272,8 +262,7 @@ def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tenso
         args = (a16, b16, offsets, gs_a, gs_b, bias_arg, out, add_arg, E, T, n_out, K, b16.shape[0], b16.shape[1],
                 b_row_step, b_col_step, a16.stride(0), b16.stride(0), out.stride(0), n_split, gsb_hi)
         kw = dict(HAS_BIAS=bias is not None, ACC=add_to is not None, NATIVE=not interpreting(),
-                  EP=triton.next_power_of_2(E + 1), NUM_PROGRAMS=progs, FLATTEN=ROWS_KERNEL == "persistent",
-                  TMA_STORE=ROWS_TMA_STORE, **split)
+                  EP=triton.next_power_of_2(E + 1), NUM_PROGRAMS=progs, FLATTEN=ROWS_KERNEL == "persistent", **split)
         if _autotune(a16, T * n_out):
             launch(_rows_persistent_autotuned, (progs,), *args, **kw)
         else:
