@@ -19,7 +19,7 @@ import triton
 
 from bench_grouped import SHAPES, routed_offsets  # benchmarks/ is on sys.path when run as a script
 from titan_nvfp4.kernels import grouped_gemm
-from titan_nvfp4.kernels.grouped_gemm import grouped_gemm_rows, grouped_gemm_rows_pair, grouped_gemm_tokens, stage
+from titan_nvfp4.kernels.grouped_gemm import grouped_gemm_rows, grouped_gemm_tokens, stage
 from titan_nvfp4.numerics.nvfp4 import NVFP4Tensor
 
 
@@ -72,8 +72,6 @@ def main() -> None:
          lambda: grouped_gemm_rows(dh, w1t_pe, offsets, gs, gs, dim, dim, 0, bf)),
         ("dgrad W3 (dx += ..., add_to)", T * dim * hidden,
          lambda: grouped_gemm_rows(dh, w1t, offsets, gs, gs, dim, 0, hidden, bf, add_to=dx)),
-        ("dgrad W1 + W3 in one launch (per GEMM)", T * dim * hidden,
-         lambda: grouped_gemm_rows_pair(dh, w1t, dh, w1t, offsets, gs, gs, gs, gs, dim, 0, hidden, bf)),
         ("wgrad W2", T * dim * hidden, lambda: grouped_gemm_tokens(dy2c, hc, offsets, gs, gs, bf)),
         ("wgrad W2, operands not swapped", T * dim * hidden, lambda: unswapped(dy2c, hc)),
         ("wgrad W1 (or W3)", T * dim * hidden, lambda: grouped_gemm_tokens(dhc, xc, offsets, gs, gs, bf)),
@@ -91,7 +89,7 @@ def main() -> None:
     for what, mnk, fn in cases:
         fn()
         t = ms(fn)
-        if "fused" in what or "one launch" in what:
+        if "fused" in what:
             t /= 2  # two GEMMs' worth of work in one launch
         tf = 2 * mnk / t / 1e9
         res["rows"].append(dict(what=what, ms=t, tflops=tf))

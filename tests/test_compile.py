@@ -107,17 +107,6 @@ def test_expert_pair_ops_pass_opcheck_and_equal_separate_ones():
     args = (xd, xs, d, d.new_empty((0,)), True, offsets, gx[0], gs_b, 2 * n, 2 * n, 0, torch.float32, None, None, n)
     torch.library.opcheck(library.grouped_gemm_rows.op, args, test_utils=no_schema)
     y = library.grouped_gemm_rows(*args)
-    # the two weights' dgrads summed in one launch: as the second GEMM adding to the first one's output
-    dyd, dys, _, _, gdy = library.quantize_grouped(_x(64, n, seed=7), offsets, True, False, None, False, False, None,
-                                                   True)
-    pair = (dyd, dys, rest[0], rest[1], dyd * 0.5, dys, rest[3], rest[4], True, offsets, gdy[0], rest[2], gdy[0],
-            rest[5], k, 0, n, torch.bfloat16)
-    torch.library.opcheck(library.grouped_gemm_rows_pair.op, pair, test_utils=no_schema)
-    first = library.grouped_gemm_rows(dyd, dys, rest[0], rest[1], True, offsets, gdy[0], rest[2], k, 0, n,
-                                      torch.bfloat16, None)
-    second = library.grouped_gemm_rows(dyd * 0.5, dys, rest[3], rest[4], True, offsets, gdy[0], rest[5], k, 0, n,
-                                       torch.bfloat16, None, first)
-    assert torch.equal(library.grouped_gemm_rows_pair(*pair), second)
     for i, (d_i, *_, gs) in enumerate(one):
         alone = library.grouped_gemm_rows(xd, xs, d_i, d_i.new_empty((0,)), True, offsets, gx[0], gs, n, n, 0,
                                           torch.float32, None)

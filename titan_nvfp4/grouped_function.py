@@ -234,7 +234,6 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
         with torch.autocast(offsets.device.type, enabled=False):
             if wants_dw.count(True) > 1:  # X's wgrad operand staged once for all the wgrads that read it
                 x_col = G.staged(x_col)
-            pair_dgrad = n == 2 and ctx.metas[0] == ctx.metas[1]  # W1 and W3 alike: one dgrad launch
             dys, dy_amaxes = grads[:n], [None] * n
             if ctx.carrier:  # the dYs' amaxes came as the carrier's gradient; a dY not given is zeros
                 dy_amaxes = list(grads[n]) if grads[n] is not None else dy_amaxes
@@ -259,12 +258,7 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
                 del dy_col
                 if j == last_dw:
                     x_col = None  # freed before the last dgrad allocates its output
-                if need_dx and pair_dgrad and j == 0:  # W1's dgrad waits for W3's, to run in one launch
-                    first = (dyq, w_t)
-                elif need_dx and pair_dgrad:  # both dgrads summed in x's dtype, as autograd sums two GEMMs'
-                    dx = G.gemm_rows_pair(*first, dyq, w_t, offsets, ctx.x_shape[-1], row_step, col_step, ctx.x_dtype)
-                    del first
-                elif need_dx:  # summed in x's dtype (in the GEMM's epilogue), as autograd sums separate GEMMs'
+                if need_dx:  # summed in x's dtype (in the GEMM's epilogue), as autograd sums separate GEMMs'
                     dx = G.gemm_rows(dyq, w_t, offsets, ctx.x_shape[-1], row_step, col_step, ctx.x_dtype, add_to=dx)
                 del dyq
                 dbs.append(G.expert_bias_grad(dy2d, offsets).to(dy.dtype) if need_db else None)

@@ -155,45 +155,6 @@ def _grouped_rows_persistent_kernel(A, B, OFFS, GSA, GSB, BIAS, C, CIN, E, T, N,
                        NATIVE, SPLIT, BM, BN)
 
 
-@triton.jit
-def _grouped_rows_pair_kernel(A, B, A2, B2, OFFS, GSA, GSB, GSA2, GSB2, C, E, T, N, K, B_ROWS, B_COLS, B_ROW_STEP,
-                              B_COL_STEP, sam, sbn, scm, NATIVE: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
-                              BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                              NUM_PROGRAMS: tl.constexpr):
-    """C = A·B_eᵀ·GSA[e]·GSB[e] + A2·B2_eᵀ·GSA2[e]·GSB2[e] per expert row range, each product rounded
-    to C's dtype and the sum rounded again (what grouped_gemm_rows with ``add_to`` gives), the first
-    product kept in registers instead of going through memory. A, A2 [T, K]; B, B2 stacked alike.
-    Persistent (sm_90, TMA), as _grouped_rows_persistent_kernel, with two K loops per tile."""
-    a_desc = tl.make_tensor_descriptor(A, shape=[T, K], strides=[sam, 1], block_shape=[BM, BK])
-    b_desc = tl.make_tensor_descriptor(B, shape=[B_ROWS, B_COLS], strides=[sbn, 1], block_shape=[BN, BK])
-    a2_desc = tl.make_tensor_descriptor(A2, shape=[T, K], strides=[sam, 1], block_shape=[BM, BK])
-    b2_desc = tl.make_tensor_descriptor(B2, shape=[B_ROWS, B_COLS], strides=[sbn, 1], block_shape=[BN, BK])
-    tiles_n = tl.cdiv(N, BN)
-    dt = C.dtype.element_ty
-    i, starts, ends, ntiles, cum = _expert_tiles(OFFS, E, T, BM, tiles_n, EP)
-    for tile in tl.range(tl.program_id(0), tl.sum(ntiles, 0), NUM_PROGRAMS):
-        e, start, end, local = _tile_owner(tile, i, starts, ends, ntiles, cum)
-        pid_m, pid_n = swizzle_tile(local, tl.cdiv(end - start, BM), tiles_n, GROUP_M)
-        m0 = start + pid_m * BM
-        b_row0 = e * B_ROW_STEP + pid_n * BN
-        b_col0 = e * B_COL_STEP
-        ec = tl.minimum(e, E - 1)
-        k_end = tl.where(e < E, K, 0)  # the tail pseudo-expert only writes zeros
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, k_end, BK):
-            acc = tl.dot(a_desc.load([m0, k0]), b_desc.load([b_row0, b_col0 + k0]).T, acc)
-        first = tl.where(e < E, acc * (tl.load(GSA + e) * tl.load(GSB + ec)), 0.0).to(dt)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, k_end, BK):
-            acc = tl.dot(a2_desc.load([m0, k0]), b2_desc.load([b_row0, b_col0 + k0]).T, acc)
-        second = tl.where(e < E, acc * (tl.load(GSA2 + e) * tl.load(GSB2 + ec)), 0.0)
-        out = round_to(first.to(tl.float32) + second.to(dt).to(tl.float32), dt, NATIVE)
-        rm = m0 + tl.arange(0, BM)
-        rn = pid_n * BN + tl.arange(0, BN)
-        tl.store(C + rm[:, None].to(tl.int64) * scm + rn[None, :], out.to(dt),
-                 mask=(rm < end)[:, None] & (rn < N)[None, :])
-
-
 def _persistent_configs():
     return [triton.Config({"BM": bm, "BN": bn, "BK": 64, "GROUP_M": 8}, num_warps=w, num_stages=st)
             for bm, bn, w, st in ((128, 256, 8, 3), (128, 128, 4, 4), (128, 128, 8, 4))]
@@ -242,8 +203,6 @@ def _grouped_tokens_kernel(A, a_desc, B, b_desc, OFFS, GSA, GSB, C, M, N, sam, s
 
 _rows_autotuned = triton.autotune(_configs(), key=["E", "N", "K", "B_ROW_STEP", "B_COL_STEP", "TMA", "ACC"])(_grouped_rows_kernel)
 _tokens_autotuned = triton.autotune(_configs(), key=["M", "N", "TMA"])(_grouped_tokens_kernel)
-_rows_pair_autotuned = triton.autotune(_persistent_configs(), key=["E", "N", "K", "B_ROW_STEP", "B_COL_STEP"])(
-    _grouped_rows_pair_kernel)
 _rows_persistent_autotuned = triton.autotune(_persistent_configs(), key=["E", "N", "K", "B_ROW_STEP", "B_COL_STEP",
                                                                         "FLATTEN", "ACC"])(_grouped_rows_persistent_kernel)
 
@@ -251,9 +210,6 @@ _rows_persistent_autotuned = triton.autotune(_persistent_configs(), key=["E", "N
 #: "tiles" (one tile per program); benchmarks/bench_grouped.py --rows-kernel compares them.
 ROWS_KERNEL = "persistent"
 
-
-#: Whether grouped_gemm_rows_pair runs its one-launch kernel (else two GEMMs, the second adding).
-FUSE_PAIR = True
 
 #: Whether grouped_gemm_tokens may swap its operands where that pads fewer tiles (benchmarks compare).
 SWAP_WGRAD = True
@@ -327,38 +283,6 @@ def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tenso
     return out
 
 
-def grouped_gemm_rows_pair(a16: torch.Tensor, b16: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor,
-                           offsets: torch.Tensor, gs_a: torch.Tensor, gs_b: torch.Tensor, gs_a2: torch.Tensor,
-                           gs_b2: torch.Tensor, n_out: int, b_row_step: int, b_col_step: int,
-                           out_dtype: torch.dtype) -> torch.Tensor:
-    """grouped_gemm_rows(a2, b2, ..., add_to=grouped_gemm_rows(a16, b16, ...)), bit for bit, in one
-    launch where the persistent kernel runs (the dgrads of W1 and W3: the first product is never
-    written and read back); elsewhere those two calls. Both pairs have one shape and one B layout."""
-    if a2.shape != a16.shape or b2.shape != b16.shape:
-        raise ValueError(f"grouped GEMM pair: operands differ in shape, {tuple(a16.shape)}/{tuple(b16.shape)} vs "
-                         f"{tuple(a2.shape)}/{tuple(b2.shape)}")
-    T, K = a16.shape
-    E = offsets.numel()
-    tma = _use_tma(a16) and not interpreting()
-    if not (FUSE_PAIR and ROWS_KERNEL != "tiles" and (tma or interpreting()) and T and n_out
-            and all(_tma_storable(t) and t.stride() == u.stride() for t, u in ((a16, a2), (b16, b2)))):
-        first = grouped_gemm_rows(a16, b16, offsets, gs_a, gs_b, n_out, b_row_step, b_col_step, out_dtype)
-        return grouped_gemm_rows(a2, b2, offsets, gs_a2, gs_b2, n_out, b_row_step, b_col_step, out_dtype,
-                                 add_to=first)
-    out = torch.empty((T, n_out), dtype=out_dtype, device=a16.device)
-    progs = _programs(a16)
-    _ensure_scratch_allocator(a16)
-    gs = [g.float().contiguous() for g in (gs_a, gs_b, gs_a2, gs_b2)]
-    args = (a16, b16, a2, b2, offsets, *gs, out, E, T, n_out, K, b16.shape[0], b16.shape[1], b_row_step, b_col_step,
-            a16.stride(0), b16.stride(0), out.stride(0))
-    kw = dict(NATIVE=not interpreting(), EP=triton.next_power_of_2(E + 1), NUM_PROGRAMS=progs)
-    if _autotune(a16, T * n_out):
-        launch(_rows_pair_autotuned, (progs,), *args, **kw)
-    else:
-        launch(_grouped_rows_pair_kernel, (progs,), *args, **kw, **SMALL_TILES)
-    return out
-
-
 def grouped_gemm_tokens(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tensor, gs_a: torch.Tensor,
                         gs_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """out [E, M, N] with out[e] = A[:, tokens of e] · B[:, tokens of e]ᵀ · gs_a[e]·gs_b[e] over the
@@ -389,4 +313,4 @@ def grouped_gemm_tokens(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Ten
     return out
 
 
-__all__ = ["grouped_gemm_rows", "grouped_gemm_rows_pair", "grouped_gemm_tokens", "stage"]
+__all__ = ["grouped_gemm_rows", "grouped_gemm_tokens", "stage"]

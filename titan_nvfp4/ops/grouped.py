@@ -165,22 +165,11 @@ def gemm_rows(a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, n_out
                                      row_step, col_step, out_dtype, bias, add_to, n_split)
 
 
-def gemm_rows_pair(a: GroupedOperand, b: GroupedOperand, a2: GroupedOperand, b2: GroupedOperand,
-                   offsets: torch.Tensor, n_out: int, row_step: int, col_step: int,
-                   out_dtype: torch.dtype) -> torch.Tensor:
-    """gemm_rows(a2, b2, ..., add_to=gemm_rows(a, b, ...)), bit for bit, in one launch (both B alike)."""
-    if b.tiles != b2.tiles:
-        raise ValueError("gemm_rows_pair: both weights need the same block layout")
-    return library.grouped_gemm_rows_pair(a.data, a.scale, b.data, b.scale, a2.data, a2.scale, b2.data, b2.scale,
-                                          b.tiles, offsets, a.gs, b.gs, a2.gs, b2.gs, n_out, row_step, col_step,
-                                          out_dtype)
-
-
 def gemm_tokens(a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """[E, M, N]: expert e's tokens of A [M, T] times those of B [N, T], transposed (wgrad)."""
     return library.grouped_gemm_tokens(a.data, a.scale, b.data, b.scale, offsets, a.gs, b.gs, out_dtype)
 
 
 __all__ = ["GroupedOperand", "GroupedWeight", "block_experts", "expert_amaxes", "expert_bias_grad", "gemm_rows",
-           "gemm_rows_pair", "gemm_tokens", "quantize_expert_pair", "quantize_experts", "quantize_tokens", "staged", "swiglu",
+           "gemm_tokens", "quantize_expert_pair", "quantize_experts", "quantize_tokens", "staged", "swiglu",
            "swiglu_backward", "token_amaxes"]

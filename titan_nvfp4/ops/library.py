@@ -19,7 +19,6 @@ the registered op, so tracing and dispatch modes see one opaque op as before.
   titan_nvfp4::*_grouped, amax_experts, grouped_gemm_*  the same for MoE experts, per-expert tensor scales
   titan_nvfp4::stage_grouped  a grouped operand's codes as the GEMMs' fp16 values, for one read by several GEMMs
   titan_nvfp4::quantize_2d_grouped_pair  W1 and W3 of SwiGLU experts staged into one buffer, for one GEMM of both
-  titan_nvfp4::grouped_gemm_rows_pair  the dgrads of W1 and W3 summed in one launch
   titan_nvfp4::swiglu_amax, swiglu_backward_amax  the experts' SwiGLU fused with the amaxes of its outputs
 """
 
@@ -358,29 +357,6 @@ def grouped_gemm_rows(a_data: Tensor, a_scale: Tensor, b_data: Tensor, b_scale: 
 @grouped_gemm_rows.op.register_fake
 def _grouped_gemm_rows_fake(a_data, a_scale, b_data, b_scale, b_tiles, offsets, gs_a, gs_b, n_out, b_row_step,
                             b_col_step, out_dtype, bias, add_to=None, n_split=0):
-    return a_data.new_empty((a_data.shape[0], n_out), dtype=out_dtype)
-
-
-@_op("grouped_gemm_rows_pair")
-def grouped_gemm_rows_pair(a_data: Tensor, a_scale: Tensor, b_data: Tensor, b_scale: Tensor, a2_data: Tensor,
-                           a2_scale: Tensor, b2_data: Tensor, b2_scale: Tensor, b_tiles: bool, offsets: Tensor,
-                           gs_a: Tensor, gs_b: Tensor, gs_a2: Tensor, gs_b2: Tensor, n_out: int, b_row_step: int,
-                           b_col_step: int, out_dtype: torch.dtype) -> Tensor:
-    """grouped_gemm_rows of the second pair with ``add_to`` the first pair's, in one launch: the dgrads
-    of W1 and W3 summed into dx without the first one going through memory."""
-    from ..kernels.grouped_gemm import grouped_gemm_rows_pair as run
-    from ..kernels.grouped_gemm import stage
-
-    ops = [stage(_operand(d, sc, g.reshape(-1)[:1], tiles)) for d, sc, g, tiles in
-           ((a_data, a_scale, gs_a, False), (b_data, b_scale, gs_b, b_tiles), (a2_data, a2_scale, gs_a2, False),
-            (b2_data, b2_scale, gs_b2, b_tiles))]
-    return run(ops[0], ops[1], ops[2], ops[3], offsets, gs_a, gs_b, gs_a2, gs_b2, n_out, b_row_step, b_col_step,
-               out_dtype)
-
-
-@grouped_gemm_rows_pair.op.register_fake
-def _grouped_gemm_rows_pair_fake(a_data, a_scale, b_data, b_scale, a2_data, a2_scale, b2_data, b2_scale, b_tiles,
-                                 offsets, gs_a, gs_b, gs_a2, gs_b2, n_out, b_row_step, b_col_step, out_dtype):
     return a_data.new_empty((a_data.shape[0], n_out), dtype=out_dtype)
 
 
