@@ -108,11 +108,18 @@ def test_fused_swiglu_without_columns_and_bad_inputs():
         swiglu_backward_amax_tensors(dh.t().contiguous().t(), h1, h3, offsets, True, None)
 
 
+_pair = G.quantize_expert_pair  # the real one, for the spy below
+
+
 @cpu_triton
 @pytest.mark.parametrize("stochastic", [True, False])
-def test_fused_swiglu_experts_equal_the_unfused_block(stochastic):
-    """The expert block through nvfp4_grouped_swiglu and W2 with the given amaxes: outputs, every
-    gradient and the SR counters bit-identical to W1/W3 shared, eager SwiGLU, W2 on its own amax pass."""
+def test_fused_swiglu_experts_equal_the_unfused_block(stochastic, monkeypatch):
+    """The expert block through nvfp4_grouped_swiglu (W1 and W3 as one GEMM of 2·hidden outputs,
+    quantize_expert_pair, whose halves the SwiGLU reads as strided views) and W2 with the given amaxes:
+    outputs, every gradient and the SR counters bit-identical to W1/W3 as two GEMMs on one quantized x,
+    eager SwiGLU, W2 on its own amax pass."""
+    pairs = []
+    monkeypatch.setattr(G, "quantize_expert_pair", lambda *a: pairs.append(1) or _pair(*a))
     recipe = NVFP4Recipe(gemm_backend="emulated", stochastic_rounding=stochastic)
     g = torch.Generator().manual_seed(3)
     E, dim, hidden = 3, 32, 48
@@ -136,42 +143,10 @@ def test_fused_swiglu_experts_equal_the_unfused_block(stochastic):
         (y,) = nvfp4_grouped_mm_shared(h, (w2i,), offsets, (None,), recipe, (c2,), aligned=True, x_amax=h_amax)
         y.backward(dy)
         runs.append((y, xi.grad, w1i.grad, w2i.grad, w3i.grad, c1, c2, c3))
+        assert len(pairs) == int(fused), "only the fused block runs W1 and W3 as one GEMM"
     for i, (a, b) in enumerate(zip(*runs)):
         _same(a, b, f"output {i}")
 
-
-@cpu_triton
-def test_w1_w3_as_one_gemm_equal_two(monkeypatch):
-    """SwiGLU experts run W1 and W3 as one grouped GEMM of 2·hidden outputs (quantize_expert_pair, the
-    SwiGLU reading its two halves as strided views): the block's output, gradients and SR counters
-    bit-identical to two GEMMs (FUSE_W1_W3 off)."""
-    from titan_nvfp4 import grouped_function
-
-    recipe = NVFP4Recipe(gemm_backend="emulated")
-    g = torch.Generator().manual_seed(4)
-    E, dim, hidden = 3, 32, 48
-    offsets = torch.tensor([32, 32, 80], dtype=torch.int32, device=DEV)
-    x = torch.randn(96, dim, generator=g).bfloat16().to(DEV)
-    w1, w3 = (torch.randn(E, hidden, dim, generator=g).mul(dim ** -0.5).bfloat16().to(DEV) for _ in range(2))
-    w2 = torch.randn(E, dim, hidden, generator=g).mul(hidden ** -0.5).bfloat16().to(DEV)
-    dy = torch.randn(96, dim, generator=g).bfloat16().to(DEV)
-    pairs = []
-    monkeypatch.setattr(G, "quantize_expert_pair", lambda *a: pairs.append(1) or _pair(*a))
-    runs = []
-    for fuse in (False, True):
-        monkeypatch.setattr(grouped_function, "FUSE_W1_W3", fuse)
-        xi, w1i, w2i, w3i = (t.clone().requires_grad_() for t in (x, w1, w2, w3))
-        c1, c2, c3 = (sr_counter(recipe, i, DEV) for i in range(3))
-        h, h_amax = nvfp4_grouped_swiglu(xi, w1i, w3i, offsets, recipe, (c1, c3), aligned=True)
-        (y,) = nvfp4_grouped_mm_shared(h, (w2i,), offsets, (None,), recipe, (c2,), aligned=True, x_amax=h_amax)
-        y.backward(dy)
-        runs.append((h, y, xi.grad, w1i.grad, w2i.grad, w3i.grad, c1, c2, c3))
-        assert len(pairs) == int(fuse), "the fused run takes one quantize_expert_pair, the other none"
-    for i, (a, b) in enumerate(zip(*runs)):
-        _same(a, b, f"output {i}")
-
-
-_pair = G.quantize_expert_pair
 
 
 @cpu_triton

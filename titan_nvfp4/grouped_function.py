@@ -291,7 +291,7 @@ class _SwiGLUAmaxFunction(torch.autograd.Function):
         return d1.reshape(y1.shape), d2.reshape(y2.shape), torch.stack([a1, a2]), None, None, None, None
 
 
-#: Whether SwiGLU experts run W1 and W3 as one grouped GEMM of both (tests and benchmarks turn it off).
+#: Whether SwiGLU experts run W1 and W3 as one grouped GEMM of both (off: two GEMMs, for A/B timing).
 FUSE_W1_W3 = True
 
 
