@@ -520,9 +520,11 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
     d_rows, d_expert = N // experts, (N // experts) * K
     if staged and staged_into is not None:
         d, rows = staged_into
-        if d.dtype != torch.float16 or d.stride(1) != 1 or d.stride(0) != K or rows < N // experts:
+        if (d.dtype != torch.float16 or d.stride(1) != 1 or d.stride(0) != K or rows < N // experts
+                or d.shape[0] < (experts - 1) * rows + N // experts):
             raise ValueError(f"quantize_weight_2d: staged_into must be a row-major fp16 buffer of {K} columns "
-                             f"and at least {N // experts} rows per expert")
+                             f"holding {experts} experts of at least {N // experts} rows every {rows} rows, got "
+                             f"{tuple(d.shape)} {d.dtype}")
         d, s, d_expert = d, s.new_empty((0,)), rows * K
     elif staged:
         d, s = torch.empty((N, K), dtype=torch.float16, device=dev), s.new_empty((0,))
