@@ -6,7 +6,8 @@ For each GEMM of the block (forward W1, W3, W2; dgrad; wgrad) it times the group
 fp16 operands, with TFLOP/s and the ratio to a dense cuBLAS BF16 GEMM of the same FLOPs, and the
 fused variants W1|W3 (one GEMM of 2·hidden outputs forward, one of 2·hidden rows in wgrad): they
 show what tile waste (hidden = 1408 is 5.5 tiles of 256) and separate launches cost. Also the
-staging pass (codes to fp16) of each operand the backward stages (random codes, unit scales). Medians of triton.testing.do_bench.
+staging pass (codes to fp16) of each operand the backward stages (random codes, unit scales).
+Medians of triton.testing.do_bench.
 """
 
 from __future__ import annotations

@@ -90,8 +90,8 @@ def sweep(args) -> None:
             opts = dict(num_warps=w, **(dict(maxnreg=cap) if cap else {}))
             grid = (triton.cdiv(M, 16 * g), triton.cdiv(N, bk))
             flags = dict(COL=True, RHT=True, PRECISE=True, WIDE=False, G=g, BK=bk, **opts)
-            runs = {"forward + amaxes": lambda: sw._swiglu_fwd_kernel[grid](h1, h3, out, M, N, N, a1, signs, bexp, ns, tm,
-                                                                           **flags),
+            runs = {"forward + amaxes": lambda: sw._swiglu_fwd_kernel[grid](h1, h3, out, M, N, N, a1, signs, bexp, ns,
+                                                                           tm, **flags),
                     "backward + amaxes": lambda: sw._swiglu_bwd_kernel[grid](dh, h1, h3, d1, d3, M, N, N, a1, a3, signs,
                                                                             bexp, ns, tm, **flags)}
             for kernel, run in runs.items():

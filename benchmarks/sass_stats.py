@@ -69,7 +69,8 @@ def _compile(fn, pointers: dict, const: dict, warps: int, arch: int):
     sig = {n: pointers.get(n, "i32") for n in fn.arg_names}
     for n in const:
         sig[n] = "constexpr"
-    aligned = [n for n in fn.arg_names if n in pointers or n in _ALIGNED_INTS or n in ("N", "swn", "D_ROWS", "D_EXPERT")]
+    aligned = [n for n in fn.arg_names
+               if n in pointers or n in _ALIGNED_INTS or n in ("N", "swn", "D_ROWS", "D_EXPERT")]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     return triton_compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": warps})

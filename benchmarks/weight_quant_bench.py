@@ -64,8 +64,8 @@ def _sweep(w: torch.Tensor, amax: torch.Tensor, configs, copy_bw: float) -> None
     for g, bk, wp in configs:
         def run():
             return q._quantize_2d_kernel[(triton.cdiv(N, 16 * g), triton.cdiv(K, bk))](
-                w, N, K, w.stride(0), w.stride(1), buf, gs, d, st, dt, st, buf, 1, N, N * K, tune_bucket(N), EMIT_T=True,
-                GROUPED=False, EMIT_F16=True, NSP2=1, FOUR_SIX=False, G=g, BK=bk, num_warps=wp)
+                w, N, K, w.stride(0), w.stride(1), buf, gs, d, st, dt, st, buf, 1, N, N * K, tune_bucket(N),
+                EMIT_T=True, GROUPED=False, EMIT_F16=True, NSP2=1, FOUR_SIX=False, G=g, BK=bk, num_warps=wp)
         k = run()
         ms = triton.testing.do_bench_cudagraph(run, rep=50)
         print(f"| {g} | {bk} | {wp} | {ms:.4f} | {nbytes / (ms * 1e-3) / copy_bw:.0%} | {k.n_regs} | {k.n_spills} |",

@@ -239,8 +239,8 @@ def test_amax_and_weight_kernels_every_tile_config_bit_identical(kind):
         st = torch.empty((K // 16, N // 16), dtype=torch.float8_e4m3fn, device=DEV)
         gs = torch.empty(1, device=DEV)
         q._quantize_2d_kernel[(triton.cdiv(N, 16 * g), triton.cdiv(K, bk))](
-            w, N, K, w.stride(0), w.stride(1), w_amax, gs, d, s, dt, st, w_amax, 1, N, N * K, tune_bucket(N), EMIT_T=True,
-            GROUPED=False, EMIT_F16=False, NSP2=1, FOUR_SIX=False, G=g, BK=bk, num_warps=cfg.num_warps)
+            w, N, K, w.stride(0), w.stride(1), w_amax, gs, d, s, dt, st, w_amax, 1, N, N * K, tune_bucket(N),
+            EMIT_T=True, GROUPED=False, EMIT_F16=False, NSP2=1, FOUR_SIX=False, G=g, BK=bk, num_warps=cfg.num_warps)
         same_bits(NVFP4Tensor(d, s, gs[0], w.shape, (16, 16)), ref_w, f"W 16x16 {cfg}")
         same_bits(NVFP4Tensor(dt, st, gs[0], torch.Size((K, N)), (16, 16)), ref_w.t(), f"W^T 16x16 {cfg}")
 

@@ -112,15 +112,15 @@ _pair = G.quantize_expert_pair  # the real one, for the spy below
 
 
 @cpu_triton
-@pytest.mark.parametrize("stochastic", [True, False])
-def test_fused_swiglu_experts_equal_the_unfused_block(stochastic, monkeypatch):
+def test_fused_swiglu_experts_equal_the_unfused_block(monkeypatch):
     """The expert block through nvfp4_grouped_swiglu (W1 and W3 as one GEMM of 2·hidden outputs,
     quantize_expert_pair, whose halves the SwiGLU reads as strided views) and W2 with the given amaxes:
     outputs, every gradient and the SR counters bit-identical to W1/W3 as two GEMMs on one quantized x,
-    eager SwiGLU, W2 on its own amax pass."""
+    eager SwiGLU, W2 on its own amax pass. Stochastic rounding only: no part of the fused path depends on
+    the rounding mode, and nearest-even doubled the test's CI time."""
     pairs = []
     monkeypatch.setattr(G, "quantize_expert_pair", lambda *a: pairs.append(1) or _pair(*a))
-    recipe = NVFP4Recipe(gemm_backend="emulated", stochastic_rounding=stochastic)
+    recipe = NVFP4Recipe(gemm_backend="emulated", stochastic_rounding=True)  # SR: the counters must match too
     g = torch.Generator().manual_seed(3)
     E, dim, hidden = 3, 32, 48
     counts, tail = (32, 0, 48), 16
@@ -157,7 +157,8 @@ def test_swiglu_kernels_read_strided_halves():
     both = torch.cat([h1, h3], dim=1)
     v1, v3 = both[:, :48], both[:, 48:]
     signs = rht_signs(1).to(DEV)
-    for a, b in zip(swiglu_amax_tensors(h1, h3, offsets, True, signs), swiglu_amax_tensors(v1, v3, offsets, True, signs)):
+    for a, b in zip(swiglu_amax_tensors(h1, h3, offsets, True, signs),
+                    swiglu_amax_tensors(v1, v3, offsets, True, signs)):
         _same(a, b, "forward")
     for a, b in zip(swiglu_backward_amax_tensors(dh, h1, h3, offsets, True, signs),
                     swiglu_backward_amax_tensors(dh, v1, v3, offsets, True, signs)):

@@ -35,7 +35,8 @@ def _exp(x, PRECISE: tl.constexpr):
 
 @triton.jit
 def _tile(rows, rn, M, N, stride, WIDE: tl.constexpr):
-    """(element offsets, mask) of rows × rn in an [M, N] tensor of row stride ``stride`` (int64 offsets if ``WIDE``)."""
+    """(element offsets, mask) of rows × rn in an [M, N] tensor of row stride ``stride`` (int64 offsets if
+    ``WIDE``)."""
     r = rows[:, None].to(tl.int64) if WIDE else rows[:, None]
     return r * stride + rn[None, :], (rows < M)[:, None] & (rn < N)[None, :]
 
