@@ -251,7 +251,6 @@ def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tenso
     if T == 0 or n_out == 0:
         return out
     tma = _use_tma(a16) and not interpreting()
-    split = dict(SPLIT=n_split > 0)
     gsb_hi = gs_b.shape[-1] if n_split else 0
     gs_a, gs_b = gs_a.float().contiguous(), gs_b.float().contiguous()
     bias_arg = bias if bias is not None else out
@@ -262,7 +261,8 @@ def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tenso
         args = (a16, b16, offsets, gs_a, gs_b, bias_arg, out, add_arg, E, T, n_out, K, b16.shape[0], b16.shape[1],
                 b_row_step, b_col_step, a16.stride(0), b16.stride(0), out.stride(0), n_split, gsb_hi)
         kw = dict(HAS_BIAS=bias is not None, ACC=add_to is not None, NATIVE=not interpreting(),
-                  EP=triton.next_power_of_2(E + 1), NUM_PROGRAMS=progs, FLATTEN=ROWS_KERNEL == "persistent", **split)
+                  EP=triton.next_power_of_2(E + 1), NUM_PROGRAMS=progs, FLATTEN=ROWS_KERNEL == "persistent",
+                  SPLIT=n_split > 0)
         if _autotune(a16, T * n_out):
             launch(_rows_persistent_autotuned, (progs,), *args, **kw)
         else:
@@ -272,7 +272,7 @@ def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tenso
     args = (a16, a_arg, b16, b_arg, offsets, gs_a, gs_b, bias_arg, out, add_arg, E, T, n_out, K, b_row_step,
             b_col_step, a16.stride(0), b16.stride(0), out.stride(0), n_split, gsb_hi)
     kw = dict(HAS_BIAS=bias is not None, ACC=add_to is not None, NATIVE=not interpreting(), TMA=tma,
-              EP=triton.next_power_of_2(E + 1), **split)
+              EP=triton.next_power_of_2(E + 1), SPLIT=n_split > 0)
     if _autotune(a16, T * n_out):
         grid = lambda meta: ((triton.cdiv(T, meta["BM"]) + E + 1) * triton.cdiv(n_out, meta["BN"]),)  # noqa: E731
         launch(_rows_autotuned, grid, *args, **kw)

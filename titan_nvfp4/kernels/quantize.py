@@ -525,7 +525,7 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
             raise ValueError(f"quantize_weight_2d: staged_into must be a row-major fp16 buffer of {K} columns "
                              f"holding {experts} experts of at least {N // experts} rows every {rows} rows, got "
                              f"{tuple(d.shape)} {d.dtype}")
-        d, s, d_expert = d, s.new_empty((0,)), rows * K
+        s, d_expert = s.new_empty((0,)), rows * K
     elif staged:
         d, s = torch.empty((N, K), dtype=torch.float16, device=dev), s.new_empty((0,))
     dt = torch.empty((K, N // 2) if emit_transpose else (0,), dtype=torch.uint8, device=dev)
