@@ -2,7 +2,7 @@
 
     python benchmarks/bench_grouped.py [--json out.json] [--shapes deepseek_v3_16b gpt_oss_20b]
                                        [--rows-kernels persistent persistent_nested tiles]
-                                       [--profile] [--bf16-compiled-swiglu]
+                                       [--profile] [--bf16-compiled-swiglu] [--graph]
 
 Each shape is a whole routed-expert block as TorchTitan runs it: DeepSeek-V3-style SwiGLU experts
 (h = silu(x W1ᵀ) ⊙ x W3ᵀ, out = h W2ᵀ) or gpt-oss's (mlp1 with bias to 2·hidden, clamped SwiGLU,
@@ -11,12 +11,15 @@ TorchTitan's alignment does. NVFP4 runs the SwiGLU experts as NVFP4GroupedExpert
 with the amaxes of what it produces); a second row runs them with the eager SwiGLU, and
 ``--bf16-compiled-swiglu`` adds a BF16 baseline whose SwiGLU torch.compile fuses. Also one grouped
 GEMM alone (forward, and forward + backward), and the copy ceiling for reference. Times: medians of triton.testing.do_bench (L2 flushed).
+``--graph`` also replays each expert block from a CUDA graph and times the host's enqueueing alone: eager
+minus graph time is what launches and Python cost on top of the kernels.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 import torch.nn.functional as F
@@ -116,6 +119,32 @@ def fwd_bwd(mm, x, ws, offsets, dy, gpt_oss):
     return step
 
 
+def graph_ms(step) -> float:
+    """Median time of ``step`` replayed from a CUDA graph (no host work between its kernels)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return ms(graph.replay)
+
+
+def host_ms(step, reps: int = 20) -> float:
+    """Median host time to enqueue ``step`` (the GPU idle at the start, no sync inside)."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return sorted(times)[reps // 2]
+
+
 def peak_gib(fn) -> float:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -132,6 +161,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print the NVFP4 expert block's kernel times")
     ap.add_argument("--bf16-compiled-swiglu", action="store_true",
                     help="also time the block against BF16 with a torch.compile'd SwiGLU")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time each expert block replayed from a CUDA graph, and its host enqueue time")
     ap.add_argument("--rows-kernels", nargs="*", default=[grouped_gemm.ROWS_KERNEL],
                     choices=["persistent", "persistent_nested", "tiles"],
                     help="row-grouped GEMM kernels to time NVFP4 with (kernels/grouped_gemm.py ROWS_KERNEL)")
@@ -200,6 +231,15 @@ def main() -> None:
                     print(f"| {name} | {label} | {t_b:.3f} | {t_n:.3f} | {t_n / t_b:.2f} | {m_b:.2f} | {m_n:.2f} |",
                           flush=True)
             grouped_gemm.ROWS_KERNEL = args.rows_kernels[0]
+        if args.graph:
+            print(f"\n| shape | block | eager ms | CUDA graph ms | host enqueue ms |\n| --- | --- | ---: | ---: | ---: |")
+            for label, mm in (("BF16", bf16_mm), ("NVFP4", nv)):
+                step = fwd_bwd(mm, x, ws, offsets, dy, gpt_oss)
+                step()
+                t_e, t_g, t_h = ms(step), graph_ms(step), host_ms(step)
+                res["rows"].append(dict(shape=name, what=f"{label} block eager/graph/host", eager_ms=t_e,
+                                        graph_ms=t_g, host_ms=t_h))
+                print(f"| {name} | {label} | {t_e:.3f} | {t_g:.3f} | {t_h:.3f} |", flush=True)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
             block = fwd_bwd(nv, x, ws, offsets, dy, gpt_oss)
@@ -207,6 +247,11 @@ def main() -> None:
                 block()
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+            kernels = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                             key=lambda ev: ev.time_range.start)
+            print("\nkernels of 5 µs or more in launch order (µs): " + ", ".join(
+                f"{ev.name.split('(')[0][:40]} {ev.time_range.elapsed_us():.0f}" for ev in kernels
+                if ev.time_range.elapsed_us() >= 5))
     res["tiles_rows_persistent"] = {str(k): str(v) for k, v in grouped_gemm._rows_persistent_autotuned.cache.items()}
     print("\nautotuned persistent rows GEMM: " + "; ".join(f"{k} -> {v}" for k, v in res["tiles_rows_persistent"].items()))
     if args.json:

@@ -16,7 +16,7 @@ from titan_nvfp4.kernels.nvfp4_jit import (e2m1_code, e2m1_staged, e2m1_stochast
                                            philox4x32)
 from titan_nvfp4.kernels.native import native_operands, swizzle_scales, unswizzle_scales
 from titan_nvfp4.kernels.quantize import quantize_operand, quantize_weight_2d
-from titan_nvfp4.numerics.formats import e2m1_decode, e2m1_encode_rne, e2m1_encode_stochastic
+from titan_nvfp4.numerics.formats import SR_BITS, e2m1_decode, e2m1_encode_rne, e2m1_encode_stochastic
 from titan_nvfp4.numerics.nvfp4 import NVFP4Tensor, quantize_nvfp4
 from titan_nvfp4.numerics.rht import rht_signs
 from titan_nvfp4.ops.backends import resolve_backend
@@ -105,12 +105,13 @@ def test_e2m1_encoder_and_staged_value_bit_identical_to_the_reference():
     v = _encoder_probe_values()
     v_all = v.to(DEV)
     g = torch.Generator().manual_seed(9)
-    r = torch.randint(0, 2**16, (v_all.numel(),), generator=g, dtype=torch.int32)
+    one = 2**SR_BITS
+    r = torch.randint(0, one, (v_all.numel(),), generator=g, dtype=torch.int32)
     a = v.abs().clamp(max=6.0).double()
     step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
-    steps = torch.round((a / step - torch.floor(a / step)) * 2**16).int()  # the fraction in 2⁻¹⁶, as the reference
-    r[::3] = (2**16 - steps[::3]).clamp(max=2**16 - 1)  # the smallest bits that round up
-    r[1::3] = (2**16 - 1 - steps[1::3]).clamp(min=0)  # the largest that stay down
+    steps = torch.round((a / step - torch.floor(a / step)) * one).int()  # the fraction in 2⁻⁸, as the reference
+    r[::3] = (one - steps[::3]).clamp(max=one - 1)  # the smallest bits that round up
+    r[1::3] = (one - 1 - steps[1::3]).clamp(min=0)  # the largest that stay down
     u = r.to(DEV)
     codes, sr = (torch.empty(v_all.numel(), dtype=torch.uint8, device=DEV) for _ in range(2))
     staged, sr_staged = (torch.empty(v_all.numel(), dtype=torch.float32, device=DEV) for _ in range(2))

@@ -188,29 +188,29 @@ def e2m1_staged(v, e32):
 @triton.jit
 def e2m1_stochastic_code(v, r):
     """Twin of formats.e2m1_encode_stochastic for non-NaN v (NaN: any code; callers mask non-finite
-    blocks) and 16 random bits r (int32 in [0, 2¹⁶)), as uint8 (e2m1_stochastic_nibble)."""
+    blocks) and 8 random bits r (int32 in [0, 2⁸)), as uint8 (e2m1_stochastic_nibble)."""
     return e2m1_stochastic_nibble(v, r).to(tl.uint8)
 
 
 @triton.jit
 def e2m1_stochastic_nibble(v, r):
     """e2m1_stochastic_code as an int32 holding 0-15 (as e2m1_nibble): the k grid steps of
-    _stochastic_bits sit in bits 16-18 of its word, and the code is k + 2R, R the range of p."""
+    _stochastic_bits sit in bits 8-10 of its word, and the code is k + 2R, R the range of p."""
     f, p = _stochastic_bits(v, r)
-    return (((f >> 16) & 7) + (p >> 22) - 254) | (v.to(tl.int32, bitcast=True) >> 28) & 8
+    return (((f >> 8) & 7) + (p >> 22) - 254) | (v.to(tl.int32, bitcast=True) >> 28) & 8
 
 
 @triton.jit
 def _stochastic_bits(v, r):
     """(f, p): |v| (saturated at 6) rounded stochastically on its E2M1 grid, as the fp32 bits f of
-    c + k·step with c = 2⁷·step, p the bits of the range's 2^R (the step is 2^R / 2). Adding c to a
-    fixes a in units of step·2⁻¹⁶ (nearest-even: the reference's F = rne(2¹⁶·frac)); adding the
-    random r and clearing the low 16 bits then rounds up exactly when F + r ≥ 2¹⁶, with probability
-    F / 2¹⁶. Four integer and two float instructions, no compares."""
+    c + k·step with c = 2¹⁵·step, p the bits of the range's 2^R (the step is 2^R / 2). Adding c to a
+    fixes a in units of step·2⁻⁸ (nearest-even: the reference's F = rne(2⁸·frac)); adding the
+    random r and clearing the low 8 bits then rounds up exactly when F + r ≥ 2⁸, with probability
+    F / 2⁸. Four integer and two float instructions, no compares."""
     a = tl.minimum(tl.abs(v), 6.0)
     p = _range_bits(a)
-    f = (a + p.to(tl.float32, bitcast=True) * 64.0).to(tl.int32, bitcast=True)  # p·64 exact: one FFMA
-    return (f + r) & -65536, p
+    f = (a + p.to(tl.float32, bitcast=True) * 16384.0).to(tl.int32, bitcast=True)  # p·2¹⁴ exact: one FFMA
+    return (f + r) & -256, p
 
 
 @triton.jit
@@ -218,7 +218,7 @@ def e2m1_stochastic_staged(v, r, e32):
     """q·e_b as fp32 for q = e2m1_stochastic_code(v, r) (as e2m1_staged for nearest-even). Exact:
     f - c is k·step, both in one binade."""
     f, p = _stochastic_bits(v, r)
-    g = f.to(tl.float32, bitcast=True) - p.to(tl.float32, bitcast=True) * 64.0
+    g = f.to(tl.float32, bitcast=True) - p.to(tl.float32, bitcast=True) * 16384.0
     return _with_sign_of(g, v) * e32
 
 
@@ -278,12 +278,17 @@ def amax16(xs):
 
 
 @triton.jit
-def random16x8(seed, counter):
-    """8 tiles of 16 random bits each (int32 in [0, 2¹⁶)) from one Philox call at ``counter``, which
-    must be unique per tile element and call: the low and high halves of its four words. Drawn next
-    to their use, 8 at a time, so that 16 tiles of them are never live at once."""
-    r0, r1, r2, r3 = philox4x32(seed, counter)
-    return (_lo16(r0), _hi16(r0), _lo16(r1), _hi16(r1), _lo16(r2), _hi16(r2), _lo16(r3), _hi16(r3))
+def random8x16(seed, counter):
+    """16 tiles of 8 random bits each (int32 in [0, 2⁸)) from one Philox call at ``counter``, which
+    must be unique per tile element: the four bytes of each of its four words, low byte first. Eight
+    bits per element is what Blackwell's cvt.rs.satfinite.e2m1x4.f32 takes (one 32-bit word for four
+    values)."""
+    words = philox4x32(seed, counter)
+    out = ()
+    for w in tl.static_range(4):
+        r = words[w].to(tl.int32, bitcast=True)
+        out = out + (r & 0xFF, (r >> 8) & 0xFF, (r >> 16) & 0xFF, (r.to(tl.uint32, bitcast=True) >> 24).to(tl.int32))
+    return out
 
 
 @triton.jit
@@ -315,25 +320,13 @@ def _mul_wide(c, m: tl.constexpr):
 
 
 @triton.jit
-def _lo16(r):
-    """Bits 0-15 of a Philox word, as an int32 in [0, 2¹⁶)."""
-    return r.to(tl.int32, bitcast=True) & 0xFFFF
-
-
-@triton.jit
-def _hi16(r):
-    """Bits 16-31 of a Philox word, as an int32 in [0, 2¹⁶)."""
-    return (r.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
-
-
-@triton.jit
 def quantize_slices16(xs, s_enc, STOCHASTIC: tl.constexpr, seed, counter, STAGED: tl.constexpr = False,
                       FOUR_SIX: tl.constexpr = False):
     """NVFP4 of 16-element blocks laid out across a 16-tuple of tiles (tile i = element i of each
     block): (out, e4m3 scales, one per tile element). out is 2 int32 tiles, the packed codes of
     elements 0-7 and 8-15 of each block (nibble_word), or with STAGED the 16 tiles of the GEMM's fp16
-    values q·e_b (the decoded codes times e_b). Stochastic draws come from Philox at 2·counter and
-    2·counter + 1 (random16x8), ``counter`` unique per block. Codes of a non-finite block are 0 (the
+    values q·e_b (the decoded codes times e_b). Stochastic draws: one Philox call per block at
+    ``counter`` (random8x16, a byte per element), ``counter`` unique per block. Codes of a non-finite block are 0 (the
     reference's NaN·r). FOUR_SIX: block scales by Four Over Six (s_enc must then be the FOUR_SIX
     tensor scale)."""
     if FOUR_SIX:
@@ -347,15 +340,15 @@ def quantize_slices16(xs, s_enc, STOCHASTIC: tl.constexpr, seed, counter, STAGED
     keep = tl.where(finite, -1, 0)  # a whole word of codes at once
     e32 = e.to(tl.float32)
     out = ()
+    if STOCHASTIC:
+        us = random8x16(seed, counter)
     for h in tl.static_range(2):
-        if STOCHASTIC:
-            us = random16x8(seed, counter * 2 + h)
         ns = ()
         for i in tl.static_range(8):
             if STOCHASTIC and STAGED:
-                out = out + (e2m1_stochastic_staged(xs[8 * h + i] * r, us[i], e32).to(tl.float16),)
+                out = out + (e2m1_stochastic_staged(xs[8 * h + i] * r, us[8 * h + i], e32).to(tl.float16),)
             elif STOCHASTIC:
-                ns = ns + (e2m1_stochastic_nibble(xs[8 * h + i] * r, us[i]),)
+                ns = ns + (e2m1_stochastic_nibble(xs[8 * h + i] * r, us[8 * h + i]),)
             elif STAGED:
                 out = out + (e2m1_staged(xs[8 * h + i] * r, e32).to(tl.float16),)
             else:

@@ -46,17 +46,19 @@ def _sign_bit(v: torch.Tensor) -> torch.Tensor:
     return (torch.signbit(v) & ~torch.isnan(v)).to(torch.uint8)
 
 
-#: Random bits per stochastically rounded element.
-SR_BITS = 16
+#: Random bits per stochastically rounded element: 8, as Blackwell's cvt.rs.satfinite.e2m1x4.f32
+#: takes them (one 32-bit word of random bits for four values) and Transformer Engine feeds it.
+SR_BITS = 8
 
 
 def e2m1_encode_stochastic(v: torch.Tensor, rbits: torch.Tensor) -> torch.Tensor:
-    """Stochastically round fp32 values to E2M1 codes: up with probability F / 2¹⁶, where F is the
-    distance from the lower grid neighbour over the gap in units of 2⁻¹⁶, rounded to nearest even.
-    So E[decode(code)] = v within 2⁻¹⁷ of a gap for |v| <= 6 (unbiased to that resolution).
+    """Stochastically round fp32 values to E2M1 codes: up with probability F / 2⁸, where F is the
+    distance from the lower grid neighbour over the gap in units of 2⁻⁸, rounded to nearest even.
+    So E[decode(code)] = v within 2⁻⁹ of a gap for |v| <= 6 (unbiased to that resolution, and
+    without a systematic direction: the error of F is nearest-even, not truncation).
 
-    ``rbits`` holds independent random integers in [0, 2¹⁶), one per element; the value rounds up
-    when F + rbits >= 2¹⁶. Saturates at ±6; NaN gives +0.
+    ``rbits`` holds independent random integers in [0, 2⁸), one per element; the value rounds up
+    when F + rbits >= 2⁸. Saturates at ±6; NaN gives +0.
     """
     v = v.float()
     a = v.abs().clamp(max=F4_E2M1_MAX)
