@@ -326,9 +326,9 @@ def quantize_slices16(xs, s_enc, STOCHASTIC: tl.constexpr, seed, counter, STAGED
     block): (out, e4m3 scales, one per tile element). out is 2 int32 tiles, the packed codes of
     elements 0-7 and 8-15 of each block (nibble_word), or with STAGED the 16 tiles of the GEMM's fp16
     values q·e_b (the decoded codes times e_b). Stochastic draws: one Philox call per block at
-    ``counter`` (random8x16, a byte per element), ``counter`` unique per block. Codes of a non-finite block are 0 (the
-    reference's NaN·r). FOUR_SIX: block scales by Four Over Six (s_enc must then be the FOUR_SIX
-    tensor scale)."""
+    ``counter`` (unique per block), a byte per element (random8x16). Codes of a non-finite block are
+    0 (the reference's NaN·r). FOUR_SIX: block scales by Four Over Six (s_enc must then be the
+    FOUR_SIX tensor scale)."""
     if FOUR_SIX:
         e, r = four_six_scales16(xs, amax16(xs).to(tl.float32), s_enc)
     else:
