@@ -515,30 +515,35 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
                 ROW=True, COL=False, RHT=False, GROUPED=grouped)
     elif amax is not None:
         buf.copy_(_amax_bits(torch.as_tensor(amax, dtype=torch.float32, device=dev).reshape(experts)))
-    d = torch.empty((N, K // 2), dtype=torch.uint8, device=dev)
-    s = torch.empty((N // 16, K // 16), dtype=torch.float8_e4m3fn, device=dev)
     d_rows, d_expert = N // experts, (N // experts) * K
-    if staged and staged_into is not None:
+    if not staged:  # codes and scales of W (staged values need no scales: S stays empty)
+        d = torch.empty((N, K // 2), dtype=torch.uint8, device=dev)
+        s = torch.empty((N // 16, K // 16), dtype=torch.float8_e4m3fn, device=dev)
+    elif staged_into is None:
+        d, s = torch.empty((N, K), dtype=torch.float16, device=dev), _no_scales(dev)
+    else:
         d, rows = staged_into
         if (d.dtype != torch.float16 or d.stride(1) != 1 or d.stride(0) != K or rows < N // experts
                 or d.shape[0] < (experts - 1) * rows + N // experts):
             raise ValueError(f"quantize_weight_2d: staged_into must be a row-major fp16 buffer of {K} columns "
                              f"holding {experts} experts of at least {N // experts} rows every {rows} rows, got "
                              f"{tuple(d.shape)} {d.dtype}")
-        s, d_expert = s.new_empty((0,)), rows * K
-    elif staged:
-        d, s = torch.empty((N, K), dtype=torch.float16, device=dev), s.new_empty((0,))
+        s, d_expert = _no_scales(dev), rows * K
     dt = torch.empty((K, N // 2) if emit_transpose else (0,), dtype=torch.uint8, device=dev)
     st = torch.empty((K // 16, N // 16) if emit_transpose else (0,), dtype=torch.float8_e4m3fn, device=dev)
     if N > 0:
         _launch(_quantize_2d_kernel, _quantize_2d_autotuned, w, N, K,
                 w, N, K, w.stride(0), w.stride(1), buf, gs, d, s, dt if emit_transpose else d,
                 st if emit_transpose else s, bexp, experts, d_rows, d_expert, EMIT_T=emit_transpose, GROUPED=grouped,
-                EMIT_F16=staged,
-                NSP2=triton.next_power_of_2(experts), FOUR_SIX=four_six)
+                EMIT_F16=staged, NSP2=triton.next_power_of_2(experts), FOUR_SIX=four_six)
     else:
         gs.copy_(torch.reciprocal(global_encode_scale(buf.view(torch.float32), four_six)))
     return d, s, dt, st, gs
+
+
+def _no_scales(dev) -> torch.Tensor:
+    """The empty scale tensor of a staged operand (its fp16 values carry their block scales)."""
+    return torch.empty((0,), dtype=torch.float8_e4m3fn, device=dev)
 
 
 def expert_amax_tensors(w: torch.Tensor, experts: int) -> torch.Tensor:
