@@ -1,9 +1,15 @@
 """16×16 weight quantization alone, replayed from a CUDA graph, against a device copy in the same run.
 
     python benchmarks/weight_quant_bench.py [--n 14336 --k 4096] [--configs 2x64x1,1x256x2]
+    python benchmarks/weight_quant_bench.py --experts 64 --n 1408 --k 2048 [--configs 2x128x4,...]
 
 ``--configs``: also time ``_quantize_2d_kernel`` itself, as a training step runs it (W staged in fp16
 plus Wᵀ codes, amax given), at each GxBKxWARPS tile config, with its registers.
+
+``--experts E``: E stacked expert weights [E·n, k] as MoE training quantizes them (staged W, Wᵀ codes, one
+tensor scale per expert): the amax pass followed by the quantization, against the fused kernel that
+reduces each expert's amax in the same launch (checked bit for bit against the first); ``--configs``
+then sweeps the fused kernel's tiles (GxBKxWARPS[xPROGRAMS_PER_SM]).
 
 Bytes counted as in bench_kernels.py: the bf16 weight read, W and Wᵀ codes written, the scales (and the
 amax pass's read when the amax is not given).
@@ -26,7 +32,10 @@ def main() -> None:
     p.add_argument("--n", type=int, default=14336)
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--configs", help="comma-separated GxBKxWARPS tiles of the kernel to time (module docstring)")
+    p.add_argument("--experts", type=int, default=0)
     args = p.parse_args()
+    if args.experts:
+        return _experts(args)
     w = torch.randn(args.n, args.k, device="cuda", dtype=torch.bfloat16)
     amax = w.abs().amax().float()
     nw = w.numel()
@@ -70,6 +79,54 @@ def _sweep(w: torch.Tensor, amax: torch.Tensor, configs, copy_bw: float) -> None
         ms = triton.testing.do_bench_cudagraph(run, rep=50)
         print(f"| {g} | {bk} | {wp} | {ms:.4f} | {nbytes / (ms * 1e-3) / copy_bw:.0%} | {k.n_regs} | {k.n_spills} |",
               flush=True)
+
+
+def _experts(args) -> None:
+    """--experts: the two-pass and the fused per-expert quantization (module docstring)."""
+    E, n, k = args.experts, args.n, args.k
+    w = torch.randn(E * n, k, device="cuda", dtype=torch.bfloat16) * torch.rand(E, 1, 1, device="cuda").repeat_interleave(
+        n, 0).reshape(E * n, 1)
+    nw = w.numel()
+    dst = torch.empty_like(w)
+    copy_ms = triton.testing.do_bench_cudagraph(lambda: dst.copy_(w), rep=50)
+    copy_bw = 2 * 2 * nw / (copy_ms * 1e-3)
+    print(f"copy ceiling {copy_bw / 1e12:.2f} TB/s ({copy_ms:.3f} ms for {2 * nw / 2**20:.0f} MiB); "
+          f"{E} experts of {n}x{k}")
+
+    def two_pass():
+        return q.quantize_weight_2d_tensors(w, q.expert_amax_tensors(w, E), experts=E, staged=True)
+
+    def fused():
+        return q.quantize_weight_2d_tensors(w, experts=E, staged=True)
+
+    a, b = two_pass(), fused()
+    same = all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) if x.dtype == torch.float8_e4m3fn
+               else torch.equal(x, y) for x, y in zip(a, b))
+    print(f"fused == two passes, bit for bit: {same}")
+    nbytes = 2 * nw + 2 * nw + nw // 2 + nw // 256  # W read once, staged fp16 + Wᵀ codes + scales written
+    print("| per-expert weights (W staged + Wᵀ codes) | graph ms | of copy (one read of W) |")
+    print("| --- | ---: | ---: |")
+    for name, fn in (("amax pass + quantization", two_pass), ("fused amax + quantization", fused),
+                     ("quantization alone, amax given", lambda: q.quantize_weight_2d_tensors(
+                         w, a[4], experts=E, staged=True))):
+        ms = triton.testing.do_bench_cudagraph(fn, rep=50)
+        print(f"| {name} | {ms:.4f} | {nbytes / (ms * 1e-3) / copy_bw:.0%} |", flush=True)
+    if args.configs:
+        print("\n| fused G | BK | warps | programs/SM | graph ms | of copy | same bits |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        saved = dict(q._FUSED_2D), q._ordered_grid
+        for c in args.configs.split(","):
+            g, bk, wp, *per = (int(v) for v in c.split("x"))
+            q._FUSED_2D.update(G=g, BK=bk, num_warps=wp)
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            q._ordered_grid = lambda x, t, per=(per[0] if per else 8): max(1, min(t, per * sms))
+            out = fused()
+            ok = torch.equal(out[0], a[0]) and torch.equal(out[2], a[2])
+            ms = triton.testing.do_bench_cudagraph(fused, rep=50)
+            print(f"| {g} | {bk} | {wp} | {per[0] if per else 8} | {ms:.4f} | {nbytes / (ms * 1e-3) / copy_bw:.0%} "
+                  f"| {ok} |", flush=True)
+        q._FUSED_2D.update(saved[0])
+        q._ordered_grid = saved[1]
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ def test_key_separates_what_triton_specializes_on(monkeypatch):
     assert la._key((x, 2**31 + 16, 48), {"FLAG": True}) != k  # 64-bit int
     assert la._key((x, 32, 48), {"FLAG": False}) != k  # constexpr values
     assert la._key((x, 32, 48), {"FLAG": True, "num_warps": 4}) != k  # launch options
+    assert la._key((x, 32, 48), {"FLAG": True, "num_warps": 2}) != la._key((x, 32, 48), {"FLAG": True, "num_warps": 4})
 
 
 def test_key_holds_constexpr_ints_by_value(monkeypatch):

@@ -34,6 +34,7 @@ ENABLED = os.environ.get("TITAN_NVFP4_TRITON_LAUNCH", "0") in ("", "0")
 CHECK = os.environ.get("TITAN_NVFP4_LAUNCH_CHECK", "0") not in ("", "0")
 
 _INT32 = (-2**31, 2**31)
+_OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg"))
 _TENSORS = (torch.Tensor, torch.nn.Parameter)
 _current_device = torch.cuda.current_device
 _raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
@@ -92,8 +93,8 @@ class Launcher:
     def _key(self, args, kwargs):
         key = [_current_device()]
         key += [_const(a) if name in self.constexprs else _spec(a) for name, a in zip(self.names, args)]
-        for k in sorted(kwargs):
-            key += (k, _const(kwargs[k]) if k in self.constexprs else _spec(kwargs[k]))
+        for k in sorted(kwargs):  # launch options (num_warps, ...) are compiled in: keyed by value too
+            key += (k, _const(kwargs[k]) if k in self.constexprs or k in _OPTIONS else _spec(kwargs[k]))
         if self.tune_keys:  # the autotuner keys on these values exactly (shapes, flags)
             pos = dict(zip(self.names, args))
             key += [pos[k] if k in pos else kwargs.get(k) for k in self.tune_keys]

@@ -204,17 +204,95 @@ def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, 
     each D_ROWS-row expert at D + expert·D_EXPERT + r·K (D_EXPERT = D_ROWS·K: plain [N, K]; larger:
     into every expert's slice of a wider buffer, see quantize_expert_pair).
     FOUR_SIX: Four Over Six tile scales, the error summed over each tile's 256 elements (int32, exact)."""
-    blk = tl.program_id(0) * G + tl.arange(0, G)
-    rk = tl.program_id(1) * BK + tl.arange(0, BK)
-    ws = _load16(W, blk, rk, N, K, swn, swk, AS_LOADED=not FOUR_SIX)
     _store_decode_scales(GS, AMAX, NSLOT, NSP2, FOUR_SIX)
-    s = _encode_scale(AMAX, BEXP, blk, N // 16, GROUPED, FOUR_SIX)
+    _quantize_2d_tile(W, tl.program_id(0) * G, tl.program_id(1), N // 16, N, K, swn, swk, AMAX, BEXP, D, S, DT, ST,
+                      D_ROWS, D_EXPERT, EMIT_T, GROUPED, EMIT_F16, G, BK, FOUR_SIX)
+
+
+@triton.jit
+def _quantize_2d_fused_kernel(W, K, swn, swk, AMAX, GS, D, S, DT, ST, NSLOT, D_ROWS, D_EXPERT,
+                              EMIT_T: tl.constexpr, EMIT_F16: tl.constexpr, G: tl.constexpr, BK: tl.constexpr,
+                              FOUR_SIX: tl.constexpr = False):
+    """_quantize_2d_kernel (GROUPED) for NSLOT stacked experts of D_ROWS rows whose amaxes are reduced
+    in the same launch, so that the second read of each expert comes from L2 rather than HBM. AMAX
+    holds NSLOT amax slots, NSLOT tile counters and a ticket counter, all zero at launch. Programs
+    take tiles by ticket (ordered_tiles); an amax tile folds |W| into its expert's slot and counts
+    itself done, a quantization tile first waits until every amax tile of its expert is done. Every
+    ticket's dependencies hold earlier tickets, which running programs hold: no deadlock whatever the
+    grid, and the CPU interpreter (one program after another) runs them in order."""
+    bpe = D_ROWS // 16
+    ct = tl.cdiv(K, BK)
+    tpe = tl.cdiv(bpe, G) * ct
+    DONE = AMAX + NSLOT
+    t = tl.atomic_add(AMAX + 2 * NSLOT, 1, sem="relaxed")
+    while t < 2 * NSLOT * tpe:
+        e, loc, quant = ordered_tiles(t, tpe, NSLOT)
+        b0 = e * bpe + (loc // ct) * G
+        if quant:
+            wait_count(DONE + e, tpe)
+            if loc == 0:
+                s_enc = _jit_global_scale(tl.load(AMAX + e).to(tl.float32, bitcast=True), FOUR_SIX)
+                tl.store(GS + e, tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc))
+            _quantize_2d_tile(W, b0, loc % ct, (e + 1) * bpe, NSLOT * D_ROWS, K, swn, swk, AMAX + e, AMAX, D, S, DT,
+                              ST, D_ROWS, D_EXPERT, EMIT_T, False, EMIT_F16, G, BK, FOUR_SIX)
+        else:
+            blk = b0 + tl.arange(0, G)
+            rk = (loc % ct) * BK + tl.arange(0, BK)
+            ws = _load16(W, blk, rk, (e + 1) * D_ROWS, K, swn, swk)  # fp32: the interpreter's bf16 max drops NaN
+            m = tl.max(tl.max(amax16(ws), axis=1), axis=0).to(tl.float32)
+            tl.atomic_max(AMAX + e, m.to(tl.int32, bitcast=True), sem="relaxed")
+            count_done(DONE + e)
+        t = tl.atomic_add(AMAX + 2 * NSLOT, 1, sem="relaxed")
+
+
+@triton.jit
+def ordered_tiles(t, tpe, E):
+    """Ticket t -> (expert e, tile within it, whether it quantizes) in the order A0 | A1 Q0 | A2 Q1 | ...
+    | A(E-1) Q(E-2) | Q(E-1), A(e) the tpe amax tiles of expert e and Q(e) its tpe quantization tiles:
+    each expert's amax tiles come one expert's tiles before its quantization tiles (whose reads then
+    hit L2), and before them in ticket order (what the fused kernels' waits need)."""
+    p = t + tpe * (t >= tpe).to(tl.int32) + tpe * (t >= (2 * E - 1) * tpe).to(tl.int32)
+    j = p // (2 * tpe)
+    r = p % (2 * tpe)
+    quant = r >= tpe
+    return tl.where(quant, j - 1, j), tl.where(quant, r - tpe, r), quant
+
+
+@triton.jit
+def count_done(DONE):
+    """Count one finished tile at DONE, after (in memory order, for every thread of the program) the
+    atomics that published its result."""
+    tl.debug_barrier()
+    tl.atomic_add(DONE, 1, sem="release")
+
+
+@triton.jit
+def wait_count(DONE, n):
+    """Spin until the counter at DONE reaches n; acquire, so that what the counted tiles published
+    before counting themselves (count_done) is visible to the whole program afterwards."""
+    c = tl.atomic_add(DONE, 0, sem="acquire")
+    while c < n:
+        c = tl.atomic_add(DONE, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _quantize_2d_tile(W, b0, t1, nblk, N, K, swn, swk, AMAX, BEXP, D, S, DT, ST, D_ROWS, D_EXPERT,
+                      EMIT_T: tl.constexpr, GROUPED: tl.constexpr, EMIT_F16: tl.constexpr, G: tl.constexpr,
+                      BK: tl.constexpr, FOUR_SIX: tl.constexpr):
+    """One program's tile of _quantize_2d_kernel for W [N, K]: the G 16-row blocks from block b0 (those
+    at or past block nblk are left to other tiles) and column tile t1 of BK columns; the tensor scale
+    from AMAX as _encode_scale reads it."""
+    blk = b0 + tl.arange(0, G)
+    rk = t1 * BK + tl.arange(0, BK)
+    ws = _load16(W, blk, rk, nblk * 16, K, swn, swk, AS_LOADED=not FOUR_SIX)
+    s = _encode_scale(AMAX, BEXP, blk, nblk, GROUPED, FOUR_SIX)
     bamax = tl.max(tl.reshape(amax16(ws), (G, BK // 16, 16)), axis=2).to(tl.float32)
     if FOUR_SIX:
         e, r = _four_six_tiles(ws, bamax, s, G, BK)
     else:
         e, r = block_scales(bamax, s)  # [G, BK/16]
-    rk2 = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
+    rk2 = t1 * (BK // 2) + tl.arange(0, BK // 2)
     # per element: e_b (for the staged values) and the code mask of non-finite blocks (r is NaN there)
     e32 = tl.reshape(tl.broadcast_to(e.to(tl.float32)[:, :, None], (G, BK // 16, 16)), (G, BK))
     keep = tl.reshape(tl.broadcast_to(tl.where(r == r, -1, 0)[:, :, None], (G, BK // 16, 16)), (G, BK))
@@ -234,20 +312,20 @@ def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, 
         row = (blk * 16 + i)[:, None]
         if EMIT_F16:
             tl.store(D + (d_row0 + i * K)[:, None] + rk[None, :], e2m1_staged(y, e32).to(tl.float16),
-                     mask=(row < N) & (rk < K)[None, :])
+                     mask=(row < nblk * 16) & (rk < K)[None, :])
         else:
             tl.store(D + row.to(tl.int64) * (K // 2) + rk2[None, :], pack_pairs((c & keep).to(tl.uint8), G, BK),
-                     mask=(row < N) & (rk2 < K // 2)[None, :])
-    rk16 = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
-    smask = (blk < N // 16)[:, None] & (rk16 < K // 16)[None, :]
+                     mask=(row < nblk * 16) & (rk2 < K // 2)[None, :])
+    rk16 = t1 * (BK // 16) + tl.arange(0, BK // 16)
+    smask = (blk < nblk)[:, None] & (rk16 < K // 16)[None, :]
     if not EMIT_F16:
         tl.store(S + blk[:, None] * (K // 16) + rk16[None, :], e, mask=smask)
     if EMIT_T:
         tl.store(ST + rk16[None, :] * (N // 16) + blk[:, None], e, mask=smask)
         words = words_along_slices(lo & keep, hi & keep)  # Wᵀ's rows hold W's columns; non-finite tiles 0
-        rw = tl.program_id(0) * (2 * G) + tl.arange(0, 2 * G)
+        rw = b0 * 2 + tl.arange(0, 2 * G)
         tl.store(DT.to(tl.pointer_type(tl.int32)) + rk[:, None].to(tl.int64) * (N // 8) + rw[None, :], words,
-                 mask=(rk < K)[:, None] & (rw < N // 8)[None, :])
+                 mask=(rk < K)[:, None] & (rw < nblk * 2)[None, :])
 
 
 @triton.jit
@@ -323,6 +401,24 @@ def _launch(kernel, tuned_kernel, x: torch.Tensor, rows: int, cols: int, *args, 
     else:
         launch(kernel, (triton.cdiv(rows, 16 * G_Q), triton.cdiv(cols, BK_Q)), *args, **flags, G=G_Q, BK=BK_Q,
                num_warps=1)
+
+
+#: Tiles of _quantize_2d_fused_kernel on a GPU: the 16×16 weight kernel's first tuned config.
+_FUSED_2D = {"G": 2, "BK": 128, "num_warps": 4}
+
+
+def _ordered_grid(x: torch.Tensor, tickets: int) -> int:
+    """Programs of a kernel that takes its tiles by ticket (ordered_tiles): enough to fill the GPU
+    (more only queue, find no ticket left and exit), and a few in the interpreter, which runs them
+    one after another."""
+    if not x.is_cuda:
+        return max(1, min(tickets, 3))
+    return max(1, min(tickets, 8 * _sm_count(x.device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # ----------------------------------------------------------------------------------------------- launchers
@@ -508,9 +604,12 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
     dev = w.device
     grouped = experts > 1
     bexp = _expert_blocks(experts, N // 16 // experts, dev) if grouped else _placeholder(dev)
-    buf = torch.zeros(experts, dtype=torch.int32, device=dev)  # fp32 bits of the amaxes
+    # stacked experts reduce their amaxes in the quantizing launch (_quantize_2d_fused_kernel), whose
+    # buffer also holds its tile counters and ticket
+    fused = grouped and amax is None and N > 0
+    buf = torch.zeros(2 * experts + 1 if fused else experts, dtype=torch.int32, device=dev)  # fp32 bits of the amaxes
     gs = torch.empty(experts, dtype=torch.float32, device=dev)
-    if amax is None and N > 0:
+    if amax is None and N > 0 and not fused:
         _launch(_amax_kernel, _amax_autotuned, w, N, K, w, N, K, w.stride(0), w.stride(1), buf, buf, bexp, experts,
                 ROW=True, COL=False, RHT=False, GROUPED=grouped)
     elif amax is not None:
@@ -531,7 +630,13 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
         s, d_expert = _no_scales(dev), rows * K
     dt = torch.empty((K, N // 2) if emit_transpose else (0,), dtype=torch.uint8, device=dev)
     st = torch.empty((K // 16, N // 16) if emit_transpose else (0,), dtype=torch.float8_e4m3fn, device=dev)
-    if N > 0:
+    if fused:
+        g, bk, warps = (_FUSED_2D["G"], _FUSED_2D["BK"], _FUSED_2D["num_warps"]) if w.is_cuda else (G_Q, BK_Q, 1)
+        tiles = experts * triton.cdiv(N // experts // 16, g) * triton.cdiv(K, bk)
+        launch(_quantize_2d_fused_kernel, (_ordered_grid(w, 2 * tiles),), w, K, w.stride(0), w.stride(1), buf, gs, d,
+               s, dt if emit_transpose else d, st if emit_transpose else s, experts, d_rows, d_expert,
+               EMIT_T=emit_transpose, EMIT_F16=staged, G=g, BK=bk, FOUR_SIX=four_six, num_warps=warps)
+    elif N > 0:
         _launch(_quantize_2d_kernel, _quantize_2d_autotuned, w, N, K,
                 w, N, K, w.stride(0), w.stride(1), buf, gs, d, s, dt if emit_transpose else d,
                 st if emit_transpose else s, bexp, experts, d_rows, d_expert, EMIT_T=emit_transpose, GROUPED=grouped,
