@@ -9,7 +9,7 @@ plus Wᵀ codes, amax given), at each GxBKxWARPS tile config, with its registers
 ``--experts E``: E stacked expert weights [E·n, k] as MoE training quantizes them (staged W, Wᵀ codes, one
 tensor scale per expert): the amax pass followed by the quantization, against the fused kernel that
 reduces each expert's amax in the same launch (checked bit for bit against the first); ``--configs``
-then sweeps the fused kernel's tiles (GxBKxWARPS[xPROGRAMS_PER_SM]).
+then sweeps the fused kernel's tiles, GxBKxWARPS[xLEAD[xSPAN]] (LEAD and SPAN: see _quantize_2d_fused_kernel).
 
 Bytes counted as in bench_kernels.py: the bf16 weight read, W and Wᵀ codes written, the scales (and the
 amax pass's read when the amax is not given).
@@ -23,7 +23,7 @@ import torch
 import triton
 
 from titan_nvfp4.kernels import quantize as q
-from titan_nvfp4.kernels.launch import tune_bucket
+from titan_nvfp4.kernels.launch import launcher, tune_bucket
 from titan_nvfp4.kernels.quantize import quantize_weight_2d
 
 
@@ -84,8 +84,7 @@ def _sweep(w: torch.Tensor, amax: torch.Tensor, configs, copy_bw: float) -> None
 def _experts(args) -> None:
     """--experts: the two-pass and the fused per-expert quantization (module docstring)."""
     E, n, k = args.experts, args.n, args.k
-    w = torch.randn(E * n, k, device="cuda", dtype=torch.bfloat16) * torch.rand(E, 1, 1, device="cuda").repeat_interleave(
-        n, 0).reshape(E * n, 1)
+    w = (torch.randn(E, n, k, device="cuda") * torch.rand(E, 1, 1, device="cuda")).reshape(E * n, k).to(torch.bfloat16)
     nw = w.numel()
     dst = torch.empty_like(w)
     copy_ms = triton.testing.do_bench_cudagraph(lambda: dst.copy_(w), rep=50)
@@ -112,21 +111,21 @@ def _experts(args) -> None:
         ms = triton.testing.do_bench_cudagraph(fn, rep=50)
         print(f"| {name} | {ms:.4f} | {nbytes / (ms * 1e-3) / copy_bw:.0%} |", flush=True)
     if args.configs:
-        print("\n| fused G | BK | warps | programs/SM | graph ms | of copy | same bits |")
-        print("| ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-        saved = dict(q._FUSED_2D), q._ordered_grid
+        print("\n| fused G | BK | warps | lead | span | graph ms | of copy | same bits | regs |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+        saved = dict(q._FUSED_2D)
         for c in args.configs.split(","):
-            g, bk, wp, *per = (int(v) for v in c.split("x"))
-            q._FUSED_2D.update(G=g, BK=bk, num_warps=wp)
-            sms = torch.cuda.get_device_properties(0).multi_processor_count
-            q._ordered_grid = lambda x, t, per=(per[0] if per else 8): max(1, min(t, per * sms))
+            g, bk, wp, *rest = (int(v) for v in c.split("x"))
+            lead = rest[0] if rest else 1
+            span = rest[1] if len(rest) > 1 else 1
+            q._FUSED_2D.update(G=g, BK=bk, num_warps=wp, LEAD=lead, SPAN=span)
             out = fused()
             ok = torch.equal(out[0], a[0]) and torch.equal(out[2], a[2])
             ms = triton.testing.do_bench_cudagraph(fused, rep=50)
-            print(f"| {g} | {bk} | {wp} | {per[0] if per else 8} | {ms:.4f} | {nbytes / (ms * 1e-3) / copy_bw:.0%} "
-                  f"| {ok} |", flush=True)
-        q._FUSED_2D.update(saved[0])
-        q._ordered_grid = saved[1]
+            kern = list(launcher(q._quantize_2d_fused_kernel).cache.values())[-1].kernel
+            print(f"| {g} | {bk} | {wp} | {lead} | {span} | {ms:.4f} | {nbytes / (ms * 1e-3) / copy_bw:.0%} | {ok} | "
+                  f"{kern.n_regs} |", flush=True)
+        q._FUSED_2D.update(saved)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from titan_nvfp4.kernels.gemm import nvfp4_gemm_triton
 from titan_nvfp4.kernels.nvfp4_jit import (e2m1_code, e2m1_staged, e2m1_stochastic_code, e2m1_stochastic_staged,
                                            philox4x32)
 from titan_nvfp4.kernels.native import native_operands, swizzle_scales, unswizzle_scales
-from titan_nvfp4.kernels.quantize import quantize_operand, quantize_weight_2d
+from titan_nvfp4.kernels.quantize import ordered_tiles, quantize_operand, quantize_weight_2d
 from titan_nvfp4.numerics.formats import SR_BITS, e2m1_decode, e2m1_encode_rne, e2m1_encode_stochastic
 from titan_nvfp4.numerics.nvfp4 import NVFP4Tensor, quantize_nvfp4
 from titan_nvfp4.numerics.rht import rht_signs
@@ -247,13 +247,46 @@ def test_amax_and_weight_kernels_every_tile_config_bit_identical(kind):
         same_bits(NVFP4Tensor(dt, st, gs[0], torch.Size((K, N)), (16, 16)), ref_w.t(), f"W^T 16x16 {cfg}")
 
 
-@pytest.mark.parametrize("experts,n,k", [(3, 48, 80)] + ([(64, 1408, 2048), (16, 2048, 1408)] if GPU else []))
-def test_stacked_experts_fused_amax_kernel_bit_identical(experts, n, k):
+@triton.jit
+def _tile_order_kernel(OUT, n, ta, tq, E, LEAD: tl.constexpr):
+    for t in range(0, n):
+        e, loc, quant = ordered_tiles(t, ta, tq, E, LEAD)
+        tl.store(OUT + 3 * t, e)
+        tl.store(OUT + 3 * t + 1, loc)
+        tl.store(OUT + 3 * t + 2, quant.to(tl.int32))
+
+
+def test_fused_kernels_tile_order_covers_every_tile_after_its_amaxes():
+    """ordered_tiles, what the fused amax kernels' waits rely on: every amax and quantization tile of
+    every expert exactly once, each expert's amax tiles all before its first quantization tile, and
+    LEAD experts' amax tiles in between where there are that many."""
+    for E, ta, tq, lead in ((1, 1, 3, 1), (5, 1, 4, 1), (4, 2, 3, 0), (6, 3, 5, 2), (3, 2, 2, 5)):
+        n = E * (ta + tq)
+        out = torch.zeros(3 * n, dtype=torch.int32, device=DEV)
+        _tile_order_kernel[(1,)](out, n, ta, tq, E, LEAD=lead)
+        seq = [tuple(r) for r in out.view(-1, 3).tolist()]
+        assert sorted(seq) == sorted([(e, i, 0) for e in range(E) for i in range(ta)]
+                                     + [(e, i, 1) for e in range(E) for i in range(tq)]), (E, ta, tq, lead)
+        for e in range(E):
+            last_a = max(i for i, (x, _, q) in enumerate(seq) if x == e and not q)
+            first_q = min(i for i, (x, _, q) in enumerate(seq) if x == e and q)
+            assert last_a < first_q
+            ahead = {x for x, _, q in seq[last_a + 1:first_q] if not q}  # amax tiles of later experts between
+            assert len(ahead) == min(lead, E - 1 - e), (E, ta, tq, lead, e)
+
+
+@pytest.mark.parametrize("experts,n,k,span", [(3, 48, 80, 1), (3, 48, 80, 3)]
+                         + ([(64, 1408, 2048, 1), (16, 2048, 1408, 4)] if GPU else []))
+def test_stacked_experts_fused_amax_kernel_bit_identical(experts, n, k, span, monkeypatch):
     """Stacked expert weights with no amax given take _quantize_2d_fused_kernel (amaxes reduced in the
-    quantizing launch, tiles taken by ticket): each expert's codes, scales, Wᵀ codes and decode scale
-    equal the reference's on that expert alone, with an expert of zeros, one with a NaN and scales
-    2²⁰ apart; the staged fp16 W equals the two-pass path (amax pass, then the amaxes given)."""
+    quantizing launch, in the tile order of ordered_tiles; ``span`` quantization tiles per amax tile):
+    each expert's codes, scales, Wᵀ codes and decode scale equal the reference's on that expert alone,
+    with an expert of zeros, one with a NaN and scales 2²⁰ apart; the staged fp16 W equals the
+    two-pass path (amax pass, then the amaxes given)."""
+    from titan_nvfp4.kernels import launch as L
     from titan_nvfp4.kernels import quantize as q
+
+    monkeypatch.setitem(q._FUSED_2D, "SPAN", span)
 
     g = torch.Generator().manual_seed(7)
     scale = torch.logspace(-10, 10, experts, base=2.0)[torch.randperm(experts, generator=g)]
@@ -261,7 +294,7 @@ def test_stacked_experts_fused_amax_kernel_bit_identical(experts, n, k):
     w[0] = 0.0
     w[-1, n // 2, 3] = float("nan")
     w = w.reshape(experts * n, k).to(DEV)
-    launched = q.launcher(q._quantize_2d_fused_kernel).hits if GPU else None
+    launched = sum(L.stats().get("_quantize_2d_fused_kernel", (0, 0))) if GPU else None
     d, s, dt, st, gs = q.quantize_weight_2d_tensors(w, experts=experts)
     for e in range(experts) if experts < 8 else (0, 1, experts // 2, experts - 1):
         ref = quantize_nvfp4(w[e * n:(e + 1) * n].float(), block_shape=(16, 16))
@@ -275,7 +308,7 @@ def test_stacked_experts_fused_amax_kernel_bit_identical(experts, n, k):
     assert torch.equal(fused[0].view(torch.int16), two_pass[0].view(torch.int16))  # NaN-safe
     assert torch.equal(fused[2], two_pass[2]) and torch.equal(fused[4].view(torch.int32), two_pass[4].view(torch.int32))
     if GPU:
-        assert q.launcher(q._quantize_2d_fused_kernel).hits > launched  # the fused kernel ran (cached launch)
+        assert sum(L.stats()["_quantize_2d_fused_kernel"]) > launched  # the fused kernel ran (launch cache)
 
 
 def test_stochastic_rounding_reproducible_unbiased_and_neighbouring():

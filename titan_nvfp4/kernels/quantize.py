@@ -212,50 +212,57 @@ def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, 
 @triton.jit
 def _quantize_2d_fused_kernel(W, K, swn, swk, AMAX, GS, D, S, DT, ST, NSLOT, D_ROWS, D_EXPERT,
                               EMIT_T: tl.constexpr, EMIT_F16: tl.constexpr, G: tl.constexpr, BK: tl.constexpr,
-                              FOUR_SIX: tl.constexpr = False):
+                              FOUR_SIX: tl.constexpr = False, LEAD: tl.constexpr = 1, SPAN: tl.constexpr = 1):
     """_quantize_2d_kernel (GROUPED) for NSLOT stacked experts of D_ROWS rows whose amaxes are reduced
     in the same launch, so that the second read of each expert comes from L2 rather than HBM. AMAX
-    holds NSLOT amax slots, NSLOT tile counters and a ticket counter, all zero at launch. Programs
-    take tiles by ticket (ordered_tiles); an amax tile folds |W| into its expert's slot and counts
-    itself done, a quantization tile first waits until every amax tile of its expert is done. Every
-    ticket's dependencies hold earlier tickets, which running programs hold: no deadlock whatever the
-    grid, and the CPU interpreter (one program after another) runs them in order."""
+    holds NSLOT amax slots and NSLOT tile counters, zero at launch. Program p takes tile p in the
+    order of ordered_tiles: an amax tile folds |W| of SPAN quantization tiles into its expert's slot
+    and counts itself done; a quantization tile loads its W, then waits until every amax tile of its
+    expert is done. Those have lower program ids, which the GPU starts first (as stream-K GEMMs'
+    fix-up waits rely on), and the CPU interpreter runs programs in order."""
     bpe = D_ROWS // 16
     ct = tl.cdiv(K, BK)
-    tpe = tl.cdiv(bpe, G) * ct
+    tq = tl.cdiv(bpe, G) * ct
+    ta = tl.cdiv(tq, SPAN)
     DONE = AMAX + NSLOT
-    t = tl.atomic_add(AMAX + 2 * NSLOT, 1, sem="relaxed")
-    while t < 2 * NSLOT * tpe:
-        e, loc, quant = ordered_tiles(t, tpe, NSLOT)
-        b0 = e * bpe + (loc // ct) * G
-        if quant:
-            wait_count(DONE + e, tpe)
-            if loc == 0:
-                s_enc = _jit_global_scale(tl.load(AMAX + e).to(tl.float32, bitcast=True), FOUR_SIX)
-                tl.store(GS + e, tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc))
-            _quantize_2d_tile(W, b0, loc % ct, (e + 1) * bpe, NSLOT * D_ROWS, K, swn, swk, AMAX + e, AMAX, D, S, DT,
-                              ST, D_ROWS, D_EXPERT, EMIT_T, False, EMIT_F16, G, BK, FOUR_SIX)
-        else:
-            blk = b0 + tl.arange(0, G)
-            rk = (loc % ct) * BK + tl.arange(0, BK)
-            ws = _load16(W, blk, rk, (e + 1) * D_ROWS, K, swn, swk)  # fp32: the interpreter's bf16 max drops NaN
-            m = tl.max(tl.max(amax16(ws), axis=1), axis=0).to(tl.float32)
-            tl.atomic_max(AMAX + e, m.to(tl.int32, bitcast=True), sem="relaxed")
-            count_done(DONE + e)
-        t = tl.atomic_add(AMAX + 2 * NSLOT, 1, sem="relaxed")
+    e, loc, quant = ordered_tiles(tl.program_id(0), ta, tq, NSLOT, LEAD)
+    if quant:
+        if loc == 0:
+            wait_count(DONE + e, ta)
+            s_enc = _jit_global_scale(tl.load(AMAX + e).to(tl.float32, bitcast=True), FOUR_SIX)
+            tl.store(GS + e, tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc))
+        _quantize_2d_tile(W, e * bpe + (loc // ct) * G, loc % ct, (e + 1) * bpe, NSLOT * D_ROWS, K, swn, swk,
+                          AMAX + e, AMAX, D, S, DT, ST, D_ROWS, D_EXPERT, EMIT_T, False, EMIT_F16, G, BK, FOUR_SIX,
+                          DONE + e, ta, True)
+    else:
+        m = tl.zeros((), tl.float32)
+        for i in tl.static_range(SPAN):
+            c = loc * SPAN + i  # a quantization tile's rows and columns, none past the expert's last
+            blk = e * bpe + (c // ct) * G + tl.arange(0, G)
+            rk = (c % ct) * BK + tl.arange(0, BK)
+            ws = _load16(W, blk, rk, tl.where(c < tq, (e + 1) * D_ROWS, 0), K, swn, swk)  # fp32: see amax16's NaN
+            m = tl.maximum(m, tl.max(tl.max(amax16(ws), axis=1), axis=0).to(tl.float32))
+        tl.atomic_max(AMAX + e, m.to(tl.int32, bitcast=True), sem="relaxed")
+        count_done(DONE + e)
 
 
 @triton.jit
-def ordered_tiles(t, tpe, E):
-    """Ticket t -> (expert e, tile within it, whether it quantizes) in the order A0 | A1 Q0 | A2 Q1 | ...
-    | A(E-1) Q(E-2) | Q(E-1), A(e) the tpe amax tiles of expert e and Q(e) its tpe quantization tiles:
-    each expert's amax tiles come one expert's tiles before its quantization tiles (whose reads then
-    hit L2), and before them in ticket order (what the fused kernels' waits need)."""
-    p = t + tpe * (t >= tpe).to(tl.int32) + tpe * (t >= (2 * E - 1) * tpe).to(tl.int32)
-    j = p // (2 * tpe)
-    r = p % (2 * tpe)
-    quant = r >= tpe
-    return tl.where(quant, j - 1, j), tl.where(quant, r - tpe, r), quant
+def ordered_tiles(t, ta, tq, E, LEAD: tl.constexpr):
+    """Ticket t -> (expert e, tile within it, whether it quantizes) in the order A0 .. A(L-1) |
+    A(L) Q0 | A(L+1) Q1 | ... | A(E-1) Q(E-1-L) | Q(E-L) .. Q(E-1), A(e) the ta amax tiles of
+    expert e, Q(e) its tq quantization tiles and L = min(LEAD, E): each expert's amax tiles come
+    L experts' tiles before its quantization tiles (whose reads then hit L2), and before them in
+    ticket order (what the fused kernels' waits need)."""
+    L = tl.minimum(E, LEAD)
+    u = t - L * ta
+    mid = (ta + tq) * (E - L)
+    seg = u // (ta + tq)
+    r = u % (ta + tq)
+    tail = u - mid
+    quant = (u >= 0) & ((u >= mid) | (r >= ta))
+    e = tl.where(u < 0, t // ta, tl.where(u >= mid, E - L + tail // tq, tl.where(r >= ta, seg, seg + L)))
+    loc = tl.where(u < 0, t % ta, tl.where(u >= mid, tail % tq, tl.where(r >= ta, r - ta, r)))
+    return e, loc, quant
 
 
 @triton.jit
@@ -279,13 +286,16 @@ def wait_count(DONE, n):
 @triton.jit
 def _quantize_2d_tile(W, b0, t1, nblk, N, K, swn, swk, AMAX, BEXP, D, S, DT, ST, D_ROWS, D_EXPERT,
                       EMIT_T: tl.constexpr, GROUPED: tl.constexpr, EMIT_F16: tl.constexpr, G: tl.constexpr,
-                      BK: tl.constexpr, FOUR_SIX: tl.constexpr):
+                      BK: tl.constexpr, FOUR_SIX: tl.constexpr, DONE=None, n_done=0, WAIT: tl.constexpr = False):
     """One program's tile of _quantize_2d_kernel for W [N, K]: the G 16-row blocks from block b0 (those
     at or past block nblk are left to other tiles) and column tile t1 of BK columns; the tensor scale
-    from AMAX as _encode_scale reads it."""
+    from AMAX as _encode_scale reads it. WAIT: only once the counter at DONE reaches n_done (W is
+    loaded before the wait, so that the two latencies overlap)."""
     blk = b0 + tl.arange(0, G)
     rk = t1 * BK + tl.arange(0, BK)
     ws = _load16(W, blk, rk, nblk * 16, K, swn, swk, AS_LOADED=not FOUR_SIX)
+    if WAIT:
+        wait_count(DONE, n_done)
     s = _encode_scale(AMAX, BEXP, blk, nblk, GROUPED, FOUR_SIX)
     bamax = tl.max(tl.reshape(amax16(ws), (G, BK // 16, 16)), axis=2).to(tl.float32)
     if FOUR_SIX:
@@ -404,21 +414,7 @@ def _launch(kernel, tuned_kernel, x: torch.Tensor, rows: int, cols: int, *args, 
 
 
 #: Tiles of _quantize_2d_fused_kernel on a GPU: the 16×16 weight kernel's first tuned config.
-_FUSED_2D = {"G": 2, "BK": 128, "num_warps": 4}
-
-
-def _ordered_grid(x: torch.Tensor, tickets: int) -> int:
-    """Programs of a kernel that takes its tiles by ticket (ordered_tiles): enough to fill the GPU
-    (more only queue, find no ticket left and exit), and a few in the interpreter, which runs them
-    one after another."""
-    if not x.is_cuda:
-        return max(1, min(tickets, 3))
-    return max(1, min(tickets, 8 * _sm_count(x.device)))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+_FUSED_2D = {"G": 4, "BK": 128, "num_warps": 4, "LEAD": 1, "SPAN": 4}
 
 
 # ----------------------------------------------------------------------------------------------- launchers
@@ -605,9 +601,9 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
     grouped = experts > 1
     bexp = _expert_blocks(experts, N // 16 // experts, dev) if grouped else _placeholder(dev)
     # stacked experts reduce their amaxes in the quantizing launch (_quantize_2d_fused_kernel), whose
-    # buffer also holds its tile counters and ticket
+    # buffer also holds its tile counters
     fused = grouped and amax is None and N > 0
-    buf = torch.zeros(2 * experts + 1 if fused else experts, dtype=torch.int32, device=dev)  # fp32 bits of the amaxes
+    buf = torch.zeros(2 * experts if fused else experts, dtype=torch.int32, device=dev)  # fp32 bits of the amaxes
     gs = torch.empty(experts, dtype=torch.float32, device=dev)
     if amax is None and N > 0 and not fused:
         _launch(_amax_kernel, _amax_autotuned, w, N, K, w, N, K, w.stride(0), w.stride(1), buf, buf, bexp, experts,
@@ -632,10 +628,12 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
     st = torch.empty((K // 16, N // 16) if emit_transpose else (0,), dtype=torch.float8_e4m3fn, device=dev)
     if fused:
         g, bk, warps = (_FUSED_2D["G"], _FUSED_2D["BK"], _FUSED_2D["num_warps"]) if w.is_cuda else (G_Q, BK_Q, 1)
-        tiles = experts * triton.cdiv(N // experts // 16, g) * triton.cdiv(K, bk)
-        launch(_quantize_2d_fused_kernel, (_ordered_grid(w, 2 * tiles),), w, K, w.stride(0), w.stride(1), buf, gs, d,
+        lead, span = _FUSED_2D["LEAD"], _FUSED_2D["SPAN"]
+        tq = triton.cdiv(N // experts // 16, g) * triton.cdiv(K, bk)
+        launch(_quantize_2d_fused_kernel, (experts * (tq + triton.cdiv(tq, span)),), w, K, w.stride(0), w.stride(1), buf, gs, d,
                s, dt if emit_transpose else d, st if emit_transpose else s, experts, d_rows, d_expert,
-               EMIT_T=emit_transpose, EMIT_F16=staged, G=g, BK=bk, FOUR_SIX=four_six, num_warps=warps)
+               EMIT_T=emit_transpose, EMIT_F16=staged, G=g, BK=bk, FOUR_SIX=four_six, LEAD=lead, SPAN=span,
+               num_warps=warps)
     elif N > 0:
         _launch(_quantize_2d_kernel, _quantize_2d_autotuned, w, N, K,
                 w, N, K, w.stride(0), w.stride(1), buf, gs, d, s, dt if emit_transpose else d,
