@@ -413,7 +413,9 @@ def _launch(kernel, tuned_kernel, x: torch.Tensor, rows: int, cols: int, *args, 
                num_warps=1)
 
 
-#: Tiles of _quantize_2d_fused_kernel on a GPU: the 16×16 weight kernel's first tuned config.
+#: Tiles of _quantize_2d_fused_kernel on a GPU, its expert lead and amax-tile span: the fastest of
+#: `benchmarks/weight_quant_bench.py --experts 64 --n 1408 --k 2048 --configs ...` on an H100
+#: (BENCHMARKS.md, thirty-first entry; faster than the two passes at 6-33 MB per expert too).
 _FUSED_2D = {"G": 4, "BK": 128, "num_warps": 4, "LEAD": 1, "SPAN": 4}
 
 
