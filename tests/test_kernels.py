@@ -301,7 +301,8 @@ def test_stacked_experts_fused_amax_kernel_bit_identical(experts, n, k, span, mo
         got = NVFP4Tensor(d[e * n:(e + 1) * n], s[e * n // 16:(e + 1) * n // 16], gs[e], ref.shape, (16, 16))
         same_bits(got, ref, f"expert {e}")
         assert torch.equal(dt[:, e * n // 2:(e + 1) * n // 2], ref.t().data), e
-        assert torch.equal(st[:, e * n // 16:(e + 1) * n // 16].view(torch.uint8), ref.t().scale.view(torch.uint8)), e
+        got_st = st[:, e * n // 16:(e + 1) * n // 16]
+        assert torch.equal(got_st.view(torch.uint8), ref.t().scale.view(torch.uint8)), e
     amax = q.expert_amax_tensors(w, experts)
     two_pass = q.quantize_weight_2d_tensors(w, amax, experts=experts, staged=True)
     fused = q.quantize_weight_2d_tensors(w, experts=experts, staged=True)

@@ -248,11 +248,11 @@ def _quantize_2d_fused_kernel(W, K, swn, swk, AMAX, GS, D, S, DT, ST, NSLOT, D_R
 
 @triton.jit
 def ordered_tiles(t, ta, tq, E, LEAD: tl.constexpr):
-    """Ticket t -> (expert e, tile within it, whether it quantizes) in the order A0 .. A(L-1) |
+    """Tile t (a program id) -> (expert e, tile within it, whether it quantizes) in the order A0 .. A(L-1) |
     A(L) Q0 | A(L+1) Q1 | ... | A(E-1) Q(E-1-L) | Q(E-L) .. Q(E-1), A(e) the ta amax tiles of
     expert e, Q(e) its tq quantization tiles and L = min(LEAD, E): each expert's amax tiles come
     L experts' tiles before its quantization tiles (whose reads then hit L2), and before them in
-    ticket order (what the fused kernels' waits need)."""
+    this order (what the fused kernels' waits need)."""
     L = tl.minimum(E, LEAD)
     u = t - L * ta
     mid = (ta + tq) * (E - L)
@@ -632,8 +632,9 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
         g, bk, warps = (_FUSED_2D["G"], _FUSED_2D["BK"], _FUSED_2D["num_warps"]) if w.is_cuda else (G_Q, BK_Q, 1)
         lead, span = _FUSED_2D["LEAD"], _FUSED_2D["SPAN"]
         tq = triton.cdiv(N // experts // 16, g) * triton.cdiv(K, bk)
-        launch(_quantize_2d_fused_kernel, (experts * (tq + triton.cdiv(tq, span)),), w, K, w.stride(0), w.stride(1), buf, gs, d,
-               s, dt if emit_transpose else d, st if emit_transpose else s, experts, d_rows, d_expert,
+        programs = experts * (tq + triton.cdiv(tq, span))  # every expert's quantization and amax tiles
+        launch(_quantize_2d_fused_kernel, (programs,), w, K, w.stride(0), w.stride(1), buf, gs, d, s,
+               dt if emit_transpose else d, st if emit_transpose else s, experts, d_rows, d_expert,
                EMIT_T=emit_transpose, EMIT_F16=staged, G=g, BK=bk, FOUR_SIX=four_six, LEAD=lead, SPAN=span,
                num_warps=warps)
     elif N > 0:
