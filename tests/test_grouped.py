@@ -166,6 +166,24 @@ def test_grouped_kernels_bit_identical_to_reference(weight_2d, rht, rows_kernel,
 
 
 @cpu_triton
+def test_block_expert_map_kernel_equals_searchsorted():
+    """kernels/expert_map.py (what the grouped kernels' host code uses on a GPU) against
+    ops.grouped.block_experts: empty experts, rows past the last group, a row count not a multiple
+    of 16, int32 and int64 offsets, more blocks than one program covers, and no rows at all."""
+    from titan_nvfp4.kernels.expert_map import block_experts_triton
+    from titan_nvfp4.ops.grouped import block_experts
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cases = [([0, 48, 0, 16, 64], 141), ([16] * 40, 16 * 40 + 3), ([2064, 0, 16], 3000), ([0, 0], 0), ([32], 20)]
+    for counts, rows in cases:
+        for dtype in (torch.int32, torch.int64):
+            offsets = torch.cumsum(torch.tensor(counts), 0).to(dtype=dtype, device=dev)
+            want = block_experts(offsets, rows)
+            got = block_experts_triton(offsets, rows)
+            assert got.dtype == torch.int32 and torch.equal(got, want), (counts, rows, dtype)
+
+
+@cpu_triton
 @pytest.mark.parametrize("m, n", [(256, 128), (128, 256)])  # the first is swapped (fewer padded tiles)
 def test_wgrad_gemm_swapped_operands_store_the_same_bits(m, n, monkeypatch):
     """grouped_gemm_tokens may run with its operands swapped and store the tiles transposed: against

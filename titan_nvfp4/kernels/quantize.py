@@ -28,6 +28,7 @@ import triton.language as tl
 from ..numerics.nvfp4 import NVFP4Tensor, global_encode_scale
 from ..ops.grouped import block_experts
 from ..ops.library import operand_pair, weight_pair
+from .expert_map import block_experts_triton
 from .launch import launch, tune_bucket
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
 from .nvfp4_jit import (add_nibble, amax16, block_scales, e2m1_nibble, e2m1_staged, fos_d2, fos_unit, join_slices16,
@@ -472,7 +473,10 @@ def _slots(x: torch.Tensor, groups: torch.Tensor | None) -> tuple[torch.Tensor, 
     if groups.dim() != 1 or groups.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"grouped quantization: offsets must be a 1D integer tensor, got {tuple(groups.shape)} "
                          f"{groups.dtype}")
-    return block_experts(groups.to(x.device), x.shape[0]), groups.numel() + 1
+    groups = groups.to(x.device)
+    if groups.is_cuda:  # one launch instead of block_experts' three kernels
+        return block_experts_triton(groups.contiguous(), x.shape[0]), groups.numel() + 1
+    return block_experts(groups, x.shape[0]), groups.numel() + 1
 
 
 def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise: bool = False,
