@@ -32,7 +32,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=14336)
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--configs", help="comma-separated GxBKxWARPS tiles of the kernel to time (module docstring)")
-    p.add_argument("--experts", type=int, default=0)
+    p.add_argument("--experts", type=int, default=0, help="E stacked expert weights of --n x --k (module docstring)")
     args = p.parse_args()
     if args.experts:
         return _experts(args)
@@ -116,8 +116,8 @@ def _experts(args) -> None:
         saved = dict(q._FUSED_2D)
         for c in args.configs.split(","):
             g, bk, wp, *rest = (int(v) for v in c.split("x"))
-            lead = rest[0] if rest else 1
-            span = rest[1] if len(rest) > 1 else 1
+            lead = rest[0] if rest else saved["LEAD"]
+            span = rest[1] if len(rest) > 1 else saved["SPAN"]
             q._FUSED_2D.update(G=g, BK=bk, num_warps=wp, LEAD=lead, SPAN=span)
             out = fused()
             ok = torch.equal(out[0], a[0]) and torch.equal(out[2], a[2])
