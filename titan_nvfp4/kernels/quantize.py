@@ -99,8 +99,14 @@ def _store_decode_scales(GS, AMAX, NS, NSP2: tl.constexpr, FOUR_SIX: tl.constexp
     a slot of an operand not emitted holds amax 0, giving 1: every output is defined."""
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         i = tl.arange(0, NSP2)
-        s_enc = _jit_global_scale(tl.load(AMAX + i, mask=i < NS, other=0).to(tl.float32, bitcast=True), FOUR_SIX)
-        tl.store(GS + i, tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc), mask=i < NS)
+        tl.store(GS + i, _decode_scale(tl.load(AMAX + i, mask=i < NS, other=0), FOUR_SIX), mask=i < NS)
+
+
+@triton.jit
+def _decode_scale(amax_bits, FOUR_SIX: tl.constexpr):
+    """1/S of amaxes given as fp32 bits in int32 (twin of NVFP4Tensor.global_scale)."""
+    s_enc = _jit_global_scale(amax_bits.to(tl.float32, bitcast=True), FOUR_SIX)
+    return tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc)
 
 
 @triton.jit
@@ -228,13 +234,11 @@ def _quantize_2d_fused_kernel(W, K, swn, swk, AMAX, GS, D, S, DT, ST, NSLOT, D_R
     DONE = AMAX + NSLOT
     e, loc, quant = ordered_tiles(tl.program_id(0), ta, tq, NSLOT, LEAD)
     if quant:
-        if loc == 0:
-            wait_count(DONE + e, ta)
-            s_enc = _jit_global_scale(tl.load(AMAX + e).to(tl.float32, bitcast=True), FOUR_SIX)
-            tl.store(GS + e, tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc))
         _quantize_2d_tile(W, e * bpe + (loc // ct) * G, loc % ct, (e + 1) * bpe, NSLOT * D_ROWS, K, swn, swk,
                           AMAX + e, AMAX, D, S, DT, ST, D_ROWS, D_EXPERT, EMIT_T, False, EMIT_F16, G, BK, FOUR_SIX,
                           DONE + e, ta, True)
+        if loc == 0:  # the expert's amax is final: the tile waited for it
+            tl.store(GS + e, _decode_scale(tl.load(AMAX + e), FOUR_SIX))
     else:
         m = tl.zeros((), tl.float32)
         for i in tl.static_range(SPAN):
