@@ -234,11 +234,14 @@ def _quantize_2d_fused_kernel(W, K, swn, swk, AMAX, GS, D, S, DT, ST, NSLOT, D_R
     DONE = AMAX + NSLOT
     e, loc, quant = ordered_tiles(tl.program_id(0), ta, tq, NSLOT, LEAD)
     if quant:
+        # the expert's first tile stores its decode scale, after a wait of its own: storing it after
+        # the tile's wait instead measured 0.399 against 0.353 ms (64 experts of 1408 × 2048, H100)
+        if loc == 0:
+            wait_count(DONE + e, ta)
+            tl.store(GS + e, _decode_scale(tl.load(AMAX + e), FOUR_SIX))
         _quantize_2d_tile(W, e * bpe + (loc // ct) * G, loc % ct, (e + 1) * bpe, NSLOT * D_ROWS, K, swn, swk,
                           AMAX + e, AMAX, D, S, DT, ST, D_ROWS, D_EXPERT, EMIT_T, False, EMIT_F16, G, BK, FOUR_SIX,
                           DONE + e, ta, True)
-        if loc == 0:  # the expert's amax is final: the tile waited for it
-            tl.store(GS + e, _decode_scale(tl.load(AMAX + e), FOUR_SIX))
     else:
         m = tl.zeros((), tl.float32)
         for i in tl.static_range(SPAN):
