@@ -2,7 +2,8 @@
 
     python benchmarks/bench_grouped.py [--json out.json] [--shapes deepseek_v3_16b gpt_oss_20b]
                                        [--rows-kernels persistent persistent_nested tiles]
-                                       [--profile] [--bf16-compiled-swiglu] [--graph]
+                                       [--profile] [--bf16-compiled-swiglu] [--graph] [--repeats N]
+                                       [--codes-saved]
 
 Each shape is a whole routed-expert block as TorchTitan runs it: DeepSeek-V3-style SwiGLU experts
 (h = silu(x W1ᵀ) ⊙ x W3ᵀ, out = h W2ᵀ) or gpt-oss's (mlp1 with bias to 2·hidden, clamped SwiGLU,
@@ -12,13 +13,18 @@ with the amaxes of what it produces); a second row runs them with the eager SwiG
 ``--bf16-compiled-swiglu`` adds a BF16 baseline whose SwiGLU torch.compile fuses. Also one grouped
 GEMM alone (forward, and forward + backward), and the copy ceiling for reference. Times: medians of triton.testing.do_bench (L2 flushed).
 ``--graph`` also replays each expert block from a CUDA graph and times the host's enqueueing alone: eager
-minus graph time is what launches and Python cost on top of the kernels.
+minus graph time is what launches and Python cost on top of the kernels. ``--repeats N`` times each
+(BF16, NVFP4) pair N times, interleaved, and reports the medians and the median of the N ratios (the
+BF16 block alone moves by ±3% between calls on one H100). ``--codes-saved`` adds the block with
+``staged_expert_activations = false`` (X's and h's wgrad operands saved as codes).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import statistics
 import time
 
 import torch
@@ -166,6 +172,9 @@ def main() -> None:
     ap.add_argument("--rows-kernels", nargs="*", default=[grouped_gemm.ROWS_KERNEL],
                     choices=["persistent", "persistent_nested", "tiles"],
                     help="row-grouped GEMM kernels to time NVFP4 with (kernels/grouped_gemm.py ROWS_KERNEL)")
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved (BF16, NVFP4) timings per row (medians)")
+    ap.add_argument("--codes-saved", action="store_true",
+                    help="also time the block with staged_expert_activations = false")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__, "rows": []}
@@ -207,6 +216,11 @@ def main() -> None:
         cases.append(("first GEMM forward+backward", one_bwd(bf16_mm), one_bwd(nv)))
         cases.append(("expert block forward+backward", fwd_bwd(bf16_mm, x, ws, offsets, dy, gpt_oss),
                       fwd_bwd(nv, x, ws, offsets, dy, gpt_oss)))
+        if args.codes_saved:
+            codes = dataclasses.replace(recipe, staged_expert_activations=False)
+            cases.append(("expert block forward+backward, X and h saved as codes",
+                          fwd_bwd(bf16_mm, x, ws, offsets, dy, gpt_oss),
+                          fwd_bwd(nvfp4_mm_factory(codes, counters), x, ws, offsets, dy, gpt_oss)))
         if not gpt_oss:  # the fused SwiGLU's share, and BF16 with a fused SwiGLU of its own
             cases.append(("expert block forward+backward, NVFP4 SwiGLU unfused",
                           fwd_bwd(bf16_mm, x, ws, offsets, dy, gpt_oss),
@@ -219,16 +233,24 @@ def main() -> None:
         for what, f_bf16, f_nv in cases:
             no_grad = "no grad" in what
             with torch.set_grad_enabled(not no_grad):
-                t_b, m_b = ms(f_bf16), peak_gib(f_bf16)
+                m_b = peak_gib(f_bf16)
                 for kernel in args.rows_kernels:
                     grouped_gemm.ROWS_KERNEL = kernel
                     f_nv()  # autotune outside the timing
-                    t_n, m_n = ms(f_nv), peak_gib(f_nv)
+                    m_n = peak_gib(f_nv)
+                    pairs = [(ms(f_bf16), ms(f_nv)) for _ in range(args.repeats)]
+                    t_b, t_n = (statistics.median(p[i] for p in pairs) for i in (0, 1))
+                    ratio = statistics.median(n / b for b, n in pairs)
                     label = what if len(args.rows_kernels) == 1 else f"{what} [{kernel}]"
-                    row = dict(shape=name, what=what, rows_kernel=kernel, bf16_ms=t_b, nvfp4_ms=t_n, ratio=t_n / t_b,
-                               bf16_peak_gib=m_b, nvfp4_peak_gib=m_n, routed_rows=int(offsets[-1]), rows=rows)
+                    if args.repeats > 1:
+                        label += (f" (median of {args.repeats}; BF16 {min(p[0] for p in pairs):.3f}-"
+                                  f"{max(p[0] for p in pairs):.3f}, NVFP4 {min(p[1] for p in pairs):.3f}-"
+                                  f"{max(p[1] for p in pairs):.3f})")
+                    row = dict(shape=name, what=what, rows_kernel=kernel, bf16_ms=t_b, nvfp4_ms=t_n, ratio=ratio,
+                               pairs=pairs, bf16_peak_gib=m_b, nvfp4_peak_gib=m_n, routed_rows=int(offsets[-1]),
+                               rows=rows)
                     res["rows"].append(row)
-                    print(f"| {name} | {label} | {t_b:.3f} | {t_n:.3f} | {t_n / t_b:.2f} | {m_b:.2f} | {m_n:.2f} |",
+                    print(f"| {name} | {label} | {t_b:.3f} | {t_n:.3f} | {ratio:.2f} | {m_b:.2f} | {m_n:.2f} |",
                           flush=True)
             grouped_gemm.ROWS_KERNEL = args.rows_kernels[0]
         if args.graph:

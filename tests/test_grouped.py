@@ -166,6 +166,39 @@ def test_grouped_kernels_bit_identical_to_reference(weight_2d, rht, rows_kernel,
 
 
 @cpu_triton
+def test_staged_expert_activations_save_fp16_values_and_change_no_bit():
+    """recipe.staged_expert_activations: X's wgrad operand saved as the GEMM's fp16 values (on) or as
+    NVFP4 codes and scales (off, staged again in backward): y, dx, dW and db the same bits both ways,
+    and the saved tensors as described (2 bytes per element of Xᵀ against half a byte plus scales)."""
+    x, w, b, offsets, dy = _case(counts=ALIGNED, tail=16, k=64, n=48)
+    runs = {}
+    for staged in (True, False):
+        recipe = dataclasses.replace(REF, gemm_backend="emulated", staged_expert_activations=staged)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            runs[staged] = _grads(lambda x, w, b: nvfp4_grouped_mm(x, w, offsets, b, recipe), x, w, b, dy)
+        padded = int(offsets[-1]) + 16
+        cols = [t for t in saved if t.dim() == 2 and t.shape[0] == 64 and padded % t.shape[1] == 0]  # Xᵀ [K, ·]
+        if staged:
+            assert [(t.dtype, tuple(t.shape)) for t in cols] == [(torch.float16, (64, padded))]
+        else:
+            assert [(t.dtype, tuple(t.shape)) for t in cols] == [(torch.uint8, (64, padded // 2)),
+                                                                  (torch.float8_e4m3fn, (64, padded // 16))]
+    for what, a, c in zip(("y", "dx", "dW", "db"), runs[True], runs[False]):
+        assert torch.equal(a, c), what
+
+
+def test_staged_expert_activations_knob_is_checked_and_defaults_on():
+    from titan_nvfp4.integration.job_config import NVFP4GroupedMMConfig
+
+    assert NVFP4Recipe().staged_expert_activations
+    assert not NVFP4GroupedMMConfig(staged_expert_activations=False).build_recipe().staged_expert_activations
+    with pytest.raises(ValueError, match=r"\[quantize.grouped_mm.nvfp4\] staged_expert_activations must be true or "
+                                         r"false, got 'yes'"):
+        NVFP4GroupedMMConfig(staged_expert_activations="yes")
+
+
+@cpu_triton
 def test_block_expert_map_kernel_equals_searchsorted():
     """kernels/expert_map.py (what the grouped kernels' host code uses on a GPU) against
     ops.grouped.block_experts: empty experts, rows past the last group, a row count not a multiple

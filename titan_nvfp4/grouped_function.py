@@ -166,8 +166,8 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
     """The grouped kernels for ``n`` expert weights [E, N_i, K] that read the same routed tokens x (W1
     and W3 of a SwiGLU expert): x is quantized once for all of them; one output each. With the amax
     carrier (the fused SwiGLU), W1 and W3 run as one GEMM of 2·N outputs (ops.grouped.quantize_expert_pair)
-    whose halves are the two outputs, as views. In backward X's wgrad operand is staged once for all
-    the wgrads. ``params`` are the n weights, then their n biases (or None), then their n SR counters.
+    whose halves are the two outputs, as views. X's wgrad operand is saved staged (fp16 values,
+    recipe.staged_expert_activations) or as codes, which backward then stages once for all the wgrads. ``params`` are the n weights, then their n biases (or None), then their n SR counters.
 
     ``x_amax``: x's per-expert amaxes (token_amaxes) from the kernel that produced x, so that x's
     quantization needs no amax pass. ``amax_carrier``: one more output, fp32 zeros [n, 2, E + 1],
@@ -190,6 +190,7 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
                     x_amax = G.token_amaxes(x2d, offsets, need_wgrad, signs)
                 x_amax = all_reduce_max(x_amax, groups.x)
             xq, x_col = G.quantize_tokens(x2d, offsets, True, need_wgrad, signs, None,
+                                          col_staged=recipe.staged_expert_activations,
                                           four_six=recipe.four_over_six, amaxes=x_amax)
             outs, saved, metas = [], [offsets, signs] + (list(x_col.tensors()) if x_col is not None else []), []
             w_amaxes = [all_reduce_max(G.expert_amaxes(w), groups.weight) if groups.weight is not None else None
@@ -234,7 +235,7 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
             if wants_dw[j]:
                 last_dw = j
         with torch.autocast(offsets.device.type, enabled=False):
-            if wants_dw.count(True) > 1:  # X's wgrad operand staged once for all the wgrads that read it
+            if wants_dw.count(True) > 1:  # saved as codes: staged once for all the wgrads that read it
                 x_col = G.staged(x_col)
             dys, dy_amaxes = grads[:n], [None] * n
             if ctx.carrier:  # the dYs' amaxes came as the carrier's gradient; a dY not given is zeros

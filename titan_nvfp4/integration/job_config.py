@@ -47,6 +47,8 @@ class _RecipeKnobs:
     """Backward GEMMs of the dense Linears: nvfp4 | mxfp8 | bf16 (the forward stays NVFP4)."""
     block_scale_rule: str | None = None
     """Block scales: six (max to 6) | four_over_six (per block, max to 6 or 4, the lower error)."""
+    staged_expert_activations: bool | None = None
+    """Grouped experts: keep X's and h's wgrad operands staged (fp16) for backward, faster, or as codes, smaller."""
     bf16_after_fraction: float = 0.0
     """Switch this section's NVFP4 layers to high precision (BF16 under TorchTitan's mixed precision)
     for the last fraction of training.steps (0 = never; 1 = from the start, a control arm with the
