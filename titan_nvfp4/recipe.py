@@ -53,7 +53,7 @@ class NVFP4Recipe:
     staged_expert_activations: bool = True
     """MoE grouped experts on the emulated backend: keep the wgrad operands of the routed tokens X and of
     the SwiGLU output h between forward and backward as the emulated GEMM's fp16 values (exact q·e_b)
-    instead of NVFP4 codes. Backward then skips a staging pass per operand (~0.4 ms of a
+    instead of NVFP4 codes. Backward then skips a staging pass per operand (0.2–0.4 ms of a
     DeepSeek-V3-16B-like expert block on an H100, BENCHMARKS.md thirty-second entry) at 2 bytes per
     saved element instead of 0.56, what a BF16 block saves of X and h. The same bits either way."""
 
