@@ -189,13 +189,16 @@ def test_staged_expert_activations_save_fp16_values_and_change_no_bit():
 
 
 def test_staged_expert_activations_knob_is_checked_and_defaults_on():
-    from titan_nvfp4.integration.job_config import NVFP4GroupedMMConfig
+    from titan_nvfp4.integration.job_config import NVFP4GroupedMMConfig, NVFP4LinearConfig
 
     assert NVFP4Recipe().staged_expert_activations
     assert not NVFP4GroupedMMConfig(staged_expert_activations=False).build_recipe().staged_expert_activations
     with pytest.raises(ValueError, match=r"\[quantize.grouped_mm.nvfp4\] staged_expert_activations must be true or "
                                          r"false, got 'yes'"):
         NVFP4GroupedMMConfig(staged_expert_activations="yes")
+    with pytest.raises(ValueError, match=r"\[quantize.linear.nvfp4\] staged_expert_activations applies to the routed "
+                                         r"experts only"):
+        NVFP4LinearConfig(staged_expert_activations=False)
 
 
 @cpu_triton

@@ -48,7 +48,8 @@ class _RecipeKnobs:
     block_scale_rule: str | None = None
     """Block scales: six (max to 6) | four_over_six (per block, max to 6 or 4, the lower error)."""
     staged_expert_activations: bool | None = None
-    """Grouped experts: keep X's and h's wgrad operands staged (fp16) for backward, faster, or as codes, smaller."""
+    """Grouped experts only: keep X's and h's wgrad operands staged (fp16) for backward, faster, or as codes,
+    smaller ([quantize.linear.nvfp4] refuses it)."""
     bf16_after_fraction: float = 0.0
     """Switch this section's NVFP4 layers to high precision (BF16 under TorchTitan's mixed precision)
     for the last fraction of training.steps (0 = never; 1 = from the start, a control arm with the
@@ -126,6 +127,9 @@ class NVFP4LinearConfig(_RecipeKnobs):
         if not isinstance(self.fsdp_nvfp4_all_gather, bool):
             raise ValueError(f"[{self.SECTION}] fsdp_nvfp4_all_gather must be true or false, "
                              f"got {self.fsdp_nvfp4_all_gather!r}")
+        if self.staged_expert_activations is not None:
+            raise ValueError(f"[{self.SECTION}] staged_expert_activations applies to the routed experts only: set it "
+                             "in [quantize.grouped_mm.nvfp4]")
         super().__post_init__()
         recipe = self.build_recipe()
         if self.fsdp_nvfp4_all_gather and not recipe.weight_2d:
