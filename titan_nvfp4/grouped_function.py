@@ -167,7 +167,8 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
     and W3 of a SwiGLU expert): x is quantized once for all of them; one output each. With the amax
     carrier (the fused SwiGLU), W1 and W3 run as one GEMM of 2·N outputs (ops.grouped.quantize_expert_pair)
     whose halves are the two outputs, as views. X's wgrad operand is saved staged (fp16 values,
-    recipe.staged_expert_activations) or as codes, which backward then stages once for all the wgrads. ``params`` are the n weights, then their n biases (or None), then their n SR counters.
+    recipe.staged_expert_activations) or as codes, which backward then stages once for all the wgrads.
+    ``params`` are the n weights, then their n biases (or None), then their n SR counters.
 
     ``x_amax``: x's per-expert amaxes (token_amaxes) from the kernel that produced x, so that x's
     quantization needs no amax pass. ``amax_carrier``: one more output, fp32 zeros [n, 2, E + 1],
