@@ -42,6 +42,7 @@ VARIANTS = {  # name: (ROW, COL, RHT, SR_ROW, SR_COL, ROW_F16[, FOUR_SIX])
     "row SR f16 + col RHT SR f16 (bwd dY)": (True, True, True, True, True, True),
     "4/6: row": (True, False, False, False, False, False, True),
     "4/6: row f16 + col RHT (fwd X)": (True, True, True, False, False, True, True),
+    "4/6: row SR f16 + col RHT SR f16 (bwd dY)": (True, True, True, True, True, True, True),
 }
 _POINTERS = {"X": "*bf16", "AMAX": "*i32", "GS": "*fp32", "RD": "*u8", "RS": "*fp8e4nv", "CD": "*u8",
              "CS": "*fp8e4nv", "SIGNS": "*fp32", "SEED": "*i64", "BEXP": "*i32"}
@@ -54,6 +55,9 @@ OTHER = {
     "weight 16x16 staged + transpose (fwd W)": (q._quantize_2d_kernel, {"W": "*bf16", "AMAX": "*i32", "GS": "*fp32",
         "D": "*fp16", "S": "*fp8e4nv", "DT": "*u8", "ST": "*fp8e4nv", "BEXP": "*i32"},
         dict(swk=1, EMIT_T=True, GROUPED=False, EMIT_F16=True, NSP2=1, FOUR_SIX=False)),
+    "4/6: weight 16x16 staged + transpose (fwd W)": (q._quantize_2d_kernel, {"W": "*bf16", "AMAX": "*i32",
+        "GS": "*fp32", "D": "*fp16", "S": "*fp8e4nv", "DT": "*u8", "ST": "*fp8e4nv", "BEXP": "*i32"},
+        dict(swk=1, EMIT_T=True, GROUPED=False, EMIT_F16=True, NSP2=1, FOUR_SIX=True)),
     "amax row + col RHT": (q._amax_kernel, {"X": "*bf16", "AMAX": "*i32", "SIGNS": "*fp32", "BEXP": "*i32"},
                            dict(sxk=1, ROW=True, COL=True, RHT=True, GROUPED=False)),
     "MoE SwiGLU forward + amaxes (h)": (sw._swiglu_fwd_kernel, {"H1": "*bf16", "H3": "*bf16", "OUT": "*bf16",

@@ -113,6 +113,36 @@ def test_kernels_bit_identical_to_the_reference(shape, kind):
         same_bits(wt, ref.t(), "W^T 16x16 4/6")
 
 
+@pytest.mark.parametrize("kind", ["normal", "heavy", "adversarial"])
+def test_staged_kernels_emit_the_references_values(kind):
+    """The staged outputs of the 4/6 kernels (the forward's fp16 row operand, the RHT column operand as
+    fp16, the fp16 weight) equal the reference's q·e_b, and the code outputs match it bit for bit.
+    (tests/test_kernels.py covers a non-finite block for both block-scale rules.)"""
+    from titan_nvfp4.kernels.quantize import quantize_weight_2d_tensors
+
+    x = inputs(64, 96, kind).float()
+    signs = rht_signs(5, DEV)
+    ref_row = quantize_nvfp4(x, four_over_six=True)
+    ref_col = quantize_wgrad_operand(x, signs, four_six=True)
+    for fp16 in (False, True):
+        rd, rs, cd, cs, _ = quantize_operand_tensors(x, rowwise=True, colwise=True, signs=signs, row_fp16=fp16,
+                                                     col_fp16=fp16, four_six=True)
+        for got, scales, ref, what in ((rd, rs, ref_row, "row"), (cd, cs, ref_col, "column")):
+            if fp16:
+                want = ref.scaled_codes(torch.float16).cpu()
+                assert got.dtype == torch.float16 and scales.numel() == 0, what
+                assert bool(((got.cpu() == want) | (got.cpu().isnan() & want.isnan())).all()), what
+                assert torch.equal(got.cpu().signbit(), want.signbit()), what
+            else:
+                assert torch.equal(got.cpu(), ref.data.cpu()), what
+                assert torch.equal(scales.view(torch.uint8).cpu(), ref.scale.view(torch.uint8).cpu()), what
+    ref_w = quantize_nvfp4(x, block_shape=(16, 16), four_over_six=True)
+    d16, s16, dt16, st16, _ = quantize_weight_2d_tensors(x, staged=True, four_six=True)
+    want = ref_w.scaled_codes(torch.float16).cpu()
+    assert d16.dtype == torch.float16 and torch.equal(d16.cpu(), want)
+    assert torch.equal(dt16.cpu(), ref_w.t().data.cpu())
+
+
 def test_grouped_kernels_take_one_tensor_scale_per_expert():
     from titan_nvfp4.kernels.quantize import quantize_weight_2d_tensors
 

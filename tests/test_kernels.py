@@ -187,6 +187,41 @@ def test_non_finite_input_poisons_like_the_reference(bad):
     assert torch.isnan(row.dequantize()).all() and torch.isnan(col.dequantize()).all()
 
 
+@pytest.mark.parametrize("four_six", [False, True], ids=["six", "four_over_six"])
+def test_one_non_finite_block_under_a_given_amax(four_six):
+    """A NaN under a given finite amax (a sharded tensor's all-reduced one, or an amax history) poisons its
+    own block only, as in the reference: scale NaN, codes 0, staged values NaN, in every output of the
+    operand and weight kernels. (The interpreter decodes E4M3 NaN as a finite value; the kernels must not
+    rely on that decode.)"""
+    from titan_nvfp4.kernels.quantize import quantize_operand_tensors, quantize_weight_2d_tensors
+
+    x = inputs(64, 96, "normal", torch.float32)
+    amax = x.abs().amax()
+    amax_col = quantize_wgrad_operand(x, None).dequantize().abs().amax()
+    x[37, 50] = float("nan")
+    ref_row = quantize_nvfp4(x, amax=amax, four_over_six=four_six)
+    ref_col = quantize_wgrad_operand(x, None, amax=amax_col, four_six=four_six)
+    assert int(ref_row.scale.float().isnan().sum()) == 1 and int(ref_col.scale.float().isnan().sum()) == 1
+    for fp16 in (False, True):
+        rd, rs, cd, cs, _ = quantize_operand_tensors(x, rowwise=True, colwise=True, amax=amax, amax_col=amax_col,
+                                                     row_fp16=fp16, col_fp16=fp16, four_six=four_six)
+        for got, scales, ref, what in ((rd, rs, ref_row, "row"), (cd, cs, ref_col, "column")):
+            if fp16:
+                want = ref.scaled_codes(torch.float16).cpu()
+                assert bool(((got.cpu() == want) | (got.cpu().isnan() & want.isnan())).all()), what
+                assert int(got.isnan().sum()) == 16, what
+            else:
+                assert torch.equal(got.cpu(), ref.data.cpu()), what
+                assert torch.equal(scales.view(torch.uint8).cpu(), ref.scale.view(torch.uint8).cpu()), what
+    ref_w = quantize_nvfp4(x, block_shape=(16, 16), amax=amax, four_over_six=four_six)
+    d, s, dt, st, _ = quantize_weight_2d_tensors(x, amax, four_six=four_six)
+    assert torch.equal(d.cpu(), ref_w.data.cpu()) and torch.equal(dt.cpu(), ref_w.t().data.cpu())
+    assert torch.equal(s.view(torch.uint8).cpu(), ref_w.scale.view(torch.uint8).cpu())
+    d16 = quantize_weight_2d_tensors(x, amax, staged=True, four_six=four_six)[0]
+    want = ref_w.scaled_codes(torch.float16).cpu()
+    assert bool(((d16.cpu() == want) | (d16.cpu().isnan() & want.isnan())).all()) and int(d16.isnan().sum()) == 256
+
+
 def test_all_zero_and_empty():
     z = torch.zeros(32, 64, device=DEV)
     row, col = quantize_operand(z, rowwise=True, colwise=True, signs=rht_signs(0, DEV))

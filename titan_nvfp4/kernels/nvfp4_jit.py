@@ -46,15 +46,16 @@ def e4m3_round(v):
 def block_scales(block_amax, s_enc, TO_FOUR: tl.constexpr = False):
     """Twin of block_decode_scale + block_encode_factor (TO_FOUR: the block max scaled to 4, Four Over
     Six's second candidate). block_amax uses nan_to_inf_abs; s_enc is the tensor's encode scale (a
-    scalar, so 1/s_enc is one division per program, not per block). Returns (e_b as float8e4nv, r_b fp32)."""
+    scalar, so 1/s_enc is one division per program, not per block). Returns (e_b as float8e4nv, r_b fp32,
+    e_b as fp32). The fp32 e_b is NaN with e_b: the interpreter decodes E4M3 0x7F as a finite value."""
     s_dec = tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc)
     mult: tl.constexpr = 0.25 if TO_FOUR else 0.1666666716337204  # fp32(1/6), as the reference uses
     v = block_amax * (s_enc * mult)
-    e = e4m3_round(tl.minimum(v, E4M3_MAX)).to(tl.float8e4nv)  # exact: the value is already E4M3
+    e32 = tl.where(block_amax == float("inf"), float("nan"), e4m3_round(tl.minimum(v, E4M3_MAX)))
+    e32 = tl.where(s_enc != s_enc, float("nan"), e32)
     nan = tl.full(block_amax.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True)  # E4M3 NaN
-    e = tl.where(block_amax == float("inf"), nan, e)
-    e = tl.where(s_enc != s_enc, nan, e)
-    return e, encode_factor(e.to(tl.float32), s_dec)
+    e = tl.where(e32 != e32, nan, e32.to(tl.float8e4nv))  # exact: the value is already E4M3
+    return e, encode_factor(e32, s_dec), e32
 
 
 @triton.jit
@@ -79,29 +80,27 @@ def fos_d2(x, s_enc, r, e32, p):
 
 
 @triton.jit
-def pick_four_or_six(e6, r6, e4, r4, err6, err4):
+def pick_four_or_six(e6, r6, f6, e4, r4, f4, err6, err4):
     """Four Over Six's choice (twin of four_over_six_scales): the "4" scale where it is not 0 and its
-    error is strictly lower. Returns (e_b float8e4nv, r_b fp32)."""
-    four = (e4.to(tl.float32) != 0.0) & (err4 < err6)
+    error is strictly lower. f6, f4: the candidates' e_b as fp32. Returns (e_b float8e4nv, r_b, e_b fp32)."""
+    four = (f4 != 0.0) & (err4 < err6)
     e = tl.where(four, e4.to(tl.uint8, bitcast=True), e6.to(tl.uint8, bitcast=True)).to(tl.float8e4nv, bitcast=True)
-    return e, tl.where(four, r4, r6)
+    return e, tl.where(four, r4, r6), tl.where(four, f4, f6)
 
 
 @triton.jit
 def four_six_scales16(xs, block_amax, s_enc):
     """Twin of numerics.nvfp4.four_over_six_scales (plus the encode factor) for 16-element blocks
-    across a 16-tuple of tiles (tile i = element i of each block). Returns (e_b, r_b) as block_scales."""
-    e6, r6 = block_scales(block_amax, s_enc)
-    e4, r4 = block_scales(block_amax, s_enc, TO_FOUR=True)
+    across a 16-tuple of tiles (tile i = element i of each block). Returns (e_b, r_b, e_b fp32) as block_scales."""
+    e6, r6, f6 = block_scales(block_amax, s_enc)
+    e4, r4, f4 = block_scales(block_amax, s_enc, TO_FOUR=True)
     p = fos_unit(block_amax, s_enc)
-    f6 = e6.to(tl.float32)
-    f4 = e4.to(tl.float32)
     err6 = fos_d2(xs[0], s_enc, r6, f6, p)
     err4 = fos_d2(xs[0], s_enc, r4, f4, p)
     for i in tl.static_range(1, 16):
         err6 += fos_d2(xs[i], s_enc, r6, f6, p)
         err4 += fos_d2(xs[i], s_enc, r4, f4, p)
-    return pick_four_or_six(e6, r6, e4, r4, err6, err4)
+    return pick_four_or_six(e6, r6, f6, e4, r4, f4, err6, err4)
 
 
 @triton.jit
@@ -230,10 +229,11 @@ def pack_pairs(codes, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def rht16_slices(xs, SIGNS):
+def rht16_slices(xs, SIGNS, SCALE: tl.constexpr = True):
     """Twin of numerics.rht.rht across a 16-tuple of equally shaped tiles (tile i = element i of each
     block): sign flip, butterfly stages h = 1, 2, 4, 8 (i meets i + h: a + b, a - b), * 0.25. Every
-    stage is elementwise between tiles, so no data moves between threads."""
+    stage is elementwise between tiles, so no data moves between threads. SCALE=False leaves out the
+    * 0.25, for a caller that only takes a max: fp32 rounding is monotone, so max|0.25·y| = 0.25·max|y|."""
     ys = ()
     for i in tl.static_range(16):
         ys = ys + (xs[i] * tl.load(SIGNS + i),)
@@ -245,6 +245,8 @@ def rht16_slices(xs, SIGNS):
             else:
                 zs = zs + (ys[i - (1 << stage)] - ys[i],)
         ys = zs
+    if not SCALE:
+        return ys
     out = ()
     for i in tl.static_range(16):
         out = out + (ys[i] * 0.25,)
@@ -330,15 +332,14 @@ def quantize_slices16(xs, s_enc, STOCHASTIC: tl.constexpr, seed, counter, STAGED
     0 (the reference's NaN·r). FOUR_SIX: block scales by Four Over Six (s_enc must then be the
     FOUR_SIX tensor scale)."""
     if FOUR_SIX:
-        e, r = four_six_scales16(xs, amax16(xs).to(tl.float32), s_enc)
+        e, r, e32 = four_six_scales16(xs, amax16(xs).to(tl.float32), s_enc)
     else:
-        e, r = block_scales(amax16(xs).to(tl.float32), s_enc)
+        e, r, e32 = block_scales(amax16(xs).to(tl.float32), s_enc)
     finite = r == r
     # Ties the counters to the data's register layout (NaN blocks, coded 0 anyway, draw at 0): else
     # Triton computes Philox in the counters' own layout and moves all its random bits between threads.
     counter = tl.where(finite, counter, 0)
     keep = tl.where(finite, -1, 0)  # a whole word of codes at once
-    e32 = e.to(tl.float32)
     out = ()
     if STOCHASTIC:
         us = random8x16(seed, counter)

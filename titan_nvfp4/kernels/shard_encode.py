@@ -43,7 +43,7 @@ def _tile_scales_kernel(GRID, T, E, S, BT: tl.constexpr):
     S[1] = 1/S[0] (correctly rounded, as torch.reciprocal)."""
     s_enc = global_encode_scale(tl.load(GRID + T))
     t = tl.program_id(0) * BT + tl.arange(0, BT)
-    e, _ = block_scales(tl.load(GRID + t, mask=t < T, other=0.0), s_enc)
+    e, _, _ = block_scales(tl.load(GRID + t, mask=t < T, other=0.0), s_enc)
     tl.store(E + t, e, mask=t < T)
     if tl.program_id(0) == 0:
         tl.store(S, s_enc)
