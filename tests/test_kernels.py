@@ -220,6 +220,11 @@ def test_one_non_finite_block_under_a_given_amax(four_six):
     d16 = quantize_weight_2d_tensors(x, amax, staged=True, four_six=four_six)[0]
     want = ref_w.scaled_codes(torch.float16).cpu()
     assert bool(((d16.cpu() == want) | (d16.cpu().isnan() & want.isnan())).all()) and int(d16.isnan().sum()) == 256
+    from titan_nvfp4.kernels.gemm import dequantize_fp16  # the GEMM's staging decodes the NaN scale too
+
+    staged = dequantize_fp16(ref_row).cpu()
+    want = ref_row.scaled_codes(torch.float16).cpu()
+    assert bool(((staged == want) | (staged.isnan() & want.isnan())).all()) and int(staged.isnan().sum()) == 16
 
 
 def test_all_zero_and_empty():

@@ -44,6 +44,7 @@ from ..numerics.nvfp4 import NVFP4Tensor
 from ..ops.backends import capability, interpreting
 from ..ops.library import StagedOperand
 from .launch import launch, tune_bucket
+from .nvfp4_jit import e4m3_value
 
 #: Staging budget per operand (bytes of fp16); larger operands are staged in row chunks.
 STAGE_BYTES = 64 * 2**20
@@ -162,8 +163,8 @@ def _nvfp4_gemm_kernel(A, SA, a_desc, B, b_desc, GSA, GSB, BIAS, C, P, M, N, K, 
                 a = tl.load(a16_ptr, mask=mask_m[:, None] & (k0 + rk < K)[None, :], other=0.0)
         else:
             raw = tl.load(a_ptr, mask=mask_m[:, None] & (k0 // 2 + rb < K // 2)[None, :], other=0)
-            s16 = tl.load(sa_ptr, mask=mask_m[:, None] & (k0 // 16 + rs < K // 16)[None, :], other=0.0).to(tl.float16)
-            a = _dequant_a(raw, s16, BM, BK, USE_ASM)
+            sa = tl.load(sa_ptr, mask=mask_m[:, None] & (k0 // 16 + rs < K // 16)[None, :], other=0.0)
+            a = _dequant_a(raw, e4m3_value(sa, tl.float16), BM, BK, USE_ASM)
         if B_TMA:
             b = b_desc.load([pid_n * BN, k0])
         else:
@@ -256,7 +257,7 @@ def _dequant_kernel(D, S, OUT, R, C, sdr, ssr, ssc, sor, TUNE_R, TUNE_C, SCALE_D
     mask = (rr < R)[:, None] & (rb < C // 2)[None, :]
     raw = tl.load(D + rr[:, None].to(tl.int64) * sdr + rb[None, :], mask=mask, other=0)
     s = tl.load(S + (rr // SCALE_DIV)[:, None].to(tl.int64) * ssr + (rb // 8)[None, :] * ssc, mask=mask, other=0.0)
-    s = s.to(tl.float32) * 16384.0  # the codes below carry 2^-14; fold 2^14 into the (exact) scale
+    s = e4m3_value(s) * 16384.0  # the codes below carry 2^-14; fold 2^14 into the (exact) scale
     lo, hi = _nibbles_fp16(raw)
     lo, hi = lo.to(tl.float32) * s, hi.to(tl.float32) * s
     lo16 = lo.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)

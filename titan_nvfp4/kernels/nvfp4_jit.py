@@ -4,11 +4,25 @@ Each function here has a twin in the reference (named in its docstring); the ker
 pair bit for bit. Shared by the quantization kernels (quantize.py) and the GEMM (gemm.py).
 """
 
+import os
+
 import triton
 import triton.language as tl
 
 E4M3_MAX = tl.constexpr(448.0)
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
+# Triton's CPU interpreter decodes E4M3 NaN (0x7F, 0xFF) as ±480; compiled kernels decode it as NaN
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
+
+@triton.jit
+def e4m3_value(e, dt: tl.constexpr = tl.float32):
+    """E4M3 scales e (float8e4nv) as dtype dt, NaN kept NaN also in the interpreter (INTERPRETED; a
+    compiled kernel gets the bare conversion)."""
+    v = e.to(dt)
+    if INTERPRETED:
+        v = tl.where((e.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), v)
+    return v
 
 
 @triton.jit
@@ -46,16 +60,15 @@ def e4m3_round(v):
 def block_scales(block_amax, s_enc, TO_FOUR: tl.constexpr = False):
     """Twin of block_decode_scale + block_encode_factor (TO_FOUR: the block max scaled to 4, Four Over
     Six's second candidate). block_amax uses nan_to_inf_abs; s_enc is the tensor's encode scale (a
-    scalar, so 1/s_enc is one division per program, not per block). Returns (e_b as float8e4nv, r_b fp32,
-    e_b as fp32). The fp32 e_b is NaN with e_b: the interpreter decodes E4M3 0x7F as a finite value."""
+    scalar, so 1/s_enc is one division per program, not per block). Returns (e_b as float8e4nv, r_b fp32)."""
     s_dec = tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc)
     mult: tl.constexpr = 0.25 if TO_FOUR else 0.1666666716337204  # fp32(1/6), as the reference uses
     v = block_amax * (s_enc * mult)
-    e32 = tl.where(block_amax == float("inf"), float("nan"), e4m3_round(tl.minimum(v, E4M3_MAX)))
-    e32 = tl.where(s_enc != s_enc, float("nan"), e32)
+    e = e4m3_round(tl.minimum(v, E4M3_MAX)).to(tl.float8e4nv)  # exact: the value is already E4M3
     nan = tl.full(block_amax.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True)  # E4M3 NaN
-    e = tl.where(e32 != e32, nan, e32.to(tl.float8e4nv))  # exact: the value is already E4M3
-    return e, encode_factor(e32, s_dec), e32
+    e = tl.where(block_amax == float("inf"), nan, e)
+    e = tl.where(s_enc != s_enc, nan, e)
+    return e, encode_factor(e4m3_value(e), s_dec)
 
 
 @triton.jit
@@ -80,27 +93,29 @@ def fos_d2(x, s_enc, r, e32, p):
 
 
 @triton.jit
-def pick_four_or_six(e6, r6, f6, e4, r4, f4, err6, err4):
+def pick_four_or_six(e6, r6, e4, r4, err6, err4):
     """Four Over Six's choice (twin of four_over_six_scales): the "4" scale where it is not 0 and its
-    error is strictly lower. f6, f4: the candidates' e_b as fp32. Returns (e_b float8e4nv, r_b, e_b fp32)."""
-    four = (f4 != 0.0) & (err4 < err6)
+    error is strictly lower. Returns (e_b float8e4nv, r_b fp32)."""
+    four = (e4m3_value(e4) != 0.0) & (err4 < err6)
     e = tl.where(four, e4.to(tl.uint8, bitcast=True), e6.to(tl.uint8, bitcast=True)).to(tl.float8e4nv, bitcast=True)
-    return e, tl.where(four, r4, r6), tl.where(four, f4, f6)
+    return e, tl.where(four, r4, r6)
 
 
 @triton.jit
 def four_six_scales16(xs, block_amax, s_enc):
     """Twin of numerics.nvfp4.four_over_six_scales (plus the encode factor) for 16-element blocks
-    across a 16-tuple of tiles (tile i = element i of each block). Returns (e_b, r_b, e_b fp32) as block_scales."""
-    e6, r6, f6 = block_scales(block_amax, s_enc)
-    e4, r4, f4 = block_scales(block_amax, s_enc, TO_FOUR=True)
+    across a 16-tuple of tiles (tile i = element i of each block). Returns (e_b, r_b) as block_scales."""
+    e6, r6 = block_scales(block_amax, s_enc)
+    e4, r4 = block_scales(block_amax, s_enc, TO_FOUR=True)
     p = fos_unit(block_amax, s_enc)
+    f6 = e4m3_value(e6)
+    f4 = e4m3_value(e4)
     err6 = fos_d2(xs[0], s_enc, r6, f6, p)
     err4 = fos_d2(xs[0], s_enc, r4, f4, p)
     for i in tl.static_range(1, 16):
         err6 += fos_d2(xs[i], s_enc, r6, f6, p)
         err4 += fos_d2(xs[i], s_enc, r4, f4, p)
-    return pick_four_or_six(e6, r6, f6, e4, r4, f4, err6, err4)
+    return pick_four_or_six(e6, r6, e4, r4, err6, err4)
 
 
 @triton.jit
@@ -332,14 +347,15 @@ def quantize_slices16(xs, s_enc, STOCHASTIC: tl.constexpr, seed, counter, STAGED
     0 (the reference's NaN·r). FOUR_SIX: block scales by Four Over Six (s_enc must then be the
     FOUR_SIX tensor scale)."""
     if FOUR_SIX:
-        e, r, e32 = four_six_scales16(xs, amax16(xs).to(tl.float32), s_enc)
+        e, r = four_six_scales16(xs, amax16(xs).to(tl.float32), s_enc)
     else:
-        e, r, e32 = block_scales(amax16(xs).to(tl.float32), s_enc)
+        e, r = block_scales(amax16(xs).to(tl.float32), s_enc)
     finite = r == r
     # Ties the counters to the data's register layout (NaN blocks, coded 0 anyway, draw at 0): else
     # Triton computes Philox in the counters' own layout and moves all its random bits between threads.
     counter = tl.where(finite, counter, 0)
     keep = tl.where(finite, -1, 0)  # a whole word of codes at once
+    e32 = e4m3_value(e)
     out = ()
     if STOCHASTIC:
         us = random8x16(seed, counter)

@@ -31,7 +31,7 @@ from ..ops.library import operand_pair, weight_pair
 from .expert_map import block_experts_triton
 from .launch import launch, tune_bucket
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
-from .nvfp4_jit import (add_nibble, amax16, block_scales, e2m1_nibble, e2m1_staged, fos_d2, fos_unit, join_slices16,
+from .nvfp4_jit import (add_nibble, amax16, block_scales, e2m1_nibble, e2m1_staged, e4m3_value, fos_d2, fos_unit, join_slices16,
                         nibble_word, pack_pairs, pick_four_or_six, quantize_slices16, rht16_slices, split8,
                         words_along_slices)
 
@@ -307,12 +307,12 @@ def _quantize_2d_tile(W, b0, t1, nblk, N, K, swn, swk, AMAX, BEXP, D, S, DT, ST,
     s = _encode_scale(AMAX, BEXP, blk, nblk, GROUPED, FOUR_SIX)
     bamax = tl.max(tl.reshape(amax16(ws), (G, BK // 16, 16)), axis=2).to(tl.float32)
     if FOUR_SIX:
-        e, r, eb = _four_six_tiles(ws, bamax, s, G, BK)
+        e, r = _four_six_tiles(ws, bamax, s, G, BK)
     else:
-        e, r, eb = block_scales(bamax, s)  # [G, BK/16]
+        e, r = block_scales(bamax, s)  # [G, BK/16]
     rk2 = t1 * (BK // 2) + tl.arange(0, BK // 2)
     # per element: e_b (for the staged values) and the code mask of non-finite blocks (r is NaN there)
-    e32 = tl.reshape(tl.broadcast_to(eb[:, :, None], (G, BK // 16, 16)), (G, BK))
+    e32 = tl.reshape(tl.broadcast_to(e4m3_value(e)[:, :, None], (G, BK // 16, 16)), (G, BK))
     keep = tl.reshape(tl.broadcast_to(tl.where(r == r, -1, 0)[:, :, None], (G, BK // 16, 16)), (G, BK))
     if EMIT_F16:  # where each 16-row block's first staged row goes (blocks never straddle experts)
         e_of = blk * 16 // D_ROWS
@@ -355,13 +355,12 @@ def _per_element(t, G: tl.constexpr, BK: tl.constexpr):
 @triton.jit
 def _four_six_tiles(ws, bamax, s, G: tl.constexpr, BK: tl.constexpr):
     """Four Over Six scales of 16×16 tiles (twin of four_over_six_scales on a tile's 256 elements):
-    the 16 row tiles [G, BK] ``ws`` each add their D² per element, then each tile's 16 columns are summed.
-    Returns (e, r, e as fp32), each [G, BK/16]."""
-    e6, r6, b6 = block_scales(bamax, s)
-    e4, r4, b4 = block_scales(bamax, s, TO_FOUR=True)
+    the 16 row tiles [G, BK] ``ws`` each add their D² per element, then each tile's 16 columns are summed."""
+    e6, r6 = block_scales(bamax, s)
+    e4, r4 = block_scales(bamax, s, TO_FOUR=True)
     p = _per_element(fos_unit(bamax, s), G, BK)
     r6e, r4e = _per_element(r6, G, BK), _per_element(r4, G, BK)
-    f6, f4 = _per_element(b6, G, BK), _per_element(b4, G, BK)
+    f6, f4 = _per_element(e4m3_value(e6), G, BK), _per_element(e4m3_value(e4), G, BK)
     err6 = fos_d2(ws[0], s, r6e, f6, p)
     err4 = fos_d2(ws[0], s, r4e, f4, p)
     for i in tl.static_range(1, 16):
@@ -369,7 +368,7 @@ def _four_six_tiles(ws, bamax, s, G: tl.constexpr, BK: tl.constexpr):
         err4 += fos_d2(ws[i], s, r4e, f4, p)
     err6 = tl.sum(tl.reshape(err6, (G, BK // 16, 16)), axis=2)
     err4 = tl.sum(tl.reshape(err4, (G, BK // 16, 16)), axis=2)
-    return pick_four_or_six(e6, r6, b6, e4, r4, b4, err6, err4)
+    return pick_four_or_six(e6, r6, e4, r4, err6, err4)
 
 
 def _operand_configs():

@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from .launch import launch
-from .nvfp4_jit import block_scales, e2m1_code, encode_factor, global_encode_scale, nan_to_inf_abs, pack_pairs
+from .nvfp4_jit import (block_scales, e2m1_code, e4m3_value, encode_factor, global_encode_scale, nan_to_inf_abs,
+                        pack_pairs)
 
 BK = 128  # columns per program
 BT = 1024  # tiles per program of the scales kernel
@@ -43,7 +44,7 @@ def _tile_scales_kernel(GRID, T, E, S, BT: tl.constexpr):
     S[1] = 1/S[0] (correctly rounded, as torch.reciprocal)."""
     s_enc = global_encode_scale(tl.load(GRID + T))
     t = tl.program_id(0) * BT + tl.arange(0, BT)
-    e, _, _ = block_scales(tl.load(GRID + t, mask=t < T, other=0.0), s_enc)
+    e, _ = block_scales(tl.load(GRID + t, mask=t < T, other=0.0), s_enc)
     tl.store(E + t, e, mask=t < T)
     if tl.program_id(0) == 0:
         tl.store(S, s_enc)
@@ -64,7 +65,7 @@ def _encode_rows_kernel(X, R, K, sx, OFFSET, KEEP, E, S_ENC, D, BK: tl.constexpr
     smask = (rows < KEEP)[:, None] & (kb < K // 16)[None, :]
     e = tl.load(E + tiles[:, None] * (K // 16) + kb[None, :], mask=smask, other=0.0)  # e4m3 [16, BK/16]
     s_enc = tl.load(S_ENC)
-    r = encode_factor(e.to(tl.float32), tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc))
+    r = encode_factor(e4m3_value(e), tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc))
     y = tl.reshape(tl.reshape(x, (16, BK // 16, 16)) * r[:, :, None], (16, BK))
     keep = tl.reshape(tl.broadcast_to(tl.where(r == r, 15, 0).to(tl.uint8)[:, :, None], (16, BK // 16, 16)), (16, BK))
     codes = e2m1_code(y) & keep
