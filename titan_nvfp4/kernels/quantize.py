@@ -31,9 +31,9 @@ from ..ops.library import operand_pair, weight_pair
 from .expert_map import block_experts_triton
 from .launch import launch, tune_bucket
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
-from .nvfp4_jit import (add_nibble, amax16, block_scales, e2m1_nibble, e2m1_staged, e4m3_value, fos_d2, fos_unit, join_slices16,
-                        nibble_word, pack_pairs, pick_four_or_six, quantize_slices16, rht16_slices, split8,
-                        words_along_slices)
+from .nvfp4_jit import (add_nibble, amax16, block_scales, e2m1_nibble, e2m1_staged, e4m3_value, fos_d2, fos_unit,
+                        join_slices16, nibble_word, pack_pairs, pick_four_or_six, quantize_slices16, rht16_slices,
+                        split8, words_along_slices)
 
 G_Q = 2  # 16-row blocks per program (fixed tiles: the interpreter, small inputs)
 BK_Q = 64  # features per program
