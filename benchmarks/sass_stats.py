@@ -2,6 +2,11 @@
 bundled ptxas, disassemble it (nvdisasm) and count SASS instructions per input element.
 
     python benchmarks/sass_stats.py [--variant NAME ...] [--config G BK WARPS] [--ops 12] [--dump DIR]
+    python benchmarks/sass_stats.py --ceilings
+
+``--ceilings``: for each operand kernel as bench_kernels.py times it (codes out, amaxes given), the
+fewest instructions per element over the autotuner's tile configs and the share of the copy ceiling
+that count allows at the full issue rate, against the count that 85% of copy allows.
 
 The quantization kernel has no loops (every tile is unrolled), so the static count per program is its
 dynamic count up to predication; divided by the elements one thread handles it is the issue cost per
@@ -103,7 +108,7 @@ def sass_and_registers(kernel) -> tuple[list[str], int, int]:
         text = subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
         res = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
     lines = [re.sub(r"^\s*/\*[0-9a-f]+\*/\s*", "", ln).rstrip(" ;") for ln in text.splitlines()
-             if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+             if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
     regs = re.search(r"REG:(\d+)", res)
     spills = re.search(r"STACK:(\d+)", res)
     return lines, int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else -1
@@ -113,13 +118,51 @@ def opcode(line: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", line).split()[0].split(".")[0]
 
 
+ISSUE_PER_S = 29.6e12  # H100 thread-instructions per second (see the module docstring)
+COPY_BYTES_PER_S = 2.97e12  # H100 copy ceiling, read + write (bench_kernels.py)
+# bench_kernels.py's operand kernels with their constexprs and bytes per element (x read once, codes out)
+CEILING_CASES = [
+    ("rowwise 1x16 (RNE), amax given", dict(ROW=True, COL=False, RHT=False, SR_ROW=False, SR_COL=False), 2.5625),
+    ("rowwise + RHT colwise, amaxes given", dict(ROW=True, COL=True, RHT=True, SR_ROW=False, SR_COL=False), 3.125),
+    ("rowwise SR + RHT colwise SR, amaxes given (bwd dY)", dict(ROW=True, COL=True, RHT=True, SR_ROW=True, SR_COL=True),
+     3.125),
+]
+
+
+def ceilings() -> None:
+    """The issue-rate ceiling of each CEILING_CASES kernel, with and without Four Over Six."""
+    print(f"triton {triton.__version__}, sm_90; issue {ISSUE_PER_S / 1e12:.1f} T/s, copy {COPY_BYTES_PER_S / 1e12:.2f} TB/s")
+    print("| kernel | bytes / element | instructions / element at 85% of copy | fewest instructions / element "
+          "(config) | ceiling, % of copy |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for four_six in (False, True):
+        for name, flags, nbytes in CEILING_CASES:
+            best = None
+            for cfg in q._operand_configs():
+                g, bk, warps = cfg.kwargs["G"], cfg.kwargs["BK"], cfg.num_warps
+                const = dict(sxk=1, GROUPED=False, ROW_F16=False, COL_F16=False, NSP2=2, G=g, BK=bk,
+                             FOUR_SIX=four_six, **flags)
+                lines, _, _ = sass_and_registers(_compile(q._quantize_kernel, dict(_POINTERS), const, warps, 90))
+                per = len(lines) / (16 * g * bk / (32 * warps))
+                if best is None or per < best[0]:
+                    best = (per, f"G{g} BK{bk} w{warps}")
+            budget = ISSUE_PER_S * nbytes / (0.85 * COPY_BYTES_PER_S)
+            ceiling = ISSUE_PER_S * nbytes / (best[0] * COPY_BYTES_PER_S)
+            label = ("4/6: " if four_six else "") + name
+            print(f"| {label} | {nbytes:.3f} | {budget:.1f} | {best[0]:.1f} ({best[1]}) | {ceiling:.0%} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--variant", action="append", choices=list(VARIANTS) + list(OTHER))
     p.add_argument("--config", nargs=3, type=int, default=(2, 128, 4), metavar=("G", "BK", "WARPS"))
     p.add_argument("--ops", type=int, default=10, help="most frequent opcodes to list")
     p.add_argument("--dump", help="folder for each variant's SASS")
+    p.add_argument("--ceilings", action="store_true", help="issue-rate ceilings of bench_kernels.py's operand kernels")
     args = p.parse_args()
+    if args.ceilings:
+        ceilings()
+        return
     g, bk, warps = args.config
     per_thread = 16 * g * bk / (32 * warps)
     print(f"triton {triton.__version__}, sm_90, G={g} BK={bk} warps={warps}: {per_thread:.0f} elements per thread")
