@@ -193,6 +193,7 @@ def test_one_non_finite_block_under_a_given_amax(four_six):
     own block only, as in the reference: scale NaN, codes 0, staged values NaN, in every output of the
     operand and weight kernels. (The interpreter decodes E4M3 NaN as a finite value; the kernels must not
     rely on that decode.)"""
+    from titan_nvfp4.kernels.gemm import dequantize_fp16
     from titan_nvfp4.kernels.quantize import quantize_operand_tensors, quantize_weight_2d_tensors
 
     x = inputs(64, 96, "normal", torch.float32)
@@ -220,9 +221,7 @@ def test_one_non_finite_block_under_a_given_amax(four_six):
     d16 = quantize_weight_2d_tensors(x, amax, staged=True, four_six=four_six)[0]
     want = ref_w.scaled_codes(torch.float16).cpu()
     assert bool(((d16.cpu() == want) | (d16.cpu().isnan() & want.isnan())).all()) and int(d16.isnan().sum()) == 256
-    from titan_nvfp4.kernels.gemm import dequantize_fp16  # the GEMM's staging decodes the NaN scale too
-
-    staged = dequantize_fp16(ref_row).cpu()
+    staged = dequantize_fp16(ref_row).cpu()  # the GEMM's staging decodes the NaN scale too
     want = ref_row.scaled_codes(torch.float16).cpu()
     assert bool(((staged == want) | (staged.isnan() & want.isnan())).all()) and int(staged.isnan().sum()) == 16
 
