@@ -36,6 +36,12 @@ def same_bits(a: NVFP4Tensor, b: NVFP4Tensor, what: str) -> None:
     assert torch.equal(ga, gb) or bool(ga.isnan().all() and gb.isnan().all()), f"{what}: global scale differs"
 
 
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element by element on the CPU, NaN matching NaN."""
+    a, b = a.cpu(), b.cpu()
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 def inputs(m: int, k: int, kind: str, dtype=torch.bfloat16) -> torch.Tensor:
     g = torch.Generator().manual_seed(m * 7919 + k)
     x = torch.randn(m, k, generator=g)
@@ -209,7 +215,7 @@ def test_one_non_finite_block_under_a_given_amax(four_six):
         for got, scales, ref, what in ((rd, rs, ref_row, "row"), (cd, cs, ref_col, "column")):
             if fp16:
                 want = ref.scaled_codes(torch.float16).cpu()
-                assert bool(((got.cpu() == want) | (got.cpu().isnan() & want.isnan())).all()), what
+                assert same_values(got, want), what
                 assert int(got.isnan().sum()) == 16, what
             else:
                 assert torch.equal(got.cpu(), ref.data.cpu()), what
@@ -220,10 +226,10 @@ def test_one_non_finite_block_under_a_given_amax(four_six):
     assert torch.equal(s.view(torch.uint8).cpu(), ref_w.scale.view(torch.uint8).cpu())
     d16 = quantize_weight_2d_tensors(x, amax, staged=True, four_six=four_six)[0]
     want = ref_w.scaled_codes(torch.float16).cpu()
-    assert bool(((d16.cpu() == want) | (d16.cpu().isnan() & want.isnan())).all()) and int(d16.isnan().sum()) == 256
+    assert same_values(d16, want) and int(d16.isnan().sum()) == 256
     staged = dequantize_fp16(ref_row).cpu()  # the GEMM's staging decodes the NaN scale too
     want = ref_row.scaled_codes(torch.float16).cpu()
-    assert bool(((staged == want) | (staged.isnan() & want.isnan())).all()) and int(staged.isnan().sum()) == 16
+    assert same_values(staged, want) and int(staged.isnan().sum()) == 16
 
 
 def test_all_zero_and_empty():
@@ -538,7 +544,7 @@ def test_weight_kernel_emits_the_staged_weight_exactly(kind):
         codes = NVFP4Tensor(d, s, gs[0], w.shape, (16, 16))
         want = g.dequantize_fp16(codes)
         assert d16.dtype == torch.float16 and s16.numel() == 0
-        assert bool(((d16 == want) | (d16.isnan() & want.isnan())).all())
+        assert same_values(d16, want)
         assert torch.equal(dt16, dt) and torch.equal(st16.view(torch.uint8), st.view(torch.uint8)) and torch.equal(gs16, gs)
 
 

@@ -4,15 +4,15 @@ Each function here has a twin in the reference (named in its docstring); the ker
 pair bit for bit. Shared by the quantization kernels (quantize.py) and the GEMM (gemm.py).
 """
 
-import os
-
 import triton
 import triton.language as tl
+
+from ..ops.backends import interpreting
 
 E4M3_MAX = tl.constexpr(448.0)
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
 # Triton's CPU interpreter decodes E4M3 NaN (0x7F, 0xFF) as ±480; compiled kernels decode it as NaN
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+INTERPRETED = tl.constexpr(interpreting())
 
 
 @triton.jit
