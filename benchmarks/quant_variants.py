@@ -48,6 +48,8 @@ def main() -> None:
     p.add_argument("--dump", help="folder for the TTGIR of each variant at the second config")
     p.add_argument("--maxnreg", default="0", help="comma-separated register caps per thread to try (0: none); "
                    "fewer registers, more warps resident")
+    p.add_argument("--orders", default="rows,columns", help="program orders to time (program_tile): rows "
+                   "(row tiles first, a 2D grid) and/or columns (COLS_FIRST)")
     p.add_argument("--amax", action="store_true", help="time the amax pass instead (module docstring)")
     p.add_argument("--spread", nargs="*", default=[], help="with --amax: also atomics spread over SxSTRIDE copies")
     args = p.parse_args()
@@ -65,31 +67,36 @@ def main() -> None:
     cs = torch.empty(K, M // 16, dtype=torch.float8_e4m3fn, device="cuda")
     rd16 = torch.empty(M, K, dtype=torch.float16, device="cuda")  # staged outputs
     cd16 = torch.empty(K, M, dtype=torch.float16, device="cuda")
-    copy_ms = triton.testing.do_bench(lambda: rd.view(-1)[: M * K // 2].copy_(x.view(torch.uint8).view(-1)[: M * K // 2]))
-    print(f"copy of {M * K // 2 / 2**20:.0f} MiB: {copy_ms:.3f} ms ({2 * M * K // 2 / copy_ms / 1e9:.2f} TB/s)")
-    print("| variant | G | BK | warps | maxnreg | ms | TB/s (read+write) | regs | spills | layout converts | smem B |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    copy_ms = triton.testing.do_bench_cudagraph(
+        lambda: rd.view(-1)[: M * K // 2].copy_(x.view(torch.uint8).view(-1)[: M * K // 2]))
+    copy_tbs = 2 * M * K // 2 / copy_ms / 1e9
+    print(f"copy of {M * K // 2 / 2**20:.0f} MiB: {copy_ms:.3f} ms ({copy_tbs:.2f} TB/s), graph-timed like the rows")
+    print("| variant | G | BK | warps | tiles first | maxnreg | ms | TB/s (read+write) | of copy | regs | spills "
+          "| layout converts | smem B |")
+    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     caps = [int(c) for c in args.maxnreg.split(",")]
+    orders = [o == "columns" for o in args.orders.split(",")]
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")] if args.configs else CONFIGS
     names = args.variants.split(",") if args.variants else list(VARIANTS)
     for name in names:
         row, col, rht, srr, src, rf16, cf16 = VARIANTS[name]
         out_bytes = lambda on, f16: (M * K * 2 if f16 else M * K * 9 // 16) if on else 0  # noqa: E731
         nbytes = M * K * 2 + out_bytes(row, rf16) + out_bytes(col, cf16)
-        for (g, bk, w), cap in ((c, r) for c in configs for r in caps):
+        for (g, bk, w), cap, cf in ((c, r, o) for c in configs for r in caps for o in orders):
             opts = dict(maxnreg=cap) if cap else {}
 
             def run():
-                return q._quantize_kernel[(triton.cdiv(M, 16 * g), triton.cdiv(K, bk))](
+                return q._quantize_kernel[q.launch_grid(M, K, g, bk, cf)](
                     x, M, K, x.stride(0), x.stride(1), amax, gs, rd16 if rf16 else rd, rs, cd16 if cf16 else cd, cs,
                     signs, seed, M, amax, 1, tune_bucket(M), ROW=row, COL=col, RHT=rht, SR_ROW=srr, SR_COL=src,
-                    GROUPED=False, ROW_F16=rf16, COL_F16=cf16, NSP2=2, G=g, BK=bk, num_warps=w, **opts)
+                    GROUPED=False, ROW_F16=rf16, COL_F16=cf16, NSP2=2, G=g, BK=bk, COLS_FIRST=cf, num_warps=w,
+                    **opts)
             k = run()
             if args.ncu:
                 continue
-            ms = triton.testing.do_bench(run)
+            ms = triton.testing.do_bench_cudagraph(run)
             cvt = k.asm["ttgir"].count("convert_layout")
-            print(f"| {name} | {g} | {bk} | {w} | {cap or '-'} | {ms:.3f} | {nbytes / ms / 1e9:.2f} | {k.n_regs} | {k.n_spills} "
+            print(f"| {name} | {g} | {bk} | {w} | {'columns' if cf else 'rows'} | {cap or '-'} | {ms:.3f} | {nbytes / ms / 1e9:.2f} | {nbytes / ms / 1e9 / copy_tbs:.0%} | {k.n_regs} | {k.n_spills} "
                   f"| {cvt} | {k.metadata.shared} |", flush=True)
             if args.dump and (g, bk, w) == CONFIGS[2] and name in ("row", "col RHT", "row SR + col RHT SR (bwd dY)"):
                 with open(f"{args.dump}/{name.split(' (')[0].replace(' ', '_').replace('+', 'p')}.ttgir", "w") as f:
@@ -145,17 +152,20 @@ def amax_main(args) -> None:
     dst = torch.empty(M * K // 2, dtype=torch.uint8, device="cuda")
     copy_ms = triton.testing.do_bench_cudagraph(lambda: dst.copy_(x.view(torch.uint8).view(-1)[: M * K // 2]))
     print(f"copy of {M * K // 2 / 2**20:.0f} MiB: {copy_ms:.3f} ms ({2 * M * K // 2 / copy_ms / 1e9:.2f} TB/s), graph-timed")
-    print("| variant | G | BK | warps | atomics | ms | read TB/s | of copy | regs |")
-    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+    print("| variant | G | BK | warps | tiles first | atomics | ms | read TB/s | of copy | regs |")
+    print("| --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |")
+    orders = [o == "columns" for o in args.orders.split(",")]
     configs = ([tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")] if args.configs
                else [(2, 64, 1), (2, 128, 2), (1, 128, 2), (2, 64, 4), (1, 256, 1), (2, 128, 1), (4, 64, 1),
                      (4, 128, 2), (1, 256, 2), (4, 64, 2), (8, 64, 4)])
     copy_tbs = 2 * M * K // 2 / copy_ms / 1e9
     for name in (args.variants.split(";") if args.variants else list(AMAX_VARIANTS)):
         row, col = AMAX_VARIANTS[name]
-        for g, bk, w in configs:
-            grid = (triton.cdiv(M, 16 * g), triton.cdiv(K, bk))
+        for (g, bk, w), cf in ((c, o) for c in configs for o in orders):
+            grid = q.launch_grid(M, K, g, bk, cf)
             for atomics in (True, False) + tuple(args.spread):
+                if cf and atomics is not True:
+                    continue  # the prototypes keep the 2D grid
                 if isinstance(atomics, str):
                     sp, st, *rel = atomics.split("x")  # SPREADxSTRIDE[xrelaxed]
 
@@ -167,7 +177,8 @@ def amax_main(args) -> None:
                 elif atomics:
                     def run():
                         return q._amax_kernel[grid](x, M, K, x.stride(0), x.stride(1), buf, signs, buf, 1, tune_bucket(M),
-                                                    ROW=row, COL=col, RHT=True, GROUPED=False, G=g, BK=bk, num_warps=w)
+                                                    ROW=row, COL=col, RHT=True, GROUPED=False, G=g, BK=bk,
+                                                    COLS_FIRST=cf, num_warps=w)
                 else:
                     def run():
                         return _amax_partials_kernel[grid](x, M, K, x.stride(0), part, signs, ROW=row, COL=col, G=g,
@@ -175,7 +186,7 @@ def amax_main(args) -> None:
                 k = run()
                 ms = triton.testing.do_bench_cudagraph(run)
                 tbs = M * K * 2 / ms / 1e9
-                print(f"| {name} | {g} | {bk} | {w} | {atomics if isinstance(atomics, str) else 'yes' if atomics else 'no (partials)'} | {ms:.4f} | {tbs:.2f} | "
+                print(f"| {name} | {g} | {bk} | {w} | {'columns' if cf else 'rows'} | {atomics if isinstance(atomics, str) else 'yes' if atomics else 'no (partials)'} | {ms:.4f} | {tbs:.2f} | "
                       f"{100 * tbs / copy_tbs:.0f}% | {k.n_regs} |", flush=True)
 
 

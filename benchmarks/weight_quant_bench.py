@@ -68,17 +68,19 @@ def _sweep(w: torch.Tensor, amax: torch.Tensor, configs, copy_bw: float) -> None
     dt = torch.empty(K, N // 2, dtype=torch.uint8, device=w.device)
     st = torch.empty(K // 16, N // 16, dtype=torch.float8_e4m3fn, device=w.device)
     nbytes = 2 * w.numel() + 2 * w.numel() + w.numel() // 2 + w.numel() // 256
-    print("\n| _quantize_2d_kernel (W staged + Wᵀ codes, amax given) G | BK | warps | graph ms | of copy | regs | spills |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for g, bk, wp in configs:
+    print("\n| _quantize_2d_kernel (W staged + Wᵀ codes, amax given) G | BK | warps | tiles first | graph ms | of copy "
+          "| regs | spills |")
+    print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+    for (g, bk, wp), cf in ((c, cf) for c in configs for cf in (False, True)):
         def run():
-            return q._quantize_2d_kernel[(triton.cdiv(N, 16 * g), triton.cdiv(K, bk))](
+            return q._quantize_2d_kernel[q.launch_grid(N, K, g, bk, cf)](
                 w, N, K, w.stride(0), w.stride(1), buf, gs, d, st, dt, st, buf, 1, N, N * K, tune_bucket(N),
-                EMIT_T=True, GROUPED=False, EMIT_F16=True, NSP2=1, FOUR_SIX=False, G=g, BK=bk, num_warps=wp)
+                EMIT_T=True, GROUPED=False, EMIT_F16=True, NSP2=1, FOUR_SIX=False, G=g, BK=bk, COLS_FIRST=cf,
+                num_warps=wp)
         k = run()
         ms = triton.testing.do_bench_cudagraph(run, rep=50)
-        print(f"| {g} | {bk} | {wp} | {ms:.4f} | {nbytes / (ms * 1e-3) / copy_bw:.0%} | {k.n_regs} | {k.n_spills} |",
-              flush=True)
+        print(f"| {g} | {bk} | {wp} | {'columns' if cf else 'rows'} | {ms:.4f} | {nbytes / (ms * 1e-3) / copy_bw:.0%} "
+              f"| {k.n_regs} | {k.n_spills} |", flush=True)
 
 
 def _experts(args) -> None:

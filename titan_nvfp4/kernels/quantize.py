@@ -40,6 +40,17 @@ BK_Q = 64  # features per program
 
 
 @triton.jit
+def program_tile(cols, BK: tl.constexpr, COLS_FIRST: tl.constexpr):
+    """(row tile, column tile) of this program: grid (row tiles, column tiles), or with COLS_FIRST a 1D
+    grid whose consecutive programs take the column tiles of one row strip in turn, so that the programs
+    resident at once read whole rows of x rather than one tile column of many rows (launch_grid)."""
+    if COLS_FIRST:
+        nc = tl.cdiv(cols, BK)
+        return tl.program_id(0) // nc, tl.program_id(0) % nc
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
 def _load16(X, blk, rk, M, K, sxm, sxk, AS_LOADED: tl.constexpr = False):
     """Sixteen fp32 tiles [G, BK] of x; tile i holds rows 16·blk + i (zeros outside x). AS_LOADED:
     in x's own dtype (fewer registers while all 16 are live; exact, as fp32 is taken on use)."""
@@ -56,11 +67,13 @@ def _load16(X, blk, rk, M, K, sxm, sxk, AS_LOADED: tl.constexpr = False):
 
 @triton.jit
 def _amax_kernel(X, M, K, sxm, sxk, AMAX, SIGNS, BEXP, NSLOT, TUNE_M, ROW: tl.constexpr, COL: tl.constexpr,
-                 RHT: tl.constexpr, GROUPED: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
+                 RHT: tl.constexpr, GROUPED: tl.constexpr, G: tl.constexpr, BK: tl.constexpr,
+                 COLS_FIRST: tl.constexpr = False):
     """AMAX[e] |= max|x| and AMAX[NSLOT + e] |= max|rht(xᵀ)| (see reduce_amax16) over x's 16-row
-    blocks; programs tile [16·G rows, BK features]."""
-    blk = tl.program_id(0) * G + tl.arange(0, G)
-    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    blocks; programs tile [16·G rows, BK features] (ordered by program_tile)."""
+    pr, pc = program_tile(K, BK, COLS_FIRST)
+    blk = pr * G + tl.arange(0, G)
+    rk = pc * BK + tl.arange(0, BK)
     reduce_amax16(_load16(X, blk, rk, M, K, sxm, sxk), blk, M, AMAX, SIGNS, BEXP, NSLOT, ROW, COL, RHT, GROUPED)
 
 
@@ -141,7 +154,7 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
                      ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr, SR_ROW: tl.constexpr,
                      SR_COL: tl.constexpr, GROUPED: tl.constexpr, ROW_F16: tl.constexpr, NSP2: tl.constexpr,
                      G: tl.constexpr, BK: tl.constexpr, COL_F16: tl.constexpr = False,
-                     FOUR_SIX: tl.constexpr = False):
+                     FOUR_SIX: tl.constexpr = False, COLS_FIRST: tl.constexpr = False):
     """Row operand: RD [M, K/2], RS [M, K/16]. Column operand of xᵀ (tokens zero-padded to Mpad):
     CD [K, Mpad/2], CS [K, Mpad/16]. GS [2·NSLOT]: the decode scales of the two, from AMAX (row slots,
     then column slots). NSLOT is 1, or with GROUPED one slot per expert: 16-row block b then takes
@@ -153,13 +166,14 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
     (Mpad/16)·K + b·K + k: the two roundings draw independent numbers from one seed. ROW_F16: the row
     operand goes out as the GEMM's staged fp16 values q·e_b in RD [M, K] instead of codes and scales;
     COL_F16 likewise the column operand in CD [K, Mpad]. FOUR_SIX: Four Over Six block scales (and its
-    tensor scales) for both operands."""
+    tensor scales) for both operands. Programs are ordered by program_tile (COLS_FIRST)."""
+    pr, pc = program_tile(K, BK, COLS_FIRST)
     seed = tl.load(SEED)  # a dummy pointer when neither rounding is stochastic
     _store_decode_scales(GS, AMAX, 2 * NSLOT, NSP2, FOUR_SIX)
     nblk = Mpad // 16
     if COL:
-        blk = tl.program_id(0) * G + tl.arange(0, G)
-        rk = tl.program_id(1) * BK + tl.arange(0, BK)
+        blk = pr * G + tl.arange(0, G)
+        rk = pc * BK + tl.arange(0, BK)
         xs = _load16(X, blk, rk, M, K, sxm, sxk)
         if RHT:
             xs = rht16_slices(xs, SIGNS)
@@ -170,18 +184,18 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
         kmask = (rk < K)[:, None]
         if COL_F16:  # [G, BK, 16] (token 16g + i last) -> [BK, 16G]: rows of xᵀ
             vals = tl.reshape(tl.permute(join_slices16(out, G, BK), (1, 0, 2)), (BK, 16 * G))
-            rt = tl.program_id(0) * (16 * G) + tl.arange(0, 16 * G)
+            rt = pr * (16 * G) + tl.arange(0, 16 * G)
             tl.store(CD + rk[:, None].to(tl.int64) * Mpad + rt[None, :], vals, mask=kmask & (rt < Mpad)[None, :])
         else:  # rows of xᵀ: the codes of column k, block after block
             words = words_along_slices(out[0], out[1])
-            rw = tl.program_id(0) * (2 * G) + tl.arange(0, 2 * G)
+            rw = pr * (2 * G) + tl.arange(0, 2 * G)
             tl.store(CD.to(tl.pointer_type(tl.int32)) + rk[:, None].to(tl.int64) * (Mpad // 8) + rw[None, :], words,
                      mask=kmask & (rw < Mpad // 8)[None, :])
             tl.store(CS + rk[None, :].to(tl.int64) * (Mpad // 16) + blk[:, None], e,
                      mask=(rk < K)[None, :] & (blk < Mpad // 16)[:, None])
     if ROW:
-        rows = tl.program_id(0) * (16 * G) + tl.arange(0, 16 * G)
-        kb = tl.program_id(1) * (BK // 16) + tl.arange(0, BK // 16)
+        rows = pr * (16 * G) + tl.arange(0, 16 * G)
+        kb = pc * (BK // 16) + tl.arange(0, BK // 16)
         # bf16 until used: 48 instead of 56 registers (Four Over Six uses each element thrice: fp32)
         xs = _load16_cols(X, rows, kb, M, K, sxm, sxk, AS_LOADED=not FOUR_SIX)
         s = _encode_scale(AMAX, BEXP, rows // 16, nblk, GROUPED, FOUR_SIX)
@@ -203,16 +217,19 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
 @triton.jit
 def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, D_ROWS, D_EXPERT, TUNE_M,
                         EMIT_T: tl.constexpr, GROUPED: tl.constexpr, EMIT_F16: tl.constexpr, NSP2: tl.constexpr,
-                        G: tl.constexpr, BK: tl.constexpr, FOUR_SIX: tl.constexpr = False):
+                        G: tl.constexpr, BK: tl.constexpr, FOUR_SIX: tl.constexpr = False,
+                        COLS_FIRST: tl.constexpr = False):
     """16×16 blocks, nearest-even: D [N, K/2], S [N/16, K/16], GS the decode scales, and DT [K, N/2]
     with ST = Sᵀ, the codes and scales of Wᵀ (whose tiles are the transposed tiles of W). With
     GROUPED, W stacks experts along N and 16-row block b takes the tensor scale of slot BEXP[b].
     EMIT_F16: D gets the GEMM's staged fp16 values q·e_b of W instead of codes (S unused), row r of
     each D_ROWS-row expert at D + expert·D_EXPERT + r·K (D_EXPERT = D_ROWS·K: plain [N, K]; larger:
     into every expert's slice of a wider buffer, see quantize_expert_pair).
-    FOUR_SIX: Four Over Six tile scales, the error summed over each tile's 256 elements (int32, exact)."""
+    FOUR_SIX: Four Over Six tile scales, the error summed over each tile's 256 elements (int32, exact).
+    Programs are ordered by program_tile (COLS_FIRST)."""
     _store_decode_scales(GS, AMAX, NSLOT, NSP2, FOUR_SIX)
-    _quantize_2d_tile(W, tl.program_id(0) * G, tl.program_id(1), N // 16, N, K, swn, swk, AMAX, BEXP, D, S, DT, ST,
+    pr, pc = program_tile(K, BK, COLS_FIRST)
+    _quantize_2d_tile(W, pr * G, pc, N // 16, N, K, swn, swk, AMAX, BEXP, D, S, DT, ST,
                       D_ROWS, D_EXPERT, EMIT_T, GROUPED, EMIT_F16, G, BK, FOUR_SIX)
 
 
@@ -395,11 +412,14 @@ def _amax_configs():
 
 _quantize_autotuned = triton.autotune(
     _operand_configs(),
-    key=["TUNE_M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL", "GROUPED", "ROW_F16", "COL_F16", "FOUR_SIX"])(
+    key=["TUNE_M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL", "GROUPED", "ROW_F16", "COL_F16", "FOUR_SIX",
+         "COLS_FIRST"])(
     _quantize_kernel)
-_quantize_2d_autotuned = triton.autotune(_weight_configs(), key=["TUNE_M", "K", "EMIT_T", "EMIT_F16", "FOUR_SIX"])(
+_quantize_2d_autotuned = triton.autotune(_weight_configs(), key=["TUNE_M", "K", "EMIT_T", "EMIT_F16", "FOUR_SIX",
+                                                                        "COLS_FIRST"])(
     _quantize_2d_kernel)
-_amax_autotuned = triton.autotune(_amax_configs(), key=["TUNE_M", "K", "ROW", "COL", "RHT"], reset_to_zero=["AMAX"])(
+_amax_autotuned = triton.autotune(_amax_configs(), key=["TUNE_M", "K", "ROW", "COL", "RHT", "COLS_FIRST"],
+                                  reset_to_zero=["AMAX"])(
     _amax_kernel)
 
 
@@ -408,17 +428,24 @@ def _tuned(x: torch.Tensor) -> bool:
     return x.is_cuda and x.numel() >= 2**22
 
 
+def launch_grid(rows: int, cols: int, G: int, BK: int, cols_first: bool) -> tuple[int, ...]:
+    """The grid of a kernel tiled by program_tile over [rows, cols] in tiles of 16·G rows and BK columns."""
+    nr, nc = triton.cdiv(rows, 16 * G), triton.cdiv(cols, BK)
+    return (nr * nc,) if cols_first else (nr, nc)
+
+
 def _launch(kernel, tuned_kernel, x: torch.Tensor, rows: int, cols: int, *args, **flags) -> None:
-    """Run kernel over [rows, cols] with autotuned tiles (large CUDA inputs) or the fixed ones. The
-    tuning is keyed on ``TUNE_M``, the rows rounded up to a power of two (launch.tune_bucket), so
-    routed-token counts that change every step share one tuning."""
+    """Run kernel over [rows, cols] with autotuned tiles (large CUDA inputs) or the fixed ones, its
+    programs ordered by ``flags["COLS_FIRST"]`` (program_tile; False when not given). The tuning is
+    keyed on ``TUNE_M``, the rows rounded up to a power of two (launch.tune_bucket), so routed-token
+    counts that change every step share one tuning."""
     flags["TUNE_M"] = tune_bucket(rows)
+    flags.setdefault("COLS_FIRST", False)
+    cols_first = flags["COLS_FIRST"]
     if _tuned(x):
-        launch(tuned_kernel, lambda meta: (triton.cdiv(rows, 16 * meta["G"]), triton.cdiv(cols, meta["BK"])), *args,
-               **flags)
+        launch(tuned_kernel, lambda meta: launch_grid(rows, cols, meta["G"], meta["BK"], cols_first), *args, **flags)
     else:
-        launch(kernel, (triton.cdiv(rows, 16 * G_Q), triton.cdiv(cols, BK_Q)), *args, **flags, G=G_Q, BK=BK_Q,
-               num_warps=1)
+        launch(kernel, launch_grid(rows, cols, G_Q, BK_Q, cols_first), *args, **flags, G=G_Q, BK=BK_Q, num_warps=1)
 
 
 #: Tiles of _quantize_2d_fused_kernel on a GPU, its expert lead and amax-tile span: the fastest of
