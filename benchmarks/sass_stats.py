@@ -140,8 +140,8 @@ def ceilings() -> None:
             best = None
             for cfg in q._operand_configs():
                 g, bk, warps = cfg.kwargs["G"], cfg.kwargs["BK"], cfg.num_warps
-                const = dict(sxk=1, GROUPED=False, ROW_F16=False, COL_F16=False, NSP2=2, G=g, BK=bk,
-                             FOUR_SIX=four_six, **flags)
+                const = dict(sxk=1, GROUPED=False, ROW_F16=False, COL_F16=False, NSP2=2, FOUR_SIX=four_six,
+                             **cfg.kwargs, **flags)
                 lines, _, _ = sass_and_registers(_compile(q._quantize_kernel, dict(_POINTERS), const, warps, 90))
                 per = len(lines) / (16 * g * bk / (32 * warps))
                 if best is None or per < best[0]:

@@ -273,9 +273,9 @@ def test_amax_and_weight_kernels_every_tile_config_bit_identical(kind):
             g, bk = cfg.kwargs["G"], cfg.kwargs["BK"]
             buf = torch.zeros(2, dtype=torch.int32, device=DEV)
             M, K = xin.shape
-            q._amax_kernel[(triton.cdiv(M, 16 * g), triton.cdiv(K, bk))](
+            q._amax_kernel[q.launch_grid(M, K, g, bk, cfg.kwargs["COLS_FIRST"])](
                 xin, M, K, xin.stride(0), xin.stride(1), buf, signs, buf, 1, tune_bucket(M), ROW=True, COL=True,
-                RHT=True, GROUPED=False, G=g, BK=bk, num_warps=cfg.num_warps)
+                RHT=True, GROUPED=False, **cfg.kwargs, num_warps=cfg.num_warps)
             assert torch.equal(buf.view(torch.float32).cpu(), want), cfg
     N, K = w.shape
     for cfg in q._quantize_2d_autotuned.configs:
@@ -285,11 +285,42 @@ def test_amax_and_weight_kernels_every_tile_config_bit_identical(kind):
         dt = torch.empty((K, N // 2), dtype=torch.uint8, device=DEV)
         st = torch.empty((K // 16, N // 16), dtype=torch.float8_e4m3fn, device=DEV)
         gs = torch.empty(1, device=DEV)
-        q._quantize_2d_kernel[(triton.cdiv(N, 16 * g), triton.cdiv(K, bk))](
+        q._quantize_2d_kernel[q.launch_grid(N, K, g, bk, cfg.kwargs["COLS_FIRST"])](
             w, N, K, w.stride(0), w.stride(1), w_amax, gs, d, s, dt, st, w_amax, 1, N, N * K, tune_bucket(N),
-            EMIT_T=True, GROUPED=False, EMIT_F16=False, NSP2=1, FOUR_SIX=False, G=g, BK=bk, num_warps=cfg.num_warps)
+            EMIT_T=True, GROUPED=False, EMIT_F16=False, NSP2=1, FOUR_SIX=False, **cfg.kwargs, num_warps=cfg.num_warps)
         same_bits(NVFP4Tensor(d, s, gs[0], w.shape, (16, 16)), ref_w, f"W 16x16 {cfg}")
         same_bits(NVFP4Tensor(dt, st, gs[0], torch.Size((K, N)), (16, 16)), ref_w.t(), f"W^T 16x16 {cfg}")
+
+
+@pytest.mark.parametrize("sr", [False, True])
+def test_operand_kernel_every_tile_config_bit_identical(sr):
+    """Each config (tile and program order) the operand kernel's autotuner may pick, launched directly
+    on a ragged shape (partial row tiles, tokens padded to 16) with a non-finite block: the row codes and
+    the RHT'd column codes equal the fixed-tile launch's (checked against the reference elsewhere)."""
+    from titan_nvfp4.kernels import quantize as q
+    from titan_nvfp4.kernels.launch import tune_bucket
+
+    x = inputs(200, 96, "adversarial", torch.float32)
+    x[37, 10] = float("nan")
+    signs = rht_signs(0, DEV)
+    seed = torch.tensor([11], device=DEV)
+    kw = dict(colwise=True, signs=signs, stochastic_row=sr, stochastic_col=sr, seed=seed)
+    want = q.quantize_operand_tensors(x, **kw)
+    amax = q.operand_amax_tensors(x, True, signs)
+    M, K = x.shape
+    Mpad = M + (-M) % 16
+    for cfg in q._quantize_autotuned.configs:
+        g, bk = cfg.kwargs["G"], cfg.kwargs["BK"]
+        got = [torch.full_like(t, 0x55) if t.dtype == torch.uint8 else torch.full_like(t.view(torch.uint8), 0x55).view(
+            t.dtype) for t in want[:4]]
+        gs = torch.empty(2, device=DEV)
+        q._quantize_kernel[q.launch_grid(Mpad, K, g, bk, cfg.kwargs["COLS_FIRST"])](
+            x, M, K, x.stride(0), x.stride(1), amax.view(torch.int32), gs, *got, signs, seed, Mpad, seed, 1,
+            tune_bucket(Mpad), ROW=True, COL=True, RHT=True, SR_ROW=sr, SR_COL=sr, GROUPED=False, ROW_F16=False,
+            COL_F16=False, NSP2=2, **cfg.kwargs, num_warps=cfg.num_warps)
+        for a, b, name in zip(got, want[:4], ("row codes", "row scales", "column codes", "column scales")):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (name, cfg)
+        assert same_values(gs, want[4]), cfg
 
 
 @triton.jit

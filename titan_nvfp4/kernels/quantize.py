@@ -388,37 +388,39 @@ def _four_six_tiles(ws, bamax, s, G: tl.constexpr, BK: tl.constexpr):
     return pick_four_or_six(e6, r6, e4, r4, err6, err4)
 
 
+def _configs(tiles):
+    """Autotuner configs from (G, BK, warps, COLS_FIRST) tuples."""
+    return [triton.Config({"G": g, "BK": bk, "COLS_FIRST": cf}, num_warps=w) for g, bk, w, cf in tiles]
+
+
 def _operand_configs():
-    # three of the best of benchmarks/quant_variants.py on an H100 (32 elements per thread), and two
-    # with 64 per thread: fewer instructions per element (benchmarks/sass_stats.py: 48 instead of 56
-    # for forward X, 64 instead of 88 for backward dY) at 96-141 registers
-    return [triton.Config({"G": g, "BK": bk}, num_warps=w)
-            for g, bk, w in ((2, 64, 2), (2, 128, 4), (4, 128, 8), (1, 256, 2), (4, 128, 4))]
+    # the fastest of `benchmarks/quant_variants.py` on an H100 (BENCHMARKS.md, thirty-fourth entry), each
+    # tile in its faster program order: 1×128 columns first for the rowwise operand alone (0.063 against
+    # 0.066 ms), 4×128×4 for forward X, 2×64×2 for backward dY; 64 elements per thread in the last two
+    return _configs(((2, 64, 2, True), (2, 128, 4, False), (4, 128, 8, False), (1, 128, 1, True),
+                     (4, 128, 4, True)))
 
 
 def _weight_configs():
     # the fastest tiles of `benchmarks/weight_quant_bench.py --configs` on an H100 for the 16×16 weight
-    # kernel as trained (W staged, Wᵀ codes): 79-82% of copy, against 66-76% for the other tried
-    return [triton.Config({"G": g, "BK": bk}, num_warps=w)
-            for g, bk, w in ((2, 128, 4), (4, 128, 4), (2, 128, 2), (1, 256, 2))]
+    # kernel as trained (W staged, Wᵀ codes), each in its faster program order (thirty-fourth entry)
+    return _configs(((2, 128, 4, False), (4, 128, 4, True), (2, 128, 2, False), (1, 256, 2, False)))
 
 
 def _amax_configs():
     # the fastest tiles of `benchmarks/quant_variants.py --amax` (H200, relaxed atomics): 2-4 warps over
-    # 64-128 rows for |x| and |RHT xᵀ|, one warp over 16-32 rows and 128-256 features for |x| alone
-    return [triton.Config({"G": g, "BK": bk}, num_warps=w)
-            for g, bk, w in ((4, 128, 2), (8, 64, 4), (1, 256, 1), (2, 128, 1), (2, 128, 2))]
+    # 64-128 rows for |x| and |RHT xᵀ|, one warp over 16-32 rows and 128-256 features for |x| alone;
+    # column tiles first is as fast or faster for each (H100, thirty-fourth entry)
+    return _configs(((4, 128, 2, True), (8, 64, 4, True), (1, 256, 1, True), (2, 128, 1, True), (2, 128, 2, True)))
 
 
 _quantize_autotuned = triton.autotune(
     _operand_configs(),
-    key=["TUNE_M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL", "GROUPED", "ROW_F16", "COL_F16", "FOUR_SIX",
-         "COLS_FIRST"])(
+    key=["TUNE_M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL", "GROUPED", "ROW_F16", "COL_F16", "FOUR_SIX"])(
     _quantize_kernel)
-_quantize_2d_autotuned = triton.autotune(_weight_configs(), key=["TUNE_M", "K", "EMIT_T", "EMIT_F16", "FOUR_SIX",
-                                                                        "COLS_FIRST"])(
+_quantize_2d_autotuned = triton.autotune(_weight_configs(), key=["TUNE_M", "K", "EMIT_T", "EMIT_F16", "FOUR_SIX"])(
     _quantize_2d_kernel)
-_amax_autotuned = triton.autotune(_amax_configs(), key=["TUNE_M", "K", "ROW", "COL", "RHT", "COLS_FIRST"],
+_amax_autotuned = triton.autotune(_amax_configs(), key=["TUNE_M", "K", "ROW", "COL", "RHT"],
                                   reset_to_zero=["AMAX"])(
     _amax_kernel)
 
@@ -434,18 +436,22 @@ def launch_grid(rows: int, cols: int, G: int, BK: int, cols_first: bool) -> tupl
     return (nr * nc,) if cols_first else (nr, nc)
 
 
+def launch_grid(rows: int, cols: int, G: int, BK: int, cols_first: bool) -> tuple[int, ...]:
+    """The grid of a kernel tiled by program_tile over [rows, cols] in tiles of 16·G rows and BK columns."""
+    nr, nc = triton.cdiv(rows, 16 * G), triton.cdiv(cols, BK)
+    return (nr * nc,) if cols_first else (nr, nc)
+
+
 def _launch(kernel, tuned_kernel, x: torch.Tensor, rows: int, cols: int, *args, **flags) -> None:
-    """Run kernel over [rows, cols] with autotuned tiles (large CUDA inputs) or the fixed ones, its
-    programs ordered by ``flags["COLS_FIRST"]`` (program_tile; False when not given). The tuning is
-    keyed on ``TUNE_M``, the rows rounded up to a power of two (launch.tune_bucket), so routed-token
-    counts that change every step share one tuning."""
+    """Run kernel over [rows, cols] with autotuned tiles and program order (large CUDA inputs) or the
+    fixed ones. The tuning is keyed on ``TUNE_M``, the rows rounded up to a power of two
+    (launch.tune_bucket), so routed-token counts that change every step share one tuning."""
     flags["TUNE_M"] = tune_bucket(rows)
-    flags.setdefault("COLS_FIRST", False)
-    cols_first = flags["COLS_FIRST"]
     if _tuned(x):
-        launch(tuned_kernel, lambda meta: launch_grid(rows, cols, meta["G"], meta["BK"], cols_first), *args, **flags)
+        launch(tuned_kernel, lambda meta: launch_grid(rows, cols, meta["G"], meta["BK"], meta["COLS_FIRST"]), *args,
+               **flags)
     else:
-        launch(kernel, launch_grid(rows, cols, G_Q, BK_Q, cols_first), *args, **flags, G=G_Q, BK=BK_Q, num_warps=1)
+        launch(kernel, launch_grid(rows, cols, G_Q, BK_Q, False), *args, **flags, G=G_Q, BK=BK_Q, num_warps=1)
 
 
 #: Tiles of _quantize_2d_fused_kernel on a GPU, its expert lead and amax-tile span: the fastest of
