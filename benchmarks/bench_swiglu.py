@@ -72,12 +72,12 @@ def main() -> None:
 
 def sweep(args) -> None:
     """Each kernel at each tile config and register cap, launched directly (no autotuner)."""
-    import triton
+    from titan_nvfp4.kernels.quantize import launch_grid
 
     configs = [tuple(int(v) for v in c.split("x")) for c in args.sweep.split(",")]
     caps = [int(c) for c in args.maxnreg.split(",")]
-    print("| shape | kernel | G | BK | warps | maxnreg | ms | regs | spills |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| shape | kernel | G | BK | warps | tiles first | maxnreg | ms | regs | spills |")
+    print("| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     for name in args.shapes:
         E, _dim, N, tokens, top_k, _ = SHAPES[name]
         offsets, M = routed_offsets(E, tokens, top_k, torch.Generator().manual_seed(0))
@@ -86,10 +86,10 @@ def sweep(args) -> None:
         bexp, ns = block_experts(offsets, M), E + 1
         tm = tune_bucket(M)
         a1, a3 = (torch.zeros(2 * ns, dtype=torch.int32, device="cuda") for _ in range(2))
-        for (g, bk, w), cap in ((c, r) for c in configs for r in caps):
+        for (g, bk, w), cap, cf in ((c, r, o) for c in configs for r in caps for o in (False, True)):
             opts = dict(num_warps=w, **(dict(maxnreg=cap) if cap else {}))
-            grid = (triton.cdiv(M, 16 * g), triton.cdiv(N, bk))
-            flags = dict(COL=True, RHT=True, PRECISE=True, WIDE=False, G=g, BK=bk, **opts)
+            grid = launch_grid(M, N, g, bk, cf)
+            flags = dict(COL=True, RHT=True, PRECISE=True, WIDE=False, G=g, BK=bk, COLS_FIRST=cf, **opts)
             runs = {"forward + amaxes": lambda: sw._swiglu_fwd_kernel[grid](h1, h3, out, M, N, N, a1, signs, bexp, ns,
                                                                            tm, **flags),
                     "backward + amaxes": lambda: sw._swiglu_bwd_kernel[grid](dh, h1, h3, d1, d3, M, N, N, a1, a3, signs,
@@ -97,7 +97,7 @@ def sweep(args) -> None:
             for kernel, run in runs.items():
                 k = run()
                 t = ms(run)
-                print(f"| {name} | {kernel} | {g} | {bk} | {w} | {cap or '-'} | {t:.3f} | {k.n_regs} | {k.n_spills} |",
+                print(f"| {name} | {kernel} | {g} | {bk} | {w} | {'columns' if cf else 'rows'} | {cap or '-'} | {t:.3f} | {k.n_regs} | {k.n_spills} |",
                       flush=True)
 
 

@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .nvfp4_jit import round_to
-from .quantize import _launch, _slots, reduce_amax16, signs_arg
+from .quantize import _configs, _launch, _slots, program_tile, reduce_amax16, signs_arg
 
 
 @triton.jit
@@ -44,12 +44,14 @@ def _tile(rows, rn, M, N, stride, WIDE: tl.constexpr):
 @triton.jit
 def _swiglu_fwd_kernel(H1, H3, OUT, M, N, SH, AMAX, SIGNS, BEXP, NSLOT, TUNE_M, COL: tl.constexpr,
                        RHT: tl.constexpr, PRECISE: tl.constexpr, WIDE: tl.constexpr, G: tl.constexpr,
-                       BK: tl.constexpr):
-    """OUT = silu(H1) ⊙ H3 over 16·G rows and BK features; its amaxes into AMAX (reduce_amax16).
+                       BK: tl.constexpr, COLS_FIRST: tl.constexpr = False):
+    """OUT = silu(H1) ⊙ H3 over 16·G rows and BK features (ordered by program_tile); its amaxes into
+    AMAX (reduce_amax16).
     H1 and H3 have row stride SH (views of one GEMM's output), OUT is contiguous.
     ``PRECISE``: compiled (libdevice exp, hardware rounding), else the interpreter's twins."""
-    blk = tl.program_id(0) * G + tl.arange(0, G)
-    rn = tl.program_id(1) * BK + tl.arange(0, BK)
+    pr, pc = program_tile(N, BK, COLS_FIRST)
+    blk = pr * G + tl.arange(0, G)
+    rn = pc * BK + tl.arange(0, BK)
     dt = OUT.dtype.element_ty
     hs = ()
     for i in tl.static_range(16):
@@ -67,11 +69,12 @@ def _swiglu_fwd_kernel(H1, H3, OUT, M, N, SH, AMAX, SIGNS, BEXP, NSLOT, TUNE_M, 
 @triton.jit
 def _swiglu_bwd_kernel(DH, H1, H3, D1, D3, M, N, SH, AMAX1, AMAX3, SIGNS, BEXP, NSLOT, TUNE_M, COL: tl.constexpr,
                        RHT: tl.constexpr, PRECISE: tl.constexpr, WIDE: tl.constexpr, G: tl.constexpr,
-                       BK: tl.constexpr):
+                       BK: tl.constexpr, COLS_FIRST: tl.constexpr = False):
     """D1, D3 = the gradients of H1, H3 of silu(H1) ⊙ H3 given DH; their amaxes into AMAX1, AMAX3.
-    H1 and H3 have row stride SH; DH, D1 and D3 are contiguous."""
-    blk = tl.program_id(0) * G + tl.arange(0, G)
-    rn = tl.program_id(1) * BK + tl.arange(0, BK)
+    H1 and H3 have row stride SH; DH, D1 and D3 are contiguous. Programs as the forward's."""
+    pr, pc = program_tile(N, BK, COLS_FIRST)
+    blk = pr * G + tl.arange(0, G)
+    rn = pc * BK + tl.arange(0, BK)
     dt = D1.dtype.element_ty
     g1 = ()
     g3 = ()
@@ -98,14 +101,12 @@ def _swiglu_bwd_kernel(DH, H1, H3, D1, D3, M, N, SH, AMAX1, AMAX3, SIGNS, BEXP, 
 def _fwd_configs():
     # 16 tiles [G, BK] are live at once: 1-4 elements per thread and tile keep them in registers; the
     # sweep of `bench_swiglu.py --sweep` (H100, 2026-11-26) found none faster than 2×128×2 warps
-    return [triton.Config({"G": g, "BK": bk}, num_warps=w)
-            for g, bk, w in ((2, 64, 1), (2, 128, 2), (1, 128, 2), (2, 64, 4))]
+    return _configs((g, bk, w, False) for g, bk, w in ((2, 64, 1), (2, 128, 2), (1, 128, 2), (2, 64, 4)))
 
 
 def _bwd_configs():
     # 32 tiles are live (both gradients): at most 2 elements per thread and tile
-    return [triton.Config({"G": g, "BK": bk}, num_warps=w) for g, bk, w in ((2, 64, 1), (2, 64, 2), (1, 128, 2),
-                                                                            (2, 64, 4), (2, 128, 4))]
+    return _configs((g, bk, w, False) for g, bk, w in ((2, 64, 1), (2, 64, 2), (1, 128, 2), (2, 64, 4), (2, 128, 4)))
 
 
 _fwd_autotuned = triton.autotune(_fwd_configs(), key=["TUNE_M", "N", "COL", "RHT"], reset_to_zero=["AMAX"])(
