@@ -229,8 +229,8 @@ def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, 
     Programs are ordered by program_tile (COLS_FIRST)."""
     _store_decode_scales(GS, AMAX, NSLOT, NSP2, FOUR_SIX)
     pr, pc = program_tile(K, BK, COLS_FIRST)
-    _quantize_2d_tile(W, pr * G, pc, N // 16, N, K, swn, swk, AMAX, BEXP, D, S, DT, ST,
-                      D_ROWS, D_EXPERT, EMIT_T, GROUPED, EMIT_F16, G, BK, FOUR_SIX)
+    _quantize_2d_tile(W, pr * G, pc, N // 16, N, K, swn, swk, AMAX, BEXP, D, S, DT, ST, D_ROWS, D_EXPERT, EMIT_T,
+                      GROUPED, EMIT_F16, G, BK, FOUR_SIX)
 
 
 @triton.jit
@@ -431,12 +431,6 @@ _amax_autotuned = triton.autotune(_amax_configs(), key=["TUNE_M", "K", "ROW", "C
 def _tuned(x: torch.Tensor) -> bool:
     """Autotune tiles on a GPU for large inputs; fixed tiles in the interpreter and for small ones."""
     return x.is_cuda and x.numel() >= 2**22
-
-
-def launch_grid(rows: int, cols: int, G: int, BK: int, cols_first: bool) -> tuple[int, ...]:
-    """The grid of a kernel tiled by program_tile over [rows, cols] in tiles of 16·G rows and BK columns."""
-    nr, nc = triton.cdiv(rows, 16 * G), triton.cdiv(cols, BK)
-    return (nr * nc,) if cols_first else (nr, nc)
 
 
 def launch_grid(rows: int, cols: int, G: int, BK: int, cols_first: bool) -> tuple[int, ...]:
