@@ -97,8 +97,9 @@ def sweep(args) -> None:
             for kernel, run in runs.items():
                 k = run()
                 t = ms(run)
-                print(f"| {name} | {kernel} | {g} | {bk} | {w} | {'columns' if cf else 'rows'} | {cap or '-'} | {t:.3f} | {k.n_regs} | {k.n_spills} |",
-                      flush=True)
+                order = "columns" if cf else "rows"
+                print(f"| {name} | {kernel} | {g} | {bk} | {w} | {order} | {cap or '-'} | {t:.3f} | {k.n_regs} "
+                      f"| {k.n_spills} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -96,8 +96,9 @@ def main() -> None:
                 continue
             ms = triton.testing.do_bench_cudagraph(run)
             cvt = k.asm["ttgir"].count("convert_layout")
-            print(f"| {name} | {g} | {bk} | {w} | {'columns' if cf else 'rows'} | {cap or '-'} | {ms:.3f} | {nbytes / ms / 1e9:.2f} | {nbytes / ms / 1e9 / copy_tbs:.0%} | {k.n_regs} | {k.n_spills} "
-                  f"| {cvt} | {k.metadata.shared} |", flush=True)
+            tbs = nbytes / ms / 1e9
+            print(f"| {name} | {g} | {bk} | {w} | {'columns' if cf else 'rows'} | {cap or '-'} | {ms:.3f} | {tbs:.2f} "
+                  f"| {tbs / copy_tbs:.0%} | {k.n_regs} | {k.n_spills} | {cvt} | {k.metadata.shared} |", flush=True)
             if args.dump and (g, bk, w) == CONFIGS[2] and name in ("row", "col RHT", "row SR + col RHT SR (bwd dY)"):
                 with open(f"{args.dump}/{name.split(' (')[0].replace(' ', '_').replace('+', 'p')}.ttgir", "w") as f:
                     f.write(k.asm["ttgir"])
@@ -186,7 +187,8 @@ def amax_main(args) -> None:
                 k = run()
                 ms = triton.testing.do_bench_cudagraph(run)
                 tbs = M * K * 2 / ms / 1e9
-                print(f"| {name} | {g} | {bk} | {w} | {'columns' if cf else 'rows'} | {atomics if isinstance(atomics, str) else 'yes' if atomics else 'no (partials)'} | {ms:.4f} | {tbs:.2f} | "
+                how = atomics if isinstance(atomics, str) else "yes" if atomics else "no (partials)"
+                print(f"| {name} | {g} | {bk} | {w} | {'columns' if cf else 'rows'} | {how} | {ms:.4f} | {tbs:.2f} | "
                       f"{100 * tbs / copy_tbs:.0f}% | {k.n_regs} |", flush=True)
 
 
