@@ -3,8 +3,8 @@ and a twin of its rowwise path with one launch or memory knob changed at a time,
 
     python benchmarks/rowwise_probe.py [--m 16384 --k 4096] [--configs 1x256x2,1x512x4,2x128x4]
 
-Knobs of the twin (``_row_probe_kernel``): ``COLS_FIRST`` walks the column tiles of a row strip
-before the next strip (consecutive programs read neighbouring bytes of the same rows);
+Knobs of the twin (``_row_probe_kernel``): ``COLS_FIRST`` orders programs as the kernels'
+``program_tile`` does (column tiles of a row strip first);
 ``EVICT`` loads x with ``evict_first`` (read once); ``STREAM`` stores codes and scales with the
 ``.cs`` (streaming) cache hint. Every twin's codes and scales are checked equal to the production
 kernel's before it is timed.
@@ -27,10 +27,7 @@ from titan_nvfp4.kernels.quantize import quantize_operand
 def _row_probe_kernel(X, M, K, sxm, AMAX, RD, RS, COLS_FIRST: tl.constexpr, EVICT: tl.constexpr,
                       STREAM: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
     """_quantize_kernel's ROW path (codes, nearest-even, one tensor scale) with the module's knobs."""
-    if COLS_FIRST:
-        pr, pc = tl.program_id(1), tl.program_id(0)
-    else:
-        pr, pc = tl.program_id(0), tl.program_id(1)
+    pr, pc = q.program_tile(K, BK, COLS_FIRST)
     rows = pr * (16 * G) + tl.arange(0, 16 * G)
     kb = pc * (BK // 16) + tl.arange(0, BK // 16)
     R: tl.constexpr = 16 * G
@@ -109,8 +106,7 @@ def main() -> None:
                 for stream in (False, True):
                     rd.zero_()
                     rs.view(torch.uint8).zero_()
-                    nr, nc = triton.cdiv(M, 16 * g), triton.cdiv(K, bk)
-                    grid = (nc, nr) if cols_first else (nr, nc)
+                    grid = q.launch_grid(M, K, g, bk, cols_first)
 
                     def twin():
                         _row_probe_kernel[grid](x, M, K, x.stride(0), buf, rd, rs, COLS_FIRST=cols_first,

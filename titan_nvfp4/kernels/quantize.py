@@ -423,8 +423,7 @@ _quantize_autotuned = triton.autotune(
     _quantize_kernel)
 _quantize_2d_autotuned = triton.autotune(_weight_configs(), key=["TUNE_M", "K", "EMIT_T", "EMIT_F16", "FOUR_SIX"])(
     _quantize_2d_kernel)
-_amax_autotuned = triton.autotune(_amax_configs(), key=["TUNE_M", "K", "ROW", "COL", "RHT"],
-                                  reset_to_zero=["AMAX"])(
+_amax_autotuned = triton.autotune(_amax_configs(), key=["TUNE_M", "K", "ROW", "COL", "RHT"], reset_to_zero=["AMAX"])(
     _amax_kernel)
 
 
