@@ -4,12 +4,19 @@ Importing the package registers the `quantize.linear.nvfp4` and `quantize.groupe
 converters with TorchTitan.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from .decomposed_linear import DecomposedLinear
 from .grouped_function import nvfp4_grouped_mm, nvfp4_grouped_mm_shared
 from .linear_function import nvfp4_linear
 from .numerics import MXFP8Tensor, NVFP4Tensor, quantize_mxfp8, quantize_nvfp4, rht, rht_signs
 from .nvfp4_linear import NVFP4Linear
 from .recipe import NVFP4Recipe, available_presets, build_recipe
+
+try:
+    __version__ = version("titan-nvfp4")
+except PackageNotFoundError:  # a source tree that was not installed
+    __version__ = "0+unknown"
 
 try:
     from .integration import converter as _converter  # noqa: F401

@@ -2,6 +2,9 @@
 with the same seed and data one after another, then a table, a CSV and a plot.
 
     python -m titan_nvfp4.compare configs/compare/llama3_debug.toml [--only ARM ...] [--report-only] [--out DIR]
+    python -m titan_nvfp4.compare llama3_debug          # a spec shipped with the package, by name
+
+Job-file paths in a spec are relative to the current directory: run it from a titan-nvfp4 checkout.
 
 The spec (TOML):
 
@@ -34,10 +37,10 @@ WANDB_MODE=offline, which needs no network.
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
 try:
     import tomllib
@@ -46,7 +49,9 @@ except ImportError:  # Python 3.10
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .tools.loss_log import StepMetrics, parse_log, summarize, to_markdown, write_csv
+from .recipe import shipped_compare_specs
+from .tools.cli import fail, parser
+from .tools.loss_log import StepMetrics, parse_log, summarize, tensorboard_run, to_markdown, write_csv
 
 DEFAULT_LAUNCHER = ("torchrun", "--standalone", "--nproc_per_node=1", "-m", "torchtitan.train")
 _KEYS = {"base", "steps", "out", "last", "baseline", "reference", "common", "launcher", "timeout_s", "wandb_offline"}
@@ -89,8 +94,11 @@ def _str_list(value, where: str) -> list[str]:
 
 def load_spec(path: Path) -> Spec:
     """Parse and check a comparison spec; errors name the file and the key."""
-    with open(path, "rb") as f:
-        raw = tomllib.load(f)
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: invalid TOML: {e}") from None
     where = f"{path}"
     top = raw.get("compare")
     if not isinstance(top, dict):
@@ -121,7 +129,7 @@ def load_spec(path: Path) -> Spec:
             raise ValueError(f"{where}: arm name {a['name']!r} must be unique and a plain file name")
         arm_base = Path(a["base"]) if "base" in a else None
         if arm_base is not None and not arm_base.is_file():
-            raise ValueError(f"{where}: arm {a['name']!r} base = {str(arm_base)!r}: no such job file")
+            raise ValueError(f"{where}: arm {a['name']!r} base = {str(arm_base)!r}: no such job file (paths are relative to the current directory)")
         arms.append(Arm(a["name"], _str_list(a.get("overrides", []), f"{where}: arm {a['name']!r} overrides"), arm_base))
     if len(arms) < 2:
         raise ValueError(f"{where}: a comparison needs at least two [[arm]] tables, got {len(arms)}")
@@ -131,7 +139,7 @@ def load_spec(path: Path) -> Spec:
             raise ValueError(f"{where}: [compare] {key} = {top[key]!r} is not an arm ({names})")
     base = Path(top["base"])
     if not base.is_file():
-        raise ValueError(f"{where}: [compare] base = {str(base)!r}: no such job file")
+        raise ValueError(f"{where}: [compare] base = {str(base)!r}: no such job file (paths are relative to the current directory)")
     timeout = top.get("timeout_s", 0)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
         raise ValueError(f"{where}: [compare] timeout_s must be a non-negative number, got {timeout!r}")
@@ -144,34 +152,10 @@ def load_spec(path: Path) -> Spec:
                 timeout_s=timeout, wandb_offline=top.get("wandb_offline", False))
 
 
-def tensorboard_metrics(folder: Path) -> list[StepMetrics]:
-    """Per-step metrics from the TensorBoard events TorchTitan wrote under ``folder`` (empty if none)."""
-    files = sorted(folder.rglob("events.out.tfevents.*")) if folder.is_dir() else []
-    if not files:
-        return []
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    by_step: dict[int, dict[str, float]] = {}
-    for f in files:
-        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags().get("scalars", []):
-            for ev in acc.Scalars(tag):
-                by_step.setdefault(ev.step, {})[tag] = ev.value
-    out = []
-    for step in sorted(by_step):
-        m = by_step[step]
-        if "loss_metrics/global_avg_loss" not in m:
-            continue
-        out.append(StepMetrics(step, m["loss_metrics/global_avg_loss"], m.get("grad_norm", float("nan")),
-                               m.get("memory/max_reserved(GiB)", 0.0), int(m.get("throughput(tps)", 0))))
-    return out
-
-
 def arm_metrics(spec: Spec, arm: Arm) -> list[StepMetrics]:
     log = spec.log(arm)
     steps = parse_log(log.read_text(errors="replace")) if log.is_file() else []
-    return steps or tensorboard_metrics(spec.out / arm.name)
+    return steps or tensorboard_run(spec.out / arm.name)[0]
 
 
 def is_done(spec: Spec, arm: Arm) -> bool:
@@ -225,21 +209,44 @@ def report(spec: Spec) -> str:
     return table
 
 
+PROG = "python -m titan_nvfp4.compare"
+
+
+def resolve_spec(name: str) -> Path:
+    """A spec file: ``name`` if it is a file, else the shipped spec of that name (configs/compare/<name>.toml)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = shipped_compare_specs()
+    if name not in shipped:
+        fail(PROG, f"no such spec file: {name} (shipped specs: {', '.join(sorted(shipped))})")
+    if isinstance(shipped[name], Path):
+        return shipped[name]
+    copy = Path(tempfile.mkdtemp(prefix="titan_nvfp4_compare_")) / shipped[name].name  # a zipped install
+    copy.write_bytes(shipped[name].read_bytes())
+    return copy
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("spec", type=Path)
-    ap.add_argument("--only", nargs="+", default=None, help="run these arms (again), and no others")
+    ap = parser("titan_nvfp4.compare", __doc__)
+    ap.add_argument("spec", help="a comparison spec (.toml file), or the name of a shipped one: "
+                                 + ", ".join(sorted(shipped_compare_specs())))
+    ap.add_argument("--only", nargs="+", default=None, metavar="ARM", help="run these arms (again), and no others")
     ap.add_argument("--report-only", action="store_true", help="write the table and plot from existing logs")
     ap.add_argument("--out", type=Path, default=None, help="logs, table and plot here instead of [compare] out")
     args = ap.parse_args(argv)
-    spec = load_spec(args.spec)
+    args.spec = resolve_spec(args.spec)
+    try:
+        spec = load_spec(args.spec)
+    except (ValueError, OSError) as e:
+        fail(PROG, str(e))
     if args.out is not None:
         spec.out = args.out
     spec.out.mkdir(parents=True, exist_ok=True)
     names = [a.name for a in spec.arms]
     for n in args.only or []:
         if n not in names:
-            raise SystemExit(f"compare: --only {n!r} is not an arm of {args.spec} ({names})")
+            fail(PROG, f"--only {n!r} is not an arm of {args.spec} ({names})")
     failed = []
     if not args.report_only:
         for i, arm in enumerate(spec.arms, 1):

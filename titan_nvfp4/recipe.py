@@ -1,6 +1,6 @@
 """The NVFP4 training recipe: one dataclass holding every numerics switch, and named presets.
 
-Presets are TOML files in the repo's configs/ directory (installed as ``titan_nvfp4.presets``);
+Presets are TOML files in the repo's configs/ directory (installed as ``titan_nvfp4.configs``);
 a job file picks one with ``recipe = "nvidia_paper"`` and may override any field next to it.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 try:
     import tomllib
@@ -17,6 +17,9 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from .ops.backends import BACKEND_NAMES
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 
 @dataclass(frozen=True)
@@ -89,37 +92,40 @@ def validate_field(name: str, value: Any, where: str = "quantize.linear.nvfp4") 
         raise ValueError(f"[{where}] gemm_backend must be one of {list(BACKEND_NAMES)}, got {value!r}")
 
 
-def _preset_dirs() -> list[Path]:
-    dirs = []
-    try:
-        from importlib.resources import files
+def _shipped(folder: str = "") -> dict[str, "Traversable"]:
+    from .configs import shipped  # lazily: the package data is needed only when a preset is named
 
-        dirs.append(Path(str(files("titan_nvfp4.presets"))))
-    except (ModuleNotFoundError, TypeError):
-        pass
-    dirs.append(Path(__file__).resolve().parent.parent / "configs")  # a source checkout
-    return [d for d in dirs if d.is_dir()]
+    return shipped(folder)
 
 
 def available_presets() -> list[str]:
     """Names of the recipe presets shipped with the package."""
-    return sorted({p.stem for d in _preset_dirs() for p in d.glob("*.toml")})
+    return sorted(_shipped())
+
+
+def shipped_compare_specs() -> dict[str, "Traversable"]:
+    """The comparison specs shipped with the package (``configs/compare/<name>.toml``), by name."""
+    return _shipped("compare")
 
 
 def load_preset(name: str) -> dict[str, Any]:
     """The fields of preset ``name`` (a shipped name, or a path to a .toml file)."""
     path = Path(name)
-    if not (name.endswith(".toml") and path.is_file()):
-        candidates = [d / f"{name}.toml" for d in _preset_dirs()]
-        found = [p for p in candidates if p.is_file()]
-        if not found:
-            raise ValueError(f"[quantize.linear.nvfp4] unknown recipe {name!r}; available: {available_presets()}")
-        path = found[0]
-    with open(path, "rb") as f:
-        data = tomllib.load(f)
+    if name.endswith(".toml") and path.is_file():
+        source, text = path.name, path.read_bytes()
+    else:
+        shipped = _shipped()
+        if name not in shipped:
+            raise ValueError(f"[quantize.linear.nvfp4] unknown recipe {name!r}; available: {available_presets()}"
+                             + (" (or a path to an existing .toml file)" if name.endswith(".toml") else ""))
+        source, text = f"{name}.toml", shipped[name].read_bytes()
+    try:
+        data = tomllib.loads(text.decode("utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"[quantize.linear.nvfp4] recipe file {path if path.is_file() else source}: invalid TOML: {e}") from None
     data.pop("description", None)
     for key, value in data.items():
-        validate_field(key, value, where=f"recipe preset {path.name}")
+        validate_field(key, value, where=f"recipe preset {source}")
     return data
 
 

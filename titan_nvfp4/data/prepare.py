@@ -47,7 +47,8 @@ def prepare(path: str | os.PathLike | None = None, force: bool = False) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: build the assets and print their manifest as JSON."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m titan_nvfp4.data.prepare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="assets directory (default: $TITAN_NVFP4_DATA_DIR or ./assets/pystdlib)")
     parser.add_argument("--force", action="store_true", help="rebuild even if a matching manifest exists")
     args = parser.parse_args(argv)

@@ -13,7 +13,11 @@ from typing import ClassVar
 from ..numerics.lowrank import check_rank
 from ..recipe import NVFP4Recipe, build_recipe, validate_field
 
-import titan_nvfp4.integration.converter  # noqa: F401  (registers quantize.linear.nvfp4 and grouped_mm.nvfp4)
+from .training_device import require_training_device
+
+require_training_device()  # before TorchTitan's device set-up: one message on a CPU-only machine
+
+import titan_nvfp4.integration.converter  # noqa: E402, F401  (registers quantize.linear.nvfp4 and grouped_mm.nvfp4)
 
 
 DEFAULT_FILTER_FQNS = ("output", "router.gate", "shared_experts")
@@ -42,7 +46,7 @@ class _RecipeKnobs:
     bf16_last_blocks: int | None = None
     """Keep the last N transformer blocks in BF16."""
     gemm_backend: str | None = None
-    """NVFP4 GEMM implementation: auto | reference."""
+    """NVFP4 GEMM implementation: auto | reference | emulated | native (auto: native on sm_100+, emulated on other GPUs, reference on CPU)."""
     backward: str | None = None
     """Backward GEMMs of the dense Linears: nvfp4 | mxfp8 | bf16 (the forward stays NVFP4)."""
     block_scale_rule: str | None = None

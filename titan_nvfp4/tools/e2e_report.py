@@ -13,14 +13,15 @@ autotuning, allocator warm-up) are left out of the medians and the peak memory.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import statistics
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .loss_log import _ANSI, StepMetrics, parse_log
+from .cli import fail, parser
+from .loss_log import ANSI_ESCAPES, StepMetrics, parse_log
 
 _INIT = re.compile(
     r"local batch size (?P<b>\d+), global batch size \d+, gradient accumulation steps (?P<a>\d+), "
@@ -44,7 +45,7 @@ class RunSummary:
 
 def tokens_per_step(text: str) -> int | None:
     """B*A*S from TorchTitan's "Trainer is initialized with ..." line, or None when absent."""
-    m = _INIT.search(_ANSI.sub("", text))
+    m = _INIT.search(ANSI_ESCAPES.sub("", text))
     return int(m["b"]) * int(m["a"]) * int(m["s"]) if m else None
 
 
@@ -98,9 +99,11 @@ def to_markdown(runs: list[RunSummary], skip: int) -> str:
     return "\n".join(out) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("logs", nargs="+", type=Path, help="baseline (BF16) log first")
+def main(argv: list[str] | None = None) -> int:
+    ap = parser("titan_nvfp4.tools.e2e_report", __doc__)
+    ap.add_argument("logs", nargs="+", type=Path, metavar="LOG",
+                    help="saved console logs of training runs, the baseline (BF16) first; a missing one gets a "
+                         "'log missing' row and exit status 1")
     ap.add_argument("--skip", type=int, default=5, help="warm-up steps left out (default 5)")
     ap.add_argument("--tokens-per-step", type=int, help="override B*A*S read from the log")
     ap.add_argument("--json", type=Path, help="also write the summaries here")
@@ -110,11 +113,17 @@ def main(argv: list[str] | None = None) -> None:
         runs.append(summarize_run(p.stem, p.read_text(errors="replace") if p.exists() else "", args.skip, args.tokens_per_step))
         if not p.exists():
             runs[-1].notes.insert(0, "log missing")
+    if not any(p.exists() for p in args.logs):
+        fail("python -m titan_nvfp4.tools.e2e_report", f"no such file: {args.logs[0]}")
     print(to_markdown(runs, args.skip), end="")
     if args.json:
         rows = [asdict(r) | {"step_time_ratio": ratio(r, runs[0])} for r in runs]
         args.json.write_text(json.dumps({"skip": args.skip, "runs": rows}, indent=2) + "\n")
+    missing = [str(p) for p in args.logs if not p.exists()]
+    if missing:
+        print(f"python -m titan_nvfp4.tools.e2e_report: missing logs: {', '.join(missing)}", file=sys.stderr)
+    return 1 if missing else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -100,6 +100,9 @@ def patch_train_specs(data_parallel: int) -> None:
     ts.get_train_spec = get_train_spec
 
 
+USAGE = "python -m titan_nvfp4.tools.emulated_dp --data-parallel N [TorchTitan flags]"
+
+
 def pop_data_parallel(argv: list[str]) -> tuple[int, list[str]]:
     """Take ``--data-parallel N`` (or ``--data-parallel=N``) out of ``argv``; the rest goes to TorchTitan."""
     rest, value = [], None
@@ -114,7 +117,7 @@ def pop_data_parallel(argv: list[str]) -> tuple[int, list[str]]:
         else:
             rest.append(a)
     if value is None:
-        raise SystemExit("usage: python -m titan_nvfp4.tools.emulated_dp --data-parallel N [TorchTitan flags]")
+        raise SystemExit(f"usage: {USAGE}")
     try:
         n = int(value)
     except ValueError:
@@ -125,7 +128,13 @@ def pop_data_parallel(argv: list[str]) -> tuple[int, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    n, rest = pop_data_parallel(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"usage: {USAGE}\n\n{__doc__}\n--data-parallel N   the data-parallel degree whose batches to train on "
+              "(a positive integer)\nTorchTitan flags    as for torchtitan.train (--job.config_file ...; --help after "
+              "--data-parallel N lists them)")
+        return
+    n, rest = pop_data_parallel(argv)
     patch_train_specs(n)
     from torchtitan.config import ConfigManager
     from torchtitan.train import Trainer, main as titan_main

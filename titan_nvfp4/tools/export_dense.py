@@ -12,13 +12,14 @@ torch.save'd state dict.
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
+from pathlib import Path
 
 import torch
 
 from ..numerics.lowrank import lowrank_merge
+from .cli import parser, require_inputs
 
 _FACTORS = ("lora_u", "lora_sigma", "lora_v")
 
@@ -58,10 +59,12 @@ def load_checkpoint(path: str) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("checkpoint")
-    ap.add_argument("out")
+    ap = parser("titan_nvfp4.tools.export_dense", __doc__)
+    ap.add_argument("checkpoint", type=Path, help="a TorchTitan DCP checkpoint folder (outputs/<run>/checkpoint/step-N) "
+                                                  "or a torch.save'd state dict")
+    ap.add_argument("out", type=Path, help="where to torch.save the dense state dict")
     args = ap.parse_args(argv)
+    require_inputs("python -m titan_nvfp4.tools.export_dense", [args.checkpoint], "checkpoint")
     state = load_checkpoint(args.checkpoint)
     model = state["model"] if isinstance(state.get("model"), dict) else state
     n = sum(k.endswith("lora_u") for k in model)

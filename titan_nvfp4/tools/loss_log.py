@@ -1,8 +1,9 @@
-"""Read per-step metrics from TorchTitan training logs and compare runs.
+"""Read per-step metrics from TorchTitan training runs and compare them.
 
-    python -m titan_nvfp4.tools.loss_log bf16.log nvfp4.log [more.log ...] [--last 20] [--markdown] [--gap]
+    python -m titan_nvfp4.tools.loss_log outputs/llama3_bf16.log outputs/llama3_nvfp4.log [--last 20] [--markdown] [--gap]
 
-Parses TorchTitan's metric lines ("step: N  loss: X  grad_norm: G  memory: M GiB ... tps: T") and
+Each run is a saved console log of a training run (``... 2>&1 | tee run.log``) or its dump folder
+(``[job] dump_folder``) holding TensorBoard events (``--metrics.enable_tensorboard``). Parses TorchTitan's metric lines ("step: N  loss: X  grad_norm: G  memory: M GiB ... tps: T") and
 validation lines ("validate step: N  loss: X"), colored or not. Prints per run the final loss (mean
 over the last k logged steps), its difference to the first run with the standard error of that
 difference (from the per-step paired differences over the same steps: runs on the same data share
@@ -19,7 +20,6 @@ comparable across groups only when they trained on the same batches (``titan_nvf
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import math
 import re
@@ -27,7 +27,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+from .cli import fail, parser, require_inputs
+
+ANSI_ESCAPES = re.compile(r"\x1b\[[0-9;]*m")
 _LINE = re.compile(
     r"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>[-+0-9.eEnaif]+)\s+grad_norm:\s*(?P<gn>[-+0-9.eEnaif]+)"
     r"\s+memory:\s*(?P<mem>[0-9.]+)GiB.*?tps:\s*(?P<tps>[0-9,]+)"
@@ -47,7 +49,7 @@ class StepMetrics:
 def parse_log(text: str) -> list[StepMetrics]:
     """Every metric line of a TorchTitan log, in order (later duplicates of a step win)."""
     by_step: dict[int, StepMetrics] = {}
-    for line in _ANSI.sub("", text).splitlines():
+    for line in ANSI_ESCAPES.sub("", text).splitlines():
         m = _LINE.search(line)
         if m:
             s = StepMetrics(int(m["step"]), float(m["loss"]), float(m["gn"]), float(m["mem"]), int(m["tps"].replace(",", "")))
@@ -57,7 +59,7 @@ def parse_log(text: str) -> list[StepMetrics]:
 
 def parse_validation(text: str) -> dict[int, float]:
     """Validation loss by step from TorchTitan's "validate step: N  loss: X" lines (later duplicates win)."""
-    return {int(m["step"]): float(m["loss"]) for m in map(_VALIDATION.search, _ANSI.sub("", text).splitlines()) if m}
+    return {int(m["step"]): float(m["loss"]) for m in map(_VALIDATION.search, ANSI_ESCAPES.sub("", text).splitlines()) if m}
 
 
 def gap_closed_pct(baseline: float, reference: float, final: float) -> float:
@@ -241,11 +243,65 @@ def write_csv(runs: dict[str, list[StepMetrics]], path: Path) -> None:
                 f.write(f"{name},{s.step},{s.loss},{s.grad_norm},{s.memory_gib},{s.tps}\n")
 
 
+def tensorboard_run(folder: Path) -> tuple[list[StepMetrics], dict[int, float]]:
+    """Per-step metrics and validation losses from the TensorBoard events TorchTitan wrote under ``folder``."""
+    files = sorted(folder.rglob("events.out.tfevents.*")) if folder.is_dir() else []
+    if not files:
+        return [], {}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    by_step: dict[int, dict[str, float]] = {}
+    for f in files:
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            for ev in acc.Scalars(tag):
+                by_step.setdefault(ev.step, {})[tag] = ev.value
+    steps, validation = [], {}
+    for step in sorted(by_step):
+        m = by_step[step]
+        if "validation_metrics/loss" in m:
+            validation[step] = m["validation_metrics/loss"]
+        if "loss_metrics/global_avg_loss" in m:
+            steps.append(StepMetrics(step, m["loss_metrics/global_avg_loss"], m.get("grad_norm", float("nan")),
+                                     m.get("memory/max_reserved(GiB)", 0.0), int(m.get("throughput(tps)", 0))))
+    return steps, validation
+
+
+def read_run(path: Path) -> tuple[list[StepMetrics], dict[int, float]]:
+    """A run's per-step metrics and validation losses: from a log file, or a dump folder's TensorBoard events."""
+    if path.is_dir():
+        return tensorboard_run(path)
+    text = path.read_text(errors="replace")
+    return parse_log(text), parse_validation(text)
+
+
+def run_name(path: Path) -> str:
+    """A log's name without its extension, a folder's name."""
+    return path.name if path.is_dir() else path.stem
+
+
+def read_runs(prog: str, paths: list[Path]) -> tuple[dict[str, list[StepMetrics]], dict[str, dict[int, float]]]:
+    """``read_run`` for each path, keyed by ``run_name``; a missing path, or one without metrics, ends ``prog``."""
+    require_inputs(prog, paths)
+    runs, validation = {}, {}
+    for p in paths:
+        runs[run_name(p)], validation[run_name(p)] = read_run(p)
+        if not runs[run_name(p)] and not validation[run_name(p)]:
+            fail(prog, f"no TorchTitan metric lines in {p}" if p.is_file() else
+                 f"no TensorBoard events with training metrics under {p}")
+    return runs, validation
+
+
+PROG = "python -m titan_nvfp4.tools.loss_log"
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("logs", nargs="+", type=Path)
-    ap.add_argument("--last", type=int, default=10, help="logged steps averaged for the final loss")
-    ap.add_argument("--markdown", action="store_true")
+    ap = parser("titan_nvfp4.tools.loss_log", __doc__)
+    ap.add_argument("logs", nargs="+", type=Path, metavar="RUN",
+                    help="a training run's saved console log, or its dump folder with TensorBoard events; the first is the baseline")
+    ap.add_argument("--last", type=int, default=10, help="logged steps averaged for the final loss (default 10)")
+    ap.add_argument("--markdown", action="store_true", help="print Markdown tables instead of one line per run")
     ap.add_argument("--csv", type=Path, help="also write every run's per-step metrics here")
     ap.add_argument("--gap", action="store_true", help="share of the gap between the first two runs closed by the others")
     ap.add_argument("--group", action="append", default=[], metavar="NAME=PATTERN[,PATTERN]",
@@ -262,9 +318,7 @@ def main(argv: list[str] | None = None) -> None:
         groups = [parse_group(spec) for spec in args.group]
     except ValueError as e:
         ap.error(str(e))
-    texts = {p.stem: p.read_text(errors="replace") for p in args.logs}
-    runs = {name: parse_log(t) for name, t in texts.items()}
-    validation = {name: parse_validation(t) for name, t in texts.items()}
+    runs, validation = read_runs(PROG, args.logs)
     rows = summarize(runs, args.last, args.gap, validation)
     if args.csv:
         write_csv(runs, args.csv)

@@ -1,8 +1,8 @@
 """Loss curves of training runs and their difference to the first run, as a PNG.
 
-    python -m titan_nvfp4.tools.loss_plot bf16.log nvfp4.log [more.log ...] --out curves.png [--smooth 0.6]
+    python -m titan_nvfp4.tools.loss_plot outputs/llama3_bf16.log outputs/llama3_nvfp4.log --out curves.png [--smooth 0.6]
 
-Reads TorchTitan logs (loss_log.parse_log). Top: each run's loss per logged step (thin) and its
+Reads saved console logs of training runs, or their dump folders' TensorBoard events (as loss_log does). Top: each run's loss per logged step (thin) and its
 exponential moving average (thick). Bottom: loss minus the first run's at the steps both logged
 (same seed and data, so batch-to-batch noise cancels), with its moving average. Runs that validated
 (loss_log.parse_validation) add their validation losses as dashed lines with markers, in both panels.
@@ -14,11 +14,11 @@ Needs matplotlib (the `plot` extra).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from pathlib import Path
 
-from .loss_log import StepMetrics, group_members, parse_group, parse_log, parse_validation
+from .cli import parser
+from .loss_log import StepMetrics, group_members, parse_group, read_runs
 
 
 def ema(values: list[float], decay: float) -> list[float]:
@@ -157,11 +157,12 @@ def plot_groups(runs: dict[str, list[StepMetrics]], groups: list[tuple[str, list
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("logs", nargs="+", type=Path)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--smooth", type=float, default=0.6, help="EMA decay per logged step")
-    ap.add_argument("--title", default="")
+    ap = parser("titan_nvfp4.tools.loss_plot", __doc__)
+    ap.add_argument("logs", nargs="+", type=Path, metavar="RUN",
+                    help="a training run's saved console log, or its dump folder with TensorBoard events; the first is the reference")
+    ap.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    ap.add_argument("--smooth", type=float, default=0.6, help="EMA decay per logged step (default 0.6)")
+    ap.add_argument("--title", default="", help="figure title")
     ap.add_argument("--group", action="append", default=[], metavar="NAME=PATTERN[,PATTERN]",
                     help="plot runs pooled into layouts (repeat; the first is the reference)")
     args = ap.parse_args(argv)
@@ -169,9 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         groups = [parse_group(spec) for spec in args.group]
     except ValueError as e:
         ap.error(str(e))
-    texts = {p.stem: p.read_text(errors="replace") for p in args.logs}
-    runs = {name: parse_log(t) for name, t in texts.items()}
-    validation = {name: parse_validation(t) for name, t in texts.items()}
+    runs, validation = read_runs("python -m titan_nvfp4.tools.loss_plot", args.logs)
     if groups:
         out = plot_groups(runs, groups, args.out, args.smooth, args.title, validation)
     else:
