@@ -22,7 +22,7 @@
 #   bash scripts/dist_runs.sh moe_seeds [STEPS] more seeds of the MoE comparison: deepseek_v3_nvfp4 on one GPU
 #                                             (seeds 44-49) and deepseek_v3_nvfp4_ep2 (seeds 43, 44)
 # The 1-GPU reference logs of an earlier session can stand in for a rerun (same torch/triton/GPU kind):
-#   mkdir -p outputs/dist_runs && cp docs/dist_runs/*nvfp4*.log outputs/dist_runs/
+#   mkdir -p outputs/dist_runs && cp docs/results/multi_gpu/{llama3,deepseek_v3}_nvfp4{,@seed43,@rotated}.log outputs/dist_runs/
 # "runs": train_configs/llama3_nvfp4 and deepseek_v3_nvfp4 on one GPU each (side by side), with two
 # controls each for the run-to-run noise: another seed (@seed43: other initial weights and SR streams)
 # and another document order (@rotated: the training file from its middle on); then llama3_nvfp4_fsdp2
@@ -173,7 +173,7 @@ elif [[ $mode == compile ]]; then
         "deepseek_v3_nvfp4_ep2@compile_ac")
   tables=(compile_llama3.md compile_deepseek_v3.md)
 elif [[ $mode == moe_seeds ]]; then
-  # is EP2's lower validation loss (docs/dist_runs.md) noise? more seeds of both sides
+  # is EP2's lower validation loss (docs/results.md, multi-GPU) noise? more seeds of both sides
   seeds deepseek_v3_nvfp4 "44 45 46 47 48 49" deepseek_v3_nvfp4_ep2 "43 44"
   logs=(deepseek_v3_nvfp4 deepseek_v3_nvfp4@seed43 deepseek_v3_nvfp4@rotated deepseek_v3_nvfp4@seed{44..49}
         deepseek_v3_nvfp4_ep2 deepseek_v3_nvfp4_ep2@compile_ac deepseek_v3_nvfp4_ep2@seed43 deepseek_v3_nvfp4_ep2@seed44)
@@ -238,7 +238,7 @@ elif [[ $mode == moe_fsdp ]]; then
       --group "EP2=deepseek_v3_nvfp4_ep2*" | tail -14 | tee -a "$run/moe_fsdp.md"
   tables=(moe_fsdp.md moe_fsdp.csv)
 elif [[ $mode == moe_bf16 ]]; then
-  # the same comparison in BF16: is EP2's lower MoE loss (docs/dist_runs.md) the layout's, whatever the precision?
+  # the same comparison in BF16: is EP2's lower MoE loss (docs/results.md, multi-GPU) the layout's, whatever the precision?
   seeds deepseek_v3_bf16 "42 43 44 45 46 47" deepseek_v3_bf16_ep2 "42 43 44"
   logs=(deepseek_v3_bf16@seed{42..47} deepseek_v3_bf16_ep2@seed{42..44})
   tables_of moe_bf16 "${logs[@]}"

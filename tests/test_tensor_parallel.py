@@ -590,7 +590,7 @@ def test_fsdp2_nvfp4_all_gather_under_compile_and_activation_checkpointing_match
     selective activation checkpointing, as TorchTitan applies them: the same logits and weight gradients
     as the eager run. Before the gathered weight was a traceable subclass (__tensor_flatten__), the
     compiled blocks left the NVFP4 weights without a gradient, silently: a 2-GPU run trained only its
-    BF16 layers (docs/dist_runs.md)."""
+    BF16 layers."""
     from test_converter import edited_toml, world1
 
     toml = edited_toml(tmp_path, add=LLAMA_KEYS + ("fsdp_nvfp4_all_gather = true",))

@@ -97,7 +97,7 @@ class NVFP4LinearConfig(_RecipeKnobs):
     """Run the branch's two GEMMs in NVFP4 too (default: the input's dtype, BF16 in training)."""
     lora_refresh_steps: int = 0
     """Re-decompose every N optimizer steps (0 = only at initialization). AdamW's moments keep describing
-    the old split, which cost loss in docs/lora_runs.md: leave it at 0 unless you study it."""
+    the old split, which cost loss in docs/results.md (DecomposedLinear): leave it at 0 unless you study it."""
     telemetry_every: int = 0
     """Per-layer numerics telemetry: every N steps (and step 1) each converted Linear measures amax,
     saturated and underflowed blocks and the quantization SNR of W, X and dY, logged with TorchTitan's
