@@ -11,7 +11,8 @@ mlp2 with bias). Tokens are routed uniformly at random (top-k of E), every group
 TorchTitan's alignment does. NVFP4 runs the SwiGLU experts as NVFP4GroupedExperts does (SwiGLU fused
 with the amaxes of what it produces); a second row runs them with the eager SwiGLU, and
 ``--bf16-compiled-swiglu`` adds a BF16 baseline whose SwiGLU torch.compile fuses. Also one grouped
-GEMM alone (forward, and forward + backward), and the copy ceiling for reference. Times: medians of triton.testing.do_bench (L2 flushed).
+GEMM alone (forward, and forward + backward), and the copy ceiling for reference. Times: medians of
+triton.testing.do_bench, L2 flushed (benchmarks/timing.py).
 ``--graph`` also replays each expert block from a CUDA graph and times the host's enqueueing alone: eager
 minus graph time is what launches and Python cost on top of the kernels. ``--repeats N`` times each
 (BF16, NVFP4) pair N times, interleaved, and reports the medians and the median of the N ratios (the
@@ -29,23 +30,20 @@ import time
 
 import torch
 import torch.nn.functional as F
-import triton
 
-from bench_kernels import copy_ceiling  # benchmarks/ is on sys.path when run as a script
 from titan_nvfp4 import NVFP4Recipe
 from titan_nvfp4.grouped_function import nvfp4_grouped_mm, nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
-from titan_nvfp4.linear_function import sr_counter
 from titan_nvfp4.kernels import grouped_gemm
+from titan_nvfp4.linear_function import sr_counter
+
+# benchmarks/ is on sys.path when run as a script
+from timing import copy_ceiling, header, ms, peak_gib, replay_ms, require_cuda, versions
 
 SHAPES = {
     # name: (experts, dim, hidden, tokens, top_k, gpt-oss style)
     "deepseek_v3_16b": (64, 2048, 1408, 16384, 6, False),
     "gpt_oss_20b": (32, 2880, 2880, 16384, 4, True),
 }
-
-
-def ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
 
 
 def routed_offsets(E: int, tokens: int, top_k: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
@@ -125,20 +123,6 @@ def fwd_bwd(mm, x, ws, offsets, dy, gpt_oss):
     return step
 
 
-def graph_ms(step) -> float:
-    """Median time of ``step`` replayed from a CUDA graph (no host work between its kernels)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return ms(graph.replay)
-
-
 def host_ms(step, reps: int = 20) -> float:
     """Median host time to enqueue ``step`` (the GPU idle at the start, no sync inside)."""
     times = []
@@ -149,15 +133,6 @@ def host_ms(step, reps: int = 20) -> float:
         times.append((time.perf_counter() - t0) * 1e3)
     torch.cuda.synchronize()
     return sorted(times)[reps // 2]
-
-
-def peak_gib(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def main() -> None:
@@ -176,10 +151,11 @@ def main() -> None:
     ap.add_argument("--codes-saved", action="store_true",
                     help="also time the block with staged_expert_activations = false")
     args = ap.parse_args()
+    require_cuda()
     gen = torch.Generator().manual_seed(0)
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__, "rows": []}
+    res = {**versions(), "rows": []}
     copy_tbps = copy_ceiling() / 1e12
-    print(f"# {res['gpu']}  torch {res['torch']}  triton {res['triton']}  copy {copy_tbps:.2f} TB/s")
+    print(f"{header()}  copy {copy_tbps:.2f} TB/s")
     print("| shape | what | BF16 ms | NVFP4 ms | NVFP4/BF16 | BF16 peak GiB | NVFP4 peak GiB |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     recipe = NVFP4Recipe(gemm_backend="emulated")
@@ -233,6 +209,7 @@ def main() -> None:
         for what, f_bf16, f_nv in cases:
             no_grad = "no grad" in what
             with torch.set_grad_enabled(not no_grad):
+                f_bf16()  # the first call allocates what later calls reuse (the weights' gradients)
                 m_b = peak_gib(f_bf16)
                 for kernel in args.rows_kernels:
                     grouped_gemm.ROWS_KERNEL = kernel
@@ -258,7 +235,7 @@ def main() -> None:
             for label, mm in (("BF16", bf16_mm), ("NVFP4", nv)):
                 step = fwd_bwd(mm, x, ws, offsets, dy, gpt_oss)
                 step()
-                t_e, t_g, t_h = ms(step), graph_ms(step), host_ms(step)
+                t_e, t_g, t_h = ms(step), replay_ms(step), host_ms(step)
                 res["rows"].append(dict(shape=name, what=f"{label} block eager/graph/host", eager_ms=t_e,
                                         graph_ms=t_g, host_ms=t_h))
                 print(f"| {name} | {label} | {t_e:.3f} | {t_g:.3f} | {t_h:.3f} |", flush=True)

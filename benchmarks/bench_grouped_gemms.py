@@ -7,7 +7,7 @@ fp16 operands, with TFLOP/s and the ratio to a dense cuBLAS BF16 GEMM of the sam
 fused variants W1|W3 (one GEMM of 2·hidden outputs forward, one of 2·hidden rows in wgrad): they
 show what tile waste (hidden = 1408 is 5.5 tiles of 256) and separate launches cost. Also the
 staging pass (codes to fp16) of each operand the backward stages (random codes, unit scales).
-Medians of triton.testing.do_bench.
+Medians of triton.testing.do_bench, L2 flushed (benchmarks/timing.py).
 """
 
 from __future__ import annotations
@@ -16,16 +16,14 @@ import argparse
 import json
 
 import torch
-import triton
 
-from bench_grouped import SHAPES, routed_offsets  # benchmarks/ is on sys.path when run as a script
 from titan_nvfp4.kernels import grouped_gemm
 from titan_nvfp4.kernels.grouped_gemm import grouped_gemm_rows, grouped_gemm_tokens, stage
 from titan_nvfp4.numerics.nvfp4 import NVFP4Tensor
 
-
-def ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
+# benchmarks/ is on sys.path when run as a script
+from bench_grouped import SHAPES, routed_offsets
+from timing import cublas_bf16_ms, header, ms, require_cuda
 
 
 def main() -> None:
@@ -33,6 +31,7 @@ def main() -> None:
     ap.add_argument("--shape", default="deepseek_v3_16b", choices=[k for k, v in SHAPES.items() if not v[5]])
     ap.add_argument("--json")
     args = ap.parse_args()
+    require_cuda()
     E, dim, hidden, tokens, top_k, _ = SHAPES[args.shape]
     offsets, rows = routed_offsets(E, tokens, top_k, torch.Generator().manual_seed(0))
     T = int(offsets[-1])
@@ -78,11 +77,9 @@ def main() -> None:
         ("wgrad W1 (or W3)", T * dim * hidden, lambda: grouped_gemm_tokens(dhc, xc, offsets, gs, gs, bf)),
         ("wgrad W1|W3 fused (per GEMM)", T * dim * hidden, lambda: grouped_gemm_tokens(dh13c, xc, offsets, gs, gs, bf)),
     ]
-    a = torch.randn(T, dim, device=dev, dtype=bf)
-    b = torch.randn(hidden, dim, device=dev, dtype=bf)
-    t_ref = ms(lambda: torch.mm(a, b.t()))
+    t_ref = cublas_bf16_ms(T, hidden, dim)
     res = {"gpu": torch.cuda.get_device_name(), "shape": args.shape, "routed_rows": T, "rows": []}
-    print(f"# {res['gpu']}  torch {torch.__version__}  triton {triton.__version__}  {args.shape}: {T} routed rows")
+    print(f"{header()}  {args.shape}: {T} routed rows")
     print(f"# cuBLAS BF16 dense [{T}x{dim}]·[{dim}x{hidden}]: {t_ref:.3f} ms, "
           f"{2 * T * dim * hidden / t_ref / 1e9:.0f} TFLOP/s")
     print("| GEMM | ms | TFLOP/s | vs dense cuBLAS |")

@@ -5,9 +5,12 @@
 Ceilings: device-to-device copy (bytes read + written per second) and cuBLAS BF16 matmul TFLOP/s.
 Then each quantization kernel's bandwidth as a fraction of the copy ceiling, the emulated GEMM's
 TFLOP/s as a fraction of cuBLAS BF16 at the same shape, and NVFP4Linear forward+backward time and
-peak memory over BF16 nn.Linear's. Times are medians of triton.testing.do_bench (L2 flushed); the
-quantization kernels and the Linear are also timed replayed from a CUDA graph, which leaves out the
-host time of an eager call (Python, launches): the kernels' own speed where the host is the slower.
+peak memory over BF16 nn.Linear's. Times (benchmarks/timing.py): medians of triton.testing.do_bench
+(L2 flushed); the quantization kernels and the Linear are also timed replayed from a CUDA graph, which
+leaves out the host time of an eager call (Python, launches): the kernels' own speed where the host is
+the slower. ``--only`` picks sections (kernels, gemm, linear) and ``--kernels REGEX`` kernel rows, e.g.
+
+    python benchmarks/bench_kernels.py --only kernels --kernels "MXFP8"
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import re
 import sys
 
 import torch
-import triton
 
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
 from titan_nvfp4.kernels import gemm as _g
@@ -28,23 +30,11 @@ from titan_nvfp4.kernels.quantize import quantize_operand, quantize_weight_2d
 from titan_nvfp4.numerics.rht import rht_signs
 from titan_nvfp4.ops.library import StagedOperand
 
+# benchmarks/ is on sys.path when run as a script
+from timing import bf16_tflops, copy_ceiling, graph_ms_or_none, header, ms, peak_gib, require_cuda, versions
+
 LINEAR_SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096),
                  (2048, 4096, 4096), (2048, 4096, 14336), (2048, 14336, 4096)]
-
-
-def ms(fn, reps=50) -> float:
-    return triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median")
-
-
-def graph_ms(fn) -> float | None:
-    """GPU time of fn's launches replayed from a CUDA graph: the kernels alone, without the host time
-    that an eager call spends in Python and launches (which do_bench's events also see when it exceeds
-    the GPU time). None, with the reason printed, if fn cannot be captured."""
-    try:
-        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
-    except Exception as e:  # noqa: BLE001  (a capture failure is a finding to print, not a crash)
-        print(f"  (CUDA graph capture failed: {type(e).__name__}: {str(e)[:160]})")
-        return None
 
 
 def _fmt(t: float | None) -> str:
@@ -53,19 +43,6 @@ def _fmt(t: float | None) -> str:
 
 def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}×" if a and b else "n/a"
-
-
-def copy_ceiling() -> float:
-    x = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")  # 512 MiB
-    y = torch.empty_like(x)
-    t = ms(lambda: y.copy_(x))
-    return 2 * x.numel() / (t * 1e-3)
-
-
-def bf16_tflops(m, n, k) -> float:
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    return 2 * m * n * k / (ms(lambda: a @ b.t()) * 1e-3) / 1e12
 
 
 def main() -> int:
@@ -81,13 +58,14 @@ def main() -> int:
     only = set(args.only.split(","))
     if not only <= {"kernels", "gemm", "linear"}:
         ap.error(f"--only: unknown section(s) {sorted(only - {'kernels', 'gemm', 'linear'})}")
+    require_cuda()
     args.stage_a = bool(_g.STAGE_A if args.stage_a is None else args.stage_a)
     torch.manual_seed(0)
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    res = versions()
     copy_bw = copy_ceiling()
     res["copy_TBps"] = copy_bw / 1e12
     res["bf16_8192_TFLOPs"] = bf16_tflops(8192, 8192, 8192)
-    print(f"# {res['gpu']}  torch {res['torch']}  triton {res['triton']}")
+    print(header())
     print(f"copy ceiling {copy_bw / 1e12:.2f} TB/s | cuBLAS bf16 8192^3 {res['bf16_8192_TFLOPs']:.0f} TFLOP/s\n")
 
     # --- quantization kernels, bytes = what each launch sequence must read and write at minimum
@@ -145,7 +123,7 @@ def main() -> int:
     for name, fn, nbytes in (cases if "kernels" in only else []):
         t = ms(fn)
         bw = nbytes / (t * 1e-3)
-        tg = graph_ms(fn)
+        tg = graph_ms_or_none(fn)
         bwg = nbytes / (tg * 1e-3) if tg else float("nan")
         rows.append({"kernel": name, "ms": t, "TBps": bw / 1e12, "of_copy": bw / copy_bw,
                      "graph_ms": tg, "graph_TBps": bwg / 1e12, "graph_of_copy": bwg / copy_bw})
@@ -207,15 +185,10 @@ def main() -> int:
                 xx.grad = None
                 layer.weight.grad = None
 
-            t = ms(step, reps=100)
-            tg = graph_ms(step) if kind != "mxfp8_bwd" else None  # GPU work alone (no host time)
+            t = ms(step, rep=100)
+            tg = graph_ms_or_none(step) if kind != "mxfp8_bwd" else None  # GPU work alone (no host time)
             step()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            step()
-            torch.cuda.synchronize()
-            out[kind] = (t, (torch.cuda.max_memory_allocated() - base) / 2**30, tg)
+            out[kind] = (t, peak_gib(step), tg)
             del layer, xx, dy
         ratio, mx_ratio = out["nvfp4"][0] / out["bf16"][0], out["mxfp8_bwd"][0] / out["bf16"][0]
         lin_rows.append({"shape": [m, k, nn_], "bf16_ms": out["bf16"][0], "nvfp4_ms": out["nvfp4"][0], "ratio": ratio,

@@ -9,7 +9,7 @@ amaxes, backward dh1, dh3 with theirs, against the eager ops and the copy ceilin
 
 Routed rows as bench_grouped.py makes them (uniform top-k, groups padded to 16). Bytes counted: the
 tensors read and written once (forward 3, backward 5 of T×H in the dtype). Times: medians of
-triton.testing.do_bench (L2 flushed).
+triton.testing.do_bench, L2 flushed (benchmarks/timing.py).
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ import json
 import torch
 import torch.nn.functional as F
 
-from bench_grouped import SHAPES, ms, routed_offsets  # benchmarks/ is on sys.path when run as a script
-from bench_kernels import copy_ceiling
 from titan_nvfp4.kernels import swiglu as sw
 from titan_nvfp4.kernels.launch import tune_bucket
 from titan_nvfp4.kernels.swiglu import swiglu_amax_tensors, swiglu_backward_amax_tensors
-from titan_nvfp4.ops.grouped import block_experts
 from titan_nvfp4.numerics.rht import rht_signs
+from titan_nvfp4.ops.grouped import block_experts
+
+# benchmarks/ is on sys.path when run as a script
+from bench_grouped import SHAPES, routed_offsets
+from timing import copy_ceiling, ms, require_cuda
 
 
 def main() -> None:
@@ -36,6 +38,7 @@ def main() -> None:
     ap.add_argument("--sweep", help="comma-separated GxBKxWARPS configs to time the kernels at")
     ap.add_argument("--maxnreg", default="0")
     args = ap.parse_args()
+    require_cuda()
     if args.sweep:
         return sweep(args)
     ceiling = copy_ceiling()

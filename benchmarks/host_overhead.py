@@ -2,12 +2,17 @@
 what a Linear forward+backward pays in Python and launch overhead before any kernel runs.
 
     python benchmarks/host_overhead.py [--cprofile [--pstats PREFIX] | --torch-profile]
+
+Host µs per call: the mean of 100 calls after 20 warm-up calls, with no synchronization inside (few
+enough calls that the launch queue never fills). Then the same calls alternating between Triton's own
+launch path and the compiled-kernel cache (``titan_nvfp4/kernels/launch.py``), best of 3 each.
+Host CPUs differ between machines: compare figures within one run.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
-import sys
 import time
 
 import torch
@@ -17,6 +22,9 @@ from titan_nvfp4.kernels import gemm as g
 from titan_nvfp4.kernels.quantize import quantize_operand, quantize_weight_2d
 from titan_nvfp4.numerics.rht import rht_signs
 from titan_nvfp4.ops import library
+
+# benchmarks/ is on sys.path when run as a script
+from timing import require_cuda
 
 
 def host_us(fn, n=100) -> float:  # few enough calls that the launch queue never fills
@@ -47,7 +55,7 @@ def _launch_paths(x: torch.Tensor) -> dict:
     grid = (triton.cdiv(M, 16 * 2), triton.cdiv(K, 128))
     tm = tune_bucket(M)
     compiled = q._amax_kernel[grid](*args, tm, **flags, G=2, BK=128, num_warps=2)
-    all_args = (*args, tm, True, False, True, False, 2, 128)  # every parameter in order, constexprs included
+    all_args = (*args, tm, True, False, True, False, 2, 128, False)  # every parameter in order, constexprs included
     stream = torch.cuda.current_stream().cuda_stream
 
     def direct(stream_query: bool):
@@ -63,6 +71,12 @@ def _launch_paths(x: torch.Tensor) -> dict:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cprofile", action="store_true", help="cProfile the heaviest launchers (20 calls each)")
+    ap.add_argument("--pstats", metavar="PREFIX", help="with --cprofile: also dump each whole profile to PREFIX_<name>.prof")
+    ap.add_argument("--torch-profile", action="store_true", help="torch.profiler: the torch ops of 20 Linear steps")
+    args = ap.parse_args()
+    require_cuda()
     x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)  # large enough to take the autotuned paths
     signs = rht_signs(0, "cuda")
     seed = torch.full((1,), 3, dtype=torch.int64, device="cuda")
@@ -92,7 +106,7 @@ def main() -> None:
         "gemm, autotune off": lambda: g.nvfp4_gemm_triton(a, b, torch.bfloat16, autotune=False),
         "NVFP4Linear forward+backward (2048x4096x4096)": linear_step,
     }
-    if "--torch-profile" in sys.argv:  # the torch ops of a Linear step and their host time
+    if args.torch_profile:  # the torch ops of a Linear step and their host time
         from torch.profiler import ProfilerActivity, profile
         host_us(linear_step, 5)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -102,7 +116,7 @@ def main() -> None:
         print("== NVFP4Linear forward+backward (2048x4096x4096): torch ops of 20 steps")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
         return
-    if "--cprofile" in sys.argv:  # where the host time of the heaviest launchers goes
+    if args.cprofile:  # where the host time of the heaviest launchers goes
         import cProfile
         import pstats
         for name in ("quantize_operand SR row + col", "gemm, A staged, TMA", "NVFP4Linear forward+backward (2048x4096x4096)"):
@@ -115,8 +129,8 @@ def main() -> None:
             torch.cuda.synchronize()
             print(f"\n== {name}: 20 calls")
             pstats.Stats(prof).sort_stats("tottime").print_stats(18)
-            if "--pstats" in sys.argv:  # the whole profile, for pstats elsewhere
-                prof.dump_stats(sys.argv[sys.argv.index("--pstats") + 1] + "_" + re.sub(r"\W+", "_", name.split()[0].lower()) + ".prof")
+            if args.pstats:  # the whole profile, for pstats elsewhere
+                prof.dump_stats(args.pstats + "_" + re.sub(r"\W+", "_", name.split()[0].lower()) + ".prof")
         return
     print("| launcher | host µs per call |")
     print("| --- | ---: |")

@@ -15,6 +15,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
 
+# benchmarks/ is on sys.path when run as a script
+from timing import require_cuda
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -23,6 +26,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--stage-a", type=int, choices=(0, 1), default=None)
     args = p.parse_args()
+    require_cuda()
     if args.stage_a is not None:
         from titan_nvfp4.kernels import gemm
 

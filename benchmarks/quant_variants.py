@@ -2,8 +2,12 @@
 (rowwise, columnwise, RHT, stochastic rounding) and over tile configs, with registers and spills.
 
     python benchmarks/quant_variants.py [--m 16384 --k 4096] [--ncu] [--variants "row,col RHT"]
-                                        [--configs 2x64x2,4x128x4] [--maxnreg 0,64] [--amax]
+                                        [--configs 2x64x2,4x128x4] [--maxnreg 0,64] [--orders rows,columns]
+                                        [--amax [--spread SxSTRIDE[xrelaxed] ...]]
 
+The sweep behind the quantization autotuners' tile lists (each config in both program orders): every
+row graph-timed (benchmarks/timing.py) against a graph-timed copy of half of x's bytes (a 32 MiB copy at
+the default shape, which reads faster than the 512 MiB copy of bench_kernels.py: compare the ms).
 ``--ncu`` launches each variant once (no timing) for ``ncu --kernel-name regex:_quantize``.
 ``--amax`` times the amax pass (``_amax_kernel``) instead: |x|, |x| with |RHT xᵀ|, |RHT xᵀ| alone,
 and each also with per-program partial maxima stored instead of atomics (a prototype kernel here),
@@ -23,6 +27,9 @@ from titan_nvfp4.kernels.launch import tune_bucket
 from titan_nvfp4.kernels.nvfp4_jit import amax16, rht16_slices
 from titan_nvfp4.numerics.rht import rht_signs
 
+# benchmarks/ is on sys.path when run as a script
+from timing import copy_ceiling, graph_ms, require_cuda
+
 VARIANTS = {  # name: (ROW, COL, RHT, SR_ROW, SR_COL, ROW_F16, COL_F16)
     "row": (True, False, False, False, False, False, False),
     "row SR": (True, False, False, True, False, False, False),
@@ -35,6 +42,14 @@ VARIANTS = {  # name: (ROW, COL, RHT, SR_ROW, SR_COL, ROW_F16, COL_F16)
 }
 AMAX_VARIANTS = {"amax |x|": (True, False), "amax |x| + |RHT x^T|": (True, True), "amax |RHT x^T|": (False, True)}
 CONFIGS = [(2, 64, 1), (1, 128, 2), (2, 64, 2), (2, 128, 4), (1, 256, 4), (4, 128, 8), (1, 256, 2), (4, 128, 4), (1, 512, 4)]
+
+
+def _copy(nbytes: int) -> float:
+    """Graph-timed copy ceiling (TB/s, read + write) of an ``nbytes`` buffer, printed; the rows are
+    graph-timed too."""
+    tbs = copy_ceiling(nbytes, graph=True) / 1e12
+    print(f"copy of {nbytes / 2**20:.0f} MiB: {2 * nbytes / tbs / 1e9:.3f} ms ({tbs:.2f} TB/s), graph-timed like the rows")
+    return tbs
 
 
 def main() -> None:
@@ -53,6 +68,7 @@ def main() -> None:
     p.add_argument("--amax", action="store_true", help="time the amax pass instead (module docstring)")
     p.add_argument("--spread", nargs="*", default=[], help="with --amax: also atomics spread over SxSTRIDE copies")
     args = p.parse_args()
+    require_cuda()
     if args.amax:
         return amax_main(args)
     M, K = args.m, args.k
@@ -67,10 +83,7 @@ def main() -> None:
     cs = torch.empty(K, M // 16, dtype=torch.float8_e4m3fn, device="cuda")
     rd16 = torch.empty(M, K, dtype=torch.float16, device="cuda")  # staged outputs
     cd16 = torch.empty(K, M, dtype=torch.float16, device="cuda")
-    copy_ms = triton.testing.do_bench_cudagraph(
-        lambda: rd.view(-1)[: M * K // 2].copy_(x.view(torch.uint8).view(-1)[: M * K // 2]))
-    copy_tbs = 2 * M * K // 2 / copy_ms / 1e9
-    print(f"copy of {M * K // 2 / 2**20:.0f} MiB: {copy_ms:.3f} ms ({copy_tbs:.2f} TB/s), graph-timed like the rows")
+    copy_tbs = _copy(M * K // 2)
     print("| variant | G | BK | warps | tiles first | maxnreg | ms | TB/s (read+write) | of copy | regs | spills "
           "| layout converts | smem B |")
     print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -94,7 +107,7 @@ def main() -> None:
             k = run()
             if args.ncu:
                 continue
-            ms = triton.testing.do_bench_cudagraph(run)
+            ms = graph_ms(run)
             cvt = k.asm["ttgir"].count("convert_layout")
             tbs = nbytes / ms / 1e9
             print(f"| {name} | {g} | {bk} | {w} | {'columns' if cf else 'rows'} | {cap or '-'} | {ms:.3f} | {tbs:.2f} "
@@ -150,16 +163,13 @@ def amax_main(args) -> None:
     buf = torch.zeros(2, dtype=torch.int32, device="cuda")
     spread_buf = torch.zeros(64 * 32, dtype=torch.int32, device="cuda")
     part = torch.empty(2 * M * K // 16, dtype=torch.float32, device="cuda")
-    dst = torch.empty(M * K // 2, dtype=torch.uint8, device="cuda")
-    copy_ms = triton.testing.do_bench_cudagraph(lambda: dst.copy_(x.view(torch.uint8).view(-1)[: M * K // 2]))
-    print(f"copy of {M * K // 2 / 2**20:.0f} MiB: {copy_ms:.3f} ms ({2 * M * K // 2 / copy_ms / 1e9:.2f} TB/s), graph-timed")
+    copy_tbs = _copy(M * K // 2)
     print("| variant | G | BK | warps | tiles first | atomics | ms | read TB/s | of copy | regs |")
     print("| --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |")
     orders = [o == "columns" for o in args.orders.split(",")]
     configs = ([tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")] if args.configs
                else [(2, 64, 1), (2, 128, 2), (1, 128, 2), (2, 64, 4), (1, 256, 1), (2, 128, 1), (4, 64, 1),
                      (4, 128, 2), (1, 256, 2), (4, 64, 2), (8, 64, 4)])
-    copy_tbs = 2 * M * K // 2 / copy_ms / 1e9
     for name in (args.variants.split(";") if args.variants else list(AMAX_VARIANTS)):
         row, col = AMAX_VARIANTS[name]
         for (g, bk, w), cf in ((c, o) for c in configs for o in orders):
@@ -185,7 +195,7 @@ def amax_main(args) -> None:
                         return _amax_partials_kernel[grid](x, M, K, x.stride(0), part, signs, ROW=row, COL=col, G=g,
                                                            BK=bk, num_warps=w)
                 k = run()
-                ms = triton.testing.do_bench_cudagraph(run)
+                ms = graph_ms(run)
                 tbs = M * K * 2 / ms / 1e9
                 how = atomics if isinstance(atomics, str) else "yes" if atomics else "no (partials)"
                 print(f"| {name} | {g} | {bk} | {w} | {'columns' if cf else 'rows'} | {how} | {ms:.4f} | {tbs:.2f} | "

@@ -23,10 +23,13 @@ import time
 import torch
 import triton
 
-from bench_grouped import SHAPES, bf16_mm, fwd_bwd, nvfp4_mm_factory  # benchmarks/ is on sys.path as a script
 from titan_nvfp4 import NVFP4Recipe
 from titan_nvfp4.kernels import launch as L
 from titan_nvfp4.linear_function import sr_counter
+
+# benchmarks/ is on sys.path when run as a script
+from bench_grouped import SHAPES, bf16_mm, fwd_bwd, nvfp4_mm_factory
+from timing import header, require_cuda
 
 
 def received_rows(E_local: int, tokens: int, top_k: int, ep: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
@@ -57,6 +60,7 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="also run the churn on BF16 grouped GEMMs (a control)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    require_cuda()
     E, dim, hidden, tokens, top_k, _ = SHAPES[args.shape]
     E_local = E // args.ep
     recipe = NVFP4Recipe(gemm_backend="emulated")
@@ -100,8 +104,7 @@ def main() -> None:
             if isinstance(obj, triton.runtime.autotuner.Autotuner) and obj.cache:
                 tuners[f"{mod}.{name}"] = len(obj.cache)
     later = statistics.median(times[5:]) if len(times) > 5 else float("nan")
-    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
-          f"{args.shape}, {E_local} local experts of {E} (EP {args.ep}), {args.steps} steps")
+    print(f"{header()}  {args.shape}, {E_local} local experts of {E} (EP {args.ep}), {args.steps} steps")
     print(f"routed rows per step: min {min(counts)}, max {max(counts)}, distinct {len(set(counts))} "
           f"(balanced: {cap})")
     print("step ms, first 5: " + ", ".join(f"{t:.1f}" for t in times[:5]))

@@ -12,7 +12,8 @@ reduces each expert's amax in the same launch (checked bit for bit against the f
 then sweeps the fused kernel's tiles, GxBKxWARPS[xLEAD[xSPAN]] (LEAD and SPAN: see _quantize_2d_fused_kernel).
 
 Bytes counted as in bench_kernels.py: the bf16 weight read, W and Wᵀ codes written, the scales (and the
-amax pass's read when the amax is not given).
+amax pass's read when the amax is not given). Every figure is graph-timed (benchmarks/timing.py), the copy
+ceiling on a buffer of the weight's size.
 """
 
 from __future__ import annotations
@@ -20,11 +21,20 @@ from __future__ import annotations
 import argparse
 
 import torch
-import triton
 
 from titan_nvfp4.kernels import quantize as q
 from titan_nvfp4.kernels.launch import launcher, tune_bucket
 from titan_nvfp4.kernels.quantize import quantize_weight_2d
+
+# benchmarks/ is on sys.path when run as a script
+from timing import copy_ceiling, graph_ms, require_cuda
+
+
+def _copy(nbytes: int) -> tuple[float, str]:
+    """The graph-timed copy ceiling of a buffer of the weight's size (bytes read + written per second),
+    and its line for the output."""
+    bw = copy_ceiling(nbytes, graph=True)
+    return bw, f"copy ceiling {bw / 1e12:.2f} TB/s ({2 * nbytes / bw * 1e3:.3f} ms for {nbytes / 2**20:.0f} MiB)"
 
 
 def main() -> None:
@@ -34,15 +44,14 @@ def main() -> None:
     p.add_argument("--configs", help="comma-separated GxBKxWARPS tiles of the kernel to time (module docstring)")
     p.add_argument("--experts", type=int, default=0, help="E stacked expert weights of --n x --k (module docstring)")
     args = p.parse_args()
+    require_cuda()
     if args.experts:
         return _experts(args)
     w = torch.randn(args.n, args.k, device="cuda", dtype=torch.bfloat16)
     amax = w.abs().amax().float()
     nw = w.numel()
-    dst = torch.empty_like(w)
-    copy_ms = triton.testing.do_bench_cudagraph(lambda: dst.copy_(w), rep=50)
-    copy_bw = 2 * 2 * nw / (copy_ms * 1e-3)
-    print(f"copy ceiling {copy_bw / 1e12:.2f} TB/s ({copy_ms:.3f} ms for {2 * nw / 2**20:.0f} MiB)")
+    copy_bw, line = _copy(2 * nw)
+    print(line)
     print("| kernel | graph ms | TB/s | of copy |")
     print("| --- | ---: | ---: | ---: |")
     for name, fn, nbytes in (
@@ -52,7 +61,7 @@ def main() -> None:
              2 * nw + nw + nw // 256)):
         fn()
         torch.cuda.synchronize()
-        ms = triton.testing.do_bench_cudagraph(fn, rep=50)
+        ms = graph_ms(fn)
         bw = nbytes / (ms * 1e-3)
         print(f"| {name} | {ms:.3f} | {bw / 1e12:.2f} | {bw / copy_bw:.0%} |", flush=True)
     if args.configs:
@@ -78,7 +87,7 @@ def _sweep(w: torch.Tensor, amax: torch.Tensor, configs, copy_bw: float) -> None
                 EMIT_T=True, GROUPED=False, EMIT_F16=True, NSP2=1, FOUR_SIX=False, G=g, BK=bk, COLS_FIRST=cf,
                 num_warps=wp)
         k = run()
-        ms = triton.testing.do_bench_cudagraph(run, rep=50)
+        ms = graph_ms(run)
         print(f"| {g} | {bk} | {wp} | {'columns' if cf else 'rows'} | {ms:.4f} | {nbytes / (ms * 1e-3) / copy_bw:.0%} "
               f"| {k.n_regs} | {k.n_spills} |", flush=True)
 
@@ -88,11 +97,8 @@ def _experts(args) -> None:
     E, n, k = args.experts, args.n, args.k
     w = (torch.randn(E, n, k, device="cuda") * torch.rand(E, 1, 1, device="cuda")).reshape(E * n, k).to(torch.bfloat16)
     nw = w.numel()
-    dst = torch.empty_like(w)
-    copy_ms = triton.testing.do_bench_cudagraph(lambda: dst.copy_(w), rep=50)
-    copy_bw = 2 * 2 * nw / (copy_ms * 1e-3)
-    print(f"copy ceiling {copy_bw / 1e12:.2f} TB/s ({copy_ms:.3f} ms for {2 * nw / 2**20:.0f} MiB); "
-          f"{E} experts of {n}x{k}")
+    copy_bw, line = _copy(2 * nw)
+    print(f"{line}; {E} experts of {n}x{k}")
 
     def two_pass():
         return q.quantize_weight_2d_tensors(w, q.expert_amax_tensors(w, E), experts=E, staged=True)
@@ -110,7 +116,7 @@ def _experts(args) -> None:
     for name, fn in (("amax pass + quantization", two_pass), ("fused amax + quantization", fused),
                      ("quantization alone, amax given", lambda: q.quantize_weight_2d_tensors(
                          w, a[4], experts=E, staged=True))):
-        ms = triton.testing.do_bench_cudagraph(fn, rep=50)
+        ms = graph_ms(fn)
         print(f"| {name} | {ms:.4f} | {nbytes / (ms * 1e-3) / copy_bw:.0%} |", flush=True)
     if args.configs:
         print("\n| fused G | BK | warps | lead | span | graph ms | of copy | same bits | regs |")
@@ -123,7 +129,7 @@ def _experts(args) -> None:
             q._FUSED_2D.update(G=g, BK=bk, num_warps=wp, LEAD=lead, SPAN=span)
             out = fused()
             ok = torch.equal(out[0], a[0]) and torch.equal(out[2], a[2])
-            ms = triton.testing.do_bench_cudagraph(fused, rep=50)
+            ms = graph_ms(fused)
             kern = list(launcher(q._quantize_2d_fused_kernel).cache.values())[-1].kernel
             print(f"| {g} | {bk} | {wp} | {lead} | {span} | {ms:.4f} | {nbytes / (ms * 1e-3) / copy_bw:.0%} | {ok} | "
                   f"{kern.n_regs} |", flush=True)

@@ -124,7 +124,7 @@ def _placeholder(cmd: str) -> bool:
 def _scratch(tmp_path: Path, tensorboard: bool = False) -> Path:
     """A directory laid out like a checkout after the quick start's runs: job files, specs, two run logs
     (and, with ``tensorboard``, the runs' dump folders with TensorBoard events)."""
-    for name in ("train_configs", "configs"):
+    for name in ("train_configs", "configs", "docs", "scripts"):
         (tmp_path / name).symlink_to(REPO / name)
     runs = tmp_path / "outputs"
     runs.mkdir()

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -57,7 +60,7 @@ class NVFP4Recipe:
     """MoE grouped experts on the emulated backend: keep the wgrad operands of the routed tokens X and of
     the SwiGLU output h between forward and backward as the emulated GEMM's fp16 values (exact q·e_b)
     instead of NVFP4 codes. Backward then skips a staging pass per operand (0.2–0.4 ms of a
-    DeepSeek-V3-16B-like expert block on an H100, BENCHMARKS.md thirty-second entry) at 2 bytes per
+    DeepSeek-V3-16B-like expert block on an H100, ``benchmarks/bench_grouped.py``) at 2 bytes per
     saved element instead of 0.56, what a BF16 block saves of X and h. The same bits either way."""
 
     @property
@@ -92,10 +95,25 @@ def validate_field(name: str, value: Any, where: str = "quantize.linear.nvfp4") 
         raise ValueError(f"[{where}] gemm_backend must be one of {list(BACKEND_NAMES)}, got {value!r}")
 
 
-def _shipped(folder: str = "") -> dict[str, "Traversable"]:
-    from .configs import shipped  # lazily: the package data is needed only when a preset is named
+def _configs_package() -> ModuleType:
+    """``titan_nvfp4.configs``: installed (a wheel, an editable install), or the repo's configs/ folder when
+    the package runs from a source tree on PYTHONPATH (as on the GPU machines)."""
+    try:
+        from . import configs
+    except ImportError:
+        init = Path(__file__).resolve().parent.parent / "configs" / "__init__.py"
+        if not init.is_file():
+            raise
+        spec = importlib.util.spec_from_file_location(f"{__package__}.configs", init,
+                                                      submodule_search_locations=[str(init.parent)])
+        configs = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = configs
+        spec.loader.exec_module(configs)
+    return configs
 
-    return shipped(folder)
+
+def _shipped(folder: str = "") -> dict[str, "Traversable"]:
+    return _configs_package().shipped(folder)  # imported lazily: needed only when a preset is named
 
 
 def available_presets() -> list[str]:

@@ -1,7 +1,7 @@
 """Emulated NVFP4 GEMM in Triton: out = (A · Bᵀ) · (gs_A · gs_B) [+ bias], for GPUs without FP4 tensor
 cores (sm_80–sm_90, ROCm) and for the CPU interpreter.
 
-Structure (chosen by measurement, see benchmarks/ and BENCHMARKS.md):
+Structure (chosen by measurement on an H100; current figures in docs/performance.md):
 
   * Both operands are staged per call as fp16 values q·e_b (``dequantize_fp16``): exact, since q·e_b
     is a multiple of 2⁻¹⁰ below 2688 with at most 8 significant bits. The kernel reads them through
@@ -15,7 +15,7 @@ Structure (chosen by measurement, see benchmarks/ and BENCHMARKS.md):
     autotuner picks that: less shared memory, one more pipeline stage). Its TMA descriptors are built
     on the device: host descriptor objects cost ~30 µs of host time each per launch. It measured
     102–113% of cuBLAS BF16 on an H100 where the one-tile-per-program kernel below reached 87–93%
-    (benchmarks/gemm_variants.py, BENCHMARKS.md). Operands that arrive staged are not chunked.
+    (``python benchmarks/bench_kernels.py --only gemm`` times it). Operands that arrive staged are not chunked.
   * With ``stage_a=False`` A stays packed instead: each K step loads bytes and E4M3 scales and builds
     fp16 q·e_b·2⁻¹⁴ in registers (the 3 magnitude bits of a code shifted into fp16's exponent and
     mantissa give q·2⁻¹⁴ exactly; one exact fp16 multiply applies the scale; on CUDA a PTX routine
@@ -236,7 +236,7 @@ def _nvfp4_gemm_persistent_kernel(A, B, C, GSA, GSB, BIAS, M, N, K, sam, sbn, sc
 
 
 def _persistent_configs():
-    # the best of benchmarks/gemm_variants.py (pf16, pf16st, dpf16) on an H100 at 8192³ and the Linear shapes
+    # the best persistent variants (plain, split-store, double-buffered) on an H100 at 8192³ and the Linear shapes
     return [triton.Config({"BM": bm, "BN": bn, "BK": 64, "GROUP_M": 8, "SUBTILE": sub}, num_warps=w, num_stages=st)
             for bm, bn, w, st, sub in ((128, 256, 8, 3, False), (128, 256, 8, 3, True), (128, 256, 8, 4, True),
                                        (128, 128, 4, 4, False))]

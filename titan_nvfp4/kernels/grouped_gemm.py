@@ -13,7 +13,7 @@ column e·b_col_step of the stacked B: (N, 0) for W [E·N, K], (0, N) for the 16
 
 On sm_90 (and in the interpreter) grouped_gemm_rows runs a persistent kernel: one program per SM walks
 the tiles of all experts, their count read from the offsets on the device, through TMA descriptors
-built on the device (ROWS_KERNEL; 1–1.5% faster than one tile per program on an H100, BENCHMARKS.md).
+built on the device (ROWS_KERNEL; 1–1.5% faster than one tile per program on an H100, ``benchmarks/bench_grouped_gemms.py``).
 
 Reference twin: the per-expert loop of grouped_function.py over ops/gemm.py:gemm_reference
 (tests/test_grouped.py checks them bit for bit).

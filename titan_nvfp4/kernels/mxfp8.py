@@ -11,7 +11,7 @@ The math is the reference's (numerics/mxfp8.py, RCEIL scales): scale exponent e 
 448)) clamped to [-127, 127] (-127 for a zero block, 128 = NaN for a non-finite one), element =
 e4m3_rne_sat(x · 2^-e), on fp32 bits so that every path gives the same bytes. On sm_89+ the element
 rounding is the GPU's own E4M3 conversion instead (the same rounding in fewer instructions:
-94% of the copy ceiling rowwise on an H100, against 75%; BENCHMARKS.md); the interpreter, sm_80 and
+94% of the copy ceiling rowwise on an H100, against 75%: ``benchmarks/bench_kernels.py``); the interpreter, sm_80 and
 ROCm round on fp32 bits.
 """
 
@@ -171,7 +171,7 @@ _mxfp8_autotuned = triton.autotune(
                        (32, 256, 4))],
     key=["M", "K", "ROW", "COL", "STAGED", "HW"])(_mxfp8_kernel)
 
-_cols_autotuned = triton.autotune(  # the best of a 23-config sweep, codes and staged (BENCHMARKS.md)
+_cols_autotuned = triton.autotune(  # the best of a 23-config sweep on an H100, codes and staged
     [triton.Config({"G": g, "BK": bk}, num_warps=w)
      for g, bk, w in ((4, 32, 1), (2, 64, 2), (2, 64, 1), (1, 128, 2), (2, 128, 4))],
     key=["M", "K", "STAGED", "HW"])(_mxfp8_cols_kernel)

@@ -86,7 +86,7 @@ def reduce_amax16(xs, blk, M, AMAX, SIGNS, BEXP, NSLOT, ROW: tl.constexpr, COL: 
     amax pass and the kernels that produce a tensor and its amaxes together (swiglu.py). The atomics
     are relaxed: only later kernels read AMAX, and Triton's default (acq_rel) fences every program's
     end with a GPU-wide memory barrier and an L1 invalidation, which cost the RHT amax pass ~25% of
-    its time (BENCHMARKS.md, twenty-sixth entry)."""
+    its time on an H200 (``python benchmarks/quant_variants.py --amax``)."""
     if GROUPED:
         valid = blk < tl.cdiv(M, 16)
         e = tl.load(BEXP + blk, mask=valid, other=0)
@@ -394,7 +394,7 @@ def _configs(tiles):
 
 
 def _operand_configs():
-    # the fastest of `benchmarks/quant_variants.py` on an H100 (BENCHMARKS.md, thirty-fourth entry), each
+    # the fastest of `benchmarks/quant_variants.py` on an H100 (2026-11-26), each
     # tile in its faster program order: 1×128 columns first for the rowwise operand alone (0.063 against
     # 0.066 ms), 4×128×4 for forward X, 2×64×2 for backward dY; 64 elements per thread in the last two
     return _configs(((2, 64, 2, True), (2, 128, 4, False), (4, 128, 8, False), (1, 128, 1, True),
@@ -405,7 +405,6 @@ def _weight_configs():
     # the fastest tiles of `benchmarks/weight_quant_bench.py --configs` on an H100 for the 16×16 weight
     # kernel as trained (W staged, Wᵀ codes), each in its faster program order; 4×128×4 in both, as
     # columns first is faster with W staged (0.095 against 0.097 ms) and slower with W as codes
-    # (thirty-fourth entry)
     return _configs(((2, 128, 4, False), (4, 128, 4, False), (4, 128, 4, True), (2, 128, 2, False),
                      (1, 256, 2, False)))
 
@@ -413,7 +412,7 @@ def _weight_configs():
 def _amax_configs():
     # the fastest tiles of `benchmarks/quant_variants.py --amax` (H200, relaxed atomics): 2-4 warps over
     # 64-128 rows for |x| and |RHT xᵀ|, one warp over 16-32 rows and 128-256 features for |x| alone;
-    # column tiles first is as fast or faster for each (H100, thirty-fourth entry)
+    # column tiles first is as fast or faster for each (H100, 2026-11-26)
     return _configs(((4, 128, 2, True), (8, 64, 4, True), (1, 256, 1, True), (2, 128, 1, True), (2, 128, 2, True)))
 
 
@@ -452,7 +451,7 @@ def _launch(kernel, tuned_kernel, x: torch.Tensor, rows: int, cols: int, *args, 
 
 #: Tiles of _quantize_2d_fused_kernel on a GPU, its expert lead and amax-tile span: the fastest of
 #: `benchmarks/weight_quant_bench.py --experts 64 --n 1408 --k 2048 --configs ...` on an H100
-#: (BENCHMARKS.md, thirty-first entry; faster than the two passes at 6-33 MB per expert too).
+#: (2026-11-26; faster than the two passes at 6-33 MB per expert too).
 _FUSED_2D = {"G": 4, "BK": 128, "num_warps": 4, "LEAD": 1, "SPAN": 4}
 
 

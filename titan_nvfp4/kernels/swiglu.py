@@ -107,7 +107,7 @@ def _fwd_configs():
 def _bwd_configs():
     # 32 tiles are live (both gradients): at most 2 elements per thread and tile. Rows first in both
     # kernels: columns first measured 0.396 -> 0.450 ms forward at 2×128×2 and within 1% backward
-    # (`bench_swiglu.py --sweep`, H100, thirty-fourth entry)
+    # (`benchmarks/bench_swiglu.py --sweep`, H100, 2026-11-26)
     return _configs((g, bk, w, False) for g, bk, w in ((2, 64, 1), (2, 64, 2), (1, 128, 2), (2, 64, 4), (2, 128, 4)))
 
 
