@@ -124,8 +124,9 @@ def _placeholder(cmd: str) -> bool:
 def _scratch(tmp_path: Path, tensorboard: bool = False) -> Path:
     """A directory laid out like a checkout after the quick start's runs: job files, specs, two run logs
     (and, with ``tensorboard``, the runs' dump folders with TensorBoard events)."""
-    for name in ("train_configs", "configs", "docs", "scripts"):
+    for name in ("train_configs", "configs", "scripts"):
         (tmp_path / name).symlink_to(REPO / name)
+    shutil.copytree(REPO / "docs", tmp_path / "docs")  # a copy: a command may write next to its inputs
     runs = tmp_path / "outputs"
     runs.mkdir()
     for arm in ("bf16", "nvfp4"):
