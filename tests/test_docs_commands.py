@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import os
 import re
+import runpy
 import shlex
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -75,7 +77,11 @@ def _id(item) -> str:
     return f"{page.name}:{cmd[:60]}"
 
 
+_ENV_PREFIX = re.compile(r"""^(?:[A-Za-z_]\w*=(?:"[^"]*"|'[^']*'|[^\s"'])*\s+)+""")
+
+
 def kind(cmd: str) -> str:
+    cmd = _ENV_PREFIX.sub("", cmd)  # `VAR=value ... command`: the kind of the command
     if cmd.startswith(("pip install", "python -m pip install")) or cmd.startswith("python -m pytest"):
         return "ci"
     if cmd.startswith("mkdir "):
@@ -87,6 +93,8 @@ def kind(cmd: str) -> str:
     if cmd.startswith(("python -m titan_nvfp4.", "python -c ")):
         return "cpu"
     if cmd.startswith(("bash scripts/", "source scripts/", "python benchmarks/", "cd benchmarks")):
+        return "gpu_script"
+    if re.match(r"torchrun (--\S+ )*benchmarks/", cmd):
         return "gpu_script"
     return "unknown"
 
@@ -161,12 +169,28 @@ CPU = [item for item in ALL if kind(item[1]) == "cpu"]
 
 
 @pytest.mark.parametrize("item", CPU, ids=[_id(i) for i in CPU])
-def test_cpu_command_runs_as_written(item, tmp_path):
+def test_cpu_command_runs_as_written(item, tmp_path, monkeypatch, capsys):
     page, cmd = item
     cwd = _scratch(tmp_path)
     if _placeholder(cmd) and cmd.startswith("python -m titan_nvfp4."):
         module = shlex.split(cmd)[2]
         cmd = f"python -m {module} --help"  # the arguments are the reader's: the module and its help exist
+    if cmd.startswith("python -m titan_nvfp4.") and not re.search(r"[|>&;$`]", cmd):
+        # a tool: run in this process (no interpreter start-up), its arguments as bash passes them
+        monkeypatch.chdir(cwd)
+        words = subprocess.run(["bash", "-c", f"printf '%s\\0' {cmd}"], capture_output=True, text=True,
+                               check=True).stdout.split("\0")[:-1]
+        monkeypatch.setattr(sys, "argv", [words[2], *words[3:]])
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module may be imported already
+                runpy.run_module(words[2], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code or 0
+        out, err = capsys.readouterr()
+        assert code == 0, f"{page.name}: {cmd}\n{out[-2000:]}\n{err[-3000:]}"
+        return
     cmd = re.sub(r"^python ", f"{shlex.quote(sys.executable)} ", cmd)
     r = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"{page.name}: {cmd}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
