@@ -321,3 +321,12 @@ def test_converting_twice_is_a_no_op(job_cfg):
     mods = {n: m for n, m in model.named_modules()}
     conv.convert(model)
     assert all(m is mods[n] for n, m in model.named_modules())
+
+
+@pytest.mark.parametrize("converters", ["quantize.linear.nvfp4,quantize.linear.nvfp4",
+                                        "quantize.linear.nvfp4,quantize.grouped_mm.nvfp4,quantize.grouped_mm.nvfp4"])
+def test_a_converter_listed_twice_is_refused_by_name(converters):
+    cfg = parse("--model.converters", converters)
+    name = converters.split(",")[-1]
+    with pytest.raises(ValueError, match=rf"converters lists '{re.escape(name)}' 2 times"):
+        build_model_converters(cfg, world1())

@@ -30,6 +30,14 @@ GROUPED_LAYER_ID_BASE = 1 << 20  # SR streams of expert GEMMs never meet those o
 _BLOCK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
+def require_listed_once(job_config: JobConfig, name: str) -> None:
+    """Refuse a converter listed twice in ``[model] converters``: the second copy would convert nothing but
+    replace the first's step counter (bf16_after_fraction, lora_refresh_steps, amax history, telemetry)."""
+    listed = list(getattr(getattr(job_config, "model", None), "converters", None) or [])
+    if listed.count(name) > 1:
+        raise ValueError(f"[model] converters lists {name!r} {listed.count(name)} times ({listed}); list it once")
+
+
 def _section(job_config: JobConfig, kind: str):
     """The parsed `[quantize.<kind>.nvfp4]` section; its defaults, with a warning, when the job file
     did not load our config module."""
@@ -125,6 +133,7 @@ class NVFP4LinearConverter(QuantizationConverter):
 
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims):
         super().__init__(job_config, parallel_dims)
+        require_listed_once(job_config, CONVERTER_NAME)
         section = _section(job_config, "linear")
         self.recipe = section.build_recipe()
         self.filter_fqns = list(section.filter_fqns)
@@ -272,6 +281,7 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
         super().__init__(job_config, parallel_dims)
         from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 
+        require_listed_once(job_config, GROUPED_CONVERTER_NAME)
         section = _section(job_config, "grouped_mm")
         self.recipe = section.build_recipe()
         self.fqns = list(section.fqns)
