@@ -56,6 +56,10 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            name = getattr(self, "layer_name", "") or type(self).__name__
+            raise RuntimeError(f"{name}: input of shape {tuple(x.shape)} has {x.shape[-1]} features, "
+                               f"the layer takes in_features={self.in_features}")
         if self.high_precision:
             return F.linear(x, self.weight, self.bias)
         y = self._nvfp4_linear(x, self.weight, self.bias)

@@ -87,6 +87,8 @@ def validate_field(name: str, value: Any, where: str = "quantize.linear.nvfp4") 
         raise ValueError(f"[{where}] {name} must be true or false, got {value!r}")
     if name in _INT_FIELDS and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
         raise ValueError(f"[{where}] {name} must be a non-negative integer, got {value!r}")
+    if name in ("rht_seed", "sr_seed") and value >= 2**63:
+        raise ValueError(f"[{where}] {name} must be below 2**63 (it seeds an int64 generator), got {value!r}")
     if name == "backward" and value not in BACKWARDS:
         raise ValueError(f"[{where}] backward must be one of {list(BACKWARDS)}, got {value!r}")
     if name == "block_scale_rule" and value not in BLOCK_SCALE_RULES:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import types
 
+import torch
 from torch import nn
 from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.config import JobConfig
@@ -19,6 +20,7 @@ from ..amax_history import AmaxHistory, layers_with_history, register_buffers, r
 from ..decomposed_linear import DecomposedLinear, LowRankState
 from ..distributed.fsdp_all_gather import TRAFFIC, precompute_scales, wrap_weight
 from ..nvfp4_linear import NVFP4Linear, check_linear_dims
+from ..ops.backends import resolve_backend
 from ..recipe import NVFP4Recipe
 from ..schedule import PrecisionSchedule, StepCounter, switch_step
 from ..telemetry import Telemetry, install_metrics_hook
@@ -36,6 +38,18 @@ def require_listed_once(job_config: JobConfig, name: str) -> None:
     listed = list(getattr(getattr(job_config, "model", None), "converters", None) or [])
     if listed.count(name) > 1:
         raise ValueError(f"[model] converters lists {name!r} {listed.count(name)} times ({listed}); list it once")
+
+
+def require_backend_runs_here(recipe: NVFP4Recipe, section: str) -> None:
+    """Check an explicit gemm_backend against this machine at conversion, not at the first forward after the
+    whole model has been materialized."""
+    if recipe.gemm_backend in ("auto", "reference"):
+        return
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolve_backend(recipe.gemm_backend, device)
+    except RuntimeError as e:
+        raise ValueError(f"[{section}] gemm_backend = {recipe.gemm_backend!r} cannot run here: {e}") from None
 
 
 def _section(job_config: JobConfig, kind: str):
@@ -136,6 +150,7 @@ class NVFP4LinearConverter(QuantizationConverter):
         require_listed_once(job_config, CONVERTER_NAME)
         section = _section(job_config, "linear")
         self.recipe = section.build_recipe()
+        require_backend_runs_here(self.recipe, CONVERTER_NAME)
         self.filter_fqns = list(section.filter_fqns)
         self.lora_rank, self.lora_nvfp4 = section.lora_rank, section.lora_nvfp4
         self.lora_refresh_steps = section.lora_refresh_steps
@@ -284,6 +299,7 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
         require_listed_once(job_config, GROUPED_CONVERTER_NAME)
         section = _section(job_config, "grouped_mm")
         self.recipe = section.build_recipe()
+        require_backend_runs_here(self.recipe, GROUPED_CONVERTER_NAME)
         self.fqns = list(section.fqns)
         self.lora_rank = section.lora_rank
         self.bf16_after_fraction = section.bf16_after_fraction

@@ -68,8 +68,9 @@ class _RecipeKnobs:
         f = self.bf16_after_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
             raise ValueError(f"[{self.SECTION}] bf16_after_fraction must be a number in [0, 1], got {f!r}")
-        if not isinstance(self.recipe, str):
-            raise ValueError(f"[{self.SECTION}] recipe must be a preset name, got {self.recipe!r}")
+        if not isinstance(self.recipe, str) or not self.recipe.strip():
+            raise ValueError(f"[{self.SECTION}] recipe must be a preset name or a path to a .toml file, "
+                             f"got {self.recipe!r}")
         for name, value in self.overrides().items():
             validate_field(name, value, self.SECTION)
         self.build_recipe()  # an unknown preset fails here, at parse time

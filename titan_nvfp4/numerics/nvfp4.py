@@ -222,6 +222,23 @@ def _random_bits_like(a: torch.Tensor, seed: int | None, generator: torch.Genera
     return torch.randint(0, 2**SR_BITS, a.shape, generator=generator, device=a.device, dtype=torch.int32)
 
 
+def _given_amax(amax: torch.Tensor | float, a: torch.Tensor, eager: bool) -> torch.Tensor:
+    """A caller's tensor amax as a 0-d fp32 tensor on ``a``'s device; in eager mode, checked against ``a``."""
+    if isinstance(amax, torch.Tensor):
+        if amax.numel() != 1:
+            raise ValueError(f"amax must hold one value (a number or a 0-d tensor), got shape {tuple(amax.shape)}")
+        if amax.device.type == "meta" and a.device.type != "meta":
+            raise ValueError(f"amax is on the meta device (it holds no value); x is on {a.device}")
+    amax_t = torch.as_tensor(amax, dtype=torch.float32, device=a.device).reshape(())
+    if eager and a.device.type != "meta":
+        if bool(amax_t < 0):  # inf and NaN pass: a non-finite input's amax poisons its decode (NaN), by design
+            raise ValueError(f"amax must be non-negative, got {float(amax_t)}")
+        if bool(amax_t == 0) and a.numel() and bool(a.abs().amax() > 0):
+            raise ValueError(f"amax = 0 but x has non-zero values (max |x| = {float(a.abs().amax()):.3g}); pass "
+                             "x's amax, or None to take it from x")
+    return amax_t
+
+
 def quantize_nvfp4(
     x: torch.Tensor,
     block_shape: tuple[int, int] = (1, BLOCK),
@@ -239,14 +256,18 @@ def quantize_nvfp4(
     block's scale from the Four Over Six rule (module docstring).
     """
     block_shape = tuple(block_shape)
+    eager = not torch.compiler.is_compiling()  # checks with data-dependent branches stay out of graphs
+    if eager and x.dtype == torch.float64 and x.numel():
+        big = x.abs().nan_to_num(0.0, posinf=0.0).amax()
+        if bool(big > torch.finfo(torch.float32).max):
+            raise ValueError(f"x holds finite values beyond float32's range (max |x| = {float(big):.3g}); NVFP4 "
+                             "scales are computed in float32: scale x down first")
     a = _as_storage(x, block_shape)
     rows, cols = a.shape
     if amax is None:
         amax_t = a.abs().amax() if a.numel() else torch.zeros((), device=a.device)
     else:
-        amax_t = torch.as_tensor(amax, dtype=torch.float32, device=a.device).reshape(())
-        if not torch.compiler.is_compiling() and bool(amax_t < 0):  # no data-dependent branch in a graph
-            raise ValueError(f"amax must be non-negative, got {float(amax_t)}")
+        amax_t = _given_amax(amax, a, eager)
     s_enc = global_encode_scale(amax_t, four_over_six)
 
     if block_shape == (BLOCK, BLOCK):

@@ -49,6 +49,9 @@ def resolve_backend(name: str, device: torch.device) -> str:
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown NVFP4 gemm_backend {name!r}; expected one of {BACKEND_NAMES}")
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = "is a CPU-only build" if torch.version.cuda is None and torch.version.hip is None else "finds no GPU"
+        raise RuntimeError(f"NVFP4 gemm_backend {name!r} on device {device}: torch {torch.__version__} {why}")
     if name == "auto":
         if device.type == "cuda" and triton_available():
             return "native" if _is_blackwell(device) else "emulated"
