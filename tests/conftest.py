@@ -7,6 +7,11 @@ sys.path.insert(0, os.path.dirname(__file__))  # test-only helpers such as nvfp4
 # (titan_nvfp4/kernels/launch.py, CHECK): a cache key that misses a specialization fails the test.
 os.environ.setdefault("TITAN_NVFP4_LAUNCH_CHECK", "1")
 
+# pytest-xdist runs about one worker per core, and the distributed tests start gloo ranks beside them:
+# one intra-op thread per process (the ranks inherit it) keeps torch from oversubscribing the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Without a GPU the Triton kernels run in Triton's CPU interpreter; this must be set before triton is
 # imported anywhere (titan_nvfp4 imports it lazily, the first time a kernel is used).
 try:
@@ -14,5 +19,7 @@ try:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 except ImportError:  # pragma: no cover
     pass
