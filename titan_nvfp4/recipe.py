@@ -7,9 +7,9 @@ a job file picks one with ``recipe = "nvidia_paper"`` and may override any field
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 import importlib.util
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any

@@ -230,12 +230,13 @@ def _given_amax(amax: torch.Tensor | float, a: torch.Tensor, eager: bool) -> tor
         if amax.device.type == "meta" and a.device.type != "meta":
             raise ValueError(f"amax is on the meta device (it holds no value); x is on {a.device}")
     amax_t = torch.as_tensor(amax, dtype=torch.float32, device=a.device).reshape(())
-    if eager and a.device.type != "meta":
-        if bool(amax_t < 0):  # inf and NaN pass: a non-finite input's amax poisons its decode (NaN), by design
+    if eager and a.device.type != "meta" and bool(amax_t <= 0):  # one sync; inf and NaN pass (NaN decode)
+        if float(amax_t) < 0:
             raise ValueError(f"amax must be non-negative, got {float(amax_t)}")
-        if bool(amax_t == 0) and a.numel() and bool(a.abs().amax() > 0):
-            raise ValueError(f"amax = 0 but x has non-zero values (max |x| = {float(a.abs().amax()):.3g}); pass "
-                             "x's amax, or None to take it from x")
+        x_amax = float(a.abs().amax()) if a.numel() else 0.0
+        if x_amax > 0:
+            raise ValueError(f"amax = 0 but x has non-zero values (max |x| = {x_amax:.3g}); pass x's amax, or None "
+                             "to take it from x")
     return amax_t
 
 

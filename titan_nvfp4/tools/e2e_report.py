@@ -114,14 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         if not p.exists():
             runs[-1].notes.insert(0, "log missing")
     if not any(p.exists() for p in args.logs):
-        fail("python -m titan_nvfp4.tools.e2e_report", f"no such file: {args.logs[0]}")
+        fail(ap.prog, f"no such file: {args.logs[0]}")
     print(to_markdown(runs, args.skip), end="")
     if args.json:
         rows = [asdict(r) | {"step_time_ratio": ratio(r, runs[0])} for r in runs]
         args.json.write_text(json.dumps({"skip": args.skip, "runs": rows}, indent=2) + "\n")
     missing = [str(p) for p in args.logs if not p.exists()]
     if missing:
-        print(f"python -m titan_nvfp4.tools.e2e_report: missing logs: {', '.join(missing)}", file=sys.stderr)
+        print(f"{ap.prog}: missing logs: {', '.join(missing)}", file=sys.stderr)
     return 1 if missing else 0
 
 

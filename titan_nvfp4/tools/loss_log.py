@@ -286,14 +286,12 @@ def read_runs(prog: str, paths: list[Path]) -> tuple[dict[str, list[StepMetrics]
     require_inputs(prog, paths)
     runs, validation = {}, {}
     for p in paths:
-        runs[run_name(p)], validation[run_name(p)] = read_run(p)
-        if not runs[run_name(p)] and not validation[run_name(p)]:
+        name = run_name(p)
+        runs[name], validation[name] = read_run(p)
+        if not runs[name] and not validation[name]:
             fail(prog, f"no TorchTitan metric lines in {p}" if p.is_file() else
                  f"no TensorBoard events with training metrics under {p}")
     return runs, validation
-
-
-PROG = "python -m titan_nvfp4.tools.loss_log"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -318,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
         groups = [parse_group(spec) for spec in args.group]
     except ValueError as e:
         ap.error(str(e))
-    runs, validation = read_runs(PROG, args.logs)
+    runs, validation = read_runs(ap.prog, args.logs)
     rows = summarize(runs, args.last, args.gap, validation)
     if args.csv:
         write_csv(runs, args.csv)

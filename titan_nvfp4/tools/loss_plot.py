@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         groups = [parse_group(spec) for spec in args.group]
     except ValueError as e:
         ap.error(str(e))
-    runs, validation = read_runs("python -m titan_nvfp4.tools.loss_plot", args.logs)
+    runs, validation = read_runs(ap.prog, args.logs)
     if groups:
         out = plot_groups(runs, groups, args.out, args.smooth, args.title, validation)
     else:
