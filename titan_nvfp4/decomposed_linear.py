@@ -15,6 +15,11 @@ a multiple of 16 for that). All four of U, σ, V, R train.
 Sharded parameters (FSDP2, TP: DTensors): the SVD runs on the full weight (all-gathered) in fp32 on
 every rank, and the factors are distributed from rank 0's result, so every rank holds shards of the
 same decomposition.
+
+State dict (docs/checkpoints.md): ``weight`` holds the full W = R + U·diag(σ)·V (computed at save, sharded
+like R), so a model without the branch (BF16, or NVFP4 with lora_rank = 0) loads the weight the module
+computes; R itself is saved bit-exactly as ``lora_residual`` and put back into ``weight`` at load. A
+state dict with ``weight`` alone (a BF16 checkpoint) loads as W and is decomposed at load.
 """
 
 from __future__ import annotations
@@ -40,6 +45,47 @@ def assign_full(param: torch.Tensor, value: torch.Tensor) -> None:
     if isinstance(param, DTensor):
         value = distribute_tensor(value.to(param.device_mesh.device_type), param.device_mesh, param.placements)
     param.copy_(value)
+
+
+#: the state-dict key suffix of a low-rank weight's exact residual R (its ``weight`` key holds the full W)
+RESIDUAL = "residual"
+_WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.")  # torch.compile / activation-checkpoint prefixes
+
+
+def _local_plain(t: torch.Tensor) -> torch.Tensor:
+    """The local values of a (possibly sharded) tensor as a plain tensor (unwraps the NVFP4 all-gather's)."""
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return getattr(t, "_data", t)
+
+
+def dense_like(weight: torch.Tensor, u: torch.Tensor, sigma: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """W = R + U·diag(σ)·V (fp32 sum, R's dtype), sharded like R: each rank adds its slice of the full
+    low-rank product to its own shard of R (the factors are small and gathered)."""
+    u, sigma, v = (full_tensor(t).float() for t in (u, sigma, v))
+    low = (u * sigma[..., None, :]) @ v  # as lowrank_merge
+    if not isinstance(weight, DTensor):
+        return (_local_plain(weight).float() + low).to(weight.dtype)
+    low = distribute_tensor(low, weight.device_mesh, weight.placements, src_data_rank=None).to_local()
+    local = (_local_plain(weight).float() + low).to(weight.dtype)
+    return DTensor.from_local(local, weight.device_mesh, weight.placements, shape=weight.shape,
+                              stride=weight.stride())
+
+
+def _shard_like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A full loaded value given to a DTensor parameter (a full_state_dict load): this rank's slice."""
+    if isinstance(param, DTensor) and not isinstance(value, DTensor):
+        return distribute_tensor(value.to(param.device_mesh.device_type), param.device_mesh, param.placements,
+                                 src_data_rank=None)
+    return value
+
+
+def _lookup(state_dict: dict, prefix: str, name: str) -> str | None:
+    """The key of ``name`` under ``prefix``, also without compile / activation-checkpoint wrappers
+    (torch's set_model_state_dict only re-prefixes parameters and buffers, not extra keys)."""
+    bare = prefix
+    for w in _WRAPPERS:
+        bare = bare.replace(w, "")
+    return next((k for k in (prefix + name, bare + name) if k in state_dict), None)
 
 
 class LowRankState:
@@ -83,9 +129,57 @@ class LowRankState:
             self._lora_ready = False
         return self
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if "lora_decomposed" in self._buffers:
+    def _lowrank_names(self) -> list[tuple[str, str]]:
+        """(weight name, factor-key prefix) of each decomposed weight: ("weight", "lora_") for a Linear."""
+        raise NotImplementedError
+
+    def _factors_of(self, factor_prefix: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(getattr(self, factor_prefix + n) for n in ("u", "sigma", "v"))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """``weight`` saved as the full W, R as ``<factor prefix>residual`` (module docstring)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if "lora_decomposed" not in self._buffers:
+            return
+        for w, fp in self._lowrank_names():
+            r = destination[prefix + w]
+            destination[prefix + fp + RESIDUAL] = r
+            if not r.is_meta and self._is_decomposed():  # before the first split ``weight`` already holds W
+                with torch.no_grad():
+                    destination[prefix + w] = dense_like(getattr(self, w), *self._factors_of(fp))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """R from ``<factor prefix>residual`` into ``weight``; a state dict with the weights only (a model
+        without the branch saved it) loads W and is split anew."""
+        if "lora_decomposed" not in self._buffers:
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                 unexpected_keys, error_msgs)
+        kinds = set()
+        for w, fp in self._lowrank_names():
+            res = _lookup(state_dict, prefix, fp + RESIDUAL)
+            if res is not None:
+                state_dict[prefix + w] = _shard_like(getattr(self, w), state_dict.pop(res))
+                kinds.add("branch")
+            elif prefix + w in state_dict:
+                if _lookup(state_dict, prefix, fp + "u") is not None:
+                    raise ValueError(
+                        f"{prefix}{w}: the state dict has low-rank factors ({prefix}{fp}u) but no {prefix}{fp}{RESIDUAL}: "
+                        "a titan-nvfp4 checkpoint from before the residual was saved apart; fold it with "
+                        "`python -m titan_nvfp4.tools.export_dense CHECKPOINT dense.pt` and load dense.pt")
+                kinds.add("dense")
+        if len(kinds) > 1:
+            raise ValueError(f"{prefix[:-1]}: the state dict has the residuals of some weights, not of all")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if kinds == {"dense"}:  # W alone: split it here (the factors and the flag are not expected)
+            own = {prefix + fp + n for _, fp in self._lowrank_names() for n in ("u", "sigma", "v")}
+            missing_keys[:] = [k for k in missing_keys if k not in own | {prefix + "lora_decomposed"}]
+            with torch.no_grad():
+                self.lora_decomposed.fill_(False)
+                self._lora_ready = False
+                self.decompose_()
+        else:
             self._lora_ready = bool(self.lora_decomposed)
 
 
@@ -140,6 +234,14 @@ class DecomposedLinear(LowRankState, NVFP4Linear):
         """W = R + U·diag(σ)·V (fp32): what a BF16 Linear would load."""
         return lowrank_merge(self.lora_u, self.lora_sigma, self.lora_v, self.weight)
 
+    @property
+    def lora_residual(self) -> torch.Tensor:
+        """R (``weight``), under the state-dict key it is saved as (torch's state-dict helpers look it up)."""
+        return self.weight
+
+    def _lowrank_names(self) -> list[tuple[str, str]]:
+        return [("weight", "lora_")]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_decomposed()
         if self.high_precision:  # bf16_after_fraction: R and the branch in the input's dtype
@@ -159,4 +261,4 @@ class DecomposedLinear(LowRankState, NVFP4Linear):
         return f"{super().extra_repr()}, lora_rank={self.rank}, lora_nvfp4={self.lora_nvfp4}"
 
 
-__all__ = ["DecomposedLinear", "LORA_LAYER_ID_BASE", "LowRankState", "assign_full"]
+__all__ = ["DecomposedLinear", "LORA_LAYER_ID_BASE", "LowRankState", "RESIDUAL", "assign_full", "dense_like"]

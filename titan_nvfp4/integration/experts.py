@@ -18,7 +18,8 @@ U_e·diag(σ_e)·V_e + R_e, as DecomposedLinear does for a dense Linear: R (the 
 goes through the NVFP4 grouped GEMM and the rank-r branch ((x V_eᵀ) ⊙ σ_e) U_eᵀ runs beside it as
 two BF16 grouped GEMMs (``torch._grouped_mm``) over the same token groups. The factors are parameters
 ``<weight>_lora_u`` [E, N, r], ``<weight>_lora_sigma`` [E, r] and ``<weight>_lora_v`` [E, r, K]; the
-split (one fp32 SVD per expert) runs after TorchTitan's init_weights, as for DecomposedLinear. Not yet
+split (one fp32 SVD per expert) runs after TorchTitan's init_weights, as for DecomposedLinear. As there,
+the state dict's ``<weight>`` is the full W and R is saved as ``<weight>_lora_residual``. Not yet
 under expert or tensor parallelism (the factors would need the weights' sharding).
 """
 
@@ -135,8 +136,16 @@ class _NVFP4Experts(LowRankState, NVFP4LayerState):
                 mod.decompose_()
         return mod
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for g in cls.GEMMS:  # R under the state-dict key it is saved as (decomposed_linear.py)
+            setattr(cls, f"{g}_lora_residual", property(lambda self, g=g: getattr(self, g)))
+
     def _factors(self, g: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(getattr(self, f"{g}_lora_{n}") for n in ("u", "sigma", "v"))
+
+    def _lowrank_names(self) -> list[tuple[str, str]]:
+        return [(g, f"{g}_lora_") for g in self.GEMMS]
 
     @torch.no_grad()
     def decompose_(self) -> None:

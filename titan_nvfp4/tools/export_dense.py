@@ -3,11 +3,13 @@
     python -m titan_nvfp4.tools.export_dense CHECKPOINT OUT.pt
 
 CHECKPOINT: a TorchTitan DCP checkpoint directory (e.g. outputs/<run>/checkpoint/step-1000) or a
-torch.save'd state dict. Every DecomposedLinear saved as (weight = R, lora_u, lora_sigma, lora_v) and
-every expert weight saved as (w1 = R, w1_lora_u, w1_lora_sigma, w1_lora_v; likewise w2, w3, mlp1_weight,
-mlp2_weight) becomes weight = R + U·diag(σ)·V, computed in fp32 and stored in R's dtype; the
-``lora_decomposed`` flags are dropped and all other entries are kept as they are. OUT.pt is a
-torch.save'd state dict.
+torch.save'd state dict. A low-rank layer's ``weight`` (expert: ``w1``, ``w2``, ``w3``, ``mlp1_weight``,
+``mlp2_weight``) is already saved as the full W = R + U·diag(σ)·V next to ``lora_residual`` (R) and the
+factors ``lora_u``, ``lora_sigma``, ``lora_v`` (expert: ``w1_lora_u``, ...); the export keeps W and drops
+the residual, the factors and the ``lora_decomposed`` flags, so its weights are exactly those a BF16 model
+loads from the checkpoint directly. A checkpoint written before the residual was saved apart (``weight`` =
+R) is folded: W = R + U·diag(σ)·V in fp32, stored in R's dtype. All other entries are kept as they are.
+OUT.pt is a torch.save'd state dict.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from ..numerics.lowrank import lowrank_merge
 from .cli import parser, require_inputs
 
-_FACTORS = ("lora_u", "lora_sigma", "lora_v")
+_FACTORS = ("lora_u", "lora_sigma", "lora_v", "lora_residual")
 
 
 def _weight_key(prefix: str) -> str:
@@ -40,6 +42,8 @@ def fold_decomposed(state_dict: dict) -> dict:
         missing = [k for k in (w_key, p + "lora_sigma", p + "lora_v") if k not in state_dict]
         if missing:
             raise KeyError(f"export_dense: {p}lora_u has no {', '.join(missing)}")
+        if p + "lora_residual" in state_dict:  # weight already holds W
+            continue
         r = state_dict[w_key]
         out[w_key] = lowrank_merge(state_dict[p + "lora_u"], state_dict[p + "lora_sigma"],
                                    state_dict[p + "lora_v"], r).to(r.dtype)
