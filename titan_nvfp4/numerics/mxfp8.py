@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .formats import F8_E4M3_MAX, e8m0_from_exponent, e8m0_to_float, to_e4m3_saturating
+from .nvfp4 import check_out_dtype
 
 MX_BLOCK = 32
 
@@ -26,6 +27,7 @@ class MXFP8Tensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """x̂ = element · 2^e per block."""
+        check_out_dtype(dtype)
         shape = self.data.shape
         vals = self.data.float().view(*shape[:-1], shape[-1] // MX_BLOCK, MX_BLOCK)
         return (vals * e8m0_to_float(self.scale).unsqueeze(-1)).view(shape).to(dtype)
@@ -39,9 +41,18 @@ def _ceil_log2(d: torch.Tensor) -> torch.Tensor:
 
 def quantize_mxfp8(x: torch.Tensor) -> MXFP8Tensor:
     """Quantize x to MXFP8 with 1×32 blocks along the last dim."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize_mxfp8: x must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"MXFP8 quantization needs a floating-point tensor, got {x.dtype}")
-    if x.dim() == 0 or x.shape[-1] % MX_BLOCK:
+    if x.dim() == 0:
+        raise ValueError("cannot quantize a 0-d tensor to MXFP8")
+    if x.dtype == torch.float64 and x.numel() and not torch.compiler.is_compiling():
+        big = x.abs().nan_to_num(0.0, posinf=0.0).amax()
+        if bool(big > torch.finfo(torch.float32).max):
+            raise ValueError(f"x holds finite values beyond float32's range (max |x| = {float(big):.3g}); MXFP8 "
+                             "scales are computed in float32: scale x down first")
+    if x.shape[-1] % MX_BLOCK:
         raise ValueError(f"MXFP8 needs the last dim to be a multiple of 32, got shape {tuple(x.shape)}")
     shape = x.shape
     blocks = x.float().reshape(*shape[:-1], shape[-1] // MX_BLOCK, MX_BLOCK)

@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import math
+import numbers
 
 import torch
 
@@ -126,6 +127,12 @@ def four_over_six_scales(blocks: torch.Tensor, s_enc: torch.Tensor) -> torch.Ten
     return torch.where((e4.float() != 0) & (err4 < err6), e4, e6)
 
 
+def check_out_dtype(dtype) -> None:
+    """A dequantized tensor is floating point: refuse an integer, bool or non-dtype ``dtype`` instead of truncating."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dequantize needs a floating-point torch.dtype, got {dtype!r}")
+
+
 @dataclass
 class NVFP4Tensor:
     """A quantized tensor: packed E2M1 codes, E4M3 block scales, and the fp32 global decode scale.
@@ -165,6 +172,7 @@ class NVFP4Tensor:
         """q · e_b in the storage layout, without the global scale: exact in fp32, bf16 and fp16
         (a 2-significant-bit code times a 4-bit-significand scale), the operand an emulated FP4
         tensor core multiplies."""
+        check_out_dtype(dtype)
         rows, cols = self.storage_shape
         vals = e2m1_decode(self.codes()).view(rows, cols // BLOCK, BLOCK)
         out = vals * self.row_scales().float().unsqueeze(-1)
@@ -172,6 +180,7 @@ class NVFP4Tensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """x̂ = q · e_b · global_scale, in x's shape."""
+        check_out_dtype(dtype)
         out = self.scaled_codes(torch.float32) * self.global_scale.float()
         if self.transposed:
             out = out.t()
@@ -215,6 +224,28 @@ def _as_storage(x: torch.Tensor, block_shape: tuple[int, int]) -> torch.Tensor:
     return x.float()
 
 
+def _check_quantize_args(x, block_shape, stochastic, seed, generator, four_over_six) -> tuple[int, int]:
+    """quantize_nvfp4's arguments other than amax checked by type (a clear error, not a deep one); block_shape as a tuple."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize_nvfp4: x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(block_shape, (tuple, list)) or len(block_shape) != 2:
+        raise ValueError(f"block_shape must be one of {BLOCK_SHAPES}, got {block_shape!r}")
+    for name, flag in (("stochastic", stochastic), ("four_over_six", four_over_six)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"quantize_nvfp4: {name} must be True or False, got {flag!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64):
+        raise ValueError(f"quantize_nvfp4: seed must be an integer in [-2**63, 2**64), got {seed!r}")
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"quantize_nvfp4: generator must be a torch.Generator, got {type(generator).__name__}")
+        if seed is not None:
+            raise ValueError("quantize_nvfp4: pass seed or generator, not both (the generator would ignore the seed)")
+        if stochastic and generator.device.type != x.device.type:
+            raise ValueError(f"quantize_nvfp4: generator is on {generator.device}, x on {x.device}: "
+                             "stochastic rounding draws on x's device")
+    return tuple(block_shape)
+
+
 def _random_bits_like(a: torch.Tensor, seed: int | None, generator: torch.Generator | None) -> torch.Tensor:
     """SR_BITS random bits per element of a (int32), from ``generator`` or a fresh one seeded with ``seed``."""
     if generator is None and seed is not None:
@@ -224,7 +255,11 @@ def _random_bits_like(a: torch.Tensor, seed: int | None, generator: torch.Genera
 
 def _given_amax(amax: torch.Tensor | float, a: torch.Tensor, eager: bool) -> torch.Tensor:
     """A caller's tensor amax as a 0-d fp32 tensor on ``a``'s device; in eager mode, checked against ``a``."""
+    if not isinstance(amax, (torch.Tensor, numbers.Real)) or isinstance(amax, bool):
+        raise TypeError(f"amax must be a real number or a one-element tensor, got {type(amax).__name__}")
     if isinstance(amax, torch.Tensor):
+        if amax.is_complex() or amax.dtype == torch.bool:
+            raise TypeError(f"amax must be a real number or a one-element tensor, got a {amax.dtype} tensor")
         if amax.numel() != 1:
             raise ValueError(f"amax must hold one value (a number or a 0-d tensor), got shape {tuple(amax.shape)}")
         if amax.device.type == "meta" and a.device.type != "meta":
@@ -256,7 +291,7 @@ def quantize_nvfp4(
     global amax to use instead of max|x| (e.g. one all-reduced across ranks). four_over_six: each
     block's scale from the Four Over Six rule (module docstring).
     """
-    block_shape = tuple(block_shape)
+    block_shape = _check_quantize_args(x, block_shape, stochastic, seed, generator, four_over_six)
     eager = not torch.compiler.is_compiling()  # checks with data-dependent branches stay out of graphs
     if eager and x.dtype == torch.float64 and x.numel():
         big = x.abs().nan_to_num(0.0, posinf=0.0).amax()
