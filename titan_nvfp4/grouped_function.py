@@ -35,6 +35,7 @@ import torch
 
 from .distributed.amax import AmaxGroups, all_reduce_max
 from .linear_function import _repack, _signs, _unpack, autocast_out_dtype, next_sr_seed, sr_counter
+from .numerics.rht import signs_for_operand
 from .ops import nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient, quantize_weight, resolve_backend
 from .ops import grouped as G
 from .recipe import NVFP4Recipe
@@ -80,7 +81,8 @@ class NVFP4GroupedMMFunction(torch.autograd.Function):
         n_experts, out_features, in_features = weight.shape
         x2d = x.reshape(-1, in_features)
         bounds = expert_bounds(offsets, x2d.shape[0])  # one per expert: nvfp4_grouped_mm_shared checked it
-        x_amax = _expert_amaxes(x2d, bounds, need_wgrad, signs, backend, groups.x)
+        x_signs = signs_for_operand(signs, x.dtype, recipe.rht_round_to_input_dtype)
+        x_amax = _expert_amaxes(x2d, bounds, need_wgrad, x_signs, backend, groups.x)
         w_amax = None
         if groups.weight is not None:  # every expert's weight amax, whole over the ranks sharding it
             w_amax = all_reduce_max(torch.stack([operand_amax(w, False, None, backend)[0] for w in weight]),
@@ -90,7 +92,7 @@ class NVFP4GroupedMMFunction(torch.autograd.Function):
             if end == start:
                 metas.append(None)
                 continue
-            xq, x_col = quantize_activation(x2d[start:end], need_wgrad, signs, backend,
+            xq, x_col = quantize_activation(x2d[start:end], need_wgrad, x_signs, backend,
                                             None if x_amax is None else x_amax[e], recipe.four_over_six)
             wq, w_t = quantize_weight(weight[e], recipe.weight_2d, backend, None if w_amax is None else w_amax[e],
                                       recipe.four_over_six)
@@ -122,6 +124,7 @@ class NVFP4GroupedMMFunction(torch.autograd.Function):
         signs, *saved = ctx.saved_tensors
         n_experts, out_features, in_features = ctx.w_shape
         dy2d = dy.reshape(-1, out_features)
+        signs = signs_for_operand(signs, dy.dtype, recipe.rht_round_to_input_dtype)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_db = ctx.has_bias and ctx.needs_input_grad[2]
         seed = next_sr_seed(ctx.counter) if recipe.stochastic_rounding else None
@@ -186,11 +189,12 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
         in_features = weights[0].shape[2]
         with torch.autocast(x.device.type, enabled=False):
             x2d = x.reshape(-1, in_features)
+            x_signs = signs_for_operand(signs, x.dtype, recipe.rht_round_to_input_dtype)
             if groups.x is not None:  # tokens whose features are sharded: per-expert amaxes over the ranks
                 if x_amax is None:
-                    x_amax = G.token_amaxes(x2d, offsets, need_wgrad, signs)
+                    x_amax = G.token_amaxes(x2d, offsets, need_wgrad, x_signs)
                 x_amax = all_reduce_max(x_amax, groups.x)
-            xq, x_col = G.quantize_tokens(x2d, offsets, True, need_wgrad, signs, None,
+            xq, x_col = G.quantize_tokens(x2d, offsets, True, need_wgrad, x_signs, None,
                                           col_staged=recipe.staged_expert_activations,
                                           four_six=recipe.four_over_six, amaxes=x_amax)
             outs, saved, metas = [], [offsets, signs] + (list(x_col.tensors()) if x_col is not None else []), []
@@ -247,15 +251,16 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
                 tiles, row_step, col_step = ctx.metas[j]
                 w_t = G.GroupedOperand(*saved[3 * j:3 * j + 3], tiles)
                 dy2d = dy.reshape(-1, dy.shape[-1])
+                dy_signs = signs_for_operand(signs, dy.dtype, recipe.rht_round_to_input_dtype)
                 need_dw = wants_dw[j]
                 need_db = ctx.has_bias[j] and ctx.needs_input_grad[9 + n + j]
                 seed = next_sr_seed(ctx.counters[j]) if recipe.stochastic_rounding else None
                 dy_amax = dy_amaxes[j]
                 if ctx.groups.grad is not None:  # dY's features sharded: per-expert amaxes over the ranks
                     if dy_amax is None:
-                        dy_amax = G.token_amaxes(dy2d, offsets, need_dw, signs)
+                        dy_amax = G.token_amaxes(dy2d, offsets, need_dw, dy_signs)
                     dy_amax = all_reduce_max(dy_amax, ctx.groups.grad)
-                dyq, dy_col = G.quantize_tokens(dy2d, offsets, need_dx, need_dw, signs, seed, col_staged=True,
+                dyq, dy_col = G.quantize_tokens(dy2d, offsets, need_dx, need_dw, dy_signs, seed, col_staged=True,
                                                 four_six=ctx.recipe.four_over_six, amaxes=dy_amax)
                 # wgrad first, dY's staged column operand dropped before dgrad allocates its output
                 dws.append(G.gemm_tokens(dy_col, x_col, offsets, ctx.w_dtypes[j]) if need_dw else None)
@@ -369,7 +374,9 @@ def nvfp4_grouped_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, of
         return torch.nn.functional.silu(h1) * h3, None
     h1, h3, carrier = _grouped(x, (w1, w3), offsets, (None, None), recipe, counters, signs, True, groups, True, None)
     need_wgrad = torch.is_grad_enabled() and (w1.requires_grad or w3.requires_grad)
-    return _SwiGLUAmaxFunction.apply(h1, h3, carrier, offsets, signs, h_colwise, need_wgrad)
+    # h, and dh's products dy1, dy3, take h1's dtype: their transforms round to it under the recipe's knob
+    h_signs = signs_for_operand(signs, h1.dtype, recipe.rht_round_to_input_dtype)
+    return _SwiGLUAmaxFunction.apply(h1, h3, carrier, offsets, h_signs, h_colwise, need_wgrad)
 
 
 def _rht_signs(recipe: NVFP4Recipe, signs: torch.Tensor | None, device) -> torch.Tensor | None:

@@ -21,7 +21,7 @@ from .distributed.amax import AmaxGroups, all_reduce_max
 from .distributed.fsdp_all_gather import NVFP4GatheredWeight, gathered_nvfp4
 from .numerics.mxfp8 import MXFP8Tensor
 from .numerics.nvfp4 import NVFP4Tensor
-from .numerics.rht import rht_signs
+from .numerics.rht import rht_signs, signs_for_operand
 from .ops import (mxfp8_gemm, mxfp8_operands, nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient,
                   quantize_weight, resolve_backend)
 from .recipe import NVFP4Recipe
@@ -92,13 +92,14 @@ class NVFP4LinearFunction(torch.autograd.Function):
         x2d = x.reshape(-1, in_features)
         # a sharded operand (tensor parallelism) takes the amax of the whole operand: distributed/amax.py
         fp4_wgrad = need_wgrad and recipe.backward == "nvfp4"  # else backward reads X itself (MXFP8 / BF16)
+        x_signs = signs_for_operand(signs, x.dtype, recipe.rht_round_to_input_dtype)
         w_amax = None
         if x_amax is None and groups.x is not None:
-            x_amax = all_reduce_max(operand_amax(x2d, fp4_wgrad, signs, backend), groups.x)
+            x_amax = all_reduce_max(operand_amax(x2d, fp4_wgrad, x_signs, backend), groups.x)
         if groups.weight is not None and not isinstance(weight, NVFP4GatheredWeight):  # gathered: scales reduced
             w_amax = all_reduce_max(operand_amax(weight, False, None, backend)[:1], groups.weight)
         fos = recipe.four_over_six
-        xq, x_col = quantize_activation(x2d, fp4_wgrad, signs, backend, x_amax, fos)
+        xq, x_col = quantize_activation(x2d, fp4_wgrad, x_signs, backend, x_amax, fos)
         if isinstance(weight, NVFP4GatheredWeight):  # FSDP2 gathered it as NVFP4: distributed/fsdp_all_gather.py
             wq = gathered_nvfp4(weight)
             w_t = wq.t()
@@ -172,6 +173,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         w_t = _repack(*saved[:3], *ctx.w_t_meta)
         out_features = w_t.shape[1]
         dy2d = dy.reshape(-1, out_features)
+        signs = signs_for_operand(signs, dy.dtype, recipe.rht_round_to_input_dtype)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and len(saved) > 3
         seed = next_sr_seed(ctx.counter) if recipe.stochastic_rounding else None
         dy_amax = None

@@ -16,6 +16,7 @@ from .amax_history import activation_amax
 from .distributed.tensor_parallel import local, tp_nvfp4_linear
 from .layer_state import NVFP4LayerState
 from .linear_function import nvfp4_linear
+from .numerics.rht import signs_for_operand
 from .ops import operand_amax, resolve_backend
 from .recipe import NVFP4Recipe
 from .telemetry import measure_linear
@@ -90,8 +91,8 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         """X's amaxes from the layer's amax history (amax_history.py), recording this forward's."""
         fp4_wgrad = torch.is_grad_enabled() and weight.requires_grad and self.recipe.backward == "nvfp4"
         backend = resolve_backend(self.recipe.gemm_backend, x.device)
-        current = operand_amax(x.detach().reshape(-1, x.shape[-1]), fp4_wgrad,
-                               local(self.rht_signs) if fp4_wgrad else None, backend)
+        signs = signs_for_operand(local(self.rht_signs), x.dtype, self.recipe.rht_round_to_input_dtype)
+        current = operand_amax(x.detach().reshape(-1, x.shape[-1]), fp4_wgrad, signs if fp4_wgrad else None, backend)
         return activation_amax(self, current)
 
     def extra_repr(self) -> str:

@@ -38,6 +38,10 @@ class NVFP4Recipe:
     """16-point random Hadamard transform on both wgrad operands along the token dim."""
     rht_seed: int = 0
     """Seed of the RHT sign vector, identical on every rank."""
+    rht_round_to_input_dtype: bool = False
+    """Round the transformed wgrad operands to their input's dtype (bf16 under TorchTitan) before their amax
+    and quantization, as Transformer Engine does, for codes bit-identical to its NVFP4 quantizer; else they
+    stay fp32 (docs/numerics.md measures both)."""
     sr_seed: int = 0
     """Base seed of the stochastic-rounding streams (mixed with layer index and call count)."""
     bf16_first_blocks: int = 0
@@ -72,7 +76,7 @@ class NVFP4Recipe:
             validate_field(f.name, getattr(self, f.name))
 
 
-_BOOL_FIELDS = ("weight_2d", "stochastic_rounding", "rht", "staged_expert_activations")
+_BOOL_FIELDS = ("weight_2d", "stochastic_rounding", "rht", "rht_round_to_input_dtype", "staged_expert_activations")
 BACKWARDS = ("nvfp4", "mxfp8", "bf16")
 BLOCK_SCALE_RULES = ("six", "four_over_six")
 _INT_FIELDS = ("rht_seed", "sr_seed", "bf16_first_blocks", "bf16_last_blocks")

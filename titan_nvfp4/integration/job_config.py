@@ -39,6 +39,8 @@ class _RecipeKnobs:
     """Random Hadamard transform on the wgrad operands."""
     rht_seed: int | None = None
     """Seed of the RHT sign vector."""
+    rht_round_to_input_dtype: bool | None = None
+    """Round the RHT'd wgrad operands to the input dtype (bf16) before quantizing, as Transformer Engine does."""
     sr_seed: int | None = None
     """Base seed of the stochastic-rounding streams."""
     bf16_first_blocks: int | None = None

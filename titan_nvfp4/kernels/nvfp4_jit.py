@@ -246,9 +246,10 @@ def pack_pairs(codes, R: tl.constexpr, C: tl.constexpr):
 @triton.jit
 def rht16_slices(xs, SIGNS, SCALE: tl.constexpr = True):
     """Twin of numerics.rht.rht across a 16-tuple of equally shaped tiles (tile i = element i of each
-    block): sign flip, butterfly stages h = 1, 2, 4, 8 (i meets i + h: a + b, a - b), * 0.25. Every
-    stage is elementwise between tiles, so no data moves between threads. SCALE=False leaves out the
-    * 0.25, for a caller that only takes a max: fp32 rounding is monotone, so max|0.25·y| = 0.25·max|y|."""
+    block): sign flip, butterfly stages h = 1, 2, 4, 8 (i meets i + h: a + b, a - b), * 0.25, then
+    rounding to SIGNS' dtype when that is bf16 or fp16. Every stage is elementwise between tiles, so no
+    data moves between threads. SCALE=False leaves out the * 0.25 and the rounding, for a caller that only
+    takes a max (and applies both to it): rounding is monotone, so max|r(0.25·y)| = r(0.25·max|y|)."""
     ys = ()
     for i in tl.static_range(16):
         ys = ys + (xs[i] * tl.load(SIGNS + i),)
@@ -264,14 +265,14 @@ def rht16_slices(xs, SIGNS, SCALE: tl.constexpr = True):
         return ys
     out = ()
     for i in tl.static_range(16):
-        out = out + (ys[i] * 0.25,)
+        out = out + (round_to(ys[i] * 0.25, SIGNS.dtype.element_ty, False),)
     return out
 
 
 @triton.jit
 def round_to(x, dt: tl.constexpr, NATIVE: tl.constexpr):
     """fp32 x rounded to dtype dt (nearest-even), still as fp32: the hardware conversion (``NATIVE``),
-    or for bf16 by its bits, since the interpreter's own float-to-bf16 conversion truncates."""
+    or for bf16 by its bits, since the interpreter's own float-to-bf16 conversion truncates; fp32 x as it is."""
     if NATIVE:
         return x.to(dt).to(tl.float32)
     elif dt == tl.bfloat16:

@@ -33,7 +33,7 @@ from .launch import launch, tune_bucket
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
 from .nvfp4_jit import (add_nibble, amax16, block_scales, e2m1_nibble, e2m1_staged, e4m3_value, fos_d2, fos_unit,
                         join_slices16, nibble_word, pack_pairs, pick_four_or_six, quantize_slices16, rht16_slices,
-                        split8, words_along_slices)
+                        round_to, split8, words_along_slices)
 
 G_Q = 2  # 16-row blocks per program (fixed tiles: the interpreter, small inputs)
 BK_Q = 64  # features per program
@@ -100,6 +100,8 @@ def reduce_amax16(xs, blk, M, AMAX, SIGNS, BEXP, NSLOT, ROW: tl.constexpr, COL: 
         if RHT:
             xs = rht16_slices(xs, SIGNS, SCALE=False)
         col_max = tl.max(amax16(xs), axis=1) * scale
+        if RHT:  # the transform's output rounded to the signs' dtype (rht16_slices), once per max
+            col_max = round_to(col_max, SIGNS.dtype.element_ty, False)
         if GROUPED:
             tl.atomic_max(AMAX + NSLOT + e, col_max.to(tl.int32, bitcast=True), mask=valid, sem="relaxed")
         else:
@@ -484,11 +486,13 @@ def _given_amaxes(x: torch.Tensor, amax, amax_col, group_amaxes: torch.Tensor | 
 
 
 def signs_arg(signs: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
-    """The RHT signs as the kernels read them (fp32, contiguous, on the placeholder's device), or the
-    placeholder when there are none (the kernel's RHT flag is then off and never reads it)."""
+    """The RHT signs as the kernels read them (contiguous, on the placeholder's device; fp32, or bf16/fp16 to
+    round the transform's output to that dtype), or the placeholder when there are none (the kernel's RHT
+    flag is then off and never reads it)."""
     if signs is None:
         return placeholder
-    return signs.to(device=placeholder.device, dtype=torch.float32).contiguous()
+    dtype = signs.dtype if signs.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    return signs.to(device=placeholder.device, dtype=dtype).contiguous()
 
 
 def _check_2d(x: torch.Tensor, name: str) -> None:

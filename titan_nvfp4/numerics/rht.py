@@ -5,7 +5,10 @@ vector), so transforming both operands of dW = dYᵀ X along the token dim leave
 unchanged while spreading outliers across each 16-element block before FP4 quantization.
 
 The transform is defined as a fixed sequence of fp32 operations (sign flip, four butterfly stages
-of a+b / a-b, multiply by 0.25), so a kernel that performs the same stages gets the same bits.
+of a+b / a-b, multiply by 0.25), so a kernel that performs the same stages gets the same bits. The
+signs' dtype is the precision of the output: fp32 signs keep it in fp32; bf16 (or fp16) signs round
+it to that dtype, nearest-even, as Transformer Engine does for bf16 operands (the recipe's
+``rht_round_to_input_dtype``; signs_for_operand picks the dtype).
 """
 
 from __future__ import annotations
@@ -32,6 +35,15 @@ def rht_signs(seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return (1.0 - 2.0 * bits.float()).to(device)
 
 
+def signs_for_operand(signs: torch.Tensor | None, dtype: torch.dtype, round_to_input: bool) -> torch.Tensor | None:
+    """The signs to transform an operand of ``dtype`` with: in that dtype when ``round_to_input`` (so the
+    transform's output is rounded to it), else fp32."""
+    if signs is None:
+        return None
+    want = dtype if round_to_input and dtype in (torch.bfloat16, torch.float16) else torch.float32
+    return signs if signs.dtype == want else signs.to(want)
+
+
 def rht_matrix(signs: torch.Tensor) -> torch.Tensor:
     """The transform as a float64 matrix M with ``rht(x) == x @ M`` on 16-blocks (for tests)."""
     return torch.diag(signs.double().cpu()) @ hadamard_matrix() / 4.0
@@ -41,7 +53,7 @@ def rht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """Apply the RHT to consecutive 16-element blocks of the last dim of x; returns fp32.
 
     Each block b becomes H16 · (s ⊙ b) / 4, computed as sign flip, four butterfly stages and an
-    exact scaling by 1/4.
+    exact scaling by 1/4, then rounded to ``signs.dtype`` when that is not fp32 (module docstring).
     """
     if x.shape[-1] % RHT_SIZE:
         raise ValueError(f"RHT needs the last dim to be a multiple of 16, got shape {tuple(x.shape)}")
@@ -52,4 +64,7 @@ def rht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
         a, b = y[:, :, 0, :], y[:, :, 1, :]
         y = torch.stack((a + b, a - b), dim=2)
         h *= 2
-    return (y.reshape(x.shape) * 0.25).contiguous()
+    y = y.reshape(x.shape) * 0.25
+    if signs.dtype != torch.float32:
+        y = y.to(signs.dtype).float()
+    return y.contiguous()
