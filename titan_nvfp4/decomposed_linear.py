@@ -183,13 +183,24 @@ class LowRankState:
             self._lora_ready = bool(self.lora_decomposed)
 
 
+def check_lowrank_args(name: str, rank, in_features: int, out_features: int, lora_nvfp4) -> None:
+    """A DecomposedLinear's rank: a positive multiple of 16 within the weight's smaller dim; lora_nvfp4 a bool."""
+    check_rank(rank)
+    if rank == 0 or rank > min(in_features, out_features):
+        raise ValueError(f"lora_rank {rank} does not fit Linear {name!r} ({out_features}x{in_features}): a "
+                         "DecomposedLinear needs 0 < rank <= min(in_features, out_features) (rank 0: use NVFP4Linear)")
+    if not isinstance(lora_nvfp4, bool):
+        raise ValueError(f"DecomposedLinear {name!r}: lora_nvfp4 must be True or False, got {lora_nvfp4!r}")
+
+
 class DecomposedLinear(LowRankState, NVFP4Linear):
     """NVFP4Linear on the residual R plus a rank-r branch U·diag(σ)·V in high precision (see module doc)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, rank: int,
                  recipe: NVFP4Recipe | None = None, layer_id: int = 0, lora_nvfp4: bool = False, name: str = "",
                  device=None, dtype=None) -> None:
-        check_rank(rank)
+        check_linear_dims(name or type(self).__name__, in_features, out_features)
+        check_lowrank_args(name or type(self).__name__, rank, in_features, out_features, lora_nvfp4)
         super().__init__(in_features, out_features, bias, recipe=recipe, layer_id=layer_id, name=name,
                          device=device, dtype=dtype)
         self._init_lowrank(rank, lora_nvfp4, layer_id)
@@ -201,10 +212,10 @@ class DecomposedLinear(LowRankState, NVFP4Linear):
                     rank: int = 32, lora_nvfp4: bool = False) -> "DecomposedLinear":
         """Swap in for ``mod`` keeping its Parameters: U, σ, V are allocated on mod.weight's device and
         dtype (meta included); a materialized ``mod`` is decomposed at once, a meta one later."""
-        check_rank(rank)
+        if not isinstance(mod, nn.Linear):
+            raise TypeError(f"{cls.__name__}.from_linear({name!r}): needs an nn.Linear, got {type(mod).__name__}")
         check_linear_dims(name, mod.in_features, mod.out_features)
-        if rank == 0 or rank > min(mod.in_features, mod.out_features):
-            raise ValueError(f"lora_rank {rank} does not fit Linear {name!r} ({mod.out_features}x{mod.in_features})")
+        check_lowrank_args(name, rank, mod.in_features, mod.out_features, lora_nvfp4)
         new = super().from_linear(mod, recipe, layer_id, name)  # an NVFP4Linear-initialized instance of cls
         new._init_lowrank(rank, lora_nvfp4, layer_id)
         if not new.weight.is_meta:
@@ -243,6 +254,7 @@ class DecomposedLinear(LowRankState, NVFP4Linear):
         return [("weight", "lora_")]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
         self._check_decomposed()
         if self.high_precision:  # bf16_after_fraction: R and the branch in the input's dtype
             y = F.linear(x, self.weight, self.bias)

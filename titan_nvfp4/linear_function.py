@@ -215,6 +215,20 @@ def _wgrad_first(m: int, k: int, n: int) -> bool:
     return max(2 * dy + sw + dw, dy + dw + sd + dx) < max(2 * dy + sd + dx, dy + dx + sw + dw)
 
 
+def _check_linear_args(x, weight, bias, recipe) -> None:
+    """nvfp4_linear's operands: tensors of matching shapes (x [..., K], weight [N, K], bias [N]) and an NVFP4Recipe."""
+    if not isinstance(recipe, NVFP4Recipe):
+        raise TypeError(f"nvfp4_linear: recipe must be an NVFP4Recipe, got {type(recipe).__name__}")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if not isinstance(t, torch.Tensor) and not (name == "bias" and t is None):
+            raise TypeError(f"nvfp4_linear: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"nvfp4_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit: x [..., K] "
+                         "times weight [N, K]")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"nvfp4_linear: bias of shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
+
+
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe,
                  counter: torch.Tensor | None = None, signs: torch.Tensor | None = None,
                  groups: AmaxGroups | None = None, x_amax: torch.Tensor | None = None) -> torch.Tensor:
@@ -223,6 +237,7 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     ``groups``: the process groups sharding X, W and dY (tensor parallelism), whose tensor amaxes are
     then all-reduced so that every rank quantizes with the whole operand's tensor scale; ``x_amax``:
     fp32 [row, column] amaxes to quantize X with instead of its own (an amax history: amax_history.py)."""
+    _check_linear_args(x, weight, bias, recipe)
     # Grad mode is off inside Function.forward, so decide here whether the wgrad operand is needed:
     # under no_grad / inference_mode the RHT + quantization of X would be thrown away.
     need_wgrad = torch.is_grad_enabled() and weight.requires_grad

@@ -24,12 +24,22 @@ from .telemetry import measure_linear
 
 def check_linear_dims(name: str, in_features: int, out_features: int) -> None:
     """NVFP4 blocks are 16 wide along both weight dims: reject other sizes with the layer's name."""
+    for d, v in (("in_features", in_features), ("out_features", out_features)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"cannot convert Linear {name!r} to NVFP4: {d} must be a positive integer, got {v!r}")
     bad = [f"{d}={v}" for d, v in (("in_features", in_features), ("out_features", out_features)) if v % 16]
     if bad:
         raise ValueError(
             f"cannot convert Linear {name!r} to NVFP4: {', '.join(bad)} not a multiple of 16 "
             "(exclude it with filter_fqns)"
         )
+
+
+def check_recipe(name: str, recipe) -> None:
+    """A module's recipe must be an NVFP4Recipe (build one from a dict with NVFP4Recipe(**d), from a preset with build_recipe)."""
+    if not isinstance(recipe, NVFP4Recipe):
+        raise TypeError(f"{name}: recipe must be an NVFP4Recipe (NVFP4Recipe(...) or titan_nvfp4.build_recipe(preset, "
+                        f"overrides)), got {type(recipe).__name__}")
 
 
 class NVFP4Linear(NVFP4LayerState, nn.Linear):
@@ -39,14 +49,21 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
                  recipe: NVFP4Recipe | None = None, layer_id: int = 0, name: str = "",
                  device=None, dtype=None) -> None:
         check_linear_dims(name or "NVFP4Linear", in_features, out_features)
+        recipe = NVFP4Recipe() if recipe is None else recipe
+        check_recipe(name or type(self).__name__, recipe)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"{name or type(self).__name__}: dtype must be a floating-point torch.dtype, got {dtype!r}")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.layer_name = name
-        self._init_nvfp4(recipe or NVFP4Recipe(), layer_id, self.weight.device)
+        self._init_nvfp4(recipe, layer_id, self.weight.device)
 
     @classmethod
     def from_linear(cls, mod: nn.Linear, recipe: NVFP4Recipe, layer_id: int = 0, name: str = "") -> "NVFP4Linear":
         """Swap in for ``mod`` reusing its Parameter objects (no allocation, works on meta)."""
+        if not isinstance(mod, nn.Linear):
+            raise TypeError(f"{cls.__name__}.from_linear({name!r}): needs an nn.Linear, got {type(mod).__name__}")
         check_linear_dims(name, mod.in_features, mod.out_features)
+        check_recipe(name or cls.__name__, recipe)
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = mod.in_features, mod.out_features
@@ -56,11 +73,17 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         new._init_nvfp4(recipe, layer_id, mod.weight.device)
         return new
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            name = getattr(self, "layer_name", "") or type(self).__name__
-            raise RuntimeError(f"{name}: input of shape {tuple(x.shape)} has {x.shape[-1]} features, "
+    def _check_input(self, x) -> None:
+        """x must be a tensor of at least 1 dim whose last dim is in_features: else name the layer."""
+        name = getattr(self, "layer_name", "") or type(self).__name__
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: input must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise RuntimeError(f"{name}: input of shape {tuple(x.shape)} has {x.shape[-1] if x.dim() else 0} features, "
                                f"the layer takes in_features={self.in_features}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
         if self.high_precision:
             return F.linear(x, self.weight, self.bias)
         y = self._nvfp4_linear(x, self.weight, self.bias)

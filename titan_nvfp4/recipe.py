@@ -136,17 +136,26 @@ def load_preset(name: str) -> dict[str, Any]:
     """The fields of preset ``name`` (a shipped name, or a path to a .toml file)."""
     path = Path(name)
     if name.endswith(".toml") and path.is_file():
-        source, text = path.name, path.read_bytes()
+        source = str(path)
+        try:
+            text = path.read_bytes()
+        except OSError as e:
+            raise ValueError(f"[quantize.linear.nvfp4] recipe file {path}: cannot read it ({e.strerror})") from None
     else:
         shipped = _shipped()
         if name not in shipped:
+            if path.is_dir() or path.is_file():
+                raise ValueError(f"[quantize.linear.nvfp4] recipe {name!r} is a " + ("folder" if path.is_dir() else
+                                 "file not ending in .toml") + ": a recipe file is a path ending in .toml")
             raise ValueError(f"[quantize.linear.nvfp4] unknown recipe {name!r}; available: {available_presets()}"
-                             + (" (or a path to an existing .toml file)" if name.endswith(".toml") else ""))
+                             + (" (no such .toml file either)" if name.endswith(".toml") else ""))
         source, text = f"{name}.toml", shipped[name].read_bytes()
     try:
         data = tomllib.loads(text.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"[quantize.linear.nvfp4] recipe file {source}: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"[quantize.linear.nvfp4] recipe file {path if path.is_file() else source}: invalid TOML: {e}") from None
+        raise ValueError(f"[quantize.linear.nvfp4] recipe file {source}: invalid TOML: {e}") from None
     data.pop("description", None)
     for key, value in data.items():
         validate_field(key, value, where=f"recipe preset {source}")

@@ -88,6 +88,23 @@ def skip_reason(fqn: str, filter_fqns: list[str], recipe: NVFP4Recipe, n_blocks:
     return None
 
 
+def check_block_counts(recipe: NVFP4Recipe, n_blocks: int, section: str) -> None:
+    """Refuse bf16_first_blocks + bf16_last_blocks that keep every transformer block of the model in BF16."""
+    first, last = recipe.bf16_first_blocks, recipe.bf16_last_blocks
+    if n_blocks and first + last >= n_blocks:
+        raise ValueError(f"[{section}] bf16_first_blocks = {first} and bf16_last_blocks = {last} keep all {n_blocks} "
+                         "transformer blocks of the model in BF16, so nothing would train in NVFP4; lower them "
+                         "(nvidia_paper_selective is sized for a 62-block model)")
+
+
+def warn_unmatched(section: str, key: str, patterns: list[str], fqns: list[str], what: str,
+                   expected: tuple[str, ...] = ()) -> None:
+    """Warn about each pattern of ``patterns`` (other than the ``expected`` defaults) that no fqn contains: a typo."""
+    for p in patterns:
+        if p not in expected and not any(p in f for f in fqns):
+            logger.warning(f"[{section}] {key} pattern {p!r} matches no {what} of the model (a typo?): it has no effect")
+
+
 def attach_step_counter(model: nn.Module, name: str, converted: list[str], bf16_after_fraction: float,
                         total_steps: int) -> StepCounter:
     """Add a StepCounter as submodule ``name`` of ``model`` and share its precision schedule with the
@@ -169,7 +186,17 @@ class NVFP4LinearConverter(QuantizationConverter):
         self.enabled = True
 
     def convert(self, model: nn.Module) -> None:
+        from .job_config import DEFAULT_FILTER_FQNS
+
+        check_block_counts(self.recipe, _n_blocks(model), CONVERTER_NAME)
         report = convert_linears(model, self.recipe, self.filter_fqns, self.lora_rank, self.lora_nvfp4)
+        linears = report["converted"] + [fqn for fqn, _ in report["skipped"]]
+        warn_unmatched(CONVERTER_NAME, "filter_fqns", self.filter_fqns, linears, "Linear", DEFAULT_FILTER_FQNS)
+        if not report["converted"]:
+            why = ("the model has no nn.Linear" if not linears else f"all {len(linears)} Linears kept in high precision, "
+                   f"e.g. {report['skipped'][0][0]} by {report['skipped'][0][1]}")
+            raise ValueError(f"[{CONVERTER_NAME}] converted no Linear layer ({why}); check filter_fqns, or drop "
+                             f"{CONVERTER_NAME!r} from [model] converters")
         if self.nvfp4_all_gather:
             for fqn in report["converted"]:
                 wrap_weight(model.get_submodule(fqn))
@@ -311,7 +338,11 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
         self.enabled = True
 
     def convert(self, model: nn.Module) -> None:
+        check_block_counts(self.recipe, _n_blocks(model), GROUPED_CONVERTER_NAME)
         report = convert_experts(model, self.recipe, self.fqns, self.lora_rank)
+        if report["converted"]:
+            experts = report["converted"] + [fqn for fqn, _ in report["skipped"]]
+            warn_unmatched(GROUPED_CONVERTER_NAME, "fqns", self.fqns, experts, "routed-expert module")
         if not report["converted"]:
             raise ValueError(
                 f"{GROUPED_CONVERTER_NAME}: no routed-expert module matched fqns {self.fqns} "

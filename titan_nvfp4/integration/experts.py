@@ -44,6 +44,7 @@ from ..grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
 from ..layer_state import NVFP4LayerState
 from ..linear_function import autocast_out_dtype
 from ..numerics.lowrank import check_rank, lowrank_merge
+from ..nvfp4_linear import check_recipe
 from ..recipe import NVFP4Recipe
 from ..telemetry import measure_experts
 
@@ -113,6 +114,7 @@ class _NVFP4Experts(LowRankState, NVFP4LayerState):
     def convert(cls, mod, recipe: NVFP4Recipe, layer_id: int, name: str = "", lora_rank: int = 0):
         """Swap ``mod``'s class for ``cls`` in place (its parameters stay) and add the NVFP4 buffers (and,
         with ``lora_rank``, the factors, allocated like the weights: on meta for a meta module)."""
+        check_recipe(name or cls.__name__, recipe)
         weights = {g: getattr(mod, g) for g in cls.GEMMS}
         check_expert_dims(name, weights)
         check_rank(lora_rank, "quantize.grouped_mm.nvfp4")

@@ -65,6 +65,9 @@ class _RecipeKnobs:
         value = getattr(self, key)
         if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
             raise ValueError(f"[{self.SECTION}] {key} must be a list of strings, got {value!r}")
+        if any(not s.strip() for s in value):
+            raise ValueError(f"[{self.SECTION}] {key} holds an empty pattern, which every module name contains: "
+                             f"got {value!r}")
 
     def __post_init__(self) -> None:
         f = self.bf16_after_fraction
