@@ -15,8 +15,10 @@ through `custom_config_module`), so both arms of a comparison run the same model
     masks whenever the model has ``get_attention_masks``, which DeepSeek-V3's SDPA attention rejects
     (it asserts ``attention_masks is None``); like the Trainer, ours builds them only for flex/varlen.
 
-And one extension: the Trainer's checkpointed ``train_state`` also carries the NVFP4 layers'
-stochastic-rounding call counts, so a resumed run draws the same random numbers (train_state.py).
+And extensions: the Trainer's checkpointed ``train_state`` also carries the NVFP4 layers'
+stochastic-rounding call counts, so a resumed run draws the same random numbers (train_state.py); the
+CheckpointManager saves low-rank layers' current W and checks a checkpoint against the job before DCP
+loads it (checkpoint.py).
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ def apply() -> None:
         module = importlib.import_module(f"torchtitan.models.{name}")
         if not getattr(module.get_train_spec, "_nvfp4_text_validator", False):
             module.get_train_spec = _with_text_validator(module.get_train_spec)
+    from . import checkpoint
     from .train_state import install_on_running_trainers
 
     install_on_running_trainers()
+    checkpoint.install()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..amax_history import layers_with_history
 from ..distributed.tensor_parallel import local
 from ..layer_state import NVFP4LayerState
 from ..schedule import StepCounter
@@ -79,6 +80,14 @@ def load_amax_histories(model_parts: list[nn.Module], histories: dict[str, torch
                 mine.copy_(h)
 
 
+def empty_amax_histories(model_parts: list[nn.Module]) -> None:
+    """Windows a checkpoint did not carry start empty, as at step 0 (the next step uses X's own amax)."""
+    with torch.no_grad():
+        for m in layers_with_history(model_parts):
+            local(m.x_amax_history).zero_()
+            m.amax_history.ready = False
+
+
 def sync_step_counters(model_parts: list[nn.Module], step: int) -> None:
     """Set the converters' step counters (schedule.py) and amax histories to the restored optimizer step."""
     for part in model_parts:
@@ -115,6 +124,8 @@ def install(trainer_cls) -> None:
         if histories:
             load_amax_histories(parts, histories)
         sync_step_counters(parts, int(getattr(self, "step", 0)))
+        if not histories:  # a checkpoint without windows (integration/checkpoint.py)
+            empty_amax_histories(parts)
 
     trainer_cls.state_dict, trainer_cls.load_state_dict = state_dict, load_state_dict
     trainer_cls._nvfp4_train_state = True
@@ -134,5 +145,5 @@ def install_on_running_trainers() -> None:
             install(cls)
 
 
-__all__ = ["HISTORY_KEY", "KEY", "amax_histories", "install", "install_on_running_trainers", "load_amax_histories",
+__all__ = ["HISTORY_KEY", "KEY", "amax_histories", "empty_amax_histories", "install", "install_on_running_trainers", "load_amax_histories",
            "load_sr_calls", "sr_calls", "sync_step_counters"]

@@ -1,0 +1,308 @@
+"""Checkpoint interchange through TorchTitan's CheckpointManager (DCP, as the Trainer saves and loads):
+BF16 ↔ NVFP4, low-rank ↔ plain (directly and through export_dense), the NVFP4 all-gather on ↔ off under
+FSDP2, and resuming with a changed recipe knob. Each case is a row of docs/checkpoints.md."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import titan_nvfp4  # noqa: F401  (registers the converters, patches the CheckpointManager)
+from titan_nvfp4.amax_history import layers_with_history
+from titan_nvfp4.decomposed_linear import DecomposedLinear
+from titan_nvfp4.nvfp4_linear import NVFP4Linear
+from titan_nvfp4.tools.export_dense import main as export_main
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.distributed import ParallelDims
+from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+from torchtitan.protocols.model_converter import build_model_converters
+from test_converter import edited_toml, parse, world1
+from test_train_state import FakeTrainer
+
+ARGS = TransformerModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=256, multiple_of=16, max_seq_len=32)
+REF = ('gemm_backend = "reference"',)  # stochastic rounding on (the preset), so resumes test the SR counts
+LORA = REF + ("lora_rank = 16",)
+BLOCK = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
+         "feed_forward.w3")
+
+
+def _tokens(seed: int) -> torch.Tensor:
+    return torch.randint(0, ARGS.vocab_size, (2, 32), generator=torch.Generator().manual_seed(seed))
+
+
+class _Data:
+    """The dataloader's checkpoint entry."""
+
+    def state_dict(self):
+        return {"pos": 0}
+
+    def load_state_dict(self, state_dict):
+        pass
+
+
+class Job:
+    """A TorchTitan job as far as checkpoints go: the tiny Llama3 (BF16 when ``keys`` is None, else
+    converted with these [quantize.linear.nvfp4] lines), AdamW, LR schedule and train_state, with a
+    CheckpointManager on ``tmp/folder``; ``cli`` adds job options (--checkpoint.initial_load_path ...)."""
+
+    def __init__(self, tmp, keys=LORA, folder="ckpt", cli=(), dims=None, shard=None, seed=0):
+        cfg = parse("--checkpoint.enable", "--checkpoint.folder", folder, "--checkpoint.interval", "1",
+                    "--checkpoint.keep_latest_k", "0", *cli, toml=edited_toml(tmp, add=keys or ()))
+        dims = dims or world1()
+        with torch.device("meta"):
+            self.model = Transformer(copy.deepcopy(ARGS))
+        self.converters = build_model_converters(cfg, dims) if keys is not None else None
+        if self.converters is not None:
+            self.converters.convert(self.model)
+        if shard is not None:
+            shard(self.model)
+        self.model.to_empty(device="cpu")
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            self.model.init_weights(buffer_device=None)
+        self.opt = build_optimizers([self.model], cfg.optimizer, dims)
+        self.lr = build_lr_schedulers(self.opt, cfg.lr_scheduler, cfg.training.steps)
+        self.trainer = FakeTrainer(self.model)
+        self.ckpt = CheckpointManager(dataloader=_Data(), model_parts=[self.model], optimizers=self.opt,
+                                      lr_schedulers=self.lr, states={"train_state": self.trainer},
+                                      checkpoint_config=cfg.checkpoint, sd_adapter=None, base_folder=str(tmp))
+
+    def step(self, tokens) -> torch.Tensor:
+        loss = self.model(tokens).float().square().mean()
+        loss.backward()
+        self.opt.step()
+        self.lr.step()
+        if self.converters is not None:
+            self.converters.post_optimizer_hook([self.model])
+        self.opt.zero_grad()
+        self.trainer.step += 1
+        return loss.detach()
+
+    def save(self) -> str:
+        self.ckpt.save(self.trainer.step)
+        return str(self.ckpt.folder) + f"/step-{self.trainer.step}"
+
+    def load(self) -> None:
+        assert self.ckpt.load()
+
+    def linear(self, name: str):
+        return self.model.layers["0"].get_submodule(name)
+
+
+def _dense(job: Job) -> dict[str, torch.Tensor]:
+    """{block Linear: the weight it computes} (W = R + U·diag(σ)·V for a low-rank one)."""
+    out = {}
+    for name in BLOCK:
+        m = job.linear(name)
+        out[name] = m.dense_weight().detach() if isinstance(m, DecomposedLinear) else m.weight.detach().clone()
+    return out
+
+
+def _trained_lora(tmp) -> tuple[Job, str]:
+    job = Job(tmp)
+    job.step(_tokens(1))  # the saved W must be this step's, not the one TorchTitan cached at start-up
+    return job, job.save()
+
+
+# ------------------------------------------------------------------------------- low-rank -> plain
+
+@pytest.mark.parametrize("keys", [None, REF], ids=["bf16", "nvfp4"])
+def test_lowrank_checkpoint_loads_the_full_weight_into_a_model_without_the_branch(tmp_path, keys):
+    """A lora_rank run's checkpoint, model-only into BF16 or NVFP4 with lora_rank = 0: weight = W (the
+    trained R + U·diag(σ)·V), never R alone; the same W export_dense writes."""
+    lora, path = _trained_lora(tmp_path)
+    want = _dense(lora)
+    plain = Job(tmp_path, keys, folder="plain", cli=("--checkpoint.initial_load_path", path))
+    plain.load()
+    for name, w in want.items():
+        got = plain.linear(name).weight.detach()
+        r = lora.linear(name).weight.detach()
+        assert torch.allclose(got, w, rtol=0, atol=1e-6), name
+        assert (got - r).norm() > 0.3 * w.norm(), f"{name}: R alone would miss the branch's share of W"
+    export_main([path, str(tmp_path / "dense.pt")])
+    dense = torch.load(tmp_path / "dense.pt", weights_only=False)  # TorchTitan's layout: model keys on top
+    assert not any("lora" in k for k in dense)
+    for name in BLOCK:
+        assert torch.equal(dense[f"layers.0.{name}.weight"], plain.linear(name).weight), name
+
+
+def test_lowrank_checkpoint_resumed_as_nvfp4_without_rank_is_refused(tmp_path):
+    """Full resume (optimizer, SR counts) of a lora_rank run with lora_rank = 0: refused, naming the knob."""
+    _trained_lora(tmp_path)
+    plain = Job(tmp_path, REF)  # same folder: TorchTitan resumes the latest step
+    with pytest.raises(ValueError, match=r"another \[quantize.linear.nvfp4\] lora_rank.*initial_load_model_only"):
+        plain.load()
+
+
+def test_lowrank_checkpoint_resumed_as_bf16_continues_from_the_full_weight(tmp_path):
+    """Full resume in a BF16 job: W, and R's AdamW moments (dL/dR = dL/dW) for ``weight``."""
+    lora, _ = _trained_lora(tmp_path)
+    want = _dense(lora)
+    bf16 = Job(tmp_path, None)
+    bf16.load()
+    assert bf16.trainer.step == 1
+    for name, w in want.items():
+        assert torch.allclose(bf16.linear(name).weight, w, rtol=0, atol=1e-6), name
+        p = bf16.linear(name).weight
+        assert torch.equal(bf16.opt.optimizers[0].state[p]["exp_avg"],
+                           lora.opt.optimizers[0].state[lora.linear(name).weight]["exp_avg"]), name
+
+
+def test_legacy_lowrank_state_dict_names_export_dense(tmp_path):
+    """A state dict with weight = R and factors but no lora_residual (written before this format): a
+    direct load stops and names export_dense, which folds it."""
+    lora, _ = _trained_lora(tmp_path)
+    state = lora.model.state_dict()
+    legacy = {k.replace(".lora_residual", ".weight"): v for k, v in state.items() if not k.endswith(".weight")
+              or f"{k[:-len('weight')]}lora_residual" not in state}
+    with pytest.raises(ValueError, match="titan_nvfp4.tools.export_dense"):
+        Job(tmp_path, LORA, folder="b").model.load_state_dict(legacy)
+    torch.save(legacy, tmp_path / "legacy.pt")
+    export_main([str(tmp_path / "legacy.pt"), str(tmp_path / "dense.pt")])
+    dense = torch.load(tmp_path / "dense.pt")
+    for name, w in _dense(lora).items():
+        assert torch.allclose(dense[f"layers.0.{name}.weight"], w, rtol=0, atol=1e-6), name
+
+
+# ------------------------------------------------------------------------------- plain -> low-rank
+
+def test_bf16_checkpoint_into_a_lowrank_model_is_decomposed_at_load(tmp_path):
+    """Model-only: the BF16 weights load as W and are split at load (forward as BF16's to NVFP4 error);
+    a full resume is refused naming lora_rank (the factors have no optimizer state)."""
+    bf16 = Job(tmp_path, None, seed=3)
+    bf16.step(_tokens(1))
+    path = bf16.save()
+    lora = Job(tmp_path, LORA, folder="lora", cli=("--checkpoint.initial_load_path", path))
+    lora.load()
+    for name, w in _dense(bf16).items():
+        m = lora.linear(name)
+        assert bool(m.lora_decomposed) and m._lora_ready, name
+        assert torch.allclose(m.dense_weight(), w, rtol=0, atol=1e-5), name
+        assert (m.weight - w).norm() > 0.3 * w.norm(), f"{name}: the top-16 directions moved to the branch"
+    resumed = Job(tmp_path, LORA)  # bf16's own folder
+    with pytest.raises(ValueError, match=r"no low-rank factors.*lora_rank.*initial_load_model_only = true"):
+        resumed.load()
+
+
+# ------------------------------------------------------------------------------------ BF16 <-> NVFP4
+
+def test_bf16_and_nvfp4_resume_each_other(tmp_path):
+    """Same model keys: a BF16 checkpoint resumes an NVFP4 job (SR streams start at zero) and an NVFP4
+    one a BF16 job (its SR counts are not asked for); weights and AdamW state bit-exact."""
+    bf16 = Job(tmp_path, None, folder="a")
+    bf16.step(_tokens(1))
+    bf16.save()
+    nvfp4 = Job(tmp_path, REF, folder="a")
+    nvfp4.load()
+    assert nvfp4.trainer.step == 1 and int(nvfp4.linear("attention.wq").sr_counter[1]) == 0
+    for (n, p), q in zip(bf16.model.named_parameters(), nvfp4.model.parameters()):
+        assert torch.equal(p, q), n
+    assert torch.isfinite(nvfp4.step(_tokens(2)))
+    nvfp4.save()
+    again = Job(tmp_path, None, folder="a")
+    again.load()
+    assert again.trainer.step == 2
+    for (n, p), q in zip(nvfp4.model.named_parameters(), again.model.parameters()):
+        assert torch.equal(p, q), n
+
+
+# ------------------------------------------------------------------------- resume with another knob
+
+def test_lowrank_resume_through_the_checkpoint_manager_is_bit_exact(tmp_path):
+    """lora_rank 16 with SR: save after step 1, resume, step 2: the uninterrupted run's loss and weights."""
+    lora, _ = _trained_lora(tmp_path)
+    want = lora.step(_tokens(2))
+    resumed = Job(tmp_path, LORA)
+    resumed.load()
+    assert torch.equal(resumed.step(_tokens(2)), want)
+    for (n, p), q in zip(lora.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("knob", ["stochastic_rounding = false", "rht = false", "weight_2d = false",
+                                  'block_scale_rule = "four_over_six"'])
+def test_resume_with_a_stateless_knob_changed_continues(tmp_path, knob):
+    """Knobs without state (the SR counts are kept whatever stochastic_rounding says): the resumed job
+    has the checkpoint's weights, optimizer and step, and trains on with the new setting."""
+    a = Job(tmp_path, REF)
+    a.step(_tokens(1))
+    a.save()
+    b = Job(tmp_path, REF + (knob,))
+    b.load()
+    assert b.trainer.step == 1
+    for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(p, q), n
+    assert torch.isfinite(b.step(_tokens(2)))
+
+
+def test_resume_with_another_amax_history(tmp_path):
+    """activation_amax_history: another length is refused by name; 0 -> N starts empty windows (the
+    next step uses X's own amax, as a fresh run's first); N -> 0 drops them."""
+    a = Job(tmp_path, REF + ("activation_amax_history = 4",))
+    a.step(_tokens(1))
+    a.save()
+    with pytest.raises(ValueError, match="has 4 steps of activation amax window.*activation_amax_history = 2"):
+        Job(tmp_path, REF + ("activation_amax_history = 2",)).load()
+    none = Job(tmp_path, REF)
+    none.load()
+    assert torch.isfinite(none.step(_tokens(2)))
+    none.save()
+    windows = Job(tmp_path, REF + ("activation_amax_history = 4",))
+    windows.load()
+    layers = layers_with_history(windows.model)
+    assert windows.trainer.step == 2 and layers and not layers[0].amax_history.ready
+    assert all(not m.x_amax_history.any() for m in layers)
+    assert torch.isfinite(windows.step(_tokens(3)))
+    assert layers[0].amax_history.ready and layers[0].x_amax_history[0].all()
+
+
+# ------------------------------------------------------------------- FSDP2: NVFP4 all-gather on -> off
+
+def _fsdp_save_worker(rank, world, out, tmp):
+    """FSDP2 over 2 gloo ranks, lora_rank 16 and the NVFP4 all-gather: one step, a CheckpointManager save."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from titan_nvfp4.distributed.fsdp_all_gather import NVFP4ShardedWeight
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def shard(model):
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        for block in model.layers.values():
+            block.set_force_sum_reduction_for_comms(True)
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world)
+    job = Job(tmp, LORA + ("fsdp_nvfp4_all_gather = true",), dims=dims, shard=shard)
+    assert isinstance(job.linear("attention.wq").weight._local_tensor, NVFP4ShardedWeight)
+    job.step(_tokens(1))
+    job.save()
+    dense = _dense(job)  # gathers: every rank
+    params = {n: p.full_tensor().detach().clone() for n, p in job.model.named_parameters()}
+    if rank == 0:
+        out.update(dense=dense, params=params)
+
+
+def test_fsdp2_nvfp4_all_gather_checkpoint_loads_unsharded_with_the_knob_off(tmp_path):
+    """Saved sharded (FSDP2 2 ranks, NVFP4 all-gather on, lora_rank 16): one process with the all-gather
+    off resumes R and the factors bit for bit; a BF16 model loads W."""
+    from dist_util import run_ranks
+
+    out = run_ranks(_fsdp_save_worker, 2, tmp_path)
+    off = Job(tmp_path, LORA)
+    off.load()
+    assert off.trainer.step == 1
+    for n, p in off.model.named_parameters():
+        assert torch.equal(p, out["params"][n]), n
+    bf16 = Job(tmp_path, None, folder="bf16", cli=("--checkpoint.initial_load_path", str(tmp_path / "ckpt/step-1")))
+    bf16.load()
+    for name, w in out["dense"].items():
+        assert torch.allclose(bf16.linear(name).weight, w, rtol=0, atol=1e-6), name
+    assert isinstance(off.linear("attention.wq"), NVFP4Linear)
