@@ -99,6 +99,8 @@ def load_spec(path: Path) -> Spec:
             raw = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: invalid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
     where = f"{path}"
     top = raw.get("compare")
     if not isinstance(top, dict):
@@ -112,12 +114,17 @@ def load_spec(path: Path) -> Spec:
     for key in ("base", "steps"):
         if key not in top:
             raise ValueError(f"{where}: [compare] {key} is required")
+    for key in ("base", "out", "baseline", "reference"):
+        if key in top and not isinstance(top[key], str):
+            raise ValueError(f"{where}: [compare] {key} must be a string, got {top[key]!r}")
     steps = top["steps"]
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"{where}: [compare] steps must be a positive integer, got {steps!r}")
     last = top.get("last", 20)
     if isinstance(last, bool) or not isinstance(last, int) or last < 1:
         raise ValueError(f"{where}: [compare] last must be a positive integer, got {last!r}")
+    if not isinstance(raw.get("arm", []), list):
+        raise ValueError(f"{where}: arms are [[arm]] tables (an array of tables), got a single [arm] table")
     arms = []
     for i, a in enumerate(raw.get("arm", [])):
         if not isinstance(a, dict) or not isinstance(a.get("name"), str) or not a["name"]:
@@ -125,8 +132,11 @@ def load_spec(path: Path) -> Spec:
         bad = set(a) - {"name", "overrides", "base"}
         if bad:
             raise ValueError(f"{where}: arm {a['name']!r} has unknown keys {sorted(bad)}")
-        if "/" in a["name"] or a["name"] in [x.name for x in arms]:
-            raise ValueError(f"{where}: arm name {a['name']!r} must be unique and a plain file name")
+        if "/" in a["name"] or "\\" in a["name"] or a["name"].startswith(".") or a["name"] in [x.name for x in arms]:
+            raise ValueError(f"{where}: arm name {a['name']!r} must be unique and a plain file name (no '/', no "
+                             "leading '.')")
+        if "base" in a and not isinstance(a["base"], str):
+            raise ValueError(f"{where}: arm {a['name']!r} base must be a string (a job file path), got {a['base']!r}")
         arm_base = Path(a["base"]) if "base" in a else None
         if arm_base is not None and not arm_base.is_file():
             raise ValueError(f"{where}: arm {a['name']!r} base = {str(arm_base)!r}: no such job file (paths are relative to the current directory)")
@@ -137,12 +147,17 @@ def load_spec(path: Path) -> Spec:
     for key in ("baseline", "reference"):
         if top.get(key) and top[key] not in names:
             raise ValueError(f"{where}: [compare] {key} = {top[key]!r} is not an arm ({names})")
+    if top.get("reference") and top["reference"] == (top.get("baseline") or names[0]):
+        raise ValueError(f"{where}: [compare] reference = {top['reference']!r} is the baseline arm: the gap needs two arms")
     base = Path(top["base"])
     if not base.is_file():
-        raise ValueError(f"{where}: [compare] base = {str(base)!r}: no such job file (paths are relative to the current directory)")
+        raise ValueError(f"{where}: [compare] base = {str(base)!r}: " + ("a folder, not a job file" if base.is_dir() else
+                         "no such job file (paths are relative to the current directory)"))
     timeout = top.get("timeout_s", 0)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
         raise ValueError(f"{where}: [compare] timeout_s must be a non-negative number, got {timeout!r}")
+    if "launcher" in top and not top["launcher"]:
+        raise ValueError(f"{where}: [compare] launcher must name a command, got []")
     if not isinstance(top.get("wandb_offline", False), bool):
         raise ValueError(f"{where}: [compare] wandb_offline must be true or false")
     return Spec(base=base, steps=steps, out=Path(top.get("out", f"outputs/compare/{path.stem}")), arms=arms,
@@ -150,6 +165,29 @@ def load_spec(path: Path) -> Spec:
                 common=_str_list(top.get("common", []), f"{where}: [compare] common"),
                 launcher=_str_list(top.get("launcher", list(DEFAULT_LAUNCHER)), f"{where}: [compare] launcher"),
                 timeout_s=timeout, wandb_offline=top.get("wandb_offline", False))
+
+
+def check_arm_args(spec: Spec, where: str, arms: list[Arm] | None = None) -> None:
+    """Parse each arm's job file and flags with TorchTitan's ConfigManager, as its run will, so that a misspelt or
+    invalid override stops the comparison before any arm trains (only for a launcher that runs torchtitan.train)."""
+    if not spec.launcher or spec.launcher[-1] != "torchtitan.train":
+        return
+    import contextlib
+    import io
+
+    from torchtitan.config import ConfigManager
+
+    for arm in arms if arms is not None else spec.arms:
+        args = spec.command(arm)[len(spec.launcher):]
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                ConfigManager().parse_args(args)
+        except (SystemExit, ValueError, TypeError, KeyError) as e:
+            text = err.getvalue() + ("" if isinstance(e, SystemExit) else str(e))
+            lines = [ln.strip(" │╭╮╰╯─┃━-") for ln in text.splitlines()]
+            message = " ".join(ln for ln in lines if ln and not ln.startswith(("For full helptext", "Run `")))
+            raise ValueError(f"{where}: arm {arm.name!r}: TorchTitan rejects its arguments: {message}") from None
 
 
 def arm_metrics(spec: Spec, arm: Arm) -> list[StepMetrics]:
@@ -249,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
             fail(PROG, f"--only {n!r} is not an arm of {args.spec} ({names})")
     failed = []
     if not args.report_only:
+        try:
+            check_arm_args(spec, str(args.spec), [a for a in spec.arms if args.only is None or a.name in args.only])
+        except ValueError as e:
+            fail(PROG, str(e))
         for i, arm in enumerate(spec.arms, 1):
             if args.only is not None and arm.name not in args.only:
                 continue

@@ -192,7 +192,7 @@ class NVFP4LinearConverter(QuantizationConverter):
         report = convert_linears(model, self.recipe, self.filter_fqns, self.lora_rank, self.lora_nvfp4)
         linears = report["converted"] + [fqn for fqn, _ in report["skipped"]]
         warn_unmatched(CONVERTER_NAME, "filter_fqns", self.filter_fqns, linears, "Linear", DEFAULT_FILTER_FQNS)
-        if not report["converted"]:
+        if not report["converted"] and not any(isinstance(m, NVFP4Linear) for m in model.modules()):  # twice: a no-op
             why = ("the model has no nn.Linear" if not linears else f"all {len(linears)} Linears kept in high precision, "
                    f"e.g. {report['skipped'][0][0]} by {report['skipped'][0][1]}")
             raise ValueError(f"[{CONVERTER_NAME}] converted no Linear layer ({why}); check filter_fqns, or drop "

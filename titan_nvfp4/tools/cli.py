@@ -24,6 +24,14 @@ def fail(prog: str, message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def require_output(prog: str, path: Path, what: str = "output file") -> None:
+    """``fail`` unless ``path`` can be created: its folder exists and it is not a folder itself."""
+    if path.is_dir():
+        fail(prog, f"{what} {path} is a folder; name a file")
+    if not path.parent.is_dir():
+        fail(prog, f"{what} {path}: no such folder {path.parent}")
+
+
 def require_inputs(prog: str, paths: list[Path], what: str = "file or folder") -> None:
     """``fail`` naming the first path of ``paths`` that does not exist."""
     for p in paths:

@@ -20,7 +20,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .cli import fail, parser
+from .cli import fail, parser, require_output
 from .loss_log import ANSI_ESCAPES, StepMetrics, parse_log
 
 _INIT = re.compile(
@@ -108,9 +108,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens-per-step", type=int, help="override B*A*S read from the log")
     ap.add_argument("--json", type=Path, help="also write the summaries here")
     args = ap.parse_args(argv)
+    if args.skip < 0:
+        ap.error(f"--skip must be >= 0, got {args.skip}")
+    if args.tokens_per_step is not None and args.tokens_per_step < 1:
+        ap.error(f"--tokens-per-step must be a positive integer, got {args.tokens_per_step}")
+    if args.json:
+        require_output(ap.prog, args.json, "--json")
+    for p in args.logs:
+        if p.is_dir():
+            fail(ap.prog, f"{p} is a folder, not a log file")
     runs = []
     for p in args.logs:  # a missing log (the run never started) still gets its row
-        runs.append(summarize_run(p.stem, p.read_text(errors="replace") if p.exists() else "", args.skip, args.tokens_per_step))
+        try:
+            text = p.read_text(errors="replace") if p.exists() else ""
+        except OSError as e:
+            fail(ap.prog, f"cannot read {p}: {e.strerror}")
+        runs.append(summarize_run(p.stem, text, args.skip, args.tokens_per_step))
         if not p.exists():
             runs[-1].notes.insert(0, "log missing")
     if not any(p.exists() for p in args.logs):
@@ -122,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     missing = [str(p) for p in args.logs if not p.exists()]
     if missing:
         print(f"{ap.prog}: missing logs: {', '.join(missing)}", file=sys.stderr)
-    return 1 if missing else 0
+    empty = [str(p) for p, r in zip(args.logs, runs) if p.exists() and not r.steps_logged]
+    if empty:
+        print(f"{ap.prog}: no TorchTitan metric lines in: {', '.join(empty)}", file=sys.stderr)
+    return 1 if missing or empty else 0
 
 
 if __name__ == "__main__":

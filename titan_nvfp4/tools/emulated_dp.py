@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torchtitan.components.dataloader import BaseDataLoader
 
+from .cli import fail
+
 
 class ConcatenatedDataLoader(BaseDataLoader):
     """Batches of several dataloaders concatenated along the batch dimension, in loader order.
@@ -100,7 +102,8 @@ def patch_train_specs(data_parallel: int) -> None:
     ts.get_train_spec = get_train_spec
 
 
-USAGE = "python -m titan_nvfp4.tools.emulated_dp --data-parallel N [TorchTitan flags]"
+PROG = "python -m titan_nvfp4.tools.emulated_dp"
+USAGE = f"{PROG} --data-parallel N [TorchTitan flags]"
 
 
 def pop_data_parallel(argv: list[str]) -> tuple[int, list[str]]:
@@ -111,19 +114,19 @@ def pop_data_parallel(argv: list[str]) -> tuple[int, list[str]]:
         if a == "--data-parallel":
             value = next(it, None)
             if value is None:
-                raise SystemExit("--data-parallel needs a value")
+                fail(PROG, "--data-parallel needs a value")
         elif a.startswith("--data-parallel="):
             value = a.split("=", 1)[1]
         else:
             rest.append(a)
     if value is None:
-        raise SystemExit(f"usage: {USAGE}")
+        fail(PROG, f"--data-parallel N is required (usage: {USAGE})")
     try:
         n = int(value)
     except ValueError:
-        raise SystemExit(f"--data-parallel: {value!r} is not an integer") from None
+        fail(PROG, f"--data-parallel: {value!r} is not an integer")
     if n < 1:
-        raise SystemExit(f"--data-parallel must be >= 1, got {n}")
+        fail(PROG, f"--data-parallel must be >= 1, got {n}")
     return n, rest
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..numerics.lowrank import lowrank_merge
-from .cli import parser, require_inputs
+from .cli import fail, parser, require_inputs, require_output
 
 _FACTORS = ("lora_u", "lora_sigma", "lora_v", "lora_residual")
 
@@ -68,11 +68,22 @@ def main(argv=None) -> None:
                                                   "or a torch.save'd state dict")
     ap.add_argument("out", type=Path, help="where to torch.save the dense state dict")
     args = ap.parse_args(argv)
-    require_inputs("python -m titan_nvfp4.tools.export_dense", [args.checkpoint], "checkpoint")
-    state = load_checkpoint(args.checkpoint)
+    require_inputs(ap.prog, [args.checkpoint], "checkpoint")
+    require_output(ap.prog, args.out)
+    if args.checkpoint.is_dir() and not (args.checkpoint / ".metadata").is_file():
+        fail(ap.prog, f"{args.checkpoint} is a folder without a DCP checkpoint (no .metadata file)")
+    try:
+        state = load_checkpoint(args.checkpoint)
+    except Exception as e:  # a truncated or foreign file: torch raises pickle, zip and runtime errors alike
+        fail(ap.prog, f"cannot read checkpoint {args.checkpoint}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    if not isinstance(state, dict):
+        fail(ap.prog, f"{args.checkpoint} holds a {type(state).__name__}, not a state dict")
     model = state["model"] if isinstance(state.get("model"), dict) else state
     n = sum(k.endswith("lora_u") for k in model)
-    dense = fold_decomposed(model)
+    try:
+        dense = fold_decomposed(model)
+    except KeyError as e:
+        fail(ap.prog, f"{args.checkpoint}: {str(e.args[0]).removeprefix('export_dense: ')}")
     if model is not state:
         dense = dict(state, model=dense)
     torch.save(dense, args.out)

@@ -27,14 +27,15 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cli import fail, parser, require_inputs
+from .cli import fail, parser, require_inputs, require_output
 
 ANSI_ESCAPES = re.compile(r"\x1b\[[0-9;]*m")
+_FLOAT = r"[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"  # a garbled number is no metric line
 _LINE = re.compile(
-    r"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>[-+0-9.eEnaif]+)\s+grad_norm:\s*(?P<gn>[-+0-9.eEnaif]+)"
-    r"\s+memory:\s*(?P<mem>[0-9.]+)GiB.*?tps:\s*(?P<tps>[0-9,]+)"
+    rf"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>{_FLOAT})\s+grad_norm:\s*(?P<gn>{_FLOAT})"
+    r"\s+memory:\s*(?P<mem>\d+\.?\d*)GiB.*?tps:\s*(?P<tps>\d[0-9,]*)"
 )
-_VALIDATION = re.compile(r"validate step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>[-+0-9.eEnaif]+)")
+_VALIDATION = re.compile(rf"validate step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>{_FLOAT})(?![\w.])")
 
 
 @dataclass
@@ -284,14 +285,27 @@ def run_name(path: Path) -> str:
 def read_runs(prog: str, paths: list[Path]) -> tuple[dict[str, list[StepMetrics]], dict[str, dict[int, float]]]:
     """``read_run`` for each path, keyed by ``run_name``; a missing path, or one without metrics, ends ``prog``."""
     require_inputs(prog, paths)
-    runs, validation = {}, {}
+    runs, validation, seen = {}, {}, {}
     for p in paths:
         name = run_name(p)
-        runs[name], validation[name] = read_run(p)
+        if name in seen:
+            fail(prog, f"two runs named {name!r} ({seen[name]} and {p}): runs are named by their file or folder name")
+        seen[name] = p
+        try:
+            runs[name], validation[name] = read_run(p)
+        except OSError as e:
+            fail(prog, f"cannot read {p}: {e.strerror}")
         if not runs[name] and not validation[name]:
             fail(prog, f"no TorchTitan metric lines in {p}" if p.is_file() else
                  f"no TensorBoard events with training metrics under {p}")
     return runs, validation
+
+
+def require_group_members(prog: str, runs, groups: list[tuple[str, list[str]]]) -> None:
+    """``fail`` naming each --group that no run joins."""
+    empty = [g for g, m in group_members(runs, groups).items() if not m]
+    if empty:
+        fail(prog, f"--group {', '.join(empty)}: no run matches (runs: {', '.join(runs)})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -308,6 +322,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="with --group: also pool each run's mean training loss over these step windows "
                          "(only meaningful for runs trained on the same batches)")
     args = ap.parse_args(argv)
+    if args.last < 1:
+        ap.error(f"--last must be a positive number of logged steps, got {args.last}")
+    if args.csv:
+        require_output(ap.prog, args.csv, "--csv")
     try:
         windows = parse_windows(args.train_windows) if args.train_windows else []
     except ValueError as e:
@@ -317,6 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         ap.error(str(e))
     runs, validation = read_runs(ap.prog, args.logs)
+    require_group_members(ap.prog, runs, groups)
     rows = summarize(runs, args.last, args.gap, validation)
     if args.csv:
         write_csv(runs, args.csv)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from .cli import parser
-from .loss_log import StepMetrics, group_members, parse_group, read_runs
+from .cli import fail, parser, require_output
+from .loss_log import StepMetrics, group_members, parse_group, read_runs, require_group_members
 
 
 def ema(values: list[float], decay: float) -> list[float]:
@@ -166,15 +166,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--group", action="append", default=[], metavar="NAME=PATTERN[,PATTERN]",
                     help="plot runs pooled into layouts (repeat; the first is the reference)")
     args = ap.parse_args(argv)
+    if not 0 <= args.smooth < 1:
+        ap.error(f"--smooth must be in [0, 1) (the EMA decay), got {args.smooth}")
     try:
         groups = [parse_group(spec) for spec in args.group]
     except ValueError as e:
         ap.error(str(e))
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        fail(ap.prog, "needs matplotlib: pip install -e .[plot]")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if args.out.suffix.lower().lstrip(".") not in formats:
+        fail(ap.prog, f"--out {args.out}: unknown image format {args.out.suffix!r} (one of .{', .'.join(sorted(formats))})")
+    require_output(ap.prog, args.out, "--out")
     runs, validation = read_runs(ap.prog, args.logs)
-    if groups:
-        out = plot_groups(runs, groups, args.out, args.smooth, args.title, validation)
-    else:
-        out = plot_runs(runs, args.out, args.smooth, args.title, validation)
+    require_group_members(ap.prog, runs, groups)
+    try:
+        if groups:
+            out = plot_groups(runs, groups, args.out, args.smooth, args.title, validation)
+        else:
+            out = plot_runs(runs, args.out, args.smooth, args.title, validation)
+    except ValueError as e:
+        fail(ap.prog, str(e).removeprefix("loss_plot: "))
     print(f"loss_plot: wrote {out}")
 
 
