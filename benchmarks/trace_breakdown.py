@@ -1,0 +1,101 @@
+"""Where a training step's time goes, from PyTorch profiler chrome traces (scripts/profile_step.sh writes them):
+
+    python benchmarks/trace_breakdown.py bf16_trace.json.gz nvfp4_trace.json.gz [--top 12]
+
+Per trace: the step's wall time (its ProfilerStep span), GPU busy time (the union of kernel intervals) and
+idle time, GPU time by kernel category (GEMMs, our NVFP4 quantization / GEMM / staging kernels, inductor's
+fused kernels, attention, other), the number of kernel launches per category, and the top kernels by time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+#: (category, pattern on the kernel name), first match wins
+CATEGORIES = (
+    ("mxfp8 quantize (ours)", re.compile(r"_mxfp8")),
+    ("nvfp4 gemm (ours)", re.compile(r"_nvfp4_gemm|_grouped_rows|_grouped_tokens")),
+    ("nvfp4 quantize/stage (ours)", re.compile(r"_quantize|_amax_kernel|_dequant_kernel|_swiglu_|_encode_rows|_tile_scales")),
+    ("cuBLAS gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|sm90_", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
+    ("inductor fused", re.compile(r"^triton_")),
+    ("nccl", re.compile(r"nccl", re.I)),
+    ("memcpy/memset", re.compile(r"memcpy|memset|Memcpy|Memset")),
+)
+
+
+def category(name: str) -> str:
+    for cat, pat in CATEGORIES:
+        if pat.search(name):
+            return cat
+    return "other aten"
+
+
+def load(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def breakdown(events: list[dict]) -> dict:
+    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
+    if not steps:
+        raise SystemExit("no ProfilerStep span in the trace")
+    step = max(steps, key=lambda e: e["dur"])
+    t0, t1 = step["ts"], step["ts"] + step["dur"]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    # a kernel belongs to the step if it starts within it (GPU work lags the host's step span a little)
+    kernels = [e for e in kernels if t0 <= e["ts"] <= t1 + 0.5 * step["dur"]]
+    gpu_end = max((e["ts"] + e["dur"] for e in kernels), default=t1)
+    by_cat, launches, by_name = defaultdict(float), defaultdict(int), defaultdict(float)
+    for e in kernels:
+        c = category(e["name"])
+        by_cat[c] += e["dur"]
+        launches[c] += 1
+        by_name[e["name"]] += e["dur"]
+    busy = union_length([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    wall = max(t1, gpu_end) - t0
+    return dict(wall=wall, host=step["dur"], busy=busy, by_cat=by_cat, launches=launches, by_name=by_name,
+                n=len(kernels))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python benchmarks/trace_breakdown.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("traces", nargs="+", type=Path, help="chrome traces (.json or .json.gz), one per arm")
+    p.add_argument("--top", type=int, default=12, help="kernels listed by GPU time per trace")
+    args = p.parse_args()
+    results = {t.name.split("_trace")[0]: breakdown(load(t)) for t in args.traces}
+    names = list(results)
+    print("| ms | " + " | ".join(names) + " |")
+    print("| --- |" + " ---: |" * len(names))
+    for key, label in (("wall", "step (host span to last kernel)"), ("busy", "GPU busy"),):
+        print(f"| {label} | " + " | ".join(f"{r[key] / 1e3:.1f}" for r in results.values()) + " |")
+    print("| GPU idle | " + " | ".join(f"{(r['wall'] - r['busy']) / 1e3:.1f}" for r in results.values()) + " |")
+    cats = sorted({c for r in results.values() for c in r["by_cat"]},
+                  key=lambda c: -max(r["by_cat"].get(c, 0) for r in results.values()))
+    for c in cats:
+        print(f"| {c} | " + " | ".join(f"{r['by_cat'].get(c, 0) / 1e3:.1f} ({r['launches'].get(c, 0)})"
+                                        for r in results.values()) + " |")
+    print("| kernel launches | " + " | ".join(str(r["n"]) for r in results.values()) + " |")
+    for name, r in results.items():
+        print(f"\n{name}: top kernels by GPU time (ms)")
+        for k, v in sorted(r["by_name"].items(), key=lambda kv: -kv[1])[:args.top]:
+            print(f"  {v / 1e3:8.2f}  {category(k):22s} {k[:110]}")
+
+
+if __name__ == "__main__":
+    main()
