@@ -5,6 +5,9 @@ FSDP2, and resuming with a changed recipe knob. Each case is a row of docs/check
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,12 +23,12 @@ from torchtitan.components.optimizer import build_optimizers
 from torchtitan.distributed import ParallelDims
 from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 from torchtitan.protocols.model_converter import build_model_converters
-from test_converter import edited_toml, parse, world1
+from test_converter import parse, world1
 from test_train_state import FakeTrainer
 
 ARGS = TransformerModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=256, multiple_of=16, max_seq_len=32)
-REF = ('gemm_backend = "reference"',)  # stochastic rounding on (the preset), so resumes test the SR counts
-LORA = REF + ("lora_rank = 16",)
+REF = {"gemm_backend": "reference"}  # stochastic rounding on (the preset), so resumes test the SR counts
+LORA = {**REF, "lora_rank": 16}
 BLOCK = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
          "feed_forward.w3")
 
@@ -44,14 +47,28 @@ class _Data:
         pass
 
 
+@functools.cache
+def _parsed():
+    return parse()  # once: TorchTitan's parser takes about a second
+
+
+def _cfg(keys: dict | None, folder: str, initial: str | None):
+    """The job file's config with a CheckpointManager on ``folder`` (saving every step) and these
+    [quantize.linear.nvfp4] keys (the section rebuilt, so its checks run as at parse time)."""
+    cfg = copy.deepcopy(_parsed())
+    ck = cfg.checkpoint
+    ck.enable, ck.folder, ck.interval, ck.keep_latest_k, ck.initial_load_path = True, folder, 1, 0, initial
+    cfg.quantize.linear.nvfp4 = dataclasses.replace(cfg.quantize.linear.nvfp4, **(keys or {}))
+    return cfg
+
+
 class Job:
     """A TorchTitan job as far as checkpoints go: the tiny Llama3 (BF16 when ``keys`` is None, else
-    converted with these [quantize.linear.nvfp4] lines), AdamW, LR schedule and train_state, with a
-    CheckpointManager on ``tmp/folder``; ``cli`` adds job options (--checkpoint.initial_load_path ...)."""
+    converted with these [quantize.linear.nvfp4] keys), AdamW, LR schedule and train_state, with a
+    CheckpointManager on ``tmp/folder``; ``initial``: checkpoint.initial_load_path (model only)."""
 
-    def __init__(self, tmp, keys=LORA, folder="ckpt", cli=(), dims=None, shard=None, seed=0):
-        cfg = parse("--checkpoint.enable", "--checkpoint.folder", folder, "--checkpoint.interval", "1",
-                    "--checkpoint.keep_latest_k", "0", *cli, toml=edited_toml(tmp, add=keys or ()))
+    def __init__(self, tmp, keys=LORA, folder="ckpt", initial=None, dims=None, shard=None, seed=0):
+        cfg = _cfg(keys, folder, initial)
         dims = dims or world1()
         with torch.device("meta"):
             self.model = Transformer(copy.deepcopy(ARGS))
@@ -102,81 +119,85 @@ def _dense(job: Job) -> dict[str, torch.Tensor]:
     return out
 
 
-def _trained_lora(tmp) -> tuple[Job, str]:
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A lora_rank 16 job: one step, saved (step-1), then a second step; what each test compares with."""
+    tmp = tmp_path_factory.mktemp("lora")
     job = Job(tmp)
     job.step(_tokens(1))  # the saved W must be this step's, not the one TorchTitan cached at start-up
-    return job, job.save()
+    path = job.save()
+    out = SimpleNamespace(tmp=tmp, path=path, dense=_dense(job), state=copy.deepcopy(job.model.state_dict()),
+                          residual={n: job.linear(n).weight.detach().clone() for n in BLOCK},
+                          exp_avg={n: job.opt.optimizers[0].state[job.linear(n).weight]["exp_avg"].clone()
+                                   for n in BLOCK})
+    out.loss2 = job.step(_tokens(2))
+    out.params2 = {n: p.detach().clone() for n, p in job.model.named_parameters()}
+    return out
 
 
 # ------------------------------------------------------------------------------- low-rank -> plain
 
 @pytest.mark.parametrize("keys", [None, REF], ids=["bf16", "nvfp4"])
-def test_lowrank_checkpoint_loads_the_full_weight_into_a_model_without_the_branch(tmp_path, keys):
+def test_lowrank_checkpoint_loads_the_full_weight_into_a_model_without_the_branch(lora_run, keys):
     """A lora_rank run's checkpoint, model-only into BF16 or NVFP4 with lora_rank = 0: weight = W (the
     trained R + U·diag(σ)·V), never R alone; the same W export_dense writes."""
-    lora, path = _trained_lora(tmp_path)
-    want = _dense(lora)
-    plain = Job(tmp_path, keys, folder="plain", cli=("--checkpoint.initial_load_path", path))
+    tmp = lora_run.tmp
+    plain = Job(tmp, keys, folder=f"plain_{keys is None}", initial=lora_run.path)
     plain.load()
-    for name, w in want.items():
+    for name, w in lora_run.dense.items():
         got = plain.linear(name).weight.detach()
-        r = lora.linear(name).weight.detach()
         assert torch.allclose(got, w, rtol=0, atol=1e-6), name
-        assert (got - r).norm() > 0.3 * w.norm(), f"{name}: R alone would miss the branch's share of W"
-    export_main([path, str(tmp_path / "dense.pt")])
-    dense = torch.load(tmp_path / "dense.pt", weights_only=False)  # TorchTitan's layout: model keys on top
+        assert (got - lora_run.residual[name]).norm() > 0.3 * w.norm(), f"{name}: R alone lacks the branch's share"
+    out = tmp / f"dense_{keys is None}.pt"
+    export_main([lora_run.path, str(out)])
+    dense = torch.load(out, weights_only=False)  # TorchTitan's layout: model keys on top
     assert not any("lora" in k for k in dense)
     for name in BLOCK:
         assert torch.equal(dense[f"layers.0.{name}.weight"], plain.linear(name).weight), name
 
 
-def test_lowrank_checkpoint_resumed_as_nvfp4_without_rank_is_refused(tmp_path):
+def test_lowrank_checkpoint_resumed_as_nvfp4_without_rank_is_refused(lora_run):
     """Full resume (optimizer, SR counts) of a lora_rank run with lora_rank = 0: refused, naming the knob."""
-    _trained_lora(tmp_path)
-    plain = Job(tmp_path, REF)  # same folder: TorchTitan resumes the latest step
+    plain = Job(lora_run.tmp, REF)  # the run's own folder: TorchTitan resumes its latest step
     with pytest.raises(ValueError, match=r"another \[quantize.linear.nvfp4\] lora_rank.*initial_load_model_only"):
         plain.load()
 
 
-def test_lowrank_checkpoint_resumed_as_bf16_continues_from_the_full_weight(tmp_path):
+def test_lowrank_checkpoint_resumed_as_bf16_continues_from_the_full_weight(lora_run):
     """Full resume in a BF16 job: W, and R's AdamW moments (dL/dR = dL/dW) for ``weight``."""
-    lora, _ = _trained_lora(tmp_path)
-    want = _dense(lora)
-    bf16 = Job(tmp_path, None)
+    bf16 = Job(lora_run.tmp, None)
     bf16.load()
     assert bf16.trainer.step == 1
-    for name, w in want.items():
-        assert torch.allclose(bf16.linear(name).weight, w, rtol=0, atol=1e-6), name
+    for name, w in lora_run.dense.items():
         p = bf16.linear(name).weight
-        assert torch.equal(bf16.opt.optimizers[0].state[p]["exp_avg"],
-                           lora.opt.optimizers[0].state[lora.linear(name).weight]["exp_avg"]), name
+        assert torch.allclose(p, w, rtol=0, atol=1e-6), name
+        assert torch.equal(bf16.opt.optimizers[0].state[p]["exp_avg"], lora_run.exp_avg[name]), name
 
 
-def test_legacy_lowrank_state_dict_names_export_dense(tmp_path):
+def test_legacy_lowrank_state_dict_names_export_dense(lora_run):
     """A state dict with weight = R and factors but no lora_residual (written before this format): a
     direct load stops and names export_dense, which folds it."""
-    lora, _ = _trained_lora(tmp_path)
-    state = lora.model.state_dict()
-    legacy = {k.replace(".lora_residual", ".weight"): v for k, v in state.items() if not k.endswith(".weight")
-              or f"{k[:-len('weight')]}lora_residual" not in state}
+    state = lora_run.state
+    legacy = {k: v for k, v in state.items() if not k.endswith("lora_residual")}
+    legacy.update({k[: -len("lora_residual")] + "weight": v for k, v in state.items() if k.endswith("lora_residual")})
     with pytest.raises(ValueError, match="titan_nvfp4.tools.export_dense"):
-        Job(tmp_path, LORA, folder="b").model.load_state_dict(legacy)
-    torch.save(legacy, tmp_path / "legacy.pt")
-    export_main([str(tmp_path / "legacy.pt"), str(tmp_path / "dense.pt")])
-    dense = torch.load(tmp_path / "dense.pt")
-    for name, w in _dense(lora).items():
+        Job(lora_run.tmp, LORA, folder="legacy").model.load_state_dict(legacy)
+    torch.save(legacy, lora_run.tmp / "legacy.pt")
+    export_main([str(lora_run.tmp / "legacy.pt"), str(lora_run.tmp / "legacy_dense.pt")])
+    dense = torch.load(lora_run.tmp / "legacy_dense.pt")
+    for name, w in lora_run.dense.items():
         assert torch.allclose(dense[f"layers.0.{name}.weight"], w, rtol=0, atol=1e-6), name
 
 
 # ------------------------------------------------------------------------------- plain -> low-rank
 
 def test_bf16_checkpoint_into_a_lowrank_model_is_decomposed_at_load(tmp_path):
-    """Model-only: the BF16 weights load as W and are split at load (forward as BF16's to NVFP4 error);
-    a full resume is refused naming lora_rank (the factors have no optimizer state)."""
+    """Model-only: the BF16 weights load as W and are split at load; a full resume is refused naming
+    lora_rank (the factors have no optimizer state)."""
     bf16 = Job(tmp_path, None, seed=3)
     bf16.step(_tokens(1))
     path = bf16.save()
-    lora = Job(tmp_path, LORA, folder="lora", cli=("--checkpoint.initial_load_path", path))
+    lora = Job(tmp_path, LORA, folder="lora", initial=path)
     lora.load()
     for name, w in _dense(bf16).items():
         m = lora.linear(name)
@@ -193,17 +214,17 @@ def test_bf16_checkpoint_into_a_lowrank_model_is_decomposed_at_load(tmp_path):
 def test_bf16_and_nvfp4_resume_each_other(tmp_path):
     """Same model keys: a BF16 checkpoint resumes an NVFP4 job (SR streams start at zero) and an NVFP4
     one a BF16 job (its SR counts are not asked for); weights and AdamW state bit-exact."""
-    bf16 = Job(tmp_path, None, folder="a")
+    bf16 = Job(tmp_path, None)
     bf16.step(_tokens(1))
     bf16.save()
-    nvfp4 = Job(tmp_path, REF, folder="a")
+    nvfp4 = Job(tmp_path, REF)
     nvfp4.load()
     assert nvfp4.trainer.step == 1 and int(nvfp4.linear("attention.wq").sr_counter[1]) == 0
     for (n, p), q in zip(bf16.model.named_parameters(), nvfp4.model.parameters()):
         assert torch.equal(p, q), n
     assert torch.isfinite(nvfp4.step(_tokens(2)))
     nvfp4.save()
-    again = Job(tmp_path, None, folder="a")
+    again = Job(tmp_path, None)
     again.load()
     assert again.trainer.step == 2
     for (n, p), q in zip(nvfp4.model.named_parameters(), again.model.parameters()):
@@ -212,46 +233,47 @@ def test_bf16_and_nvfp4_resume_each_other(tmp_path):
 
 # ------------------------------------------------------------------------- resume with another knob
 
-def test_lowrank_resume_through_the_checkpoint_manager_is_bit_exact(tmp_path):
-    """lora_rank 16 with SR: save after step 1, resume, step 2: the uninterrupted run's loss and weights."""
-    lora, _ = _trained_lora(tmp_path)
-    want = lora.step(_tokens(2))
-    resumed = Job(tmp_path, LORA)
+def test_lowrank_resume_through_the_checkpoint_manager_is_bit_exact(lora_run):
+    """lora_rank 16 with SR: resumed from step-1, step 2 repeats the uninterrupted run's loss and weights."""
+    resumed = Job(lora_run.tmp, LORA)
     resumed.load()
-    assert torch.equal(resumed.step(_tokens(2)), want)
-    for (n, p), q in zip(lora.model.named_parameters(), resumed.model.parameters()):
-        assert torch.equal(p, q), n
+    assert torch.equal(resumed.step(_tokens(2)), lora_run.loss2)
+    for n, p in resumed.model.named_parameters():
+        assert torch.equal(p, lora_run.params2[n]), n
 
 
-@pytest.mark.parametrize("knob", ["stochastic_rounding = false", "rht = false", "weight_2d = false",
-                                  'block_scale_rule = "four_over_six"'])
-def test_resume_with_a_stateless_knob_changed_continues(tmp_path, knob):
+KNOBS = [{"stochastic_rounding": False}, {"rht": False}, {"weight_2d": False}, {"block_scale_rule": "four_over_six"}]
+
+
+def test_resume_with_a_stateless_knob_changed_continues(tmp_path):
     """Knobs without state (the SR counts are kept whatever stochastic_rounding says): the resumed job
     has the checkpoint's weights, optimizer and step, and trains on with the new setting."""
     a = Job(tmp_path, REF)
     a.step(_tokens(1))
     a.save()
-    b = Job(tmp_path, REF + (knob,))
-    b.load()
-    assert b.trainer.step == 1
-    for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
-        assert torch.equal(p, q), n
-    assert torch.isfinite(b.step(_tokens(2)))
+    for knob in KNOBS:
+        b = Job(tmp_path, {**REF, **knob})
+        b.load()
+        assert b.trainer.step == 1, knob
+        assert int(b.linear("attention.wq").sr_counter[1]) == 1, knob
+        for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+            assert torch.equal(p, q), (knob, n)
+        assert torch.isfinite(b.step(_tokens(2))), knob
 
 
 def test_resume_with_another_amax_history(tmp_path):
     """activation_amax_history: another length is refused by name; 0 -> N starts empty windows (the
     next step uses X's own amax, as a fresh run's first); N -> 0 drops them."""
-    a = Job(tmp_path, REF + ("activation_amax_history = 4",))
+    a = Job(tmp_path, {**REF, "activation_amax_history": 4})
     a.step(_tokens(1))
     a.save()
     with pytest.raises(ValueError, match="has 4 steps of activation amax window.*activation_amax_history = 2"):
-        Job(tmp_path, REF + ("activation_amax_history = 2",)).load()
+        Job(tmp_path, {**REF, "activation_amax_history": 2}).load()
     none = Job(tmp_path, REF)
     none.load()
     assert torch.isfinite(none.step(_tokens(2)))
     none.save()
-    windows = Job(tmp_path, REF + ("activation_amax_history = 4",))
+    windows = Job(tmp_path, {**REF, "activation_amax_history": 4})
     windows.load()
     layers = layers_with_history(windows.model)
     assert windows.trainer.step == 2 and layers and not layers[0].amax_history.ready
@@ -280,7 +302,7 @@ def _fsdp_save_worker(rank, world, out, tmp):
             block.set_force_sum_reduction_for_comms(True)
 
     dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world)
-    job = Job(tmp, LORA + ("fsdp_nvfp4_all_gather = true",), dims=dims, shard=shard)
+    job = Job(tmp, {**LORA, "fsdp_nvfp4_all_gather": True}, dims=dims, shard=shard)
     assert isinstance(job.linear("attention.wq").weight._local_tensor, NVFP4ShardedWeight)
     job.step(_tokens(1))
     job.save()
@@ -301,7 +323,7 @@ def test_fsdp2_nvfp4_all_gather_checkpoint_loads_unsharded_with_the_knob_off(tmp
     assert off.trainer.step == 1
     for n, p in off.model.named_parameters():
         assert torch.equal(p, out["params"][n]), n
-    bf16 = Job(tmp_path, None, folder="bf16", cli=("--checkpoint.initial_load_path", str(tmp_path / "ckpt/step-1")))
+    bf16 = Job(tmp_path, None, folder="bf16", initial=str(tmp_path / "ckpt" / "step-1"))
     bf16.load()
     for name, w in out["dense"].items():
         assert torch.allclose(bf16.linear(name).weight, w, rtol=0, atol=1e-6), name
