@@ -280,17 +280,18 @@ def main(argv: list[str] | None = None) -> int:
         fail(PROG, str(e))
     if args.out is not None:
         spec.out = args.out
-    spec.out.mkdir(parents=True, exist_ok=True)
     names = [a.name for a in spec.arms]
     for n in args.only or []:
         if n not in names:
             fail(PROG, f"--only {n!r} is not an arm of {args.spec} ({names})")
-    failed = []
     if not args.report_only:
         try:
             check_arm_args(spec, str(args.spec), [a for a in spec.arms if args.only is None or a.name in args.only])
         except ValueError as e:
             fail(PROG, str(e))
+    spec.out.mkdir(parents=True, exist_ok=True)
+    failed = []
+    if not args.report_only:
         for i, arm in enumerate(spec.arms, 1):
             if args.only is not None and arm.name not in args.only:
                 continue
