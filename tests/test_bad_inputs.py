@@ -416,9 +416,8 @@ def test_a_tool_given_bad_input_prints_one_line_and_exits_non_zero(case, tool_in
     assert not (tool_inputs / "outputs").exists(), "nothing was run"
 
 
-@pytest.mark.parametrize("tool, argv", [("loss_plot", ["a.log", "--out", "nodir/x.png"]),
-                                        ("export_dense", ["a.log", "out.pt"])])
-def test_a_tool_run_as_a_program_exits_2_without_a_traceback(tool, argv, tool_inputs):
+def test_a_tool_run_as_a_program_exits_2_without_a_traceback(tool_inputs):
+    tool, argv = "export_dense", ["a.log", "out.pt"]  # a file torch.load cannot read
     r = subprocess.run([sys.executable, "-m", f"titan_nvfp4.tools.{tool}", *argv], capture_output=True, text=True,
                        timeout=120)
     lines = [line for line in r.stderr.splitlines() if not line.startswith("<frozen runpy>")]  # see the report
