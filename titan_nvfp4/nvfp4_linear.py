@@ -73,14 +73,18 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         new._init_nvfp4(recipe, layer_id, mod.weight.device)
         return new
 
+    def label(self) -> str:
+        """The layer's name for messages. Read only where one is raised: under torch.compile, reading the
+        name in forward would guard on it and recompile the block once per layer."""
+        return getattr(self, "layer_name", "") or type(self).__name__
+
     def _check_input(self, x) -> None:
         """x must be a tensor of at least 1 dim whose last dim is in_features: else name the layer."""
-        name = getattr(self, "layer_name", "") or type(self).__name__
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name}: input must be a torch.Tensor, got {type(x).__name__}")
+            raise TypeError(f"{self.label()}: input must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise RuntimeError(f"{name}: input of shape {tuple(x.shape)} has {x.shape[-1] if x.dim() else 0} features, "
-                               f"the layer takes in_features={self.in_features}")
+            raise RuntimeError(f"{self.label()}: input of shape {tuple(x.shape)} has "
+                               f"{x.shape[-1] if x.dim() else 0} features, the layer takes in_features={self.in_features}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
@@ -108,7 +112,7 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
             x_amax = self._history_amax(x_local, w_local) if history else None
             return nvfp4_linear(x_local, w_local, b_local, self.recipe, counter, signs, groups, x_amax)
 
-        return tp_nvfp4_linear(on_shards, x, weight, bias, getattr(self, "layer_name", ""))
+        return tp_nvfp4_linear(on_shards, x, weight, bias, self.label)
 
     def _history_amax(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """X's amaxes from the layer's amax history (amax_history.py), recording this forward's."""

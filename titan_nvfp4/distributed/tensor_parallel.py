@@ -16,10 +16,21 @@ differs from one GPU is only the fp32 summation order: rowwise sums t partial GE
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .amax import AmaxGroups
+
+
+#: A layer's name for messages, or a function giving it: read only where an error is raised (under
+#: torch.compile, reading a module's name in forward would guard on it and recompile once per layer).
+Name = str | Callable[[], str]
+
+
+def name_of(name: Name) -> str:
+    return name() if callable(name) else name
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -27,28 +38,28 @@ def local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def tp_layout(weight: DTensor, name: str) -> tuple[int, int] | None:
+def tp_layout(weight: DTensor, name: Name) -> tuple[int, int] | None:
     """(mesh dim, sharded weight dim) of a tensor-parallel Linear weight, None when it is replicated:
     at most one mesh dim may shard it, along dim 0 (colwise) or 1 (rowwise)."""
     sharded = [(i, p.dim) for i, p in enumerate(weight.placements) if isinstance(p, Shard)]
     others = [p for p in weight.placements if not isinstance(p, (Shard, Replicate))]
     if len(sharded) > 1 or others or (sharded and sharded[0][1] not in (0, 1)):
-        raise NotImplementedError(f"NVFP4 Linear {name!r}: weight placements {weight.placements} are not a "
+        raise NotImplementedError(f"NVFP4 Linear {name_of(name)!r}: weight placements {weight.placements} are not a "
                                   "tensor-parallel layout (one mesh dim sharding dim 0 or dim 1)")
     return sharded[0] if sharded else None
 
 
-def _check_local_dims(name: str, w_local: torch.Tensor) -> None:
+def _check_local_dims(name: Name, w_local: torch.Tensor) -> None:
     bad = [d for d in w_local.shape if d % 16]
     if bad:
-        raise ValueError(f"NVFP4 Linear {name!r} under tensor parallelism: the local weight shard "
+        raise ValueError(f"NVFP4 Linear {name_of(name)!r} under tensor parallelism: the local weight shard "
                          f"{tuple(w_local.shape)} has dims that are not multiples of 16 (NVFP4 blocks may not "
                          "straddle shards): choose a TP degree that divides the dims into multiples of 16, or "
                          "keep the layer in BF16 with filter_fqns")
 
 
 def tp_nvfp4_linear(linear_fn, x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None,
-                    name: str = "") -> DTensor:
+                    name: Name = "") -> DTensor:
     """Y = linear_fn(x_local, w_local, b_local, groups) on the local shards, wrapped back as a DTensor
     (Shard(-1) colwise, Partial rowwise + bias). ``linear_fn`` is the layer's NVFP4 linear with its
     recipe, SR counter and RHT signs bound."""
@@ -65,7 +76,7 @@ def tp_nvfp4_linear(linear_fn, x: torch.Tensor, weight: DTensor, bias: torch.Ten
     _check_local_dims(name, w_local)
     placements = list(weight.placements)
     if not isinstance(x, DTensor):  # torch's Colwise/RowwiseParallel input hooks always hand over a DTensor
-        raise ValueError(f"NVFP4 Linear {name!r}: a tensor-parallel weight needs a DTensor input (apply the TP plan "
+        raise ValueError(f"NVFP4 Linear {name_of(name)!r}: a tensor-parallel weight needs a DTensor input (apply the TP plan "
                          "to the module, e.g. TorchTitan's parallelize function), got a plain tensor")
     if wdim == 0:  # colwise: X whole on every rank; its gradient is a partial sum over the group
         if any(not isinstance(p, Replicate) for p in x.placements):

@@ -39,7 +39,7 @@ from torchtitan.models.moe.utils import indices_padding_wrapper
 
 from ..decomposed_linear import LowRankState
 from ..distributed.amax import AmaxGroups
-from ..distributed.tensor_parallel import local
+from ..distributed.tensor_parallel import Name, local, name_of
 from ..grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
 from ..layer_state import NVFP4LayerState
 from ..linear_function import autocast_out_dtype
@@ -49,11 +49,11 @@ from ..recipe import NVFP4Recipe
 from ..telemetry import measure_experts
 
 
-def check_expert_dims(name: str, weights: dict[str, torch.Tensor]) -> None:
+def check_expert_dims(name: Name, weights: dict[str, torch.Tensor]) -> None:
     """Both dims of every expert weight must be multiples of 16 (NVFP4 blocks): else name them."""
     bad = [f"{k} {tuple(w.shape)}" for k, w in weights.items() if w.shape[-1] % 16 or w.shape[-2] % 16]
     if bad:
-        raise ValueError(f"cannot convert experts {name!r} to NVFP4: {', '.join(bad)} has a dim that is not a "
+        raise ValueError(f"cannot convert experts {name_of(name)!r} to NVFP4: {', '.join(bad)} has a dim that is not a "
                          "multiple of 16 (exclude it from [quantize.grouped_mm.nvfp4] fqns)")
 
 
@@ -188,7 +188,6 @@ class _NVFP4Experts(LowRankState, NVFP4LayerState):
         whole; a weight sharded along its output features (Shard(1): W1, W3, gpt-oss mlp1) needs W's and
         dY's per-expert amaxes over the TP group, one sharded along its input features (Shard(2): W2,
         mlp2) X's and W's, so every rank quantizes as the unsharded experts would."""
-        name = getattr(self, "layer_name", "")
         out: dict[str, AmaxGroups | None] = {}
         for g in self.GEMMS:
             w = getattr(self, g)
@@ -198,12 +197,14 @@ class _NVFP4Experts(LowRankState, NVFP4LayerState):
             split = [(i, p.dim) for i, p in enumerate(w.placements) if isinstance(p, Shard) and p.dim != 0]
             other = [p for p in w.placements if not isinstance(p, (Shard, Replicate))]
             if other or len(split) > 1:
-                raise NotImplementedError(f"NVFP4 experts {name!r}: weight {g} placements {w.placements} are not "
+                raise NotImplementedError(f"NVFP4 experts {getattr(self, 'layer_name', '')!r}: weight {g} placements "
+                                          f"{w.placements} are not "
                                           "supported (expert parallelism on dim 0, tensor parallelism on one "
                                           "feature dim)")
             if not split:
                 continue
-            check_expert_dims(f"{name} (local shard under tensor parallelism)", {g: w.to_local()})
+            label = lambda: f"{getattr(self, 'layer_name', '')} (local shard under tensor parallelism)"  # noqa: E731
+            check_expert_dims(label, {g: w.to_local()})
             group = w.device_mesh.get_group(split[0][0])
             out[g] = AmaxGroups(weight=group, grad=group) if split[0][1] == 1 else AmaxGroups(x=group, weight=group)
         return out
