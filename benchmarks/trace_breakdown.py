@@ -18,14 +18,14 @@ from pathlib import Path
 
 #: (category, pattern on the kernel name), first match wins
 CATEGORIES = (
+    ("inductor fused", re.compile(r"^triton_")),  # inductor's own kernels (their names list the fused ops)
     ("mxfp8 quantize (ours)", re.compile(r"_mxfp8")),
     ("nvfp4 gemm (ours)", re.compile(r"_nvfp4_gemm|_grouped_rows|_grouped_tokens")),
     ("nvfp4 quantize/stage (ours)", re.compile(r"_quantize|_amax_kernel|_dequant_kernel|_swiglu_|_encode_rows|_tile_scales")),
-    ("cuBLAS gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|sm90_", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
-    ("inductor fused", re.compile(r"^triton_")),
+    ("cuBLAS gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas", re.I)),
     ("nccl", re.compile(r"nccl", re.I)),
-    ("memcpy/memset", re.compile(r"memcpy|memset|Memcpy|Memset")),
+    ("memcpy/memset", re.compile(r"memcpy|memset", re.I)),
 )
 
 
