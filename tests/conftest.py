@@ -19,6 +19,7 @@ try:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        import triton_interp  # noqa: F401  (the interpreter without its redundant re-patching)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 except ImportError:  # pragma: no cover

@@ -13,6 +13,8 @@ import socket
 
 import torch.multiprocessing as mp
 
+import triton_interp  # noqa: F401  (in the ranks too: they import this module to run _entry)
+
 PRELOAD = [
     "torch", "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "torch.distributed.checkpoint",
     "torchtitan.models.llama3", "torchtitan.models.deepseek_v3", "torchtitan.models.gpt_oss",
