@@ -25,7 +25,6 @@ from torch import nn
 from torchtitan.tools.logging import logger
 
 from ..decomposed_linear import RESIDUAL, LowRankState
-from ..tools.export_dense import _weight_key
 from .train_state import HISTORY_KEY, KEY
 
 _TRAIN_STATE, _OPTIMIZER = "train_state", "optimizer"
@@ -52,6 +51,8 @@ def saved_keys(checkpoint_id: str) -> dict[str, object] | None:
 
 def _factor_keys(prefix: str) -> list[str]:
     """The entries a low-rank weight adds, from its factor prefix (``<linear>.`` or ``<experts>.w1_``)."""
+    from ..tools.export_dense import _weight_key  # here: imported at package import, `python -m` would warn
+
     module = _weight_key(prefix).rpartition(".")[0]
     return [prefix + n for n in ("lora_u", "lora_sigma", "lora_v", _RES)] + [f"{module}.lora_decomposed"]
 
