@@ -492,6 +492,21 @@ def test_grouped_converter_with_no_match_fails_loudly():
         conv.convert(model)
 
 
+def test_grouped_converter_twice_is_a_no_op():
+    """A second conversion changes nothing and raises nothing, as the Linear converter's (issue 42)."""
+    from torchtitan.protocols.model_converter import build_model_converters
+
+    from test_converter import parse, world1
+
+    conv = build_model_converters(parse("--model.converters", GROUPED_CONVERTER_NAME), world1())
+    model, _ = _build("deepseek_v3", n_layers=2)
+    conv.convert(model)
+    mods = dict(model.named_modules())
+    assert any(isinstance(m, NVFP4GroupedExperts) for m in mods.values())
+    conv.convert(model)
+    assert dict(model.named_modules()) == mods
+
+
 def test_expert_dims_not_multiple_of_16_rejected():
     from torchtitan.models.moe.moe import GroupedExperts
 

@@ -190,9 +190,12 @@ class NVFP4LinearConverter(QuantizationConverter):
 
         check_block_counts(self.recipe, _n_blocks(model), CONVERTER_NAME)
         report = convert_linears(model, self.recipe, self.filter_fqns, self.lora_rank, self.lora_nvfp4)
+        if not report["converted"] and any(isinstance(m, NVFP4Linear) for m in model.modules()):
+            logger.info(f"NVFP4: [{CONVERTER_NAME}] the model is already converted: nothing to do")
+            return  # converted twice: a no-op (the step counter and the logs stay the first conversion's)
         linears = report["converted"] + [fqn for fqn, _ in report["skipped"]]
         warn_unmatched(CONVERTER_NAME, "filter_fqns", self.filter_fqns, linears, "Linear", DEFAULT_FILTER_FQNS)
-        if not report["converted"] and not any(isinstance(m, NVFP4Linear) for m in model.modules()):  # twice: a no-op
+        if not report["converted"]:
             why = ("the model has no nn.Linear" if not linears else f"all {len(linears)} Linears kept in high precision, "
                    f"e.g. {report['skipped'][0][0]} by {report['skipped'][0][1]}")
             raise ValueError(f"[{CONVERTER_NAME}] converted no Linear layer ({why}); check filter_fqns, or drop "
@@ -339,7 +342,12 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
 
     def convert(self, model: nn.Module) -> None:
         check_block_counts(self.recipe, _n_blocks(model), GROUPED_CONVERTER_NAME)
+        from .experts import EXPERT_CLASSES
+
         report = convert_experts(model, self.recipe, self.fqns, self.lora_rank)
+        if not report["converted"] and any(isinstance(m, tuple(EXPERT_CLASSES.values())) for m in model.modules()):
+            logger.info(f"NVFP4: {GROUPED_CONVERTER_NAME}: the experts are already converted: nothing to do")
+            return  # converted twice: a no-op, as for the Linear converter
         if report["converted"]:
             experts = report["converted"] + [fqn for fqn, _ in report["skipped"]]
             warn_unmatched(GROUPED_CONVERTER_NAME, "fqns", self.fqns, experts, "routed-expert module")
