@@ -117,7 +117,7 @@ CASES = {
         lambda tmp: _convert_llama("--model.converters", "quantize.grouped_mm.nvfp4"), ValueError,
         r"quantize\.grouped_mm\.nvfp4: no routed-expert module matched fqns \['experts'\]"),
     "lora_rank larger than a Linear": (lambda tmp: _convert_llama(L + "lora_rank", "4096"), ValueError,
-                                       r"lora_rank 4096 does not fit Linear 'layers\.0\.attention\.wq' \(256x256\)"),
+                                       r"^\[quantize\.linear\.nvfp4\] lora_rank 4096 does not fit Linear 'layers\.0\.attention\.wq' \(256x256\)"),
     # quantize_nvfp4 / quantize_mxfp8 and the quantized tensors
     "int tensor": (lambda tmp: quantize_nvfp4(torch.ones(4, 32, dtype=torch.int32)), TypeError,
                    r"needs a floating-point tensor, got torch\.int32"),
@@ -183,14 +183,20 @@ CASES = {
                                 r"from_linear\('c'\): needs an nn\.Linear, got Conv1d"),
     "0-d input": (lambda tmp: NVFP4Linear(32, 16, recipe=REF, name="mlp.w1")(torch.tensor(1.0)), RuntimeError,
                   r"mlp\.w1: input of shape \(\) has 0 features"),
+    "layer_id 'a'": (lambda tmp: NVFP4Linear(32, 16, layer_id="a", name="mlp.w1"), ValueError,
+                     r"mlp\.w1: layer_id must be a non-negative integer \(it seeds .*\), got 'a'"),
+    "layer_id -1 (DecomposedLinear)": (lambda tmp: DecomposedLinear(32, 32, rank=16, layer_id=-1, recipe=REF), ValueError,
+                                       r"DecomposedLinear: layer_id must be a non-negative integer .*got -1"),
     "a list as input": (lambda tmp: NVFP4Linear(32, 16, recipe=REF)([[1.0] * 32]), TypeError,
                         r"input must be a torch\.Tensor, got list"),
     "DecomposedLinear rank 0": (lambda tmp: DecomposedLinear(32, 32, rank=0, recipe=REF), ValueError,
-                                r"lora_rank 0 does not fit .*rank 0: use NVFP4Linear"),
+                                r"^DecomposedLinear: rank must be a positive multiple of 16 \(rank 0: use NVFP4Linear\), got 0"),
     "DecomposedLinear rank 8": (lambda tmp: DecomposedLinear(32, 32, rank=8, recipe=REF), ValueError,
-                                r"lora_rank must be 0 \(off\) or a positive multiple of 16, got 8"),
+                                r"^DecomposedLinear: rank must be a positive multiple of 16, got 8$"),
+    "DecomposedLinear rank '16'": (lambda tmp: DecomposedLinear(32, 32, rank="16", recipe=REF, name="w"), ValueError,
+                                   r"^DecomposedLinear 'w': rank must be a positive multiple of 16, got '16'"),
     "DecomposedLinear rank above the dims": (lambda tmp: DecomposedLinear(32, 32, rank=48, recipe=REF, name="w"),
-                                             ValueError, r"lora_rank 48 does not fit Linear 'w' \(32x32\)"),
+                                             ValueError, r"^rank 48 does not fit Linear 'w' \(32x32\)"),
     "DecomposedLinear lora_nvfp4 'no'": (lambda tmp: DecomposedLinear(32, 32, rank=16, recipe=REF, lora_nvfp4="no"),
                                          ValueError, r"lora_nvfp4 must be True or False, got 'no'"),
     "DecomposedLinear recipe {}": (lambda tmp: DecomposedLinear(32, 32, rank=16, recipe={}), TypeError,
@@ -333,6 +339,19 @@ def test_defined_results_of_empty_tensors():
         assert quantize_nvfp4(torch.randn(shape)).dequantize().shape == shape
         assert quantize_mxfp8(torch.randn(shape)).dequantize().shape == shape
     assert NVFP4Linear(32, 16, recipe=REF)(torch.randn(2, 0, 32)).shape == (2, 0, 16)
+
+
+def test_meta_inputs_give_meta_outputs():
+    """Shape inference: a meta input gives a meta output of Y's shape and dtype (no autocast error), gradients too."""
+    x = torch.empty(2, 3, 32, device="meta", requires_grad=True)
+    layer = NVFP4Linear(32, 16, recipe=REF, device="meta")
+    y = layer(x)
+    assert y.is_meta and y.shape == (2, 3, 16) and y.dtype == torch.float32
+    y.sum().backward()
+    assert x.grad.is_meta and x.grad.shape == x.shape and layer.weight.grad.shape == (16, 32)
+    x16 = torch.empty(4, 32, device="meta", dtype=torch.bfloat16)
+    assert nvfp4_linear(x16, torch.randn(16, 32), None, REF).shape == (4, 16)  # a CPU weight too
+    assert DecomposedLinear(32, 32, rank=16, recipe=REF, device="meta")(x16).shape == (4, 32)  # never decomposed
 
 
 # -- the tools: (module, arguments, exit status, the one line they print on stderr); run in tmp_path with two logs

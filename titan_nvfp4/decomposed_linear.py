@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .linear_function import autocast_out_dtype
-from .numerics.lowrank import check_rank, full_tensor, lowrank_merge, lowrank_split
+from .linear_function import autocast_out_dtype, meta_linear
+from .numerics.lowrank import full_tensor, lowrank_merge, lowrank_split
+from .numerics.nvfp4 import BLOCK
 from .nvfp4_linear import NVFP4Linear, check_linear_dims
 from .recipe import NVFP4Recipe
 from .telemetry import measure_linear
@@ -183,14 +184,18 @@ class LowRankState:
             self._lora_ready = bool(self.lora_decomposed)
 
 
-def check_lowrank_args(name: str, rank, in_features: int, out_features: int, lora_nvfp4) -> None:
-    """A DecomposedLinear's rank: a positive multiple of 16 within the weight's smaller dim; lora_nvfp4 a bool."""
-    check_rank(rank)
-    if rank == 0 or rank > min(in_features, out_features):
-        raise ValueError(f"lora_rank {rank} does not fit Linear {name!r} ({out_features}x{in_features}): a "
-                         "DecomposedLinear needs 0 < rank <= min(in_features, out_features) (rank 0: use NVFP4Linear)")
+def check_lowrank_args(name: str, rank, in_features: int, out_features: int, lora_nvfp4, key: str = "rank") -> None:
+    """A DecomposedLinear's rank: a positive multiple of 16 within the weight's smaller dim; lora_nvfp4 a bool.
+    ``key``: the rank's name in messages (the argument, or the converter's TOML key)."""
+    where = f"DecomposedLinear {name!r}" if name else "DecomposedLinear"
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0 or rank % BLOCK:
+        zero = " (rank 0: use NVFP4Linear)" if rank == 0 else ""
+        raise ValueError(f"{where}: {key} must be a positive multiple of {BLOCK}{zero}, got {rank!r}")
+    if rank > min(in_features, out_features):
+        raise ValueError(f"{key} {rank} does not fit Linear {name!r} ({out_features}x{in_features}): a "
+                         "DecomposedLinear needs rank <= min(in_features, out_features)")
     if not isinstance(lora_nvfp4, bool):
-        raise ValueError(f"DecomposedLinear {name!r}: lora_nvfp4 must be True or False, got {lora_nvfp4!r}")
+        raise ValueError(f"{where}: lora_nvfp4 must be True or False, got {lora_nvfp4!r}")
 
 
 class DecomposedLinear(LowRankState, NVFP4Linear):
@@ -200,7 +205,7 @@ class DecomposedLinear(LowRankState, NVFP4Linear):
                  recipe: NVFP4Recipe | None = None, layer_id: int = 0, lora_nvfp4: bool = False, name: str = "",
                  device=None, dtype=None) -> None:
         check_linear_dims(name or type(self).__name__, in_features, out_features)
-        check_lowrank_args(name or type(self).__name__, rank, in_features, out_features, lora_nvfp4)
+        check_lowrank_args(name, rank, in_features, out_features, lora_nvfp4)
         super().__init__(in_features, out_features, bias, recipe=recipe, layer_id=layer_id, name=name,
                          device=device, dtype=dtype)
         self._init_lowrank(rank, lora_nvfp4, layer_id)
@@ -255,6 +260,8 @@ class DecomposedLinear(LowRankState, NVFP4Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
+        if x.is_meta:  # shape inference (a meta module is never decomposed)
+            return meta_linear(x, self.weight, self.bias)
         self._check_decomposed()
         if self.high_precision:  # bf16_after_fraction: R and the branch in the input's dtype
             y = F.linear(x, self.weight, self.bias)

@@ -22,6 +22,9 @@ class NVFP4LayerState(nn.Module):
     def _init_nvfp4(self, recipe: NVFP4Recipe, layer_id: int, device: torch.device,
                     n_gemms: int | None = None, stream_ids: tuple[int, ...] | None = None) -> None:
         """``stream_ids``: the layer id of each GEMM's SR stream (default layer_id + j)."""
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or layer_id < 0:
+            raise ValueError(f"{getattr(self, 'layer_name', '') or type(self).__name__}: layer_id must be a non-negative "
+                             f"integer (it seeds the layer's stochastic-rounding streams), got {layer_id!r}")
         self.recipe, self.layer_id, self._n_gemms = recipe, layer_id, n_gemms
         self._stream_ids = stream_ids or tuple(layer_id + j for j in range(n_gemms or 1))
         shape = (2,) if n_gemms is None else (n_gemms, 2)

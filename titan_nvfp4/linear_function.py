@@ -64,6 +64,8 @@ def autocast_out_dtype(x: torch.Tensor) -> torch.dtype:
     """Under autocast the output takes the autocast dtype, as nn.Linear's would; the NVFP4 math itself
     then runs with autocast off (its fp32 accumulator must not be rounded to 16 bits)."""
     dev = x.device.type
+    if dev == "meta":  # no autocast there (shape inference): the input's dtype
+        return x.dtype
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
@@ -215,6 +217,12 @@ def _wgrad_first(m: int, k: int, n: int) -> bool:
     return max(2 * dy + sw + dw, dy + dw + sd + dx) < max(2 * dy + sd + dx, dy + dx + sw + dw)
 
 
+def meta_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Shape inference for a meta-device x: Y [..., N] on meta in x's dtype (differentiable), nothing quantized."""
+    meta = dict(device="meta", dtype=x.dtype)
+    return torch.nn.functional.linear(x, weight.to(**meta), None if bias is None else bias.to(**meta))
+
+
 def _check_linear_args(x, weight, bias, recipe) -> None:
     """nvfp4_linear's operands: tensors of matching shapes (x [..., K], weight [N, K], bias [N]) and an NVFP4Recipe."""
     if not isinstance(recipe, NVFP4Recipe):
@@ -238,6 +246,8 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     then all-reduced so that every rank quantizes with the whole operand's tensor scale; ``x_amax``:
     fp32 [row, column] amaxes to quantize X with instead of its own (an amax history: amax_history.py)."""
     _check_linear_args(x, weight, bias, recipe)
+    if x.is_meta:
+        return meta_linear(x, weight, bias)
     # Grad mode is off inside Function.forward, so decide here whether the wgrad operand is needed:
     # under no_grad / inference_mode the RHT + quantization of X would be thrown away.
     need_wgrad = torch.is_grad_enabled() and weight.requires_grad

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from .amax_history import activation_amax
 from .distributed.tensor_parallel import local, tp_nvfp4_linear
 from .layer_state import NVFP4LayerState
-from .linear_function import nvfp4_linear
+from .linear_function import meta_linear, nvfp4_linear
 from .numerics.rht import signs_for_operand
 from .ops import operand_amax, resolve_backend
 from .recipe import NVFP4Recipe
@@ -88,6 +88,8 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
+        if x.is_meta:  # shape inference
+            return meta_linear(x, self.weight, self.bias)
         if self.high_precision:
             return F.linear(x, self.weight, self.bias)
         y = self._nvfp4_linear(x, self.weight, self.bias)

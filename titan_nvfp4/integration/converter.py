@@ -17,7 +17,7 @@ from torchtitan.protocols.model_converter import _registry_model_converter_cls, 
 from torchtitan.tools.logging import logger
 
 from ..amax_history import AmaxHistory, layers_with_history, register_buffers, roll
-from ..decomposed_linear import DecomposedLinear, LowRankState
+from ..decomposed_linear import DecomposedLinear, LowRankState, check_lowrank_args
 from ..distributed.fsdp_all_gather import TRAFFIC, precompute_scales, wrap_weight
 from ..nvfp4_linear import NVFP4Linear, check_linear_dims
 from ..ops.backends import resolve_backend
@@ -141,6 +141,8 @@ def convert_linears(model: nn.Module, recipe: NVFP4Recipe, filter_fqns: list[str
         parent = model.get_submodule(parent_name) if parent_name else model
         layer_id = len(report["converted"])
         if lora_rank:
+            check_lowrank_args(fqn, lora_rank, mod.in_features, mod.out_features, lora_nvfp4,
+                               f"[{CONVERTER_NAME}] lora_rank")
             new = DecomposedLinear.from_linear(mod, recipe, layer_id, fqn, rank=lora_rank, lora_nvfp4=lora_nvfp4)
         else:
             new = NVFP4Linear.from_linear(mod, recipe, layer_id=layer_id, name=fqn)
