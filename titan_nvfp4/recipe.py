@@ -49,7 +49,8 @@ class NVFP4Recipe:
     bf16_last_blocks: int = 0
     """Keep the Linears of the last N transformer blocks in BF16."""
     gemm_backend: str = "auto"
-    """NVFP4 GEMM implementation: "auto" picks per device; see titan_nvfp4.ops.gemm."""
+    """NVFP4 GEMM implementation: auto | reference | emulated | native (auto: native on sm_100+, emulated on
+    other GPUs, reference on CPU; titan_nvfp4.ops.gemm)."""
     backward: str = "nvfp4"
     """Precision of the two backward GEMMs of the dense Linears: "nvfp4" (the recipe above), "mxfp8"
     (dY, W and X in MXFP8, 1×32 blocks along each contraction dim, nearest-even) or "bf16" (the input's

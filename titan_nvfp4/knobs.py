@@ -1,0 +1,210 @@
+"""The knobs of the NVFP4 config sections, defined once for every TorchTitan generation (imports no TorchTitan).
+
+`RecipeKnobs` holds the recipe preset and one override per `NVFP4Recipe` field, generated from the dataclass
+(type `T | None`, default None = the preset's value, help = the field's docstring), so a new recipe field costs
+one place. `LinearKnobs` adds the dense-only keys, `GroupedKnobs` the grouped-only ones; each checks its values
+in `__post_init__`, which TorchTitan's parsers (TOML in 0.2, tyro in both) run before anything starts.
+"""
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+from .numerics.lowrank import check_rank
+from .recipe import NVFP4Recipe, build_recipe, validate_field
+
+DEFAULT_FILTER_FQNS = ("output", "router.gate", "shared_experts")  # TorchTitan 0.2's LM head is `output`
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of class ``cls``, by name ({} when its source is not available)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+@dataclass(kw_only=True, slots=True)
+class _Preset:
+    """The recipe preset."""
+
+    SECTION: ClassVar[str] = "quantize.linear.nvfp4"
+
+    recipe: str = "nvidia_paper"
+    """Preset from configs/ (nvidia_paper, nvidia_paper_selective, naive_rtn) or a path to a .toml."""
+
+
+def _overrides_class() -> type:
+    """A dataclass below `_Preset` with a `T | None = None` field per NVFP4Recipe field; tyro reads each field's
+    help from the generated class docstring's Attributes section (docstring_parser)."""
+    hints = typing.get_type_hints(NVFP4Recipe)
+    docs = field_docs(NVFP4Recipe)
+    names = [f.name for f in dataclasses.fields(NVFP4Recipe)]
+    cls = dataclasses.make_dataclass(
+        "RecipeOverrides", [(n, Optional[hints[n]], field(default=None)) for n in names],
+        bases=(_Preset,), kw_only=True, slots=True)
+    lines = ["Overrides of the preset's recipe fields (None: the preset's value).", "", "Attributes:"]
+    for n in names:
+        text = " ".join(docs.get(n, "").split()) or f"NVFP4Recipe.{n}."
+        lines.append(f"    {n}: {text} Unset: the preset's value.")
+    cls.__doc__ = "\n".join(lines)
+    cls.__module__, cls.__qualname__ = __name__, "RecipeOverrides"
+    return cls
+
+
+RecipeOverrides = _overrides_class()
+
+
+def _nonneg_int(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 0
+
+
+@dataclass(kw_only=True, slots=True)
+class RecipeKnobs(RecipeOverrides):
+    """The recipe preset and per-field overrides, shared by the dense and the grouped sections."""
+
+    bf16_after_fraction: float = 0.0
+    """Switch this section's NVFP4 layers to high precision (BF16 under TorchTitan's mixed precision)
+    for the last fraction of training.steps (0 = never; 1 = from the start, a control arm with the
+    same modules)."""
+
+    def _check_fqns(self, key: str) -> None:
+        value = getattr(self, key)
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise ValueError(f"[{self.SECTION}] {key} must be a list of strings, got {value!r}")
+        if any(not s.strip() for s in value):
+            raise ValueError(f"[{self.SECTION}] {key} holds an empty pattern, which every module name contains: "
+                             f"got {value!r}")
+
+    def _check_count(self, key: str, what: str = "a non-negative integer") -> None:
+        value = getattr(self, key)
+        if not _nonneg_int(value):
+            raise ValueError(f"[{self.SECTION}] {key} must be {what}, got {value!r}")
+
+    def __post_init__(self) -> None:
+        f = self.bf16_after_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
+            raise ValueError(f"[{self.SECTION}] bf16_after_fraction must be a number in [0, 1], got {f!r}")
+        if not isinstance(self.recipe, str) or not self.recipe.strip():
+            raise ValueError(f"[{self.SECTION}] recipe must be a preset name or a path to a .toml file, "
+                             f"got {self.recipe!r}")
+        for name, value in self.overrides().items():
+            validate_field(name, value, self.SECTION)
+        self.build_recipe()  # an unknown preset fails here, at parse time
+
+    def overrides(self) -> dict:
+        """The recipe fields set explicitly in the job file."""
+        names = [f.name for f in dataclasses.fields(NVFP4Recipe)]
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def build_recipe(self) -> NVFP4Recipe:
+        return build_recipe(self.recipe, self.overrides())
+
+
+@dataclass(kw_only=True, slots=True)
+class LinearKnobs(RecipeKnobs):
+    """Dense nn.Linear layers."""
+
+    GROUPED_SECTION: ClassVar[str] = "quantize.grouped_mm.nvfp4"
+
+    filter_fqns: list[str] = field(default_factory=lambda: list(DEFAULT_FILTER_FQNS))
+    """Linears whose fully qualified name contains one of these strings stay BF16 (default: the LM
+    head, MoE router gates and shared experts; drop "shared_experts" to convert those too)."""
+    lora_rank: int = 0
+    """DecomposedLinear: keep the top-r singular directions of every converted Linear's weight in a
+    high-precision branch beside the NVFP4 residual (0 = off; else a multiple of 16)."""
+    lora_nvfp4: bool = False
+    """Run the branch's two GEMMs in NVFP4 too (default: the input's dtype, BF16 in training)."""
+    lora_refresh_steps: int = 0
+    """Re-decompose every N optimizer steps (0 = only at initialization). AdamW's moments keep describing
+    the old split, which cost loss in docs/results.md (DecomposedLinear): leave it at 0 unless you study it."""
+    telemetry_every: int = 0
+    """Per-layer numerics telemetry: every N steps (and step 1) each converted Linear measures amax,
+    saturated and underflowed blocks and the quantization SNR of W, X and dY, logged with TorchTitan's
+    next metrics log as nvfp4/<layer>/<operand>/<stat> (0 = off)."""
+    activation_amax_history: int = 0
+    """X's tensor scale from the largest amax of the last N optimizer steps (delayed scaling; the current
+    amax on the first step; all ranks share one history) instead of X's own amax (0 = off, the
+    default). Elements above the history's amax saturate. Dense Linears only."""
+    fsdp_nvfp4_all_gather: bool = False
+    """Under FSDP2, all-gather the converted Linears' weights as NVFP4 codes (4 bits per element)
+    instead of BF16: each rank quantizes its shard with the whole weight's scales (with tensor
+    parallelism, its TP shard's, with the whole weight's tensor amax). Needs 16×16 weight blocks (weight_2d)."""
+
+    def __post_init__(self) -> None:
+        s = self.SECTION
+        self._check_fqns("filter_fqns")
+        check_rank(self.lora_rank, s)
+        if not isinstance(self.lora_nvfp4, bool):
+            raise ValueError(f"[{s}] lora_nvfp4 must be true or false, got {self.lora_nvfp4!r}")
+        self._check_count("lora_refresh_steps")
+        if self.lora_refresh_steps and not self.lora_rank:
+            raise ValueError(f"[{s}] lora_refresh_steps = {self.lora_refresh_steps} needs lora_rank > 0")
+        self._check_count("telemetry_every")
+        self._check_count("activation_amax_history", "a non-negative integer (0 = off)")
+        if not isinstance(self.fsdp_nvfp4_all_gather, bool):
+            raise ValueError(f"[{s}] fsdp_nvfp4_all_gather must be true or false, got {self.fsdp_nvfp4_all_gather!r}")
+        if self.staged_expert_activations is not None:
+            raise ValueError(f"[{s}] staged_expert_activations applies to the routed experts only: set it "
+                             f"in [{self.GROUPED_SECTION}]")
+        RecipeKnobs.__post_init__(self)  # slots=True: no zero-argument super()
+        self._check_all_gather(self.build_recipe())
+
+    def _check_all_gather(self, recipe: NVFP4Recipe) -> None:
+        if not self.fsdp_nvfp4_all_gather:
+            return
+        s = self.SECTION
+        if not recipe.weight_2d:
+            raise ValueError(f"[{s}] fsdp_nvfp4_all_gather = true needs weight_2d = true (16x16 weight "
+                             "blocks: the gathered codes then serve forward and dgrad alike)")
+        if self.bf16_after_fraction:
+            raise ValueError(f"[{s}] fsdp_nvfp4_all_gather = true cannot be combined with bf16_after_fraction "
+                             f"= {self.bf16_after_fraction}: FSDP2 keeps the all-gather buffers of the first step "
+                             "(packed codes), so the weights cannot switch to a BF16 all-gather mid-run")
+        if recipe.four_over_six:
+            raise ValueError(f"[{s}] fsdp_nvfp4_all_gather = true does not support block_scale_rule = "
+                             "\"four_over_six\" yet (a tile's choice needs the error of all its rows, which "
+                             "straddle shards); use block_scale_rule = \"six\" or the BF16 all-gather")
+        if recipe.backward != "nvfp4":
+            raise ValueError(f"[{s}] fsdp_nvfp4_all_gather = true needs backward = \"nvfp4\" (an MXFP8 or "
+                             f"BF16 backward reads the high-precision weight), got {recipe.backward!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class GroupedKnobs(RecipeKnobs):
+    """Routed MoE experts."""
+
+    SECTION: ClassVar[str] = "quantize.grouped_mm.nvfp4"
+
+    fqns: list[str] = field(default_factory=lambda: ["experts"])
+    """Expert modules whose fully qualified name contains one of these strings are converted."""
+    lora_rank: int = 0
+    """Keep the top-r singular directions of every expert weight in a BF16 branch beside the NVFP4
+    residual, per expert (0 = off; else a multiple of 16). [quantize.linear.nvfp4] lora_refresh_steps
+    re-decomposes these too."""
+    telemetry_every: int = 0
+    """Numerics telemetry of every grouped GEMM of the converted experts: every N steps (and step 1)
+    amax, saturated and underflowed blocks and SNR of the expert weights (per expert: each has its own
+    tensor scale; plus the worst expert's SNR), the routed tokens and dY, logged as
+    nvfp4/<experts>/<weight>/<operand>/<stat> (0 = off)."""
+
+    def __post_init__(self) -> None:
+        self._check_fqns("fqns")
+        check_rank(self.lora_rank, self.SECTION)
+        self._check_count("telemetry_every")
+        RecipeKnobs.__post_init__(self)
+        backward = self.build_recipe().backward
+        if backward != "nvfp4":
+            raise ValueError(f"[{self.SECTION}] backward = {backward!r}: the experts run an NVFP4 "
+                             "backward only (set it in [quantize.linear.nvfp4] for the dense Linears)")
