@@ -1,0 +1,36 @@
+"""Config registry for TorchTitan 0.3: ``-m torchtitan.train --module titan_nvfp4.integration_v03.configs
+--config llama3_debug_nvfp4`` (or its BF16 twin ``llama3_debug_bf16``), on the offline pystdlib corpus."""
+
+import dataclasses
+import os
+
+from torchtitan.models.llama3.config_registry import llama3_debugmodel
+from torchtitan.trainer import Trainer
+
+from ..data.assets import DEFAULT_DIR, ENV_VAR
+from ..data.registry import TRAIN_NAME, VALIDATION_NAME
+from .converter import NVFP4LinearConfigConverter
+from .trainer import NVFP4Trainer, QuantizeConfig
+
+
+def nvfp4_trainer_config(base: Trainer.Config, quantize: QuantizeConfig) -> NVFP4Trainer.Config:
+    """``base`` (an upstream config function's result) as an NVFP4Trainer.Config on the offline corpus, CUDA
+    graphs off (our step has host-side logic)."""
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+    config = NVFP4Trainer.Config(**fields, quantize=quantize)
+    config.hf_assets_path = os.environ.get(ENV_VAR) or str(DEFAULT_DIR)
+    config.dataloader.dataset = TRAIN_NAME
+    config.validator.dataloader.dataset = VALIDATION_NAME
+    config.training.disable_cuda_graphs = True
+    return config
+
+
+def llama3_debug_bf16() -> NVFP4Trainer.Config:
+    """Llama3 debugmodel in BF16: the control arm of llama3_debug_nvfp4."""
+    return nvfp4_trainer_config(llama3_debugmodel(), QuantizeConfig())
+
+
+def llama3_debug_nvfp4() -> NVFP4Trainer.Config:
+    """Llama3 debugmodel with every block Linear in NVFP4 (nvidia_paper recipe; the LM head stays BF16)."""
+    return nvfp4_trainer_config(
+        llama3_debugmodel(), QuantizeConfig(linear=NVFP4LinearConfigConverter.Config(enable=True)))

@@ -1,0 +1,61 @@
+"""NVFP4Linear as a TorchTitan 0.3 Module: built from a Linear.Config-like config, with a declared placement for
+each of its buffers (0.3 refuses undeclared states on a module that has a sharding config)."""
+
+from dataclasses import dataclass, field, replace
+
+import spmd_types as spmd
+from torchtitan.distributed.parallel_dims import MeshAxisName
+from torchtitan.models.common.linear import Linear
+from torchtitan.protocols.module import Module
+from torchtitan.protocols.sharding import SpmdLayout
+
+from ..nvfp4_linear import NVFP4Linear
+from ..recipe import NVFP4Recipe
+
+_AXES = (MeshAxisName.DP, MeshAxisName.CP, MeshAxisName.TP)
+PER_RANK = SpmdLayout({a: spmd.V for a in _AXES})  # the SR counter: each rank draws its own stream
+REPLICATED = SpmdLayout({a: spmd.R for a in _AXES})  # RHT signs and the like: the same on every rank
+
+
+def declare_buffers(instance: Module) -> None:
+    """Add a placement for each buffer of ``instance`` its sharding config does not name (sr_counter per rank,
+    the others replicated)."""
+    sc = instance._sharding_config
+    if sc is None:
+        return
+    extra = {n: PER_RANK if n == "sr_counter" else REPLICATED
+             for n, _ in instance.named_buffers(recurse=False) if n not in sc.state_shardings}
+    if extra:
+        instance._sharding_config = replace(sc, state_shardings={**sc.state_shardings, **extra})
+
+
+class TitanNVFP4Linear(NVFP4Linear, Module):
+    """titan_nvfp4's NVFP4Linear under TorchTitan 0.3's Module protocol (same parameters and state-dict keys)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Linear.Config):
+        recipe: NVFP4Recipe = field(default_factory=NVFP4Recipe)
+        """The layer's NVFP4 recipe."""
+        layer_id: int = 0
+        """Seeds the layer's stochastic-rounding stream."""
+        name: str = ""
+        """The layer's fqn, for messages."""
+
+        def build(self, **kwargs):
+            instance = Linear.Config.build(self, **kwargs)  # slots=True: no zero-argument super()
+            declare_buffers(instance)
+            return instance
+
+    def __init__(self, config: Config):
+        NVFP4Linear.__init__(self, config.in_features, config.out_features, bias=config.bias,
+                             recipe=config.recipe, layer_id=config.layer_id, name=config.name)
+
+    def parallelize(self, parallel_dims) -> None:
+        """Refuse tensor parallelism, which this integration does not support yet (no cross-shard amax)."""
+        if parallel_dims.tp_enabled:
+            raise NotImplementedError(f"{self.label()}: tensor parallelism is not supported by the TorchTitan 0.3 "
+                                      "integration yet (issue 44); set parallelism.tensor_parallel_degree = 1")
+        Module.parallelize(self, parallel_dims)
+
+    def _init_self_buffers(self, *, buffer_device=None) -> None:
+        self._reset_nvfp4_buffers()  # a fresh SR stream and the RHT signs at init_weights
