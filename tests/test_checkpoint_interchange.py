@@ -15,7 +15,9 @@ import torch
 import titan_nvfp4  # noqa: F401  (registers the converters, patches the CheckpointManager)
 from titan_nvfp4.amax_history import layers_with_history
 from titan_nvfp4.decomposed_linear import DecomposedLinear
+from titan_nvfp4.linear_function import sr_counter
 from titan_nvfp4.nvfp4_linear import NVFP4Linear
+from titan_nvfp4.numerics.rht import rht_signs
 from titan_nvfp4.tools.export_dense import main as export_main
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.lr_scheduler import build_lr_schedulers
@@ -65,13 +67,13 @@ def _cfg(keys: dict | None, folder: str, initial: str | None):
 class Job:
     """A TorchTitan job as far as checkpoints go: the tiny Llama3 (BF16 when ``keys`` is None, else
     converted with these [quantize.linear.nvfp4] keys), AdamW, LR schedule and train_state, with a
-    CheckpointManager on ``tmp/folder``; ``initial``: checkpoint.initial_load_path (model only)."""
+    CheckpointManager on ``tmp/folder``; ``initial``: checkpoint.initial_load_path (model only); ``args``: the model's."""
 
-    def __init__(self, tmp, keys=LORA, folder="ckpt", initial=None, dims=None, shard=None, seed=0):
+    def __init__(self, tmp, keys=LORA, folder="ckpt", initial=None, dims=None, shard=None, seed=0, args=ARGS):
         cfg = _cfg(keys, folder, initial)
         dims = dims or world1()
         with torch.device("meta"):
-            self.model = Transformer(copy.deepcopy(ARGS))
+            self.model = Transformer(copy.deepcopy(args))
         self.converters = build_model_converters(cfg, dims) if keys is not None else None
         if self.converters is not None:
             self.converters.convert(self.model)
@@ -106,8 +108,8 @@ class Job:
     def load(self) -> None:
         assert self.ckpt.load()
 
-    def linear(self, name: str):
-        return self.model.layers["0"].get_submodule(name)
+    def linear(self, name: str, block: str = "0"):
+        return self.model.layers[block].get_submodule(name)
 
 
 def _dense(job: Job) -> dict[str, torch.Tensor]:
@@ -176,12 +178,22 @@ def test_lowrank_checkpoint_resumed_as_bf16_continues_from_the_full_weight(lora_
 
 def test_legacy_lowrank_state_dict_names_export_dense(lora_run):
     """A state dict with weight = R and factors but no lora_residual (written before this format): a
-    direct load stops and names export_dense, which folds it."""
+    direct load stops and names export_dense, which folds it; through the CheckpointManager (DCP) the
+    message names the checkpoint folder."""
     state = lora_run.state
     legacy = {k: v for k, v in state.items() if not k.endswith("lora_residual")}
     legacy.update({k[: -len("lora_residual")] + "weight": v for k, v in state.items() if k.endswith("lora_residual")})
+    import torch.distributed.checkpoint as dcp
+
+    folder = str(lora_run.tmp / "legacy_dcp")  # the same, as TorchTitan's CheckpointManager saved it (flat model keys)
+    dcp.save(legacy, checkpoint_id=folder)
+    job = Job(lora_run.tmp, LORA, folder="legacy", initial=folder)
     with pytest.raises(ValueError, match="titan_nvfp4.tools.export_dense"):
-        Job(lora_run.tmp, LORA, folder="legacy").model.load_state_dict(legacy)
+        job.model.load_state_dict(legacy)
+    pattern = (rf"checkpoint {folder} has layers\.0\.\S+\.lora_u but no \S+\.lora_residual.*"
+               rf"titan_nvfp4\.tools\.export_dense {folder} dense\.pt")
+    with pytest.raises(ValueError, match=pattern):
+        job.load()
     torch.save(legacy, lora_run.tmp / "legacy.pt")
     export_main([str(lora_run.tmp / "legacy.pt"), str(lora_run.tmp / "legacy_dense.pt")])
     dense = torch.load(lora_run.tmp / "legacy_dense.pt")
@@ -242,12 +254,14 @@ def test_lowrank_resume_through_the_checkpoint_manager_is_bit_exact(lora_run):
         assert torch.equal(p, lora_run.params2[n]), n
 
 
-KNOBS = [{"stochastic_rounding": False}, {"rht": False}, {"weight_2d": False}, {"block_scale_rule": "four_over_six"}]
+KNOBS = [{"stochastic_rounding": False}, {"rht": False}, {"weight_2d": False}, {"block_scale_rule": "four_over_six"},
+         {"rht_seed": 7, "sr_seed": 5, "rht_round_to_input_dtype": True}, {"backward": "mxfp8"}]
 
 
 def test_resume_with_a_stateless_knob_changed_continues(tmp_path):
     """Knobs without state (the SR counts are kept whatever stochastic_rounding says): the resumed job
-    has the checkpoint's weights, optimizer and step, and trains on with the new setting."""
+    has the checkpoint's weights, optimizer, step and SR call counts, and trains on with the new setting
+    (its own sr_seed's streams and rht_seed's signs). gemm_backend: only 'reference' runs on CPU."""
     a = Job(tmp_path, REF)
     a.step(_tokens(1))
     a.save()
@@ -255,10 +269,32 @@ def test_resume_with_a_stateless_knob_changed_continues(tmp_path):
         b = Job(tmp_path, {**REF, **knob})
         b.load()
         assert b.trainer.step == 1, knob
-        assert int(b.linear("attention.wq").sr_counter[1]) == 1, knob
+        wq = b.linear("attention.wq")
+        assert int(wq.sr_counter[1]) == 1, knob
+        assert int(wq.sr_counter[0]) == int(sr_counter(wq.recipe, wq.layer_id)[0]), knob  # this run's sr_seed
+        assert wq.rht_signs is None or torch.equal(wq.rht_signs, rht_signs(wq.recipe.rht_seed)), knob
         for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
             assert torch.equal(p, q), (knob, n)
         assert torch.isfinite(b.step(_tokens(2))), knob
+
+
+def test_resume_with_other_bf16_blocks_and_filter_fqns(tmp_path):
+    """bf16_first_blocks and filter_fqns changed on resume (same model keys): a layer that became BF16
+    drops its SR counts, a newly converted one starts its streams at zero, the others keep theirs."""
+    args = dataclasses.replace(ARGS, n_layers=2)
+    filters = list(_parsed().quantize.linear.nvfp4.filter_fqns)
+    a = Job(tmp_path, {**REF, "filter_fqns": filters + ["layers.1.attention.wq"]}, args=args)
+    assert not isinstance(a.linear("attention.wq", "1"), NVFP4Linear)
+    a.step(_tokens(1))
+    a.save()
+    b = Job(tmp_path, {**REF, "bf16_first_blocks": 1, "filter_fqns": filters}, args=args)
+    b.load()
+    assert b.trainer.step == 1
+    assert not any(isinstance(m, NVFP4Linear) for m in b.model.layers["0"].modules())  # now BF16: counts dropped
+    assert int(b.linear("attention.wq", "1").sr_counter[1]) == 0  # newly converted: its streams start at zero
+    assert int(b.linear("attention.wo", "1").sr_counter[1]) == 1
+    for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(p, q), n
 
 
 def test_resume_with_another_amax_history(tmp_path):
@@ -282,10 +318,11 @@ def test_resume_with_another_amax_history(tmp_path):
     assert layers[0].amax_history.ready and layers[0].x_amax_history[0].all()
 
 
-# ------------------------------------------------------------------- FSDP2: NVFP4 all-gather on -> off
+# ------------------------------------------------------------- FSDP2: NVFP4 all-gather off -> on -> off
 
-def _fsdp_save_worker(rank, world, out, tmp):
-    """FSDP2 over 2 gloo ranks, lora_rank 16 and the NVFP4 all-gather: one step, a CheckpointManager save."""
+def _fsdp_worker(rank, world, out, tmp, saved_off):
+    """FSDP2 over 2 gloo ranks, lora_rank 16 and the NVFP4 all-gather: resume the 1-process checkpoint
+    saved with the all-gather off (``saved_off``: its parameters), one step, a CheckpointManager save."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -304,7 +341,11 @@ def _fsdp_save_worker(rank, world, out, tmp):
     dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world)
     job = Job(tmp, {**LORA, "fsdp_nvfp4_all_gather": True}, dims=dims, shard=shard)
     assert isinstance(job.linear("attention.wq").weight._local_tensor, NVFP4ShardedWeight)
-    job.step(_tokens(1))
+    job.load()  # off -> on: ckpt/step-1, unsharded, plain weights
+    assert job.trainer.step == 1 and int(job.linear("attention.wq").sr_counter[0, 1]) == 1  # R's stream
+    for n, p in job.model.named_parameters():
+        assert torch.equal(p.full_tensor(), saved_off[n]), n
+    job.step(_tokens(2))
     job.save()
     dense = _dense(job)  # gathers: every rank
     params = {n: p.full_tensor().detach().clone() for n, p in job.model.named_parameters()}
@@ -312,18 +353,23 @@ def _fsdp_save_worker(rank, world, out, tmp):
         out.update(dense=dense, params=params)
 
 
-def test_fsdp2_nvfp4_all_gather_checkpoint_loads_unsharded_with_the_knob_off(tmp_path):
-    """Saved sharded (FSDP2 2 ranks, NVFP4 all-gather on, lora_rank 16): one process with the all-gather
-    off resumes R and the factors bit for bit; a BF16 model loads W."""
+def test_fsdp2_nvfp4_all_gather_off_and_on_resume_each_other(tmp_path):
+    """A 1-process checkpoint saved with the all-gather off resumes under FSDP2 (2 ranks) with it on
+    (lora_rank 16: R, factors, AdamW state, step, SR counts); what that saves sharded resumes in one
+    process with the knob off bit for bit, and a BF16 model loads W from it."""
     from dist_util import run_ranks
 
-    out = run_ranks(_fsdp_save_worker, 2, tmp_path)
+    first = Job(tmp_path, LORA)
+    first.step(_tokens(1))
+    first.save()
+    saved_off = {n: p.detach().clone() for n, p in first.model.named_parameters()}
+    out = run_ranks(_fsdp_worker, 2, tmp_path, saved_off)
     off = Job(tmp_path, LORA)
     off.load()
-    assert off.trainer.step == 1
+    assert off.trainer.step == 2
     for n, p in off.model.named_parameters():
         assert torch.equal(p, out["params"][n]), n
-    bf16 = Job(tmp_path, None, folder="bf16", initial=str(tmp_path / "ckpt" / "step-1"))
+    bf16 = Job(tmp_path, None, folder="bf16", initial=str(tmp_path / "ckpt" / "step-2"))
     bf16.load()
     for name, w in out["dense"].items():
         assert torch.allclose(bf16.linear(name).weight, w, rtol=0, atol=1e-6), name
