@@ -62,11 +62,19 @@ def full() -> None:
     pkg = installed_package_dir()
     import titan_nvfp4
 
+    from titan_nvfp4.torchtitan_version import INTEGRATIONS, installed_generation
+
+    # the integration of the other TorchTitan generation refuses to import, naming the installed one
+    other = [p for g, p in INTEGRATIONS.items() if g != installed_generation()]
     modules = [m.name for m in pkgutil.walk_packages(titan_nvfp4.__path__, "titan_nvfp4.")]
     for name in modules:
-        if name not in IMPORT_BUILDS_DATA:
+        if any(name == p or name.startswith(p + ".") for p in other):
+            with contextlib.suppress(ImportError):
+                importlib.import_module(name)
+                check(False, f"{name} imported beside torchtitan {installed_generation()}")
+        elif name not in IMPORT_BUILDS_DATA:
             importlib.import_module(name)
-    for sub in ("kernels", "distributed", "integration", "numerics", "ops", "tools", "data", "configs"):
+    for sub in ("kernels", "distributed", "integration", "integration_v03", "numerics", "ops", "tools", "data", "configs"):
         check(f"titan_nvfp4.{sub}" in modules, f"titan_nvfp4.{sub} missing from the wheel")
     check(any(pkg.parent.glob(f"titan_nvfp4-{titan_nvfp4.__version__}.dist-info/licenses/LICENSE")),
           "LICENSE missing from the wheel")

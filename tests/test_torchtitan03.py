@@ -100,9 +100,13 @@ def build_parallelized(c, monkeypatch):
 
 @pytest.fixture
 def gloo_rank():
+    """A 1-rank gloo group, on one intra-op thread (the tiny GEMMs run 5x slower on oversubscribed cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+    torch.set_num_threads(threads)
 
 
 def test_llama3_debugmodel_forward_backward_in_nvfp4(gloo_rank, monkeypatch, tmp_path):
@@ -120,7 +124,8 @@ def test_llama3_debugmodel_forward_backward_in_nvfp4(gloo_rank, monkeypatch, tmp
     out = model(tokens, positions=torch.arange(SEQ).repeat(BATCH, 1), attention_masks=None)
     loss = torch.nn.functional.cross_entropy(out.float().flatten(0, 1), tokens.flatten())
     loss.backward()
-    assert math.isfinite(float(loss)) and abs(float(loss) - math.log(vocab)) < 1.5
+    value = float(loss.detach())
+    assert math.isfinite(value) and abs(value - math.log(vocab)) < 1.5  # near uniform at init
     assert all(m.weight.grad is not None and torch.isfinite(m.weight.grad.full_tensor()
                if hasattr(m.weight.grad, "full_tensor") else m.weight.grad).all() for m in nvfp4.values())
     assert all(m.sr_calls == 1 for m in nvfp4.values())  # one backward drew one SR call per layer

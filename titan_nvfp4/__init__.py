@@ -1,7 +1,9 @@
 """titan-nvfp4: NVFP4 (4-bit) pretraining for TorchTitan.
 
-Importing the package registers the `quantize.linear.nvfp4` and `quantize.grouped_mm.nvfp4` model
-converters with TorchTitan.
+With TorchTitan 0.2 installed, importing the package registers the `quantize.linear.nvfp4` and
+`quantize.grouped_mm.nvfp4` model converters (titan_nvfp4.integration); TorchTitan 0.3 names
+titan_nvfp4.integration_v03.configs on its command line instead. Without TorchTitan the numerics and
+modules still work.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -12,17 +14,15 @@ from .linear_function import nvfp4_linear
 from .numerics import MXFP8Tensor, NVFP4Tensor, quantize_mxfp8, quantize_nvfp4, rht, rht_signs
 from .nvfp4_linear import NVFP4Linear
 from .recipe import NVFP4Recipe, available_presets, build_recipe
+from .torchtitan_version import installed_generation
 
 try:
     __version__ = version("titan-nvfp4")
 except PackageNotFoundError:  # a source tree that was not installed
     __version__ = "0+unknown"
 
-try:
+if installed_generation() == "0.2":  # TorchTitan 0.2 finds converters in its registry; 0.3 needs none
     from .integration import converter as _converter  # noqa: F401
-except ImportError as _e:  # torchtitan missing: the numerics and modules still work
-    if "torchtitan" not in str(_e):
-        raise
 
 __all__ = [
     "DecomposedLinear",
