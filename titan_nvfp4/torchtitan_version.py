@@ -16,9 +16,10 @@ def installed_generation() -> str | None:
 
 
 def require_generation(wanted: str) -> None:
-    """Raise an ImportError naming the installed TorchTitan unless it is generation ``wanted``."""
+    """Raise an ImportError naming the installed TorchTitan when it is missing or the other generation."""
     have = installed_generation()
-    if have != wanted:
+    # only a known other generation is refused: a source checkout may report another version (e.g. 0.0.0)
+    if have != wanted and (have is None or have in INTEGRATIONS):
         other = INTEGRATIONS.get(have or "")
         hint = f"; for it use {other}" if other else ""
         raise ImportError(f"{INTEGRATIONS[wanted]} is the TorchTitan {wanted} integration, but "
