@@ -5,7 +5,6 @@ Llama3 flavors, see flavors.py)."""
 
 from __future__ import annotations
 
-import re
 import types
 
 import torch
@@ -19,6 +18,7 @@ from torchtitan.tools.logging import logger
 from ..amax_history import AmaxHistory, layers_with_history, register_buffers, roll
 from ..decomposed_linear import DecomposedLinear, LowRankState, check_lowrank_args
 from ..distributed.fsdp_all_gather import TRAFFIC, precompute_scales, wrap_weight
+from ..layer_selection import check_block_counts, skip_reason
 from ..nvfp4_linear import NVFP4Linear, check_linear_dims
 from ..ops.backends import resolve_backend
 from ..recipe import NVFP4Recipe
@@ -29,7 +29,6 @@ CONVERTER_NAME = "quantize.linear.nvfp4"
 GROUPED_CONVERTER_NAME = "quantize.grouped_mm.nvfp4"
 LINEAR_STEPS, GROUPED_STEPS = "nvfp4_linear_steps", "nvfp4_grouped_steps"  # StepCounter submodules
 GROUPED_LAYER_ID_BASE = 1 << 20  # SR streams of expert GEMMs never meet those of dense layers
-_BLOCK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def require_listed_once(job_config: JobConfig, name: str) -> None:
@@ -71,30 +70,6 @@ def _n_blocks(model: nn.Module) -> int:
     """Number of transformer blocks (for bf16_first_blocks / bf16_last_blocks), 0 if unknown."""
     layers = getattr(model, "layers", None)
     return len(layers) if isinstance(layers, (nn.ModuleDict, nn.ModuleList)) else 0
-
-
-def skip_reason(fqn: str, filter_fqns: list[str], recipe: NVFP4Recipe, n_blocks: int) -> str | None:
-    """Why the Linear at ``fqn`` stays BF16, or None to convert it."""
-    hits = [f for f in filter_fqns if f in fqn]
-    if hits:
-        return f"filter_fqns {hits}"
-    m = _BLOCK_RE.search(fqn)
-    if m and n_blocks:
-        i = int(m.group(1))
-        if i < recipe.bf16_first_blocks:
-            return f"block {i} < bf16_first_blocks={recipe.bf16_first_blocks}"
-        if i >= n_blocks - recipe.bf16_last_blocks:
-            return f"block {i} in the last bf16_last_blocks={recipe.bf16_last_blocks}"
-    return None
-
-
-def check_block_counts(recipe: NVFP4Recipe, n_blocks: int, section: str) -> None:
-    """Refuse bf16_first_blocks + bf16_last_blocks that keep every transformer block of the model in BF16."""
-    first, last = recipe.bf16_first_blocks, recipe.bf16_last_blocks
-    if n_blocks and first + last >= n_blocks:
-        raise ValueError(f"[{section}] bf16_first_blocks = {first} and bf16_last_blocks = {last} keep all {n_blocks} "
-                         "transformer blocks of the model in BF16, so nothing would train in NVFP4; lower them "
-                         "(nvidia_paper_selective is sized for a 62-block model)")
 
 
 def warn_unmatched(section: str, key: str, patterns: list[str], fqns: list[str], what: str,

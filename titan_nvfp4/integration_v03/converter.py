@@ -1,7 +1,6 @@
 """The 0.3 model converter for dense Linears: replaces Linear.Config nodes of a model config tree with
 TitanNVFP4Linear.Config, per the shared knobs (titan_nvfp4/knobs.py) of the `quantize.linear` section."""
 
-import re
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -10,6 +9,7 @@ from torchtitan.protocols.model import ModelConfigConverter
 from torchtitan.tools.logging import logger
 
 from ..knobs import LinearKnobs
+from ..layer_selection import check_block_counts, skip_reason
 from ..nvfp4_linear import check_linear_dims
 from .modules import TitanNVFP4Linear
 
@@ -17,7 +17,6 @@ DEFAULT_FILTER_FQNS = ("lm_head", "router.gate", "shared_experts")  # 0.3's LM h
 #: knobs of the 0.2 integration that this one does not implement yet, with their off value
 NOT_YET = {"lora_rank": 0, "lora_refresh_steps": 0, "telemetry_every": 0, "activation_amax_history": 0,
            "fsdp_nvfp4_all_gather": False, "bf16_after_fraction": 0.0}
-_BLOCK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 class NVFP4LinearConfigConverter(ModelConfigConverter):
@@ -47,18 +46,6 @@ class NVFP4LinearConfigConverter(ModelConfigConverter):
         self.config = config
         self.recipe = config.build_recipe()
 
-    def skip_reason(self, fqn: str, n_blocks: int) -> str | None:
-        """Why the Linear at ``fqn`` stays BF16, or None to convert it."""
-        hits = [f for f in self.config.filter_fqns if f in fqn]
-        if hits:
-            return f"filter_fqns {hits}"
-        m = _BLOCK_RE.search(fqn)
-        if m and n_blocks:
-            i, r = int(m.group(1)), self.recipe
-            if i < r.bf16_first_blocks or i >= n_blocks - r.bf16_last_blocks:
-                return f"block {i} in bf16_first_blocks={r.bf16_first_blocks} / bf16_last_blocks={r.bf16_last_blocks}"
-        return None
-
     def convert(self, model_config):
         """Return ``model_config`` with its eligible Linear.Config nodes replaced (layer ids in tree order)."""
         if not self.config.enable:
@@ -66,14 +53,12 @@ class NVFP4LinearConfigConverter(ModelConfigConverter):
         layers = getattr(model_config, "layers", None)
         n_blocks = len(layers) if isinstance(layers, (list, dict)) else 0
         r = self.recipe
-        if n_blocks and r.bf16_first_blocks + r.bf16_last_blocks >= n_blocks:
-            raise ValueError(f"[{self.config.SECTION}] bf16_first_blocks = {r.bf16_first_blocks} and bf16_last_blocks "
-                             f"= {r.bf16_last_blocks} keep all {n_blocks} transformer blocks in BF16")
+        check_block_counts(r, n_blocks, self.config.SECTION)
         converted, skipped = [], []
         for fqn, cfg, parent, attr in list(model_config.traverse(Linear.Config)):
             if isinstance(cfg, TitanNVFP4Linear.Config):
                 continue  # converting twice is a no-op
-            why = self.skip_reason(fqn, n_blocks)
+            why = skip_reason(fqn, self.config.filter_fqns, r, n_blocks)
             if why:
                 skipped.append((fqn, why))
                 continue
