@@ -5,6 +5,8 @@
 Per trace: the step's wall time (its ProfilerStep span), GPU busy time (the union of kernel intervals) and
 idle time, GPU time by kernel category (GEMMs, our NVFP4 quantization / GEMM / staging kernels, inductor's
 fused kernels, attention, other), the number of kernel launches per category, and the top kernels by time.
+Host side: the time the step's thread spends in our custom ops (``titan_nvfp4::*``) and in kernel-launch
+API calls, and the top-level host operations (those no other operation encloses) by time.
 """
 
 from __future__ import annotations
@@ -70,7 +72,32 @@ def breakdown(events: list[dict]) -> dict:
     busy = union_length([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
     wall = max(t1, gpu_end) - t0
     return dict(wall=wall, host=step["dur"], busy=busy, by_cat=by_cat, launches=launches, by_name=by_name,
-                n=len(kernels))
+                n=len(kernels), **host_breakdown(events, step))
+
+
+def top_level(ops: list[dict]) -> list[dict]:
+    """The operations of one thread that no other operation of the list encloses."""
+    out, end = [], float("-inf")
+    for e in sorted(ops, key=lambda e: (e["ts"], -e["dur"])):
+        if e["ts"] >= end:
+            out.append(e)
+            end = e["ts"] + e["dur"]
+    return out
+
+
+def host_breakdown(events: list[dict], step: dict) -> dict:
+    """Host time of the step's thread: in our custom ops, in launch API calls, and per top-level operation."""
+    t0, t1, tid = step["ts"], step["ts"] + step["dur"], step.get("tid")
+    inside = [e for e in events if e.get("ph") == "X" and e.get("tid") == tid and t0 <= e["ts"] < t1
+              and e is not step]
+    ops = [e for e in inside if e.get("cat") in ("cpu_op", "user_annotation")]
+    ours = top_level([e for e in ops if str(e["name"]).startswith("titan_nvfp4::")])
+    api = [e for e in inside if e.get("cat") in ("cuda_runtime", "cuda_driver") and "Launch" in str(e["name"])]
+    by_op = defaultdict(float)
+    for e in top_level(ops):
+        by_op[re.sub(r"#\d+$", "", str(e["name"]))] += e["dur"]
+    return dict(our_ops=sum(e["dur"] for e in ours), our_ops_n=len(ours), launch_api=sum(e["dur"] for e in api),
+                launch_api_n=len(api), host_ops=by_op)
 
 
 def main() -> None:
@@ -91,6 +118,14 @@ def main() -> None:
         print(f"| {c} | " + " | ".join(f"{r['by_cat'].get(c, 0) / 1e3:.1f} ({r['launches'].get(c, 0)})"
                                         for r in results.values()) + " |")
     print("| kernel launches | " + " | ".join(str(r["n"]) for r in results.values()) + " |")
+    print("| host: in titan_nvfp4 ops (calls) | " + " | ".join(f"{r['our_ops'] / 1e3:.1f} ({r['our_ops_n']})"
+                                                          for r in results.values()) + " |")
+    print("| host: launch API calls (calls) | " + " | ".join(f"{r['launch_api'] / 1e3:.1f} ({r['launch_api_n']})"
+                                                        for r in results.values()) + " |")
+    for name, r in results.items():
+        print(f"\n{name}: top-level host operations by time (ms)")
+        for k, v in sorted(r["host_ops"].items(), key=lambda kv: -kv[1])[:args.top]:
+            print(f"  {v / 1e3:8.2f}  {k[:120]}")
     for name, r in results.items():
         print(f"\n{name}: top kernels by GPU time (ms)")
         for k, v in sorted(r["by_name"].items(), key=lambda kv: -kv[1])[:args.top]:

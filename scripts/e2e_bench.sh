@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# End-to-end TorchTitan throughput on one GPU, BF16 vs NVFP4, Llama3 "2B_bench" (386M parameters,
-# seq 2048, 40 steps), in one command from the repo root of a bare device machine (".whl" carried):
+# End-to-end TorchTitan throughput on one GPU, BF16 vs NVFP4, in one command from the repo root of a bare
+# device machine (".whl" carried):
 #
-#   bash scripts/e2e_bench.sh [OUT_DIR] [TORCHTITAN_OVERRIDES...]     e.g.  bash scripts/e2e_bench.sh "$OUT" --compile.enable
+#   [CONFIG=llama3] bash scripts/e2e_bench.sh [OUT_DIR] [TORCHTITAN_OVERRIDES...]     e.g.  ... --compile.enable
 #
-# Runs train_configs/llama3_2b_bench_bf16.toml then ..._nvfp4.toml (torchrun --nproc_per_node=1) with the
-# same local batch size, tees each log into OUT_DIR (default $OUT, else ./outputs/e2e_bench), and writes
-# the table of titan_nvfp4.tools.e2e_report to OUT_DIR/e2e_bench.md (+ .json).
+# Runs train_configs/<CONFIG>_bf16.toml then <CONFIG>_nvfp4.toml (torchrun --nproc_per_node=1) with the same
+# local batch size, tees each log into OUT_DIR (default $OUT, else ./outputs/e2e_bench), and writes the table
+# of titan_nvfp4.tools.e2e_report to OUT_DIR/e2e_bench.md (+ .json). CONFIG defaults to llama3_2b_bench
+# (Llama3 "2B_bench", 386M parameters, seq 2048, 40 steps); CONFIG=llama3 is the README's debug model.
 # Environment: BATCHES  local batch sizes tried in order until both arms run without running out of
-#                       memory (default "32 24 16"; BATCHES=16 runs one size only)
+#                       memory (2B_bench default "32 24 16"; other configs: "config", their own batch)
 #              SKIP     warm-up steps left out of the report (default 5)
 #              PYTORCH_ALLOC_CONF  allocator settings (default expandable_segments:True, as TorchTitan's
 #                       run_train.sh)
@@ -18,6 +19,8 @@ set -uo pipefail
 out=${OUT:-./outputs/e2e_bench}
 if [[ $# -gt 0 && $1 != -* ]]; then out=$1; shift; fi
 extra=("$@")
+config=${CONFIG:-llama3_2b_bench}
+if [[ $config == llama3_2b_bench ]]; then batches=${BATCHES:-32 24 16}; else batches=${BATCHES:-config}; fi
 mkdir -p "$out"
 
 source scripts/device_setup.sh > "$out/device_setup.log" 2>&1 || { cat "$out/device_setup.log"; exit 1; }
@@ -29,15 +32,17 @@ export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
 echo "PYTORCH_ALLOC_CONF=$PYTORCH_ALLOC_CONF"
 
 oom() { grep -qE "OutOfMemoryError|CUDA out of memory" "$1"; }
-for bs in ${BATCHES:-32 24 16}; do
+for bs in $batches; do
   retry=0
+  bs_arg=(--training.local_batch_size "$bs")
+  if [[ $bs == config ]]; then bs_arg=(); fi
   for arm in bf16 nvfp4; do
-    log="$out/llama3_2b_bench_${arm}_bs${bs}.log"
+    log="$out/${config}_${arm}_bs${bs}.log"
     start=$(date +%s)
     timeout --kill-after=30 "${ARM_TIMEOUT:-240}" \
       torchrun --nproc_per_node=1 -m torchtitan.train \
-        --job.config_file "train_configs/llama3_2b_bench_${arm}.toml" \
-        --training.local_batch_size "$bs" "${extra[@]}" 2>&1 \
+        --job.config_file "train_configs/${config}_${arm}.toml" \
+        "${bs_arg[@]}" "${extra[@]}" 2>&1 \
       | tee "$log" | grep --line-buffered -E "NVFP4: converted|size: .* parameters|step: +(1|2|5|10|20|30|40) |Error"
     rc=${PIPESTATUS[0]}
     echo "== $arm, local batch $bs: exit $rc in $(( $(date +%s) - start )) s, log $log"
@@ -48,12 +53,12 @@ for bs in ${BATCHES:-32 24 16}; do
 done
 
 {
-  echo "# End-to-end throughput, Llama3 2B_bench, seq 2048, local batch $bs, $(date -u '+%F %H:%M UTC')"
+  echo "# End-to-end throughput, train_configs/${config}_*.toml, local batch $bs, $(date -u '+%F %H:%M UTC')"
   echo
   echo "GPU: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -1);" \
        "$(python -c 'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}")' 2>&1 | tail -1);" \
        "extra args: ${extra[*]:-none}; PYTORCH_ALLOC_CONF=$PYTORCH_ALLOC_CONF"
   echo
-  python -m titan_nvfp4.tools.e2e_report "$out/llama3_2b_bench_bf16_bs${bs}.log" \
-      "$out/llama3_2b_bench_nvfp4_bs${bs}.log" --skip "${SKIP:-5}" --json "$out/e2e_bench.json"
+  python -m titan_nvfp4.tools.e2e_report "$out/${config}_bf16_bs${bs}.log" \
+      "$out/${config}_nvfp4_bs${bs}.log" --skip "${SKIP:-5}" --json "$out/e2e_bench.json"
 } | tee "$out/e2e_bench.md"

@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
-# One profiled training step of Llama3 2B_bench, BF16 and NVFP4, for the step-time breakdown of
-# benchmarks/trace_breakdown.py. From the repo root of a device machine (".whl" carried):
+# One profiled training step, BF16 and NVFP4, for the step-time breakdown of benchmarks/trace_breakdown.py.
+# From the repo root of a device machine (".whl" carried):
 #
-#   bash scripts/profile_step.sh OUT_DIR [TORCHTITAN_OVERRIDES...]     e.g.  bash scripts/profile_step.sh "$OUT" --compile.enable
+#   [CONFIG=llama3] [BS=8] bash scripts/profile_step.sh OUT_DIR [TORCHTITAN_OVERRIDES...]
+#   e.g.  bash scripts/profile_step.sh "$OUT" --compile.enable
 #
-# Each arm trains 12 steps (local batch BS, default 16, seq 2048) with TorchTitan's profiler on step 10
-# (3 warm-up steps) and TORCH_LOGS=graph_breaks,recompiles, and leaves in OUT_DIR:
+# CONFIG names the twin job files train_configs/<CONFIG>_bf16.toml and _nvfp4.toml (default llama3_2b_bench,
+# local batch BS, default 16 there; other configs keep their own batch unless BS is set). Each arm trains
+# 12 steps with TorchTitan's profiler on step 10 (3 warm-up steps) and TORCH_LOGS=graph_breaks,recompiles,
+# and leaves in OUT_DIR:
 #   <arm>.log                  the training log (graph breaks and recompiles included)
 #   <arm>_trace.json.gz        rank 0's chrome trace of step 10
 set -uo pipefail
 out=$1
 shift
 extra=("$@")
+config=${CONFIG:-llama3_2b_bench}
+bs=${BS:-}
+if [[ $config == llama3_2b_bench ]]; then bs=${bs:-16}; fi
+if [[ -n $bs ]]; then extra=(--training.local_batch_size "$bs" "${extra[@]}"); fi
 mkdir -p "$out"
 source scripts/device_setup.sh > "$out/device_setup.log" 2>&1 || { cat "$out/device_setup.log"; exit 1; }
 python -m titan_nvfp4.data.prepare > "$out/prepare.log" 2>&1 || { tail -20 "$out/prepare.log"; exit 1; }
@@ -19,8 +26,8 @@ export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
 for arm in bf16 nvfp4; do
   dump="$out/dump_$arm"
   TORCH_LOGS=graph_breaks,recompiles timeout --kill-after=30 "${ARM_TIMEOUT:-300}" \
-    torchrun --nproc_per_node=1 -m torchtitan.train --job.config_file "train_configs/llama3_2b_bench_${arm}.toml" \
-      --training.local_batch_size "${BS:-16}" --training.steps 12 --metrics.log_freq 1 \
+    torchrun --nproc_per_node=1 -m torchtitan.train --job.config_file "train_configs/${config}_${arm}.toml" \
+      --training.steps 12 --metrics.log_freq 1 \
       --profiling.enable_profiling --profiling.profile_freq 10 --profiling.profiler_warmup 3 \
       --profiling.profiler_active 1 --job.dump_folder "$dump" "${extra[@]}" > "$out/$arm.log" 2>&1
   echo "$arm: exit $?"

@@ -710,11 +710,11 @@ def expert_amax_tensors(w: torch.Tensor, experts: int) -> torch.Tensor:
     return buf.view(torch.float32)
 
 
-@functools.lru_cache(maxsize=None)
 def _placeholder(device: torch.device) -> torch.Tensor:
-    """int32 [1] zero for a kernel's pointer argument that its flags leave unread (cached: a fresh one
-    cost a launch per call)."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
+    """int32 [1] for a kernel's pointer argument that its flags leave unread: allocated, never written (no
+    launch). A fresh one per call: a cached one, made during a CUDA-graph warm-up, would stay alive in the
+    graphs' memory pool, which inductor's CUDA graph trees refuse (untracked live allocation)."""
+    return torch.empty(1, dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=64)
