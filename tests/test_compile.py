@@ -174,9 +174,10 @@ def _step(model, x, dy):
     return y.detach(), x.grad, grads
 
 
-@pytest.mark.parametrize("sr", [True, False], ids=["sr", "rtn"])
-def test_compiled_model_matches_eager_bit_for_bit(sr):
-    recipe = NVFP4Recipe(gemm_backend="emulated", stochastic_rounding=sr)
+def test_compiled_model_matches_eager_bit_for_bit():
+    """Stochastic rounding: compiled and eager draw the same numbers, new ones each step (nearest-even
+    compiled against eager: test_compiled_model_with_amax_history_matches_eager)."""
+    recipe = NVFP4Recipe(gemm_backend="emulated", stochastic_rounding=True)
     eager = _model(recipe)
     compiled_twin = copy.deepcopy(eager)
     # one compiled graph per block, as TorchTitan compiles; shared by the blocks (no per-layer recompiles)
@@ -195,8 +196,8 @@ def test_compiled_model_matches_eager_bit_for_bit(sr):
         if step == 0:
             first = g_c["0.up.weight"]
     calls = [m.sr_calls for m in compiled_twin.modules() if isinstance(m, NVFP4Linear)]
-    assert calls == [2 if sr else 0] * 4
-    assert sr == (not torch.equal(first, g_c["0.up.weight"]))  # SR: new numbers each step
+    assert calls == [2] * 4
+    assert not torch.equal(first, g_c["0.up.weight"])  # new numbers each step
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert frames == 1, f"expected one graph for all blocks, got {frames}"
 

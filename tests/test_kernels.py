@@ -6,6 +6,8 @@ must be bit-identical (codes, scales, global scale); the GEMM must match float64
 operands within 1e-5 relative (fp32 accumulation order is the only freedom).
 """
 
+import itertools
+
 import pytest
 import torch
 import triton
@@ -23,9 +25,14 @@ from titan_nvfp4.ops.backends import resolve_backend
 from titan_nvfp4.ops.gemm import gemm_reference
 from titan_nvfp4.ops.quantize import operand_amax, quantize_wgrad_operand
 
+from pairwise import pairwise  # tests/pairwise.py
+
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
 SHAPES = [(50, 96), (16, 16), (1, 48), (130, 80)] + ([(4096, 1024), (1000, 2000 + 48)] if GPU else [])
+# Parametrizations over several factors: every combination on a GPU; every pair of values (tests/pairwise.py)
+# on a CPU, where each case runs the kernels in Triton's interpreter.
+CASES = itertools.product if GPU else pairwise
 
 
 def same_bits(a: NVFP4Tensor, b: NVFP4Tensor, what: str) -> None:
@@ -135,9 +142,8 @@ def test_e2m1_encoder_and_staged_value_bit_identical_to_the_reference():
     assert torch.equal(staged.cpu(), ref) and torch.equal(torch.signbit(staged.cpu()), torch.signbit(ref))
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("kind", ["normal", "heavy", "adversarial"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,kind,dtype", CASES(SHAPES, ["normal", "heavy", "adversarial"],
+                                                    [torch.bfloat16, torch.float32]))
 def test_rowwise_and_wgrad_operand_bit_identical(shape, kind, dtype):
     x = inputs(*shape, kind, dtype)
     signs = rht_signs(3, DEV)
@@ -292,11 +298,13 @@ def test_amax_and_weight_kernels_every_tile_config_bit_identical(kind):
         same_bits(NVFP4Tensor(dt, st, gs[0], torch.Size((K, N)), (16, 16)), ref_w.t(), f"W^T 16x16 {cfg}")
 
 
-@pytest.mark.parametrize("sr", [False, True])
+@pytest.mark.parametrize("sr", [True] + ([False] if GPU else []))
 def test_operand_kernel_every_tile_config_bit_identical(sr):
     """Each config (tile and program order) the operand kernel's autotuner may pick, launched directly
     on a ragged shape (partial row tiles, tokens padded to 16) with a non-finite block: the row codes and
-    the RHT'd column codes equal the fixed-tile launch's (checked against the reference elsewhere)."""
+    the RHT'd column codes equal the fixed-tile launch's (checked against the reference elsewhere). On a
+    CPU with stochastic rounding only: its draws are indexed by element, so they also check that every
+    tile visits each element once; nearest-even differs only in the elementwise rounding."""
     from titan_nvfp4.kernels import quantize as q
     from titan_nvfp4.kernels.launch import tune_bucket
 
@@ -391,10 +399,10 @@ def test_stochastic_rounding_reproducible_unbiased_and_neighbouring():
     x = inputs(64, 64, "normal", torch.float32)
     signs = rht_signs(0, DEV)
 
-    def sr(seed):
+    def sr(seed, colwise=True):
         s = torch.full((1,), seed, dtype=torch.int64, device=DEV)
-        return quantize_operand(x, rowwise=True, colwise=True, signs=signs, stochastic_row=True,
-                                stochastic_col=True, seed=s)
+        return quantize_operand(x, rowwise=True, colwise=colwise, signs=signs, stochastic_row=True,
+                                stochastic_col=colwise, seed=s)
 
     a, b, c = sr(1), sr(1), sr(2)
     assert torch.equal(a[0].data, b[0].data) and torch.equal(a[1].data, b[1].data)
@@ -406,19 +414,18 @@ def test_stochastic_rounding_reproducible_unbiased_and_neighbouring():
     gap = 2.0 * rne.row_scales().float().repeat_interleave(16, 1) * rne.global_scale  # largest gap (2) per block
     assert ((d_sr - d_rne).abs() <= gap * (1 + 1e-6)).all()
     # unbiased: the mean over many seeds converges to x (excluding each block's saturating maximum)
+    assert torch.equal(sr(1, colwise=False)[0].data, a[0].data)  # the row draws do not depend on the columns
     n = 64 if GPU else 24
-    mean = sum(sr(100 + i)[0].dequantize() for i in range(n)) / n
+    mean = sum(sr(100 + i, colwise=False)[0].dequantize() for i in range(n)) / n
     blocks = x.view(64, 4, 16).abs()
     not_max = (blocks < blocks.amax(-1, keepdim=True)).view(64, 64)
     err = (mean - x)[not_max].abs() / gap[not_max]
     assert float(err.mean()) < 0.5 / n ** 0.5 * 1.5  # each rounding's error has std <= gap/2
 
 
-@pytest.mark.parametrize("mnk", [(50, 48, 96), (16, 16, 16), (33, 70 + 2, 48 * 3)] + ([(1000, 1000, 2048 + 16), (4096, 4096, 4096)] if GPU else []))
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("use_tma", [False, True])
-@pytest.mark.parametrize("stage_a", [False, True], ids=["a_in_registers", "a_staged"])
+@pytest.mark.parametrize("mnk,bias,out_dtype,use_tma,stage_a", CASES(
+    [(50, 48, 96), (16, 16, 16), (33, 70 + 2, 48 * 3)] + ([(1000, 1000, 2048 + 16), (4096, 4096, 4096)] if GPU else []),
+    [False, True], [torch.float32, torch.bfloat16], [False, True], [False, True]))
 def test_emulated_gemm_matches_float64(mnk, bias, out_dtype, use_tma, stage_a):
     if use_tma and GPU and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA descriptors need sm_90+")

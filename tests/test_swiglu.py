@@ -13,6 +13,8 @@ checked against the amax pass over the kernel's own outputs.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -23,6 +25,8 @@ from titan_nvfp4.linear_function import sr_counter
 from titan_nvfp4.numerics.rht import rht_signs
 from titan_nvfp4.ops import grouped as G
 from titan_nvfp4.ops.backends import interpreting
+
+from pairwise import pairwise  # tests/pairwise.py
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
@@ -71,13 +75,17 @@ def _values(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert torch.equal(a[~fin & ~a.isnan()], b[~fin & ~b.isnan()]), f"{what}: infinities differ"
 
 
+DTYPE_KINDS = [(torch.bfloat16, "normal"), (torch.bfloat16, "adversarial"), (torch.float16, "normal"),
+               (torch.float32, "adversarial")]
+
+
+# every case with every dtype and input kind, and each of those with and without the RHT (pairwise on a
+# CPU, where the kernels run in Triton's interpreter; the whole product on a GPU)
 @cpu_triton
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("dtype,kind", [(torch.bfloat16, "normal"), (torch.bfloat16, "adversarial"),
-                                        (torch.float16, "normal"), (torch.float32, "adversarial")])
-@pytest.mark.parametrize("rht", [True, False])
-def test_fused_swiglu_equals_eager_ops_and_the_amax_pass(case, dtype, kind, rht):
-    counts, tail, n = case
+@pytest.mark.parametrize("case,dtype_kind,rht", (itertools.product if GPU else pairwise)(CASES, DTYPE_KINDS,
+                                                                                          [True, False]))
+def test_fused_swiglu_equals_eager_ops_and_the_amax_pass(case, dtype_kind, rht):
+    (counts, tail, n), (dtype, kind) = case, dtype_kind
     h1, h3, dh, offsets = _operands(counts, tail, n, dtype, kind)
     signs = rht_signs(7).to(DEV) if rht else None
     h, amax = swiglu_amax_tensors(h1, h3, offsets, True, signs)
