@@ -196,8 +196,16 @@ def _nvfp4_gemm_kernel(A, SA, a_desc, B, b_desc, GSA, GSB, BIAS, C, P, M, N, K, 
 _nvfp4_gemm_autotuned = triton.autotune(configs=_configs(), key=["M", "N", "K", "A_SCALE_DIV", "B_TMA", "A_STAGED"],
                                         restore_value=["P"])(_nvfp4_gemm_kernel)
 
-#: Fixed tiles for the CPU interpreter and small problems (autotuning there would only cost time).
+#: Fixed tiles for small problems on a GPU (autotuning there would only cost time).
 SMALL_TILES = {"BM": 32, "BN": 32, "BK": 32, "GROUP_M": 4}
+#: Fixed tiles in Triton's CPU interpreter, which pays per program and per operation, not per element: a
+#: test shape takes a few programs (partial tiles still occur along every dim at the tests' shapes).
+INTERPRETER_TILES = {"BM": 64, "BN": 64, "BK": 64, "GROUP_M": 4}
+
+
+def fixed_tiles(t: torch.Tensor) -> dict:
+    """The fixed (not autotuned) tiles of a GEMM whose operand is ``t``: SMALL_TILES on a GPU, else the interpreter's."""
+    return SMALL_TILES if t.is_cuda else INTERPRETER_TILES
 
 
 @triton.jit
@@ -311,7 +319,8 @@ def _use_asm(x: torch.Tensor) -> bool:
 
 def _tma_desc(t: torch.Tensor):
     from triton.tools.tensor_descriptor import TensorDescriptor
-    block = [SMALL_TILES["BN"], SMALL_TILES["BK"]]  # autotuning sets each config's tile shape
+    tiles = fixed_tiles(t)
+    block = [tiles["BN"], tiles["BK"]]  # autotuning sets each config's tile shape
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
 
@@ -321,8 +330,8 @@ def _launch_gemm(autotune: bool, args: tuple, kw: dict) -> None:
         grid = lambda meta: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)  # noqa: E731
         launch(_nvfp4_gemm_autotuned, grid, *args, **kw)
     else:
-        launch(_nvfp4_gemm_kernel, (triton.cdiv(m, SMALL_TILES["BM"]) * triton.cdiv(n, SMALL_TILES["BN"]),), *args,
-               **kw, **SMALL_TILES)
+        tiles = fixed_tiles(args[0])
+        launch(_nvfp4_gemm_kernel, (triton.cdiv(m, tiles["BM"]) * triton.cdiv(n, tiles["BN"]),), *args, **kw, **tiles)
 
 
 def _programs(t: torch.Tensor) -> int:
@@ -372,9 +381,10 @@ def _launch_persistent(autotune: bool, a16: torch.Tensor, b16: torch.Tensor, gsa
         grid = lambda meta: (min(progs, triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"])),)  # noqa: E731
         launch(_nvfp4_gemm_persistent_autotuned, grid, *args, HAS_BIAS=bias is not None, NUM_PROGRAMS=progs)
     else:
-        grid = (min(progs, triton.cdiv(M, SMALL_TILES["BM"]) * triton.cdiv(N, SMALL_TILES["BN"])),)
+        tiles = fixed_tiles(a16)
+        grid = (min(progs, triton.cdiv(M, tiles["BM"]) * triton.cdiv(N, tiles["BN"])),)
         launch(_nvfp4_gemm_persistent_kernel, grid, *args, HAS_BIAS=bias is not None, SUBTILE=False,
-               NUM_PROGRAMS=progs, **SMALL_TILES)
+               NUM_PROGRAMS=progs, **tiles)
 
 
 def _chunks(rows: int, K: int):

@@ -28,7 +28,7 @@ import triton.language as tl
 from ..numerics.nvfp4 import NVFP4Tensor
 from ..ops.backends import interpreting
 from ..ops.library import StagedOperand
-from .gemm import (SMALL_TILES, _ensure_scratch_allocator, _programs, _set_b_block, _tma_desc, _tma_storable, _use_tma,
+from .gemm import (_ensure_scratch_allocator, fixed_tiles, _programs, _set_b_block, _tma_desc, _tma_storable, _use_tma,
                    dequantize_fp16, swizzle_tile)
 from .launch import launch
 from .nvfp4_jit import round_to
@@ -266,7 +266,7 @@ def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tenso
         if _autotune(a16, T * n_out):
             launch(_rows_persistent_autotuned, (progs,), *args, **kw)
         else:
-            launch(_grouped_rows_persistent_kernel, (progs,), *args, **kw, **SMALL_TILES)
+            launch(_grouped_rows_persistent_kernel, (progs,), *args, **kw, **fixed_tiles(a16))
         return out
     a_arg, b_arg = (_tma_desc(a16), _tma_desc(b16)) if tma else (a16, b16)
     args = (a16, a_arg, b16, b_arg, offsets, gs_a, gs_b, bias_arg, out, add_arg, E, T, n_out, K, b_row_step,
@@ -277,7 +277,7 @@ def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tenso
         grid = lambda meta: ((triton.cdiv(T, meta["BM"]) + E + 1) * triton.cdiv(n_out, meta["BN"]),)  # noqa: E731
         launch(_rows_autotuned, grid, *args, **kw)
     else:
-        t = SMALL_TILES
+        t = fixed_tiles(a16)
         grid = ((triton.cdiv(T, t["BM"]) + E + 1) * triton.cdiv(n_out, t["BN"]),)
         launch(_grouped_rows_kernel, grid, *args, **kw, **t)
     return out
@@ -308,7 +308,7 @@ def grouped_gemm_tokens(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Ten
         grid = lambda meta: (E * triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
         launch(_tokens_autotuned, grid, *args, TMA=tma)
     else:
-        t = SMALL_TILES
+        t = fixed_tiles(a16)
         launch(_grouped_tokens_kernel, (E * triton.cdiv(M, t["BM"]) * triton.cdiv(N, t["BN"]),), *args, TMA=tma, **t)
     return out
 

@@ -35,8 +35,12 @@ from .nvfp4_jit import (add_nibble, amax16, block_scales, e2m1_nibble, e2m1_stag
                         join_slices16, nibble_word, pack_pairs, pick_four_or_six, quantize_slices16, rht16_slices,
                         round_to, split8, words_along_slices)
 
-G_Q = 2  # 16-row blocks per program (fixed tiles: the interpreter, small inputs)
+G_Q = 2  # 16-row blocks per program (fixed tiles: small inputs on a GPU)
 BK_Q = 64  # features per program
+# Fixed tiles in Triton's CPU interpreter, which pays per program and per operation, not per element: the
+# largest tiles of the autotuned configs, so a test shape takes a few programs (every config's decomposition
+# is tested against these tiles: tests/test_kernels.py, *_every_tile_config_*)
+G_I, BK_I = 4, 128
 
 
 @triton.jit
@@ -448,7 +452,8 @@ def _launch(kernel, tuned_kernel, x: torch.Tensor, rows: int, cols: int, *args, 
         launch(tuned_kernel, lambda meta: launch_grid(rows, cols, meta["G"], meta["BK"], meta["COLS_FIRST"]), *args,
                **flags)
     else:
-        launch(kernel, launch_grid(rows, cols, G_Q, BK_Q, False), *args, **flags, G=G_Q, BK=BK_Q, num_warps=1)
+        g, bk = (G_Q, BK_Q) if x.is_cuda else (G_I, BK_I)
+        launch(kernel, launch_grid(rows, cols, g, bk, False), *args, **flags, G=g, BK=bk, num_warps=1)
 
 
 #: Tiles of _quantize_2d_fused_kernel on a GPU, its expert lead and amax-tile span: the fastest of
