@@ -24,3 +24,9 @@ try:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 except ImportError:  # pragma: no cover
     pass
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``long`` (10 s or more on a 2-core CPU) run first: started last, one of them would keep
+    one xdist worker busy after the other has run out of tests."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: otherwise collection order

@@ -86,6 +86,7 @@ def test_grouped_quantize_stage_and_wgrad_ops_pass_opcheck():
                                                    gs[1], torch.float32))
 
 
+@pytest.mark.long
 def test_expert_pair_ops_pass_opcheck_and_equal_separate_ones():
     """quantize_2d_grouped_pair: the staged W1|W3 rows, the Wᵀ codes and scales and the decode scales
     of two separate quantize_2d_grouped calls; the split grouped GEMM over it: each half of its
@@ -113,6 +114,7 @@ def test_expert_pair_ops_pass_opcheck_and_equal_separate_ones():
         assert torch.equal(y[:, i * n:(i + 1) * n], alone), i
 
 
+@pytest.mark.long
 def test_compiled_grouped_swiglu_matches_eager_bit_for_bit():
     """A SwiGLU expert's grouped kernels (W1 and W3 on one quantization of x, the fused SwiGLU, X's
     wgrad operand staged once for both wgrads) under dynamo with fullgraph=True: the same bits as
@@ -174,6 +176,7 @@ def _step(model, x, dy):
     return y.detach(), x.grad, grads
 
 
+@pytest.mark.long
 def test_compiled_model_matches_eager_bit_for_bit():
     """Stochastic rounding: compiled and eager draw the same numbers, new ones each step (nearest-even
     compiled against eager: test_compiled_model_with_amax_history_matches_eager)."""
@@ -202,6 +205,7 @@ def test_compiled_model_matches_eager_bit_for_bit():
     assert frames == 1, f"expected one graph for all blocks, got {frames}"
 
 
+@pytest.mark.long
 def test_compiled_model_with_amax_history_matches_eager():
     """activation_amax_history: the pending-amax update compiles into the graph (fullgraph), the window's
     readiness recompiles once, and compiled and eager agree bit for bit before and after the roll."""

@@ -87,6 +87,7 @@ def job_cfg():
 
 # ------------------------------------------------------------------------------ 1. registration
 
+@pytest.mark.long
 def test_import_registers_converter_once():
     assert _registry_model_converter_cls[NAME].__name__ == "NVFP4LinearConverter"
     # In a fresh interpreter: absent before `import titan_nvfp4`, present after, and importing or

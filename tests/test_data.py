@@ -107,6 +107,7 @@ def test_corpus_is_deterministic_and_shuffled(built, splits):
     assert not any(t.startswith('"""Record of phased-in incompatible language changes.') for t in a.train[:20])
 
 
+@pytest.mark.long
 @full_stdlib
 def test_corpus_has_at_least_10m_tokens(built, splits, tok):
     # Counted EXACTLY on the full corpus (train + validation) with the built tokenizer — no
@@ -283,6 +284,7 @@ _RANK_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.long
 def test_concurrent_ranks_build_once(built, tmp_path):
     """Two 'ranks' import titan_nvfp4.data.prepare at the same instant: one builds, one waits and reuses."""
     target = tmp_path / "shared" / "pystdlib"

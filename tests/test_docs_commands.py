@@ -214,6 +214,7 @@ def test_quick_start_comparison_reads_logs_and_dump_folders_alike(tmp_path, caps
     assert [line for line in from_folders.splitlines() if line.startswith("| llama3_")] == rows
 
 
+@pytest.mark.long
 def test_quick_start_training_command_on_cpu_gives_the_plugins_message(tmp_path):
     cmds = [c for c in bash_commands(REPO / "README.md") if "-m torchtitan.train" in c]
     assert cmds and cmds[0].startswith("torchrun --nproc_per_node=1 -m torchtitan.train --job.config_file "

@@ -363,6 +363,7 @@ def _fsdp_worker(rank, world, out):
                    encodes_pre=len(encodes) - n_encodes)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("world", [2, 3])
 def test_fsdp2_nvfp4_all_gather_trains_exactly_as_the_bf16_all_gather(world):
     """2 ranks: even shards (56 and 32 rows, tiles straddling ranks at row 56). 3 ranks: 112 and 64

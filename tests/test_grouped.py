@@ -516,6 +516,7 @@ def test_expert_dims_not_multiple_of_16_rejected():
         NVFP4GroupedExperts.convert(mod, REF, 0, name="layers.3.moe.experts")
 
 
+@pytest.mark.long
 @cpu_triton
 @pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
 def test_expert_lowrank_branch_meta_build_decomposition_and_gradients(name, cpu_histc):

@@ -298,6 +298,7 @@ def test_amax_and_weight_kernels_every_tile_config_bit_identical(kind):
         same_bits(NVFP4Tensor(dt, st, gs[0], torch.Size((K, N)), (16, 16)), ref_w.t(), f"W^T 16x16 {cfg}")
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("sr", [True] + ([False] if GPU else []))
 def test_operand_kernel_every_tile_config_bit_identical(sr):
     """Each config (tile and program order) the operand kernel's autotuner may pick, launched directly

@@ -111,6 +111,7 @@ def test_matches_torchao_rceil():
     assert torch.equal(_bytes(row.data), _bytes(data))
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("staged", [False, True])
 def test_columns_kernel_every_tile_config_bit_identical(staged):
     """Each config the columns-only kernel's autotuner may pick (G row blocks, BK features, warps), run

@@ -119,6 +119,7 @@ def test_fused_swiglu_without_columns_and_bad_inputs():
 _pair = G.quantize_expert_pair  # the real one, for the spy below
 
 
+@pytest.mark.long
 @cpu_triton
 def test_fused_swiglu_experts_equal_the_unfused_block(monkeypatch):
     """The expert block through nvfp4_grouped_swiglu (W1 and W3 as one GEMM of 2·hidden outputs,

@@ -229,6 +229,7 @@ def _llama_worker(rank, world, out, toml, tp, dp, state, tokens):
         out.update(logits=full.detach().clone(), grads=grads, types=types)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("tp,dp", [(2, 1), (2, 2)], ids=["tp2", "fsdp2xtp2"])
 def test_llama3_under_torchtitan_tp_plan_matches_one_process(tmp_path, tp, dp):
     from test_converter import edited_toml, world1
@@ -278,6 +279,7 @@ def _llama_ag_worker(rank, world, out, toml, state, tokens):
             out[nvfp4] = dict(logits=logits.detach().clone(), grads=grads, wrapped=wrapped, again=again)
 
 
+@pytest.mark.long
 def test_fsdp2_x_tp2_nvfp4_all_gather_equals_the_bf16_all_gather(tmp_path):
     """fsdp_nvfp4_all_gather under FSDP2 × TP: each rank encodes its FSDP shard of its TP shard with the
     tile amaxes all-reduced over the FSDP group and the tensor amax over the FSDP and TP groups, so the
@@ -349,6 +351,7 @@ def _ep_worker(rank, world, out, job, state, tokens):
         out.update(logits=logits.detach().clone(), grads=grads)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("world", [2, 4], ids=["ep2", "ep2xfsdp2"])
 def test_deepseek_v3_experts_under_expert_parallelism_match_one_process(tmp_path, cpu_histc, world):
     """EP = 2 with TorchTitan's parallelize function, on 2 gloo ranks (FSDP2 2 over the dense part) and on 4
@@ -405,6 +408,7 @@ def _moe_tp_worker(rank, world, out, job, state, tokens, check_experts=True):
         out.update(logits=full.detach().clone(), grads=grads)
 
 
+@pytest.mark.long
 def test_deepseek_v3_under_torchtitan_tp_plan_matches_one_process(tmp_path, cpu_histc):
     """TP = 2 over a whole DeepSeek-V3 debug model with TorchTitan's parallelize function: NVFP4 Linears
     (colwise/rowwise) and NVFP4 experts (TorchTitan's expert TP) on 2 gloo ranks match one process.
@@ -487,6 +491,7 @@ def _expert_tp_worker(rank, world, out, cls_name, recipe, state):
 # both expert layouts on the reference backend; the kernels' cross-rank amaxes (shared by the layouts) on one
 @pytest.mark.parametrize("cls_name,backend", [("deepseek_v3", "reference"), ("gpt_oss", "reference"),
                                               ("deepseek_v3", "emulated")])
+@pytest.mark.long
 def test_experts_under_tensor_parallelism_match_one_process(cls_name, backend):
     """TorchTitan's expert TP (TP without EP) on 2 gloo ranks: W1/W3 (gpt-oss mlp1) split along their
     output features, W2 (mlp2) along their input features. With the per-expert amaxes of the sharded
@@ -547,6 +552,7 @@ def _compiled_tp_worker(rank, world, out, w, x, recipe):
         out.update(y=y.detach().clone(), **grads)
 
 
+@pytest.mark.long
 def test_tensor_parallel_layers_compile_without_graph_breaks():
     """torch.compile(fullgraph=True) over the TP layers: the amax all-reduce is a functional collective
     and the kernels (emulated backend, Triton's interpreter on a CPU) are custom ops."""
@@ -586,6 +592,7 @@ def _compiled_fsdp_worker(rank, world, out, toml, state, tokens):
             out[name] = dict(logits=logits.detach().clone(), grads=grads, missing=missing)
 
 
+@pytest.mark.long
 def test_fsdp2_nvfp4_all_gather_under_compile_and_activation_checkpointing_matches_eager(tmp_path):
     """FSDP2 2 with fsdp_nvfp4_all_gather, the block compiled (fullgraph, aot_eager) and op-level
     selective activation checkpointing, as TorchTitan applies them: the same logits and weight gradients
@@ -655,6 +662,7 @@ def _train_worker(rank, world, out, toml, tp, dp, state, batches, ckpt, phase):
         out["losses"] = torch.stack(losses)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2)], ids=["tp2", "fsdp2"])
 def test_dcp_checkpoint_resume_reproduces_the_run_bit_for_bit(tmp_path, tp, dp):
     """NVFP4 and DecomposedLinear layers (lora_rank 16) under TorchTitan's TP or FSDP2 plan, with

@@ -163,7 +163,9 @@ def _mxfp8_cols_kernel(X, M, K, sxm, sxk, CD, CS, Mpad, G: tl.constexpr, BK: tl.
                  mask=kmask & (blk < Mpad // 32)[:, None])
 
 
-_BM, _BK = 32, 64  # fixed tiles (the interpreter, small inputs)
+_BM, _BK = 32, 64  # fixed tiles of small inputs on a GPU
+# in Triton's CPU interpreter, which pays per program: the largest tiles of the autotuned configs
+_BM_I, _BK_I, _G_I = 64, 128, 2
 
 _mxfp8_autotuned = triton.autotune(
     [triton.Config({"BM": bm, "BK": bk}, num_warps=w)
@@ -223,14 +225,16 @@ def quantize_mxfp8_tensors(x2d: torch.Tensor, rowwise: bool = True, colwise: boo
             if tuned:
                 launch(_cols_autotuned, grid, *cargs, STAGED=staged, HW=hw)
             else:
-                launch(_mxfp8_cols_kernel, grid({"G": 1, "BK": _BK}), *cargs, G=1, BK=_BK, STAGED=staged, HW=hw,
+                g, bk = (1, _BK) if x2d.is_cuda else (_G_I, _BK_I)
+                launch(_mxfp8_cols_kernel, grid({"G": g, "BK": bk}), *cargs, G=g, BK=bk, STAGED=staged, HW=hw,
                        num_warps=2)
         elif tuned:
             grid = lambda meta: (triton.cdiv(Mpad, meta["BM"]), triton.cdiv(K, meta["BK"]))  # noqa: E731
             launch(_mxfp8_autotuned, grid, *args, ROW=rowwise, COL=colwise, STAGED=staged, HW=hw)
         else:
-            grid = (triton.cdiv(Mpad, _BM), triton.cdiv(K, _BK))
-            launch(_mxfp8_kernel, grid, *args, ROW=rowwise, COL=colwise, BM=_BM, BK=_BK, STAGED=staged, HW=hw,
+            bm, bk = (_BM, _BK) if x2d.is_cuda else (_BM_I, _BK_I)
+            grid = (triton.cdiv(Mpad, bm), triton.cdiv(K, bk))
+            launch(_mxfp8_kernel, grid, *args, ROW=rowwise, COL=colwise, BM=bm, BK=bk, STAGED=staged, HW=hw,
                    num_warps=4)
     e8m0 = torch.float8_e8m0fnu
     return rd, rs.view(e8m0), cd, cs.view(e8m0)
