@@ -109,17 +109,21 @@ def gloo_rank():
     torch.set_num_threads(threads)
 
 
-def test_llama3_debugmodel_forward_backward_in_nvfp4(gloo_rank, monkeypatch, tmp_path):
+@pytest.mark.parametrize("model_name, blocks", [("llama3", 6), ("qwen3", 8)])
+def test_debugmodel_forward_backward_in_nvfp4(gloo_rank, monkeypatch, tmp_path, model_name, blocks):
+    """The registry's <model>_debug_nvfp4 through the model's own parallelize_fn: every block Linear (fused wqkv,
+    wo, w1, w2, w3) in NVFP4, a finite loss near uniform at init, gradients and one SR call per layer, and the
+    checkpoint keys of the BF16 twin."""
     torch.manual_seed(0)
-    c = parse("llama3_debug_nvfp4", "--quantize.linear.gemm_backend", "reference", "--training.seq_len", str(SEQ),
-              "--training.local_batch_size", str(BATCH), "--dump_folder", str(tmp_path))
+    c = parse(f"{model_name}_debug_nvfp4", "--quantize.linear.gemm_backend", "reference", "--training.seq_len",
+              str(SEQ), "--training.local_batch_size", str(BATCH), "--dump_folder", str(tmp_path))
     apply_quantize(c)
     model = build_parallelized(c, monkeypatch)
     nvfp4 = {n: m for n, m in model.named_modules() if isinstance(m, TitanNVFP4Linear)}
-    assert len(nvfp4) == 30
+    assert len(nvfp4) == blocks * 5
     lin = model.layers["0"].feed_forward.w1
     assert lin.recipe.gemm_backend == "reference" and int(lin.sr_counter[1]) == 0
-    vocab = model.tok_embeddings.num_embeddings
+    vocab = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding)).num_embeddings
     tokens = torch.randint(0, vocab, (BATCH, SEQ))
     out = model(tokens, positions=torch.arange(SEQ).repeat(BATCH, 1), attention_masks=None)
     loss = torch.nn.functional.cross_entropy(out.float().flatten(0, 1), tokens.flatten())
@@ -130,6 +134,6 @@ def test_llama3_debugmodel_forward_backward_in_nvfp4(gloo_rank, monkeypatch, tmp
                if hasattr(m.weight.grad, "full_tensor") else m.weight.grad).all() for m in nvfp4.values())
     assert all(m.sr_calls == 1 for m in nvfp4.values())  # one backward drew one SR call per layer
     keys = set(model.state_dict())
-    bf16 = parse("llama3_debug_bf16")
+    bf16 = parse(f"{model_name}_debug_bf16")
     with torch.device("meta"):
         assert keys == set(bf16.model_spec.model.build().state_dict())  # the same checkpoint keys as BF16

@@ -1,10 +1,12 @@
 """Config registry for TorchTitan 0.3: ``-m torchtitan.train --module titan_nvfp4.integration_v03.configs
---config llama3_debug_nvfp4`` (or its BF16 twin ``llama3_debug_bf16``), on the offline pystdlib corpus."""
+--config llama3_debug_nvfp4`` (or its BF16 twin ``llama3_debug_bf16``; ``qwen3_debug_*`` for Qwen3's dense
+debug model), on the offline pystdlib corpus."""
 
 import dataclasses
 import os
 
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
+from torchtitan.models.qwen3.config_registry import qwen3_debugmodel
 from torchtitan.trainer import Trainer
 
 from ..data.assets import DEFAULT_DIR, ENV_VAR
@@ -34,3 +36,14 @@ def llama3_debug_nvfp4() -> NVFP4Trainer.Config:
     """Llama3 debugmodel with every block Linear in NVFP4 (nvidia_paper recipe; the LM head stays BF16)."""
     return nvfp4_trainer_config(
         llama3_debugmodel(), QuantizeConfig(linear=NVFP4LinearConfigConverter.Config(enable=True)))
+
+
+def qwen3_debug_bf16() -> NVFP4Trainer.Config:
+    """Qwen3 dense debugmodel in BF16: the control arm of qwen3_debug_nvfp4."""
+    return nvfp4_trainer_config(qwen3_debugmodel(), QuantizeConfig())
+
+
+def qwen3_debug_nvfp4() -> NVFP4Trainer.Config:
+    """Qwen3 dense debugmodel with every block Linear in NVFP4 (nvidia_paper recipe; the LM head stays BF16)."""
+    return nvfp4_trainer_config(
+        qwen3_debugmodel(), QuantizeConfig(linear=NVFP4LinearConfigConverter.Config(enable=True)))
