@@ -30,3 +30,11 @@ def pairwise(*factors: Sequence) -> list[tuple]:
         todo -= _pairs(indexed[best])
         chosen.append(best)
     return [product[k] for k in sorted(chosen)]
+
+
+def cpu_pairwise(*factors: Sequence) -> list[tuple]:
+    """Every combination where a GPU runs the tests; every pair of values on a CPU, where each case runs the
+    kernels in Triton's interpreter."""
+    import torch
+
+    return list(itertools.product(*factors)) if torch.cuda.is_available() else pairwise(*factors)

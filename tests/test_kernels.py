@@ -6,8 +6,6 @@ must be bit-identical (codes, scales, global scale); the GEMM must match float64
 operands within 1e-5 relative (fp32 accumulation order is the only freedom).
 """
 
-import itertools
-
 import pytest
 import torch
 import triton
@@ -25,14 +23,11 @@ from titan_nvfp4.ops.backends import resolve_backend
 from titan_nvfp4.ops.gemm import gemm_reference
 from titan_nvfp4.ops.quantize import operand_amax, quantize_wgrad_operand
 
-from pairwise import pairwise  # tests/pairwise.py
+from pairwise import cpu_pairwise  # tests/pairwise.py
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
 SHAPES = [(50, 96), (16, 16), (1, 48), (130, 80)] + ([(4096, 1024), (1000, 2000 + 48)] if GPU else [])
-# Parametrizations over several factors: every combination on a GPU; every pair of values (tests/pairwise.py)
-# on a CPU, where each case runs the kernels in Triton's interpreter.
-CASES = itertools.product if GPU else pairwise
 
 
 def same_bits(a: NVFP4Tensor, b: NVFP4Tensor, what: str) -> None:
@@ -142,8 +137,8 @@ def test_e2m1_encoder_and_staged_value_bit_identical_to_the_reference():
     assert torch.equal(staged.cpu(), ref) and torch.equal(torch.signbit(staged.cpu()), torch.signbit(ref))
 
 
-@pytest.mark.parametrize("shape,kind,dtype", CASES(SHAPES, ["normal", "heavy", "adversarial"],
-                                                    [torch.bfloat16, torch.float32]))
+@pytest.mark.parametrize("shape,kind,dtype", cpu_pairwise(SHAPES, ["normal", "heavy", "adversarial"],
+                                                           [torch.bfloat16, torch.float32]))
 def test_rowwise_and_wgrad_operand_bit_identical(shape, kind, dtype):
     x = inputs(*shape, kind, dtype)
     signs = rht_signs(3, DEV)
@@ -424,7 +419,7 @@ def test_stochastic_rounding_reproducible_unbiased_and_neighbouring():
     assert float(err.mean()) < 0.5 / n ** 0.5 * 1.5  # each rounding's error has std <= gap/2
 
 
-@pytest.mark.parametrize("mnk,bias,out_dtype,use_tma,stage_a", CASES(
+@pytest.mark.parametrize("mnk,bias,out_dtype,use_tma,stage_a", cpu_pairwise(
     [(50, 48, 96), (16, 16, 16), (33, 70 + 2, 48 * 3)] + ([(1000, 1000, 2048 + 16), (4096, 4096, 4096)] if GPU else []),
     [False, True], [torch.float32, torch.bfloat16], [False, True], [False, True]))
 def test_emulated_gemm_matches_float64(mnk, bias, out_dtype, use_tma, stage_a):

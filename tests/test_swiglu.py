@@ -13,8 +13,6 @@ checked against the amax pass over the kernel's own outputs.
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -26,7 +24,7 @@ from titan_nvfp4.numerics.rht import rht_signs
 from titan_nvfp4.ops import grouped as G
 from titan_nvfp4.ops.backends import interpreting
 
-from pairwise import pairwise  # tests/pairwise.py
+from pairwise import cpu_pairwise  # tests/pairwise.py
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
@@ -82,8 +80,7 @@ DTYPE_KINDS = [(torch.bfloat16, "normal"), (torch.bfloat16, "adversarial"), (tor
 # every case with every dtype and input kind, and each of those with and without the RHT (pairwise on a
 # CPU, where the kernels run in Triton's interpreter; the whole product on a GPU)
 @cpu_triton
-@pytest.mark.parametrize("case,dtype_kind,rht", (itertools.product if GPU else pairwise)(CASES, DTYPE_KINDS,
-                                                                                          [True, False]))
+@pytest.mark.parametrize("case,dtype_kind,rht", cpu_pairwise(CASES, DTYPE_KINDS, [True, False]))
 def test_fused_swiglu_equals_eager_ops_and_the_amax_pass(case, dtype_kind, rht):
     (counts, tail, n), (dtype, kind) = case, dtype_kind
     h1, h3, dh, offsets = _operands(counts, tail, n, dtype, kind)
