@@ -18,6 +18,7 @@ from torchtitan.tools.logging import logger
 from ..amax_history import AmaxHistory, layers_with_history, register_buffers, roll
 from ..decomposed_linear import DecomposedLinear, LowRankState, check_lowrank_args
 from ..distributed.fsdp_all_gather import TRAFFIC, precompute_scales, wrap_weight
+from ..expert_groups import experts_layer_id
 from ..layer_selection import check_block_counts, skip_reason
 from ..nvfp4_linear import NVFP4Linear, check_linear_dims
 from ..ops.backends import resolve_backend
@@ -28,7 +29,6 @@ from ..telemetry import Telemetry, install_metrics_hook
 CONVERTER_NAME = "quantize.linear.nvfp4"
 GROUPED_CONVERTER_NAME = "quantize.grouped_mm.nvfp4"
 LINEAR_STEPS, GROUPED_STEPS = "nvfp4_linear_steps", "nvfp4_grouped_steps"  # StepCounter submodules
-GROUPED_LAYER_ID_BASE = 1 << 20  # SR streams of expert GEMMs never meet those of dense layers
 
 
 def require_listed_once(job_config: JobConfig, name: str) -> None:
@@ -287,7 +287,7 @@ def convert_experts(model: nn.Module, recipe: NVFP4Recipe, fqns: list[str], lora
         if why:
             report["skipped"].append((fqn, why))
             continue
-        cls.convert(mod, recipe, layer_id=GROUPED_LAYER_ID_BASE + 4 * len(report["converted"]), name=fqn,
+        cls.convert(mod, recipe, layer_id=experts_layer_id(len(report["converted"])), name=fqn,
                     lora_rank=lora_rank)
         report["converted"].append(fqn)
     return report

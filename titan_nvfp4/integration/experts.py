@@ -39,7 +39,8 @@ from torchtitan.models.moe.utils import indices_padding_wrapper
 
 from ..decomposed_linear import LowRankState
 from ..distributed.amax import AmaxGroups
-from ..distributed.tensor_parallel import Name, local, name_of
+from ..distributed.tensor_parallel import local
+from ..expert_groups import check_expert_dims
 from ..grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
 from ..layer_state import NVFP4LayerState
 from ..linear_function import autocast_out_dtype
@@ -47,14 +48,6 @@ from ..numerics.lowrank import check_rank, lowrank_merge
 from ..nvfp4_linear import check_recipe
 from ..recipe import NVFP4Recipe
 from ..telemetry import measure_experts
-
-
-def check_expert_dims(name: Name, weights: dict[str, torch.Tensor]) -> None:
-    """Both dims of every expert weight must be multiples of 16 (NVFP4 blocks): else name them."""
-    bad = [f"{k} {tuple(w.shape)}" for k, w in weights.items() if w.shape[-1] % 16 or w.shape[-2] % 16]
-    if bad:
-        raise ValueError(f"cannot convert experts {name_of(name)!r} to NVFP4: {', '.join(bad)} has a dim that is not a "
-                         "multiple of 16 (exclude it from [quantize.grouped_mm.nvfp4] fqns)")
 
 
 def groups_aligned() -> bool:
