@@ -1,8 +1,14 @@
 """The TorchTitan 0.3 integration on CPU (skipped unless torchtitan 0.3 is installed; .ci/torchtitan03 runs it):
-config parsing, the config-tree converter, and Llama3 debugmodel through llama3's own parallelize on one
-gloo rank, forward and backward with NVFP4 layers."""
+config parsing, the config-tree converters, the NVFP4 routed experts against the core's grouped functions, and
+the llama3, qwen3, deepseek_v3 and gpt_oss debug models through their own parallelize on one gloo rank, forward
+and backward with NVFP4 layers."""
 
 import math
+import re
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,13 +20,21 @@ if installed_generation() != "0.3":
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
-from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention  # noqa: E402
+from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention  # noqa: E402
 from torchtitan.models.common.linear import Linear  # noqa: E402
+from torchtitan.models.common.moe import GroupedExperts, RoutedExperts  # noqa: E402
+from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher  # noqa: E402
+from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts, swiglu  # noqa: E402
 
+from titan_nvfp4.expert_groups import experts_layer_id, pad_token_groups  # noqa: E402
+from titan_nvfp4.grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu  # noqa: E402
+from titan_nvfp4.integration_v03.converter import NVFP4GroupedMMConfigConverter  # noqa: E402
+from titan_nvfp4.integration_v03.experts import TitanNVFP4GptOssExperts, TitanNVFP4GroupedExperts  # noqa: E402
 from titan_nvfp4.integration_v03.modules import TitanNVFP4Linear  # noqa: E402
 from titan_nvfp4.integration_v03.trainer import NVFP4Trainer, apply_quantize  # noqa: E402
 
 MODULE = "titan_nvfp4.integration_v03.configs"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "torchtitan03.md"
 SEQ, BATCH = 64, 2
 
 
@@ -45,11 +59,27 @@ def test_config_parses_with_overrides():
     assert not bf16.quantize.linear.enable and bf16.quantize.linear.filter_fqns[0] == "lm_head"
 
 
+def test_documented_configs_parse():
+    """Every --config of docs/torchtitan03.md's run commands parses through ConfigManager; the MoE NVFP4 entries
+    enable both sections, the others the Linears only."""
+    names = re.findall(r"--module titan_nvfp4\.integration_v03\.configs --config (\w+)", DOC.read_text())
+    assert len(names) >= 7 and "deepseek_v3_debug_nvfp4" in names and "gpt_oss_debug_nvfp4" in names
+    for name in names:
+        q = parse(name).quantize
+        nvfp4 = name.endswith("_nvfp4")
+        moe = name.split("_debug")[0] in ("deepseek_v3", "gpt_oss", "qwen3_moe")
+        assert (q.linear.enable, q.grouped_mm.enable) == (nvfp4, nvfp4 and moe), name
+
+
 @pytest.mark.parametrize("args, words", [
     (["--quantize.linear.gemm_backend", "bogus"], ["quantize.linear", "gemm_backend", "bogus"]),
     (["--quantize.linear.recipe", "no_such_preset"], ["unknown recipe", "no_such_preset"]),
     (["--quantize.linear.lora_rank", "16"], ["lora_rank", "not supported by the TorchTitan 0.3 integration"]),
     (["--quantize.linear.no_such_knob", "1"], ["Unrecognized options", "--quantize.linear.no_such_knob"]),
+    (["--quantize.grouped_mm.lora_rank", "16"], ["quantize.grouped_mm", "lora_rank", "not supported by the TorchTitan "
+                                                  "0.3 integration"]),
+    (["--quantize.grouped_mm.telemetry_every", "5"], ["quantize.grouped_mm", "telemetry_every", "not supported"]),
+    (["--quantize.grouped_mm.backward", "mxfp8"], ["quantize.grouped_mm", "the experts run an NVFP4 backward only"]),
 ])
 def test_bad_knob_stops_the_parse_naming_it(capsys, args, words):
     with pytest.raises(SystemExit) as e:
@@ -74,16 +104,39 @@ def test_converter_swaps_every_block_linear_on_meta():
     assert set(block_linears(bf16.model_spec.model).values()) == {Linear.Config}
 
 
-def build_parallelized(c, monkeypatch):
-    """The model of ``c`` on meta, through llama3's parallelize_fn on the 1-rank gloo mesh, then materialized."""
+class EagerAttention(ScaledDotProductAttention):
+    """Causal attention in eager math that hands its log-sum-exp to an out_transform (gpt_oss's sinks): a CPU
+    stand-in for VarlenAttention, which needs CUDA."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ScaledDotProductAttention.Config):
+        pass
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False,
+                out_transform=None, **kwargs):
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        s = q @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
+        s = s.masked_fill(torch.ones(s.shape[-1], s.shape[-1], dtype=torch.bool).triu(1), float("-inf"))
+        out = (torch.softmax(s, -1) @ v).transpose(1, 2)
+        return out if out_transform is None else out_transform(out, s.logsumexp(-1).transpose(1, 2))
+
+
+def build_parallelized(c, monkeypatch, blocks: int | None = None):
+    """The model of ``c`` on meta, through its parallelize_fn on the 1-rank gloo mesh, then materialized; with
+    ``blocks``, only the first ``blocks`` transformer blocks."""
     import torchtitan.distributed.parallel_dims as pd_module
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
 
     monkeypatch.setattr(pd_module, "device_type", "cpu")
     spec, mc = c.model_spec, c.model_spec.model
+    if blocks is not None:
+        mc.layers = mc.layers[:blocks]
     for _, _, parent, attr in list(mc.traverse(FlexAttention.Config)):  # CPU: FlexAttention has no backward
         setattr(parent, attr, ScaledDotProductAttention.Config())
+    for _, _, parent, attr in list(mc.traverse(VarlenAttention.Config)):  # CUDA only
+        setattr(parent, attr, EagerAttention.Config())
     mc.update_from_config(config=c)
     dist_utils.set_spmd_backend(c.parallelism.spmd_backend)
     pd = ParallelDims.from_config(c.parallelism, 1)
@@ -137,3 +190,184 @@ def test_debugmodel_forward_backward_in_nvfp4(gloo_rank, monkeypatch, tmp_path, 
     bf16 = parse(f"{model_name}_debug_bf16")
     with torch.device("meta"):
         assert keys == set(bf16.model_spec.model.build().state_dict())  # the same checkpoint keys as BF16
+
+
+# ------------------------------------------------------------------------------------------- routed experts
+
+EXPERTS = (TitanNVFP4GroupedExperts, TitanNVFP4GptOssExperts)
+
+
+def expert_configs(model_config) -> dict[str, object]:
+    return {fqn: cfg for fqn, cfg, _, _ in model_config.traverse(GroupedExperts.Config)}
+
+
+@pytest.mark.parametrize("model_name, nvfp4, blocks, linears", [
+    ("deepseek_v3", TitanNVFP4GroupedExperts, range(1, 6), 6 * 4 + 3),  # wq, wkv_a, wkv_b, wo; layer 0's FFN
+    ("gpt_oss", TitanNVFP4GptOssExperts, range(4), 4 * 2),  # wqkv, wo
+    ("qwen3_moe", TitanNVFP4GroupedExperts, range(8), 8 * 2),  # wqkv, wo
+])
+def test_grouped_converter_swaps_the_routed_experts_on_meta(model_name, nvfp4, blocks, linears):
+    """The MoE entries convert every routed-expert config (SR streams apart from the Linears') and the block
+    Linears but the router gates and shared experts; converting twice is a no-op; the BF16 twins convert nothing."""
+    c = parse(f"{model_name}_debug_nvfp4")
+    assert c.quantize.grouped_mm.enable and c.quantize.linear.enable
+    apply_quantize(c)
+    experts = expert_configs(c.model_spec.model)
+    assert list(experts) == [f"layers.{i}.moe.routed_experts.inner_experts" for i in blocks]
+    assert {type(cfg) for cfg in experts.values()} == {nvfp4.Config}
+    assert [cfg.layer_id for cfg in experts.values()] == [experts_layer_id(i) for i in range(len(experts))]
+    assert [cfg.name for cfg in experts.values()] == list(experts)
+    assert len(list(c.model_spec.model.traverse(TitanNVFP4Linear.Config))) == linears
+    apply_quantize(c)
+    assert [cfg.layer_id for cfg in expert_configs(c.model_spec.model).values()] == [
+        experts_layer_id(i) for i in range(len(experts))]
+    bf16 = parse(f"{model_name}_debug_bf16")
+    apply_quantize(bf16)
+    assert not any(isinstance(cfg, tuple(e.Config for e in EXPERTS)) for cfg in expert_configs(
+        bf16.model_spec.model).values())
+
+
+def test_grouped_converter_refuses_a_model_without_experts():
+    c = parse("llama3_debug_nvfp4", "--quantize.grouped_mm.enable")
+    with pytest.raises(ValueError, match=r"\[quantize.grouped_mm\] no routed-expert config matched fqns \['experts'\]"):
+        apply_quantize(c)
+
+
+def test_pad_token_groups_aligns_every_group_and_maps_rows_back():
+    """Each expert's rows at the start of a slot of round_up(count, 16) rows, zeros elsewhere, tail rows (no
+    expert's) after the last slot, a fixed row count; y[rows] undoes it, gradients included."""
+    counts = torch.tensor([5, 0, 19, 16])
+    x = torch.randn(43, 4, requires_grad=True)  # 40 routed rows and 3 of no expert
+    p = pad_token_groups(x, counts)
+    assert p.counts.tolist() == [16, 0, 32, 16] and p.counts.dtype == counts.dtype
+    assert p.x.shape == (112, 4)  # round_up(43 + 4 * 15, 16)
+    assert p.rows.tolist() == [*range(5), *range(16, 35), *range(48, 64), 64, 65, 66]
+    assert torch.equal(p.x[p.rows], x) and not p.x[p.valid(torch.float32)[:, 0] == 0].any()
+    p.x[p.rows].sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+E, D, F = 4, 32, 48
+COUNTS = [5, 0, 19, 8]  # groups not aligned to 16, an empty expert
+
+
+def build_experts(upstream, names, **recipe):
+    """``upstream`` (GroupedExperts, GptOssGroupedExperts) under a RoutedExperts config, converted by the
+    grouped converter with ``recipe`` overrides, built and initialized on the CPU."""
+    init = {n: partial(torch.nn.init.normal_, std=0.2) for n in names}
+    root = RoutedExperts.Config(inner_experts=upstream.Config(dim=D, hidden_dim=F, num_experts=E, param_init=init),
+                                token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=2))
+    root = NVFP4GroupedMMConfigConverter.Config(gemm_backend="reference", **recipe).build().convert(root)
+    module = root.inner_experts.build()
+    module.init_states()
+    return module
+
+
+def experts_reference(kind, x, p, counts, limit=7.0):
+    """The experts in float64, expert after expert: SwiGLU (w1, w2, w3) or gpt_oss's (mlp1, mlp2, biases)."""
+    out, start = [], 0
+    for e, n in enumerate(counts):
+        xe = x[start:start + n]
+        start += n
+        if kind == "swiglu":
+            out.append((torch.nn.functional.silu(xe @ p[0][e].T) * (xe @ p[2][e].T)) @ p[1][e].T)
+        else:
+            out.append(swiglu(xe @ p[0][e].T + p[1][e], limit=limit) @ p[2][e].T + p[3][e])
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "gpt_oss"])
+def test_experts_equal_the_core_grouped_functions_on_unpadded_groups(kind):
+    """The converted experts (groups padded to 16 inside) against the core's grouped functions on the unpadded
+    groups with the same weights, counters and signs: without stochastic rounding the same bits for y, dx and
+    every weight gradient (bias gradients to fp32 summation order); with it the same forward. Both within
+    NVFP4's error of a float64 reference."""
+    upstream, names = {
+        "swiglu": (GroupedExperts, ("w1_EFD", "w2_EDF", "w3_EFD")),
+        "gpt_oss": (GptOssGroupedExperts, ("mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED")),
+    }[kind]
+    counts = torch.tensor(COUNTS)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    for sr in (False, True):
+        torch.manual_seed(0)
+        m = build_experts(upstream, names, stochastic_rounding=sr)
+        assert type(m) is {"swiglu": TitanNVFP4GroupedExperts, "gpt_oss": TitanNVFP4GptOssExperts}[kind]
+        assert [n for n, _ in m.named_parameters()] == list(names)
+        c = m.sr_counter.clone()
+        x = torch.randn(sum(COUNTS), D, requires_grad=True)
+        dy = torch.randn(sum(COUNTS), D)
+        y = m(x, counts)
+        y.backward(dy)
+        assert bool((m.sr_counter[:, 1] == int(sr)).all())  # one SR call per GEMM, if it rounds stochastically
+        got = [y.detach(), x.grad, *(getattr(m, n).grad for n in names)]
+
+        xc = x.detach().clone().requires_grad_()
+        p = [getattr(m, n).detach().clone().requires_grad_() for n in names]
+        r, signs = m.recipe, m.rht_signs
+        if kind == "swiglu":
+            h, _ = nvfp4_grouped_swiglu(xc, p[0], p[2], offsets, r, (c[0], c[2]), signs)
+            (yc,) = nvfp4_grouped_mm_shared(h, (p[1],), offsets, (None,), r, (c[1],), signs)
+        else:
+            (h,) = nvfp4_grouped_mm_shared(xc, (p[0],), offsets, (p[1],), r, (c[0],), signs)
+            (yc,) = nvfp4_grouped_mm_shared(swiglu(h, limit=m.swiglu_limit), (p[2],), offsets, (p[3],), r, (c[1],),
+                                            signs)
+        yc.backward(dy)
+        want = [yc.detach(), xc.grad, *(t.grad for t in p)]
+        assert torch.equal(got[0], want[0])
+        if not sr:
+            for name, a, b in zip(("y", "dx", *names), got, want):
+                assert (torch.allclose(a, b, rtol=1e-6, atol=1e-6) if "bias" in name else torch.equal(a, b)), name
+
+        x64 = x.detach().double().requires_grad_()
+        p64 = [getattr(m, n).detach().double().requires_grad_() for n in names]
+        y64 = experts_reference(kind, x64, p64, COUNTS)
+        y64.backward(dy.double())
+        for name, a, b in zip(("y", "dx", *names), got, [y64.detach(), x64.grad, *(t.grad for t in p64)]):
+            err = float((a.double() - b).norm() / b.norm())
+            assert err < 0.35, (name, sr, err)  # K = 32: two blocks a row, 4-bit elements
+
+
+def test_experts_refuse_expert_and_tensor_parallelism():
+    m = build_experts(GroupedExperts, ("w1_EFD", "w2_EDF", "w3_EFD"))
+    with pytest.raises(NotImplementedError, match=r"NVFP4 experts inner_experts: expert parallelism is not "
+                                                  r"supported .* parallelism.expert_parallel_degree = 1"):
+        m.parallelize(SimpleNamespace(ep_enabled=True, tp_enabled=False))
+    with pytest.raises(NotImplementedError, match=r"NVFP4 experts inner_experts: tensor parallelism is not "
+                                                  r"supported .* parallelism.tensor_parallel_degree = 1"):
+        m.parallelize(SimpleNamespace(ep_enabled=False, tp_enabled=True))
+
+
+@pytest.mark.parametrize("model_name, blocks, n_experts", [("deepseek_v3", 2, 1), ("gpt_oss", 1, 1)])
+def test_moe_debugmodel_forward_backward_in_nvfp4(gloo_rank, monkeypatch, tmp_path, model_name, blocks, n_experts):
+    """The registry's <model>_debug_nvfp4 through the model's own parallelize_fn (deepseek_v3 with its selective
+    activation checkpointing), its first ``blocks`` blocks (deepseek_v3's dense block 0 and a MoE block): the
+    routed experts and block Linears in NVFP4, a finite loss near uniform at init, a finite gradient on every
+    parameter, one SR call per GEMM, and the checkpoint keys of the BF16 twin (the whole model)."""
+    torch.manual_seed(0)
+    args = ["--quantize.linear.gemm_backend", "reference", "--quantize.grouped_mm.gemm_backend", "reference",
+            "--training.seq_len", str(SEQ // 2), "--training.local_batch_size", str(BATCH),
+            "--dump_folder", str(tmp_path)]
+    full = parse(f"{model_name}_debug_nvfp4", *args)
+    apply_quantize(full)
+    with torch.device("meta"):
+        keys = set(full.model_spec.model.build().state_dict())
+        bf16 = parse(f"{model_name}_debug_bf16")
+        assert keys == set(bf16.model_spec.model.build().state_dict())
+    c = parse(f"{model_name}_debug_nvfp4", *args)
+    apply_quantize(c)
+    model = build_parallelized(c, monkeypatch, blocks)
+    experts = [m for m in model.modules() if isinstance(m, EXPERTS)]
+    assert len(experts) == n_experts and experts[0].recipe.gemm_backend == "reference"
+    linears = [m for m in model.modules() if isinstance(m, TitanNVFP4Linear)]
+    vocab = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding)).num_embeddings
+    tokens = torch.randint(0, vocab, (BATCH, SEQ // 2))
+    out = model(tokens, positions=torch.arange(SEQ // 2).repeat(BATCH, 1), attention_masks=None)
+    loss = torch.nn.functional.cross_entropy(out.float().flatten(0, 1), tokens.flatten())
+    loss.backward()
+    value = float(loss.detach())
+    assert math.isfinite(value) and abs(value - math.log(vocab)) < 1.5
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None and torch.isfinite(g.full_tensor() if hasattr(g, "full_tensor") else g).all()
+               for g in grads.values()), [n for n, g in grads.items() if g is None]
+    assert all(bool((m.sr_counter[:, 1] == 1).all()) for m in experts)
+    assert all(m.sr_calls == 1 for m in linears)

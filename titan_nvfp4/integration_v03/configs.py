@@ -1,17 +1,20 @@
 """Config registry for TorchTitan 0.3: ``-m torchtitan.train --module titan_nvfp4.integration_v03.configs
 --config llama3_debug_nvfp4`` (or its BF16 twin ``llama3_debug_bf16``; ``qwen3_debug_*`` for Qwen3's dense
-debug model), on the offline pystdlib corpus."""
+debug model, ``qwen3_moe_debug_*``, ``deepseek_v3_debug_*`` and ``gpt_oss_debug_*`` for the MoE ones), on the
+offline pystdlib corpus."""
 
 import dataclasses
 import os
 
+from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+from torchtitan.models.gpt_oss.config_registry import gpt_oss_debugmodel
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
-from torchtitan.models.qwen3.config_registry import qwen3_debugmodel
+from torchtitan.models.qwen3.config_registry import qwen3_debugmodel, qwen3_moe_debug
 from torchtitan.trainer import Trainer
 
 from ..data.assets import DEFAULT_DIR, ENV_VAR
 from ..data.registry import TRAIN_NAME, VALIDATION_NAME
-from .converter import NVFP4LinearConfigConverter
+from .converter import NVFP4GroupedMMConfigConverter, NVFP4LinearConfigConverter
 from .trainer import NVFP4Trainer, QuantizeConfig
 
 
@@ -27,6 +30,13 @@ def nvfp4_trainer_config(base: Trainer.Config, quantize: QuantizeConfig) -> NVFP
     return config
 
 
+def nvfp4_quantize(experts: bool = False) -> QuantizeConfig:
+    """The NVFP4 entries' sections: every eligible Linear (and with ``experts`` the routed experts) in NVFP4 with
+    the nvidia_paper recipe."""
+    grouped = NVFP4GroupedMMConfigConverter.Config(enable=experts)
+    return QuantizeConfig(linear=NVFP4LinearConfigConverter.Config(enable=True), grouped_mm=grouped)
+
+
 def llama3_debug_bf16() -> NVFP4Trainer.Config:
     """Llama3 debugmodel in BF16: the control arm of llama3_debug_nvfp4."""
     return nvfp4_trainer_config(llama3_debugmodel(), QuantizeConfig())
@@ -34,8 +44,7 @@ def llama3_debug_bf16() -> NVFP4Trainer.Config:
 
 def llama3_debug_nvfp4() -> NVFP4Trainer.Config:
     """Llama3 debugmodel with every block Linear in NVFP4 (nvidia_paper recipe; the LM head stays BF16)."""
-    return nvfp4_trainer_config(
-        llama3_debugmodel(), QuantizeConfig(linear=NVFP4LinearConfigConverter.Config(enable=True)))
+    return nvfp4_trainer_config(llama3_debugmodel(), nvfp4_quantize())
 
 
 def qwen3_debug_bf16() -> NVFP4Trainer.Config:
@@ -45,5 +54,35 @@ def qwen3_debug_bf16() -> NVFP4Trainer.Config:
 
 def qwen3_debug_nvfp4() -> NVFP4Trainer.Config:
     """Qwen3 dense debugmodel with every block Linear in NVFP4 (nvidia_paper recipe; the LM head stays BF16)."""
-    return nvfp4_trainer_config(
-        qwen3_debugmodel(), QuantizeConfig(linear=NVFP4LinearConfigConverter.Config(enable=True)))
+    return nvfp4_trainer_config(qwen3_debugmodel(), nvfp4_quantize())
+
+
+def qwen3_moe_debug_bf16() -> NVFP4Trainer.Config:
+    """Qwen3 MoE debug model in BF16: the control arm of qwen3_moe_debug_nvfp4."""
+    return nvfp4_trainer_config(qwen3_moe_debug(), QuantizeConfig())
+
+
+def qwen3_moe_debug_nvfp4() -> NVFP4Trainer.Config:
+    """Qwen3 MoE debug model with the block Linears and the routed experts in NVFP4 (router gates, LM head BF16)."""
+    return nvfp4_trainer_config(qwen3_moe_debug(), nvfp4_quantize(experts=True))
+
+
+def deepseek_v3_debug_bf16() -> NVFP4Trainer.Config:
+    """DeepSeek-V3 debug model in BF16: the control arm of deepseek_v3_debug_nvfp4."""
+    return nvfp4_trainer_config(deepseek_v3_debugmodel(), QuantizeConfig())
+
+
+def deepseek_v3_debug_nvfp4() -> NVFP4Trainer.Config:
+    """DeepSeek-V3 debug model with the block Linears and the routed experts in NVFP4 (router gates, shared experts
+    and LM head BF16)."""
+    return nvfp4_trainer_config(deepseek_v3_debugmodel(), nvfp4_quantize(experts=True))
+
+
+def gpt_oss_debug_bf16() -> NVFP4Trainer.Config:
+    """gpt-oss debug model in BF16: the control arm of gpt_oss_debug_nvfp4."""
+    return nvfp4_trainer_config(gpt_oss_debugmodel(), QuantizeConfig())
+
+
+def gpt_oss_debug_nvfp4() -> NVFP4Trainer.Config:
+    """gpt-oss debug model with the block Linears and the routed experts in NVFP4 (router gates, LM head BF16)."""
+    return nvfp4_trainer_config(gpt_oss_debugmodel(), nvfp4_quantize(experts=True))

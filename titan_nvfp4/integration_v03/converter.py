@@ -1,22 +1,56 @@
-"""The 0.3 model converter for dense Linears: replaces Linear.Config nodes of a model config tree with
-TitanNVFP4Linear.Config, per the shared knobs (titan_nvfp4/knobs.py) of the `quantize.linear` section."""
+"""The 0.3 model converters: `quantize.linear` replaces Linear.Config nodes of a model config tree with
+TitanNVFP4Linear.Config, `quantize.grouped_mm` the routed experts' GroupedExperts.Config nodes with their NVFP4
+versions (experts.py), per the shared knobs (titan_nvfp4/knobs.py)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 from torchtitan.models.common.linear import Linear
+from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.protocols.model import ModelConfigConverter
 from torchtitan.tools.logging import logger
 
-from ..knobs import LinearKnobs
+from ..expert_groups import check_expert_dims, experts_layer_id
+from ..knobs import GroupedKnobs, LinearKnobs
 from ..layer_selection import check_block_counts, skip_reason
 from ..nvfp4_linear import check_linear_dims
+from .experts import EXPERT_CLASSES
 from .modules import TitanNVFP4Linear
 
 DEFAULT_FILTER_FQNS = ("lm_head", "router.gate", "shared_experts")  # 0.3's LM head is `lm_head`
 #: knobs of the 0.2 integration that this one does not implement yet, with their off value
 NOT_YET = {"lora_rank": 0, "lora_refresh_steps": 0, "telemetry_every": 0, "activation_amax_history": 0,
            "fsdp_nvfp4_all_gather": False, "bf16_after_fraction": 0.0}
+#: the same for `quantize.grouped_mm`
+GROUPED_NOT_YET = {"lora_rank": 0, "telemetry_every": 0, "bf16_after_fraction": 0.0}
+
+
+def _check_section(config, knobs: type, not_yet: dict) -> None:
+    """``enable`` a bool, the ``knobs`` class's checks, then every knob of ``not_yet`` at its off value; else a
+    ValueError naming the key."""
+    if not isinstance(config.enable, bool):
+        raise ValueError(f"[{config.SECTION}] enable must be true or false, got {config.enable!r}")
+    knobs.__post_init__(config)  # slots=True: no zero-argument super()
+    for key, off in not_yet.items():
+        if getattr(config, key) != off:
+            raise ValueError(f"[{config.SECTION}] {key} is not supported by the TorchTitan 0.3 integration "
+                             f"yet (docs/torchtitan03.md); leave it at {off!r}")
+
+
+def _n_blocks(model_config) -> int:
+    layers = getattr(model_config, "layers", None)
+    return len(layers) if isinstance(layers, (list, dict)) else 0
+
+
+def _replace(model_config, parent, attr, new):
+    """``model_config`` with the node at ``parent``.``attr`` (the root when parent is None) replaced by ``new``."""
+    if parent is None:
+        return new
+    if isinstance(parent, list):
+        parent[attr] = new
+    else:
+        setattr(parent, attr, new)
+    return model_config
 
 
 class NVFP4LinearConfigConverter(ModelConfigConverter):
@@ -34,13 +68,7 @@ class NVFP4LinearConfigConverter(ModelConfigConverter):
         filter_fqns: list[str] = field(default_factory=lambda: list(DEFAULT_FILTER_FQNS))
 
         def __post_init__(self) -> None:
-            if not isinstance(self.enable, bool):
-                raise ValueError(f"[{self.SECTION}] enable must be true or false, got {self.enable!r}")
-            LinearKnobs.__post_init__(self)
-            for key, off in NOT_YET.items():
-                if getattr(self, key) != off:
-                    raise ValueError(f"[{self.SECTION}] {key} is not supported by the TorchTitan 0.3 integration "
-                                     f"yet (docs/torchtitan03.md); leave it at {off!r}")
+            _check_section(self, LinearKnobs, NOT_YET)
 
     def __init__(self, config: Config):
         self.config = config
@@ -50,8 +78,7 @@ class NVFP4LinearConfigConverter(ModelConfigConverter):
         """Return ``model_config`` with its eligible Linear.Config nodes replaced (layer ids in tree order)."""
         if not self.config.enable:
             return model_config
-        layers = getattr(model_config, "layers", None)
-        n_blocks = len(layers) if isinstance(layers, (list, dict)) else 0
+        n_blocks = _n_blocks(model_config)
         r = self.recipe
         check_block_counts(r, n_blocks, self.config.SECTION)
         converted, skipped = [], []
@@ -67,13 +94,69 @@ class NVFP4LinearConfigConverter(ModelConfigConverter):
                 in_features=cfg.in_features, out_features=cfg.out_features, bias=cfg.bias,
                 param_init=cfg.param_init, sharding_config=cfg.sharding_config,
                 recipe=r, layer_id=len(converted), name=fqn)
-            if parent is None:
-                model_config = new
-            elif isinstance(parent, list):
-                parent[attr] = new
-            else:
-                setattr(parent, attr, new)
+            model_config = _replace(model_config, parent, attr, new)
             converted.append(fqn)
         logger.info(f"[{self.config.SECTION}] {len(converted)} Linears to NVFP4, {len(skipped)} kept BF16 "
                     f"({', '.join(f for f, _ in skipped) or 'none'})")
+        return model_config
+
+
+class NVFP4GroupedMMConfigConverter(ModelConfigConverter):
+    """Swap every routed-expert config (GroupedExperts.Config, GptOssGroupedExperts.Config) whose fqn contains one
+    of ``fqns`` and that is not in a BF16 block for its NVFP4 version."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedKnobs, ModelConfigConverter.Config):
+        """`quantize.grouped_mm`: NVFP4 for the routed MoE experts (titan_nvfp4)."""
+
+        SECTION: ClassVar[str] = "quantize.grouped_mm"
+
+        enable: bool = True
+        """Convert the routed experts (false: they stay BF16)."""
+
+        def __post_init__(self) -> None:
+            _check_section(self, GroupedKnobs, GROUPED_NOT_YET)
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.recipe = config.build_recipe()
+
+    def convert(self, model_config):
+        """Return ``model_config`` with its eligible expert configs replaced (layer ids from
+        expert_groups.experts_layer_id, in tree order). No expert config matching ``fqns`` is an error; converting
+        twice is a no-op."""
+        if not self.config.enable:
+            return model_config
+        s, r, fqns = self.config.SECTION, self.recipe, self.config.fqns
+        n_blocks = _n_blocks(model_config)
+        check_block_counts(r, n_blocks, s)
+        nvfp4 = tuple(c.Config for c in EXPERT_CLASSES.values())
+        converted, skipped, done = [], [], 0
+        for fqn, cfg, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
+            if isinstance(cfg, nvfp4):
+                done += 1
+                continue
+            if not any(f in fqn for f in fqns):
+                skipped.append((fqn, f"not in fqns {fqns}"))
+                continue
+            why = skip_reason(fqn, [], r, n_blocks)
+            if why:
+                skipped.append((fqn, why))
+                continue
+            cls = EXPERT_CLASSES.get(type(cfg)._owner)
+            if cls is None:
+                known = ", ".join(c.__name__ + ".Config" for c in EXPERT_CLASSES)
+                raise ValueError(f"[{s}] cannot convert experts {fqn!r} to NVFP4: {type(cfg).__qualname__} is not one "
+                                 f"of {known}; exclude it with fqns")
+            check_expert_dims(fqn, cls.weight_shapes(cfg), s)
+            new = cls.Config(**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, recipe=r,
+                             layer_id=experts_layer_id(done + len(converted)), name=fqn)
+            model_config = _replace(model_config, parent, attr, new)
+            converted.append(fqn)
+        if not converted and not done:
+            raise ValueError(f"[{s}] no routed-expert config matched fqns {fqns} (skipped: "
+                             f"{skipped or 'the model has no GroupedExperts / GptOssGroupedExperts'}); set "
+                             f"--{s}.no-enable for a model without experts")
+        logger.info(f"[{s}] {len(converted)} expert modules to NVFP4 (token groups padded to 16), {len(skipped)} kept "
+                    f"BF16 ({', '.join(f for f, _ in skipped) or 'none'})")
         return model_config

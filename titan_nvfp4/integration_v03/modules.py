@@ -50,6 +50,11 @@ class TitanNVFP4Linear(NVFP4Linear, Module):
         NVFP4Linear.__init__(self, config.in_features, config.out_features, bias=config.bias,
                              recipe=config.recipe, layer_id=config.layer_id, name=config.name)
 
+    def forward(self, input):  # noqa: A002
+        """NVFP4Linear.forward under Linear's argument name, which 0.3's sharding configs key the input by (a
+        local_map region, as on gpt_oss's attention output, looks the forward's arguments up by name)."""
+        return NVFP4Linear.forward(self, input)
+
     def parallelize(self, parallel_dims) -> None:
         """Refuse tensor parallelism, which this integration does not support yet (no cross-shard amax)."""
         if parallel_dims.tp_enabled:

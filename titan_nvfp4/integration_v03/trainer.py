@@ -1,11 +1,11 @@
-"""NVFP4Trainer: TorchTitan 0.3's Trainer whose Config gains a `quantize` section (0.2's [quantize.linear.nvfp4]),
-applied to the model config before the Trainer builds the model."""
+"""NVFP4Trainer: TorchTitan 0.3's Trainer whose Config gains a `quantize` section (0.2's [quantize.linear.nvfp4]
+and [quantize.grouped_mm.nvfp4]), applied to the model config before the Trainer builds the model."""
 
 from dataclasses import dataclass, field
 
 from torchtitan.trainer import Trainer
 
-from .converter import NVFP4LinearConfigConverter
+from .converter import NVFP4GroupedMMConfigConverter, NVFP4LinearConfigConverter
 
 
 @dataclass(kw_only=True, slots=True)
@@ -15,6 +15,9 @@ class QuantizeConfig:
     linear: NVFP4LinearConfigConverter.Config = field(
         default_factory=lambda: NVFP4LinearConfigConverter.Config(enable=False))
     """NVFP4 for the dense Linears (`--quantize.linear.enable` turns it on, `--quantize.linear.no-enable` off)."""
+    grouped_mm: NVFP4GroupedMMConfigConverter.Config = field(
+        default_factory=lambda: NVFP4GroupedMMConfigConverter.Config(enable=False))
+    """NVFP4 for the routed MoE experts (`--quantize.grouped_mm.enable` / `--quantize.grouped_mm.no-enable`)."""
 
 
 def prepare_offline_data(config: Trainer.Config) -> None:
@@ -32,8 +35,11 @@ def prepare_offline_data(config: Trainer.Config) -> None:
 def apply_quantize(config: Trainer.Config) -> None:
     """Convert ``config.model_spec.model`` per ``config.quantize`` (in place; converting twice is a no-op)."""
     spec = config.model_spec
-    if spec is not None and config.quantize.linear.enable:
-        spec.model = config.quantize.linear.build().convert(spec.model)
+    if spec is None:
+        return
+    for section in (config.quantize.linear, config.quantize.grouped_mm):
+        if section.enable:
+            spec.model = section.build().convert(spec.model)
 
 
 class NVFP4Trainer(Trainer):
