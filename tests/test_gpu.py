@@ -158,3 +158,28 @@ def test_grouped_experts_compile_without_graph_breaks():
         outs.append((y, xi.grad, wi.grad, c))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def test_debug_model_trains_under_cuda_graph_trees_as_without(tmp_path):
+    """The README's debug model with its blocks compiled, under inductor's CUDA-graph trees
+    (TORCHINDUCTOR_CUDAGRAPHS=1, their memory-pool checks on): the same losses as compiled without graphs.
+    The pool check once failed at the second block's backward: the reference cycles of the first Triton
+    compiles kept pool tensors alive (kernels/launch.py now collects them under graph trees)."""
+    import os
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    losses = {}
+    for graphs in ("0", "1"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "-m", "torchtitan.train",
+               "--job.config_file", "train_configs/llama3_nvfp4.toml", "--training.steps", "8",
+               "--metrics.log_freq", "1", "--compile.enable", "--job.dump_folder", str(tmp_path / graphs)]
+        r = subprocess.run(cmd, cwd=root, env=dict(os.environ, TORCHINDUCTOR_CUDAGRAPHS=graphs),
+                           capture_output=True, text=True, timeout=600)
+        log = r.stdout + r.stderr
+        assert r.returncode == 0, log[-4000:]
+        losses[graphs] = re.findall(r"step:\s+\d+\s+loss:\s+([0-9.]+)", log)
+    assert len(losses["1"]) == 8 and losses["1"] == losses["0"], losses

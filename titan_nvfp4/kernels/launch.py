@@ -19,8 +19,10 @@ launch hooks (profilers) are called as Triton calls them.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
+import sys
 
 import torch
 from triton import knobs as _knobs  # the launch hooks (profilers such as proton), passed on as Triton does
@@ -109,7 +111,10 @@ class Launcher:
             return self.fn[grid](*args, **kwargs)
         entry = self.cache.get(key)
         if entry is None:
+            built = self._built()
             kernel = self.fn[grid](*args, **kwargs)
+            if self._built() != built:
+                _collect_build_garbage(key[0])
             entry = self._record(kernel, args, kwargs)
             if entry is not None:
                 self.cache[key] = entry
@@ -127,6 +132,11 @@ class Launcher:
         k.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, k.function,
               k.packed_metadata, meta, enter, leave, *full)
         return k
+
+    def _built(self) -> int:
+        """Kernels compiled and configs tuned so far (to tell a launch that built one)."""
+        n = sum(len(c[0]) for c in getattr(self.jit, "device_caches", {}).values())
+        return n + (len(self.fn.cache) if self.autotuner else 0)
 
     def _verify(self, entry: _Entry, args, kwargs) -> None:
         """CHECK: the cached kernel is the one Triton would launch for these arguments."""
@@ -159,6 +169,32 @@ class Launcher:
                 raise TypeError(f"{self.jit.__name__}: no value for parameter {name!r}")
         kernel._init_handles()
         return _Entry(kernel, self.names, fixed, sources, options)
+
+
+def _collect_build_garbage(device: int) -> None:
+    """Free the reference cycles a Triton compile or autotuning run leaves behind, where CUDA graphs run.
+
+    Those cycles hold frames that hold the launch's tensors, so the tensors outlive their last use until
+    Python's cyclic collector runs. Under inductor's CUDA-graph trees the first launches run in the
+    graphs' memory pool, and a tensor kept alive that way fails the trees' check that every live
+    allocation in the pool is a graph output (seen on the debug model's second block). A full collection
+    costs about 0.4 s with inductor loaded, so it runs only while a graph tree exists on this device.
+    """
+    global collections
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:
+        return
+    try:
+        active = trees.get_manager(device, create_if_none_exists=False) is not None
+    except (AttributeError, TypeError):  # another torch: collect rather than guess
+        active = True
+    if active:
+        collections += 1
+        gc.collect()
+
+
+#: collections run by _collect_build_garbage (compiles under CUDA-graph trees) in this process
+collections = 0
 
 
 def launcher(fn) -> Launcher:
