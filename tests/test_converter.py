@@ -88,24 +88,30 @@ def job_cfg():
 # ------------------------------------------------------------------------------ 1. registration
 
 @pytest.mark.long
-def test_import_registers_converter_once():
+def test_import_registers_converter_once_and_the_flavors():
+    from titan_nvfp4.integration.flavors import BENCH_FLAVOR
+
     assert _registry_model_converter_cls[NAME].__name__ == "NVFP4LinearConverter"
-    # In a fresh interpreter: absent before `import titan_nvfp4`, present after, and importing or
+    # In a fresh interpreter: the converter and our llama3 flavor are absent before `import titan_nvfp4`
+    # and present after (the flavor through what TorchTitan's job-config parsing imports), and importing or
     # re-executing the modules again does not trip TorchTitan's "already registered" assertion.
     code = "\n".join([
         "import importlib",
+        "from torchtitan.models.llama3 import llama3_args",
         "from torchtitan.protocols.model_converter import _registry_model_converter_cls as reg",
-        f"assert {NAME!r} not in reg",
+        "from torchtitan.protocols.train_spec import get_train_spec",
+        f"assert {NAME!r} not in reg and {BENCH_FLAVOR!r} not in llama3_args",
         "import titan_nvfp4",
         f"cls = reg[{NAME!r}]",
         "import titan_nvfp4, titan_nvfp4.integration.job_config",
+        f"print(get_train_spec('llama3').model_args[{BENCH_FLAVOR!r}].dim)",
         "importlib.reload(titan_nvfp4.integration.converter)",
         "importlib.reload(titan_nvfp4.integration.job_config)",
         f"assert reg[{NAME!r}] is cls",
         "print('ok')",
     ])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    assert out.returncode == 0 and out.stdout.split() == ["2048", "ok"], out.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------- 2. parsing the job file
