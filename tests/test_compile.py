@@ -29,8 +29,10 @@ def test_quantize_op_passes_opcheck(rows):
     x = _x(rows, 64)
     seed = torch.tensor([7], dtype=torch.int64, device=DEV)
     signs = rht_signs(1, DEV)
-    for args in [(x, True, True, signs, False, False, None), (x, True, True, signs, True, True, seed),
-                 (x, False, True, None, False, False, None), (x, True, False, None, False, False, None)]:
+    every = [(x, True, True, signs, False, False, None), (x, True, True, signs, True, True, seed),
+             (x, False, True, None, False, False, None), (x, True, False, None, False, False, None)]
+    # every flag set where the column operand is padded; at 32 rows (no padding) the one with every output
+    for args in every if rows % 16 else every[1:2]:
         torch.library.opcheck(library.quantize.op, args)
 
 
@@ -61,7 +63,9 @@ def test_quantize_2d_and_gemm_ops_pass_opcheck():
 @pytest.mark.parametrize("rows", [64, 40])
 def test_quantize_mxfp8_op_passes_opcheck(rows):
     x = _x(rows, 64, dtype=torch.bfloat16)
-    for flags in [(True, True), (True, False), (False, True), (True, True, True), (False, True, True)]:
+    every = [(True, True), (True, False), (False, True), (True, True, True), (False, True, True)]
+    # every flag set where the columns are padded (40 rows); at 64 rows the two with both outputs
+    for flags in every if rows % 32 else [every[0], every[3]]:
         torch.library.opcheck(library.quantize_mxfp8.op, (x, *flags))  # third: staged BF16 values
 
 
