@@ -11,7 +11,7 @@ pytest.importorskip("torchtitan")
 import titan_nvfp4  # noqa: F401  (registers the converter and the flavors)
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
 from titan_nvfp4.integration.converter import convert_linears
-from titan_nvfp4.integration.flavors import BENCH_FLAVOR, BENCH_VOCAB_SIZE
+from titan_nvfp4.integration.flavors import BENCH_FLAVOR, BENCH_VOCAB_SIZE, LAYERS_8B_FLAVOR
 from torchtitan.config import ConfigManager
 from torchtitan.models.llama3 import Transformer
 from torchtitan.protocols.train_spec import get_train_spec
@@ -102,3 +102,21 @@ def test_every_job_file_parses(path):
     cfg = ConfigManager().parse_args(["--job.config_file", str(path)])
     assert cfg.model.name in ("llama3", "deepseek_v3", "gpt_oss", "qwen3", "llama4")
     assert cfg.model.flavor in get_train_spec(cfg.model.name).model_args
+
+
+def test_8b_layers_flavor_has_llama3_8b_block_shapes():
+    args = get_train_spec("llama3").model_args[LAYERS_8B_FLAVOR]
+    with torch.device("meta"):
+        model = Transformer(args)
+    assert sum(p.numel() for p in model.parameters()) == expected_params(
+        dim=4096, layers=4, heads=32, kv_heads=8, ffn=14336) == 889_229_312
+    block = model.layers["0"]
+    assert (block.attention.wq.out_features, block.attention.wk.out_features) == (4096, 1024)
+    assert block.feed_forward.w1.out_features == 14336  # Llama3-8B's FFN hidden
+    report = convert_linears(model, NVFP4Recipe(), ["output"])
+    assert len(report["converted"]) == 4 * 7 and [f for f, _ in report["skipped"]] == ["output"]
+    cfg = {arm: ConfigManager().parse_args(["--job.config_file", str(ROOT / f"train_configs/llama3_8b_layers_{arm}.toml")])
+           for arm in ("bf16", "nvfp4")}
+    for c in cfg.values():
+        assert c.model.flavor == LAYERS_8B_FLAVOR and c.training.seq_len == 4096 and not c.compile.enable
+    assert cfg["bf16"].model.converters == [] and cfg["nvfp4"].model.converters == ["quantize.linear.nvfp4"]

@@ -11,6 +11,10 @@ TorchTitan builds the model from `get_train_spec("llama3").model_args[flavor]`, 
 and it imports our `[job] custom_config_module` (-> converter -> this module) while parsing the job file,
 before the model is built; `import titan_nvfp4` registers it too.
 
+`8B_layers`: four blocks of Llama3-8B's shapes (dim 4096, 32 heads / 8 KV heads, FFN hidden 14336) on
+the same vocabulary, 889M parameters: the 8B model's GEMMs on one GPU (`train_configs/llama3_8b_layers_*.toml`,
+seq 4096).
+
 `gpt_oss` `debugmodel_vocab2048`: TorchTitan's gpt_oss `debugmodel` (4 layers, dim 256, 8 experts of
 hidden 2880, top-4) with the vocabulary cut from gpt-oss's 201,088 entries to our tokenizer's 2048, as
 the other MoE debug models (deepseek_v3, qwen3, llama4) already have. With 201,088 entries the LM head
@@ -45,6 +49,23 @@ def bench_args() -> TransformerModelArgs:
     )
 
 
+LAYERS_8B_FLAVOR = "8B_layers"
+
+
+def layers_8b_args() -> TransformerModelArgs:
+    """The `8B_layers` model args: Llama3-8B's block shapes, 4 blocks, our tokenizer's vocabulary."""
+    return TransformerModelArgs(
+        dim=4096,
+        n_layers=4,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=BENCH_VOCAB_SIZE,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,  # FFN hidden = 1024 * ceil(int(1.3 * 2 * 4 * 4096 / 3) / 1024) = 14336, as Llama3-8B
+        rope_theta=500000,
+    )
+
+
 GPT_OSS_FLAVOR = "debugmodel_vocab2048"
 
 
@@ -57,6 +78,7 @@ def gpt_oss_debug_args():
 def register_flavors() -> None:
     """Add our flavors to TorchTitan's tables; idempotent (an existing entry is kept, e.g. on reload)."""
     llama3_args.setdefault(BENCH_FLAVOR, bench_args())
+    llama3_args.setdefault(LAYERS_8B_FLAVOR, layers_8b_args())
     gptoss_configs.setdefault(GPT_OSS_FLAVOR, gpt_oss_debug_args())
 
 
