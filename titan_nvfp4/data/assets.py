@@ -25,9 +25,9 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
-from .corpus import SHUFFLE_SEED, VALIDATION_EVERY, build_corpus, jsonl_bytes
+from .corpus import SHUFFLE_SEED, VALIDATION_EVERY, Corpus, build_corpus, jsonl_bytes
 from .tokenizer import SPECIAL_TOKENS, TRAIN_MAX_BYTES, VOCAB_SIZE, estimate_tokens, save_tokenizer, train_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -68,10 +68,11 @@ def read_manifest(path: str | os.PathLike) -> dict | None:
         return None
 
 
-def manifest_matches(path: str | os.PathLike) -> bool:
-    """Whether ``path`` holds complete assets built with the current recipe (cheap: no hashing)."""
+def manifest_matches(path: str | os.PathLike, expected_recipe: dict | None = None) -> bool:
+    """Whether ``path`` holds complete assets built with ``expected_recipe`` (default: pystdlib's
+    ``recipe()``); cheap: file sizes are compared, nothing is hashed."""
     manifest = read_manifest(path)
-    if manifest is None or manifest.get("recipe") != recipe():
+    if manifest is None or manifest.get("recipe") != (recipe() if expected_recipe is None else expected_recipe):
         return False
     sizes = manifest.get("file_bytes", {})
     for name in DATA_FILES:
@@ -81,7 +82,7 @@ def manifest_matches(path: str | os.PathLike) -> bool:
     return True
 
 
-def _write_file(path: Path, data: bytes) -> str:
+def write_file(path: Path, data: bytes) -> str:
     """Write ``data`` durably to ``path`` and return its sha256."""
     with open(path, "wb") as fh:
         fh.write(data)
@@ -90,23 +91,33 @@ def _write_file(path: Path, data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def build_assets(out_dir: str | os.PathLike) -> dict:
-    """Build corpus, tokenizer and manifest into the directory ``out_dir`` and return the manifest.
+def write_assets(
+    out_dir: str | os.PathLike,
+    corpus: Corpus,
+    recipe_: dict,
+    tokenizer_max_bytes: int = TRAIN_MAX_BYTES,
+    extra: dict | None = None,
+    t0: float | None = None,
+) -> dict:
+    """Write ``corpus`` (both splits), a tokenizer trained on its train split and the manifest into
+    ``out_dir``; return the manifest.
 
-    Not atomic and not locked by itself: ``ensure_assets`` calls it on a private temporary directory.
+    The tokenizer learns from the leading train documents up to ``tokenizer_max_bytes`` (the split is
+    shuffled, so that is a fixed pseudo-random sample). ``extra`` adds top-level manifest keys; ``t0``
+    (a ``time.perf_counter()`` value) is when collecting the corpus began, for the build timings.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    corpus = build_corpus()
+    t0 = time.perf_counter() if t0 is None else t0
     train_bytes, val_bytes = jsonl_bytes(corpus.train), jsonl_bytes(corpus.validation)
     sha = {
-        "train.jsonl": _write_file(out / "train.jsonl", train_bytes),
-        "validation.jsonl": _write_file(out / "validation.jsonl", val_bytes),
+        "train.jsonl": write_file(out / "train.jsonl", train_bytes),
+        "validation.jsonl": write_file(out / "validation.jsonl", val_bytes),
         "corpus": hashlib.sha256(train_bytes + val_bytes).hexdigest(),
     }
+    del train_bytes, val_bytes
     t1 = time.perf_counter()
-    tok = train_tokenizer(corpus.train)  # validation text stays unseen by the tokenizer too
+    tok = train_tokenizer(corpus.train, max_bytes=tokenizer_max_bytes)  # validation stays unseen
     save_tokenizer(tok, out)
     sha["tokenizer.json"] = hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
     t2 = time.perf_counter()
@@ -119,7 +130,7 @@ def build_assets(out_dir: str | os.PathLike) -> dict:
     }
     text_bytes["total"] = text_bytes["train"] + text_bytes["validation"]
     manifest = {
-        "recipe": recipe(),
+        "recipe": recipe_,
         "source": {k: corpus.stats[k] for k in sorted(corpus.stats)},
         "documents": {
             "train": len(corpus.train),
@@ -154,8 +165,19 @@ def build_assets(out_dir: str | os.PathLike) -> dict:
             "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         },
     }
+    manifest.update(extra or {})
     # The manifest goes last: its presence marks a complete directory.
-    _write_file(out / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+    write_file(out / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+    return manifest
+
+
+def build_assets(out_dir: str | os.PathLike) -> dict:
+    """Build the pystdlib corpus, tokenizer and manifest into the directory ``out_dir``; return the manifest.
+
+    Not atomic and not locked by itself: ``ensure_assets`` calls it on a private temporary directory.
+    """
+    t0 = time.perf_counter()
+    manifest = write_assets(out_dir, build_corpus(), recipe(), t0=t0)
     if manifest["tokens_estimate"]["total"] < MIN_TOKENS:
         logger.warning(
             "pystdlib corpus has only ~%d tokens (< %d) on Python %s",
@@ -189,30 +211,41 @@ def _remove_leftovers(parent: Path, name: str) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def ensure_assets(path: str | os.PathLike | None = None, force: bool = False) -> Path:
-    """Return the assets directory, building it first if missing or stale; safe for concurrent ranks."""
-    target = Path(os.path.abspath(path)) if path is not None else default_data_dir()
-    if not force and manifest_matches(target):
+def ensure_built(
+    target: Path,
+    build: Callable[[Path], dict],
+    matches: Callable[[Path], bool],
+    force: bool = False,
+    source: str = "Python stdlib + pydoc topics",
+    env_var: str = ENV_VAR,
+) -> Path:
+    """Return the assets directory ``target``, first building it with ``build(tmp_dir)`` unless
+    ``matches(target)``; safe for concurrent ranks (one builds under the lock, the others wait and reuse).
+
+    ``source`` names the corpus in the log; ``env_var`` is the variable the error message suggests.
+    """
+    target = Path(os.path.abspath(target))
+    if not force and matches(target):
         logger.debug("Reusing offline assets in %s", target)
         return target
     parent, name = target.parent, target.name
     parent.mkdir(parents=True, exist_ok=True)
     with _locked(parent / f"{name}.lock"):
-        if not force and manifest_matches(target):  # another rank built it while we waited
+        if not force and matches(target):  # another rank built it while we waited
             logger.info("Reusing offline assets in %s (built by another process)", target)
             return target
         if target.exists() and any(target.iterdir()) and read_manifest(target) is None:
             # Never replace a directory this module did not make (no manifest): it may be user data.
             raise FileExistsError(
                 f"{target} exists, is not empty and has no {MANIFEST}; refusing to overwrite it. "
-                f"Remove it or point {ENV_VAR} elsewhere."
+                f"Remove it or point {env_var} elsewhere."
             )
         _remove_leftovers(parent, name)
-        logger.info("Building offline corpus and tokenizer in %s (Python stdlib + pydoc topics)", target)
+        logger.info("Building offline corpus and tokenizer in %s (%s)", target, source)
         t0 = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent))
         try:
-            manifest = build_assets(tmp)
+            manifest = build(tmp)
             os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
             if target.exists():
                 old = parent / f".{name}.old-{os.getpid()}"
@@ -234,3 +267,9 @@ def ensure_assets(path: str | os.PathLike | None = None, force: bool = False) ->
             manifest["tokenizer"]["vocab_size"],
         )
     return target
+
+
+def ensure_assets(path: str | os.PathLike | None = None, force: bool = False) -> Path:
+    """Return the pystdlib assets directory, building it first if missing or stale; safe for concurrent ranks."""
+    target = Path(os.path.abspath(path)) if path is not None else default_data_dir()
+    return ensure_built(target, build_assets, manifest_matches, force=force)

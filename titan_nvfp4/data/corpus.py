@@ -71,31 +71,48 @@ def iter_pydoc_topics() -> Iterator[tuple[str, str]]:
         yield f"pydoc:{key}", topics[key]
 
 
+def collect_unique(sources: Iterable[tuple[str, Iterable[tuple[str, str]]]], counts: dict) -> list[str]:
+    """Texts of ``sources`` (``(kind, items)`` pairs, items ``(name, text)``) in order, empty and repeated ones dropped.
+
+    ``counts`` is updated in place: ``counts[kind]`` documents kept per kind, ``counts["duplicates"]``
+    exact repeats (sha256 of the text) and ``counts["empty"]`` whitespace-only texts.
+    """
+    seen: set[str] = set()
+    docs: list[str] = []
+    for kind, items in sources:
+        for _name, text in items:
+            if not text.strip():  # empty __init__.py files would only contribute BOS/EOS
+                counts["empty"] = counts.get("empty", 0) + 1
+                continue
+            digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+            if digest in seen:  # identical copies would leak train text into validation
+                counts["duplicates"] = counts.get("duplicates", 0) + 1
+                continue
+            seen.add(digest)
+            docs.append(text)
+            counts[kind] = counts.get(kind, 0) + 1
+    return docs
+
+
+def split_documents(docs: list[str], seed: int, validation_every: int) -> tuple[list[str], list[str]]:
+    """Shuffle ``docs`` in place with ``seed`` and return ``(train, validation)``: every
+    ``validation_every``-th document of the shuffled order is held out (a split by document)."""
+    random.Random(seed).shuffle(docs)
+    validation = [d for i, d in enumerate(docs) if i % validation_every == validation_every - 1]
+    train = [d for i, d in enumerate(docs) if i % validation_every != validation_every - 1]
+    return train, validation
+
+
 def build_corpus(seed: int = SHUFFLE_SEED, validation_every: int = VALIDATION_EVERY) -> Corpus:
     """Collect, dedupe, shuffle and split the stdlib/pydoc documents; deterministic per Python version."""
     stats: dict = {"stdlib_root": str(stdlib_root())}
-    seen: set[str] = set()
-    docs: list[str] = []
     counts = {"stdlib_files": 0, "pydoc_topics": 0, "duplicates": 0, "empty": 0}
     sources: list[tuple[str, Iterable[tuple[str, str]]]] = [
         ("stdlib_files", iter_stdlib_sources(stats=stats)),
         ("pydoc_topics", iter_pydoc_topics()),
     ]
-    for kind, items in sources:
-        for _name, text in items:
-            if not text.strip():  # empty __init__.py files would only contribute BOS/EOS
-                counts["empty"] += 1
-                continue
-            digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
-            if digest in seen:  # identical copies would leak train text into validation
-                counts["duplicates"] += 1
-                continue
-            seen.add(digest)
-            docs.append(text)
-            counts[kind] += 1
-    random.Random(seed).shuffle(docs)
-    validation = [d for i, d in enumerate(docs) if i % validation_every == validation_every - 1]
-    train = [d for i, d in enumerate(docs) if i % validation_every != validation_every - 1]
+    docs = collect_unique(sources, counts)
+    train, validation = split_documents(docs, seed, validation_every)
     stats.update(counts)
     return Corpus(train=train, validation=validation, stats=stats)
 
