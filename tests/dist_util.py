@@ -20,6 +20,12 @@ PRELOAD = [
     "torchtitan.models.llama3", "torchtitan.models.deepseek_v3", "torchtitan.models.gpt_oss",
     "titan_nvfp4", "titan_nvfp4.integration.converter",
 ]
+#: the same for TorchTitan 0.3 (tests/test_torchtitan03.py): its config registry, llama3 and deepseek_v3
+PRELOAD_V03 = [
+    "torch", "torch.distributed.fsdp", "torchtitan.models.llama3", "torchtitan.models.deepseek_v3",
+    "torchtitan.trainer",
+    "titan_nvfp4", "titan_nvfp4.integration_v03.configs",
+]
 
 
 def free_port() -> int:
@@ -28,9 +34,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(fn, args: tuple, nprocs: int) -> None:
-    """``torch.multiprocessing.spawn``'s contract (fn(rank, *args), errors re-raised) from the preloaded fork server."""
-    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+def spawn(fn, args: tuple, nprocs: int, preload: list[str] = PRELOAD) -> None:
+    """``torch.multiprocessing.spawn``'s contract (fn(rank, *args), errors re-raised) from the preloaded fork server
+    (one per test process: the first call's ``preload`` is the one it keeps)."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
@@ -44,9 +51,9 @@ def _entry(rank: int, world: int, port: int, worker, args, out) -> None:
         dist.destroy_process_group()
 
 
-def run_ranks(worker, world: int, *args) -> dict:
+def run_ranks(worker, world: int, *args, preload: list[str] = PRELOAD) -> dict:
     """worker(rank, world, out, *args) on ``world`` gloo ranks; returns the dict the workers filled."""
     manager = mp.Manager()
     out = manager.dict()
-    spawn(_entry, (world, free_port(), worker, args, out), world)
+    spawn(_entry, (world, free_port(), worker, args, out), world, preload)
     return dict(out)

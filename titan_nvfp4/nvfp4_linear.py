@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .amax_history import activation_amax
-from .distributed.tensor_parallel import local, tp_nvfp4_linear
+from .distributed.tensor_parallel import local, local_tp_nvfp4_linear, tp_nvfp4_linear
 from .layer_state import NVFP4LayerState
 from .linear_function import meta_linear, nvfp4_linear
 from .numerics.rht import signs_for_operand
@@ -78,13 +78,22 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         name in forward would guard on it and recompile the block once per layer."""
         return getattr(self, "layer_name", "") or type(self).__name__
 
+    #: (sharded weight dim, process group) when a framework hands this layer plain local shards of a
+    #: tensor-parallel weight and its input (TorchTitan 0.3's spmd_types backend sets it at parallelize);
+    #: None: the weight is whole, or a DTensor that says so itself
+    local_tp: tuple[int, object] | None = None
+
     def _check_input(self, x) -> None:
-        """x must be a tensor of at least 1 dim whose last dim is in_features: else name the layer."""
+        """x must be a tensor of at least 1 dim whose last dim is in_features (its local shard's under
+        ``local_tp``): else name the layer."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self.label()}: input must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() == 0 or x.shape[-1] != self.in_features:
+        features = self.in_features if self.local_tp is None else self.weight.shape[-1]
+        if x.dim() == 0 or x.shape[-1] != features:
             raise RuntimeError(f"{self.label()}: input of shape {tuple(x.shape)} has "
-                               f"{x.shape[-1] if x.dim() else 0} features, the layer takes in_features={self.in_features}")
+                               f"{x.shape[-1] if x.dim() else 0} features, the layer takes {features}"
+                               f"{' (local shard)' if features != self.in_features else ''} of in_features="
+                               f"{self.in_features}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
@@ -101,12 +110,13 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
                       gemm: int | None = None) -> torch.Tensor:
         """x·weightᵀ + bias in NVFP4 with this layer's recipe, RHT signs and SR stream (row ``gemm`` of
         the counter when the layer has several). A DTensor weight (tensor parallelism) runs on the
-        local shards with cross-rank amaxes: distributed/tensor_parallel.py."""
+        local shards with cross-rank amaxes: distributed/tensor_parallel.py; so do plain local shards under
+        ``local_tp``."""
         counter, signs = local(self.sr_counter), local(self.rht_signs)
         if gemm is not None:
             counter = counter[gemm]
         history = self.amax_history is not None and gemm in (None, 0)  # the main GEMM's X only
-        if not isinstance(weight, DTensor):
+        if not isinstance(weight, DTensor) and self.local_tp is None:
             x_amax = self._history_amax(x, weight) if history else None
             return nvfp4_linear(x, weight, bias, self.recipe, counter, signs, x_amax=x_amax)
 
@@ -114,6 +124,8 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
             x_amax = self._history_amax(x_local, w_local) if history else None
             return nvfp4_linear(x_local, w_local, b_local, self.recipe, counter, signs, groups, x_amax)
 
+        if not isinstance(weight, DTensor):
+            return local_tp_nvfp4_linear(on_shards, x, weight, bias, *self.local_tp, self.label)
         return tp_nvfp4_linear(on_shards, x, weight, bias, self.label)
 
     def _history_amax(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:

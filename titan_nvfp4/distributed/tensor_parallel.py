@@ -12,6 +12,9 @@ Per rank, with the weight sharded over a TP group of size t:
 So every rank quantizes its shard of X, W and dY with the whole operand's tensor scale, and the
 1×16 / 16×16 blocks are those of the unsharded operands (local dims must be multiples of 16). What
 differs from one GPU is only the fp32 summation order: rowwise sums t partial GEMMs, colwise dX too.
+
+A framework that hands the layer plain local shards and runs the collectives around it itself (TorchTitan
+0.3's spmd_types backend) gets the same per-rank GEMM from local_tp_nvfp4_linear.
 """
 
 from __future__ import annotations
@@ -58,6 +61,25 @@ def _check_local_dims(name: Name, w_local: torch.Tensor) -> None:
                          "keep the layer in BF16 with filter_fqns")
 
 
+def tp_amax_groups(wdim: int, group) -> AmaxGroups:
+    """The operands sharded over ``group`` when the weight is sharded along ``wdim``: colwise (0) W and dY,
+    rowwise (1) X and W."""
+    return AmaxGroups(weight=group, grad=group) if wdim == 0 else AmaxGroups(x=group, weight=group)
+
+
+def local_tp_nvfp4_linear(linear_fn, x: torch.Tensor, w_local: torch.Tensor, bias: torch.Tensor | None,
+                          wdim: int, group, name: Name = "") -> torch.Tensor:
+    """The same per-rank GEMM as tp_nvfp4_linear for a framework that hands the layer plain local shards and
+    does the collectives around it itself (TorchTitan 0.3's spmd_types backend): colwise X whole, Y's columns
+    out; rowwise X's feature shard in, a partial Y out (its sum is the framework's). ``wdim`` 0 or 1, as
+    tp_layout's."""
+    _check_local_dims(name, w_local)
+    if wdim == 1 and bias is not None:  # each rank's partial Y would add it once: t times in the sum
+        raise NotImplementedError(f"NVFP4 Linear {name_of(name)!r}: a rowwise-sharded Linear with a bias on local "
+                                  "shards is not supported; keep the layer in BF16 with filter_fqns")
+    return linear_fn(x, w_local, bias, tp_amax_groups(wdim, group))
+
+
 def tp_nvfp4_linear(linear_fn, x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None,
                     name: Name = "") -> DTensor:
     """Y = linear_fn(x_local, w_local, b_local, groups) on the local shards, wrapped back as a DTensor
@@ -82,14 +104,14 @@ def tp_nvfp4_linear(linear_fn, x: torch.Tensor, weight: DTensor, bias: torch.Ten
         if any(not isinstance(p, Replicate) for p in x.placements):
             x = x.redistribute(mesh, [Replicate()] * mesh.ndim)
         x_local = x.to_local(grad_placements=[Partial() if i == mesh_dim else Replicate() for i in range(mesh.ndim)])
-        y = linear_fn(x_local, w_local, local(bias), AmaxGroups(weight=group, grad=group))
+        y = linear_fn(x_local, w_local, local(bias), tp_amax_groups(0, group))
         placements[mesh_dim] = Shard(y.dim() - 1)
         return DTensor.from_local(y, mesh, placements, run_check=False)
     # rowwise: x sharded along its last dim the way W is along dim 1
     want = [Shard(x.dim() - 1) if i == mesh_dim else Replicate() for i in range(mesh.ndim)]
     if list(x.placements) != want:
         x = x.redistribute(mesh, want)
-    y = linear_fn(x.to_local(), w_local, None, AmaxGroups(x=group, weight=group))
+    y = linear_fn(x.to_local(), w_local, None, tp_amax_groups(1, group))
     placements[mesh_dim] = Partial()
     out = DTensor.from_local(y, mesh, placements, run_check=False)
     if bias is not None:
@@ -97,4 +119,4 @@ def tp_nvfp4_linear(linear_fn, x: torch.Tensor, weight: DTensor, bias: torch.Ten
     return out
 
 
-__all__ = ["local", "tp_layout", "tp_nvfp4_linear"]
+__all__ = ["local", "local_tp_nvfp4_linear", "tp_amax_groups", "tp_layout", "tp_nvfp4_linear"]

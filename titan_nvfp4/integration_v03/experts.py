@@ -8,8 +8,10 @@ declared placements (modules.declare_buffers).
 
 The token groups are padded to multiples of 16 inside the module (titan_nvfp4/expert_groups.py), so the
 grouped kernels need no host sync and the results equal those of the unpadded groups; TorchTitan's own padding
-dispatcher (TorchAOTokenDispatcher) would need torchao. Expert parallelism and tensor parallelism of the
-experts are refused at parallelize.
+dispatcher (TorchAOTokenDispatcher) would need torchao. Tensor parallelism of TitanNVFP4GroupedExperts (TorchTitan's
+plan: the hidden dim sharded, x whole, the output a partial sum) all-reduces the sharded operands' per-expert
+amaxes over the TP group (the core's AmaxGroups); expert parallelism, and TP of the gpt_oss experts, are
+refused at parallelize.
 """
 
 from __future__ import annotations
@@ -21,13 +23,17 @@ from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts, swiglu
 from torchtitan.protocols.module import Module
 
-from ..distributed.tensor_parallel import local
+import spmd_types as spmd
+from torchtitan.distributed.parallel_dims import MeshAxisName
+
+from ..distributed.amax import AmaxGroups
+from ..distributed.tensor_parallel import local, tp_amax_groups
 from ..expert_groups import check_expert_dims, pad_token_groups
 from ..grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
 from ..layer_state import NVFP4LayerState
 from ..nvfp4_linear import check_recipe
 from ..recipe import NVFP4Recipe
-from .modules import declare_buffers
+from .modules import declare_buffers, place_buffers
 
 SECTION = "quantize.grouped_mm"
 
@@ -52,17 +58,45 @@ class _NVFP4Experts(NVFP4LayerState):
         """The module's name for messages (read only where one is raised, as NVFP4Linear.label)."""
         return getattr(self, "layer_name", "") or type(self).__name__
 
+    #: {weight name: the AmaxGroups of its GEMM} under tensor parallelism of the experts (set at parallelize)
+    tp_groups: dict[str, AmaxGroups] = {}
+    #: whether TP of the experts is implemented (not for gpt_oss's, whose rowwise biases would count per rank)
+    TP_SUPPORTED = False
+
     def parallelize(self, parallel_dims) -> None:
-        """Refuse expert and tensor parallelism, which this integration does not support yet."""
+        """Refuse expert parallelism; under tensor parallelism (TorchTitan's: every expert's hidden dim sharded,
+        W1/W3 along their output features, W2 along its input features) record each GEMM's amax groups from the
+        weights' sharding config, so every rank quantizes as the unsharded experts would."""
         if parallel_dims.ep_enabled:
             raise NotImplementedError(f"NVFP4 experts {self.label()}: expert parallelism is not supported by the "
                                       "TorchTitan 0.3 integration yet (issue 44); set "
                                       "parallelism.expert_parallel_degree = 1")
+        place_buffers(self, parallel_dims)
         if parallel_dims.tp_enabled:
-            raise NotImplementedError(f"NVFP4 experts {self.label()}: tensor parallelism is not supported by the "
-                                      "TorchTitan 0.3 integration yet (issue 44); set "
-                                      "parallelism.tensor_parallel_degree = 1")
+            if not self.TP_SUPPORTED:
+                raise NotImplementedError(f"NVFP4 experts {self.label()}: tensor parallelism is not supported by the "
+                                          "TorchTitan 0.3 integration yet (issue 44); set "
+                                          "parallelism.tensor_parallel_degree = 1")
+            self.tp_groups = self._expert_tp_groups(parallel_dims)
         Module.parallelize(self, parallel_dims)
+
+    def _expert_tp_groups(self, parallel_dims) -> dict[str, AmaxGroups]:
+        sc, out = self._sharding_config, {}
+        group = parallel_dims.get_dense_tp_mesh().get_group()
+        for g in self.GEMMS:
+            layout = sc.state_shardings.get(g) if sc is not None else None
+            tp = layout.per_axis_spmd_types().get(MeshAxisName.TP) if layout is not None else None
+            if tp is None or tp is spmd.R or tp is spmd.I:
+                continue
+            dim = tp.dim % 3 if isinstance(tp, spmd.Shard) else None
+            if dim not in (1, 2):
+                raise NotImplementedError(f"NVFP4 experts {self.label()}: weight {g} TP layout {tp} shards neither "
+                                          "feature dim")
+            shape = list(getattr(self, g).shape)
+            shape[dim] //= parallel_dims.tp
+            check_expert_dims(f"{self.label()} (local shard under tensor parallelism)", {g: shape}, SECTION)
+            out[g] = tp_amax_groups(dim - 1, group)  # dim 1: output features (colwise), 2: input (rowwise)
+        return out
 
     def _init_self_buffers(self, *, buffer_device=None) -> None:
         self._reset_nvfp4_buffers()  # a fresh SR stream per GEMM and the RHT signs at init_weights
@@ -76,6 +110,7 @@ class TitanNVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
     quantization of x, the SwiGLU fused with h's amaxes on the grouped kernels: nvfp4_grouped_swiglu)."""
 
     GEMMS = ("w1_EFD", "w2_EDF", "w3_EFD")
+    TP_SUPPORTED = True
 
     @dataclass(kw_only=True, slots=True)
     class Config(GroupedExperts.Config):
@@ -105,9 +140,11 @@ class TitanNVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
         p = pad_token_groups(x_RD, num_tokens_per_expert_E)
         offsets = torch.cumsum(p.counts, dim=0, dtype=torch.int32)
         c, signs = local(self.sr_counter), local(self.rht_signs)
-        h, h_amax = nvfp4_grouped_swiglu(p.x, w1, w3, offsets, self.recipe, (c[0], c[2]), signs, True,
+        tp = self.tp_groups
+        h, h_amax = nvfp4_grouped_swiglu(p.x, w1, w3, offsets, self.recipe, (c[0], c[2]), signs, True, tp.get("w1_EFD"),
                                          h_colwise=torch.is_grad_enabled() and w2.requires_grad)
-        (y,) = nvfp4_grouped_mm_shared(h, (w2,), offsets, (None,), self.recipe, (c[1],), signs, True, None, h_amax)
+        (y,) = nvfp4_grouped_mm_shared(h, (w2,), offsets, (None,), self.recipe, (c[1],), signs, True,
+                                       tp.get("w2_EDF"), h_amax)
         return y[p.rows].type_as(x_RD)
 
 

@@ -29,6 +29,16 @@ def declare_buffers(instance: Module) -> None:
         instance._sharding_config = replace(sc, state_shardings={**sc.state_shardings, **extra})
 
 
+def place_buffers(instance: Module, parallel_dims) -> None:
+    """Before Module.parallelize: the DTensor backends (partial_dtensor, full_dtensor) have no per-rank placement,
+    so the SR counter is a replicated DTensor there, whose local copy each rank fills with its own stream at init
+    (NVFP4LayerState._reset_nvfp4_buffers), as under 0.2's TP plans."""
+    sc = instance._sharding_config
+    if sc is None or parallel_dims.spmd_backend == "spmd_types" or sc.state_shardings.get("sr_counter") is not PER_RANK:
+        return
+    instance._sharding_config = replace(sc, state_shardings={**sc.state_shardings, "sr_counter": REPLICATED})
+
+
 class TitanNVFP4Linear(NVFP4Linear, Module):
     """titan_nvfp4's NVFP4Linear under TorchTitan 0.3's Module protocol (same parameters and state-dict keys)."""
 
@@ -56,10 +66,24 @@ class TitanNVFP4Linear(NVFP4Linear, Module):
         return NVFP4Linear.forward(self, input)
 
     def parallelize(self, parallel_dims) -> None:
-        """Refuse tensor parallelism, which this integration does not support yet (no cross-shard amax)."""
-        if parallel_dims.tp_enabled:
-            raise NotImplementedError(f"{self.label()}: tensor parallelism is not supported by the TorchTitan 0.3 "
-                                      "integration yet (issue 44); set parallelism.tensor_parallel_degree = 1")
+        """TorchTitan's parallelize (the weight's TP shard from the sharding config); under tensor parallelism the
+        layer then runs on the local shards with the TP group's amaxes (NVFP4Linear.local_tp)."""
+        sc = self._sharding_config
+        layout = sc.state_shardings.get("weight") if sc is not None else None
+        tp = layout.per_axis_spmd_types().get(MeshAxisName.TP) if layout is not None else None
+        place_buffers(self, parallel_dims)
+        if parallel_dims.tp_enabled and tp not in (None, spmd.R, spmd.I):
+            if not isinstance(tp, spmd.Shard):
+                raise NotImplementedError(f"NVFP4 Linear {self.label()!r}: weight TP layout {tp} is neither colwise "
+                                          "nor rowwise")
+            if parallel_dims.spmd_backend == "spmd_types":  # plain local shards: the layer needs its TP layout
+                wdim = tp.dim % 2
+                if wdim == 1 and self.bias is not None:  # TorchTitan's ScaledBiasRowwiseLinear case
+                    raise NotImplementedError(f"NVFP4 Linear {self.label()!r}: a rowwise-sharded Linear with a bias "
+                                              "is not supported on the spmd_types backend; keep it BF16 with "
+                                              "filter_fqns or use parallelism.spmd_backend = partial_dtensor")
+                self.local_tp = (wdim, parallel_dims.get_dense_tp_mesh().get_group())
+            # the DTensor backends shard the weight as a DTensor: NVFP4Linear's DTensor path
         Module.parallelize(self, parallel_dims)
 
     def _init_self_buffers(self, *, buffer_device=None) -> None:
