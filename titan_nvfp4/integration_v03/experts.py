@@ -16,15 +16,12 @@ refused at parallelize.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+import spmd_types as spmd
 import torch
+from torchtitan.distributed.parallel_dims import MeshAxisName
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts, swiglu
 from torchtitan.protocols.module import Module
-
-import spmd_types as spmd
-from torchtitan.distributed.parallel_dims import MeshAxisName
 
 from ..distributed.amax import AmaxGroups
 from ..distributed.tensor_parallel import local, tp_amax_groups
@@ -32,8 +29,7 @@ from ..expert_groups import check_expert_dims, pad_token_groups
 from ..grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
 from ..layer_state import NVFP4LayerState
 from ..nvfp4_linear import check_recipe
-from ..recipe import NVFP4Recipe
-from .modules import declare_buffers, place_buffers
+from .modules import nvfp4_config, place_buffers
 
 SECTION = "quantize.grouped_mm"
 
@@ -112,19 +108,7 @@ class TitanNVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
     GEMMS = ("w1_EFD", "w2_EDF", "w3_EFD")
     TP_SUPPORTED = True
 
-    @dataclass(kw_only=True, slots=True)
-    class Config(GroupedExperts.Config):
-        recipe: NVFP4Recipe = field(default_factory=NVFP4Recipe)
-        """The module's NVFP4 recipe."""
-        layer_id: int = 0
-        """Seeds the SR streams of its GEMMs (layer_id + 0, 1, 2 for W1, W2, W3)."""
-        name: str = ""
-        """The module's fqn, for messages."""
-
-        def build(self, **kwargs):
-            instance = GroupedExperts.Config.build(self, **kwargs)  # slots=True: no zero-argument super()
-            declare_buffers(instance)
-            return instance
+    Config = nvfp4_config(GroupedExperts.Config, __module__, __qualname__)
 
     @staticmethod
     def weight_shapes(config) -> dict[str, tuple[int, int, int]]:
@@ -153,19 +137,7 @@ class TitanNVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):
 
     GEMMS = ("mlp1_weight_EGD", "mlp2_weight_EDF")
 
-    @dataclass(kw_only=True, slots=True)
-    class Config(GptOssGroupedExperts.Config):
-        recipe: NVFP4Recipe = field(default_factory=NVFP4Recipe)
-        """The module's NVFP4 recipe."""
-        layer_id: int = 0
-        """Seeds the SR streams of its GEMMs (layer_id + 0, 1 for mlp1, mlp2)."""
-        name: str = ""
-        """The module's fqn, for messages."""
-
-        def build(self, **kwargs):
-            instance = GptOssGroupedExperts.Config.build(self, **kwargs)
-            declare_buffers(instance)
-            return instance
+    Config = nvfp4_config(GptOssGroupedExperts.Config, __module__, __qualname__)
 
     @staticmethod
     def weight_shapes(config) -> dict[str, tuple[int, int, int]]:

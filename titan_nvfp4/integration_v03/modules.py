@@ -39,22 +39,33 @@ def place_buffers(instance: Module, parallel_dims) -> None:
     instance._sharding_config = replace(sc, state_shardings={**sc.state_shardings, "sr_counter": REPLICATED})
 
 
+def nvfp4_config(base: type, module: str, owner: str) -> type:
+    """``base`` (a TorchTitan module's Config) with what an NVFP4 module adds: its recipe, the layer id that seeds
+    its stochastic-rounding streams (one per GEMM from layer_id on) and its fqn for messages; the module it
+    builds gets its buffers' placements declared. ``module`` and ``owner``: where the class lives (for pickle)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(base):
+        recipe: NVFP4Recipe = field(default_factory=NVFP4Recipe)
+        """The module's NVFP4 recipe."""
+        layer_id: int = 0
+        """Seeds the module's stochastic-rounding streams."""
+        name: str = ""
+        """The module's fqn, for messages."""
+
+        def build(self, **kwargs):
+            instance = base.build(self, **kwargs)  # slots=True: no zero-argument super()
+            declare_buffers(instance)
+            return instance
+
+    Config.__module__, Config.__qualname__ = module, f"{owner}.Config"
+    return Config
+
+
 class TitanNVFP4Linear(NVFP4Linear, Module):
     """titan_nvfp4's NVFP4Linear under TorchTitan 0.3's Module protocol (same parameters and state-dict keys)."""
 
-    @dataclass(kw_only=True, slots=True)
-    class Config(Linear.Config):
-        recipe: NVFP4Recipe = field(default_factory=NVFP4Recipe)
-        """The layer's NVFP4 recipe."""
-        layer_id: int = 0
-        """Seeds the layer's stochastic-rounding stream."""
-        name: str = ""
-        """The layer's fqn, for messages."""
-
-        def build(self, **kwargs):
-            instance = Linear.Config.build(self, **kwargs)  # slots=True: no zero-argument super()
-            declare_buffers(instance)
-            return instance
+    Config = nvfp4_config(Linear.Config, __module__, __qualname__)
 
     def __init__(self, config: Config):
         NVFP4Linear.__init__(self, config.in_features, config.out_features, bias=config.bias,
