@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import spmd_types as spmd
 import torch
-from torchtitan.distributed.parallel_dims import MeshAxisName
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts, swiglu
 from torchtitan.protocols.module import Module
@@ -29,7 +28,7 @@ from ..expert_groups import check_expert_dims, pad_token_groups
 from ..grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
 from ..layer_state import NVFP4LayerState
 from ..nvfp4_linear import check_recipe
-from .modules import nvfp4_config, place_buffers
+from .modules import nvfp4_config, place_buffers, tp_sharding
 
 SECTION = "quantize.grouped_mm"
 
@@ -77,12 +76,11 @@ class _NVFP4Experts(NVFP4LayerState):
         Module.parallelize(self, parallel_dims)
 
     def _expert_tp_groups(self, parallel_dims) -> dict[str, AmaxGroups]:
-        sc, out = self._sharding_config, {}
+        out = {}
         group = parallel_dims.get_dense_tp_mesh().get_group()
         for g in self.GEMMS:
-            layout = sc.state_shardings.get(g) if sc is not None else None
-            tp = layout.per_axis_spmd_types().get(MeshAxisName.TP) if layout is not None else None
-            if tp is None or tp is spmd.R or tp is spmd.I:
+            tp = tp_sharding(self, g)
+            if tp is None:
                 continue
             dim = tp.dim % 3 if isinstance(tp, spmd.Shard) else None
             if dim not in (1, 2):

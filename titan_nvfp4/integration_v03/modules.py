@@ -39,6 +39,15 @@ def place_buffers(instance: Module, parallel_dims) -> None:
     instance._sharding_config = replace(sc, state_shardings={**sc.state_shardings, "sr_counter": REPLICATED})
 
 
+def tp_sharding(instance: Module, state: str):
+    """How ``instance``'s sharding config places its state ``state`` on the TP axis: an spmd_types Shard, or None
+    when it is not sharded there (no config, replicated or invariant)."""
+    sc = instance._sharding_config
+    layout = sc.state_shardings.get(state) if sc is not None else None
+    tp = layout.per_axis_spmd_types().get(MeshAxisName.TP) if layout is not None else None
+    return None if tp is None or tp is spmd.R or tp is spmd.I else tp
+
+
 def nvfp4_config(base: type, module: str, owner: str) -> type:
     """``base`` (a TorchTitan module's Config) with what an NVFP4 module adds: its recipe, the layer id that seeds
     its stochastic-rounding streams (one per GEMM from layer_id on) and its fqn for messages; the module it
@@ -79,11 +88,9 @@ class TitanNVFP4Linear(NVFP4Linear, Module):
     def parallelize(self, parallel_dims) -> None:
         """TorchTitan's parallelize (the weight's TP shard from the sharding config); under tensor parallelism the
         layer then runs on the local shards with the TP group's amaxes (NVFP4Linear.local_tp)."""
-        sc = self._sharding_config
-        layout = sc.state_shardings.get("weight") if sc is not None else None
-        tp = layout.per_axis_spmd_types().get(MeshAxisName.TP) if layout is not None else None
+        tp = tp_sharding(self, "weight")
         place_buffers(self, parallel_dims)
-        if parallel_dims.tp_enabled and tp not in (None, spmd.R, spmd.I):
+        if parallel_dims.tp_enabled and tp is not None:
             if not isinstance(tp, spmd.Shard):
                 raise NotImplementedError(f"NVFP4 Linear {self.label()!r}: weight TP layout {tp} is neither colwise "
                                           "nor rowwise")
