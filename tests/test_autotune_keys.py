@@ -118,3 +118,50 @@ def test_changing_token_counts_tune_once_on_gpu(cached_launches, monkeypatch):
             assert torch.equal(a, b), tokens
     grown = [len(t.cache) - b for t, b in zip(tuned, before)]
     assert all(n <= 1 for n in grown), grown
+
+
+def _autotuners():
+    from triton.runtime.autotuner import Autotuner
+
+    from titan_nvfp4.kernels import grouped_gemm, mxfp8
+    return {f"{m.__name__}.{k}": v for m in (g, grouped_gemm, mxfp8, q, sw) for k, v in vars(m).items()
+            if isinstance(v, Autotuner)}
+
+
+@pytest.mark.skipif(not L.TUNE_ON_DISK, reason="this Triton cannot keep autotuning choices on disk")
+def test_every_autotuner_keeps_its_choices_on_disk():
+    """The choices persist in Triton's cache folder (launch.autotune), so a second process skips the benchmarks."""
+    tuners = _autotuners()
+    assert len(tuners) == 13, sorted(tuners)
+    interpret = triton.knobs.runtime.interpret  # Triton turns the disk cache off in its CPU interpreter
+    assert all(t.cache_results != interpret for t in tuners.values()), {k: t.cache_results for k, t in tuners.items()}
+
+
+_TUNE_ONCE = """
+import torch
+from titan_nvfp4.kernels.quantize import quantize_operand
+quantize_operand(torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16))
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.skipif(not GPU, reason="autotuning runs on CUDA tensors only")
+def test_a_second_process_reads_the_choices_instead_of_benchmarking(tmp_path):
+    """With an empty cache folder the first process benchmarks the amax and quantize configs; a second one
+    benchmarks nothing; with TITAN_NVFP4_AUTOTUNE_CACHE=0 a third benchmarks again (the control)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "TRITON_PRINT_AUTOTUNING": "1"}
+
+    def benchmarked(extra=None) -> int:
+        out = subprocess.run([sys.executable, "-c", _TUNE_ONCE], env={**env, **(extra or {})}, capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.count("Autotuning kernel")
+
+    first = benchmarked()
+    assert first > 2, first
+    assert benchmarked() == 0
+    assert benchmarked({"TITAN_NVFP4_AUTOTUNE_CACHE": "0"}) == first

@@ -217,8 +217,8 @@ def test_quick_start_comparison_reads_logs_and_dump_folders_alike(tmp_path, caps
 @pytest.mark.long
 def test_quick_start_training_command_on_cpu_gives_the_plugins_message(tmp_path):
     cmds = [c for c in bash_commands(REPO / "README.md") if "-m torchtitan.train" in c]
-    assert cmds and cmds[0].startswith("torchrun --nproc_per_node=1 -m torchtitan.train --job.config_file "
-                                       "train_configs/llama3_nvfp4.toml")
+    assert cmds and cmds[0].startswith("TORCHINDUCTOR_CUDAGRAPHS=1 torchrun --nproc_per_node=1 -m torchtitan.train "
+                                       "--job.config_file train_configs/llama3_nvfp4.toml --compile.enable")
     cwd = _scratch(tmp_path)
     cmd = f"set -o pipefail; {cmds[0]}"
     env = _env()

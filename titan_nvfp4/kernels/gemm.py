@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - another Triton layout (_ensure_scratch
 from ..numerics.nvfp4 import NVFP4Tensor
 from ..ops.backends import capability, interpreting
 from ..ops.library import StagedOperand
-from .launch import launch, tune_bucket
+from .launch import autotune, launch, tune_bucket
 from .nvfp4_jit import e4m3_value
 
 #: Staging budget per operand (bytes of fp16); larger operands are staged in row chunks.
@@ -193,7 +193,7 @@ def _nvfp4_gemm_kernel(A, SA, a_desc, B, b_desc, GSA, GSB, BIAS, C, P, M, N, K, 
 
 # restore_value: benchmarking runs each config several times, and a K-split launch that adds into the
 # partial sums P must not see its own earlier runs
-_nvfp4_gemm_autotuned = triton.autotune(configs=_configs(), key=["M", "N", "K", "A_SCALE_DIV", "B_TMA", "A_STAGED"],
+_nvfp4_gemm_autotuned = autotune(_configs(), key=["M", "N", "K", "A_SCALE_DIV", "B_TMA", "A_STAGED"],
                                         restore_value=["P"])(_nvfp4_gemm_kernel)
 
 #: Fixed tiles for small problems on a GPU (autotuning there would only cost time).
@@ -250,7 +250,7 @@ def _persistent_configs():
                                        (128, 128, 4, 4, False))]
 
 
-_nvfp4_gemm_persistent_autotuned = triton.autotune(configs=_persistent_configs(),
+_nvfp4_gemm_persistent_autotuned = autotune(_persistent_configs(),
                                                    key=["M", "N", "K", "HAS_BIAS"])(_nvfp4_gemm_persistent_kernel)
 
 
@@ -274,7 +274,7 @@ def _dequant_kernel(D, S, OUT, R, C, sdr, ssr, ssc, sor, TUNE_R, TUNE_C, SCALE_D
              mask=mask)
 
 
-_dequant_autotuned = triton.autotune(
+_dequant_autotuned = autotune(
     [triton.Config({"BR": br, "BC": bc}, num_warps=w)
      for br, bc, w in ((16, 256, 4), (32, 256, 8), (16, 512, 8), (64, 128, 8), (32, 128, 4))],
     key=["TUNE_R", "TUNE_C", "SCALE_DIV"])(_dequant_kernel)  # R, C as launch.tune_bucket rounds them

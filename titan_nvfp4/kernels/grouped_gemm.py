@@ -30,7 +30,7 @@ from ..ops.backends import interpreting
 from ..ops.library import StagedOperand
 from .gemm import (_ensure_scratch_allocator, fixed_tiles, _programs, _set_b_block, _tma_desc, _tma_storable, _use_tma,
                    dequantize_fp16, swizzle_tile)
-from .launch import launch
+from .launch import autotune, launch
 from .nvfp4_jit import round_to
 
 
@@ -201,9 +201,9 @@ def _grouped_tokens_kernel(A, a_desc, B, b_desc, OFFS, GSA, GSB, C, M, N, sam, s
              out.to(C.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-_rows_autotuned = triton.autotune(_configs(), key=["E", "N", "K", "B_ROW_STEP", "B_COL_STEP", "TMA", "ACC"])(_grouped_rows_kernel)
-_tokens_autotuned = triton.autotune(_configs(), key=["M", "N", "TMA"])(_grouped_tokens_kernel)
-_rows_persistent_autotuned = triton.autotune(_persistent_configs(), key=["E", "N", "K", "B_ROW_STEP", "B_COL_STEP",
+_rows_autotuned = autotune(_configs(), key=["E", "N", "K", "B_ROW_STEP", "B_COL_STEP", "TMA", "ACC"])(_grouped_rows_kernel)
+_tokens_autotuned = autotune(_configs(), key=["M", "N", "TMA"])(_grouped_tokens_kernel)
+_rows_persistent_autotuned = autotune(_persistent_configs(), key=["E", "N", "K", "B_ROW_STEP", "B_COL_STEP",
                                                                         "FLATTEN", "ACC"])(_grouped_rows_persistent_kernel)
 
 #: The rows GEMM's kernel on sm_90 with TMA: "persistent" (flattened loops), "persistent_nested", or

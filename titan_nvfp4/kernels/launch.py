@@ -25,6 +25,7 @@ import os
 import sys
 
 import torch
+import triton
 from triton import knobs as _knobs  # the launch hooks (profilers such as proton), passed on as Triton does
 from triton.runtime.autotuner import Autotuner
 
@@ -222,6 +223,20 @@ def stats() -> dict[str, tuple[int, int]]:
         n, h = out.get(la.jit.__name__, (0, 0))
         out[la.jit.__name__] = (n + len(la.cache), h + la.hits)
     return out
+
+
+#: Set TITAN_NVFP4_AUTOTUNE_CACHE=0 to benchmark every config in every process (no choices read from disk).
+TUNE_ON_DISK = os.environ.get("TITAN_NVFP4_AUTOTUNE_CACHE", "1") not in ("", "0") and \
+    "cache_results" in inspect.signature(triton.autotune).parameters
+
+
+def autotune(configs, key, **kwargs):
+    """``triton.autotune`` whose choices persist in Triton's cache folder (``cache_results``): a later process
+    with the same kernel source, key values, configs and GPU reads the choice instead of benchmarking every
+    config again, which was most of an NVFP4 debug run's first step (about 40 s on an H100)."""
+    if TUNE_ON_DISK:
+        kwargs.setdefault("cache_results", True)
+    return triton.autotune(configs, key, **kwargs)
 
 
 def tune_bucket(n: int) -> int:

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..numerics.mxfp8 import MX_BLOCK, MXFP8Tensor
 from ..ops.backends import interpreting
-from .launch import launch
+from .launch import autotune, launch
 from .nvfp4_jit import E4M3_MAX, e4m3_round, nan_to_inf_abs
 
 
@@ -167,13 +167,13 @@ _BM, _BK = 32, 64  # fixed tiles of small inputs on a GPU
 # in Triton's CPU interpreter, which pays per program: the largest tiles of the autotuned configs
 _BM_I, _BK_I, _G_I = 64, 128, 2
 
-_mxfp8_autotuned = triton.autotune(
+_mxfp8_autotuned = autotune(
     [triton.Config({"BM": bm, "BK": bk}, num_warps=w)
      for bm, bk, w in ((32, 64, 1), (32, 64, 2), (32, 128, 2), (32, 128, 4), (64, 128, 4), (64, 64, 4), (128, 64, 8),
                        (32, 256, 4))],
     key=["M", "K", "ROW", "COL", "STAGED", "HW"])(_mxfp8_kernel)
 
-_cols_autotuned = triton.autotune(  # the best of a 23-config sweep on an H100, codes and staged
+_cols_autotuned = autotune(  # the best of a 23-config sweep on an H100, codes and staged
     [triton.Config({"G": g, "BK": bk}, num_warps=w)
      for g, bk, w in ((4, 32, 1), (2, 64, 2), (2, 64, 1), (1, 128, 2), (2, 128, 4))],
     key=["M", "K", "STAGED", "HW"])(_mxfp8_cols_kernel)

@@ -29,7 +29,7 @@ from ..numerics.nvfp4 import NVFP4Tensor, global_encode_scale
 from ..ops.grouped import block_experts
 from ..ops.library import operand_pair, weight_pair
 from .expert_map import block_experts_triton
-from .launch import launch, tune_bucket
+from .launch import autotune, launch, tune_bucket
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
 from .nvfp4_jit import (add_nibble, amax16, block_scales, e2m1_nibble, e2m1_staged, e4m3_value, fos_d2, fos_unit,
                         join_slices16, nibble_word, pack_pairs, pick_four_or_six, quantize_slices16, rht16_slices,
@@ -422,13 +422,13 @@ def _amax_configs():
     return _configs(((4, 128, 2, True), (8, 64, 4, True), (1, 256, 1, True), (2, 128, 1, True), (2, 128, 2, True)))
 
 
-_quantize_autotuned = triton.autotune(
+_quantize_autotuned = autotune(
     _operand_configs(),
     key=["TUNE_M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL", "GROUPED", "ROW_F16", "COL_F16", "FOUR_SIX"])(
     _quantize_kernel)
-_quantize_2d_autotuned = triton.autotune(_weight_configs(), key=["TUNE_M", "K", "EMIT_T", "EMIT_F16", "FOUR_SIX"])(
+_quantize_2d_autotuned = autotune(_weight_configs(), key=["TUNE_M", "K", "EMIT_T", "EMIT_F16", "FOUR_SIX"])(
     _quantize_2d_kernel)
-_amax_autotuned = triton.autotune(_amax_configs(), key=["TUNE_M", "K", "ROW", "COL", "RHT"], reset_to_zero=["AMAX"])(
+_amax_autotuned = autotune(_amax_configs(), key=["TUNE_M", "K", "ROW", "COL", "RHT"], reset_to_zero=["AMAX"])(
     _amax_kernel)
 
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .launch import autotune
 from .nvfp4_jit import round_to
 from .quantize import _configs, _launch, _slots, program_tile, reduce_amax16, signs_arg
 
@@ -111,9 +112,9 @@ def _bwd_configs():
     return _configs((g, bk, w, False) for g, bk, w in ((2, 64, 1), (2, 64, 2), (1, 128, 2), (2, 64, 4), (2, 128, 4)))
 
 
-_fwd_autotuned = triton.autotune(_fwd_configs(), key=["TUNE_M", "N", "COL", "RHT"], reset_to_zero=["AMAX"])(
+_fwd_autotuned = autotune(_fwd_configs(), key=["TUNE_M", "N", "COL", "RHT"], reset_to_zero=["AMAX"])(
     _swiglu_fwd_kernel)
-_bwd_autotuned = triton.autotune(_bwd_configs(), key=["TUNE_M", "N", "COL", "RHT"], reset_to_zero=["AMAX1", "AMAX3"])(
+_bwd_autotuned = autotune(_bwd_configs(), key=["TUNE_M", "N", "COL", "RHT"], reset_to_zero=["AMAX1", "AMAX3"])(
     _swiglu_bwd_kernel)
 
 
