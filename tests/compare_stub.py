@@ -1,9 +1,17 @@
 """A stand-in for `torchrun -m torchtitan.train` in tests/test_compare.py: reads the runner's arguments
 and writes what TorchTitan writes, metric lines on stdout or (with --metrics.enable_tensorboard) only
-TensorBoard scalars under the dump folder. --stub.offset shifts the loss; --stub.fail_at exits 1 there."""
+TensorBoard scalars under the dump folder. --stub.offset shifts the loss; --stub.fail_at exits 1 there (in a
+run that starts at step 1: a resumed run goes on);
+--stub.sleep sleeps that long per step; --stub.child starts a child process (as torchrun starts workers) and
+writes its pid to <dump>/child.pid. With --checkpoint.enable it saves <dump>/checkpoint/step-N every
+--checkpoint.interval steps and resumes after the latest one, as TorchTitan does."""
 
 import argparse
+import os
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--job.config_file", dest="config", required=True)
@@ -11,19 +19,37 @@ ap.add_argument("--training.steps", dest="steps", type=int, required=True)
 ap.add_argument("--job.dump_folder", dest="dump", required=True)
 ap.add_argument("--metrics.log_freq", dest="freq", type=int, default=1)
 ap.add_argument("--metrics.enable_tensorboard", dest="tb", action="store_true")
+ap.add_argument("--compile.enable", dest="compile", action="store_true")
+ap.add_argument("--checkpoint.enable", dest="ckpt", action="store_true")
+ap.add_argument("--checkpoint.interval", dest="interval", type=int, default=500)
+ap.add_argument("--checkpoint.keep_latest_k", dest="keep", type=int, default=0)
 ap.add_argument("--stub.offset", dest="offset", type=float, default=0.0)
 ap.add_argument("--stub.fail_at", dest="fail_at", type=int, default=0)
+ap.add_argument("--stub.sleep", dest="sleep", type=float, default=0.0)
+ap.add_argument("--stub.child", dest="child", action="store_true")
 args = ap.parse_args()
-print(f"[titan] INFO - Starting job from {args.config}")
+dump = Path(args.dump)
+dump.mkdir(parents=True, exist_ok=True)
+if args.child:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    (dump / "child.pid").write_text(str(child.pid))
+ckpts = sorted(int(p.name[5:]) for p in (dump / "checkpoint").glob("step-*")) if args.ckpt else []
+first = ckpts[-1] + 1 if ckpts else 1
+print(f"[titan] INFO - Starting job from {args.config}, compile {args.compile}, "
+      f"TORCHINDUCTOR_CUDAGRAPHS={os.environ.get('TORCHINDUCTOR_CUDAGRAPHS')}, "
+      f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}, from step {first}, at {time.time():.3f}", flush=True)
 writer = None
 if args.tb:
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(f"{args.dump}/tb/20261123-0000")
-for step in range(1, args.steps + 1):
-    if step == args.fail_at:
+for step in range(first, args.steps + 1):
+    time.sleep(args.sleep)
+    if step == args.fail_at and first == 1:
         print("Traceback: stub failure", flush=True)
         sys.exit(1)
+    if args.ckpt and step % args.interval == 0:
+        (dump / "checkpoint" / f"step-{step}").mkdir(parents=True, exist_ok=True)
     if step % args.freq and step != 1:
         continue
     loss = 8.0 / step ** 0.5 + args.offset + 0.01 * ((step * 7919) % 13 - 6) / 6  # shared "batch noise"
@@ -35,5 +61,9 @@ for step in range(1, args.steps + 1):
     else:
         print(f"[titan] 2026-11-23 - root - INFO - step: {step:2}  loss: {loss:8.5f}  grad_norm:  1.0000  "
               f"memory:  2.50GiB(3.00%)  tps: 1,000  tflops: 1.00  mfu: 0.10%", flush=True)
+        if step % 20 == 0:  # TorchTitan's validator line, the loss 0.1 above the training loss's trend
+            print(f"[titan] 2026-11-23 - root - INFO - validate step: {step:2}  loss: {8.0 / step ** 0.5 + args.offset + 0.1:7.4f}",
+                  flush=True)
+print(f"[titan] INFO - done at {time.time():.3f}", flush=True)
 if writer is not None:
     writer.close()

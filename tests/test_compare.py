@@ -41,6 +41,7 @@ name = "bf16"
 base = "%s"
 [[arm]]
 name = "half_way"
+mode = "eager"
 overrides = ["--stub.offset", "0.1", "--metrics.enable_tensorboard"]
 """ % (REPO / "train_configs/llama3_bf16.toml")
 
@@ -50,17 +51,24 @@ def test_runner_end_to_end_with_logs_and_tensorboard(tmp_path, capsys):
     assert compare.main([str(spec)]) == 0
     out = capsys.readouterr().out
     assert "[1/3] nvfp4: exit 0" in out and "[3/3] half_way: exit 0" in out and "step 40" in out
-    table = (tmp_path / "out/compare.md").read_text()
+    table, per_step = (tmp_path / "out/compare.md").read_text().split("\n\n")[:2]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in table.splitlines()[2:] if line.startswith("|")}
+    assert per_step.splitlines()[0] == "| run | validation loss @ 20 | validation loss @ 40 |"
     assert list(rows) == ["bf16", "nvfp4", "half_way"]  # the baseline first, then the gap reference
     assert rows["nvfp4"][3].startswith("+0.2000 ± 0.0000")  # Δ vs bf16: the stub's offset, same "noise"
     assert rows["half_way"][3].startswith("+0.1000") and rows["half_way"][4] == "50.0%"  # half the gap closed
+    assert rows["nvfp4"][5] == f"{8.0 / 40 ** 0.5 + 0.3:.4f} (40)" and rows["nvfp4"][6] == "+0.2000"  # validation
+    assert rows["half_way"][5] == "–"  # it logged to TensorBoard only: no validation lines
     csv = (tmp_path / "out/compare.csv").read_text().splitlines()
     assert csv[0] == "run,step,loss,grad_norm,memory_gib,tps" and len(csv) == 1 + 3 * 9  # steps 1, 5, ..., 40
     assert (tmp_path / "out/compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "train_configs/llama3_bf16.toml" in (tmp_path / "out/bf16.log").read_text().splitlines()[0]
     assert "step:" not in (tmp_path / "out/half_way.log").read_text()  # its losses came from TensorBoard
+    # the default mode compiles under CUDA graphs; an arm's own mode wins
+    assert "compile True, TORCHINDUCTOR_CUDAGRAPHS=1" in (tmp_path / "out/bf16.log").read_text()
+    assert (tmp_path / "out/bf16.log").read_text().startswith("# TORCHINDUCTOR_CUDAGRAPHS=1 ")
+    assert "compile False, TORCHINDUCTOR_CUDAGRAPHS=0" in (tmp_path / "out/half_way.log").read_text()
 
     assert compare.main([str(spec)]) == 0  # every arm is done: nothing runs again
     assert capsys.readouterr().out.count("already reached step 40") == 3
@@ -81,8 +89,67 @@ def test_a_failing_arm_is_reported_and_the_others_still_tabled(tmp_path, capsys)
     out = capsys.readouterr()
     assert "[1/3] nvfp4: exit 1" in out.out and "step 10" in out.out
     assert "arms that failed: nvfp4" in out.err
-    assert compare.main([str(_spec(tmp_path, arms)), "--only", "bf16"]) == 0  # --only runs just that arm
+    assert compare.main([str(_spec(tmp_path, arms)), "--only", "bf16", "--mode", "compile"]) == 0  # just that arm
+    assert "[2/3] bf16: already reached step 40" in capsys.readouterr().out  # done: not run again
+    assert compare.main([str(_spec(tmp_path, arms)), "--only", "bf16", "--mode", "compile", "--rerun"]) == 0
     assert "[2/3] bf16: exit 0" in capsys.readouterr().out
+    assert "compile True, TORCHINDUCTOR_CUDAGRAPHS=0" in (tmp_path / "out/bf16.log").read_text()
+
+
+def _log_field(log: Path, pattern: str) -> list[str]:
+    import re
+    return re.findall(pattern, log.read_text())
+
+
+def test_parallel_arms_overlap_each_on_its_own_gpu(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    arms = ARMS.replace('"--stub.offset", "0.2"', '"--stub.offset", "0.2", "--stub.sleep", "0.03"') \
+               .replace('base = "%s"' % (REPO / "train_configs/llama3_bf16.toml"),
+                        'base = "%s"\noverrides = ["--stub.sleep", "0.03"]' % (REPO / "train_configs/llama3_bf16.toml"))
+    assert compare.main([str(_spec(tmp_path, arms, "parallel = 2"))]) == 0
+    out = tmp_path / "out"
+    span = {a: (float(_log_field(out / f"{a}.log", r"at (\d+\.\d+)")[0]), float(_log_field(out / f"{a}.log", r"done at (\d+\.\d+)")[0]))
+            for a in ("nvfp4", "bf16")}
+    assert span["nvfp4"][0] < span["bf16"][1] and span["bf16"][0] < span["nvfp4"][1]  # the two ran at once
+    gpus = {a: _log_field(out / f"{a}.log", r"CUDA_VISIBLE_DEVICES=(\S+),")[0] for a in ("nvfp4", "bf16", "half_way")}
+    assert {gpus["nvfp4"], gpus["bf16"]} == {"3", "5"} and gpus["half_way"] in ("3", "5")
+    assert "on GPU 3" in capsys.readouterr().out
+    assert "+0.2000 ± 0.0000" in (out / "compare.md").read_text()  # the same table as one at a time
+
+
+def test_a_stopped_arm_resumes_from_its_checkpoint(tmp_path, capsys):
+    arms = ARMS.replace('"--stub.offset", "0.2"', '"--stub.offset", "0.2", "--stub.fail_at", "25"')
+    spec = _spec(tmp_path, arms, "checkpoint_interval = 10")
+    assert compare.main([str(spec)]) == 1  # nvfp4 stops at step 25, after its step-20 checkpoint
+    assert sorted(p.name for p in (tmp_path / "out/nvfp4/checkpoint").iterdir()) == ["step-10", "step-20"]
+    capsys.readouterr()
+    assert compare.main([str(spec)]) == 0  # the others are done; nvfp4 resumes after step 20 and finishes
+    out = capsys.readouterr().out
+    assert "nvfp4: exit 0" in out and "(resumed)" in out and out.count("already reached step 40") == 2
+    log = (tmp_path / "out/nvfp4.log").read_text()
+    assert log.count("--checkpoint.enable") == 2 and "from step 1," in log and "from step 21," in log
+    assert "+0.2000 ± 0.0000" in (tmp_path / "out/compare.md").read_text()  # as if it had never stopped
+    assert compare.main([str(spec), "--only", "nvfp4", "--rerun"]) == 1  # afresh (checkpoints dropped): stops at 25
+    assert "from step 1," in (tmp_path / "out/nvfp4.log").read_text().split("--checkpoint.enable")[-1]
+
+
+def test_a_timeout_stops_the_arms_whole_process_group(tmp_path, capsys):
+    import time
+
+    arms = ARMS.replace('"--stub.offset", "0.2"', '"--stub.offset", "0.2", "--stub.child", "--stub.sleep", "0.2"')
+    assert compare.main([str(_spec(tmp_path, arms)), "--only", "nvfp4", "--timeout-s", "2"]) == 1
+    assert "nvfp4: exit 124" in capsys.readouterr().out
+    pid = int((tmp_path / "out/nvfp4/child.pid").read_text())
+
+    def alive() -> bool:  # a zombie (no init reaping it here) counts as stopped
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    deadline = time.time() + 10
+    while alive() and time.time() < deadline:
+        time.sleep(0.1)
+    assert not alive()
 
 
 @pytest.mark.parametrize("extra,arms,needles", [
@@ -92,7 +159,12 @@ def test_a_failing_arm_is_reported_and_the_others_still_tabled(tmp_path, capsys)
     ("", ARMS.replace('"0.1", "--metrics', '0.1, "--metrics'), ["half_way", "overrides", "list of strings"]),
     ("", ARMS.replace('name = "nvfp4"', 'name = "nvfp4"\ncolor = "red"'), ["nvfp4", "unknown keys", "color"]),
     ("", ARMS + '[[arm]]\nname = "x"\nbase = "nope.toml"', ["'x'", "nope.toml"]),
-], ids=["unknown_key", "duplicate_arm", "one_arm", "override_not_string", "unknown_arm_key", "missing_base"])
+    ('mode = "cudagraphs"', ARMS, ["[compare] mode", "'cudagraphs'", "'compile+cudagraphs'", "'eager'"]),
+    ("parallel = 0", ARMS, ["[compare] parallel", ">= 1", "0"]),
+    ('checkpoint_interval = "10"', ARMS, ["[compare] checkpoint_interval", "'10'"]),
+    ("", ARMS.replace('mode = "eager"', 'mode = "fast"'), ["arm 'half_way' mode", "'fast'"]),
+], ids=["unknown_key", "duplicate_arm", "one_arm", "override_not_string", "unknown_arm_key", "missing_base", "bad_mode",
+        "bad_arm_mode", "parallel_zero", "interval_not_int"])
 def test_bad_specs_are_refused_by_key(tmp_path, extra, arms, needles):
     with pytest.raises(ValueError) as e:
         compare.load_spec(_spec(tmp_path, arms, extra))
@@ -113,3 +185,4 @@ def test_shipped_spec_parses(monkeypatch):
     assert spec.baseline == "bf16" and spec.reference == "nvfp4" and len(spec.arms) == 9
     cmd = spec.command(spec.arms[2])
     assert cmd[-2:] == ["--quantize.linear.nvfp4.rht", "False"] and "--job.dump_folder" in cmd
+    assert "--compile.enable" in cmd and spec.env(spec.arms[2])["TORCHINDUCTOR_CUDAGRAPHS"] == "1"  # the fastest mode

@@ -232,6 +232,21 @@ def test_replicated_validation_reads_alike_in_every_layout(built, tok, splits, t
         replicate(src, tmp_path / "x.jsonl", copies=0)
 
 
+def test_head_keeps_leading_documents_up_to_a_token_count(built, tok, splits, tmp_path):
+    """head: the first documents of a split whose tokens (BOS and EOS counted, as TorchTitan's dataset adds
+    them) first reach the count; every one whole, in order; too few tokens in the split is an error."""
+    from titan_nvfp4.data.variants import head
+
+    src = built.path / "validation.jsonl"
+    counts = [len(tok.encode(d, add_bos=True, add_eos=True)) for d in splits.validation]
+    want = counts[0] + counts[1] + 1  # one token past two documents: three are kept
+    out, docs, total = head(src, tmp_path / "head.jsonl", want, built.path)
+    assert (docs, total) == (3, sum(counts[:3]))
+    assert read_jsonl(out) == splits.validation[:3]
+    with pytest.raises(ValueError, match=f"only {sum(counts)} tokens"):
+        head(src, tmp_path / "all.jsonl", sum(counts) + 1, built.path)
+
+
 def test_ensure_assets_reuses_and_detects_stale(built, tmp_path):
     before = (built.path / "manifest.json").read_bytes()
     t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """Loss-convergence comparisons in one command: arms of TorchTitan overrides on one base job file, run
 with the same seed and data one after another, then a table, a CSV and a plot.
 
-    python -m titan_nvfp4.compare configs/compare/llama3_debug.toml [--only ARM ...] [--report-only] [--out DIR]
+    python -m titan_nvfp4.compare configs/compare/llama3_debug.toml [--only ARM ...] [--rerun] [--report-only] [--out DIR]
     python -m titan_nvfp4.compare llama3_debug          # a spec shipped with the package, by name
 
 Job-file paths in a spec are relative to the current directory: run it from a titan-nvfp4 checkout.
@@ -18,6 +18,9 @@ The spec (TOML):
     common = ["--metrics.log_freq", "10"]      # overrides for every arm
     launcher = ["torchrun", "--standalone", "--nproc_per_node=1", "-m", "torchtitan.train"]   # the default (a free port each)
     timeout_s = 0                              # per arm (0: none)
+    mode = "compile+cudagraphs"                # the default; or "compile", or "eager" (an arm may set its own)
+    parallel = 1                               # arms at once, each on its own GPU (arm slot i on GPU i % GPUs)
+    checkpoint_interval = 0                    # > 0: checkpoint every N steps; running the spec again resumes
 
     [[arm]]
     name = "bf16"
@@ -28,7 +31,17 @@ The spec (TOML):
     name = "no_rht"
     overrides = ["--quantize.linear.nvfp4.rht", "False"]
 
-An arm whose log already reached ``steps`` is not run again (``--only`` forces the named arms). Losses
+Modes: ``compile+cudagraphs`` (the default, the fastest on a GPU) runs each arm with ``--compile.enable`` and
+TORCHINDUCTOR_CUDAGRAPHS=1 (Inductor's CUDA graph trees, which remove the host time of the NVFP4 launches);
+``compile`` without the graphs; ``eager`` neither. ``--mode`` on the command line overrides the spec's.
+
+With ``parallel = N`` (or ``--parallel N``) N arms train at once, slot i pinned to visible GPU i modulo the
+GPU count (several slots may share a GPU). With ``checkpoint_interval = N`` each arm checkpoints every N steps
+under its dump folder (TorchTitan's DCP: model, optimizer, schedule, data position), and an arm stopped
+before ``steps`` (``timeout_s``, a lost machine) resumes from its latest checkpoint when the spec runs again,
+its log continued; later log lines for a step win. ``timeout_s`` stops an arm's whole process group.
+
+An arm whose log already reached ``steps`` is not run again unless ``--rerun`` (``--only`` picks arms). Losses
 come from the arm's log (TorchTitan's metric lines, tools/loss_log.py); when the log has none (a job
 that logs elsewhere) from the TensorBoard events under its dump folder (``--metrics.enable_tensorboard``).
 W&B: add ``--metrics.enable_wandb`` to ``common``; ``wandb_offline = true`` in ``[compare]`` sets
@@ -38,6 +51,7 @@ WANDB_MODE=offline, which needs no network.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,10 +65,15 @@ from pathlib import Path
 
 from .recipe import shipped_compare_specs
 from .tools.cli import fail, parser
-from .tools.loss_log import StepMetrics, parse_log, summarize, tensorboard_run, to_markdown, write_csv
+from .tools.loss_log import (StepMetrics, parse_log, parse_validation, summarize, tensorboard_run, to_markdown,
+                             validation_markdown, write_csv)
 
 DEFAULT_LAUNCHER = ("torchrun", "--standalone", "--nproc_per_node=1", "-m", "torchtitan.train")
-_KEYS = {"base", "steps", "out", "last", "baseline", "reference", "common", "launcher", "timeout_s", "wandb_offline"}
+_KEYS = {"base", "steps", "out", "last", "baseline", "reference", "common", "launcher", "timeout_s", "wandb_offline",
+         "mode", "parallel", "checkpoint_interval"}
+# mode -> (TorchTitan flags, TORCHINDUCTOR_CUDAGRAPHS)
+MODES = {"compile+cudagraphs": (("--compile.enable",), "1"), "compile": (("--compile.enable",), "0"), "eager": ((), "0")}
+DEFAULT_MODE = "compile+cudagraphs"
 
 
 @dataclass
@@ -62,6 +81,7 @@ class Arm:
     name: str
     overrides: list[str] = field(default_factory=list)
     base: Path | None = None  # the spec's base when None
+    mode: str | None = None   # the spec's mode when None
 
 
 @dataclass
@@ -77,18 +97,47 @@ class Spec:
     launcher: list[str] = field(default_factory=lambda: list(DEFAULT_LAUNCHER))
     timeout_s: float = 0
     wandb_offline: bool = False
+    mode: str = DEFAULT_MODE
+    parallel: int = 1
+    checkpoint_interval: int = 0
+
+    def arm_mode(self, arm: Arm) -> str:
+        return arm.mode or self.mode
+
+    def env(self, arm: Arm) -> dict[str, str]:
+        """The variables an arm runs with on top of the runner's own."""
+        env = {"TORCHINDUCTOR_CUDAGRAPHS": MODES[self.arm_mode(arm)][1]}
+        if self.wandb_offline:
+            env["WANDB_MODE"] = "offline"
+        return env
 
     def log(self, arm: Arm) -> Path:
         return self.out / f"{arm.name}.log"
 
     def command(self, arm: Arm) -> list[str]:
+        ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(self.checkpoint_interval),
+                "--checkpoint.keep_latest_k", "2"] if self.checkpoint_interval else []
         return [*self.launcher, "--job.config_file", str(arm.base or self.base), "--training.steps", str(self.steps),
-                "--job.dump_folder", str(self.out / arm.name), *self.common, *arm.overrides]
+                "--job.dump_folder", str(self.out / arm.name), *MODES[self.arm_mode(arm)][0], *ckpt, *self.common,
+                *arm.overrides]
 
 
 def _str_list(value, where: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ValueError(f"{where} must be a list of strings, got {value!r}")
+    return value
+
+
+def _mode(value, where: str) -> str:
+    if value not in MODES:
+        raise ValueError(f"{where} must be one of {', '.join(repr(m) for m in MODES)}, got {value!r}")
+    return value
+
+
+def _count(top: dict, key: str, default: int, low: int, where: str) -> int:
+    value = top.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{where}: [compare] {key} must be an integer >= {low}, got {value!r}")
     return value
 
 
@@ -129,7 +178,7 @@ def load_spec(path: Path) -> Spec:
     for i, a in enumerate(raw.get("arm", [])):
         if not isinstance(a, dict) or not isinstance(a.get("name"), str) or not a["name"]:
             raise ValueError(f"{where}: [[arm]] number {i + 1} needs a name")
-        bad = set(a) - {"name", "overrides", "base"}
+        bad = set(a) - {"name", "overrides", "base", "mode"}
         if bad:
             raise ValueError(f"{where}: arm {a['name']!r} has unknown keys {sorted(bad)}")
         if "/" in a["name"] or "\\" in a["name"] or a["name"].startswith(".") or a["name"] in [x.name for x in arms]:
@@ -140,7 +189,8 @@ def load_spec(path: Path) -> Spec:
         arm_base = Path(a["base"]) if "base" in a else None
         if arm_base is not None and not arm_base.is_file():
             raise ValueError(f"{where}: arm {a['name']!r} base = {str(arm_base)!r}: no such job file (paths are relative to the current directory)")
-        arms.append(Arm(a["name"], _str_list(a.get("overrides", []), f"{where}: arm {a['name']!r} overrides"), arm_base))
+        arms.append(Arm(a["name"], _str_list(a.get("overrides", []), f"{where}: arm {a['name']!r} overrides"), arm_base,
+                        _mode(a.get("mode"), f"{where}: arm {a['name']!r} mode") if "mode" in a else None))
     if len(arms) < 2:
         raise ValueError(f"{where}: a comparison needs at least two [[arm]] tables, got {len(arms)}")
     names = [a.name for a in arms]
@@ -164,7 +214,10 @@ def load_spec(path: Path) -> Spec:
                 last=last, baseline=top.get("baseline", "") or names[0], reference=top.get("reference", ""),
                 common=_str_list(top.get("common", []), f"{where}: [compare] common"),
                 launcher=_str_list(top.get("launcher", list(DEFAULT_LAUNCHER)), f"{where}: [compare] launcher"),
-                timeout_s=timeout, wandb_offline=top.get("wandb_offline", False))
+                timeout_s=timeout, wandb_offline=top.get("wandb_offline", False),
+                mode=_mode(top.get("mode", DEFAULT_MODE), f"{where}: [compare] mode"),
+                parallel=_count(top, "parallel", 1, 1, where),
+                checkpoint_interval=_count(top, "checkpoint_interval", 0, 0, where))
 
 
 def check_arm_args(spec: Spec, where: str, arms: list[Arm] | None = None) -> None:
@@ -201,24 +254,90 @@ def is_done(spec: Spec, arm: Arm) -> bool:
     return bool(steps) and steps[-1].step >= spec.steps
 
 
-def run_arm(spec: Spec, arm: Arm, index: int) -> int:
-    """Run one arm, its output in its log; print one progress line when it ends. Returns the exit code."""
-    env = dict(os.environ)
-    if spec.wandb_offline:
-        env["WANDB_MODE"] = "offline"
+def _resumes(spec: Spec, arm: Arm) -> bool:
+    """Whether the arm will load a checkpoint: checkpointing on and a step folder saved under its dump folder."""
+    return spec.checkpoint_interval > 0 and any((spec.out / arm.name).glob("checkpoint/step-*"))
+
+
+def run_arm(spec: Spec, arm: Arm, index: int, gpu: str | None = None) -> int:
+    """Run one arm (on ``gpu`` when given), its output in its log; print one progress line when it ends.
+    Returns the exit code (124 after ``timeout_s``, which stops the arm's whole process group)."""
+    extra = spec.env(arm)
+    if gpu is not None:
+        extra["CUDA_VISIBLE_DEVICES"] = gpu
+    env = {**os.environ, **extra}
+    resume = _resumes(spec, arm)
     start = time.time()
-    with open(spec.log(arm), "w") as log:
-        log.write("# " + " ".join(spec.command(arm)) + "\n")
+    with open(spec.log(arm), "a" if resume else "w") as log:
+        log.write("# " + " ".join([*(f"{k}={v}" for k, v in extra.items()), *spec.command(arm)]) + "\n")
         log.flush()
+        proc = subprocess.Popen(spec.command(arm), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            rc = subprocess.run(spec.command(arm), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                timeout=spec.timeout_s or None).returncode
+            rc = proc.wait(timeout=spec.timeout_s or None)
         except subprocess.TimeoutExpired:
+            _stop_group(proc)
             rc = 124
     steps = arm_metrics(spec, arm)
     last = f"step {steps[-1].step}, loss {steps[-1].loss:.4f}" if steps else "no metric lines"
-    print(f"[{index}/{len(spec.arms)}] {arm.name}: exit {rc} in {time.time() - start:.0f} s, {last}", flush=True)
+    where = f" on GPU {gpu}" if gpu is not None else ""
+    print(f"[{index}/{len(spec.arms)}] {arm.name}{where}: exit {rc} in {time.time() - start:.0f} s"
+          f"{' (resumed)' if resume else ''}, {last}", flush=True)
     return rc
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """SIGTERM to the arm's process group (torchrun and its workers), SIGKILL to what outlives the grace period."""
+    import signal
+
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _gpu_slots(parallel: int) -> list[str | None]:
+    """The GPU of each of ``parallel`` slots: visible GPU i modulo the count; None (no pinning) for one slot
+    or on a machine without CUDA."""
+    if parallel == 1:
+        return [None]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        gpus = [g.strip() for g in visible.split(",") if g.strip()]
+    else:
+        try:
+            import torch
+
+            gpus = [str(i) for i in range(torch.cuda.device_count())]
+        except ImportError:
+            gpus = []
+    return [gpus[i % len(gpus)] if gpus else None for i in range(parallel)]
+
+
+def run_arms(spec: Spec, todo: list[tuple[int, Arm]]) -> list[str]:
+    """Run ``todo`` (index, arm) with ``spec.parallel`` at a time; returns the names of the arms that failed."""
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    slots: queue.Queue = queue.Queue()
+    for gpu in _gpu_slots(spec.parallel):
+        slots.put(gpu)
+
+    def one(item):
+        i, arm = item
+        gpu = slots.get()
+        try:
+            return arm.name, run_arm(spec, arm, i, gpu)
+        finally:
+            slots.put(gpu)
+
+    with ThreadPoolExecutor(max_workers=spec.parallel) as pool:
+        return [name for name, rc in pool.map(one, todo) if rc]
 
 
 def report(spec: Spec) -> str:
@@ -232,8 +351,13 @@ def report(spec: Spec) -> str:
     runs = {n: s for n, s in runs.items() if s}
     if spec.baseline not in runs:
         raise RuntimeError(f"the baseline arm {spec.baseline!r} has no logged steps in {spec.out}")
-    rows = summarize(runs, spec.last, gap=bool(spec.reference) and spec.reference in runs)
+    validation = {n: parse_validation(spec.log(a).read_text(errors="replace")) for a in order
+                  if (n := a.name) in runs and spec.log(a).is_file()}
+    validation = {n: v for n, v in validation.items() if v}
+    rows = summarize(runs, spec.last, gap=bool(spec.reference) and spec.reference in runs, validation=validation or None)
     table = to_markdown(rows, spec.last)
+    if validation:
+        table += "\n" + validation_markdown(validation)
     if missing:
         table += f"\nNo logged steps yet: {', '.join(missing)}\n"
     (spec.out / "compare.md").write_text(table)
@@ -269,9 +393,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = parser("titan_nvfp4.compare", __doc__)
     ap.add_argument("spec", help="a comparison spec (.toml file), or the name of a shipped one: "
                                  + ", ".join(sorted(shipped_compare_specs())))
-    ap.add_argument("--only", nargs="+", default=None, metavar="ARM", help="run these arms (again), and no others")
+    ap.add_argument("--only", nargs="+", default=None, metavar="ARM", help="run these arms and no others")
+    ap.add_argument("--rerun", action="store_true", help="run arms that already reached the spec's steps again, afresh")
+    ap.add_argument("--timeout-s", type=float, default=None, metavar="S",
+                    help="stop each arm after S seconds, instead of the spec's timeout_s (a checkpointed arm resumes later)")
     ap.add_argument("--report-only", action="store_true", help="write the table and plot from existing logs")
     ap.add_argument("--out", type=Path, default=None, help="logs, table and plot here instead of [compare] out")
+    ap.add_argument("--parallel", type=int, default=None, metavar="N",
+                    help="arms at once, each on its own GPU, instead of the spec's parallel")
+    ap.add_argument("--mode", choices=list(MODES), default=None,
+                    help=f"how every arm runs, instead of the spec's mode (default {DEFAULT_MODE})")
     args = ap.parse_args(argv)
     args.spec = resolve_spec(args.spec)
     try:
@@ -280,6 +411,18 @@ def main(argv: list[str] | None = None) -> int:
         fail(PROG, str(e))
     if args.out is not None:
         spec.out = args.out
+    if args.timeout_s is not None:
+        if not 0 <= args.timeout_s < float("inf"):
+            fail(PROG, f"--timeout-s must be a non-negative number, got {args.timeout_s}")
+        spec.timeout_s = args.timeout_s
+    if args.parallel is not None:
+        if args.parallel < 1:
+            fail(PROG, f"--parallel must be >= 1, got {args.parallel}")
+        spec.parallel = args.parallel
+    if args.mode is not None:
+        spec.mode = args.mode
+        for arm in spec.arms:
+            arm.mode = None
     names = [a.name for a in spec.arms]
     for n in args.only or []:
         if n not in names:
@@ -292,16 +435,22 @@ def main(argv: list[str] | None = None) -> int:
     spec.out.mkdir(parents=True, exist_ok=True)
     failed = []
     if not args.report_only:
+        todo = []
         for i, arm in enumerate(spec.arms, 1):
             if args.only is not None and arm.name not in args.only:
                 continue
-            if args.only is None and is_done(spec, arm):
+            if not args.rerun and is_done(spec, arm):
                 print(f"[{i}/{len(spec.arms)}] {arm.name}: already reached step {spec.steps}", flush=True)
                 continue
-            if run_arm(spec, arm, i):
-                failed.append(arm.name)
-    print(report(spec), end="")
-    print(f"compare: wrote {spec.out / 'compare.md'}, compare.csv, compare.png")
+            if args.rerun:  # afresh: no resuming from an earlier run's checkpoints
+                shutil.rmtree(spec.out / arm.name / "checkpoint", ignore_errors=True)
+            todo.append((i, arm))
+        failed = run_arms(spec, todo)
+    try:
+        print(report(spec), end="")
+        print(f"compare: wrote {spec.out / 'compare.md'}, compare.csv, compare.png")
+    except RuntimeError as e:  # the baseline has not logged yet (--only another arm, or it failed)
+        print(f"compare: no table yet: {e}", file=sys.stderr)
     if failed:
         print(f"compare: arms that failed: {', '.join(failed)} (see their logs in {spec.out})", file=sys.stderr)
     return 1 if failed else 0
