@@ -236,6 +236,32 @@ def test_grouped_converter_swaps_the_routed_experts_on_meta(model_name, nvfp4, b
         bf16.model_spec.model).values())
 
 
+@pytest.mark.parametrize("name, linears, experts", [
+    ("llama3_8b", 32 * 5, 0),  # wqkv, wo, w1, w2, w3
+    ("qwen3_30b_a3b", 48 * 2, 48),  # wqkv, wo; 128 experts per block
+    ("deepseek_v3_16b", 27 * 4 + 3, 26),  # wq, wkv_a, wkv_b, wo; layer 0's dense FFN
+    ("gpt_oss_20b", 24 * 2, 24),  # wqkv, wo
+])
+def test_flagship_entries_convert_on_meta(name, linears, experts):
+    """Each flagship entry parses, reads the offline corpus with expert parallelism off, and converts every block
+    Linear and routed-expert config (its BF16 twin none); the Llama3 8B model builds on meta with NVFP4 modules."""
+    c = parse(f"{name}_nvfp4")
+    assert (c.dataloader.dataset, c.parallelism.expert_parallel_degree) == ("pystdlib", 1)
+    assert c.hf_assets_path.endswith("assets/pystdlib") and c.quantize.grouped_mm.enable == bool(experts)
+    apply_quantize(c)
+    assert len(list(c.model_spec.model.traverse(TitanNVFP4Linear.Config))) == linears
+    converted = [cfg for cfg in expert_configs(c.model_spec.model).values() if isinstance(cfg, tuple(e.Config for e in EXPERTS))]
+    assert len(converted) == experts
+    bf16 = parse(f"{name}_bf16")
+    apply_quantize(bf16)
+    assert not list(bf16.model_spec.model.traverse(TitanNVFP4Linear.Config))
+    if name == "llama3_8b":
+        with torch.device("meta"):
+            model = c.model_spec.model.build()
+        kinds = {type(m).__name__ for n, m in model.named_modules() if n.startswith("layers.") and n.count(".") == 3}
+        assert "TitanNVFP4Linear" in kinds and "Linear" not in kinds, kinds
+
+
 def test_grouped_converter_refuses_a_model_without_experts():
     c = parse("llama3_debug_nvfp4", "--quantize.grouped_mm.enable")
     with pytest.raises(ValueError, match=r"\[quantize.grouped_mm\] no routed-expert config matched fqns \['experts'\]"):
