@@ -34,7 +34,8 @@ from titan_nvfp4.grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_
 from titan_nvfp4.integration_v03.converter import NVFP4GroupedMMConfigConverter  # noqa: E402
 from titan_nvfp4.integration_v03.experts import TitanNVFP4GptOssExperts, TitanNVFP4GroupedExperts  # noqa: E402
 from titan_nvfp4.integration_v03.modules import TitanNVFP4Linear  # noqa: E402
-from titan_nvfp4.integration_v03.trainer import NVFP4Trainer, apply_quantize  # noqa: E402
+from titan_nvfp4.integration_v03.trainer import (LINEAR_STEPS, NVFP4Trainer, after_optimizer_step,  # noqa: E402
+                                                 apply_quantize, attach_linear_state)
 
 MODULE = "titan_nvfp4.integration_v03.configs"
 DOC = Path(__file__).resolve().parents[1] / "docs" / "torchtitan03.md"
@@ -78,6 +79,7 @@ def test_documented_configs_parse():
     (["--quantize.linear.gemm_backend", "bogus"], ["quantize.linear", "gemm_backend", "bogus"]),
     (["--quantize.linear.recipe", "no_such_preset"], ["unknown recipe", "no_such_preset"]),
     (["--quantize.linear.lora_rank", "16"], ["lora_rank", "not supported by the TorchTitan 0.3 integration"]),
+    (["--quantize.linear.bf16_after_fraction", "1.5"], ["bf16_after_fraction", "1.5"]),
     (["--quantize.linear.no_such_knob", "1"], ["Unrecognized options", "--quantize.linear.no_such_knob"]),
     (["--quantize.grouped_mm.lora_rank", "16"], ["quantize.grouped_mm", "lora_rank", "not supported by the TorchTitan "
                                                   "0.3 integration"]),
@@ -590,3 +592,152 @@ def test_deepseek_v3_experts_under_tensor_parallelism_match_one_process(tmp_path
         assert _rel(out["grads"][name], g) < 1e-5, name
     experts = [n for n in ref.grads if "routed_experts" in n]
     assert len(experts) == 3 and min(_rel(out["control_grads"][n], ref.grads[n]) for n in experts) > 1e-2
+
+
+def _debug_step_model(monkeypatch, tmp_path, *overrides):
+    """llama3_debug_nvfp4's first 2 blocks (reference backend) built through its parallelize_fn, and a training
+    step: forward, loss, backward on fixed tokens; returns (config, model, step)."""
+    torch.manual_seed(0)
+    c = parse("llama3_debug_nvfp4", "--quantize.linear.gemm_backend", "reference", "--training.seq_len", str(SEQ),
+              "--training.local_batch_size", str(BATCH), "--dump_folder", str(tmp_path), *overrides)
+    apply_quantize(c)
+    model = build_parallelized(c, monkeypatch, blocks=2)
+    vocab = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding)).num_embeddings
+    tokens = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        model.zero_grad()
+        out = model(tokens, positions=torch.arange(SEQ).repeat(BATCH, 1), attention_masks=None)
+        torch.nn.functional.cross_entropy(out.float().flatten(0, 1), tokens.flatten()).backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return c, model, step
+
+
+def test_late_switch_and_amax_windows_follow_the_optimizer_steps(gloo_rank, monkeypatch, tmp_path):
+    """bf16_after_fraction and activation_amax_history on 0.3: the step hook pushes each NVFP4 step's amaxes into the
+    windows and switches every NVFP4 Linear to high precision after step 2 of 4 (no SR draws, no amaxes after it)."""
+    c, model, step = _debug_step_model(monkeypatch, tmp_path, "--quantize.linear.bf16_after_fraction", "0.5",
+                                       "--quantize.linear.activation_amax_history", "4")
+    counters = attach_linear_state([model], c.quantize.linear, total_steps=4)
+    assert len(counters) == 1 and getattr(model, LINEAR_STEPS) is counters[0]
+    linears = [m for m in model.modules() if isinstance(m, TitanNVFP4Linear)]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    opt.register_step_post_hook(lambda *a, **k: after_optimizer_step([model]))
+    assert all(not m.x_amax_history.any() for m in linears)
+    for i in range(3):
+        step()
+        opt.step()
+        # the step's amaxes enter the window, newest first; a step run in high precision records none
+        assert [bool(m.x_amax_history[0].gt(0).all()) for m in linears] == [i < 2] * len(linears), i
+        assert [m.high_precision for m in linears] == [i >= 1] * len(linears), i
+    assert all(m.x_amax_history[1:3].gt(0).all() and not m.x_amax_history[3].any() for m in linears)
+    assert all(m.sr_calls == 2 for m in linears)  # the third backward ran in high precision: no SR call
+
+
+def test_train_state_resumes_the_sr_streams_bitwise(gloo_rank, monkeypatch, tmp_path):
+    """DCP on NVFP4Trainer's train_state: a model resumed from step 2 (weights and train_state) computes the
+    uninterrupted run's third-step gradients bit for bit; without the SR counts (the control) they differ."""
+    import torch.distributed.checkpoint as dcp
+
+    def shell(model, step=0):  # NVFP4Trainer as far as its checkpoint is concerned
+        t = NVFP4Trainer.__new__(NVFP4Trainer)
+        t.model_parts, t.step, t.ntokens_seen = [model], step, 0
+        return t
+
+    _, a, step_a = _debug_step_model(monkeypatch, tmp_path)
+    step_a(), step_a()
+    sd = shell(a, 2).state_dict()
+    assert sd["step"] == 2 and len(sd["nvfp4_sr_calls"]) == 10 and all(int(v[0]) == 2 for v in sd["nvfp4_sr_calls"].values())
+    dcp.save({"train_state": shell(a, 2), "model": a.state_dict()}, checkpoint_id=str(tmp_path / "step-2"))
+    want = step_a()
+
+    _, b, step_b = _debug_step_model(monkeypatch, tmp_path)
+    trainer = shell(b)
+    state = {"train_state": trainer, "model": b.state_dict()}
+    dcp.load(state, checkpoint_id=str(tmp_path / "step-2"))
+    b.load_state_dict(state["model"])
+    assert trainer.step == 2
+    assert all(torch.equal(g, w) for g, w in zip(step_b(), want, strict=True))
+
+    _, ctrl, step_c = _debug_step_model(monkeypatch, tmp_path)
+    ctrl_state = {"model": ctrl.state_dict()}
+    dcp.load(ctrl_state, checkpoint_id=str(tmp_path / "step-2"))
+    ctrl.load_state_dict(ctrl_state["model"])
+    assert not all(torch.equal(g, w) for g, w in zip(step_c(), want, strict=True))
+
+
+def _fsdp_gather_worker(rank, world, out, tmp_path):
+    """Two SGD steps of llama3_debug_nvfp4's first 2 blocks under FSDP2 (dp_shard = world) through its parallelize,
+    once with the BF16 all-gather and once with fsdp_nvfp4_all_gather (tile amaxes precomputed after the first
+    step, as the trainer's step hook does); this rank's full gradients of each step."""
+    import torchtitan.distributed.parallel_dims as pd_module
+
+    from titan_nvfp4.distributed.fsdp_all_gather import TRAFFIC, NVFP4ShardedWeight
+
+    torch.set_num_threads(1)
+    pd_module.device_type = "cpu"
+    tokens = torch.randint(0, 2048, (BATCH, SEQ), generator=torch.Generator().manual_seed(10 + rank))
+    for gather in (False, True):
+        torch.manual_seed(0)
+        c = parse("llama3_debug_nvfp4", "--quantize.linear.gemm_backend", "reference", "--training.seq_len", str(SEQ),
+                  "--training.local_batch_size", str(BATCH), "--parallelism.data_parallel_shard_degree", str(world),
+                  "--parallelism.spmd_backend", "partial_dtensor", "--dump_folder", str(tmp_path),
+                  *(["--quantize.linear.fsdp_nvfp4_all_gather"] if gather else []))
+        apply_quantize(c)
+        model, pd = build_on_ranks(c, world, 2)
+        for m in model.modules():  # gloo has no PREMUL_SUM: plain sums (TorchTitan divides by the token count itself)
+            if hasattr(m, "set_force_sum_reduction_for_comms"):
+                m.set_force_sum_reduction_for_comms(True)
+        wrapped = sum(isinstance(_local(m.weight), NVFP4ShardedWeight) for m in model.modules()
+                      if isinstance(m, TitanNVFP4Linear))
+        TRAFFIC.take()
+        grads = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            tp_step(model, pd, tokens)
+            grads.append({n: p.grad.full_tensor().clone() for n, p in model.named_parameters()})
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.05 * p.grad
+            after_optimizer_step([model])
+        if rank == 0:
+            out["nvfp4" if gather else "bf16"] = dict(grads=grads, wrapped=wrapped, traffic=TRAFFIC.take())
+
+
+@pytest.mark.long
+def test_fsdp2_nvfp4_all_gather_trains_as_the_bf16_gather(tmp_path):
+    """fsdp_nvfp4_all_gather on 0.3: the 10 NVFP4 Linears' weights gather as codes through llama3's own parallelize
+    (FSDP2 on 2 gloo ranks) and two SGD steps give the BF16 all-gather's gradients bit for bit."""
+    out = run_ranks(_fsdp_gather_worker, 2, tmp_path, preload=PRELOAD_V03)
+    bf16, nvfp4 = out["bf16"], out["nvfp4"]
+    assert (bf16["wrapped"], nvfp4["wrapped"]) == (0, 10)
+    assert nvfp4["traffic"]["gathers"] > 0 and nvfp4["traffic"]["codes_bytes"] * 4 == nvfp4["traffic"]["param_dtype_bytes"]
+    for step, (a, b) in enumerate(zip(bf16["grads"], nvfp4["grads"])):
+        for name in a:
+            assert torch.equal(a[name], b[name]), (step, name)
+    w1 = next(n for n in bf16["grads"][0] if n.endswith("feed_forward.w1.weight"))
+    assert not torch.equal(bf16["grads"][0][w1], bf16["grads"][1][w1])  # the step did change the weights
+
+
+def test_nvfp4_all_gather_outside_its_backend_stops_naming_the_knob():
+    """fsdp_nvfp4_all_gather under FSDP on spmd_types, or with TP, stops before anything is sharded; without FSDP it
+    leaves the weights alone; the parallelize_fn is wrapped once however often the config is converted."""
+    from titan_nvfp4.distributed.fsdp_all_gather import NVFP4ShardedWeight
+    from titan_nvfp4.integration_v03.trainer import with_nvfp4_all_gather
+
+    c = parse("llama3_debug_nvfp4", "--quantize.linear.fsdp_nvfp4_all_gather")
+    original = c.model_spec.parallelize_fn
+    apply_quantize(c)
+    apply_quantize(c)
+    assert c.model_spec.parallelize_fn.__wrapped__ is original
+    calls = []
+    fn = with_nvfp4_all_gather(lambda model, **kw: calls.append(model) or model, "quantize.linear")
+    model = torch.nn.Sequential(TitanNVFP4Linear(TitanNVFP4Linear.Config(in_features=32, out_features=16)))
+    for pd, backend in [(SimpleNamespace(fsdp_enabled=True, tp_enabled=False, tp=1), "spmd_types"),
+                        (SimpleNamespace(fsdp_enabled=True, tp_enabled=True, tp=2), "partial_dtensor")]:
+        with pytest.raises(ValueError, match=r"\[quantize.linear\] fsdp_nvfp4_all_gather = true runs on "
+                                             r"parallelism.spmd_backend = partial_dtensor"):
+            fn(model, parallel_dims=pd, parallelism=SimpleNamespace(spmd_backend=backend))
+    assert not calls
+    fn(model, parallel_dims=SimpleNamespace(fsdp_enabled=False), parallelism=SimpleNamespace(spmd_backend="spmd_types"))
+    assert calls == [model] and not isinstance(model[0].weight, NVFP4ShardedWeight)

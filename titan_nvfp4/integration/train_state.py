@@ -1,134 +1,15 @@
-"""The stochastic-rounding call counts in TorchTitan's checkpointed ``train_state``, and the restored
-step handed to the converters' step counters (schedule.py).
+"""The NVFP4 train state (titan_nvfp4/train_state.py: SR call counts and amax windows in the checkpointed
+``train_state``) installed on TorchTitan 0.2's Trainer.
 
-Every NVFP4 layer draws its SR seeds from a device counter (base, backward calls so far). A resumed run
-reproduces the uninterrupted one bit for bit only if those call counts come back with the checkpoint.
-Keeping them in the model's state dict would change its keys, which would break loading BF16 and
-Hugging Face checkpoints into an NVFP4 model. So they travel in TorchTitan's ``train_state`` (the
-Trainer's own ``state_dict``, which TorchTitan saves and restores next to ``step``) as
-``nvfp4_sr_calls``: {layer fqn: int64 [streams]}, one entry per NVFP4 layer of this rank's model parts.
-Ranks that hold the same layer hold the same counts (every rank runs each of its layers equally
-often), so DCP's deduplication keeps one copy; pipeline stages hold disjoint fqns. DCP loads what the
-running job's train_state asks for, so an NVFP4 job resumes only from checkpoints that carry the counts
-(those written with this in place); model-only loads (seed checkpoints, BF16 or HF weights) are not
-affected. The activation amax windows of ``activation_amax_history`` (amax_history.py) travel the same
-way as ``nvfp4_amax_history``: {layer fqn: fp32 [N, 2]}, identical on every rank.
-
-``install`` runs from the converter's import (torchtitan_fixes.apply) on the Trainer class of the
-running ``python -m torchtitan.train`` (that module is ``__main__`` then, not ``torchtitan.train``) and
+``install_on_running_trainers`` runs from the converter's import (torchtitan_fixes.apply) on the Trainer class
+of the running ``python -m torchtitan.train`` (that module is ``__main__`` then, not ``torchtitan.train``) and
 of an imported ``torchtitan.train``; a custom trainer calls ``install(MyTrainer)`` itself.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
-from ..amax_history import layers_with_history
-from ..distributed.tensor_parallel import local
-from ..layer_state import NVFP4LayerState
-from ..schedule import StepCounter
-
-KEY = "nvfp4_sr_calls"
-HISTORY_KEY = "nvfp4_amax_history"  # activation_amax_history windows, same reasoning
-_WRAPPERS = ("._checkpoint_wrapped_module", "_checkpoint_wrapped_module.", "._orig_mod", "_orig_mod.")
-
-
-def _fqn(name: str) -> str:
-    """A layer's name without activation-checkpoint and compile wrappers (the same in every run)."""
-    for w in _WRAPPERS:
-        name = name.replace(w, "")
-    return name
-
-
-def nvfp4_layers(model_parts: list[nn.Module]) -> dict[str, NVFP4LayerState]:
-    return {_fqn(n): m for part in model_parts for n, m in part.named_modules() if isinstance(m, NVFP4LayerState)}
-
-
-def sr_calls(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
-    """{fqn: int64 [streams]} backward-call counts of every NVFP4 layer (on the CPU: one sync, at save)."""
-    return {fqn: local(m.sr_counter)[..., 1].reshape(-1).cpu().clone() for fqn, m in nvfp4_layers(model_parts).items()}
-
-
-def load_sr_calls(model_parts: list[nn.Module], calls: dict[str, torch.Tensor]) -> None:
-    """Put saved call counts back into the layers' counters (layers the checkpoint lacks keep theirs)."""
-    layers = nvfp4_layers(model_parts)
-    with torch.no_grad():
-        for fqn, count in calls.items():
-            if fqn in layers:
-                c = local(layers[fqn].sr_counter)
-                c[..., 1].copy_(count.reshape(c[..., 1].shape))
-
-
-def amax_histories(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
-    """{fqn: fp32 [N, 2]} activation amax windows (amax_history.py; the same on every rank) of the layers
-    that keep one."""
-    return {fqn: local(m.x_amax_history).cpu().clone() for fqn, m in nvfp4_layers(model_parts).items()
-            if m._buffers.get("x_amax_history") is not None}
-
-
-def load_amax_histories(model_parts: list[nn.Module], histories: dict[str, torch.Tensor]) -> None:
-    """Put saved windows back (a window of another length is refused by name)."""
-    layers = nvfp4_layers(model_parts)
-    with torch.no_grad():
-        for fqn, h in histories.items():
-            if fqn in layers and layers[fqn]._buffers.get("x_amax_history") is not None:
-                mine = local(layers[fqn].x_amax_history)
-                if mine.shape != h.shape:
-                    raise ValueError(f"checkpoint's {HISTORY_KEY}[{fqn!r}] has {h.shape[0]} steps, this run's "
-                                     f"activation_amax_history = {mine.shape[0]}")
-                mine.copy_(h)
-
-
-def empty_amax_histories(model_parts: list[nn.Module]) -> None:
-    """Windows a checkpoint did not carry start empty, as at step 0 (the next step uses X's own amax)."""
-    with torch.no_grad():
-        for m in layers_with_history(model_parts):
-            local(m.x_amax_history).zero_()
-            m.amax_history.ready = False
-
-
-def sync_step_counters(model_parts: list[nn.Module], step: int) -> None:
-    """Set the converters' step counters (schedule.py) and amax histories to the restored optimizer step."""
-    for part in model_parts:
-        for m in part.modules():
-            if isinstance(m, StepCounter):
-                m.sync(step)
-            if getattr(m, "amax_history", None) is not None:
-                m.amax_history.at_step(step)
-
-
-def install(trainer_cls) -> None:
-    """Extend ``trainer_cls.state_dict`` / ``load_state_dict`` (TorchTitan's Trainer) with KEY (idempotent)."""
-    if getattr(trainer_cls, "_nvfp4_train_state", False):
-        return
-    original_state_dict, original_load = trainer_cls.state_dict, trainer_cls.load_state_dict
-
-    def state_dict(self):
-        out = original_state_dict(self)
-        calls = sr_calls(getattr(self, "model_parts", []))
-        if calls:
-            out[KEY] = calls
-        histories = amax_histories(getattr(self, "model_parts", []))
-        if histories:
-            out[HISTORY_KEY] = histories
-        return out
-
-    def load_state_dict(self, state_dict):
-        calls, histories = state_dict.get(KEY), state_dict.get(HISTORY_KEY)
-        rest = {k: v for k, v in state_dict.items() if k not in (KEY, HISTORY_KEY)}
-        original_load(self, rest)
-        parts = getattr(self, "model_parts", [])
-        if calls:
-            load_sr_calls(parts, calls)
-        if histories:
-            load_amax_histories(parts, histories)
-        sync_step_counters(parts, int(getattr(self, "step", 0)))
-        if not histories:  # a checkpoint without windows (integration/checkpoint.py)
-            empty_amax_histories(parts)
-
-    trainer_cls.state_dict, trainer_cls.load_state_dict = state_dict, load_state_dict
-    trainer_cls._nvfp4_train_state = True
+from ..train_state import (HISTORY_KEY, KEY, amax_histories, empty_amax_histories, install, load_amax_histories,
+                           load_sr_calls, sr_calls, sync_step_counters)
 
 
 def install_on_running_trainers() -> None:

@@ -1,11 +1,25 @@
 """NVFP4Trainer: TorchTitan 0.3's Trainer whose Config gains a `quantize` section (0.2's [quantize.linear.nvfp4]
-and [quantize.grouped_mm.nvfp4]), applied to the model config before the Trainer builds the model."""
+and [quantize.grouped_mm.nvfp4]), applied to the model config before the Trainer builds the model; after the
+build it attaches the per-step state of the NVFP4 Linears (the late BF16 switch, the activation amax windows),
+advanced by an optimizer step hook, and its checkpointed train_state carries the SR call counts and the windows
+(titan_nvfp4/train_state.py), so a resumed run continues bit for bit."""
 
+import functools
 from dataclasses import dataclass, field
 
+import torch
+from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from ..amax_history import AmaxHistory, layers_with_history, register_buffers, roll
+from ..distributed.fsdp_all_gather import precompute_scales, wrap_weight
+from ..schedule import PrecisionSchedule, StepCounter, switch_step
+from ..train_state import install
 from .converter import NVFP4GroupedMMConfigConverter, NVFP4LinearConfigConverter
+from .modules import TitanNVFP4Linear
+
+#: the model-part submodule that counts optimizer steps for the NVFP4 Linears (no tensors, no state-dict keys)
+LINEAR_STEPS = "nvfp4_linear_steps"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -33,17 +47,85 @@ def prepare_offline_data(config: Trainer.Config) -> None:
 
 
 def apply_quantize(config: Trainer.Config) -> None:
-    """Convert ``config.model_spec.model`` per ``config.quantize`` (in place; converting twice is a no-op)."""
+    """Convert ``config.model_spec.model`` per ``config.quantize`` (in place; converting twice is a no-op); with
+    fsdp_nvfp4_all_gather, the model's parallelize_fn first makes the NVFP4 weights gather as NVFP4."""
     spec = config.model_spec
     if spec is None:
         return
     for section in (config.quantize.linear, config.quantize.grouped_mm):
         if section.enable:
             spec.model = section.build().convert(spec.model)
+    linear = config.quantize.linear
+    if linear.enable and linear.fsdp_nvfp4_all_gather and not getattr(spec.parallelize_fn, "nvfp4_all_gather", False):
+        spec.parallelize_fn = with_nvfp4_all_gather(spec.parallelize_fn, linear.SECTION)
+
+
+def with_nvfp4_all_gather(parallelize_fn, section: str):
+    """``parallelize_fn`` that first wraps the NVFP4 Linears' weights for FSDP2's NVFP4 all-gather
+    (fsdp_all_gather.wrap_weight; before the model's fully_shard, as 0.2's converter does). It takes effect under
+    FSDP on the partial_dtensor backend without tensor parallelism; elsewhere under FSDP it stops naming the knob."""
+
+    @functools.wraps(parallelize_fn)
+    def parallelize(model, *, parallel_dims, parallelism, **kwargs):
+        key = f"[{section}] fsdp_nvfp4_all_gather"
+        if not parallel_dims.fsdp_enabled:
+            logger.info(f"NVFP4: {key} has no effect without FSDP (data_parallel_shard_degree = 1)")
+        elif parallelism.spmd_backend != "partial_dtensor" or parallel_dims.tp_enabled:
+            raise ValueError(f"{key} = true runs on parallelism.spmd_backend = partial_dtensor without tensor "
+                             f"parallelism in the TorchTitan 0.3 integration (got {parallelism.spmd_backend}, TP degree "
+                             f"{parallel_dims.tp}); set it there or turn the all-gather off")
+        else:
+            linears = [m for m in model.modules() if isinstance(m, TitanNVFP4Linear)]
+            for m in linears:
+                wrap_weight(m)
+            logger.info(f"NVFP4: FSDP2 all-gathers the weights of {len(linears)} Linear layers as NVFP4")
+        return parallelize_fn(model, parallel_dims=parallel_dims, parallelism=parallelism, **kwargs)
+
+    parallelize.nvfp4_all_gather = True
+    return parallelize
+
+
+def attach_linear_state(model_parts: list[torch.nn.Module], section: NVFP4LinearConfigConverter.Config,
+                        total_steps: int) -> list[StepCounter]:
+    """Give the NVFP4 Linears of the built ``model_parts`` what ``section`` asks for across steps: a StepCounter per
+    part (submodule LINEAR_STEPS) whose schedule switches them to high precision at bf16_after_fraction, and the
+    amax windows of activation_amax_history. Returns the counters (none when neither knob is on)."""
+    linears = [[m for m in part.modules() if isinstance(m, TitanNVFP4Linear)] for part in model_parts]
+    if section.activation_amax_history:
+        history = AmaxHistory(section.activation_amax_history)
+        for m in (m for ms in linears for m in ms):
+            register_buffers(m, history)
+        logger.info(f"NVFP4: X of {sum(map(len, linears))} Linear layers quantized with the max amax of the last "
+                    f"{history.length} optimizer steps (activation_amax_history)")
+    if not section.bf16_after_fraction:
+        return []
+    schedule = PrecisionSchedule(switch_step(section.bf16_after_fraction, total_steps))
+    counters = []
+    for part, ms in zip(model_parts, linears):
+        counter = StepCounter(schedule)
+        part.add_module(LINEAR_STEPS, counter)
+        for m in ms:
+            m.precision_schedule = schedule
+        counters.append(counter)
+    logger.info(f"NVFP4: Linear layers switch to high precision after optimizer step {schedule.switch_step} "
+                f"(bf16_after_fraction = {section.bf16_after_fraction} of {total_steps} steps)")
+    return counters
+
+
+def after_optimizer_step(model_parts: list[torch.nn.Module]) -> None:
+    """Push the step's activation amaxes into the windows, count the step (the late switch follows) and reduce the
+    NVFP4-gathered weights' tile amaxes for their next all-gathers in one all-reduce (fsdp_all_gather.py)."""
+    roll(layers_with_history(model_parts))
+    for part in model_parts:
+        precompute_scales(part)
+    for i, part in enumerate(model_parts):
+        counter = getattr(part, LINEAR_STEPS, None)
+        if isinstance(counter, StepCounter) and counter.step() and i == 0:
+            logger.info(f"NVFP4: Linear layers switched to high precision after optimizer step {counter.count}")
 
 
 class NVFP4Trainer(Trainer):
-    """Trainer with the `quantize` section; everything else is TorchTitan's."""
+    """Trainer with the `quantize` section and the NVFP4 per-step state; everything else is TorchTitan's."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -54,3 +136,11 @@ class NVFP4Trainer(Trainer):
         prepare_offline_data(config)
         apply_quantize(config)
         super().__init__(config)
+        if config.quantize.linear.enable:
+            attach_linear_state(self.model_parts, config.quantize.linear, config.training.steps)
+            linear = config.quantize.linear
+            if linear.bf16_after_fraction or linear.activation_amax_history or linear.fsdp_nvfp4_all_gather:
+                self.optimizers.register_step_post_hook(lambda *args, **kwargs: after_optimizer_step(self.model_parts))
+
+
+install(NVFP4Trainer)  # the SR call counts and amax windows in the checkpointed train_state
