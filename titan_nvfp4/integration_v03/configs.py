@@ -38,57 +38,6 @@ def nvfp4_quantize(experts: bool = False) -> QuantizeConfig:
     return QuantizeConfig(linear=NVFP4LinearConfigConverter.Config(enable=True), grouped_mm=grouped)
 
 
-def llama3_debug_bf16() -> NVFP4Trainer.Config:
-    """Llama3 debugmodel in BF16: the control arm of llama3_debug_nvfp4."""
-    return nvfp4_trainer_config(llama3_debugmodel(), QuantizeConfig())
-
-
-def llama3_debug_nvfp4() -> NVFP4Trainer.Config:
-    """Llama3 debugmodel with every block Linear in NVFP4 (nvidia_paper recipe; the LM head stays BF16)."""
-    return nvfp4_trainer_config(llama3_debugmodel(), nvfp4_quantize())
-
-
-def qwen3_debug_bf16() -> NVFP4Trainer.Config:
-    """Qwen3 dense debugmodel in BF16: the control arm of qwen3_debug_nvfp4."""
-    return nvfp4_trainer_config(qwen3_debugmodel(), QuantizeConfig())
-
-
-def qwen3_debug_nvfp4() -> NVFP4Trainer.Config:
-    """Qwen3 dense debugmodel with every block Linear in NVFP4 (nvidia_paper recipe; the LM head stays BF16)."""
-    return nvfp4_trainer_config(qwen3_debugmodel(), nvfp4_quantize())
-
-
-def qwen3_moe_debug_bf16() -> NVFP4Trainer.Config:
-    """Qwen3 MoE debug model in BF16: the control arm of qwen3_moe_debug_nvfp4."""
-    return nvfp4_trainer_config(qwen3_moe_debug(), QuantizeConfig())
-
-
-def qwen3_moe_debug_nvfp4() -> NVFP4Trainer.Config:
-    """Qwen3 MoE debug model with the block Linears and the routed experts in NVFP4 (router gates, LM head BF16)."""
-    return nvfp4_trainer_config(qwen3_moe_debug(), nvfp4_quantize(experts=True))
-
-
-def deepseek_v3_debug_bf16() -> NVFP4Trainer.Config:
-    """DeepSeek-V3 debug model in BF16: the control arm of deepseek_v3_debug_nvfp4."""
-    return nvfp4_trainer_config(deepseek_v3_debugmodel(), QuantizeConfig())
-
-
-def deepseek_v3_debug_nvfp4() -> NVFP4Trainer.Config:
-    """DeepSeek-V3 debug model with the block Linears and the routed experts in NVFP4 (router gates, shared experts
-    and LM head BF16)."""
-    return nvfp4_trainer_config(deepseek_v3_debugmodel(), nvfp4_quantize(experts=True))
-
-
-def gpt_oss_debug_bf16() -> NVFP4Trainer.Config:
-    """gpt-oss debug model in BF16: the control arm of gpt_oss_debug_nvfp4."""
-    return nvfp4_trainer_config(gpt_oss_debugmodel(), QuantizeConfig())
-
-
-def gpt_oss_debug_nvfp4() -> NVFP4Trainer.Config:
-    """gpt-oss debug model with the block Linears and the routed experts in NVFP4 (router gates, LM head BF16)."""
-    return nvfp4_trainer_config(gpt_oss_debugmodel(), nvfp4_quantize(experts=True))
-
-
 def flagship(base: Trainer.Config, quantize: QuantizeConfig) -> NVFP4Trainer.Config:
     """An upstream flagship config as ours: the offline corpus (its tokenizer's 2048 ids fit every flagship's
     vocabulary) and expert parallelism off (this integration does not shard experts across ranks yet)."""
@@ -97,42 +46,33 @@ def flagship(base: Trainer.Config, quantize: QuantizeConfig) -> NVFP4Trainer.Con
     return config
 
 
-def llama3_8b_bf16() -> NVFP4Trainer.Config:
-    """Llama3 8B in BF16: the control arm of llama3_8b_nvfp4."""
-    return flagship(llama3_8b(), QuantizeConfig())
+def _twins(name: str, upstream, what: str, experts: bool, make=nvfp4_trainer_config) -> None:
+    """Define ``<name>_bf16`` and ``<name>_nvfp4`` in this module: ``upstream()`` through ``make``, with the
+    Linears (and with ``experts`` the routed experts) in NVFP4 or everything BF16 (the control arm)."""
+    def bf16() -> NVFP4Trainer.Config:
+        return make(upstream(), QuantizeConfig())
+
+    def nvfp4() -> NVFP4Trainer.Config:
+        return make(upstream(), nvfp4_quantize(experts=experts))
+
+    kept = "router gates, any shared experts and the LM head BF16" if experts else "the LM head stays BF16"
+    parts = "block Linears and routed experts" if experts else "block Linears"
+    docs = {"bf16": f"{what} in BF16: the control arm of {name}_nvfp4 (upstream: {upstream.__name__}).",
+            "nvfp4": f"{what} with the {parts} in NVFP4, nvidia_paper recipe ({kept}; upstream: {upstream.__name__})."}
+    for suffix, fn in (("bf16", bf16), ("nvfp4", nvfp4)):
+        fn.__name__ = fn.__qualname__ = f"{name}_{suffix}"
+        fn.__doc__ = docs[suffix]
+        globals()[fn.__name__] = fn
 
 
-def llama3_8b_nvfp4() -> NVFP4Trainer.Config:
-    """Llama3 8B with every block Linear in NVFP4 (160: 32 blocks of wqkv, wo, w1, w2, w3; the LM head stays BF16)."""
-    return flagship(llama3_8b(), nvfp4_quantize())
-
-
-def qwen3_30b_a3b_bf16() -> NVFP4Trainer.Config:
-    """Qwen3 30B-A3B (MoE) in BF16: the control arm of qwen3_30b_a3b_nvfp4."""
-    return flagship(qwen3_30b_a3b(), QuantizeConfig())
-
-
-def qwen3_30b_a3b_nvfp4() -> NVFP4Trainer.Config:
-    """Qwen3 30B-A3B with the block Linears and the routed experts in NVFP4 (router gates, LM head BF16)."""
-    return flagship(qwen3_30b_a3b(), nvfp4_quantize(experts=True))
-
-
-def deepseek_v3_16b_bf16() -> NVFP4Trainer.Config:
-    """DeepSeek-V3 16B (MoE) in BF16, expert parallelism off (upstream: 8): the control arm of deepseek_v3_16b_nvfp4."""
-    return flagship(deepseek_v3_16b(), QuantizeConfig())
-
-
-def deepseek_v3_16b_nvfp4() -> NVFP4Trainer.Config:
-    """DeepSeek-V3 16B with the block Linears and the routed experts in NVFP4 (router gates, shared experts and LM
-    head BF16), expert parallelism off."""
-    return flagship(deepseek_v3_16b(), nvfp4_quantize(experts=True))
-
-
-def gpt_oss_20b_bf16() -> NVFP4Trainer.Config:
-    """gpt-oss 20B (MoE) in BF16: the control arm of gpt_oss_20b_nvfp4."""
-    return flagship(gpt_oss_20b(), QuantizeConfig())
-
-
-def gpt_oss_20b_nvfp4() -> NVFP4Trainer.Config:
-    """gpt-oss 20B with the block Linears and the routed experts in NVFP4 (router gates, LM head BF16)."""
-    return flagship(gpt_oss_20b(), nvfp4_quantize(experts=True))
+_twins("llama3_debug", llama3_debugmodel, "Llama3 debugmodel", experts=False)
+_twins("qwen3_debug", qwen3_debugmodel, "Qwen3 dense debugmodel", experts=False)
+_twins("qwen3_moe_debug", qwen3_moe_debug, "Qwen3 MoE debug model", experts=True)
+_twins("deepseek_v3_debug", deepseek_v3_debugmodel, "DeepSeek-V3 debug model", experts=True)
+_twins("gpt_oss_debug", gpt_oss_debugmodel, "gpt-oss debug model", experts=True)
+# one flagship per family
+_twins("llama3_8b", llama3_8b, "Llama3 8B", experts=False, make=flagship)
+_twins("qwen3_30b_a3b", qwen3_30b_a3b, "Qwen3 30B-A3B (MoE)", experts=True, make=flagship)
+_twins("deepseek_v3_16b", deepseek_v3_16b, "DeepSeek-V3 16B (MoE), expert parallelism off (upstream: 8),",
+       experts=True, make=flagship)
+_twins("gpt_oss_20b", gpt_oss_20b, "gpt-oss 20B (MoE)", experts=True, make=flagship)
