@@ -133,23 +133,26 @@ def test_a_stopped_arm_resumes_from_its_checkpoint(tmp_path, capsys):
     assert "from step 1," in (tmp_path / "out/nvfp4.log").read_text().split("--checkpoint.enable")[-1]
 
 
-def test_a_timeout_stops_the_arms_whole_process_group(tmp_path, capsys):
+def _stops(pid: int, within_s: float = 10) -> bool:
+    """Whether process ``pid`` is gone within ``within_s`` (a zombie, with no init reaping it here, counts)."""
     import time
 
-    arms = ARMS.replace('"--stub.offset", "0.2"', '"--stub.offset", "0.2", "--stub.child", "--stub.sleep", "0.2"')
-    assert compare.main([str(_spec(tmp_path, arms)), "--only", "nvfp4", "--timeout-s", "2"]) == 1
-    assert "nvfp4: exit 124" in capsys.readouterr().out
-    pid = int((tmp_path / "out/nvfp4/child.pid").read_text())
-
-    def alive() -> bool:  # a zombie (no init reaping it here) counts as stopped
+    def alive() -> bool:
         try:
             return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
         except FileNotFoundError:
             return False
-    deadline = time.time() + 10
+    deadline = time.time() + within_s
     while alive() and time.time() < deadline:
         time.sleep(0.1)
-    assert not alive()
+    return not alive()
+
+
+def test_a_timeout_stops_the_arms_whole_process_group(tmp_path, capsys):
+    arms = ARMS.replace('"--stub.offset", "0.2"', '"--stub.offset", "0.2", "--stub.child", "--stub.sleep", "0.2"')
+    assert compare.main([str(_spec(tmp_path, arms)), "--only", "nvfp4", "--timeout-s", "2"]) == 1
+    assert "nvfp4: exit 124" in capsys.readouterr().out
+    assert _stops(int((tmp_path / "out/nvfp4/child.pid").read_text()))
 
 
 @pytest.mark.parametrize("extra,arms,needles", [
@@ -186,3 +189,26 @@ def test_shipped_spec_parses(monkeypatch):
     cmd = spec.command(spec.arms[2])
     assert cmd[-2:] == ["--quantize.linear.nvfp4.rht", "False"] and "--job.dump_folder" in cmd
     assert "--compile.enable" in cmd and spec.env(spec.arms[2])["TORCHINDUCTOR_CUDAGRAPHS"] == "1"  # the fastest mode
+
+
+def test_stopping_the_runner_stops_the_running_arms(tmp_path):
+    """SIGTERM to the runner (as a device call's limit or Ctrl-C would stop it) also stops the arm it runs: the arm
+    leads its own process group, so the runner takes it down itself."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    arms = ARMS.replace('"--stub.offset", "0.2"', '"--stub.offset", "0.2", "--stub.child", "--stub.sleep", "0.5"')
+    runner = subprocess.Popen([sys.executable, "-m", "titan_nvfp4.compare", str(_spec(tmp_path, arms)), "--only",
+                               "nvfp4"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    pid_file = tmp_path / "out/nvfp4/child.pid"
+    deadline = time.time() + 60
+    while not pid_file.is_file() and time.time() < deadline:
+        time.sleep(0.1)
+    pid = int(pid_file.read_text())
+    runner.send_signal(signal.SIGTERM)
+    runner.wait(timeout=60)
+    assert runner.returncode != 0
+
+    assert _stops(pid)

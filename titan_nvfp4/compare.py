@@ -55,6 +55,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 try:
     import tomllib
@@ -272,17 +273,24 @@ def run_arm(spec: Spec, arm: Arm, index: int, gpu: str | None = None) -> int:
         log.write("# " + " ".join([*(f"{k}={v}" for k, v in extra.items()), *spec.command(arm)]) + "\n")
         log.flush()
         proc = subprocess.Popen(spec.command(arm), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        _LIVE.add(proc)
         try:
             rc = proc.wait(timeout=spec.timeout_s or None)
         except subprocess.TimeoutExpired:
             _stop_group(proc)
             rc = 124
+        finally:
+            _LIVE.discard(proc)
     steps = arm_metrics(spec, arm)
     last = f"step {steps[-1].step}, loss {steps[-1].loss:.4f}" if steps else "no metric lines"
     where = f" on GPU {gpu}" if gpu is not None else ""
     print(f"[{index}/{len(spec.arms)}] {arm.name}{where}: exit {rc} in {time.time() - start:.0f} s"
           f"{' (resumed)' if resume else ''}, {last}", flush=True)
     return rc
+
+
+#: the arms' processes running now (each leads its own process group: a signal to the runner does not reach them)
+_LIVE: set[subprocess.Popen] = set()
 
 
 def _stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
@@ -336,8 +344,23 @@ def run_arms(spec: Spec, todo: list[tuple[int, Arm]]) -> list[str]:
         finally:
             slots.put(gpu)
 
-    with ThreadPoolExecutor(max_workers=spec.parallel) as pool:
-        return [name for name, rc in pool.map(one, todo) if rc]
+    import signal
+
+    def stop(signum, frame):  # SIGTERM to the runner: stop like Ctrl-C, below
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, stop) if threading.current_thread() is threading.main_thread() else None
+    try:
+        with ThreadPoolExecutor(max_workers=spec.parallel) as pool:
+            try:
+                return [name for name, rc in pool.map(one, todo) if rc]
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the arms' process groups go down with the runner
+                for proc in list(_LIVE):
+                    _stop_group(proc, grace_s=10)
+                raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def report(spec: Spec) -> str:
