@@ -136,9 +136,13 @@ class NVFP4Trainer(Trainer):
         prepare_offline_data(config)
         apply_quantize(config)
         super().__init__(config)
-        if config.quantize.linear.enable:
-            attach_linear_state(self.model_parts, config.quantize.linear, config.training.steps)
-            linear = config.quantize.linear
+        linear = config.quantize.linear
+        if linear.enable:
+            if linear.activation_amax_history and self.parallel_dims.pp_enabled:  # as 0.2's converter refuses it
+                raise ValueError(f"[{linear.SECTION}] activation_amax_history = {linear.activation_amax_history} is not "
+                                 "supported with pipeline parallelism: its one all-reduce per step needs the same "
+                                 "layers on every rank; set it to 0")
+            attach_linear_state(self.model_parts, linear, config.training.steps)
             if linear.bf16_after_fraction or linear.activation_amax_history or linear.fsdp_nvfp4_all_gather:
                 self.optimizers.register_step_post_hook(lambda *args, **kwargs: after_optimizer_step(self.model_parts))
 
