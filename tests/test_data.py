@@ -247,6 +247,26 @@ def test_head_keeps_leading_documents_up_to_a_token_count(built, tok, splits, tm
         head(src, tmp_path / "all.jsonl", sum(counts) + 1, built.path)
 
 
+def test_memorize_split_is_the_head_of_train_and_a_registered_dataset(built, tok, splits, monkeypatch):
+    """pystdlib_memorize: the leading train documents up to the token count, written once next to the split, and
+    a TorchTitan dataset that reads them (the real count is 1M tokens; 30k here)."""
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    from titan_nvfp4.data import registry
+
+    f = registry.memorize_split(built.path, tokens=30_000)
+    assert f.name == "memorize_30000.jsonl" and f.parent == built.path
+    docs = read_jsonl(f)
+    assert docs == splits.train[:len(docs)]
+    counts = [len(tok.encode(d, add_bos=True, add_eos=True)) for d in docs]
+    assert sum(counts[:-1]) < 30_000 <= sum(counts)
+    stamp = f.stat().st_mtime_ns
+    assert registry.memorize_split(built.path, tokens=30_000) == f and f.stat().st_mtime_ns == stamp  # kept
+    monkeypatch.setattr(registry.memorize_split, "__defaults__", (30_000,))
+    ds = DATASETS[registry.MEMORIZE_NAME]
+    assert ds.path == str(built.path) and ds.loader(ds.path)["text"] == docs
+
+
 def test_ensure_assets_reuses_and_detects_stale(built, tmp_path):
     before = (built.path / "manifest.json").read_bytes()
     t0 = time.perf_counter()

@@ -42,8 +42,8 @@ def prepare(path: str | os.PathLike | None = None, force: bool = False) -> Path:
     data_dir = ensure_assets(path, force=force)
     register_datasets(data_dir)
     logger.info(
-        "Offline corpus and tokenizer ready in %s (%.1f s); datasets 'pystdlib' and "
-        "'pystdlib_validation' registered",
+        "Offline corpus and tokenizer ready in %s (%.1f s); datasets 'pystdlib', "
+        "'pystdlib_validation' and 'pystdlib_memorize' registered",
         data_dir,
         time.perf_counter() - t0,
     )

@@ -1,5 +1,10 @@
-"""Registration of the offline corpora as TorchTitan datasets (``pystdlib`` and ``pystdlib_validation`` here;
-``pysources`` and ``pysources_validation`` through ``register_splits``, see ``pysources.py``).
+"""Registration of the offline corpora as TorchTitan datasets (``pystdlib``, ``pystdlib_validation`` and
+``pystdlib_memorize`` here; ``pysources`` and ``pysources_validation`` through ``register_splits``, see
+``pysources.py``).
+
+``pystdlib_memorize`` is the leading documents of the shuffled pystdlib train split up to MEMORIZE_TOKENS
+tokens (``variants.head``): a fixed corpus the debug models learn by heart within 10,000 steps, the regime where
+a gap between NVFP4 and BF16 can show (issue 45). It is written next to the split on first use.
 
 TorchTitan looks datasets up by name in ``torchtitan.hf_datasets.text_datasets.DATASETS``; each entry
 gives a default path, a loader ``path -> datasets.Dataset`` and a per-sample text extractor. Our
@@ -23,6 +28,8 @@ logger = logging.getLogger(__name__)
 TRAIN_NAME = "pystdlib"
 VALIDATION_NAME = "pystdlib_validation"
 _SPLIT_FILES = {TRAIN_NAME: "train.jsonl", VALIDATION_NAME: "validation.jsonl"}
+MEMORIZE_NAME = "pystdlib_memorize"
+MEMORIZE_TOKENS = 1_000_000  # about the size of TorchTitan's small c4_test set
 
 
 def split_file(
@@ -61,6 +68,32 @@ def load_split(
     return load_dataset("json", data_files=str(f), split="train")
 
 
+def memorize_split(path: str | os.PathLike, tokens: int = MEMORIZE_TOKENS) -> Path:
+    """``<path>/memorize_<tokens>.jsonl``, the leading train documents up to ``tokens`` tokens of the corpus's own
+    tokenizer, written on first use (whole, by an atomic rename: ranks that start together write the same bytes);
+    a file path is taken as it is."""
+    from .variants import head
+
+    p = Path(path)
+    if p.is_file():
+        return p
+    f = p / f"memorize_{tokens}.jsonl"
+    if not f.is_file():
+        train = split_file(p, _SPLIT_FILES[TRAIN_NAME])  # builds the pystdlib assets when missing
+        tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
+        _, docs, total = head(train, tmp, tokens, p)
+        os.replace(tmp, f)
+        logger.info("Wrote %s: %d documents, %d tokens", f, docs, total)
+    return f
+
+
+def load_memorize(path: str):
+    """The memorize split (``memorize_split``) as a map-style ``datasets.Dataset``."""
+    from datasets import load_dataset
+
+    return load_dataset("json", data_files=str(memorize_split(path)), split="train")
+
+
 def sample_text(sample: dict[str, Any]) -> str:
     """The text of one JSONL record (TorchTitan's per-sample processor)."""
     return sample["text"]
@@ -88,3 +121,7 @@ def register_datasets(data_dir: str | os.PathLike | None = None) -> None:
     """Add (or refresh) ``pystdlib`` / ``pystdlib_validation`` in TorchTitan's dataset table; idempotent."""
     path = str(Path(os.path.abspath(data_dir)) if data_dir is not None else default_data_dir())
     register_splits(_SPLIT_FILES, path)
+    from torchtitan.hf_datasets import DatasetConfig
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    DATASETS[MEMORIZE_NAME] = DatasetConfig(path=path, loader=load_memorize, sample_processor=sample_text)
