@@ -14,9 +14,11 @@ import time
 from pathlib import Path
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--job.config_file", dest="config", required=True)
+ap.add_argument("--job.config_file", dest="config")
+ap.add_argument("--module")  # TorchTitan 0.3: --module M --config NAME, --dump_folder
+ap.add_argument("--config", dest="config")
 ap.add_argument("--training.steps", dest="steps", type=int, required=True)
-ap.add_argument("--job.dump_folder", dest="dump", required=True)
+ap.add_argument("--job.dump_folder", "--dump_folder", dest="dump", required=True)
 ap.add_argument("--metrics.log_freq", dest="freq", type=int, default=1)
 ap.add_argument("--metrics.enable_tensorboard", dest="tb", action="store_true")
 ap.add_argument("--compile.enable", dest="compile", action="store_true")
@@ -35,7 +37,7 @@ if args.child:
     (dump / "child.pid").write_text(str(child.pid))
 ckpts = sorted(int(p.name[5:]) for p in (dump / "checkpoint").glob("step-*")) if args.ckpt else []
 first = ckpts[-1] + 1 if ckpts else 1
-print(f"[titan] INFO - Starting job from {args.config}, compile {args.compile}, "
+print(f"[titan] INFO - Starting job from {args.config} (module {args.module}), compile {args.compile}, "
       f"TORCHINDUCTOR_CUDAGRAPHS={os.environ.get('TORCHINDUCTOR_CUDAGRAPHS')}, "
       f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}, from step {first}, at {time.time():.3f}", flush=True)
 writer = None

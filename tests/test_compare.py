@@ -155,6 +155,23 @@ def test_a_timeout_stops_the_arms_whole_process_group(tmp_path, capsys):
     assert _stops(int((tmp_path / "out/nvfp4/child.pid").read_text()))
 
 
+def test_a_torchtitan03_spec_names_configs_of_a_module(tmp_path):
+    """module = ...: base and the arms' bases are config names (no job files), each arm runs --module M --config C
+    with the top-level --dump_folder of TorchTitan 0.3."""
+    arms = '[[arm]]\nname = "bf16"\nbase = "llama3_debug_bf16"\n[[arm]]\nname = "nvfp4"\noverrides = ["--stub.offset", "0.2"]\n'
+    spec = _spec(tmp_path, arms, 'module = "titan_nvfp4.integration_v03.configs"').read_text()
+    (tmp_path / "spec.toml").write_text(spec.replace(str(REPO / "train_configs/llama3_nvfp4.toml"), "llama3_debug_nvfp4"))
+    s = compare.load_spec(tmp_path / "spec.toml")
+    cmd = s.command(s.arms[0])
+    assert cmd[2:8] == ["--module", "titan_nvfp4.integration_v03.configs", "--config", "llama3_debug_bf16",
+                        "--training.steps", "40"]
+    assert cmd[8:10] == ["--dump_folder", str(tmp_path / "out/bf16")] and "--job.config_file" not in cmd
+    assert compare.main([str(tmp_path / "spec.toml")]) == 0
+    assert "Starting job from llama3_debug_nvfp4 (module titan_nvfp4.integration_v03.configs)" in \
+        (tmp_path / "out/nvfp4.log").read_text()
+    assert "+0.2000 ± 0.0000" in (tmp_path / "out/compare.md").read_text()
+
+
 @pytest.mark.parametrize("extra,arms,needles", [
     ("stepz = 3", ARMS, ["stepz", "unknown [compare] keys"]),
     ("", ARMS.replace('name = "half_way"', 'name = "bf16"'), ["'bf16'", "unique"]),
@@ -164,10 +181,11 @@ def test_a_timeout_stops_the_arms_whole_process_group(tmp_path, capsys):
     ("", ARMS + '[[arm]]\nname = "x"\nbase = "nope.toml"', ["'x'", "nope.toml"]),
     ('mode = "cudagraphs"', ARMS, ["[compare] mode", "'cudagraphs'", "'compile+cudagraphs'", "'eager'"]),
     ("parallel = 0", ARMS, ["[compare] parallel", ">= 1", "0"]),
+    ("module = 3", ARMS, ["[compare] module must be a string"]),
     ('checkpoint_interval = "10"', ARMS, ["[compare] checkpoint_interval", "'10'"]),
     ("", ARMS.replace('mode = "eager"', 'mode = "fast"'), ["arm 'half_way' mode", "'fast'"]),
 ], ids=["unknown_key", "duplicate_arm", "one_arm", "override_not_string", "unknown_arm_key", "missing_base", "bad_mode",
-        "bad_arm_mode", "parallel_zero", "interval_not_int"])
+        "bad_arm_mode", "parallel_zero", "module_not_string", "interval_not_int"])
 def test_bad_specs_are_refused_by_key(tmp_path, extra, arms, needles):
     with pytest.raises(ValueError) as e:
         compare.load_spec(_spec(tmp_path, arms, extra))

@@ -741,3 +741,20 @@ def test_nvfp4_all_gather_outside_its_backend_stops_naming_the_knob():
     assert not calls
     fn(model, parallel_dims=SimpleNamespace(fsdp_enabled=False), parallelism=SimpleNamespace(spmd_backend="spmd_types"))
     assert calls == [model] and not isinstance(model[0].weight, NVFP4ShardedWeight)
+
+
+def test_comparison_spec_arms_parse_through_the_03_config_manager(tmp_path):
+    """The comparison runner on 0.3 (`module = ...`): every arm's command parses through 0.3's ConfigManager before
+    anything trains, and a misspelt override stops it naming the arm."""
+    from titan_nvfp4 import compare
+
+    spec = tmp_path / "spec.toml"
+    arms = ('[[arm]]\nname = "bf16"\nbase = "llama3_debug_bf16"\n[[arm]]\nname = "nvfp4"\n'
+            '[[arm]]\nname = "no_sr"\noverrides = ["--quantize.linear.stochastic_rounding", "False"]\n')
+    spec.write_text(f'[compare]\nmodule = "{MODULE}"\nbase = "llama3_debug_nvfp4"\nsteps = 10\nout = "{tmp_path}/out"\n'
+                    f'checkpoint_interval = 5\n{arms}')
+    s = compare.load_spec(spec)
+    compare.check_arm_args(s, str(spec))
+    spec.write_text(spec.read_text().replace("stochastic_rounding", "stochastic_roundin"))
+    with pytest.raises(ValueError, match="arm 'no_sr': TorchTitan rejects its arguments"):
+        compare.check_arm_args(compare.load_spec(spec), str(spec))

@@ -21,6 +21,7 @@ The spec (TOML):
     mode = "compile+cudagraphs"                # the default; or "compile", or "eager" (an arm may set its own)
     parallel = 1                               # arms at once, each on its own GPU (arm slot i on GPU i % GPUs)
     checkpoint_interval = 0                    # > 0: checkpoint every N steps; running the spec again resumes
+    module = ""                                # TorchTitan 0.3: the config registry; base names are its configs
 
     [[arm]]
     name = "bf16"
@@ -40,6 +41,9 @@ GPU count (several slots may share a GPU). With ``checkpoint_interval = N`` each
 under its dump folder (TorchTitan's DCP: model, optimizer, schedule, data position), and an arm stopped
 before ``steps`` (``timeout_s``, a lost machine) resumes from its latest checkpoint when the spec runs again,
 its log continued; later log lines for a step win. ``timeout_s`` stops an arm's whole process group.
+
+TorchTitan 0.3 (a config registry instead of job files): ``module = "titan_nvfp4.integration_v03.configs"``, and
+each ``base`` names a config of it (``base = "llama3_debug_nvfp4"``); an arm runs ``--module M --config BASE``.
 
 An arm whose log already reached ``steps`` is not run again unless ``--rerun`` (``--only`` picks arms). Losses
 come from the arm's log (TorchTitan's metric lines, tools/loss_log.py); when the log has none (a job
@@ -71,7 +75,7 @@ from .tools.loss_log import (StepMetrics, parse_log, parse_validation, summarize
 
 DEFAULT_LAUNCHER = ("torchrun", "--standalone", "--nproc_per_node=1", "-m", "torchtitan.train")
 _KEYS = {"base", "steps", "out", "last", "baseline", "reference", "common", "launcher", "timeout_s", "wandb_offline",
-         "mode", "parallel", "checkpoint_interval"}
+         "mode", "parallel", "checkpoint_interval", "module"}
 # mode -> (TorchTitan flags, TORCHINDUCTOR_CUDAGRAPHS)
 MODES = {"compile+cudagraphs": (("--compile.enable",), "1"), "compile": (("--compile.enable",), "0"), "eager": ((), "0")}
 DEFAULT_MODE = "compile+cudagraphs"
@@ -81,7 +85,7 @@ DEFAULT_MODE = "compile+cudagraphs"
 class Arm:
     name: str
     overrides: list[str] = field(default_factory=list)
-    base: Path | None = None  # the spec's base when None
+    base: Path | None = None  # the spec's base when None (a config name under a module)
     mode: str | None = None   # the spec's mode when None
 
 
@@ -101,6 +105,7 @@ class Spec:
     mode: str = DEFAULT_MODE
     parallel: int = 1
     checkpoint_interval: int = 0
+    module: str = ""
 
     def arm_mode(self, arm: Arm) -> str:
         return arm.mode or self.mode
@@ -118,9 +123,11 @@ class Spec:
     def command(self, arm: Arm) -> list[str]:
         ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(self.checkpoint_interval),
                 "--checkpoint.keep_latest_k", "2"] if self.checkpoint_interval else []
-        return [*self.launcher, "--job.config_file", str(arm.base or self.base), "--training.steps", str(self.steps),
-                "--job.dump_folder", str(self.out / arm.name), *MODES[self.arm_mode(arm)][0], *ckpt, *self.common,
-                *arm.overrides]
+        base = str(arm.base or self.base)
+        job = (["--module", self.module, "--config", base] if self.module else ["--job.config_file", base])
+        dump = "--dump_folder" if self.module else "--job.dump_folder"  # 0.3 moved it to the top level
+        return [*self.launcher, *job, "--training.steps", str(self.steps), dump, str(self.out / arm.name),
+                *MODES[self.arm_mode(arm)][0], *ckpt, *self.common, *arm.overrides]
 
 
 def _str_list(value, where: str) -> list[str]:
@@ -164,7 +171,7 @@ def load_spec(path: Path) -> Spec:
     for key in ("base", "steps"):
         if key not in top:
             raise ValueError(f"{where}: [compare] {key} is required")
-    for key in ("base", "out", "baseline", "reference"):
+    for key in ("base", "out", "baseline", "reference", "module"):
         if key in top and not isinstance(top[key], str):
             raise ValueError(f"{where}: [compare] {key} must be a string, got {top[key]!r}")
     steps = top["steps"]
@@ -188,7 +195,7 @@ def load_spec(path: Path) -> Spec:
         if "base" in a and not isinstance(a["base"], str):
             raise ValueError(f"{where}: arm {a['name']!r} base must be a string (a job file path), got {a['base']!r}")
         arm_base = Path(a["base"]) if "base" in a else None
-        if arm_base is not None and not arm_base.is_file():
+        if arm_base is not None and not top.get("module") and not arm_base.is_file():
             raise ValueError(f"{where}: arm {a['name']!r} base = {str(arm_base)!r}: no such job file (paths are relative to the current directory)")
         arms.append(Arm(a["name"], _str_list(a.get("overrides", []), f"{where}: arm {a['name']!r} overrides"), arm_base,
                         _mode(a.get("mode"), f"{where}: arm {a['name']!r} mode") if "mode" in a else None))
@@ -201,7 +208,7 @@ def load_spec(path: Path) -> Spec:
     if top.get("reference") and top["reference"] == (top.get("baseline") or names[0]):
         raise ValueError(f"{where}: [compare] reference = {top['reference']!r} is the baseline arm: the gap needs two arms")
     base = Path(top["base"])
-    if not base.is_file():
+    if not top.get("module") and not base.is_file():
         raise ValueError(f"{where}: [compare] base = {str(base)!r}: " + ("a folder, not a job file" if base.is_dir() else
                          "no such job file (paths are relative to the current directory)"))
     timeout = top.get("timeout_s", 0)
@@ -218,7 +225,7 @@ def load_spec(path: Path) -> Spec:
                 timeout_s=timeout, wandb_offline=top.get("wandb_offline", False),
                 mode=_mode(top.get("mode", DEFAULT_MODE), f"{where}: [compare] mode"),
                 parallel=_count(top, "parallel", 1, 1, where),
-                checkpoint_interval=_count(top, "checkpoint_interval", 0, 0, where))
+                checkpoint_interval=_count(top, "checkpoint_interval", 0, 0, where), module=top.get("module", ""))
 
 
 def check_arm_args(spec: Spec, where: str, arms: list[Arm] | None = None) -> None:
