@@ -36,11 +36,11 @@ class QuantizeConfig:
 
 def prepare_offline_data(config: Trainer.Config) -> None:
     """Build (when missing) and register the offline pystdlib corpus at hf_assets_path if the job reads it."""
-    from ..data.registry import TRAIN_NAME, VALIDATION_NAME
+    from ..data.registry import MEMORIZE_NAME, TRAIN_NAME, VALIDATION_NAME
 
     names = {getattr(config.dataloader, "dataset", None),
              getattr(getattr(config.validator, "dataloader", None), "dataset", None)}
-    if names & {TRAIN_NAME, VALIDATION_NAME}:
+    if names & {TRAIN_NAME, VALIDATION_NAME, MEMORIZE_NAME}:
         from ..data.prepare import prepare
 
         prepare(config.hf_assets_path)
