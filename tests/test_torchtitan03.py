@@ -699,7 +699,7 @@ def _fsdp_gather_worker(rank, world, out, tmp_path):
             with torch.no_grad():
                 for p in model.parameters():
                     p -= 0.05 * p.grad
-            after_optimizer_step([model])
+            after_optimizer_step([model], nvfp4_gather=gather)
         if rank == 0:
             out["nvfp4" if gather else "bf16"] = dict(grads=grads, wrapped=wrapped, traffic=TRAFFIC.take())
 

@@ -142,7 +142,7 @@ def _mode(value, where: str) -> str:
     return value
 
 
-def _count(top: dict, key: str, default: int, low: int, where: str) -> int:
+def _count(top: dict, key: str, default: int | None, low: int, where: str) -> int:
     value = top.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{where}: [compare] {key} must be an integer >= {low}, got {value!r}")
@@ -174,12 +174,7 @@ def load_spec(path: Path) -> Spec:
     for key in ("base", "out", "baseline", "reference", "module"):
         if key in top and not isinstance(top[key], str):
             raise ValueError(f"{where}: [compare] {key} must be a string, got {top[key]!r}")
-    steps = top["steps"]
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"{where}: [compare] steps must be a positive integer, got {steps!r}")
-    last = top.get("last", 20)
-    if isinstance(last, bool) or not isinstance(last, int) or last < 1:
-        raise ValueError(f"{where}: [compare] last must be a positive integer, got {last!r}")
+    steps, last = _count(top, "steps", None, 1, where), _count(top, "last", 20, 1, where)
     if not isinstance(raw.get("arm", []), list):
         raise ValueError(f"{where}: arms are [[arm]] tables (an array of tables), got a single [arm] table")
     arms = []

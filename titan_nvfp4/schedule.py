@@ -15,6 +15,10 @@ from __future__ import annotations
 from torch import nn
 
 
+#: the StepCounter submodules of the NVFP4 Linears' and the experts' converters (no tensors, no state-dict keys)
+LINEAR_STEPS, GROUPED_STEPS = "nvfp4_linear_steps", "nvfp4_grouped_steps"
+
+
 class PrecisionSchedule:
     """Whether the NVFP4 modules sharing it compute in high precision now: from optimizer step
     ``switch_step`` on (None: never)."""
@@ -62,4 +66,21 @@ class StepCounter(nn.Module):
         return f"count={self.count}, switch_step={self.schedule.switch_step}"
 
 
-__all__ = ["PrecisionSchedule", "StepCounter", "switch_step"]
+def attach_step_counter(part: nn.Module, name: str, modules: list[nn.Module], schedule: PrecisionSchedule) -> StepCounter:
+    """Add a StepCounter following ``schedule`` as submodule ``name`` of ``part`` (a model, or a pipeline stage)
+    and share the schedule with ``modules``."""
+    counter = StepCounter(schedule)
+    part.add_module(name, counter)
+    for m in modules:
+        m.precision_schedule = schedule
+    return counter
+
+
+def step_counters(model: nn.Module | list[nn.Module], name: str) -> list[tuple[nn.Module, StepCounter]]:
+    """(part, its StepCounter ``name``) for ``model`` or each model part holding one (pipeline stages
+    hold a copy each)."""
+    parts = model if isinstance(model, list) else [model]
+    return [(p, c) for p in parts if isinstance(c := getattr(p, name, None), StepCounter)]
+
+
+__all__ = ["GROUPED_STEPS", "LINEAR_STEPS", "PrecisionSchedule", "StepCounter", "attach_step_counter", "step_counters", "switch_step"]

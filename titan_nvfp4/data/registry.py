@@ -61,9 +61,12 @@ def load_split(
     corpus_name: str = TRAIN_NAME,
 ):
     """Load one split as a map-style ``datasets.Dataset`` with a single ``text`` column."""
+    return _load_jsonl(split_file(path, split_filename, ensure, corpus_name))
+
+
+def _load_jsonl(f: Path):
     from datasets import load_dataset
 
-    f = split_file(path, split_filename, ensure, corpus_name)
     logger.info("Loading %s", f)
     return load_dataset("json", data_files=str(f), split="train")
 
@@ -89,9 +92,7 @@ def memorize_split(path: str | os.PathLike, tokens: int = MEMORIZE_TOKENS) -> Pa
 
 def load_memorize(path: str):
     """The memorize split (``memorize_split``) as a map-style ``datasets.Dataset``."""
-    from datasets import load_dataset
-
-    return load_dataset("json", data_files=str(memorize_split(path)), split="train")
+    return _load_jsonl(memorize_split(path))
 
 
 def sample_text(sample: dict[str, Any]) -> str:

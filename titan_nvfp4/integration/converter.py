@@ -23,12 +23,12 @@ from ..layer_selection import check_block_counts, skip_reason
 from ..nvfp4_linear import NVFP4Linear, check_linear_dims
 from ..ops.backends import resolve_backend
 from ..recipe import NVFP4Recipe
-from ..schedule import PrecisionSchedule, StepCounter, switch_step
+from ..schedule import (GROUPED_STEPS, LINEAR_STEPS, PrecisionSchedule, StepCounter, attach_step_counter,
+                        step_counters, switch_step)
 from ..telemetry import Telemetry, install_metrics_hook
 
 CONVERTER_NAME = "quantize.linear.nvfp4"
 GROUPED_CONVERTER_NAME = "quantize.grouped_mm.nvfp4"
-LINEAR_STEPS, GROUPED_STEPS = "nvfp4_linear_steps", "nvfp4_grouped_steps"  # StepCounter submodules
 
 
 def require_listed_once(job_config: JobConfig, name: str) -> None:
@@ -78,24 +78,6 @@ def warn_unmatched(section: str, key: str, patterns: list[str], fqns: list[str],
     for p in patterns:
         if p not in expected and not any(p in f for f in fqns):
             logger.warning(f"[{section}] {key} pattern {p!r} matches no {what} of the model (a typo?): it has no effect")
-
-
-def attach_step_counter(model: nn.Module, name: str, converted: list[str], bf16_after_fraction: float,
-                        total_steps: int) -> StepCounter:
-    """Add a StepCounter as submodule ``name`` of ``model`` and share its precision schedule with the
-    modules at the ``converted`` fqns."""
-    counter = StepCounter(PrecisionSchedule(switch_step(bf16_after_fraction, total_steps)))
-    model.add_module(name, counter)
-    for fqn in converted:
-        model.get_submodule(fqn).precision_schedule = counter.schedule
-    return counter
-
-
-def step_counters(model: nn.Module | list[nn.Module], name: str) -> list[tuple[nn.Module, StepCounter]]:
-    """(part, its StepCounter ``name``) for ``model`` or each model part holding one (pipeline stages
-    hold a copy each)."""
-    parts = model if isinstance(model, list) else [model]
-    return [(p, c) for p in parts if isinstance(c := getattr(p, name, None), StepCounter)]
 
 
 def convert_linears(model: nn.Module, recipe: NVFP4Recipe, filter_fqns: list[str], lora_rank: int = 0,
@@ -194,8 +176,8 @@ class NVFP4LinearConverter(QuantizationConverter):
             logger.info(f"NVFP4: X of {len(report['converted'])} Linear layers quantized with the max amax of the "
                         f"last {self.amax_history} optimizer steps (activation_amax_history)")
         if self.bf16_after_fraction or self.lora_refresh_steps or self.telemetry_every:
-            c = attach_step_counter(model, LINEAR_STEPS, report["converted"], self.bf16_after_fraction,
-                                    self.total_steps)
+            c = attach_step_counter(model, LINEAR_STEPS, [model.get_submodule(f) for f in report["converted"]],
+                                    PrecisionSchedule(switch_step(self.bf16_after_fraction, self.total_steps)))
             log_switch_plan("Linear layers", c, self.bf16_after_fraction, self.total_steps)
             if self.telemetry_every:
                 attach_telemetry(model, report["converted"], self.telemetry_every, c, "Linear layers",
@@ -341,8 +323,8 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
         for fqn, why in report["skipped"]:
             logger.info(f"NVFP4: kept experts {fqn} in high precision ({why})")
         if self.bf16_after_fraction or self.telemetry_every:
-            c = attach_step_counter(model, GROUPED_STEPS, report["converted"], self.bf16_after_fraction,
-                                    self.total_steps)
+            c = attach_step_counter(model, GROUPED_STEPS, [model.get_submodule(f) for f in report["converted"]],
+                                    PrecisionSchedule(switch_step(self.bf16_after_fraction, self.total_steps)))
             log_switch_plan("experts", c, self.bf16_after_fraction, self.total_steps)
             if self.telemetry_every:
                 attach_telemetry(model, report["converted"], self.telemetry_every, c, "expert modules",

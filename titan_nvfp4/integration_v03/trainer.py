@@ -13,13 +13,11 @@ from torchtitan.trainer import Trainer
 
 from ..amax_history import AmaxHistory, layers_with_history, register_buffers, roll
 from ..distributed.fsdp_all_gather import precompute_scales, wrap_weight
-from ..schedule import PrecisionSchedule, StepCounter, switch_step
+from ..schedule import LINEAR_STEPS, PrecisionSchedule, StepCounter, attach_step_counter, step_counters, switch_step
 from ..train_state import install
 from .converter import NVFP4GroupedMMConfigConverter, NVFP4LinearConfigConverter
 from .modules import TitanNVFP4Linear
 
-#: the model-part submodule that counts optimizer steps for the NVFP4 Linears (no tensors, no state-dict keys)
-LINEAR_STEPS = "nvfp4_linear_steps"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -100,27 +98,22 @@ def attach_linear_state(model_parts: list[torch.nn.Module], section: NVFP4Linear
     if not section.bf16_after_fraction:
         return []
     schedule = PrecisionSchedule(switch_step(section.bf16_after_fraction, total_steps))
-    counters = []
-    for part, ms in zip(model_parts, linears):
-        counter = StepCounter(schedule)
-        part.add_module(LINEAR_STEPS, counter)
-        for m in ms:
-            m.precision_schedule = schedule
-        counters.append(counter)
+    counters = [attach_step_counter(part, LINEAR_STEPS, ms, schedule) for part, ms in zip(model_parts, linears)]
     logger.info(f"NVFP4: Linear layers switch to high precision after optimizer step {schedule.switch_step} "
                 f"(bf16_after_fraction = {section.bf16_after_fraction} of {total_steps} steps)")
     return counters
 
 
-def after_optimizer_step(model_parts: list[torch.nn.Module]) -> None:
-    """Push the step's activation amaxes into the windows, count the step (the late switch follows) and reduce the
-    NVFP4-gathered weights' tile amaxes for their next all-gathers in one all-reduce (fsdp_all_gather.py)."""
+def after_optimizer_step(model_parts: list[torch.nn.Module], nvfp4_gather: bool = False) -> None:
+    """Push the step's activation amaxes into the windows, count the step (the late switch follows) and, with
+    ``nvfp4_gather``, reduce the NVFP4-gathered weights' tile amaxes for their next all-gathers in one all-reduce
+    (fsdp_all_gather.py)."""
     roll(layers_with_history(model_parts))
-    for part in model_parts:
-        precompute_scales(part)
-    for i, part in enumerate(model_parts):
-        counter = getattr(part, LINEAR_STEPS, None)
-        if isinstance(counter, StepCounter) and counter.step() and i == 0:
+    if nvfp4_gather:
+        for part in model_parts:
+            precompute_scales(part)
+    for i, (_, counter) in enumerate(step_counters(model_parts, LINEAR_STEPS)):
+        if counter.step() and i == 0:
             logger.info(f"NVFP4: Linear layers switched to high precision after optimizer step {counter.count}")
 
 
@@ -144,7 +137,8 @@ class NVFP4Trainer(Trainer):
                                  "layers on every rank; set it to 0")
             attach_linear_state(self.model_parts, linear, config.training.steps)
             if linear.bf16_after_fraction or linear.activation_amax_history or linear.fsdp_nvfp4_all_gather:
-                self.optimizers.register_step_post_hook(lambda *args, **kwargs: after_optimizer_step(self.model_parts))
+                self.optimizers.register_step_post_hook(
+                    lambda *args, **kwargs: after_optimizer_step(self.model_parts, linear.fsdp_nvfp4_all_gather))
 
 
 install(NVFP4Trainer)  # the SR call counts and amax windows in the checkpointed train_state
