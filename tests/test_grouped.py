@@ -700,3 +700,34 @@ def test_moe_train_specs_get_torchtitans_validator(name):
     model.model_args.attn_type = "flex"
     *_, kwargs = validator.post_dataloading_process({"input": tokens}, tokens, [model])
     assert kwargs["attention_masks"] == "mask" and len(made) == 1
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_validation_forwards_start_new_cuda_graph_steps(monkeypatch, graphs):
+    """Under CUDA-graph trees each validation batch's replay overwrote the outputs the previous one still
+    read (the 2B comparison's arms failed at their first validation, 2026-11-27): every forward inside
+    Validator.validate starts a new graph step, and only there (the hooks are gone afterwards)."""
+    import torch._inductor.config as inductor_config
+    from torchtitan.components.validate import Validator
+
+    import titan_nvfp4.integration  # noqa: F401  (applies the fixes)
+    from titan_nvfp4.integration import torchtitan_fixes
+
+    assert Validator.validate is not torchtitan_fixes._original_validate
+    steps = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(len(calls)))
+    calls = []
+    model = torch.nn.Linear(4, 4)
+    model.register_forward_hook(lambda *a: calls.append(1))
+
+    def fake_validate(self, model_parts, step):  # TorchTitan's loop: one forward per validation batch
+        for _ in range(3):
+            model_parts[0](torch.zeros(2, 4))
+        return step
+
+    monkeypatch.setattr(torchtitan_fixes, "_original_validate", fake_validate)
+    with inductor_config.patch({"triton.cudagraphs": graphs}):
+        assert Validator.validate(object.__new__(Validator), [model], 250) == 250
+        assert steps == ([0, 1, 2] if graphs else [])  # before each forward, with the trees on
+        model(torch.zeros(2, 4))  # a training forward after validation: no step marked by us
+    assert len(steps) == (3 if graphs else 0) and not model._forward_pre_hooks

@@ -15,6 +15,12 @@ through `custom_config_module`), so both arms of a comparison run the same model
     masks whenever the model has ``get_attention_masks``, which DeepSeek-V3's SDPA attention rejects
     (it asserts ``attention_masks is None``); like the Trainer, ours builds them only for flex/varlen.
 
+  * Validation under CUDA-graph trees (``TORCHINDUCTOR_CUDAGRAPHS=1`` with ``--compile.enable``, the
+    comparison runner's default mode): TorchTitan's validator runs the compiled model batch after batch
+    under no_grad, and each batch's graph replay overwrites the outputs the last one still reads
+    ("accessing tensor output of CUDAGraphs that has been overwritten"). Every validation forward now
+    starts a new graph step (``torch.compiler.cudagraph_mark_step_begin``), as PyTorch asks of such loops.
+
 And extensions: the Trainer's checkpointed ``train_state`` also carries the NVFP4 layers'
 stochastic-rounding call counts, so a resumed run draws the same random numbers (train_state.py); the
 CheckpointManager saves low-rank layers' current W and checks a checkpoint against the job before DCP
@@ -63,6 +69,33 @@ class TextValidator(Validator):
         return super().post_dataloading_process(input_dict, labels, parts)
 
 
+_original_validate = Validator.validate
+
+
+def _graph_step(module, args):
+    """Forward pre-hook: the forward starts a new CUDA-graph-trees step (nothing to do without the trees)."""
+    if _cudagraph_trees_on():
+        torch.compiler.cudagraph_mark_step_begin()
+
+
+def _cudagraph_trees_on() -> bool:
+    import sys
+
+    inductor_config = sys.modules.get("torch._inductor.config")  # unimported: nothing compiled, no trees
+    return inductor_config is not None and bool(inductor_config.triton.cudagraphs) and \
+        bool(inductor_config.triton.cudagraph_trees)
+
+
+def _validate_in_graph_steps(self, model_parts, *args, **kwargs):
+    """Validator.validate with each model part's forward starting a new CUDA-graph step."""
+    handles = [m.register_forward_pre_hook(_graph_step) for m in model_parts]
+    try:
+        return _original_validate(self, model_parts, *args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _with_text_validator(get_train_spec):
     """``get_train_spec`` whose spec falls back to ``TextValidator`` when it has no validator."""
 
@@ -81,6 +114,8 @@ def apply() -> None:
     """Install the backports (idempotent)."""
     if TokenChoiceTopKRouter.init_weights is _original_router_init:
         TokenChoiceTopKRouter.init_weights = _router_init_weights
+    if Validator.validate is _original_validate:
+        Validator.validate = _validate_in_graph_steps
     for name in _MODELS_WITHOUT_VALIDATOR:
         module = importlib.import_module(f"torchtitan.models.{name}")
         if not getattr(module.get_train_spec, "_nvfp4_text_validator", False):
