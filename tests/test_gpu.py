@@ -183,3 +183,27 @@ def test_debug_model_trains_under_cuda_graph_trees_as_without(tmp_path):
         assert r.returncode == 0, log[-4000:]
         losses[graphs] = re.findall(r"step:\s+\d+\s+loss:\s+([0-9.]+)", log)
     assert len(losses["1"]) == 8 and losses["1"] == losses["0"], losses
+
+
+def test_debug_model_trains_eagerly_with_graphed_bodies_as_without(tmp_path):
+    """The README's debug model in eager mode with ``eager_graphs = "small"`` (each NVFP4Linear's forward and
+    backward replayed as CUDA graphs: body_graphs.py): the same losses at every step as launching the kernels
+    one by one."""
+    import os
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    losses = {}
+    for mode in ("off", "small"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "-m", "torchtitan.train",
+               "--job.config_file", "train_configs/llama3_nvfp4.toml", "--training.steps", "8",
+               "--metrics.log_freq", "1", "--quantize.linear.nvfp4.eager_graphs", mode,
+               "--job.dump_folder", str(tmp_path / mode)]
+        r = subprocess.run(cmd, cwd=root, env=dict(os.environ), capture_output=True, text=True, timeout=600)
+        log = r.stdout + r.stderr
+        assert r.returncode == 0, log[-4000:]
+        losses[mode] = re.findall(r"step:\s+\d+\s+loss:\s+([0-9.]+)", log)
+    assert len(losses["small"]) == 8 and losses["small"] == losses["off"], losses

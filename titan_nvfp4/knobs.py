@@ -203,6 +203,9 @@ class GroupedKnobs(RecipeKnobs):
         self._check_fqns("fqns")
         check_rank(self.lora_rank, self.SECTION)
         self._check_count("telemetry_every")
+        if self.eager_graphs not in (None, "off"):
+            raise ValueError(f"[{self.SECTION}] eager_graphs applies to the dense Linears only (the experts' "
+                             "routed token counts change every step): set it in [quantize.linear.nvfp4]")
         RecipeKnobs.__post_init__(self)
         backward = self.build_recipe().backward
         if backward != "nvfp4":

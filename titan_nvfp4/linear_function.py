@@ -17,6 +17,7 @@ import functools
 
 import torch
 
+from .body_graphs import BodyGraphs
 from .distributed.amax import AmaxGroups, all_reduce_max
 from .distributed.fsdp_all_gather import NVFP4GatheredWeight, gathered_nvfp4
 from .numerics.mxfp8 import MXFP8Tensor
@@ -77,18 +78,65 @@ def _repack(data, scale, gs, like_shape, block_shape) -> NVFP4Tensor:
     return NVFP4Tensor(data=data, scale=scale, global_scale=gs, shape=like_shape, block_shape=block_shape)
 
 
+def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, x_signs, out_dtype, need_col, backend, w_amax):
+    """Forward's GPU work as tensors: (Y, Wᵀ's codes, scales and decode scale, then Xᵀ's when ``need_col``)
+    and their (shape, block shape) metadata; body_graphs.py may replay it as a CUDA graph."""
+    fos = recipe.four_over_six
+    xq, x_col = quantize_activation(x2d, need_col, x_signs, backend, x_amax, fos)
+    if isinstance(weight, NVFP4GatheredWeight):  # FSDP2 gathered it as NVFP4: distributed/fsdp_all_gather.py
+        wq = gathered_nvfp4(weight)
+        w_t = wq.t()
+    else:
+        wq, w_t = quantize_weight(weight, recipe.weight_2d, backend, w_amax, fos)
+    y = nvfp4_gemm(xq, wq, out_dtype=out_dtype, bias=bias, backend=backend)
+    tensors = (y, *_unpack(w_t)) + (_unpack(x_col) if x_col is not None else ())
+    return tensors, ((w_t.shape, w_t.block_shape), (x_col.shape, x_col.block_shape) if x_col is not None else None)
+
+
+def _backward_body(dy2d, dy_amax=None, *, ctx, saved, need_dx, need_dw, need_db, out_dtypes):
+    """Backward's GPU work as tensors: (dX, dW, db), None where not needed; body_graphs.py may replay it."""
+    recipe: NVFP4Recipe = ctx.recipe
+    signs, *saved = saved
+    w_t = _repack(*saved[:3], *ctx.w_t_meta)
+    out_features = w_t.shape[1]
+    signs = signs_for_operand(signs, dy2d.dtype, recipe.rht_round_to_input_dtype)
+    seed = next_sr_seed(ctx.counter) if recipe.stochastic_rounding else None
+    dyq, dy_col = quantize_gradient(dy2d, need_dx, need_dw, signs, seed, ctx.backend, dy_amax, recipe.four_over_six)
+
+    # Each dY operand is dropped right after its GEMM, and the GEMM that leaves the lower peak
+    # memory runs first (_wgrad_first); the two are independent, so the bits do not depend on it.
+    dx = dw = db = None
+    m, k = dy2d.shape[0], w_t.shape[0]
+    x_dtype, w_dtype = out_dtypes
+    for gemm in (("dw", "dx") if _wgrad_first(m, k, out_features) else ("dx", "dw")):
+        if gemm == "dw":
+            if need_dw:
+                x_col = _repack(*saved[3:6], *ctx.x_col_meta)
+                dw = nvfp4_gemm(dy_col, x_col, out_dtype=w_dtype, backend=ctx.backend)
+                del x_col
+            dy_col = None
+        else:
+            if need_dx:
+                dx = nvfp4_gemm(dyq, w_t, out_dtype=x_dtype, backend=ctx.backend)
+            dyq = None
+    if need_db:
+        db = dy2d.float().sum(0).to(dy2d.dtype)
+    return (dx, dw, db), None
+
+
 class NVFP4LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe,
                 counter: torch.Tensor, signs: torch.Tensor | None, need_wgrad: bool,
-                groups: AmaxGroups | None = None, x_amax: torch.Tensor | None = None) -> torch.Tensor:
+                groups: AmaxGroups | None = None, x_amax: torch.Tensor | None = None,
+                graphs: BodyGraphs | None = None) -> torch.Tensor:
         out_dtype = autocast_out_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             return NVFP4LinearFunction._forward(ctx, x, weight, bias, recipe, counter, signs, out_dtype, need_wgrad,
-                                                groups or AmaxGroups(), x_amax)
+                                                groups or AmaxGroups(), x_amax, graphs)
 
     @staticmethod
-    def _forward(ctx, x, weight, bias, recipe, counter, signs, out_dtype, need_wgrad, groups, x_amax):
+    def _forward(ctx, x, weight, bias, recipe, counter, signs, out_dtype, need_wgrad, groups, x_amax, graphs):
         backend = resolve_backend(recipe.gemm_backend, x.device)
         in_features = weight.shape[1]
         x2d = x.reshape(-1, in_features)
@@ -100,14 +148,22 @@ class NVFP4LinearFunction(torch.autograd.Function):
             x_amax = all_reduce_max(operand_amax(x2d, fp4_wgrad, x_signs, backend), groups.x)
         if groups.weight is not None and not isinstance(weight, NVFP4GatheredWeight):  # gathered: scales reduced
             w_amax = all_reduce_max(operand_amax(weight, False, None, backend)[:1], groups.weight)
-        fos = recipe.four_over_six
-        xq, x_col = quantize_activation(x2d, fp4_wgrad, x_signs, backend, x_amax, fos)
-        if isinstance(weight, NVFP4GatheredWeight):  # FSDP2 gathered it as NVFP4: distributed/fsdp_all_gather.py
-            wq = gathered_nvfp4(weight)
-            w_t = wq.t()
+        body = functools.partial(_forward_body, weight=weight, bias=bias, recipe=recipe, x_signs=x_signs,
+                                 out_dtype=out_dtype, need_col=fp4_wgrad, backend=backend, w_amax=w_amax)
+        copied = [x2d] if x_amax is None else [x2d, x_amax]
+        saving = any(ctx.needs_input_grad[:3])  # backward will run and read what forward saves
+        ctx.fwd_key = ctx.graphs = None
+        if graphs is not None and not groups and backend == "emulated" and recipe.backward == "nvfp4" \
+                and not isinstance(weight, NVFP4GatheredWeight):
+            key = ("fwd", x2d.shape, x2d.stride(), x2d.dtype, out_dtype, fp4_wgrad, x_amax is not None, saving)
+            tensors, meta, replayed = graphs.run(key, body, copied, [weight, bias, signs], ctx if saving else None)
+            if replayed:
+                tensors = (tensors[0].clone(),) + tuple(tensors[1:])  # y leaves; the rest stays for backward
+                ctx.fwd_key = key if saving else None
+            ctx.graphs = graphs
         else:
-            wq, w_t = quantize_weight(weight, recipe.weight_2d, backend, w_amax, fos)
-        y = nvfp4_gemm(xq, wq, out_dtype=out_dtype, bias=bias, backend=backend)
+            tensors, meta = body(*copied)
+        y, saved_w_t, saved_x_col = tensors[0], tensors[1:4], tensors[4:]
         ctx.has_bias, ctx.hp_backward = bias is not None, recipe.backward != "nvfp4"
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.recipe, ctx.backend, ctx.groups = recipe, backend, groups
@@ -123,16 +179,12 @@ class NVFP4LinearFunction(torch.autograd.Function):
             return y.reshape(*x.shape[:-1], weight.shape[0])
 
         # Saved for backward: Wᵀ quantized for dgrad and Xᵀ in its wgrad form, never X in BF16.
-        ctx.w_t_meta = (w_t.shape, w_t.block_shape)
+        ctx.w_t_meta, ctx.x_col_meta = meta
         # The SR counter rides on ctx, not in save_for_backward: backward advances it in place, and
         # with several forwards before their backwards (pipeline microbatches, a shared layer)
         # saved-tensor version checks would reject the later backward.
         ctx.counter = counter
-        saved = [signs] + list(_unpack(w_t))
-        if x_col is not None:
-            ctx.x_col_meta = (x_col.shape, x_col.block_shape)
-            saved += list(_unpack(x_col))
-        ctx.save_for_backward(*saved)
+        ctx.save_for_backward(signs, *saved_w_t, *saved_x_col)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -159,7 +211,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
                 dw = (dy2d.t() @ x_a).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(dy.dtype)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -170,38 +222,29 @@ class NVFP4LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dy: torch.Tensor):
-        recipe: NVFP4Recipe = ctx.recipe
-        signs, *saved = ctx.saved_tensors
-        w_t = _repack(*saved[:3], *ctx.w_t_meta)
-        out_features = w_t.shape[1]
+        saved = ctx.saved_tensors
+        out_features = ctx.w_t_meta[0][1]
         dy2d = dy.reshape(-1, out_features)
-        signs = signs_for_operand(signs, dy.dtype, recipe.rht_round_to_input_dtype)
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and len(saved) > 3
-        seed = next_sr_seed(ctx.counter) if recipe.stochastic_rounding else None
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and len(saved) > 4
+        need_db = ctx.has_bias and ctx.needs_input_grad[2]
         dy_amax = None
         if ctx.groups.grad is not None:
+            signs = signs_for_operand(saved[0], dy.dtype, ctx.recipe.rht_round_to_input_dtype)
             dy_amax = all_reduce_max(operand_amax(dy2d, need_dw, signs, ctx.backend), ctx.groups.grad)
-        dyq, dy_col = quantize_gradient(dy2d, need_dx, need_dw, signs, seed, ctx.backend, dy_amax,
-                                        recipe.four_over_six)
-
-        # Each dY operand is dropped right after its GEMM, and the GEMM that leaves the lower peak
-        # memory runs first (_wgrad_first); the two are independent, so the bits do not depend on it.
-        dx = dw = db = None
-        m, k = dy2d.shape[0], w_t.shape[0]
-        for gemm in (("dw", "dx") if _wgrad_first(m, k, out_features) else ("dx", "dw")):
-            if gemm == "dw":
-                if need_dw:
-                    x_col = _repack(*saved[3:6], *ctx.x_col_meta)
-                    dw = nvfp4_gemm(dy_col, x_col, out_dtype=ctx.w_dtype, backend=ctx.backend)
-                    del x_col
-                dy_col = None
-            else:
-                if need_dx:
-                    dx = nvfp4_gemm(dyq, w_t, out_dtype=ctx.x_dtype, backend=ctx.backend).reshape(ctx.x_shape)
-                dyq = None
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy2d.float().sum(0).to(dy.dtype)
-        return dx, dw, db, None, None, None, None, None, None
+        body = functools.partial(_backward_body, ctx=ctx, saved=saved, need_dx=need_dx, need_dw=need_dw,
+                                 need_db=need_db, out_dtypes=(ctx.x_dtype, ctx.w_dtype))
+        if ctx.graphs is not None and dy_amax is None:
+            key = ("bwd", dy2d.shape, dy2d.stride(), dy2d.dtype, need_dx, need_dw, need_db)
+            (dx, dw, db), _, replayed = ctx.graphs.run(key, body, [dy2d], [ctx.counter, *saved])
+            if ctx.fwd_key is not None:
+                ctx.graphs.release(ctx.fwd_key)  # the forward graph's outputs are read: free to overwrite
+            if replayed:  # the graph's outputs are rewritten by its next replay
+                dx, dw, db = (None if t is None else t.clone() for t in (dx, dw, db))
+        else:
+            (dx, dw, db), _ = body(dy2d, dy_amax)
+        if dx is not None:
+            dx = dx.reshape(ctx.x_shape)
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 def _wgrad_first(m: int, k: int, n: int) -> bool:
@@ -239,12 +282,14 @@ def _check_linear_args(x, weight, bias, recipe) -> None:
 
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe,
                  counter: torch.Tensor | None = None, signs: torch.Tensor | None = None,
-                 groups: AmaxGroups | None = None, x_amax: torch.Tensor | None = None) -> torch.Tensor:
+                 groups: AmaxGroups | None = None, x_amax: torch.Tensor | None = None,
+                 graphs: BodyGraphs | None = None) -> torch.Tensor:
     """Functional NVFP4 linear (see the module docstring for the recipe). ``counter``: the layer's
     ``sr_counter`` (a fresh layer-0 one if None); ``signs``: the RHT signs (from recipe.rht_seed if None);
     ``groups``: the process groups sharding X, W and dY (tensor parallelism), whose tensor amaxes are
     then all-reduced so that every rank quantizes with the whole operand's tensor scale; ``x_amax``:
-    fp32 [row, column] amaxes to quantize X with instead of its own (an amax history: amax_history.py)."""
+    fp32 [row, column] amaxes to quantize X with instead of its own (an amax history: amax_history.py);
+    ``graphs``: the layer's BodyGraphs, to replay its bodies as CUDA graphs in eager mode (body_graphs.py)."""
     _check_linear_args(x, weight, bias, recipe)
     if x.is_meta:
         return meta_linear(x, weight, bias)
@@ -255,5 +300,7 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         counter = sr_counter(recipe, 0, x.device)
     if signs is None and recipe.rht:
         signs = _signs(recipe.rht_seed, x.device)
+    if graphs is not None and torch.compiler.is_compiling():  # compiled: inductor's own CUDA graphs, if any
+        graphs = None
     return NVFP4LinearFunction.apply(x, weight, bias, recipe, counter, signs if recipe.rht else None, need_wgrad,
-                                     groups if groups else None, x_amax)
+                                     groups if groups else None, x_amax, graphs)

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .amax_history import activation_amax
+from .body_graphs import BodyGraphs, graphable
 from .distributed.tensor_parallel import local, local_tp_nvfp4_linear, tp_nvfp4_linear
 from .layer_state import NVFP4LayerState
 from .linear_function import meta_linear, nvfp4_linear
@@ -118,7 +119,8 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         history = self.amax_history is not None and gemm in (None, 0)  # the main GEMM's X only
         if not isinstance(weight, DTensor) and self.local_tp is None:
             x_amax = self._history_amax(x, weight) if history else None
-            return nvfp4_linear(x, weight, bias, self.recipe, counter, signs, x_amax=x_amax)
+            return nvfp4_linear(x, weight, bias, self.recipe, counter, signs, x_amax=x_amax,
+                                graphs=self._body_graphs(x, weight, gemm))
 
         def on_shards(x_local, w_local, b_local, groups):
             x_amax = self._history_amax(x_local, w_local) if history else None
@@ -127,6 +129,18 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         if not isinstance(weight, DTensor):
             return local_tp_nvfp4_linear(on_shards, x, weight, bias, *self.local_tp, self.label)
         return tp_nvfp4_linear(on_shards, x, weight, bias, self.label)
+
+    def _body_graphs(self, x: torch.Tensor, weight: torch.Tensor, gemm: int | None) -> BodyGraphs | None:
+        """The BodyGraphs of GEMM ``gemm`` of this layer when ``eager_graphs`` graphs this call (eager, on a GPU,
+        small enough: body_graphs.py), else None."""
+        if self.recipe.eager_graphs == "off" or torch.compiler.is_compiling() or not x.is_cuda:
+            return None
+        if not graphable(x.numel() // max(x.shape[-1], 1), weight.shape[1], weight.shape[0], self.recipe.eager_graphs):
+            return None
+        graphs = self.__dict__.setdefault("_graphs_by_gemm", {})
+        if gemm not in graphs:
+            graphs[gemm] = BodyGraphs()
+        return graphs[gemm]
 
     def _history_amax(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """X's amaxes from the layer's amax history (amax_history.py), recording this forward's."""

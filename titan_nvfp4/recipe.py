@@ -61,6 +61,12 @@ class NVFP4Recipe:
     tensor scale then targets 6·256: arXiv 2512.02010, numerics/nvfp4.py). Applies to every NVFP4
     operand: weights, activations and gradients."""
 
+    eager_graphs: str = "off"
+    """Eager mode only: "small" replays each NVFP4Linear's forward and backward kernels as one CUDA graph
+    per layer and shape when M·(K+N) ≤ 2^24 (the host-bound debug-model sizes; body_graphs.py), "off"
+    launches them one by one. The same bits either way; "small" keeps each such layer's staged operands
+    allocated between steps. Under torch.compile inductor's own CUDA graphs serve instead."""
+
     staged_expert_activations: bool = True
     """MoE grouped experts on the emulated backend: keep the wgrad operands of the routed tokens X and of
     the SwiGLU output h between forward and backward as the emulated GEMM's fp16 values (exact q·e_b)
@@ -80,6 +86,7 @@ class NVFP4Recipe:
 _BOOL_FIELDS = ("weight_2d", "stochastic_rounding", "rht", "rht_round_to_input_dtype", "staged_expert_activations")
 BACKWARDS = ("nvfp4", "mxfp8", "bf16")
 BLOCK_SCALE_RULES = ("six", "four_over_six")
+EAGER_GRAPHS = ("off", "small")
 _INT_FIELDS = ("rht_seed", "sr_seed", "bf16_first_blocks", "bf16_last_blocks")
 RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(NVFP4Recipe))
 
@@ -98,6 +105,8 @@ def validate_field(name: str, value: Any, where: str = "quantize.linear.nvfp4") 
         raise ValueError(f"[{where}] backward must be one of {list(BACKWARDS)}, got {value!r}")
     if name == "block_scale_rule" and value not in BLOCK_SCALE_RULES:
         raise ValueError(f"[{where}] block_scale_rule must be one of {list(BLOCK_SCALE_RULES)}, got {value!r}")
+    if name == "eager_graphs" and value not in EAGER_GRAPHS:
+        raise ValueError(f"[{where}] eager_graphs must be one of {list(EAGER_GRAPHS)}, got {value!r}")
     if name == "gemm_backend" and value not in BACKEND_NAMES:
         raise ValueError(f"[{where}] gemm_backend must be one of {list(BACKEND_NAMES)}, got {value!r}")
 
