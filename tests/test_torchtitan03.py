@@ -238,6 +238,9 @@ def test_grouped_converter_swaps_the_routed_experts_on_meta(model_name, nvfp4, b
         bf16.model_spec.model).values())
 
 
+EP_UPSTREAM = {"deepseek_v3_16b": 8}  # the flagships' expert parallelism in TorchTitan 0.3.0's configs
+
+
 @pytest.mark.parametrize("name, linears, experts", [
     ("llama3_8b", 32 * 5, 0),  # wqkv, wo, w1, w2, w3
     ("qwen3_30b_a3b", 48 * 2, 48),  # wqkv, wo; 128 experts per block
@@ -245,10 +248,10 @@ def test_grouped_converter_swaps_the_routed_experts_on_meta(model_name, nvfp4, b
     ("gpt_oss_20b", 24 * 2, 24),  # wqkv, wo
 ])
 def test_flagship_entries_convert_on_meta(name, linears, experts):
-    """Each flagship entry parses, reads the offline corpus with expert parallelism off, and converts every block
+    """Each flagship entry parses, reads the offline corpus with upstream's parallelism, and converts every block
     Linear and routed-expert config (its BF16 twin none); the Llama3 8B model builds on meta with NVFP4 modules."""
     c = parse(f"{name}_nvfp4")
-    assert (c.dataloader.dataset, c.parallelism.expert_parallel_degree) == ("pystdlib", 1)
+    assert (c.dataloader.dataset, c.parallelism.expert_parallel_degree) == ("pystdlib", EP_UPSTREAM.get(name, 1))
     assert c.hf_assets_path.endswith("assets/pystdlib") and c.quantize.grouped_mm.enable == bool(experts)
     apply_quantize(c)
     assert len(list(c.model_spec.model.traverse(TitanNVFP4Linear.Config))) == linears
@@ -364,11 +367,7 @@ def test_experts_equal_the_core_grouped_functions_on_unpadded_groups(kind):
             assert err < 0.35, (name, sr, err)  # K = 32: two blocks a row, 4-bit elements
 
 
-def test_experts_refuse_expert_parallelism_and_gpt_oss_tensor_parallelism():
-    m = build_experts(GroupedExperts, ("w1_EFD", "w2_EDF", "w3_EFD"))
-    with pytest.raises(NotImplementedError, match=r"NVFP4 experts inner_experts: expert parallelism is not "
-                                                  r"supported .* parallelism.expert_parallel_degree = 1"):
-        m.parallelize(SimpleNamespace(ep_enabled=True, tp_enabled=False))
+def test_gpt_oss_experts_refuse_tensor_parallelism():
     m = build_experts(GptOssGroupedExperts, ("mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED"))
     with pytest.raises(NotImplementedError, match=r"NVFP4 experts inner_experts: tensor parallelism is not "
                                                   r"supported .* parallelism.tensor_parallel_degree = 1"):
@@ -419,14 +418,14 @@ TP_ARGS = ("--quantize.linear.gemm_backend", "reference", "--quantize.linear.sto
            "--training.mixed_precision_param", "float32", "--training.mixed_precision_reduce", "float32")
 
 
-def tp_config(tp: int, backend: str, tmp_path, model_name: str = "llama3"):
+def tp_config(tp: int, backend: str, tmp_path, model_name: str = "llama3", *overrides: str):
     """<model>_debug_nvfp4 at TP degree ``tp`` on ``backend``, reference GEMMs, no SR, fp32 params, converted."""
     moe = () if model_name == "llama3" else ("--quantize.grouped_mm.gemm_backend", "reference",
                                               "--quantize.grouped_mm.stochastic_rounding", "False")
     seq = SEQ if model_name == "llama3" else SEQ // 2  # the MoE blocks cost 3x per token on the CPU
     c = parse(f"{model_name}_debug_nvfp4", *TP_ARGS, *moe, "--training.seq_len", str(seq),
               "--parallelism.tensor_parallel_degree", str(tp),
-              "--parallelism.spmd_backend", backend, "--dump_folder", str(tmp_path))
+              "--parallelism.spmd_backend", backend, "--dump_folder", str(tmp_path), *overrides)
     apply_quantize(c)
     return c
 
@@ -592,6 +591,76 @@ def test_deepseek_v3_experts_under_tensor_parallelism_match_one_process(tmp_path
         assert _rel(out["grads"][name], g) < 1e-5, name
     experts = [n for n in ref.grads if "routed_experts" in n]
     assert len(experts) == 3 and min(_rel(out["control_grads"][n], ref.grads[n]) for n in experts) > 1e-2
+
+
+def _ep_step(model, pd, tokens):
+    """tp_step with the loss the mean square of the logits (each rank's own batch)."""
+    from torchtitan.distributed import utils as dist_utils
+
+    with dist_utils.get_spmd_context(parallel_dims=pd)():
+        logits = model(tokens, positions=torch.arange(tokens.shape[1]).repeat(tokens.shape[0], 1), attention_masks=None)
+        logits.float().square().mean().backward()
+    return logits.detach()
+
+
+def _ep_worker(rank, world, out, model_name, blocks, tmp_path, state, tokens):
+    import torchtitan.distributed.parallel_dims as pd_module
+
+    torch.set_num_threads(1)
+    pd_module.device_type = "cpu"
+    c = tp_config(1, "partial_dtensor", tmp_path, model_name, "--parallelism.expert_parallel_degree", str(world))
+    model, pd = build_on_ranks(c, world, blocks)
+    for m in model.modules():  # gloo has no PREMUL_SUM: FSDP2 sums the ranks' gradients
+        if hasattr(m, "set_force_sum_reduction_for_comms"):
+            m.set_force_sum_reduction_for_comms(True)
+    params = dict(model.named_parameters())
+    with torch.no_grad():  # the one-process model's initial state, this rank's experts and FSDP shards
+        for name, p in params.items():
+            full, p_local = state[name], _local(p)
+            p_local.copy_(_local(torch.distributed.tensor.distribute_tensor(full, p.device_mesh, p.placements))
+                          if hasattr(p, "placements") else full)
+    logits = _ep_step(model, pd, tokens)
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in params.items()}
+    if rank == 0:
+        out.update(logits=logits, grads=grads,
+                   local_experts=[_local(getattr(m, m.GEMMS[0])).shape[0] for m in model.modules()
+                                  if isinstance(m, EXPERTS)])
+
+
+@pytest.mark.parametrize("model_name, blocks", [("deepseek_v3", 2), ("gpt_oss", 1)])
+def test_experts_under_expert_parallelism_match_one_process(tmp_path, model_name, blocks):
+    """EP = 2 through the model's own parallelize (partial_dtensor; FSDP2 2 over the dense part) on 2 gloo ranks:
+    each rank holds half the experts whole, so each expert's tensor amaxes are its own weight's and those of all
+    the tokens routed to it, from both ranks. Both ranks get the same batch, so each expert sees two copies of its
+    tokens, rank 0's first: what one process sees with the batch doubled. The logits equal it, and so do the
+    gradients (summed over the ranks: halved), the experts' bit for bit."""
+    import torchtitan.distributed.parallel_dims as pd_module
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(pd_module, "device_type", "cpu")
+            torch.manual_seed(0)
+            model, pd = build_on_ranks(tp_config(1, "partial_dtensor", tmp_path / "ref", model_name), 1, blocks)
+            state = {n: _local(p).detach().clone() for n, p in model.named_parameters()}
+            vocab = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding)).num_embeddings
+            tokens = torch.randint(0, vocab, (BATCH, SEQ // 2), generator=torch.Generator().manual_seed(1))
+            logits = _ep_step(model, pd, torch.cat([tokens, tokens]))
+            grads = {n: _local(p.grad).clone() for n, p in model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+    out = run_ranks(_ep_worker, 2, model_name, blocks, tmp_path, state, tokens, preload=PRELOAD_V03)
+    experts = [n for n in grads if "routed_experts" in n]
+    assert out["local_experts"] == [4] and experts  # one MoE block: 8 experts, 4 per rank
+    assert torch.equal(out["logits"], logits[:BATCH])  # measured: equal
+    for name, g in grads.items():
+        if name in experts:
+            assert torch.equal(out["grads"][name] / 2, g), name
+        else:  # measured: at most 2e-7 (FSDP2's summation order)
+            assert _rel(out["grads"][name] / 2, g) < 1e-6, name
 
 
 def _debug_step_model(monkeypatch, tmp_path, *overrides):

@@ -2,7 +2,7 @@
 --config llama3_debug_nvfp4`` (or its BF16 twin ``llama3_debug_bf16``; ``qwen3_debug_*`` for Qwen3's dense
 debug model, ``qwen3_moe_debug_*``, ``deepseek_v3_debug_*`` and ``gpt_oss_debug_*`` for the MoE ones), on the
 offline pystdlib corpus. One flagship each, NVFP4 and BF16: ``llama3_8b_*``, ``qwen3_30b_a3b_*``,
-``deepseek_v3_16b_*``, ``gpt_oss_20b_*`` (upstream's configs on the offline corpus, expert parallelism off)."""
+``deepseek_v3_16b_*``, ``gpt_oss_20b_*`` (upstream's configs, their parallelism included, on the offline corpus)."""
 
 import dataclasses
 import os
@@ -38,14 +38,6 @@ def nvfp4_quantize(experts: bool = False) -> QuantizeConfig:
     return QuantizeConfig(linear=NVFP4LinearConfigConverter.Config(enable=True), grouped_mm=grouped)
 
 
-def flagship(base: Trainer.Config, quantize: QuantizeConfig) -> NVFP4Trainer.Config:
-    """An upstream flagship config as ours: the offline corpus (its tokenizer's 2048 ids fit every flagship's
-    vocabulary) and expert parallelism off (this integration does not shard experts across ranks yet)."""
-    config = nvfp4_trainer_config(base, quantize)
-    config.parallelism.expert_parallel_degree = 1
-    return config
-
-
 def _twins(name: str, upstream, what: str, experts: bool, make=nvfp4_trainer_config) -> None:
     """Define ``<name>_bf16`` and ``<name>_nvfp4`` in this module: ``upstream()`` through ``make``, with the
     Linears (and with ``experts`` the routed experts) in NVFP4 or everything BF16 (the control arm)."""
@@ -71,8 +63,7 @@ _twins("qwen3_moe_debug", qwen3_moe_debug, "Qwen3 MoE debug model", experts=True
 _twins("deepseek_v3_debug", deepseek_v3_debugmodel, "DeepSeek-V3 debug model", experts=True)
 _twins("gpt_oss_debug", gpt_oss_debugmodel, "gpt-oss debug model", experts=True)
 # one flagship per family
-_twins("llama3_8b", llama3_8b, "Llama3 8B", experts=False, make=flagship)
-_twins("qwen3_30b_a3b", qwen3_30b_a3b, "Qwen3 30B-A3B (MoE)", experts=True, make=flagship)
-_twins("deepseek_v3_16b", deepseek_v3_16b, "DeepSeek-V3 16B (MoE), expert parallelism off (upstream: 8),",
-       experts=True, make=flagship)
-_twins("gpt_oss_20b", gpt_oss_20b, "gpt-oss 20B (MoE)", experts=True, make=flagship)
+_twins("llama3_8b", llama3_8b, "Llama3 8B", experts=False)
+_twins("qwen3_30b_a3b", qwen3_30b_a3b, "Qwen3 30B-A3B (MoE)", experts=True)
+_twins("deepseek_v3_16b", deepseek_v3_16b, "DeepSeek-V3 16B (MoE)", experts=True)
+_twins("gpt_oss_20b", gpt_oss_20b, "gpt-oss 20B (MoE)", experts=True)

@@ -10,8 +10,9 @@ The token groups are padded to multiples of 16 inside the module (titan_nvfp4/ex
 grouped kernels need no host sync and the results equal those of the unpadded groups; TorchTitan's own padding
 dispatcher (TorchAOTokenDispatcher) would need torchao. Tensor parallelism of TitanNVFP4GroupedExperts (TorchTitan's
 plan: the hidden dim sharded, x whole, the output a partial sum) all-reduces the sharded operands' per-expert
-amaxes over the TP group (the core's AmaxGroups); expert parallelism, and TP of the gpt_oss experts, are
-refused at parallelize.
+amaxes over the TP group (the core's AmaxGroups); TP of the gpt_oss experts is refused at parallelize. Under
+expert parallelism TorchTitan's token dispatcher hands the module its local experts' tokens and each rank holds
+whole experts, so each expert's tensor scales are those of one process: nothing to reduce across ranks.
 """
 
 from __future__ import annotations
@@ -59,13 +60,10 @@ class _NVFP4Experts(NVFP4LayerState):
     TP_SUPPORTED = False
 
     def parallelize(self, parallel_dims) -> None:
-        """Refuse expert parallelism; under tensor parallelism (TorchTitan's: every expert's hidden dim sharded,
+        """Place the buffers and shard as TorchTitan does (expert parallelism: whole experts per rank, nothing else
+        to do); under tensor parallelism (TorchTitan's: every expert's hidden dim sharded,
         W1/W3 along their output features, W2 along its input features) record each GEMM's amax groups from the
         weights' sharding config, so every rank quantizes as the unsharded experts would."""
-        if parallel_dims.ep_enabled:
-            raise NotImplementedError(f"NVFP4 experts {self.label()}: expert parallelism is not supported by the "
-                                      "TorchTitan 0.3 integration yet (issue 44); set "
-                                      "parallelism.expert_parallel_degree = 1")
         place_buffers(self, parallel_dims)
         if parallel_dims.tp_enabled:
             if not self.TP_SUPPORTED:
