@@ -35,7 +35,7 @@ from titan_nvfp4.integration_v03.converter import NVFP4GroupedMMConfigConverter 
 from titan_nvfp4.integration_v03.experts import TitanNVFP4GptOssExperts, TitanNVFP4GroupedExperts  # noqa: E402
 from titan_nvfp4.integration_v03.modules import TitanNVFP4Linear  # noqa: E402
 from titan_nvfp4.integration_v03.trainer import (LINEAR_STEPS, NVFP4Trainer, after_optimizer_step,  # noqa: E402
-                                                 apply_quantize, attach_linear_state)
+                                                 apply_quantize, attach_grouped_state, attach_linear_state)
 
 MODULE = "titan_nvfp4.integration_v03.configs"
 DOC = Path(__file__).resolve().parents[1] / "docs" / "torchtitan03.md"
@@ -701,6 +701,35 @@ def test_late_switch_and_amax_windows_follow_the_optimizer_steps(gloo_rank, monk
         assert [m.high_precision for m in linears] == [i >= 1] * len(linears), i
     assert all(m.x_amax_history[1:3].gt(0).all() and not m.x_amax_history[3].any() for m in linears)
     assert all(m.sr_calls == 2 for m in linears)  # the third backward ran in high precision: no SR call
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "gpt_oss"])
+def test_experts_switch_to_torchtitans_own_experts_after_the_fraction(kind):
+    """The experts' bf16_after_fraction on 0.3: the optimizer step hook switches them after step 1 of 2; then they
+    compute what TorchTitan's own module computes on the same weights (its grouped GEMMs, exactly) and draw no
+    stochastic-rounding numbers."""
+    upstream, names = {
+        "swiglu": (GroupedExperts, ("w1_EFD", "w2_EDF", "w3_EFD")),
+        "gpt_oss": (GptOssGroupedExperts, ("mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED")),
+    }[kind]
+    section = NVFP4GroupedMMConfigConverter.Config(gemm_backend="reference", bf16_after_fraction=0.5)
+    torch.manual_seed(0)
+    m = build_experts(upstream, names, bf16_after_fraction=0.5)
+    part = torch.nn.Module()
+    part.add_module("experts", m)
+    assert len(attach_grouped_state([part], section, total_steps=2)) == 1
+    counts = torch.tensor(COUNTS)
+    x = torch.randn(sum(COUNTS), D)
+    outs = []
+    for _ in range(2):
+        outs.append(m(x, counts))
+        outs[-1].square().sum().backward()
+        after_optimizer_step([part])  # as the optimizer's step post hook
+    assert m.high_precision and bool((m.sr_counter[:, 1] == 1).all())  # the second step drew nothing
+    plain = upstream.__new__(upstream)
+    plain.__dict__.update(m.__dict__)  # the same parameters in TorchTitan's own module
+    assert torch.equal(m(x, counts), upstream.forward(plain, x, counts))
+    assert not torch.equal(outs[0], upstream.forward(plain, x, counts))  # NVFP4 before the switch
 
 
 def test_train_state_resumes_the_sr_streams_bitwise(gloo_rank, monkeypatch, tmp_path):

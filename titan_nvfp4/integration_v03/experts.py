@@ -93,6 +93,12 @@ class _NVFP4Experts(NVFP4LayerState):
     def _init_self_buffers(self, *, buffer_device=None) -> None:
         self._reset_nvfp4_buffers()  # a fresh SR stream per GEMM and the RHT signs at init_weights
 
+    def _high_precision(self, upstream: type, x_RD: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """After the ``bf16_after_fraction`` switch: TorchTitan's own expert computation (its grouped GEMMs in the
+        input's dtype) on the token groups padded to multiples of 16, as the NVFP4 path runs them."""
+        p = pad_token_groups(x_RD, counts)
+        return upstream.forward(self, p.x, p.counts)[p.rows].type_as(x_RD)
+
     def _weights(self) -> list[torch.Tensor]:
         return [local(getattr(self, g)) for g in self.GEMMS]
 
@@ -116,6 +122,8 @@ class TitanNVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
         self._init_experts(config)
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        if self.high_precision:
+            return self._high_precision(GroupedExperts, x_RD, num_tokens_per_expert_E)
         w1, w2, w3 = self._weights()
         p = pad_token_groups(x_RD, num_tokens_per_expert_E)
         offsets = torch.cumsum(p.counts, dim=0, dtype=torch.int32)
@@ -145,6 +153,8 @@ class TitanNVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):
         self._init_experts(config)
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        if self.high_precision:
+            return self._high_precision(GptOssGroupedExperts, x_RD, num_tokens_per_expert_E)
         w1, w2 = self._weights()
         b1, b2 = local(self.mlp1_bias_EG), local(self.mlp2_bias_ED)
         p = pad_token_groups(x_RD, num_tokens_per_expert_E)

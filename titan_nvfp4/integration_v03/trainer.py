@@ -13,9 +13,11 @@ from torchtitan.trainer import Trainer
 
 from ..amax_history import AmaxHistory, layers_with_history, register_buffers, roll
 from ..distributed.fsdp_all_gather import precompute_scales, wrap_weight
-from ..schedule import LINEAR_STEPS, PrecisionSchedule, StepCounter, attach_step_counter, step_counters, switch_step
+from ..schedule import (GROUPED_STEPS, LINEAR_STEPS, PrecisionSchedule, StepCounter, attach_step_counter,
+                        step_counters, switch_step)
 from ..train_state import install
 from .converter import NVFP4GroupedMMConfigConverter, NVFP4LinearConfigConverter
+from .experts import EXPERT_CLASSES
 from .modules import TitanNVFP4Linear
 
 
@@ -95,12 +97,25 @@ def attach_linear_state(model_parts: list[torch.nn.Module], section: NVFP4Linear
             register_buffers(m, history)
         logger.info(f"NVFP4: X of {sum(map(len, linears))} Linear layers quantized with the max amax of the last "
                     f"{history.length} optimizer steps (activation_amax_history)")
-    if not section.bf16_after_fraction:
+    return _late_switch(model_parts, linears, section.bf16_after_fraction, total_steps, LINEAR_STEPS, "Linear layers")
+
+
+def attach_grouped_state(model_parts: list[torch.nn.Module], section: NVFP4GroupedMMConfigConverter.Config,
+                         total_steps: int) -> list[StepCounter]:
+    """The routed experts' late switch to high precision (bf16_after_fraction), as attach_linear_state's."""
+    experts = [[m for m in part.modules() if isinstance(m, tuple(EXPERT_CLASSES.values()))] for part in model_parts]
+    return _late_switch(model_parts, experts, section.bf16_after_fraction, total_steps, GROUPED_STEPS, "expert modules")
+
+
+def _late_switch(model_parts, modules, fraction: float, total_steps: int, name: str, what: str) -> list[StepCounter]:
+    """A StepCounter per part (submodule ``name``) whose schedule switches ``modules`` to high precision for the last
+    ``fraction`` of ``total_steps``; none when ``fraction`` is 0."""
+    if not fraction:
         return []
-    schedule = PrecisionSchedule(switch_step(section.bf16_after_fraction, total_steps))
-    counters = [attach_step_counter(part, LINEAR_STEPS, ms, schedule) for part, ms in zip(model_parts, linears)]
-    logger.info(f"NVFP4: Linear layers switch to high precision after optimizer step {schedule.switch_step} "
-                f"(bf16_after_fraction = {section.bf16_after_fraction} of {total_steps} steps)")
+    schedule = PrecisionSchedule(switch_step(fraction, total_steps))
+    counters = [attach_step_counter(part, name, ms, schedule) for part, ms in zip(model_parts, modules)]
+    logger.info(f"NVFP4: {what} switch to high precision after optimizer step {schedule.switch_step} "
+                f"(bf16_after_fraction = {fraction} of {total_steps} steps)")
     return counters
 
 
@@ -112,9 +127,10 @@ def after_optimizer_step(model_parts: list[torch.nn.Module], nvfp4_gather: bool 
     if nvfp4_gather:
         for part in model_parts:
             precompute_scales(part)
-    for i, (_, counter) in enumerate(step_counters(model_parts, LINEAR_STEPS)):
-        if counter.step() and i == 0:
-            logger.info(f"NVFP4: Linear layers switched to high precision after optimizer step {counter.count}")
+    for name, what in ((LINEAR_STEPS, "Linear layers"), (GROUPED_STEPS, "expert modules")):
+        for i, (_, counter) in enumerate(step_counters(model_parts, name)):
+            if counter.step() and i == 0:
+                logger.info(f"NVFP4: {what} switched to high precision after optimizer step {counter.count}")
 
 
 class NVFP4Trainer(Trainer):
@@ -136,9 +152,14 @@ class NVFP4Trainer(Trainer):
                                  "supported with pipeline parallelism: its one all-reduce per step needs the same "
                                  "layers on every rank; set it to 0")
             attach_linear_state(self.model_parts, linear, config.training.steps)
-            if linear.bf16_after_fraction or linear.activation_amax_history or linear.fsdp_nvfp4_all_gather:
-                self.optimizers.register_step_post_hook(
-                    lambda *args, **kwargs: after_optimizer_step(self.model_parts, linear.fsdp_nvfp4_all_gather))
+        grouped = config.quantize.grouped_mm
+        if grouped.enable:
+            attach_grouped_state(self.model_parts, grouped, config.training.steps)
+        gather = linear.enable and linear.fsdp_nvfp4_all_gather
+        if (linear.enable and (linear.bf16_after_fraction or linear.activation_amax_history or gather)) or \
+                (grouped.enable and grouped.bf16_after_fraction):
+            self.optimizers.register_step_post_hook(
+                lambda *args, **kwargs: after_optimizer_step(self.model_parts, gather))
 
 
 install(NVFP4Trainer)  # the SR call counts and amax windows in the checkpointed train_state
