@@ -8,9 +8,9 @@ declared placements (modules.declare_buffers).
 
 The token groups are padded to multiples of 16 inside the module (titan_nvfp4/expert_groups.py), so the
 grouped kernels need no host sync and the results equal those of the unpadded groups; TorchTitan's own padding
-dispatcher (TorchAOTokenDispatcher) would need torchao. Tensor parallelism of TitanNVFP4GroupedExperts (TorchTitan's
-plan: the hidden dim sharded, x whole, the output a partial sum) all-reduces the sharded operands' per-expert
-amaxes over the TP group (the core's AmaxGroups); TP of the gpt_oss experts is refused at parallelize. Under
+dispatcher (TorchAOTokenDispatcher) would need torchao. Tensor parallelism of both (TorchTitan's plan: the hidden
+dim sharded, x whole, the output a partial sum) all-reduces the sharded operands' per-expert amaxes over the TP
+group (the core's AmaxGroups); gpt_oss's rowwise bias is added as b2 / tp on each rank, as TorchTitan does. Under
 expert parallelism TorchTitan's token dispatcher hands the module its local experts' tokens and each rank holds
 whole experts, so each expert's tensor scales are those of one process: nothing to reduce across ranks.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 import spmd_types as spmd
 import torch
 from torchtitan.models.common.moe import GroupedExperts
-from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts, swiglu
+from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts, ScaleBiasForward, swiglu
 from torchtitan.protocols.module import Module
 
 from ..distributed.amax import AmaxGroups
@@ -56,9 +56,8 @@ class _NVFP4Experts(NVFP4LayerState):
 
     #: {weight name: the AmaxGroups of its GEMM} under tensor parallelism of the experts (set at parallelize)
     tp_groups: dict[str, AmaxGroups] = {}
-    #: whether TP of the experts is implemented (not for gpt_oss's, whose rowwise biases would count per rank)
-    TP_SUPPORTED = False
-
+    #: the tensor-parallel degree of the experts (set at parallelize)
+    tp_degree = 1
     def parallelize(self, parallel_dims) -> None:
         """Place the buffers and shard as TorchTitan does (expert parallelism: whole experts per rank, nothing else
         to do); under tensor parallelism (TorchTitan's: every expert's hidden dim sharded,
@@ -66,11 +65,8 @@ class _NVFP4Experts(NVFP4LayerState):
         weights' sharding config, so every rank quantizes as the unsharded experts would."""
         place_buffers(self, parallel_dims)
         if parallel_dims.tp_enabled:
-            if not self.TP_SUPPORTED:
-                raise NotImplementedError(f"NVFP4 experts {self.label()}: tensor parallelism is not supported by the "
-                                          "TorchTitan 0.3 integration yet (issue 44); set "
-                                          "parallelism.tensor_parallel_degree = 1")
             self.tp_groups = self._expert_tp_groups(parallel_dims)
+            self.tp_degree = parallel_dims.tp
         Module.parallelize(self, parallel_dims)
 
     def _expert_tp_groups(self, parallel_dims) -> dict[str, AmaxGroups]:
@@ -108,7 +104,6 @@ class TitanNVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
     quantization of x, the SwiGLU fused with h's amaxes on the grouped kernels: nvfp4_grouped_swiglu)."""
 
     GEMMS = ("w1_EFD", "w2_EDF", "w3_EFD")
-    TP_SUPPORTED = True
 
     Config = nvfp4_config(GroupedExperts.Config, __module__, __qualname__)
 
@@ -160,10 +155,15 @@ class TitanNVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):
         p = pad_token_groups(x_RD, num_tokens_per_expert_E)
         offsets = torch.cumsum(p.counts, dim=0, dtype=torch.int32)
         c, signs = local(self.sr_counter), local(self.rht_signs)
-        (h,) = nvfp4_grouped_mm_shared(p.x, (w1,), offsets, (b1,), self.recipe, (c[0],), signs, True)
+        tp = self.tp_groups
+        (h,) = nvfp4_grouped_mm_shared(p.x, (w1,), offsets, (b1,), self.recipe, (c[0],), signs, True,
+                                       tp.get("mlp1_weight_EGD"))
         # the padding rows hold swiglu(b1): zero them, so they stay out of h's amaxes as the unpadded groups
         h = swiglu(h, limit=self.swiglu_limit) * p.valid(h.dtype)
-        (y,) = nvfp4_grouped_mm_shared(h, (w2,), offsets, (b2,), self.recipe, (c[1],), signs, True)
+        if self.tp_degree > 1:  # rowwise mlp2: each rank adds b2 / tp to its partial sum, its gradient unscaled (as
+            b2 = ScaleBiasForward.apply(b2, self.tp_degree, b2.dtype)  # TorchTitan's own gpt_oss experts)
+        (y,) = nvfp4_grouped_mm_shared(h, (w2,), offsets, (b2,), self.recipe, (c[1],), signs, True,
+                                       tp.get("mlp2_weight_EDF"))
         return y[p.rows].type_as(x_RD)
 
 

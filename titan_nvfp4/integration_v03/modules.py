@@ -94,12 +94,13 @@ class TitanNVFP4Linear(NVFP4Linear, Module):
             if not isinstance(tp, spmd.Shard):
                 raise NotImplementedError(f"NVFP4 Linear {self.label()!r}: weight TP layout {tp} is neither colwise "
                                           "nor rowwise")
+            wdim = tp.dim % 2
+            if wdim == 1 and self.bias is not None:  # TorchTitan's ScaledBiasRowwiseLinear (gpt_oss's wo): a
+                # local_map region that scales the bias per rank and hands the layer plain local inputs
+                raise NotImplementedError(f"NVFP4 Linear {self.label()!r}: a rowwise-sharded Linear with a bias is "
+                                          "not supported under tensor parallelism yet; keep it BF16 with "
+                                          "filter_fqns (e.g. add \"wo\" for gpt_oss)")
             if parallel_dims.spmd_backend == "spmd_types":  # plain local shards: the layer needs its TP layout
-                wdim = tp.dim % 2
-                if wdim == 1 and self.bias is not None:  # TorchTitan's ScaledBiasRowwiseLinear case
-                    raise NotImplementedError(f"NVFP4 Linear {self.label()!r}: a rowwise-sharded Linear with a bias "
-                                              "is not supported on the spmd_types backend; keep it BF16 with "
-                                              "filter_fqns or use parallelism.spmd_backend = partial_dtensor")
                 self.local_tp = (wdim, parallel_dims.get_dense_tp_mesh().get_group())
             # the DTensor backends shard the weight as a DTensor: NVFP4Linear's DTensor path
         Module.parallelize(self, parallel_dims)
