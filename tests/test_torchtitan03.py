@@ -506,8 +506,9 @@ def _tp_worker(rank, world, out, backend, tmp_path, state, tokens, reduce_amax, 
     out[f"counter{rank}"] = _local(first.sr_counter).clone()
 
 
-def _tp_reference(model_name: str, tmp_path, overrides=(), blocks=TP_BLOCKS) -> SimpleNamespace:
-    """The one-process model (TP 1, its first ``blocks`` blocks): its initial state, tokens, logits and gradients."""
+def _tp_reference(model_name: str, tmp_path, overrides=(), blocks=TP_BLOCKS, copies: int = 1) -> SimpleNamespace:
+    """The one-process model (TP 1, its first ``blocks`` blocks): its initial state, tokens, logits and gradients
+    (of a step on ``copies`` copies of the tokens: what ``copies`` data-parallel ranks given them see together)."""
     import torchtitan.distributed.parallel_dims as pd_module
 
     threads = torch.get_num_threads()
@@ -522,7 +523,7 @@ def _tp_reference(model_name: str, tmp_path, overrides=(), blocks=TP_BLOCKS) -> 
             state = {n: _local(p).detach().clone() for n, p in model.named_parameters()}
             vocab = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding)).num_embeddings
             tokens = torch.randint(0, vocab, (BATCH, c.training.seq_len), generator=torch.Generator().manual_seed(1))
-            logits = tp_step(model, pd, tokens)
+            logits = tp_step(model, pd, torch.cat([tokens] * copies))
             grads = {n: _local(p.grad).clone() for n, p in model.named_parameters()}
     finally:
         dist.destroy_process_group()
@@ -607,16 +608,6 @@ def test_gpt_oss_experts_under_tensor_parallelism_match_one_process(tmp_path):
     assert len(experts) == 4 and min(_rel(out["control_grads"][n], ref.grads[n]) for n in experts) > 5e-2
 
 
-def _ep_step(model, pd, tokens):
-    """tp_step with the loss the mean square of the logits (each rank's own batch)."""
-    from torchtitan.distributed import utils as dist_utils
-
-    with dist_utils.get_spmd_context(parallel_dims=pd)():
-        logits = model(tokens, positions=torch.arange(tokens.shape[1]).repeat(tokens.shape[0], 1), attention_masks=None)
-        logits.float().square().mean().backward()
-    return logits.detach()
-
-
 def _ep_worker(rank, world, out, model_name, blocks, tmp_path, state, tokens):
     import torchtitan.distributed.parallel_dims as pd_module
 
@@ -633,7 +624,7 @@ def _ep_worker(rank, world, out, model_name, blocks, tmp_path, state, tokens):
             full, p_local = state[name], _local(p)
             p_local.copy_(_local(torch.distributed.tensor.distribute_tensor(full, p.device_mesh, p.placements))
                           if hasattr(p, "placements") else full)
-    logits = _ep_step(model, pd, tokens)
+    logits = tp_step(model, pd, tokens)  # at TP 1 its loss is the logits' mean square
     grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in params.items()}
     if rank == 0:
         out.update(logits=logits, grads=grads,
@@ -648,29 +639,12 @@ def test_experts_under_expert_parallelism_match_one_process(tmp_path, model_name
     the tokens routed to it, from both ranks. Both ranks get the same batch, so each expert sees two copies of its
     tokens, rank 0's first: what one process sees with the batch doubled. The logits equal it, and so do the
     gradients (summed over the ranks: halved), the experts' bit for bit."""
-    import torchtitan.distributed.parallel_dims as pd_module
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(pd_module, "device_type", "cpu")
-            torch.manual_seed(0)
-            model, pd = build_on_ranks(tp_config(1, "partial_dtensor", tmp_path / "ref", model_name), 1, blocks)
-            state = {n: _local(p).detach().clone() for n, p in model.named_parameters()}
-            vocab = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding)).num_embeddings
-            tokens = torch.randint(0, vocab, (BATCH, SEQ // 2), generator=torch.Generator().manual_seed(1))
-            logits = _ep_step(model, pd, torch.cat([tokens, tokens]))
-            grads = {n: _local(p.grad).clone() for n, p in model.named_parameters()}
-    finally:
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
-    out = run_ranks(_ep_worker, 2, model_name, blocks, tmp_path, state, tokens, preload=PRELOAD_V03)
-    experts = [n for n in grads if "routed_experts" in n]
+    ref = _tp_reference(model_name, tmp_path / "ref", (), blocks, copies=2)
+    out = run_ranks(_ep_worker, 2, model_name, blocks, tmp_path, ref.state, ref.tokens, preload=PRELOAD_V03)
+    experts = [n for n in ref.grads if "routed_experts" in n]
     assert out["local_experts"] == [4] and experts  # one MoE block: 8 experts, 4 per rank
-    assert torch.equal(out["logits"], logits[:BATCH])  # measured: equal
-    for name, g in grads.items():
+    assert torch.equal(out["logits"], ref.logits[:BATCH])  # measured: equal
+    for name, g in ref.grads.items():
         if name in experts:
             assert torch.equal(out["grads"][name] / 2, g), name
         else:  # measured: at most 2e-7 (FSDP2's summation order)
