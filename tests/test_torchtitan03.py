@@ -720,6 +720,33 @@ def test_experts_switch_to_torchtitans_own_experts_after_the_fraction(kind):
     assert not torch.equal(outs[0], upstream.forward(plain, x, counts))  # NVFP4 before the switch
 
 
+def test_linear_telemetry_measures_the_steps_it_names(gloo_rank, monkeypatch, tmp_path):
+    """telemetry_every on 0.3: the Linears' step counter picks steps 1 and every 2nd, each measured step leaves W's,
+    X's and dY's statistics per layer for the next metrics log (TorchTitan 0.3's MetricsProcessor.log adds them),
+    an unmeasured step none."""
+    from torchtitan.components.metrics import MetricsProcessor
+
+    from titan_nvfp4.telemetry import drain_all
+
+    c, model, step = _debug_step_model(monkeypatch, tmp_path, "--quantize.linear.telemetry_every", "2")
+    counters = attach_linear_state([model], c.quantize.linear, total_steps=4)
+    assert len(counters) == 1 and getattr(MetricsProcessor.log, "_nvfp4_telemetry", False)
+    linears = [m for m in model.modules() if isinstance(m, TitanNVFP4Linear)]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    opt.register_step_post_hook(lambda *a, **k: after_optimizer_step([model]))
+    drain_all()
+    measured = []
+    for _ in range(3):
+        step()
+        opt.step()
+        measured.append(drain_all())
+    assert [bool(m) for m in measured] == [True, True, False]  # steps 1 and 2 (every 2nd), not 3
+    keys = {k.rsplit("/", 2)[0] for k in measured[0]}
+    assert keys == {f"nvfp4/{m.layer_name}" for m in linears}
+    assert {k.split("/")[-2] for k in measured[0]} == {"weight", "input", "grad_output"}
+    assert not any(m.high_precision for m in linears)  # counted, never switched
+
+
 def test_train_state_resumes_the_sr_streams_bitwise(gloo_rank, monkeypatch, tmp_path):
     """DCP on NVFP4Trainer's train_state: a model resumed from step 2 (weights and train_state) computes the
     uninterrupted run's third-step gradients bit for bit; without the SR counts (the control) they differ."""

@@ -112,8 +112,9 @@ def drain_all() -> dict[str, float]:
 def measure_linear(module, x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> None:
     """Record W and X of a converted Linear's forward and, through a hook on y, dY in backward."""
     t: Telemetry | None = getattr(module, "telemetry", None)
-    if t is None or not t.active or type(weight) not in (torch.Tensor, torch.nn.Parameter):
-        return  # sharded (DTensor) and FSDP-NVFP4-gathered weights are not measured
+    if t is None or not t.active or type(weight) not in (torch.Tensor, torch.nn.Parameter) or \
+            getattr(module, "local_tp", None) is not None:
+        return  # sharded (DTensor or plain local TP shards) and FSDP-NVFP4-gathered weights are not measured
     name = getattr(module, "layer_name", "") or type(module).__name__
     t.record(name, "weight", weight, (BLOCK, BLOCK) if module.recipe.weight_2d else (1, BLOCK))
     t.record(name, "input", x)

@@ -15,6 +15,7 @@ from ..amax_history import AmaxHistory, layers_with_history, register_buffers, r
 from ..distributed.fsdp_all_gather import precompute_scales, wrap_weight
 from ..schedule import (GROUPED_STEPS, LINEAR_STEPS, PrecisionSchedule, StepCounter, attach_step_counter,
                         step_counters, switch_step)
+from ..telemetry import Telemetry, install_metrics_hook
 from ..train_state import install
 from .converter import NVFP4GroupedMMConfigConverter, NVFP4LinearConfigConverter
 from .experts import EXPERT_CLASSES
@@ -88,8 +89,9 @@ def with_nvfp4_all_gather(parallelize_fn, section: str):
 def attach_linear_state(model_parts: list[torch.nn.Module], section: NVFP4LinearConfigConverter.Config,
                         total_steps: int) -> list[StepCounter]:
     """Give the NVFP4 Linears of the built ``model_parts`` what ``section`` asks for across steps: a StepCounter per
-    part (submodule LINEAR_STEPS) whose schedule switches them to high precision at bf16_after_fraction, and the
-    amax windows of activation_amax_history. Returns the counters (none when neither knob is on)."""
+    part (submodule LINEAR_STEPS) whose schedule switches them to high precision at bf16_after_fraction and whose
+    count picks the telemetry_every steps, and the amax windows of activation_amax_history. Returns the counters
+    (none when neither the switch nor telemetry is on)."""
     linears = [[m for m in part.modules() if isinstance(m, TitanNVFP4Linear)] for part in model_parts]
     if section.activation_amax_history:
         history = AmaxHistory(section.activation_amax_history)
@@ -97,7 +99,17 @@ def attach_linear_state(model_parts: list[torch.nn.Module], section: NVFP4Linear
             register_buffers(m, history)
         logger.info(f"NVFP4: X of {sum(map(len, linears))} Linear layers quantized with the max amax of the last "
                     f"{history.length} optimizer steps (activation_amax_history)")
-    return _late_switch(model_parts, linears, section.bf16_after_fraction, total_steps, LINEAR_STEPS, "Linear layers")
+    counters = _late_switch(model_parts, linears, section.bf16_after_fraction, total_steps, LINEAR_STEPS,
+                            "Linear layers", section.telemetry_every > 0)
+    if section.telemetry_every:
+        for counter, ms in zip(counters, linears):
+            telemetry = Telemetry(section.telemetry_every, counter)
+            for m in ms:
+                m.telemetry = telemetry
+        install_metrics_hook()
+        logger.info(f"NVFP4: telemetry of {sum(map(len, linears))} Linear layers every {section.telemetry_every} "
+                    "steps (nvfp4/<layer>/<operand>/<stat> in the metrics)")
+    return counters
 
 
 def attach_grouped_state(model_parts: list[torch.nn.Module], section: NVFP4GroupedMMConfigConverter.Config,
@@ -107,15 +119,18 @@ def attach_grouped_state(model_parts: list[torch.nn.Module], section: NVFP4Group
     return _late_switch(model_parts, experts, section.bf16_after_fraction, total_steps, GROUPED_STEPS, "expert modules")
 
 
-def _late_switch(model_parts, modules, fraction: float, total_steps: int, name: str, what: str) -> list[StepCounter]:
+def _late_switch(model_parts, modules, fraction: float, total_steps: int, name: str, what: str,
+                 counted: bool = False) -> list[StepCounter]:
     """A StepCounter per part (submodule ``name``) whose schedule switches ``modules`` to high precision for the last
-    ``fraction`` of ``total_steps``; none when ``fraction`` is 0."""
-    if not fraction:
+    ``fraction`` of ``total_steps``; none when ``fraction`` is 0, unless ``counted`` (the steps are counted anyway,
+    never switching)."""
+    if not (fraction or counted):
         return []
-    schedule = PrecisionSchedule(switch_step(fraction, total_steps))
+    schedule = PrecisionSchedule(switch_step(fraction, total_steps) if fraction else None)
     counters = [attach_step_counter(part, name, ms, schedule) for part, ms in zip(model_parts, modules)]
-    logger.info(f"NVFP4: {what} switch to high precision after optimizer step {schedule.switch_step} "
-                f"(bf16_after_fraction = {fraction} of {total_steps} steps)")
+    if fraction:
+        logger.info(f"NVFP4: {what} switch to high precision after optimizer step {schedule.switch_step} "
+                    f"(bf16_after_fraction = {fraction} of {total_steps} steps)")
     return counters
 
 
@@ -156,8 +171,8 @@ class NVFP4Trainer(Trainer):
         if grouped.enable:
             attach_grouped_state(self.model_parts, grouped, config.training.steps)
         gather = linear.enable and linear.fsdp_nvfp4_all_gather
-        if (linear.enable and (linear.bf16_after_fraction or linear.activation_amax_history or gather)) or \
-                (grouped.enable and grouped.bf16_after_fraction):
+        per_step = linear.bf16_after_fraction or linear.activation_amax_history or linear.telemetry_every or gather
+        if (linear.enable and per_step) or (grouped.enable and grouped.bf16_after_fraction):
             self.optimizers.register_step_post_hook(
                 lambda *args, **kwargs: after_optimizer_step(self.model_parts, gather))
 
