@@ -83,7 +83,6 @@ def test_documented_configs_parse():
     (["--quantize.linear.no_such_knob", "1"], ["Unrecognized options", "--quantize.linear.no_such_knob"]),
     (["--quantize.grouped_mm.lora_rank", "16"], ["quantize.grouped_mm", "lora_rank", "not supported by the TorchTitan "
                                                   "0.3 integration"]),
-    (["--quantize.grouped_mm.telemetry_every", "5"], ["quantize.grouped_mm", "telemetry_every", "not supported"]),
     (["--quantize.grouped_mm.backward", "mxfp8"], ["quantize.grouped_mm", "the experts run an NVFP4 backward only"]),
 ])
 def test_bad_knob_stops_the_parse_naming_it(capsys, args, words):
@@ -745,6 +744,36 @@ def test_linear_telemetry_measures_the_steps_it_names(gloo_rank, monkeypatch, tm
     assert keys == {f"nvfp4/{m.layer_name}" for m in linears}
     assert {k.split("/")[-2] for k in measured[0]} == {"weight", "input", "grad_output"}
     assert not any(m.high_precision for m in linears)  # counted, never switched
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "gpt_oss"])
+def test_expert_telemetry_measures_every_grouped_gemm_and_changes_no_bit(kind):
+    """The experts' telemetry on 0.3: a measured step records each grouped GEMM's weight (per expert), routed tokens
+    and dY, and computes the same bits as an unmeasured one (the SwiGLU experts then run W1 and W3 unfused)."""
+    from titan_nvfp4.telemetry import Telemetry, drain_all
+
+    upstream, names = {
+        "swiglu": (GroupedExperts, ("w1_EFD", "w2_EDF", "w3_EFD")),
+        "gpt_oss": (GptOssGroupedExperts, ("mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED")),
+    }[kind]
+    torch.manual_seed(0)
+    m = build_experts(upstream, names, stochastic_rounding=False)
+    counts = torch.tensor(COUNTS)
+    x, dy = torch.randn(sum(COUNTS), D), torch.randn(sum(COUNTS), D)
+    runs = []
+    for measured in (False, True):
+        m.telemetry = Telemetry(1) if measured else None
+        drain_all()
+        m.zero_grad(set_to_none=True)
+        xg = x.clone().requires_grad_()
+        y = m(xg, counts)
+        y.backward(dy)
+        runs.append(([y.detach(), xg.grad, *(getattr(m, n).grad for n in names)], drain_all()))
+    (plain, none), (measured, stats) = runs
+    assert not none and all(torch.equal(a, b) for a, b in zip(plain, measured))
+    assert {k.rsplit("/", 2)[0] for k in stats} == {f"nvfp4/{m.layer_name}/{g}" for g in m.GEMMS}
+    assert {k.split("/")[-2] for k in stats} == {"weight", "input", "grad_output"}
+    assert all(f"nvfp4/{m.layer_name}/{g}/weight/snr_db_worst_expert" in stats for g in m.GEMMS)
 
 
 def test_train_state_resumes_the_sr_streams_bitwise(gloo_rank, monkeypatch, tmp_path):

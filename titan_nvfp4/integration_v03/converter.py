@@ -21,7 +21,7 @@ DEFAULT_FILTER_FQNS = ("lm_head", "router.gate", "shared_experts")  # 0.3's LM h
 #: knobs of the 0.2 integration that this one does not implement yet, with their off value
 NOT_YET = {"lora_rank": 0, "lora_refresh_steps": 0}
 #: the same for `quantize.grouped_mm`
-GROUPED_NOT_YET = {"lora_rank": 0, "telemetry_every": 0}
+GROUPED_NOT_YET = {"lora_rank": 0}
 
 
 def _check_section(config, knobs: type, not_yet: dict) -> None:

@@ -29,6 +29,7 @@ from ..expert_groups import check_expert_dims, pad_token_groups
 from ..grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
 from ..layer_state import NVFP4LayerState
 from ..nvfp4_linear import check_recipe
+from ..telemetry import measure_experts
 from .modules import nvfp4_config, place_buffers, tp_sharding
 
 SECTION = "quantize.grouped_mm"
@@ -89,6 +90,16 @@ class _NVFP4Experts(NVFP4LayerState):
     def _init_self_buffers(self, *, buffer_device=None) -> None:
         self._reset_nvfp4_buffers()  # a fresh SR stream per GEMM and the RHT signs at init_weights
 
+    def _measured(self) -> bool:
+        """Whether telemetry (``telemetry_every``) measures this step."""
+        return self.telemetry is not None and self.telemetry.active
+
+    def _measure(self, x: torch.Tensor, gemms: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Telemetry of the grouped GEMMs that read ``x``: {weight name: (local weight, output)} (not of TP shards)."""
+        if self._measured() and not self.tp_groups:
+            for name, (w, y) in gemms.items():
+                measure_experts(self, name, x, w, y)
+
     def _high_precision(self, upstream: type, x_RD: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """After the ``bf16_after_fraction`` switch: TorchTitan's own expert computation (its grouped GEMMs in the
         input's dtype) on the token groups padded to multiples of 16, as the NVFP4 path runs them."""
@@ -124,10 +135,17 @@ class TitanNVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
         offsets = torch.cumsum(p.counts, dim=0, dtype=torch.int32)
         c, signs = local(self.sr_counter), local(self.rht_signs)
         tp = self.tp_groups
-        h, h_amax = nvfp4_grouped_swiglu(p.x, w1, w3, offsets, self.recipe, (c[0], c[2]), signs, True, tp.get("w1_EFD"),
-                                         h_colwise=torch.is_grad_enabled() and w2.requires_grad)
+        if self._measured():  # telemetry needs x W1ᵀ and x W3ᵀ apart: the unfused SwiGLU (the same bits)
+            h1, h3 = nvfp4_grouped_mm_shared(p.x, (w1, w3), offsets, (None, None), self.recipe, (c[0], c[2]), signs,
+                                             True, tp.get("w1_EFD"))
+            self._measure(p.x, {"w1_EFD": (w1, h1), "w3_EFD": (w3, h3)})
+            h, h_amax = torch.nn.functional.silu(h1) * h3, None
+        else:
+            h, h_amax = nvfp4_grouped_swiglu(p.x, w1, w3, offsets, self.recipe, (c[0], c[2]), signs, True,
+                                             tp.get("w1_EFD"), h_colwise=torch.is_grad_enabled() and w2.requires_grad)
         (y,) = nvfp4_grouped_mm_shared(h, (w2,), offsets, (None,), self.recipe, (c[1],), signs, True,
                                        tp.get("w2_EDF"), h_amax)
+        self._measure(h, {"w2_EDF": (w2, y)})
         return y[p.rows].type_as(x_RD)
 
 
@@ -158,12 +176,14 @@ class TitanNVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):
         tp = self.tp_groups
         (h,) = nvfp4_grouped_mm_shared(p.x, (w1,), offsets, (b1,), self.recipe, (c[0],), signs, True,
                                        tp.get("mlp1_weight_EGD"))
+        self._measure(p.x, {"mlp1_weight_EGD": (w1, h)})
         # the padding rows hold swiglu(b1): zero them, so they stay out of h's amaxes as the unpadded groups
         h = swiglu(h, limit=self.swiglu_limit) * p.valid(h.dtype)
         if self.tp_degree > 1:  # rowwise mlp2: each rank adds b2 / tp to its partial sum, its gradient unscaled (as
             b2 = ScaleBiasForward.apply(b2, self.tp_degree, b2.dtype)  # TorchTitan's own gpt_oss experts)
         (y,) = nvfp4_grouped_mm_shared(h, (w2,), offsets, (b2,), self.recipe, (c[1],), signs, True,
                                        tp.get("mlp2_weight_EDF"))
+        self._measure(h, {"mlp2_weight_EDF": (w2, y)})
         return y[p.rows].type_as(x_RD)
 
 

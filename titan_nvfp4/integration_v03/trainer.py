@@ -101,22 +101,31 @@ def attach_linear_state(model_parts: list[torch.nn.Module], section: NVFP4Linear
                     f"{history.length} optimizer steps (activation_amax_history)")
     counters = _late_switch(model_parts, linears, section.bf16_after_fraction, total_steps, LINEAR_STEPS,
                             "Linear layers", section.telemetry_every > 0)
-    if section.telemetry_every:
-        for counter, ms in zip(counters, linears):
-            telemetry = Telemetry(section.telemetry_every, counter)
-            for m in ms:
-                m.telemetry = telemetry
-        install_metrics_hook()
-        logger.info(f"NVFP4: telemetry of {sum(map(len, linears))} Linear layers every {section.telemetry_every} "
-                    "steps (nvfp4/<layer>/<operand>/<stat> in the metrics)")
+    _attach_telemetry(counters, linears, section.telemetry_every, "Linear layers")
     return counters
 
 
 def attach_grouped_state(model_parts: list[torch.nn.Module], section: NVFP4GroupedMMConfigConverter.Config,
                          total_steps: int) -> list[StepCounter]:
-    """The routed experts' late switch to high precision (bf16_after_fraction), as attach_linear_state's."""
+    """The routed experts' late switch to high precision (bf16_after_fraction) and telemetry, as attach_linear_state's."""
     experts = [[m for m in part.modules() if isinstance(m, tuple(EXPERT_CLASSES.values()))] for part in model_parts]
-    return _late_switch(model_parts, experts, section.bf16_after_fraction, total_steps, GROUPED_STEPS, "expert modules")
+    counters = _late_switch(model_parts, experts, section.bf16_after_fraction, total_steps, GROUPED_STEPS,
+                            "expert modules", section.telemetry_every > 0)
+    _attach_telemetry(counters, experts, section.telemetry_every, "expert modules")
+    return counters
+
+
+def _attach_telemetry(counters: list[StepCounter], modules: list[list[torch.nn.Module]], every: int, what: str) -> None:
+    """Every ``every`` steps (and step 1, as the parts' counters count them) the modules measure their operands into
+    TorchTitan's next metrics log (titan_nvfp4/telemetry.py)."""
+    if not every:
+        return
+    for counter, ms in zip(counters, modules):
+        telemetry = Telemetry(every, counter)
+        for m in ms:
+            m.telemetry = telemetry
+    install_metrics_hook()
+    logger.info(f"NVFP4: telemetry of {sum(map(len, modules))} {what} every {every} steps (nvfp4/... in the metrics)")
 
 
 def _late_switch(model_parts, modules, fraction: float, total_steps: int, name: str, what: str,
@@ -172,7 +181,7 @@ class NVFP4Trainer(Trainer):
             attach_grouped_state(self.model_parts, grouped, config.training.steps)
         gather = linear.enable and linear.fsdp_nvfp4_all_gather
         per_step = linear.bf16_after_fraction or linear.activation_amax_history or linear.telemetry_every or gather
-        if (linear.enable and per_step) or (grouped.enable and grouped.bf16_after_fraction):
+        if (linear.enable and per_step) or (grouped.enable and (grouped.bf16_after_fraction or grouped.telemetry_every)):
             self.optimizers.register_step_post_hook(
                 lambda *args, **kwargs: after_optimizer_step(self.model_parts, gather))
 
