@@ -288,6 +288,11 @@ def test_pad_token_groups_aligns_every_group_and_maps_rows_back():
 
 E, D, F = 4, 32, 48
 COUNTS = [5, 0, 19, 8]  # groups not aligned to 16, an empty expert
+#: TorchTitan's expert modules and their parameters, by the SwiGLU they run
+EXPERT_KINDS = {
+    "swiglu": (GroupedExperts, ("w1_EFD", "w2_EDF", "w3_EFD")),
+    "gpt_oss": (GptOssGroupedExperts, ("mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED")),
+}
 
 
 def build_experts(upstream, names, **recipe):
@@ -321,10 +326,7 @@ def test_experts_equal_the_core_grouped_functions_on_unpadded_groups(kind):
     groups with the same weights, counters and signs: without stochastic rounding the same bits for y, dx and
     every weight gradient (bias gradients to fp32 summation order); with it the same forward. Both within
     NVFP4's error of a float64 reference."""
-    upstream, names = {
-        "swiglu": (GroupedExperts, ("w1_EFD", "w2_EDF", "w3_EFD")),
-        "gpt_oss": (GptOssGroupedExperts, ("mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED")),
-    }[kind]
+    upstream, names = EXPERT_KINDS[kind]
     counts = torch.tensor(COUNTS)
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     for sr in (False, True):
@@ -695,10 +697,7 @@ def test_experts_switch_to_torchtitans_own_experts_after_the_fraction(kind):
     """The experts' bf16_after_fraction on 0.3: the optimizer step hook switches them after step 1 of 2; then they
     compute what TorchTitan's own module computes on the same weights (its grouped GEMMs, exactly) and draw no
     stochastic-rounding numbers."""
-    upstream, names = {
-        "swiglu": (GroupedExperts, ("w1_EFD", "w2_EDF", "w3_EFD")),
-        "gpt_oss": (GptOssGroupedExperts, ("mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED")),
-    }[kind]
+    upstream, names = EXPERT_KINDS[kind]
     section = NVFP4GroupedMMConfigConverter.Config(gemm_backend="reference", bf16_after_fraction=0.5)
     torch.manual_seed(0)
     m = build_experts(upstream, names, bf16_after_fraction=0.5)
@@ -752,10 +751,7 @@ def test_expert_telemetry_measures_every_grouped_gemm_and_changes_no_bit(kind):
     and dY, and computes the same bits as an unmeasured one (the SwiGLU experts then run W1 and W3 unfused)."""
     from titan_nvfp4.telemetry import Telemetry, drain_all
 
-    upstream, names = {
-        "swiglu": (GroupedExperts, ("w1_EFD", "w2_EDF", "w3_EFD")),
-        "gpt_oss": (GptOssGroupedExperts, ("mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED")),
-    }[kind]
+    upstream, names = EXPERT_KINDS[kind]
     torch.manual_seed(0)
     m = build_experts(upstream, names, stochastic_rounding=False)
     counts = torch.tensor(COUNTS)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 
 import torch
 from torchtitan.components.validate import Validator
@@ -79,8 +80,6 @@ def _graph_step(module, args):
 
 
 def _cudagraph_trees_on() -> bool:
-    import sys
-
     inductor_config = sys.modules.get("torch._inductor.config")  # unimported: nothing compiled, no trees
     return inductor_config is not None and bool(inductor_config.triton.cudagraphs) and \
         bool(inductor_config.triton.cudagraph_trees)
