@@ -446,9 +446,7 @@ def test_empty_token_batch_like_nn_linear():
 
 def test_no_wgrad_operand_without_autograd(monkeypatch):
     import titan_nvfp4.linear_function as lf
-    from titan_nvfp4 import shared_input
 
-    monkeypatch.setattr(shared_input, "enabled", False)  # each call quantizes its X (no reuse of the same X)
     calls = []
     real = lf.quantize_activation
     monkeypatch.setattr(lf, "quantize_activation", lambda x2d, need_col, *a: (calls.append(need_col), real(x2d, need_col, *a))[1])

@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 
 from .distributed.amax import AmaxGroups, all_reduce_max
-from .linear_function import _repack, _unpack, autocast_out_dtype, next_sr_seed, sr_counter
-from .numerics.rht import shared_rht_signs, signs_for_operand
+from .linear_function import _repack, _signs, _unpack, autocast_out_dtype, next_sr_seed, sr_counter
+from .numerics.rht import signs_for_operand
 from .ops import nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient, quantize_weight, resolve_backend
 from .ops import grouped as G
 from .recipe import NVFP4Recipe
@@ -383,7 +383,7 @@ def _rht_signs(recipe: NVFP4Recipe, signs: torch.Tensor | None, device) -> torch
     """The RHT signs the recipe uses (the given ones, or its seed's), None without the RHT."""
     if not recipe.rht:
         return None
-    return signs if signs is not None else shared_rht_signs(recipe.rht_seed, device)
+    return signs if signs is not None else _signs(recipe.rht_seed, device)
 
 
 def _grouped(x, weights, offsets, biases, recipe, counters, signs, aligned, groups, amax_carrier, x_amax):

@@ -11,7 +11,7 @@ from torch import nn
 
 from .distributed.tensor_parallel import local
 from .linear_function import sr_counter
-from .numerics.rht import rht_signs, shared_rht_signs
+from .numerics.rht import rht_signs
 from .recipe import NVFP4Recipe
 
 
@@ -34,8 +34,8 @@ class NVFP4LayerState(nn.Module):
 
     def _reset_nvfp4_buffers(self) -> None:
         """Fill the SR counter(s) (call 0 of each stream, distinct per rank) and the RHT signs (the same
-        on every rank, one tensor shared by all layers: _share_signs); nothing on meta. Under tensor
-        parallelism the buffers are replicated DTensors: each rank fills its local copy."""
+        on every rank); nothing on meta. Under tensor parallelism the buffers are replicated DTensors:
+        each rank fills its local copy."""
         if self.sr_counter.is_meta:
             return
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -45,9 +45,8 @@ class NVFP4LayerState(nn.Module):
             else:
                 counter = torch.stack([sr_counter(self.recipe, i, rank=rank) for i in self._stream_ids])
             local(self.sr_counter).copy_(counter)
-            if isinstance(self.rht_signs, torch.Tensor) and type(self.rht_signs) is not torch.Tensor:
+            if self.rht_signs is not None:
                 local(self.rht_signs).copy_(rht_signs(self.recipe.rht_seed))
-            self._share_signs()
             for name in ("x_amax_history", "x_amax_pending"):  # amax_history.py, when the layer keeps one
                 if self._buffers.get(name) is not None:
                     local(self._buffers[name]).zero_()
@@ -59,16 +58,7 @@ class NVFP4LayerState(nn.Module):
         super()._apply(fn, recurse)
         if before.type == "meta" or self.sr_counter.device != before:
             self._reset_nvfp4_buffers()
-        else:
-            self._share_signs()  # a dtype cast copied the signs per layer
         return self
-
-    def _share_signs(self) -> None:
-        """Point a plain (not distributed, not meta) ``rht_signs`` buffer at the tensor every layer of this
-        seed and device shares (numerics/rht.py: shared_rht_signs), so sibling layers' X quantizations match."""
-        signs = self._buffers.get("rht_signs")
-        if type(signs) is torch.Tensor and not signs.is_meta:
-            self._buffers["rht_signs"] = shared_rht_signs(self.recipe.rht_seed, signs.device)
 
     #: shared with the converter's StepCounter (schedule.py); None: always NVFP4
     precision_schedule = None

@@ -17,16 +17,20 @@ import functools
 
 import torch
 
-from . import shared_input
 from .body_graphs import BodyGraphs
 from .distributed.amax import AmaxGroups, all_reduce_max
 from .distributed.fsdp_all_gather import NVFP4GatheredWeight, gathered_nvfp4
 from .numerics.mxfp8 import MXFP8Tensor
 from .numerics.nvfp4 import NVFP4Tensor
-from .numerics.rht import shared_rht_signs, signs_for_operand
+from .numerics.rht import rht_signs, signs_for_operand
 from .ops import (mxfp8_gemm, mxfp8_operands, nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient,
                   quantize_weight, resolve_backend)
 from .recipe import NVFP4Recipe
+
+
+@functools.lru_cache(maxsize=None)
+def _signs(seed: int, device: torch.device) -> torch.Tensor:
+    return rht_signs(seed, device)
 
 
 _SEED_MASK = 2**62 - 1
@@ -74,18 +78,11 @@ def _repack(data, scale, gs, like_shape, block_shape) -> NVFP4Tensor:
     return NVFP4Tensor(data=data, scale=scale, global_scale=gs, shape=like_shape, block_shape=block_shape)
 
 
-def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, x_signs, out_dtype, need_col, backend, w_amax,
-                  shared=None):
+def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, x_signs, out_dtype, need_col, backend, w_amax):
     """Forward's GPU work as tensors: (Y, Wᵀ's codes, scales and decode scale, then Xᵀ's when ``need_col``)
-    and their (shape, block shape) metadata; body_graphs.py may replay it as a CUDA graph. ``shared``: a
-    list holding X's (xq, Xᵀ) from a sibling layer (shared_input.py) to use, or empty to receive them."""
+    and their (shape, block shape) metadata; body_graphs.py may replay it as a CUDA graph."""
     fos = recipe.four_over_six
-    if shared:
-        xq, x_col = shared[0]
-    else:
-        xq, x_col = quantize_activation(x2d, need_col, x_signs, backend, x_amax, fos)
-        if shared is not None:
-            shared.append((xq, x_col))
+    xq, x_col = quantize_activation(x2d, need_col, x_signs, backend, x_amax, fos)
     if isinstance(weight, NVFP4GatheredWeight):  # FSDP2 gathered it as NVFP4: distributed/fsdp_all_gather.py
         wq = gathered_nvfp4(weight)
         w_t = wq.t()
@@ -164,16 +161,6 @@ class NVFP4LinearFunction(torch.autograd.Function):
                 tensors = (tensors[0].clone(),) + tuple(tensors[1:])  # y leaves; the rest stays for backward
                 ctx.fwd_key = key if saving else None
             ctx.graphs = graphs
-        elif x_amax is None and shared_input.applies(x):  # eager: sibling layers quantize this X once
-            key = shared_input.key(x2d, signs, fp4_wgrad, backend, recipe.four_over_six,
-                                   recipe.rht_round_to_input_dtype)
-            found = shared_input.lookup(x, key)
-            if found is None:
-                shared_input.clear()  # the previous X's staged operand goes before this one is made
-            shared = [found] if found is not None else []
-            tensors, meta = body(*copied, shared=shared)
-            if found is None:
-                shared_input.store(x, key, signs, shared[0])
         else:
             tensors, meta = body(*copied)
         y, saved_w_t, saved_x_col = tensors[0], tensors[1:4], tensors[4:]
@@ -228,7 +215,6 @@ class NVFP4LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        shared_input.clear()  # forward is over: free the last staged X
         with torch.autocast(dy.device.type, enabled=False):
             if ctx.hp_backward:
                 return NVFP4LinearFunction._backward_hp(ctx, dy)
@@ -313,7 +299,7 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if counter is None:
         counter = sr_counter(recipe, 0, x.device)
     if signs is None and recipe.rht:
-        signs = shared_rht_signs(recipe.rht_seed, x.device)
+        signs = _signs(recipe.rht_seed, x.device)
     if graphs is not None and torch.compiler.is_compiling():  # compiled: inductor's own CUDA graphs, if any
         graphs = None
     return NVFP4LinearFunction.apply(x, weight, bias, recipe, counter, signs if recipe.rht else None, need_wgrad,

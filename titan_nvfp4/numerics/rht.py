@@ -13,8 +13,6 @@ it to that dtype, nearest-even, as Transformer Engine does for bf16 operands (th
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 RHT_SIZE = 16
@@ -35,14 +33,6 @@ def rht_signs(seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     bits = torch.randint(0, 2, (RHT_SIZE,), generator=gen)
     return (1.0 - 2.0 * bits.float()).to(device)
-
-
-@functools.lru_cache(maxsize=None)
-def shared_rht_signs(seed: int, device: torch.device) -> torch.Tensor:
-    """rht_signs(seed) as one tensor per (seed, device) that every layer holds: layers reading the same X then
-    pass the same sign tensor, so their quantizations of X are one computation (shared_input.py in eager,
-    AOTAutograd's CSE under torch.compile). Never written in place."""
-    return rht_signs(seed, device)
 
 
 def signs_for_operand(signs: torch.Tensor | None, dtype: torch.dtype, round_to_input: bool) -> torch.Tensor | None:

@@ -37,7 +37,7 @@ from ..numerics.nvfp4 import NVFP4Tensor
 Tensor = torch.Tensor
 
 
-def runs_directly(args) -> bool:
+def _runs_directly(args) -> bool:
     """Whether an op call may skip the dispatcher: eager, no mode, every tensor a plain non-meta one."""
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return False
@@ -59,7 +59,7 @@ def _op(name: str):
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            if runs_directly((*args, *kwargs.values())):
+            if _runs_directly((*args, *kwargs.values())):
                 return fn(*args, **kwargs)
             return op(*args, **kwargs)
 
