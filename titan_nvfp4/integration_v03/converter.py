@@ -1,6 +1,6 @@
 """The 0.3 model converters: `quantize.linear` replaces Linear.Config nodes of a model config tree with
-TitanNVFP4Linear.Config (TitanDecomposedLinear.Config with a lora_rank), `quantize.grouped_mm` the routed experts' GroupedExperts.Config nodes with their NVFP4
-versions (experts.py), per the shared knobs (titan_nvfp4/knobs.py)."""
+TitanNVFP4Linear.Config (TitanDecomposedLinear.Config with a lora_rank), `quantize.grouped_mm` the routed experts'
+GroupedExperts.Config nodes with their NVFP4 versions (experts.py), per the shared knobs (titan_nvfp4/knobs.py)."""
 
 from dataclasses import dataclass, field, fields
 from typing import ClassVar

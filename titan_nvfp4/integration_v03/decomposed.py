@@ -59,7 +59,7 @@ class TitanDecomposedLinear(DecomposedLinear, TitanNVFP4Linear):
         """TitanNVFP4Linear's parallelize; a tensor-parallel weight is refused by name (not supported yet)."""
         if parallel_dims.tp_enabled and tp_sharding(self, "weight") is not None:
             raise NotImplementedError(
-                f"[{SECTION}] lora_rank = {self.rank}: Linear {self.label()!r} is tensor-parallel, which the TorchTitan "
-                "0.3 integration does not support for DecomposedLinear yet; set lora_rank = 0, keep the layer BF16 "
-                "with filter_fqns, or run without tensor parallelism")
+                f"[{SECTION}] lora_rank = {self.rank}: Linear {self.label()!r} is tensor-parallel, which the "
+                "TorchTitan 0.3 integration does not support for DecomposedLinear yet; set lora_rank = 0, keep the "
+                "layer BF16 with filter_fqns, or run without tensor parallelism")
         TitanNVFP4Linear.parallelize(self, parallel_dims)

@@ -1,8 +1,8 @@
 """NVFP4Trainer: TorchTitan 0.3's Trainer whose Config gains a `quantize` section (0.2's [quantize.linear.nvfp4]
 and [quantize.grouped_mm.nvfp4]), applied to the model config before the Trainer builds the model; after the
 build it attaches the per-step state of the NVFP4 Linears (the late BF16 switch, the activation amax windows, the
-low-rank refresh of lora_refresh_steps), advanced by an optimizer step hook, and its checkpointed train_state carries the SR call counts and the windows
-(titan_nvfp4/train_state.py), so a resumed run continues bit for bit."""
+low-rank refresh of lora_refresh_steps), advanced by an optimizer step hook, and its checkpointed train_state
+carries the SR call counts and the windows (titan_nvfp4/train_state.py), so a resumed run continues bit for bit."""
 
 import functools
 from dataclasses import dataclass, field
