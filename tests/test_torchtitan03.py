@@ -850,19 +850,22 @@ def test_lora_rank_splits_each_initialized_weight_as_the_02_module(gloo_rank, mo
     assert len(extra) == 5 * 5  # lora_u, lora_sigma, lora_v, lora_residual, lora_decomposed
 
 
-def test_lora_rank_that_does_not_fit_a_linear_is_refused_naming_it():
-    """A lora_rank above a Linear's smaller dim stops the conversion, naming the key and the Linear (0.2's words); a
-    tensor-parallel DecomposedLinear is refused at parallelize."""
+def test_lora_knobs_reach_every_linear_and_a_rank_that_does_not_fit_is_refused():
+    """lora_rank and lora_nvfp4 reach every converted Linear's config; a lora_rank above a Linear's smaller dim stops
+    the conversion, naming the key and the Linear (0.2's words); a tensor-parallel DecomposedLinear is refused at
+    parallelize."""
     c = parse("llama3_debug_nvfp4", "--quantize.linear.lora_rank", "512")
     with pytest.raises(ValueError, match=r"\[quantize.linear\] lora_rank 512 does not fit Linear "
                                          r"'layers.0.attention.qkv_linear.wqkv' \(768x256\)"):
         apply_quantize(c)
-    c = parse("llama3_debug_nvfp4", *LORA)
+    c = parse("llama3_debug_nvfp4", "--quantize.linear.lora_rank", "32", "--quantize.linear.lora_nvfp4")
     apply_quantize(c)
+    configs = [cfg for _, cfg, _, _ in c.model_spec.model.traverse(TitanDecomposedLinear.Config)]
+    assert len(configs) == 30 and {(cfg.lora_rank, cfg.lora_nvfp4) for cfg in configs} == {(32, True)}
     c.model_spec.model.update_from_config(config=c)
     with torch.device("meta"):
         wo = c.model_spec.model.layers[0].attention.wo.build()
-    with pytest.raises(NotImplementedError, match=r"\[quantize.linear\] lora_rank = 16: Linear 'layers.0.attention.wo' "
+    with pytest.raises(NotImplementedError, match=r"\[quantize.linear\] lora_rank = 32: Linear 'layers.0.attention.wo' "
                                                   "is tensor-parallel"):
         wo.parallelize(SimpleNamespace(tp_enabled=True))
 
