@@ -31,7 +31,9 @@ from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts, swiglu  # noqa: 
 from dist_util import PRELOAD_V03, run_ranks  # noqa: E402
 from titan_nvfp4.expert_groups import experts_layer_id, pad_token_groups  # noqa: E402
 from titan_nvfp4.grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu  # noqa: E402
+from titan_nvfp4.decomposed_linear import DecomposedLinear  # noqa: E402
 from titan_nvfp4.integration_v03.converter import NVFP4GroupedMMConfigConverter  # noqa: E402
+from titan_nvfp4.integration_v03.decomposed import TitanDecomposedLinear  # noqa: E402
 from titan_nvfp4.integration_v03.experts import TitanNVFP4GptOssExperts, TitanNVFP4GroupedExperts  # noqa: E402
 from titan_nvfp4.integration_v03.modules import TitanNVFP4Linear  # noqa: E402
 from titan_nvfp4.integration_v03.trainer import (LINEAR_STEPS, NVFP4Trainer, after_optimizer_step,  # noqa: E402
@@ -78,7 +80,9 @@ def test_documented_configs_parse():
 @pytest.mark.parametrize("args, words", [
     (["--quantize.linear.gemm_backend", "bogus"], ["quantize.linear", "gemm_backend", "bogus"]),
     (["--quantize.linear.recipe", "no_such_preset"], ["unknown recipe", "no_such_preset"]),
-    (["--quantize.linear.lora_rank", "16"], ["lora_rank", "not supported by the TorchTitan 0.3 integration"]),
+    (["--quantize.linear.lora_rank", "-16"], ["[quantize.linear] lora_rank must be 0 (off) or a positive multiple of "
+                                              "16, got -16"]),
+    (["--quantize.linear.lora_refresh_steps", "2"], ["[quantize.linear] lora_refresh_steps = 2 needs lora_rank > 0"]),
     (["--quantize.linear.bf16_after_fraction", "1.5"], ["bf16_after_fraction", "1.5"]),
     (["--quantize.linear.no_such_knob", "1"], ["Unrecognized options", "--quantize.linear.no_such_knob"]),
     (["--quantize.grouped_mm.lora_rank", "16"], ["quantize.grouped_mm", "lora_rank", "not supported by the TorchTitan "
@@ -652,14 +656,14 @@ def test_experts_under_expert_parallelism_match_one_process(tmp_path, model_name
             assert _rel(out["grads"][name] / 2, g) < 1e-6, name
 
 
-def _debug_step_model(monkeypatch, tmp_path, *overrides):
-    """llama3_debug_nvfp4's first 2 blocks (reference backend) built through its parallelize_fn, and a training
-    step: forward, loss, backward on fixed tokens; returns (config, model, step)."""
+def _debug_step_model(monkeypatch, tmp_path, *overrides, blocks=2):
+    """llama3_debug_nvfp4's first ``blocks`` blocks (reference backend) built through its parallelize_fn, and a
+    training step: forward, loss, backward on fixed tokens; returns (config, model, step)."""
     torch.manual_seed(0)
     c = parse("llama3_debug_nvfp4", "--quantize.linear.gemm_backend", "reference", "--training.seq_len", str(SEQ),
               "--training.local_batch_size", str(BATCH), "--dump_folder", str(tmp_path), *overrides)
     apply_quantize(c)
-    model = build_parallelized(c, monkeypatch, blocks=2)
+    model = build_parallelized(c, monkeypatch, blocks=blocks)
     vocab = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding)).num_embeddings
     tokens = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
 
@@ -802,6 +806,113 @@ def test_train_state_resumes_the_sr_streams_bitwise(gloo_rank, monkeypatch, tmp_
     dcp.load(ctrl_state, checkpoint_id=str(tmp_path / "step-2"))
     ctrl.load_state_dict(ctrl_state["model"])
     assert not all(torch.equal(g, w) for g, w in zip(step_c(), want, strict=True))
+
+
+# ------------------------------------------------------------------------------------------- DecomposedLinear
+
+LORA = ("--quantize.linear.lora_rank", "16")
+FACTORS = ("lora_u", "lora_sigma", "lora_v", "weight")
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def test_lora_rank_splits_each_initialized_weight_as_the_02_module(gloo_rank, monkeypatch, tmp_path):
+    """lora_rank on 0.3: every block Linear config becomes a TitanDecomposedLinear (the LM head stays BF16), and after
+    TorchTitan's init_states each holds the split DecomposedLinear.from_linear makes of the weight the NVFP4 twin
+    (same seed) initialized: U, σ, V and R bit for bit, R + U·diag(σ)·V within fp32 rounding of W. The checkpoint
+    keys are the twin's plus the factors'."""
+    lora, plain = (parse("llama3_debug_nvfp4", "--quantize.linear.gemm_backend", "reference", *extra)
+                   for extra in (LORA, ()))
+    apply_quantize(lora)
+    assert set(block_linears(lora.model_spec.model).values()) == {TitanDecomposedLinear.Config}
+    assert type(lora.model_spec.model.lm_head) is Linear.Config
+    apply_quantize(plain)
+    models = []
+    for c in (lora, plain):
+        torch.manual_seed(0)
+        models.append(build_parallelized(c, monkeypatch, blocks=1))
+    twin = dict(models[1].named_modules())
+    decomposed = {n: m for n, m in models[0].named_modules() if isinstance(m, TitanDecomposedLinear)}
+    assert len(decomposed) == 5 and all(m.rank == 16 and m._lora_ready for m in decomposed.values())
+    for name, m in decomposed.items():
+        w = _full(twin[name].weight).detach()
+        linear = torch.nn.Linear(m.in_features, m.out_features, bias=False)
+        with torch.no_grad():
+            linear.weight.copy_(w)
+        ref = DecomposedLinear.from_linear(linear, m.recipe, m.layer_id, name, rank=16)
+        for f in FACTORS:
+            assert torch.equal(_full(getattr(m, f)).detach(), getattr(ref, f).detach()), (name, f)
+        assert torch.allclose(m.dense_weight().detach(), w, rtol=0, atol=1e-6), name
+    extra = {k for k in models[0].state_dict() if "lora_" in k}
+    assert set(models[0].state_dict()) - extra == set(models[1].state_dict())
+    assert len(extra) == 5 * 5  # lora_u, lora_sigma, lora_v, lora_residual, lora_decomposed
+
+
+def test_lora_knobs_reach_every_linear_and_a_rank_that_does_not_fit_is_refused():
+    """lora_rank and lora_nvfp4 reach every converted Linear's config; a lora_rank above a Linear's smaller dim stops
+    the conversion, naming the key and the Linear (0.2's words); a tensor-parallel DecomposedLinear is refused at
+    parallelize."""
+    c = parse("llama3_debug_nvfp4", "--quantize.linear.lora_rank", "512")
+    with pytest.raises(ValueError, match=r"\[quantize.linear\] lora_rank 512 does not fit Linear "
+                                         r"'layers.0.attention.qkv_linear.wqkv' \(768x256\)"):
+        apply_quantize(c)
+    c = parse("llama3_debug_nvfp4", "--quantize.linear.lora_rank", "32", "--quantize.linear.lora_nvfp4")
+    apply_quantize(c)
+    configs = [cfg for _, cfg, _, _ in c.model_spec.model.traverse(TitanDecomposedLinear.Config)]
+    assert len(configs) == 30 and {(cfg.lora_rank, cfg.lora_nvfp4) for cfg in configs} == {(32, True)}
+    c.model_spec.model.update_from_config(config=c)
+    with torch.device("meta"):
+        wo = c.model_spec.model.layers[0].attention.wo.build()
+    with pytest.raises(NotImplementedError, match=r"\[quantize.linear\] lora_rank = 32: Linear 'layers.0.attention.wo' "
+                                                  "is tensor-parallel"):
+        wo.parallelize(SimpleNamespace(tp_enabled=True))
+
+
+def test_lora_factors_train_refresh_and_resume(gloo_rank, monkeypatch, tmp_path):
+    """The factors are parameters of TorchTitan's optimizer and an AdamW step moves them; the trainer's step hook
+    re-splits W after step 2 of lora_refresh_steps = 2 (σ then the top singular values of W, R + U·diag(σ)·V still
+    W), not after step 1. A DCP round trip through TorchTitan's ModelWrapper into a fresh model brings R, U, σ and V
+    back bit for bit, and saves the full W under ``weight``."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    overrides = (*LORA, "--quantize.linear.lora_refresh_steps", "2")
+    c, model, step = _debug_step_model(monkeypatch, tmp_path, *overrides, blocks=1)
+    assert c.quantize.linear.lora_refresh_steps == 2
+    attach_linear_state([model], c.quantize.linear, total_steps=4)
+    opt = c.optimizer.build(model_parts=[model])
+    opt.register_step_post_hook(lambda *a, **k: after_optimizer_step([model], lora_refresh_steps=2))
+    mods = [m for m in model.modules() if isinstance(m, TitanDecomposedLinear)]
+    trained = {id(p) for g in opt.optimizers[0].param_groups for p in g["params"]}
+    assert all(id(getattr(m, f)) in trained for m in mods for f in FACTORS)
+    m = model.layers["0"].feed_forward.w2
+
+    def singular_values():
+        return torch.linalg.svdvals(m.dense_weight().detach())[:16]
+
+    for i in range(2):
+        before = {f: _full(getattr(m, f)).detach().clone() for f in FACTORS}
+        step()
+        opt.step()
+        assert all(not torch.equal(_full(getattr(m, f)).detach(), before[f]) for f in FACTORS), i
+        refreshed = torch.allclose(_full(m.lora_sigma).detach(), singular_values(), rtol=0, atol=1e-5)
+        assert refreshed == (i == 1), i
+
+    saved = ModelWrapper([model]).state_dict()
+    key = next(k for k in saved if k.endswith("feed_forward.w2.weight"))
+    assert torch.equal(_full(saved[key]), m.dense_weight().to(saved[key].dtype))  # the full W
+    dcp.save(saved, checkpoint_id=str(tmp_path / "ckpt"))
+    torch.manual_seed(1)  # another initialization
+    fresh = build_parallelized(c, monkeypatch, blocks=1)
+    wrapper = ModelWrapper([fresh])
+    state = wrapper.state_dict()
+    dcp.load(state, checkpoint_id=str(tmp_path / "ckpt"))
+    wrapper.load_state_dict(state)
+    mine = dict(model.named_parameters())
+    for name, p in fresh.named_parameters():
+        assert torch.equal(_full(p), _full(mine[name])), name
 
 
 def _fsdp_gather_worker(rank, world, out, tmp_path):

@@ -114,6 +114,14 @@ class LowRankState:
         for param, value in zip((*factors, weight), lowrank_split(w, rank)):
             assign_full(param, value)
 
+    @torch.no_grad()
+    def decompose_fresh_(self) -> None:
+        """Split weights just initialized as full ones (TorchTitan 0.3's init_states writes W over a module that
+        may hold a split already): forget the old split, then ``decompose_()``."""
+        self.lora_decomposed.fill_(False)
+        self._lora_ready = False
+        self.decompose_()
+
     def _check_decomposed(self) -> None:
         if not self._lora_ready:
             raise RuntimeError(f"{type(self).__name__} used before its weights were decomposed: run init_weights (the "
@@ -198,6 +206,17 @@ def check_lowrank_args(name: str, rank, in_features: int, out_features: int, lor
         raise ValueError(f"{where}: lora_nvfp4 must be True or False, got {lora_nvfp4!r}")
 
 
+def redecompose(model: nn.Module | list[nn.Module]) -> int:
+    """decompose_() every low-rank module (DecomposedLinear, experts with a lora_rank) of ``model`` (or of each
+    model part): the lora_refresh_steps refresh. Returns how many."""
+    parts = model if isinstance(model, list) else [model]
+    mods = [m for part in parts for m in part.modules()
+            if isinstance(m, LowRankState) and "lora_decomposed" in m._buffers]
+    for m in mods:
+        m.decompose_()
+    return len(mods)
+
+
 class DecomposedLinear(LowRankState, NVFP4Linear):
     """NVFP4Linear on the residual R plus a rank-r branch U·diag(σ)·V in high precision (see module doc)."""
 
@@ -280,4 +299,5 @@ class DecomposedLinear(LowRankState, NVFP4Linear):
         return f"{super().extra_repr()}, lora_rank={self.rank}, lora_nvfp4={self.lora_nvfp4}"
 
 
-__all__ = ["DecomposedLinear", "LORA_LAYER_ID_BASE", "LowRankState", "RESIDUAL", "assign_full", "dense_like"]
+__all__ = ["DecomposedLinear", "LORA_LAYER_ID_BASE", "LowRankState", "RESIDUAL", "assign_full", "dense_like",
+           "redecompose"]

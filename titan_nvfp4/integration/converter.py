@@ -16,7 +16,7 @@ from torchtitan.protocols.model_converter import _registry_model_converter_cls, 
 from torchtitan.tools.logging import logger
 
 from ..amax_history import AmaxHistory, layers_with_history, register_buffers, roll
-from ..decomposed_linear import DecomposedLinear, LowRankState, check_lowrank_args
+from ..decomposed_linear import DecomposedLinear, check_lowrank_args, redecompose
 from ..distributed.fsdp_all_gather import TRAFFIC, precompute_scales, wrap_weight
 from ..expert_groups import experts_layer_id
 from ..layer_selection import check_block_counts, skip_reason
@@ -220,17 +220,6 @@ def log_switch_plan(what: str, counter: StepCounter, fraction: float, total_step
     if fraction:
         logger.info(f"NVFP4: {what} switch to high precision after optimizer step {counter.schedule.switch_step} "
                     f"(bf16_after_fraction = {fraction} of {total_steps} steps)")
-
-
-def redecompose(model: nn.Module | list[nn.Module]) -> int:
-    """decompose_() every low-rank module (DecomposedLinear, experts with a lora_rank) of ``model`` (or
-    of each model part); returns how many."""
-    parts = model if isinstance(model, list) else [model]
-    mods = [m for part in parts for m in part.modules()
-            if isinstance(m, LowRankState) and "lora_decomposed" in m._buffers]
-    for m in mods:
-        m.decompose_()
-    return len(mods)
 
 
 def _init_weights_then_decompose(self, *args, **kwargs):

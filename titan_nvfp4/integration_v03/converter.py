@@ -1,6 +1,6 @@
 """The 0.3 model converters: `quantize.linear` replaces Linear.Config nodes of a model config tree with
-TitanNVFP4Linear.Config, `quantize.grouped_mm` the routed experts' GroupedExperts.Config nodes with their NVFP4
-versions (experts.py), per the shared knobs (titan_nvfp4/knobs.py)."""
+TitanNVFP4Linear.Config (TitanDecomposedLinear.Config with a lora_rank), `quantize.grouped_mm` the routed experts'
+GroupedExperts.Config nodes with their NVFP4 versions (experts.py), per the shared knobs (titan_nvfp4/knobs.py)."""
 
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
@@ -10,17 +10,17 @@ from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.protocols.model import ModelConfigConverter
 from torchtitan.tools.logging import logger
 
+from ..decomposed_linear import check_lowrank_args
 from ..expert_groups import check_expert_dims, experts_layer_id
 from ..knobs import GroupedKnobs, LinearKnobs
 from ..layer_selection import check_block_counts, skip_reason
 from ..nvfp4_linear import check_linear_dims
+from .decomposed import TitanDecomposedLinear
 from .experts import EXPERT_CLASSES
 from .modules import TitanNVFP4Linear
 
 DEFAULT_FILTER_FQNS = ("lm_head", "router.gate", "shared_experts")  # 0.3's LM head is `lm_head`
-#: knobs of the 0.2 integration that this one does not implement yet, with their off value
-NOT_YET = {"lora_rank": 0, "lora_refresh_steps": 0}
-#: the same for `quantize.grouped_mm`
+#: knobs of 0.2's `quantize.grouped_mm.nvfp4` that this integration does not implement yet, with their off value
 GROUPED_NOT_YET = {"lora_rank": 0}
 
 
@@ -67,7 +67,7 @@ class NVFP4LinearConfigConverter(ModelConfigConverter):
         filter_fqns: list[str] = field(default_factory=lambda: list(DEFAULT_FILTER_FQNS))
 
         def __post_init__(self) -> None:
-            _check_section(self, LinearKnobs, NOT_YET)
+            _check_section(self, LinearKnobs, {})
 
     def __init__(self, config: Config):
         self.config = config
@@ -89,15 +89,26 @@ class NVFP4LinearConfigConverter(ModelConfigConverter):
                 skipped.append((fqn, why))
                 continue
             check_linear_dims(fqn, cfg.in_features, cfg.out_features)
-            new = TitanNVFP4Linear.Config(
-                in_features=cfg.in_features, out_features=cfg.out_features, bias=cfg.bias,
-                param_init=cfg.param_init, sharding_config=cfg.sharding_config,
-                recipe=r, layer_id=len(converted), name=fqn)
+            new = self._config_for(fqn, cfg, len(converted))
             model_config = _replace(model_config, parent, attr, new)
             converted.append(fqn)
-        logger.info(f"[{self.config.SECTION}] {len(converted)} Linears to NVFP4, {len(skipped)} kept BF16 "
+        lora = f" (DecomposedLinear rank {self.config.lora_rank})" if self.config.lora_rank else ""
+        logger.info(f"[{self.config.SECTION}] {len(converted)} Linears to NVFP4{lora}, {len(skipped)} kept BF16 "
                     f"({', '.join(f for f, _ in skipped) or 'none'})")
         return model_config
+
+    def _config_for(self, fqn: str, cfg, layer_id: int):
+        """The NVFP4 config replacing Linear.Config ``cfg`` at ``fqn``: a TitanDecomposedLinear with lora_rank
+        (the rank checked against the Linear's dims, naming the key), else a TitanNVFP4Linear."""
+        c = self.config
+        common = dict(in_features=cfg.in_features, out_features=cfg.out_features, bias=cfg.bias,
+                      param_init=cfg.param_init, sharding_config=cfg.sharding_config, recipe=self.recipe,
+                      layer_id=layer_id, name=fqn)
+        if not c.lora_rank:
+            return TitanNVFP4Linear.Config(**common)
+        check_lowrank_args(fqn, c.lora_rank, cfg.in_features, cfg.out_features, c.lora_nvfp4,
+                           f"[{c.SECTION}] lora_rank")
+        return TitanDecomposedLinear.Config(**common, lora_rank=c.lora_rank, lora_nvfp4=c.lora_nvfp4)
 
 
 class NVFP4GroupedMMConfigConverter(ModelConfigConverter):

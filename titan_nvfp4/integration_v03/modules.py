@@ -29,6 +29,17 @@ def declare_buffers(instance: Module) -> None:
         instance._sharding_config = replace(sc, state_shardings={**sc.state_shardings, **extra})
 
 
+def declare_states(instance: Module, names: tuple[str, ...], layout: SpmdLayout) -> None:
+    """Place the states ``names`` of ``instance`` (parameters a titan_nvfp4 module adds, e.g. low-rank factors) by
+    ``layout`` where its sharding config does not name them."""
+    sc = instance._sharding_config
+    if sc is None:
+        return
+    extra = {n: layout for n in names if n not in sc.state_shardings}
+    if extra:
+        instance._sharding_config = replace(sc, state_shardings={**sc.state_shardings, **extra})
+
+
 def place_buffers(instance: Module, parallel_dims) -> None:
     """Before Module.parallelize: the DTensor backends (partial_dtensor, full_dtensor) have no per-rank placement,
     so the SR counter is a replicated DTensor there, whose local copy each rank fills with its own stream at init

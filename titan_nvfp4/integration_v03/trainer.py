@@ -1,8 +1,8 @@
 """NVFP4Trainer: TorchTitan 0.3's Trainer whose Config gains a `quantize` section (0.2's [quantize.linear.nvfp4]
 and [quantize.grouped_mm.nvfp4]), applied to the model config before the Trainer builds the model; after the
-build it attaches the per-step state of the NVFP4 Linears (the late BF16 switch, the activation amax windows),
-advanced by an optimizer step hook, and its checkpointed train_state carries the SR call counts and the windows
-(titan_nvfp4/train_state.py), so a resumed run continues bit for bit."""
+build it attaches the per-step state of the NVFP4 Linears (the late BF16 switch, the activation amax windows, the
+low-rank refresh of lora_refresh_steps), advanced by an optimizer step hook, and its checkpointed train_state
+carries the SR call counts and the windows (titan_nvfp4/train_state.py), so a resumed run continues bit for bit."""
 
 import functools
 from dataclasses import dataclass, field
@@ -12,6 +12,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from ..amax_history import AmaxHistory, layers_with_history, register_buffers, roll
+from ..decomposed_linear import redecompose
 from ..distributed.fsdp_all_gather import precompute_scales, wrap_weight
 from ..schedule import (GROUPED_STEPS, LINEAR_STEPS, PrecisionSchedule, StepCounter, attach_step_counter,
                         step_counters, switch_step)
@@ -90,8 +91,8 @@ def attach_linear_state(model_parts: list[torch.nn.Module], section: NVFP4Linear
                         total_steps: int) -> list[StepCounter]:
     """Give the NVFP4 Linears of the built ``model_parts`` what ``section`` asks for across steps: a StepCounter per
     part (submodule LINEAR_STEPS) whose schedule switches them to high precision at bf16_after_fraction and whose
-    count picks the telemetry_every steps, and the amax windows of activation_amax_history. Returns the counters
-    (none when neither the switch nor telemetry is on)."""
+    count picks the telemetry_every and lora_refresh_steps steps, and the amax windows of activation_amax_history.
+    Returns the counters (none when neither the switch, telemetry nor the refresh is on)."""
     linears = [[m for m in part.modules() if isinstance(m, TitanNVFP4Linear)] for part in model_parts]
     if section.activation_amax_history:
         history = AmaxHistory(section.activation_amax_history)
@@ -100,7 +101,10 @@ def attach_linear_state(model_parts: list[torch.nn.Module], section: NVFP4Linear
         logger.info(f"NVFP4: X of {sum(map(len, linears))} Linear layers quantized with the max amax of the last "
                     f"{history.length} optimizer steps (activation_amax_history)")
     counters = _late_switch(model_parts, linears, section.bf16_after_fraction, total_steps, LINEAR_STEPS,
-                            "Linear layers", section.telemetry_every > 0)
+                            "Linear layers", section.telemetry_every > 0 or section.lora_refresh_steps > 0)
+    if section.lora_refresh_steps:
+        logger.info(f"NVFP4: low-rank Linears re-decomposed every {section.lora_refresh_steps} optimizer steps "
+                    "(lora_refresh_steps)")
     _attach_telemetry(counters, linears, section.telemetry_every, "Linear layers")
     return counters
 
@@ -143,18 +147,24 @@ def _late_switch(model_parts, modules, fraction: float, total_steps: int, name: 
     return counters
 
 
-def after_optimizer_step(model_parts: list[torch.nn.Module], nvfp4_gather: bool = False) -> None:
-    """Push the step's activation amaxes into the windows, count the step (the late switch follows) and, with
+def after_optimizer_step(model_parts: list[torch.nn.Module], nvfp4_gather: bool = False,
+                         lora_refresh_steps: int = 0) -> None:
+    """Push the step's activation amaxes into the windows, count the step (the late switch follows), re-decompose
+    the low-rank Linears every ``lora_refresh_steps`` steps (before the all-gather scales, which read R) and, with
     ``nvfp4_gather``, reduce the NVFP4-gathered weights' tile amaxes for their next all-gathers in one all-reduce
     (fsdp_all_gather.py)."""
     roll(layers_with_history(model_parts))
+    for name, what in ((LINEAR_STEPS, "Linear layers"), (GROUPED_STEPS, "expert modules")):
+        for i, (part, counter) in enumerate(step_counters(model_parts, name)):
+            if counter.step() and i == 0:
+                logger.info(f"NVFP4: {what} switched to high precision after optimizer step {counter.count}")
+            if name == LINEAR_STEPS and lora_refresh_steps and counter.count % lora_refresh_steps == 0:
+                n = redecompose(part)
+                if i == 0:
+                    logger.info(f"NVFP4: re-decomposed {n} low-rank Linears after optimizer step {counter.count}")
     if nvfp4_gather:
         for part in model_parts:
             precompute_scales(part)
-    for name, what in ((LINEAR_STEPS, "Linear layers"), (GROUPED_STEPS, "expert modules")):
-        for i, (_, counter) in enumerate(step_counters(model_parts, name)):
-            if counter.step() and i == 0:
-                logger.info(f"NVFP4: {what} switched to high precision after optimizer step {counter.count}")
 
 
 class NVFP4Trainer(Trainer):
@@ -180,10 +190,12 @@ class NVFP4Trainer(Trainer):
         if grouped.enable:
             attach_grouped_state(self.model_parts, grouped, config.training.steps)
         gather = linear.enable and linear.fsdp_nvfp4_all_gather
-        per_step = linear.bf16_after_fraction or linear.activation_amax_history or linear.telemetry_every or gather
+        refresh = linear.lora_refresh_steps if linear.enable else 0
+        per_step = (linear.bf16_after_fraction or linear.activation_amax_history or linear.telemetry_every or gather
+                    or refresh)
         if (linear.enable and per_step) or (grouped.enable and (grouped.bf16_after_fraction or grouped.telemetry_every)):
             self.optimizers.register_step_post_hook(
-                lambda *args, **kwargs: after_optimizer_step(self.model_parts, gather))
+                lambda *args, **kwargs: after_optimizer_step(self.model_parts, gather, refresh))
 
 
 install(NVFP4Trainer)  # the SR call counts and amax windows in the checkpointed train_state

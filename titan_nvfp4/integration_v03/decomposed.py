@@ -1,0 +1,65 @@
+"""DecomposedLinear as a TorchTitan 0.3 Module (the `lora_rank` knob of `quantize.linear`).
+
+0.3 initializes a model through ``init_states``: each Module initializes its own parameters from its config's
+``param_init`` once its children are done. So the split W = U·diag(σ)·V + R runs there, right after the weight
+is initialized (0.2 hooks the model's init_weights instead); a checkpoint load brings U, σ, V and R back as on
+0.2 (decomposed_linear.py's state dict). The factors are replicated parameters of the module, trained with the
+rest; under tensor parallelism the module refuses to parallelize (not supported yet).
+"""
+
+from dataclasses import dataclass
+
+from ..decomposed_linear import DecomposedLinear, check_lowrank_args
+from .modules import REPLICATED, TitanNVFP4Linear, declare_states, tp_sharding
+
+FACTORS = ("lora_u", "lora_sigma", "lora_v")
+SECTION = "quantize.linear"
+
+
+class TitanDecomposedLinear(DecomposedLinear, TitanNVFP4Linear):
+    """TitanNVFP4Linear on the residual R plus DecomposedLinear's rank-r branch (same parameters and state-dict
+    keys as DecomposedLinear)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(TitanNVFP4Linear.Config):
+        lora_rank: int = 16
+        """The branch's rank r (a positive multiple of 16, at most the weight's smaller dim)."""
+        lora_nvfp4: bool = False
+        """Run the branch's two GEMMs in NVFP4 too."""
+
+        def build(self, **kwargs):
+            instance = TitanNVFP4Linear.Config.build(self, **kwargs)  # slots=True: no zero-argument super()
+            declare_states(instance, FACTORS, REPLICATED)
+            return instance
+
+    def __init__(self, config: Config):
+        TitanNVFP4Linear.__init__(self, config)
+        check_lowrank_args(config.name, config.lora_rank, config.in_features, config.out_features, config.lora_nvfp4,
+                           f"[{SECTION}] lora_rank")
+        self._init_lowrank(config.lora_rank, config.lora_nvfp4, config.layer_id)
+        if not self.weight.is_meta:
+            self.decompose_()
+
+    def forward(self, input):  # noqa: A002
+        """DecomposedLinear.forward under Linear's argument name (TitanNVFP4Linear.forward says why)."""
+        return DecomposedLinear.forward(self, input)
+
+    def _init_self_parameters(self) -> None:
+        """TorchTitan's initialization of ``weight`` and ``bias`` (param_init, else nn.Linear's reset_parameters),
+        then the split of the fresh W into the branch and R."""
+        if self._param_init is None:
+            self.reset_parameters()
+        else:
+            for name in ("weight", "bias"):
+                if getattr(self, name) is not None:
+                    self._init_param(name, getattr(self, name))
+        self.decompose_fresh_()
+
+    def parallelize(self, parallel_dims) -> None:
+        """TitanNVFP4Linear's parallelize; a tensor-parallel weight is refused by name (not supported yet)."""
+        if parallel_dims.tp_enabled and tp_sharding(self, "weight") is not None:
+            raise NotImplementedError(
+                f"[{SECTION}] lora_rank = {self.rank}: Linear {self.label()!r} is tensor-parallel, which the "
+                "TorchTitan 0.3 integration does not support for DecomposedLinear yet; set lora_rank = 0, keep the "
+                "layer BF16 with filter_fqns, or run without tensor parallelism")
+        TitanNVFP4Linear.parallelize(self, parallel_dims)
