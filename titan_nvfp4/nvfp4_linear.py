@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from .amax_history import activation_amax
 from .body_graphs import BodyGraphs, graphable
-from .distributed.tensor_parallel import local, local_tp_bias, local_tp_nvfp4_linear, tp_nvfp4_linear
+from .distributed.tensor_parallel import local, local_tp_nvfp4_linear, tp_nvfp4_linear
 from .layer_state import NVFP4LayerState
 from .linear_function import meta_linear, nvfp4_linear
 from .numerics.rht import signs_for_operand
@@ -79,9 +79,8 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         name in forward would guard on it and recompile the block once per layer."""
         return getattr(self, "layer_name", "") or type(self).__name__
 
-    #: (sharded weight dim, process group) when a framework hands this layer plain local inputs of a
-    #: tensor-parallel weight (TorchTitan 0.3 sets it at parallelize: its spmd_types backend, and the local_map
-    #: region of a rowwise Linear with a bias, whose weight may still be a DTensor: its local shard is used);
+    #: (sharded weight dim, process group) when a framework hands this layer plain local shards of a
+    #: tensor-parallel weight and its input (TorchTitan 0.3's spmd_types backend sets it at parallelize);
     #: None: the weight is whole, or a DTensor that says so itself
     local_tp: tuple[int, object] | None = None
 
@@ -90,7 +89,7 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         ``local_tp``): else name the layer."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self.label()}: input must be a torch.Tensor, got {type(x).__name__}")
-        features = self.in_features if self.local_tp is None else local(self.weight).shape[-1]
+        features = self.in_features if self.local_tp is None else self.weight.shape[-1]
         if x.dim() == 0 or x.shape[-1] != features:
             raise RuntimeError(f"{self.label()}: input of shape {tuple(x.shape)} has "
                                f"{x.shape[-1] if x.dim() else 0} features, the layer takes {features}"
@@ -102,8 +101,6 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         if x.is_meta:  # shape inference
             return meta_linear(x, self.weight, self.bias)
         if self.high_precision:
-            if self.local_tp is not None:  # local shards, the bias shared out as in local_tp_nvfp4_linear
-                return F.linear(x, local(self.weight), local_tp_bias(local(self.bias), *self.local_tp))
             return F.linear(x, self.weight, self.bias)
         y = self._nvfp4_linear(x, self.weight, self.bias)
         if self.telemetry is not None:
@@ -129,8 +126,8 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
             x_amax = self._history_amax(x_local, w_local) if history else None
             return nvfp4_linear(x_local, w_local, b_local, self.recipe, counter, signs, groups, x_amax)
 
-        if self.local_tp is not None:
-            return local_tp_nvfp4_linear(on_shards, x, local(weight), local(bias), *self.local_tp, self.label)
+        if not isinstance(weight, DTensor):
+            return local_tp_nvfp4_linear(on_shards, x, weight, bias, *self.local_tp, self.label)
         return tp_nvfp4_linear(on_shards, x, weight, bias, self.label)
 
     def _body_graphs(self, x: torch.Tensor, weight: torch.Tensor, gemm: int | None) -> BodyGraphs | None:

@@ -14,8 +14,7 @@ So every rank quantizes its shard of X, W and dY with the whole operand's tensor
 differs from one GPU is only the fp32 summation order: rowwise sums t partial GEMMs, colwise dX too.
 
 A framework that hands the layer plain local shards and runs the collectives around it itself (TorchTitan
-0.3's spmd_types backend, or its local_map regions) gets the same per-rank GEMM from local_tp_nvfp4_linear; a
-rowwise bias is then added as bias / t on each rank (local_tp_bias), so the ranks' partial Ys sum to it once.
+0.3's spmd_types backend) gets the same per-rank GEMM from local_tp_nvfp4_linear.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .amax import AmaxGroups
@@ -76,15 +74,10 @@ def local_tp_nvfp4_linear(linear_fn, x: torch.Tensor, w_local: torch.Tensor, bia
     out; rowwise X's feature shard in, a partial Y out (its sum is the framework's). ``wdim`` 0 or 1, as
     tp_layout's."""
     _check_local_dims(name, w_local)
-    return linear_fn(x, w_local, local_tp_bias(bias, wdim, group), tp_amax_groups(wdim, group))
-
-
-def local_tp_bias(bias: torch.Tensor | None, wdim: int, group) -> torch.Tensor | None:
-    """The bias a rank adds to its local GEMM: whole colwise; bias / t rowwise, where each of the t ranks' partial
-    Ys carries a share and their sum the bias once (TorchTitan 0.3's ScaledBiasRowwiseLinear does the same)."""
-    if bias is None or wdim == 0:
-        return bias
-    return bias / dist.get_world_size(group)
+    if wdim == 1 and bias is not None:  # each rank's partial Y would add it once: t times in the sum
+        raise NotImplementedError(f"NVFP4 Linear {name_of(name)!r}: a rowwise-sharded Linear with a bias on local "
+                                  "shards is not supported; keep the layer in BF16 with filter_fqns")
+    return linear_fn(x, w_local, bias, tp_amax_groups(wdim, group))
 
 
 def tp_nvfp4_linear(linear_fn, x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None,
@@ -126,4 +119,4 @@ def tp_nvfp4_linear(linear_fn, x: torch.Tensor, weight: DTensor, bias: torch.Ten
     return out
 
 
-__all__ = ["local", "local_tp_bias", "local_tp_nvfp4_linear", "tp_amax_groups", "tp_layout", "tp_nvfp4_linear"]
+__all__ = ["local", "local_tp_nvfp4_linear", "tp_amax_groups", "tp_layout", "tp_nvfp4_linear"]

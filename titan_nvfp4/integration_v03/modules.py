@@ -106,18 +106,14 @@ class TitanNVFP4Linear(NVFP4Linear, Module):
                 raise NotImplementedError(f"NVFP4 Linear {self.label()!r}: weight TP layout {tp} is neither colwise "
                                           "nor rowwise")
             wdim = tp.dim % 2
-            group = parallel_dims.get_dense_tp_mesh().get_group()
-            if wdim == 1 and self.bias is not None:
-                # TorchTitan's ScaledBiasRowwiseLinear (gpt_oss's wo) runs in a local_map region: local inputs in,
-                # the ranks' partial outputs summed after it; so each rank adds bias / t (local_tp_bias)
-                if self._sharding_config.local_map is None:
-                    raise NotImplementedError(f"NVFP4 Linear {self.label()!r}: a rowwise-sharded Linear with a bias "
-                                              "outside a local_map region is not supported under tensor parallelism; "
-                                              "keep it BF16 with filter_fqns")
-                self.local_tp = (1, group)
-            elif parallel_dims.spmd_backend == "spmd_types":  # plain local shards: the layer needs its TP layout
-                self.local_tp = (wdim, group)
-            # otherwise the DTensor backends shard the weight as a DTensor: NVFP4Linear's DTensor path
+            if wdim == 1 and self.bias is not None:  # TorchTitan's ScaledBiasRowwiseLinear (gpt_oss's wo): a
+                # local_map region that scales the bias per rank and hands the layer plain local inputs
+                raise NotImplementedError(f"NVFP4 Linear {self.label()!r}: a rowwise-sharded Linear with a bias is "
+                                          "not supported under tensor parallelism yet; keep it BF16 with "
+                                          "filter_fqns (e.g. add \"wo\" for gpt_oss)")
+            if parallel_dims.spmd_backend == "spmd_types":  # plain local shards: the layer needs its TP layout
+                self.local_tp = (wdim, parallel_dims.get_dense_tp_mesh().get_group())
+            # the DTensor backends shard the weight as a DTensor: NVFP4Linear's DTensor path
         Module.parallelize(self, parallel_dims)
 
     def _init_self_buffers(self, *, buffer_device=None) -> None:
