@@ -1011,7 +1011,8 @@ def test_grouped_lora_refresh_follows_the_linear_sections_steps():
 def test_grouped_lora_experts_run_nvfp4_on_r_plus_the_branch(kind):
     """The 0.3 experts with a lora_rank against the core's functions (0.2's forward) on the same padded groups: each
     GEMM NVFP4 on R plus the per-expert branch (grouped_lowrank), without stochastic rounding the same bits for y,
-    dx and every weight, bias and factor gradient; the forward refuses to run before the split."""
+    dx and every weight, bias and factor gradient. After the late switch they compute the experts of W = R + U·diag(σ)·V
+    to fp32 rounding; the forward refuses to run before the split."""
     upstream, names = EXPERT_KINDS[kind]
     torch.manual_seed(0)
     m = build_experts(upstream, names, stochastic_rounding=False, lora_rank=16)
@@ -1049,6 +1050,10 @@ def test_grouped_lora_experts_run_nvfp4_on_r_plus_the_branch(kind):
     assert torch.equal(m(x.detach(), counts), y.detach())
     for name, a, b in zip(("dx", *params), got, [xc.grad, *(t.grad for t in p.values())]):
         assert torch.equal(a, b), name
+    m.precision_schedule = SimpleNamespace(high_precision=True)  # after bf16_after_fraction: the input's dtype
+    dense = {**{n: getattr(m, n).detach().double() for n in names}, **m.dense_weights()}
+    want = experts_reference(kind, x.detach().double(), [dense[n].double() for n in names], COUNTS)
+    assert torch.allclose(m(x.detach(), counts).double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
     m.lora_decomposed.fill_(False)
     m._lora_ready = False
     with pytest.raises(RuntimeError, match="used before its weights were decomposed"):
