@@ -1007,6 +1007,26 @@ def test_grouped_lora_refresh_follows_the_linear_sections_steps():
         assert resplit() == (i == 1), i
 
 
+def test_grouped_lora_state_dict_is_02s_and_loads_back():
+    """The experts' state dict on 0.3 is 0.2's: each weight's key holds the full W (R + U·diag(σ)·V in R's dtype) and
+    ``<weight>_lora_residual`` R; experts initialized otherwise load R and the factors back bit for bit, and a state
+    dict of the weights alone (BF16 experts) is split anew on load."""
+    upstream, names = EXPERT_KINDS["swiglu"]
+    torch.manual_seed(0)
+    m = build_experts(upstream, names, lora_rank=16)
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    for g, w in m.dense_weights().items():
+        assert torch.equal(sd[g], w.to(sd[g].dtype)) and torch.equal(sd[f"{g}_lora_residual"], getattr(m, g))
+    torch.manual_seed(1)
+    fresh = build_experts(upstream, names, lora_rank=16)
+    fresh.load_state_dict(sd)
+    assert fresh._lora_ready and all(torch.equal(getattr(fresh, n), p) for n, p in m.named_parameters())
+    fresh.load_state_dict({g: sd[g] for g in names})
+    assert fresh._lora_ready and all(torch.allclose(getattr(fresh, f"{g}_lora_sigma").detach(),
+                                                    torch.linalg.svdvals(sd[g])[:, :16], rtol=0, atol=1e-5)
+                                     for g in names)
+
+
 @pytest.mark.parametrize("kind", ["swiglu", "gpt_oss"])
 def test_grouped_lora_experts_run_nvfp4_on_r_plus_the_branch(kind):
     """The 0.3 experts with a lora_rank against the core's functions (0.2's forward) on the same padded groups: each
