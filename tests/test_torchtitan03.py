@@ -38,6 +38,7 @@ from titan_nvfp4.integration_v03.experts import TitanNVFP4GptOssExperts, TitanNV
 from titan_nvfp4.integration_v03.modules import TitanNVFP4Linear  # noqa: E402
 from titan_nvfp4.integration_v03.trainer import (LINEAR_STEPS, NVFP4Trainer, after_optimizer_step,  # noqa: E402
                                                  apply_quantize, attach_grouped_state, attach_linear_state)
+from titan_nvfp4.lowrank_experts import LowRankExperts, grouped_lowrank  # noqa: E402
 
 MODULE = "titan_nvfp4.integration_v03.configs"
 DOC = Path(__file__).resolve().parents[1] / "docs" / "torchtitan03.md"
@@ -85,8 +86,8 @@ def test_documented_configs_parse():
     (["--quantize.linear.lora_refresh_steps", "2"], ["[quantize.linear] lora_refresh_steps = 2 needs lora_rank > 0"]),
     (["--quantize.linear.bf16_after_fraction", "1.5"], ["bf16_after_fraction", "1.5"]),
     (["--quantize.linear.no_such_knob", "1"], ["Unrecognized options", "--quantize.linear.no_such_knob"]),
-    (["--quantize.grouped_mm.lora_rank", "16"], ["quantize.grouped_mm", "lora_rank", "not supported by the TorchTitan "
-                                                  "0.3 integration"]),
+    (["--quantize.grouped_mm.lora_rank", "24"], ["[quantize.grouped_mm] lora_rank must be 0 (off) or a positive "
+                                                  "multiple of 16, got 24"]),
     (["--quantize.grouped_mm.backward", "mxfp8"], ["quantize.grouped_mm", "the experts run an NVFP4 backward only"]),
 ])
 def test_bad_knob_stops_the_parse_naming_it(capsys, args, words):
@@ -913,6 +914,189 @@ def test_lora_factors_train_refresh_and_resume(gloo_rank, monkeypatch, tmp_path)
     mine = dict(model.named_parameters())
     for name, p in fresh.named_parameters():
         assert torch.equal(_full(p), _full(mine[name])), name
+
+
+
+# ------------------------------------------------------------------------------------------- experts' lora_rank
+
+GROUPED_LORA = ("--quantize.grouped_mm.lora_rank", "16")
+
+
+def split_02(weights: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """{parameter name: value} that 0.2's expert modules hold after converting materialized experts with these
+    ``weights`` and ``rank`` (their convert runs the core's LowRankExperts: factors, then decompose_)."""
+    cls = type("Experts02", (LowRankExperts, torch.nn.Module), {"GEMMS": tuple(weights)})
+    m = cls()
+    for g, w in weights.items():
+        m.register_parameter(g, torch.nn.Parameter(w.detach().clone()))
+    m._init_lowrank_experts(rank)
+    m.decompose_()
+    return {n: p.detach() for n, p in m.named_parameters()}
+
+
+def _moe_model(monkeypatch, tmp_path, *overrides):
+    """deepseek_v3_debug_nvfp4's first 2 blocks (a dense and a MoE block) with only the routed experts in NVFP4
+    (reference backend) and no activation checkpointing, built through its parallelize_fn; returns (config, model)."""
+    torch.manual_seed(0)
+    c = parse("deepseek_v3_debug_nvfp4", "--quantize.linear.no-enable", "--quantize.grouped_mm.gemm_backend",
+              "reference", "--training.seq_len", str(SEQ // 2), "--training.local_batch_size", str(BATCH),
+              "--dump_folder", str(tmp_path), *overrides)
+    apply_quantize(c)
+    c.activation_checkpoint = None
+    return c, build_parallelized(c, monkeypatch, blocks=2)
+
+
+def test_grouped_lora_rank_splits_the_deepseek_v3_experts_as_02_and_trains(gloo_rank, monkeypatch, tmp_path):
+    """quantize.grouped_mm.lora_rank on 0.3: every routed-expert config gets the rank, and after init_states the
+    experts hold the split 0.2's module makes of the weights the NVFP4 twin (same seed) initialized, bit for bit,
+    R + U·diag(σ)·V within fp32 rounding of W; the state dict is the twin's plus the factors, the residuals and
+    the flag. TorchTitan's optimizer holds the factors and an AdamW step moves every one of them."""
+    _, plain = _moe_model(monkeypatch, tmp_path)
+    c, model = _moe_model(monkeypatch, tmp_path, *GROUPED_LORA)
+    assert {cfg.lora_rank for cfg in expert_configs(c.model_spec.model).values()} == {16}
+    twin = dict(plain.named_modules())
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, TitanNVFP4GroupedExperts)}
+    assert len(experts) == 1 and all(m.lora_rank == 16 and m._lora_ready for m in experts.values())
+    name, m = next(iter(experts.items()))
+    full = {g: _full(getattr(twin[name], g)).detach() for g in m.GEMMS}
+    want = split_02(full, 16)
+    for n, p in m.named_parameters():
+        assert torch.equal(_full(p).detach(), want[n]), n
+    for g, w in m.dense_weights().items():
+        assert torch.allclose(w, full[g], rtol=0, atol=1e-6), g
+    extra = {k for k in model.state_dict() if "lora_" in k}
+    assert set(model.state_dict()) - extra == set(plain.state_dict())
+    assert len(extra) == 3 * 4 + 1  # u, sigma, v, residual per weight; lora_decomposed
+
+    opt = c.optimizer.build(model_parts=[model])
+    factors = [n for n, _ in m.named_parameters() if "_lora_" in n]
+    assert {id(getattr(m, n)) for n in factors} <= {id(p) for g in opt.optimizers[0].param_groups for p in g["params"]}
+    before = {n: _full(getattr(m, n)).detach().clone() for n in factors}
+    vocab = next(e for e in model.modules() if isinstance(e, torch.nn.Embedding)).num_embeddings
+    tokens = torch.randint(0, vocab, (BATCH, SEQ // 2), generator=torch.Generator().manual_seed(1))
+    out = model(tokens, positions=torch.arange(SEQ // 2).repeat(BATCH, 1), attention_masks=None)
+    torch.nn.functional.cross_entropy(out.float().flatten(0, 1), tokens.flatten()).backward()
+    opt.step()
+    assert all(not torch.equal(_full(getattr(m, n)).detach(), before[n]) for n in factors)
+
+
+def test_grouped_lora_refresh_follows_the_linear_sections_steps():
+    """As on 0.2, the Linears' lora_refresh_steps re-splits the experts too: the trainer's step hook re-decomposes
+    them after step 2 of lora_refresh_steps = 2 (σ then the top singular values of each expert's W), not after 1."""
+    from titan_nvfp4.integration_v03.converter import NVFP4LinearConfigConverter
+
+    torch.manual_seed(0)
+    m = build_experts(*EXPERT_KINDS["swiglu"], lora_rank=16)
+    part = torch.nn.Module()
+    part.add_module("experts", m)
+    section = NVFP4LinearConfigConverter.Config(lora_rank=16, lora_refresh_steps=2)
+    attach_linear_state([part], section, total_steps=4)
+    opt = torch.optim.SGD(part.parameters(), lr=1e-3)
+    opt.register_step_post_hook(lambda *a, **k: after_optimizer_step([part], lora_refresh_steps=2))
+    counts = torch.tensor(COUNTS)
+    x = torch.randn(sum(COUNTS), D)
+
+    def resplit() -> bool:
+        return all(torch.allclose(getattr(m, f"{g}_lora_sigma").detach(), torch.linalg.svdvals(w)[:, :16], rtol=0,
+                                  atol=1e-5) for g, w in m.dense_weights().items())
+
+    for i in range(2):
+        opt.zero_grad()
+        m(x, counts).square().sum().backward()
+        opt.step()
+        assert resplit() == (i == 1), i
+
+
+def test_grouped_lora_state_dict_is_02s_and_loads_back():
+    """The experts' state dict on 0.3 is 0.2's: each weight's key holds the full W (R + U·diag(σ)·V in R's dtype) and
+    ``<weight>_lora_residual`` R; experts initialized otherwise load R and the factors back bit for bit, and a state
+    dict of the weights alone (BF16 experts) is split anew on load."""
+    upstream, names = EXPERT_KINDS["swiglu"]
+    torch.manual_seed(0)
+    m = build_experts(upstream, names, lora_rank=16)
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    for g, w in m.dense_weights().items():
+        assert torch.equal(sd[g], w.to(sd[g].dtype)) and torch.equal(sd[f"{g}_lora_residual"], getattr(m, g))
+    torch.manual_seed(1)
+    fresh = build_experts(upstream, names, lora_rank=16)
+    fresh.load_state_dict(sd)
+    assert fresh._lora_ready and all(torch.equal(getattr(fresh, n), p) for n, p in m.named_parameters())
+    fresh.load_state_dict({g: sd[g] for g in names})
+    assert fresh._lora_ready and all(torch.allclose(getattr(fresh, f"{g}_lora_sigma").detach(),
+                                                    torch.linalg.svdvals(sd[g])[:, :16], rtol=0, atol=1e-5)
+                                     for g in names)
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "gpt_oss"])
+def test_grouped_lora_experts_run_nvfp4_on_r_plus_the_branch(kind):
+    """The 0.3 experts with a lora_rank against the core's functions (0.2's forward) on the same padded groups: each
+    GEMM NVFP4 on R plus the per-expert branch (grouped_lowrank), without stochastic rounding the same bits for y,
+    dx and every weight, bias and factor gradient. After the late switch they compute the experts of W = R + U·diag(σ)·V
+    to fp32 rounding; the forward refuses to run before the split."""
+    upstream, names = EXPERT_KINDS[kind]
+    torch.manual_seed(0)
+    m = build_experts(upstream, names, stochastic_rounding=False, lora_rank=16)
+    counts = torch.tensor(COUNTS)
+    x = torch.randn(sum(COUNTS), D, requires_grad=True)
+    dy = torch.randn(sum(COUNTS), D)
+    m(x, counts).backward(dy)
+    params = [n for n, _ in m.named_parameters()]
+    got = [x.grad, *(getattr(m, n).grad for n in params)]
+
+    xc = x.detach().clone().requires_grad_()
+    p = {n: getattr(m, n).detach().clone().requires_grad_() for n in params}
+    r, c, signs = m.recipe, m.sr_counter, m.rht_signs
+    pg = pad_token_groups(xc, counts)  # as the module runs them (the branch's fp32 GEMMs round per group size)
+    offsets = torch.cumsum(pg.counts, 0, dtype=torch.int32)
+
+    def branch(g, t):
+        return grouped_lowrank(t, p[f"{g}_lora_u"], p[f"{g}_lora_sigma"], p[f"{g}_lora_v"], offsets)
+
+    if kind == "swiglu":
+        h1, h3 = nvfp4_grouped_mm_shared(pg.x, (p["w1_EFD"], p["w3_EFD"]), offsets, (None, None), r, (c[0], c[2]),
+                                         signs, True)
+        h = torch.nn.functional.silu(h1 + branch("w1_EFD", pg.x)) * (h3 + branch("w3_EFD", pg.x))
+        (y,) = nvfp4_grouped_mm_shared(h, (p["w2_EDF"],), offsets, (None,), r, (c[1],), signs, True)
+        y = y + branch("w2_EDF", h)
+    else:
+        (h,) = nvfp4_grouped_mm_shared(pg.x, (p["mlp1_weight_EGD"],), offsets, (p["mlp1_bias_EG"],), r, (c[0],),
+                                       signs, True)
+        h = swiglu(h + branch("mlp1_weight_EGD", pg.x), limit=m.swiglu_limit) * pg.valid(h.dtype)
+        (y,) = nvfp4_grouped_mm_shared(h, (p["mlp2_weight_EDF"],), offsets, (p["mlp2_bias_ED"],), r, (c[1],), signs,
+                                       True)
+        y = y + branch("mlp2_weight_EDF", h)
+    y = y[pg.rows]
+    y.backward(dy)
+    assert torch.equal(m(x.detach(), counts), y.detach())
+    for name, a, b in zip(("dx", *params), got, [xc.grad, *(t.grad for t in p.values())]):
+        assert torch.equal(a, b), name
+    m.precision_schedule = SimpleNamespace(high_precision=True)  # after bf16_after_fraction: the input's dtype
+    dense = {**{n: getattr(m, n).detach().double() for n in names}, **m.dense_weights()}
+    want = experts_reference(kind, x.detach().double(), [dense[n].double() for n in names], COUNTS)
+    assert torch.allclose(m(x.detach(), counts).double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    m.lora_decomposed.fill_(False)
+    m._lora_ready = False
+    with pytest.raises(RuntimeError, match="used before its weights were decomposed"):
+        m(x, counts)
+
+
+def test_grouped_lora_rank_that_does_not_fit_or_meets_ep_is_refused():
+    """A grouped lora_rank above an expert weight's smaller dim stops the conversion naming the key, the experts and
+    the weight; with a rank, expert or tensor parallelism is refused at parallelize, naming the key (0.2 refuses
+    both too)."""
+    c = parse("deepseek_v3_debug_nvfp4", "--quantize.grouped_mm.lora_rank", "512")
+    with pytest.raises(ValueError, match=r"\[quantize.grouped_mm\] lora_rank 512 does not fit experts "
+                                         r"'layers.1.moe.routed_experts.inner_experts': w1_EFD \(8, 256, 256\)"):
+        apply_quantize(c)
+    upstream, names = EXPERT_KINDS["gpt_oss"]
+    with pytest.raises(ValueError, match=r"\[quantize.grouped_mm\] lora_rank 64 does not fit experts .*"
+                                         r"mlp1_weight_EGD \(4, 96, 32\)"):
+        build_experts(upstream, names, lora_rank=64)
+    m = build_experts(*EXPERT_KINDS["swiglu"], lora_rank=16)
+    for tp, ep in ((False, True), (True, False)):
+        with pytest.raises(NotImplementedError, match=r"\[quantize.grouped_mm\] lora_rank = 16: experts .* expert "
+                                                      "or tensor parallelism"):
+            m.parallelize(SimpleNamespace(tp_enabled=tp, ep_enabled=ep))
 
 
 def _fsdp_gather_worker(rank, world, out, tmp_path):

@@ -92,7 +92,7 @@ def _lookup(state_dict: dict, prefix: str, name: str) -> str | None:
 class LowRankState:
     """Whether a low-rank module's weights hold a decomposition (``lora_decomposed`` buffer, saved with
     the checkpoint, and its Python twin ``_lora_ready`` read in forward): shared by DecomposedLinear and
-    the decomposed expert modules (integration/experts.py), which define ``decompose_()``."""
+    the decomposed expert modules (lowrank_experts.py), which define ``decompose_()``."""
 
     def _init_lowrank_state(self, device) -> None:
         self.register_buffer("lora_decomposed", torch.zeros((), dtype=torch.bool, device=device))

@@ -13,14 +13,10 @@ without EP, or ETP) an expert's weight is split along a feature dim: the per-exp
 every sharded operand are then all-reduced over the TP group (``_tp_groups``), so each rank quantizes
 the exact slices of the unsharded operands.
 
-With ``lora_rank`` r (``[quantize.grouped_mm.nvfp4]``) every expert weight W_e [N, K] is kept as
-U_e·diag(σ_e)·V_e + R_e, as DecomposedLinear does for a dense Linear: R (the weight parameter itself)
-goes through the NVFP4 grouped GEMM and the rank-r branch ((x V_eᵀ) ⊙ σ_e) U_eᵀ runs beside it as
-two BF16 grouped GEMMs (``torch._grouped_mm``) over the same token groups. The factors are parameters
-``<weight>_lora_u`` [E, N, r], ``<weight>_lora_sigma`` [E, r] and ``<weight>_lora_v`` [E, r, K]; the
-split (one fp32 SVD per expert) runs after TorchTitan's init_weights, as for DecomposedLinear. As there,
-the state dict's ``<weight>`` is the full W and R is saved as ``<weight>_lora_residual``. Not yet
-under expert or tensor parallelism (the factors would need the weights' sharding).
+With ``lora_rank`` r (``[quantize.grouped_mm.nvfp4]``) every expert weight keeps a per-expert rank-r branch
+beside its NVFP4 residual (the core's lowrank_experts.py, shared with the TorchTitan 0.3 experts); the split runs
+after TorchTitan's init_weights, as for DecomposedLinear. Not yet under expert or tensor parallelism (the factors
+would need the weights' sharding).
 """
 
 from __future__ import annotations
@@ -29,7 +25,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torchtitan.models.gpt_oss.model.moe import GptOssGroupedExperts, ScaleBiasForward, swiglu
 from torchtitan.models.gpt_oss.model.moe import indices_padding_wrapper as gpt_oss_padding_wrapper
@@ -37,14 +32,13 @@ from torchtitan.models.moe import utils as moe_utils
 from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.models.moe.utils import indices_padding_wrapper
 
-from ..decomposed_linear import LowRankState
 from ..distributed.amax import AmaxGroups
 from ..distributed.tensor_parallel import local
 from ..expert_groups import check_expert_dims
 from ..grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
 from ..layer_state import NVFP4LayerState
-from ..linear_function import autocast_out_dtype
-from ..numerics.lowrank import check_rank, lowrank_merge
+from ..lowrank_experts import LowRankExperts, check_expert_rank, grouped_linear, grouped_lowrank  # noqa: F401
+from ..numerics.lowrank import check_rank
 from ..nvfp4_linear import check_recipe
 from ..recipe import NVFP4Recipe
 from ..telemetry import measure_experts
@@ -64,44 +58,9 @@ def _expert_parallel(p: torch.Tensor) -> bool:
     return isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
 
 
-def grouped_lowrank(x: torch.Tensor, u: torch.Tensor, sigma: torch.Tensor, v: torch.Tensor,
-                    offsets: torch.Tensor) -> torch.Tensor:
-    """[T, N]: rows of expert e get ((x V_eᵀ) ⊙ σ_e) U_eᵀ, rows past the last expert 0; two grouped
-    GEMMs in the input's dtype (the autocast dtype under autocast), differentiable in all of x, U, σ, V.
-    A zero pseudo-expert covers the tail rows, which torch._grouped_mm would leave unwritten."""
-    dt = autocast_out_dtype(x)
-    E, N, r = u.shape
-    K = v.shape[-1]
-    vs = torch.cat([v * sigma[..., None], v.new_zeros(1, r, K)]).to(dt)
-    ue = torch.cat([u, u.new_zeros(1, N, r)]).to(dt)
-    offs = torch.cat([offsets.to(torch.int32), offsets.new_full((1,), x.shape[0], dtype=torch.int32)])
-    z = torch._grouped_mm(x.to(dt), vs.transpose(-2, -1), offs=offs)
-    return torch._grouped_mm(z, ue.transpose(-2, -1), offs=offs)
-
-
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """[T, N]: rows of expert e get x W_eᵀ + b_e in the input's dtype (the autocast dtype under
-    autocast), rows past the last expert 0: the high-precision twin of nvfp4_grouped_mm, used after
-    the ``bf16_after_fraction`` switch. One torch._grouped_mm with a zero pseudo-expert for the tail."""
-    dt = autocast_out_dtype(x)
-    E, N, K = weight.shape
-    w = torch.cat([weight, weight.new_zeros(1, N, K)]).to(dt)
-    offs = torch.cat([offsets.to(torch.int32), offsets.new_full((1,), x.shape[0], dtype=torch.int32)])
-    y = torch._grouped_mm(x.to(dt), w.transpose(-2, -1), offs=offs)
-    if bias is None:
-        return y
-    rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int32)
-    expert = torch.searchsorted(offsets.to(torch.int32), rows, right=True)  # E for the tail rows
-    return y + torch.cat([bias, bias.new_zeros(1, N)]).to(dt)[expert]
-
-
-class _NVFP4Experts(LowRankState, NVFP4LayerState):
+class _NVFP4Experts(LowRankExperts, NVFP4LayerState):
     """Conversion shared by the expert modules: ``GEMMS`` names the 3D weights, one SR stream each;
     with a rank, each weight also gets its low-rank factors (module docstring)."""
-
-    GEMMS: tuple[str, ...] = ()
-    lora_rank: int = 0
 
     @classmethod
     def convert(cls, mod, recipe: NVFP4Recipe, layer_id: int, name: str = "", lora_rank: int = 0):
@@ -111,47 +70,15 @@ class _NVFP4Experts(LowRankState, NVFP4LayerState):
         weights = {g: getattr(mod, g) for g in cls.GEMMS}
         check_expert_dims(name, weights)
         check_rank(lora_rank, "quantize.grouped_mm.nvfp4")
-        for g, w in weights.items():
-            if lora_rank > min(w.shape[-2:]):
-                raise ValueError(f"lora_rank {lora_rank} does not fit experts {name!r}: {g} {tuple(w.shape)}")
+        check_expert_rank(name, lora_rank, weights)
         mod.__class__ = cls
         mod.layer_name = name
         device = weights[cls.GEMMS[0]].device
         mod._init_nvfp4(recipe, layer_id, device, n_gemms=len(cls.GEMMS))
-        mod.lora_rank = lora_rank
-        if lora_rank:
-            for g, w in weights.items():
-                E, N, K = w.shape
-                kw = dict(device=w.device, dtype=w.dtype)
-                setattr(mod, f"{g}_lora_u", nn.Parameter(torch.empty(E, N, lora_rank, **kw)))
-                setattr(mod, f"{g}_lora_sigma", nn.Parameter(torch.empty(E, lora_rank, **kw)))
-                setattr(mod, f"{g}_lora_v", nn.Parameter(torch.empty(E, lora_rank, K, **kw)))
-            mod._init_lowrank_state(device)
-            if device.type != "meta":
-                mod.decompose_()
+        mod._init_lowrank_experts(lora_rank)
+        if lora_rank and device.type != "meta":
+            mod.decompose_()
         return mod
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        for g in cls.GEMMS:  # R under the state-dict key it is saved as (decomposed_linear.py)
-            setattr(cls, f"{g}_lora_residual", property(lambda self, g=g: getattr(self, g)))
-
-    def _factors(self, g: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(getattr(self, f"{g}_lora_{n}") for n in ("u", "sigma", "v"))
-
-    def _lowrank_names(self) -> list[tuple[str, str]]:
-        return [(g, f"{g}_lora_") for g in self.GEMMS]
-
-    @torch.no_grad()
-    def decompose_(self) -> None:
-        """Split every expert weight (the full W_e before the first split) into U·diag(σ)·V + R anew."""
-        for g in self.GEMMS:
-            self._resplit(getattr(self, g), self._factors(g), self.lora_rank)
-        self._mark_decomposed()
-
-    def dense_weights(self) -> dict[str, torch.Tensor]:
-        """{weight name: W = R + U·diag(σ)·V} (fp32): what TorchTitan's BF16 experts would load."""
-        return {g: lowrank_merge(*self._factors(g), getattr(self, g)) for g in self.GEMMS}
 
     def _gemms(self, x: torch.Tensor, weights, offsets: torch.Tensor, biases, counters,
                names: tuple[str, ...], groups: AmaxGroups | None = None,
@@ -168,12 +95,6 @@ class _NVFP4Experts(LowRankState, NVFP4LayerState):
             for name, w, y in zip(names, weights, ys):
                 measure_experts(self, name, x, w, y)
         return ys
-
-    def _lowrank_add(self, y: torch.Tensor, g: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """y plus weight ``g``'s low-rank branch of x (y itself without a rank)."""
-        if not self.lora_rank:
-            return y
-        return y + grouped_lowrank(x, *self._factors(g), offsets).to(y.dtype)
 
     def _tp_groups(self) -> dict[str, AmaxGroups | None]:
         """{weight name: the AmaxGroups of its GEMM} under tensor parallelism of the experts (TorchTitan's

@@ -1,6 +1,7 @@
 """The 0.3 model converters: `quantize.linear` replaces Linear.Config nodes of a model config tree with
 TitanNVFP4Linear.Config (TitanDecomposedLinear.Config with a lora_rank), `quantize.grouped_mm` the routed experts'
-GroupedExperts.Config nodes with their NVFP4 versions (experts.py), per the shared knobs (titan_nvfp4/knobs.py)."""
+GroupedExperts.Config nodes with their NVFP4 versions (experts.py; with its lora_rank), per the shared knobs
+(titan_nvfp4/knobs.py)."""
 
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
@@ -14,26 +15,20 @@ from ..decomposed_linear import check_lowrank_args
 from ..expert_groups import check_expert_dims, experts_layer_id
 from ..knobs import GroupedKnobs, LinearKnobs
 from ..layer_selection import check_block_counts, skip_reason
+from ..lowrank_experts import check_expert_rank
 from ..nvfp4_linear import check_linear_dims
 from .decomposed import TitanDecomposedLinear
 from .experts import EXPERT_CLASSES
 from .modules import TitanNVFP4Linear
 
 DEFAULT_FILTER_FQNS = ("lm_head", "router.gate", "shared_experts")  # 0.3's LM head is `lm_head`
-#: knobs of 0.2's `quantize.grouped_mm.nvfp4` that this integration does not implement yet, with their off value
-GROUPED_NOT_YET = {"lora_rank": 0}
 
 
-def _check_section(config, knobs: type, not_yet: dict) -> None:
-    """``enable`` a bool, the ``knobs`` class's checks, then every knob of ``not_yet`` at its off value; else a
-    ValueError naming the key."""
+def _check_section(config, knobs: type) -> None:
+    """``enable`` a bool, then the ``knobs`` class's checks; else a ValueError naming the key."""
     if not isinstance(config.enable, bool):
         raise ValueError(f"[{config.SECTION}] enable must be true or false, got {config.enable!r}")
     knobs.__post_init__(config)  # slots=True: no zero-argument super()
-    for key, off in not_yet.items():
-        if getattr(config, key) != off:
-            raise ValueError(f"[{config.SECTION}] {key} is not supported by the TorchTitan 0.3 integration "
-                             f"yet (docs/torchtitan03.md); leave it at {off!r}")
 
 
 def _n_blocks(model_config) -> int:
@@ -67,7 +62,7 @@ class NVFP4LinearConfigConverter(ModelConfigConverter):
         filter_fqns: list[str] = field(default_factory=lambda: list(DEFAULT_FILTER_FQNS))
 
         def __post_init__(self) -> None:
-            _check_section(self, LinearKnobs, {})
+            _check_section(self, LinearKnobs)
 
     def __init__(self, config: Config):
         self.config = config
@@ -125,7 +120,7 @@ class NVFP4GroupedMMConfigConverter(ModelConfigConverter):
         """Convert the routed experts (false: they stay BF16)."""
 
         def __post_init__(self) -> None:
-            _check_section(self, GroupedKnobs, GROUPED_NOT_YET)
+            _check_section(self, GroupedKnobs)
 
     def __init__(self, config: Config):
         self.config = config
@@ -158,15 +153,19 @@ class NVFP4GroupedMMConfigConverter(ModelConfigConverter):
                 known = ", ".join(c.__name__ + ".Config" for c in EXPERT_CLASSES)
                 raise ValueError(f"[{s}] cannot convert experts {fqn!r} to NVFP4: {type(cfg).__qualname__} is not one "
                                  f"of {known}; exclude it with fqns")
-            check_expert_dims(fqn, cls.weight_shapes(cfg), s)
+            shapes = cls.weight_shapes(cfg)
+            check_expert_dims(fqn, shapes, s)
+            check_expert_rank(fqn, self.config.lora_rank, shapes, f"[{s}] lora_rank")
             new = cls.Config(**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, recipe=r,
-                             layer_id=experts_layer_id(done + len(converted)), name=fqn)
+                             layer_id=experts_layer_id(done + len(converted)), name=fqn,
+                             lora_rank=self.config.lora_rank)
             model_config = _replace(model_config, parent, attr, new)
             converted.append(fqn)
         if not converted and not done:
             raise ValueError(f"[{s}] no routed-expert config matched fqns {fqns} (skipped: "
                              f"{skipped or 'the model has no GroupedExperts / GptOssGroupedExperts'}); set "
                              f"--{s}.no-enable for a model without experts")
-        logger.info(f"[{s}] {len(converted)} expert modules to NVFP4 (token groups padded to 16), {len(skipped)} kept "
-                    f"BF16 ({', '.join(f for f, _ in skipped) or 'none'})")
+        lora = f", per-expert low-rank branch rank {self.config.lora_rank}" if self.config.lora_rank else ""
+        logger.info(f"[{s}] {len(converted)} expert modules to NVFP4 (token groups padded to 16{lora}), {len(skipped)} "
+                    f"kept BF16 ({', '.join(f for f, _ in skipped) or 'none'})")
         return model_config

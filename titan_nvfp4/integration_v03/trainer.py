@@ -103,8 +103,8 @@ def attach_linear_state(model_parts: list[torch.nn.Module], section: NVFP4Linear
     counters = _late_switch(model_parts, linears, section.bf16_after_fraction, total_steps, LINEAR_STEPS,
                             "Linear layers", section.telemetry_every > 0 or section.lora_refresh_steps > 0)
     if section.lora_refresh_steps:
-        logger.info(f"NVFP4: low-rank Linears re-decomposed every {section.lora_refresh_steps} optimizer steps "
-                    "(lora_refresh_steps)")
+        logger.info(f"NVFP4: low-rank modules re-decomposed every {section.lora_refresh_steps} optimizer steps "
+                    "(lora_refresh_steps; the experts' too)")
     _attach_telemetry(counters, linears, section.telemetry_every, "Linear layers")
     return counters
 
@@ -150,9 +150,9 @@ def _late_switch(model_parts, modules, fraction: float, total_steps: int, name: 
 def after_optimizer_step(model_parts: list[torch.nn.Module], nvfp4_gather: bool = False,
                          lora_refresh_steps: int = 0) -> None:
     """Push the step's activation amaxes into the windows, count the step (the late switch follows), re-decompose
-    the low-rank Linears every ``lora_refresh_steps`` steps (before the all-gather scales, which read R) and, with
-    ``nvfp4_gather``, reduce the NVFP4-gathered weights' tile amaxes for their next all-gathers in one all-reduce
-    (fsdp_all_gather.py)."""
+    the low-rank modules (Linears and, as on 0.2, experts with a lora_rank) every ``lora_refresh_steps`` steps
+    (before the all-gather scales, which read R) and, with ``nvfp4_gather``, reduce the NVFP4-gathered weights'
+    tile amaxes for their next all-gathers in one all-reduce (fsdp_all_gather.py)."""
     roll(layers_with_history(model_parts))
     for name, what in ((LINEAR_STEPS, "Linear layers"), (GROUPED_STEPS, "expert modules")):
         for i, (part, counter) in enumerate(step_counters(model_parts, name)):
@@ -161,7 +161,7 @@ def after_optimizer_step(model_parts: list[torch.nn.Module], nvfp4_gather: bool 
             if name == LINEAR_STEPS and lora_refresh_steps and counter.count % lora_refresh_steps == 0:
                 n = redecompose(part)
                 if i == 0:
-                    logger.info(f"NVFP4: re-decomposed {n} low-rank Linears after optimizer step {counter.count}")
+                    logger.info(f"NVFP4: re-decomposed {n} low-rank modules after optimizer step {counter.count}")
     if nvfp4_gather:
         for part in model_parts:
             precompute_scales(part)
