@@ -524,7 +524,7 @@ def test_expert_lowrank_branch_meta_build_decomposition_and_gradients(name, cpu_
     (U·diag(σ)·V + R = W to fp32 rounding), W unchanged for a BF16 reader (dense_weights), the module's
     output = NVFP4 on R plus the exact branch, and gradients for U, σ, V and R."""
     from titan_nvfp4.integration.converter import decompose_after_init, redecompose
-    from titan_nvfp4.integration.experts import grouped_lowrank
+    from titan_nvfp4.lowrank_experts import grouped_lowrank
 
     torch.manual_seed(0)
     model, args = _build(name, n_layers=2)  # a dense and a MoE block where the flavour has both

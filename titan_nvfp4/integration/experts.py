@@ -37,7 +37,7 @@ from ..distributed.tensor_parallel import local
 from ..expert_groups import check_expert_dims
 from ..grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
 from ..layer_state import NVFP4LayerState
-from ..lowrank_experts import LowRankExperts, check_expert_rank, grouped_linear, grouped_lowrank  # noqa: F401
+from ..lowrank_experts import LowRankExperts, check_expert_rank, grouped_linear
 from ..numerics.lowrank import check_rank
 from ..nvfp4_linear import check_recipe
 from ..recipe import NVFP4Recipe

@@ -10,9 +10,10 @@ rest; under tensor parallelism the module refuses to parallelize (not supported 
 from dataclasses import dataclass
 
 from ..decomposed_linear import DecomposedLinear, check_lowrank_args
+from ..lowrank_experts import FACTOR_KINDS
 from .modules import REPLICATED, TitanNVFP4Linear, declare_states, tp_sharding
 
-FACTORS = ("lora_u", "lora_sigma", "lora_v")
+FACTORS = tuple(f"lora_{k}" for k in FACTOR_KINDS)  # DecomposedLinear's U, σ, V
 SECTION = "quantize.linear"
 
 
