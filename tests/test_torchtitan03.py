@@ -31,7 +31,7 @@ from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts, swiglu  # noqa: 
 from dist_util import PRELOAD_V03, run_ranks  # noqa: E402
 from titan_nvfp4.expert_groups import experts_layer_id, pad_token_groups  # noqa: E402
 from titan_nvfp4.grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu  # noqa: E402
-from titan_nvfp4.decomposed_linear import DecomposedLinear  # noqa: E402
+from titan_nvfp4.decomposed_linear import DecomposedLinear, redecompose  # noqa: E402
 from titan_nvfp4.integration_v03.converter import NVFP4GroupedMMConfigConverter  # noqa: E402
 from titan_nvfp4.integration_v03.decomposed import TitanDecomposedLinear  # noqa: E402
 from titan_nvfp4.integration_v03.experts import TitanNVFP4GptOssExperts, TitanNVFP4GroupedExperts  # noqa: E402
@@ -464,7 +464,7 @@ def _tp_dim(m: TitanNVFP4Linear) -> int | None:
 
 
 def _tp_worker(rank, world, out, backend, tmp_path, state, tokens, reduce_amax, model_name="llama3",
-               experts_control=False, overrides=(), blocks=TP_BLOCKS):
+               experts_control=False, overrides=(), blocks=TP_BLOCKS, refresh=False):
     import torchtitan.distributed.parallel_dims as pd_module
     import torchtitan.models.llama3.parallelize as llama_parallelize
 
@@ -492,10 +492,9 @@ def _tp_worker(rank, world, out, backend, tmp_path, state, tokens, reduce_amax, 
             p_local.copy_(full.chunk(world, dims[0])[rank] if dims else full)
     logits = tp_step(model, pd, tokens)
     grads = {n: _gather(_local(p.grad), state[n].shape, world) for n, p in params.items()}
-    if backend == "spmd_types":  # the sequence-parallel norms' weights are R: each rank holds its sequence
-        for n, g in grads.items():  # shard's part of their gradient, which fully_shard would all-reduce
-            if "norm" in n:
-                dist.all_reduce(g)
+    if backend == "spmd_types":  # the parameters typed R on the TP axis (the sequence-parallel norms' weights, the
+        for n in tp_replicated(model):  # low-rank factors beside a sharded weight) hold a partial gradient on each
+            dist.all_reduce(grads[n])  # rank, which fully_shard would all-reduce
     logits = _gather(logits, (*logits.shape[:-1], logits.shape[-1] * world), world)
     nvfp4 = {n: m for n, m in model.named_modules() if isinstance(m, TitanNVFP4Linear)}
     if rank == 0:
@@ -510,6 +509,26 @@ def _tp_worker(rank, world, out, backend, tmp_path, state, tokens, reduce_amax, 
             out["control_grads"] = grads
     first = next(iter(nvfp4.values()))
     out[f"counter{rank}"] = _local(first.sr_counter).clone()
+    if refresh:  # lora_refresh_steps's re-split on the shards
+        redecompose(model)
+        state = {n: _gather(_local(p).detach(), state[n].shape, world) for n, p in model.named_parameters()}
+        if rank == 0:
+            out["refreshed"] = state
+
+
+def tp_replicated(model) -> list[str]:
+    """The parameters of ``model`` its sharding configs type R (replicated, gradient pending a sum) on the TP axis."""
+    import spmd_types as spmd
+    from torchtitan.distributed.parallel_dims import MeshAxisName
+
+    names = []
+    for mname, m in model.named_modules():
+        sc = getattr(m, "_sharding_config", None)
+        for pname, _ in m.named_parameters(recurse=False):
+            layout = sc.state_shardings.get(pname) if sc is not None else None
+            if layout is not None and layout.per_axis_spmd_types().get(MeshAxisName.TP) is spmd.R:
+                names.append(f"{mname}.{pname}" if mname else pname)
+    return names
 
 
 def _tp_reference(model_name: str, tmp_path, overrides=(), blocks=TP_BLOCKS, copies: int = 1) -> SimpleNamespace:
@@ -531,10 +550,12 @@ def _tp_reference(model_name: str, tmp_path, overrides=(), blocks=TP_BLOCKS, cop
             tokens = torch.randint(0, vocab, (BATCH, c.training.seq_len), generator=torch.Generator().manual_seed(1))
             logits = tp_step(model, pd, torch.cat([tokens] * copies))
             grads = {n: _local(p.grad).clone() for n, p in model.named_parameters()}
+            redecompose(model)  # a no-op without low-rank layers
+            refreshed = {n: _local(p).detach().clone() for n, p in model.named_parameters()}
     finally:
         dist.destroy_process_group()
         torch.set_num_threads(threads)
-    return SimpleNamespace(state=state, tokens=tokens, logits=logits, grads=grads)
+    return SimpleNamespace(state=state, tokens=tokens, logits=logits, grads=grads, refreshed=refreshed)
 
 
 @pytest.fixture(scope="module")
@@ -564,6 +585,46 @@ def test_llama3_under_tensor_parallelism_matches_one_process(tp_reference, tmp_p
     for name, g in ref.grads.items():
         assert _rel(out["grads"][name], g) < 2e-3, name
     assert int(out["counter0"][0]) != int(out["counter1"][0])  # a stochastic-rounding stream per rank
+
+
+@pytest.mark.parametrize("backend", ["spmd_types", "partial_dtensor"])
+def test_lora_rank_under_tensor_parallelism_matches_one_process(tmp_path, backend):
+    """lora_rank 16 at TP degree 2 (llama3, 2 blocks, 2 gloo ranks), from the one-process model's initial state
+    (factors and R included): U sharded like a colwise W, V like a rowwise one, σ and the other factor whole, as
+    TorchTitan's own LoRA adapters. The logits and every gradient (the whole factors' summed over the ranks on
+    spmd_types, as fully_shard would) equal one process's up to fp32 summation order, as the plain NVFP4 layers
+    do. The re-split on the shards (gathered, split, sliced) gives one process's split: σ and R within 1e-5,
+    U·diag(σ)·V within 1e-5."""
+    extra = ("--quantize.linear.lora_rank", "16")
+    ref = _tp_reference("llama3", tmp_path / "one", overrides=extra)
+    out = run_ranks(_tp_worker, 2, backend, tmp_path, ref.state, ref.tokens, True, "llama3", False, extra, TP_BLOCKS,
+                    True, preload=PRELOAD_V03)
+    assert out["layouts"] == {"wqkv": 0, "wo": 1, "w1": 0, "w2": 1, "w3": 0}
+    assert sum(n.endswith("lora_u") for n in ref.grads) == 10
+    assert _rel(out["logits"], ref.logits) < 1e-6
+    assert out["grads"].keys() == ref.grads.keys()
+    for name, g in ref.grads.items():
+        assert _rel(out["grads"][name], g) < 2e-3, name
+    for name, w in ref.refreshed.items():
+        if "lora_u" in name:
+            prefix = name[: -len("u")]
+            tp, one = (((f[prefix + "u"] * f[prefix + "sigma"]) @ f[prefix + "v"]) for f in (out["refreshed"], ref.refreshed))
+            assert _rel(tp, one) < 1e-5, name
+        elif "lora_v" not in name:
+            assert _rel(out["refreshed"][name], w) < 1e-5, name
+
+
+@pytest.mark.parametrize("backend", ["spmd_types", "partial_dtensor"])
+def test_lora_nvfp4_under_tensor_parallelism_is_refused(tmp_path, backend):
+    """An NVFP4 branch under tensor parallelism stops at parallelize, naming the knob and the Linear (measured on
+    partial_dtensor: its gradients 1% away from one process's; on spmd_types it would quantize partial sums)."""
+    c = tp_config(2, backend, tmp_path, "llama3", "--quantize.linear.lora_rank", "16", "--quantize.linear.lora_nvfp4")
+    c.model_spec.model.update_from_config(config=c)
+    with torch.device("meta"):
+        wo = c.model_spec.model.layers[0].attention.wo.build()
+    with pytest.raises(NotImplementedError, match=r"\[quantize.linear\] lora_nvfp4 = true: Linear "
+                                                  "'layers.0.attention.wo' is tensor-parallel"):
+        wo.parallelize(SimpleNamespace(tp_enabled=True, spmd_backend=backend))
 
 
 def test_llama3_tensor_parallelism_without_cross_rank_amax_differs(tp_reference, tmp_path):
@@ -809,6 +870,96 @@ def test_train_state_resumes_the_sr_streams_bitwise(gloo_rank, monkeypatch, tmp_
     assert not all(torch.equal(g, w) for g, w in zip(step_c(), want, strict=True))
 
 
+def _train_03(dump: Path, assets: Path, steps: int, *overrides: str) -> str:
+    """``-m torchtitan.train --module ... --config llama3_debug_nvfp4`` as one torchrun process on the CPU
+    (tests/cpu_train03.py; the model's first 2 blocks), a short job checkpointing every step (full checkpoints: model, optimizer, train_state, dataloader); its log."""
+    import os
+    import subprocess
+    import sys
+
+    import socket
+
+    with socket.socket() as sock:  # torchrun's environment for one process, without its start-up
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, str(Path(__file__).with_name("cpu_train03.py")), "--module", MODULE, "--config", "llama3_debug_nvfp4",
+           "--training.steps", str(steps), "--training.seq_len", "64", "--training.local_batch_size", "2",
+           "--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.no-last_save_model_only",
+           "--metrics.log_freq", "1", "--dump_folder", str(dump), *overrides]
+    env = {**os.environ, "TITAN_NVFP4_DATA_DIR": str(assets), "OMP_NUM_THREADS": "1", "CPU_TRAIN03_BLOCKS": "2",
+           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-4000:]
+    return log
+
+
+def _dcp_flat(path: Path) -> dict:
+    """A DCP checkpoint as {dotted key: value}, pickled entries (the dataloader's state) unpickled."""
+    import pickle
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(path), str(path) + ".pt")
+    out = {}
+
+    def walk(v, key):
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(x, f"{key}.{k}" if key else str(k))
+        elif isinstance(v, bytes):
+            out[key] = pickle.loads(v)
+        else:
+            out[key] = v
+
+    walk(torch.load(str(path) + ".pt", weights_only=False), "")
+    return out
+
+
+def test_nvfp4_trainer_resumed_from_a_checkpoint_repeats_the_run(tmp_path):
+    """The whole NVFP4Trainer through TorchTitan 0.3's entry point on the CPU (llama3_debug_nvfp4's first 2 blocks with SR, a low-rank
+    branch refreshed every 2 steps and 2-step amax windows, on a small offline corpus): 3 steps checkpointing every
+    step, then a second job started from the step-1 checkpoint. The resumed job logs the same losses for steps 2 and
+    3 and writes the same step-3 checkpoint, every tensor bit for bit (weights, factors, AdamW moments, the SR call
+    counts, the amax windows), and a dataloader state that continues the same token stream. On torch 2.13 this also needs NVFP4Trainer's
+    provide_set_timeout (TorchTitan 0.3.0 calls a torch.distributed.set_timeout that torch 2.13 lacks)."""
+    import itertools
+    import shutil
+
+    from titan_nvfp4.data.assets import recipe, write_assets
+    from titan_nvfp4.data.corpus import Corpus, iter_stdlib_sources
+
+    docs = [text for _, text in itertools.islice(iter_stdlib_sources(), 80)]
+    write_assets(tmp_path / "assets", Corpus(train=docs[:70], validation=docs[70:]), recipe())
+    extra = (*LORA, "--quantize.linear.lora_refresh_steps", "2", "--quantize.linear.activation_amax_history", "2")
+    full = _train_03(tmp_path / "full", tmp_path / "assets", 3, *extra)
+    (tmp_path / "resumed" / "checkpoint").mkdir(parents=True)
+    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-1", tmp_path / "resumed" / "checkpoint" / "step-1")
+    resumed = _train_03(tmp_path / "resumed", tmp_path / "assets", 3, *extra)
+    assert "Training starts at step 2" in resumed and "re-decomposed 10 low-rank modules after optimizer step 2" in resumed
+
+    def losses(log):
+        return dict(re.findall(r"step:\s+(\d+)\s+\S*loss:\s+([\d.]+)", log))
+
+    assert len(losses(full)) == 3 and {k: v for k, v in losses(full).items() if k != "1"} == losses(resumed)
+    a, b = (_dcp_flat(tmp_path / d / "checkpoint" / "step-3") for d in ("full", "resumed"))
+    assert a.keys() == b.keys()
+    loader = "dataloader.dp_rank_0"
+    for k, v in a.items():
+        if k != loader:
+            assert torch.equal(v, b[k]) if isinstance(v, torch.Tensor) else v == b[k], k
+    # TorchTitan's text dataset reads the next document into its token buffer as soon as it resumes, the
+    # uninterrupted run only once the buffer runs short: the same token stream, the resumed run buffered further
+    da, db = a[loader]["dataset_state"], b[loader]["dataset_state"]
+    assert db["sample_idx"] >= da["sample_idx"]
+    for buf in ("inputs_buffer", "labels_buffer", "positions_buffer"):
+        assert db[buf][: len(da[buf])] == da[buf], buf
+    sr = {k: int(v[0]) for k, v in a.items() if ".nvfp4_sr_calls." in k}
+    assert len(sr) == 10 and set(sr.values()) == {3}
+    assert sum(".nvfp4_amax_history." in k for k in a) > 0 and sum(k.endswith("lora_u") for k in a) == 10
+
+
 # ------------------------------------------------------------------------------------------- DecomposedLinear
 
 LORA = ("--quantize.linear.lora_rank", "16")
@@ -853,8 +1004,7 @@ def test_lora_rank_splits_each_initialized_weight_as_the_02_module(gloo_rank, mo
 
 def test_lora_knobs_reach_every_linear_and_a_rank_that_does_not_fit_is_refused():
     """lora_rank and lora_nvfp4 reach every converted Linear's config; a lora_rank above a Linear's smaller dim stops
-    the conversion, naming the key and the Linear (0.2's words); a tensor-parallel DecomposedLinear is refused at
-    parallelize."""
+    the conversion, naming the key and the Linear (0.2's words)."""
     c = parse("llama3_debug_nvfp4", "--quantize.linear.lora_rank", "512")
     with pytest.raises(ValueError, match=r"\[quantize.linear\] lora_rank 512 does not fit Linear "
                                          r"'layers.0.attention.qkv_linear.wqkv' \(768x256\)"):
@@ -863,12 +1013,6 @@ def test_lora_knobs_reach_every_linear_and_a_rank_that_does_not_fit_is_refused()
     apply_quantize(c)
     configs = [cfg for _, cfg, _, _ in c.model_spec.model.traverse(TitanDecomposedLinear.Config)]
     assert len(configs) == 30 and {(cfg.lora_rank, cfg.lora_nvfp4) for cfg in configs} == {(32, True)}
-    c.model_spec.model.update_from_config(config=c)
-    with torch.device("meta"):
-        wo = c.model_spec.model.layers[0].attention.wo.build()
-    with pytest.raises(NotImplementedError, match=r"\[quantize.linear\] lora_rank = 32: Linear 'layers.0.attention.wo' "
-                                                  "is tensor-parallel"):
-        wo.parallelize(SimpleNamespace(tp_enabled=True))
 
 
 def test_lora_factors_train_refresh_and_resume(gloo_rank, monkeypatch, tmp_path):

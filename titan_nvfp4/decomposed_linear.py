@@ -14,7 +14,8 @@ a multiple of 16 for that). All four of U, σ, V, R train.
 
 Sharded parameters (FSDP2, TP: DTensors): the SVD runs on the full weight (all-gathered) in fp32 on
 every rank, and the factors are distributed from rank 0's result, so every rank holds shards of the
-same decomposition.
+same decomposition. Plain local TP shards (``local_tp``, TorchTitan 0.3's spmd_types) do the same with the
+TP group's collectives: U sharded like a colwise W, V like a rowwise one, the other factors whole.
 
 State dict (docs/checkpoints.md): ``weight`` holds the full W = R + U·diag(σ)·V (computed at save, sharded
 like R), so a model without the branch (BF16, or NVFP4 with lora_rank = 0) loads the weight the module
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .distributed.tensor_parallel import broadcast_from_first, gather_shards, shard_of
 from .linear_function import autocast_out_dtype, meta_linear
 from .numerics.lowrank import full_tensor, lowrank_merge, lowrank_split
 from .numerics.nvfp4 import BLOCK
@@ -108,11 +110,27 @@ class LowRankState:
     def _resplit(self, weight: torch.Tensor, factors: tuple[torch.Tensor, ...], rank: int) -> None:
         """Split the weight that ``weight`` and its ``factors`` (U, σ, V) compute (``weight`` alone before
         the first split) anew into them: fp32 SVD of the full tensor, each shard from rank 0's result."""
+        local_tp = getattr(self, "local_tp", None)
+        if local_tp is not None:
+            return self._resplit_local_shards(weight, factors, rank, *local_tp)
         w = full_tensor(weight).float()
         if self._is_decomposed():
             w = lowrank_merge(*factors, w)
         for param, value in zip((*factors, weight), lowrank_split(w, rank)):
             assign_full(param, value)
+
+    def _resplit_local_shards(self, weight: torch.Tensor, factors: tuple[torch.Tensor, ...], rank: int, dim: int,
+                              group) -> None:
+        """_resplit on plain local TP shards (NVFP4Linear.local_tp: TorchTitan 0.3's spmd_types): the factor
+        sharded like W (U colwise, V rowwise) gives this rank's shard of W with the replicated ones, the shards are
+        gathered along ``dim`` and split as one process would, and each rank keeps its chunks of the first rank's
+        split."""
+        w = weight.detach().float()
+        if self._is_decomposed():
+            w = lowrank_merge(*factors, w)
+        whole = broadcast_from_first(lowrank_split(gather_shards(w, dim, group), rank), group)
+        for param, value in zip((*factors, weight), whole):
+            param.copy_(shard_of(value, param.shape, group).to(param.dtype))
 
     @torch.no_grad()
     def decompose_fresh_(self) -> None:

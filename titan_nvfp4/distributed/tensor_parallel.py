@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .amax import AmaxGroups
@@ -119,4 +120,30 @@ def tp_nvfp4_linear(linear_fn, x: torch.Tensor, weight: DTensor, bias: torch.Ten
     return out
 
 
-__all__ = ["local", "local_tp_nvfp4_linear", "tp_amax_groups", "tp_layout", "tp_nvfp4_linear"]
+def gather_shards(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The whole tensor from the plain local shards of ``t`` along ``dim`` over ``group`` (in group rank order)."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim)
+
+
+def shard_of(value: torch.Tensor, local_shape: torch.Size, group) -> torch.Tensor:
+    """This rank's contiguous chunk of the whole ``value`` along the dim where ``local_shape`` is smaller (the
+    inverse of gather_shards), or ``value`` itself where the shapes agree (a tensor replicated over ``group``)."""
+    dims = [d for d, (a, b) in enumerate(zip(local_shape, value.shape)) if a != b]
+    if not dims:
+        return value
+    return value.chunk(dist.get_world_size(group), dims[0])[dist.get_rank(group)]
+
+
+def broadcast_from_first(tensors, group) -> list[torch.Tensor]:
+    """``tensors`` as the group's first rank holds them, on every rank of ``group`` (in place)."""
+    src = dist.get_global_rank(group, 0)
+    out = [t.contiguous() for t in tensors]
+    for t in out:
+        dist.broadcast(t, src=src, group=group)
+    return out
+
+
+__all__ = ["broadcast_from_first", "gather_shards", "local", "local_tp_nvfp4_linear", "shard_of", "tp_amax_groups",
+           "tp_layout", "tp_nvfp4_linear"]

@@ -3,11 +3,17 @@
 0.3 initializes a model through ``init_states``: each Module initializes its own parameters from its config's
 ``param_init`` once its children are done. So the split W = U·diag(σ)·V + R runs there, right after the weight
 is initialized (0.2 hooks the model's init_weights instead); a checkpoint load brings U, σ, V and R back as on
-0.2 (decomposed_linear.py's state dict). The factors are replicated parameters of the module, trained with the
-rest; under tensor parallelism the module refuses to parallelize (not supported yet).
+0.2 (decomposed_linear.py's state dict). The factors are parameters of the module, trained with the rest. Under
+tensor parallelism they follow the weight the way TorchTitan's own LoRA adapters do: U is sharded like a colwise W
+(its output rows), V like a rowwise W (its input columns), the other factors are whole on every rank (their
+gradients are partial sums there, reduced with the other replicated parameters'), so the branch runs on local
+tensors without a collective of its own.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import spmd_types as spmd
+from torchtitan.distributed.parallel_dims import MeshAxisName
 
 from ..decomposed_linear import DecomposedLinear, check_lowrank_args
 from ..lowrank_experts import FACTOR_KINDS
@@ -30,7 +36,15 @@ class TitanDecomposedLinear(DecomposedLinear, TitanNVFP4Linear):
 
         def build(self, **kwargs):
             instance = TitanNVFP4Linear.Config.build(self, **kwargs)  # slots=True: no zero-argument super()
-            declare_states(instance, FACTORS, REPLICATED)
+            tp = tp_sharding(instance, "weight")
+            if tp is None:
+                declare_states(instance, FACTORS, REPLICATED)
+                return instance
+            weight = instance._sharding_config.state_shardings["weight"]
+            whole = replace(weight, axis_types={**weight.axis_types, MeshAxisName.TP: spmd.R})
+            sharded = "lora_u" if tp.dim % 2 == 0 else "lora_v"  # the factor holding W's sharded dim
+            for name in FACTORS:
+                declare_states(instance, (name,), weight if name == sharded else whole)
             return instance
 
     def __init__(self, config: Config):
@@ -57,10 +71,12 @@ class TitanDecomposedLinear(DecomposedLinear, TitanNVFP4Linear):
         self.decompose_fresh_()
 
     def parallelize(self, parallel_dims) -> None:
-        """TitanNVFP4Linear's parallelize; a tensor-parallel weight is refused by name (not supported yet)."""
-        if parallel_dims.tp_enabled and tp_sharding(self, "weight") is not None:
+        """TitanNVFP4Linear's parallelize. An NVFP4 branch (lora_nvfp4) under tensor parallelism is refused by name:
+        on spmd_types's local shards its GEMMs would quantize partial sums, and on the DTensor backends its
+        gradients were measured 1% away from one process's (the branch in high precision matches)."""
+        if parallel_dims.tp_enabled and self.lora_nvfp4 and tp_sharding(self, "weight") is not None:
             raise NotImplementedError(
-                f"[{SECTION}] lora_rank = {self.rank}: Linear {self.label()!r} is tensor-parallel, which the "
-                "TorchTitan 0.3 integration does not support for DecomposedLinear yet; set lora_rank = 0, keep the "
-                "layer BF16 with filter_fqns, or run without tensor parallelism")
+                f"[{SECTION}] lora_nvfp4 = true: Linear {self.label()!r} is tensor-parallel, which the TorchTitan 0.3 "
+                "integration does not support for an NVFP4 branch yet; set lora_nvfp4 = false (the branch in the "
+                "input's dtype) or run without tensor parallelism")
         TitanNVFP4Linear.parallelize(self, parallel_dims)

@@ -21,6 +21,7 @@ from ..train_state import install
 from .converter import NVFP4GroupedMMConfigConverter, NVFP4LinearConfigConverter
 from .experts import EXPERT_CLASSES
 from .modules import TitanNVFP4Linear
+from .torch_compat import provide_set_timeout
 
 
 
@@ -176,6 +177,7 @@ class NVFP4Trainer(Trainer):
         """titan_nvfp4's NVFP4 sections."""
 
     def __init__(self, config: Config):
+        provide_set_timeout()
         prepare_offline_data(config)
         apply_quantize(config)
         super().__init__(config)
