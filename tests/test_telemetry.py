@@ -11,7 +11,8 @@ import torch
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
 from titan_nvfp4.numerics.nvfp4 import quantize_nvfp4
 from titan_nvfp4.schedule import StepCounter
-from titan_nvfp4.telemetry import Telemetry, drain_all, install_metrics_hook, operand_stats
+from titan_nvfp4.metrics_hook import install_metrics_hook
+from titan_nvfp4.telemetry import Telemetry, drain_all, operand_stats
 from test_grouped import cpu_histc, cpu_triton  # noqa: F401  (cpu_histc: a fixture)
 
 

@@ -135,22 +135,4 @@ def measure_experts(module, gemm: str, x: torch.Tensor, weight: torch.Tensor, y:
         y.register_hook(lambda dy: t.record(name, "grad_output", dy))
 
 
-def install_metrics_hook() -> None:
-    """Make TorchTitan's MetricsProcessor.log add the pending telemetry to its extra metrics (idempotent)."""
-    from torchtitan.components.metrics import MetricsProcessor
-
-    if getattr(MetricsProcessor.log, "_nvfp4_telemetry", False):
-        return
-    original = MetricsProcessor.log
-
-    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-        extra = dict(extra_metrics or {})
-        extra.update(drain_all())
-        return original(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
-
-    log._nvfp4_telemetry = True
-    MetricsProcessor.log = log
-
-
-__all__ = ["Telemetry", "drain_all", "expert_weight_stats", "install_metrics_hook", "measure_experts", "measure_linear",
-           "operand_stats"]
+__all__ = ["Telemetry", "drain_all", "expert_weight_stats", "measure_experts", "measure_linear", "operand_stats"]

@@ -20,12 +20,13 @@ from ..decomposed_linear import DecomposedLinear, check_lowrank_args, redecompos
 from ..distributed.fsdp_all_gather import TRAFFIC, precompute_scales, wrap_weight
 from ..expert_groups import experts_layer_id
 from ..layer_selection import check_block_counts, skip_reason
+from ..metrics_hook import install_metrics_hook
 from ..nvfp4_linear import NVFP4Linear, check_linear_dims
 from ..ops.backends import resolve_backend
 from ..recipe import NVFP4Recipe
 from ..schedule import (GROUPED_STEPS, LINEAR_STEPS, PrecisionSchedule, StepCounter, attach_step_counter,
                         step_counters, switch_step)
-from ..telemetry import Telemetry, install_metrics_hook
+from ..telemetry import Telemetry
 
 CONVERTER_NAME = "quantize.linear.nvfp4"
 GROUPED_CONVERTER_NAME = "quantize.grouped_mm.nvfp4"

@@ -14,9 +14,10 @@ from torchtitan.trainer import Trainer
 from ..amax_history import AmaxHistory, layers_with_history, register_buffers, roll
 from ..decomposed_linear import redecompose
 from ..distributed.fsdp_all_gather import precompute_scales, wrap_weight
+from ..metrics_hook import install_metrics_hook
 from ..schedule import (GROUPED_STEPS, LINEAR_STEPS, PrecisionSchedule, StepCounter, attach_step_counter,
                         step_counters, switch_step)
-from ..telemetry import Telemetry, install_metrics_hook
+from ..telemetry import Telemetry
 from ..train_state import install
 from .converter import NVFP4GroupedMMConfigConverter, NVFP4LinearConfigConverter
 from .experts import EXPERT_CLASSES
