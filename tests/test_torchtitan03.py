@@ -1243,7 +1243,7 @@ def test_grouped_lora_rank_that_does_not_fit_or_meets_ep_is_refused():
             m.parallelize(SimpleNamespace(tp_enabled=tp, ep_enabled=ep))
 
 
-def _fsdp_gather_worker(rank, world, out, tmp_path):
+def _fsdp_gather_worker(rank, world, out, tmp_path, tp=1):
     """Two SGD steps of llama3_debug_nvfp4's first 2 blocks under FSDP2 (dp_shard = world) through its parallelize,
     once with the BF16 all-gather and once with fsdp_nvfp4_all_gather (tile amaxes precomputed after the first
     step, as the trainer's step hook does); this rank's full gradients of each step."""
@@ -1253,11 +1253,12 @@ def _fsdp_gather_worker(rank, world, out, tmp_path):
 
     torch.set_num_threads(1)
     pd_module.device_type = "cpu"
-    tokens = torch.randint(0, 2048, (BATCH, SEQ), generator=torch.Generator().manual_seed(10 + rank))
+    tokens = torch.randint(0, 2048, (BATCH, SEQ), generator=torch.Generator().manual_seed(10 + rank // tp))
     for gather in (False, True):
         torch.manual_seed(0)
         c = parse("llama3_debug_nvfp4", "--quantize.linear.gemm_backend", "reference", "--training.seq_len", str(SEQ),
-                  "--training.local_batch_size", str(BATCH), "--parallelism.data_parallel_shard_degree", str(world),
+                  "--training.local_batch_size", str(BATCH), "--parallelism.data_parallel_shard_degree", str(world // tp),
+                  "--parallelism.tensor_parallel_degree", str(tp),
                   "--parallelism.spmd_backend", "partial_dtensor", "--dump_folder", str(tmp_path),
                   *(["--quantize.linear.fsdp_nvfp4_all_gather"] if gather else []))
         apply_quantize(c)
@@ -1282,10 +1283,12 @@ def _fsdp_gather_worker(rank, world, out, tmp_path):
 
 
 @pytest.mark.long
-def test_fsdp2_nvfp4_all_gather_trains_as_the_bf16_gather(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2], ids=["fsdp2", "fsdp2_tp2"])
+def test_fsdp2_nvfp4_all_gather_trains_as_the_bf16_gather(tmp_path, tp):
     """fsdp_nvfp4_all_gather on 0.3: the 10 NVFP4 Linears' weights gather as codes through llama3's own parallelize
-    (FSDP2 on 2 gloo ranks) and two SGD steps give the BF16 all-gather's gradients bit for bit."""
-    out = run_ranks(_fsdp_gather_worker, 2, tmp_path, preload=PRELOAD_V03)
+    (FSDP2 on 2 gloo ranks, and FSDP2 2 × TP 2 on 4, partial_dtensor) and two SGD steps give the BF16 all-gather's
+    gradients bit for bit."""
+    out = run_ranks(_fsdp_gather_worker, 2 * tp, tmp_path, tp, preload=PRELOAD_V03)
     bf16, nvfp4 = out["bf16"], out["nvfp4"]
     assert (bf16["wrapped"], nvfp4["wrapped"]) == (0, 10)
     assert nvfp4["traffic"]["gathers"] > 0 and nvfp4["traffic"]["codes_bytes"] * 4 == nvfp4["traffic"]["param_dtype_bytes"]
@@ -1297,7 +1300,7 @@ def test_fsdp2_nvfp4_all_gather_trains_as_the_bf16_gather(tmp_path):
 
 
 def test_nvfp4_all_gather_outside_its_backend_stops_naming_the_knob():
-    """fsdp_nvfp4_all_gather under FSDP on spmd_types, or with TP, stops before anything is sharded; without FSDP it
+    """fsdp_nvfp4_all_gather under FSDP on spmd_types (TP or not) stops before anything is sharded; without FSDP it
     leaves the weights alone; the parallelize_fn is wrapped once however often the config is converted."""
     from titan_nvfp4.distributed.fsdp_all_gather import NVFP4ShardedWeight
     from titan_nvfp4.integration_v03.trainer import with_nvfp4_all_gather
@@ -1311,7 +1314,7 @@ def test_nvfp4_all_gather_outside_its_backend_stops_naming_the_knob():
     fn = with_nvfp4_all_gather(lambda model, **kw: calls.append(model) or model, "quantize.linear")
     model = torch.nn.Sequential(TitanNVFP4Linear(TitanNVFP4Linear.Config(in_features=32, out_features=16)))
     for pd, backend in [(SimpleNamespace(fsdp_enabled=True, tp_enabled=False, tp=1), "spmd_types"),
-                        (SimpleNamespace(fsdp_enabled=True, tp_enabled=True, tp=2), "partial_dtensor")]:
+                        (SimpleNamespace(fsdp_enabled=True, tp_enabled=True, tp=2), "spmd_types")]:
         with pytest.raises(ValueError, match=r"\[quantize.linear\] fsdp_nvfp4_all_gather = true runs on "
                                              r"parallelism.spmd_backend = partial_dtensor"):
             fn(model, parallel_dims=pd, parallelism=SimpleNamespace(spmd_backend=backend))

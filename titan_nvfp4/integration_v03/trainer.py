@@ -74,10 +74,9 @@ def with_nvfp4_all_gather(parallelize_fn, section: str):
         key = f"[{section}] fsdp_nvfp4_all_gather"
         if not parallel_dims.fsdp_enabled:
             logger.info(f"NVFP4: {key} has no effect without FSDP (data_parallel_shard_degree = 1)")
-        elif parallelism.spmd_backend != "partial_dtensor" or parallel_dims.tp_enabled:
-            raise ValueError(f"{key} = true runs on parallelism.spmd_backend = partial_dtensor without tensor "
-                             f"parallelism in the TorchTitan 0.3 integration (got {parallelism.spmd_backend}, TP degree "
-                             f"{parallel_dims.tp}); set it there or turn the all-gather off")
+        elif parallelism.spmd_backend != "partial_dtensor":
+            raise ValueError(f"{key} = true runs on parallelism.spmd_backend = partial_dtensor in the TorchTitan 0.3 "
+                             f"integration (got {parallelism.spmd_backend}); set it there or turn the all-gather off")
         else:
             linears = [m for m in model.modules() if isinstance(m, TitanNVFP4Linear)]
             for m in linears:
