@@ -177,6 +177,7 @@ def gloo_rank():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("model_name, blocks", [("llama3", 6), ("qwen3", 8)])
 def test_debugmodel_forward_backward_in_nvfp4(gloo_rank, monkeypatch, tmp_path, model_name, blocks):
     """The registry's <model>_debug_nvfp4 through the model's own parallelize_fn: every block Linear (fused wqkv,
@@ -463,8 +464,8 @@ def _tp_dim(m: TitanNVFP4Linear) -> int | None:
     return getattr(getattr(m.weight, "placements", [None])[-1], "dim", None)
 
 
-def _tp_worker(rank, world, out, backend, tmp_path, state, tokens, reduce_amax, model_name="llama3",
-               experts_control=False, overrides=(), blocks=TP_BLOCKS, refresh=False):
+def _tp_worker(rank, world, out, backend, tmp_path, state, tokens, model_name="llama3",
+               control=None, overrides=(), blocks=TP_BLOCKS, refresh=False):
     import torchtitan.distributed.parallel_dims as pd_module
     import torchtitan.models.llama3.parallelize as llama_parallelize
 
@@ -472,8 +473,6 @@ def _tp_worker(rank, world, out, backend, tmp_path, state, tokens, reduce_amax, 
     import titan_nvfp4.grouped_function as gf
     import titan_nvfp4.linear_function as lf
 
-    if not reduce_amax:  # the control: each rank quantizes its shards with their own amaxes
-        lf.all_reduce_max = gf.all_reduce_max = lambda a, group: a
     c = tp_config(world, backend, tmp_path, model_name, *overrides)
     if backend == "spmd_types":  # two upstream gaps on this torch, the BF16 model's too: fully_shard refuses
         # spmd_types's plain TP shards (at dp 1 it would only set the fp32 precision policy), and the fused wqkv's
@@ -490,21 +489,27 @@ def _tp_worker(rank, world, out, backend, tmp_path, state, tokens, reduce_amax, 
             full, p_local = state[name], _local(p)
             dims = [d for d, (a, b) in enumerate(zip(p_local.shape, full.shape)) if a != b]
             p_local.copy_(full.chunk(world, dims[0])[rank] if dims else full)
+    def whole_grads():
+        grads = {n: _gather(_local(p.grad), state[n].shape, world) for n, p in params.items()}
+        if backend == "spmd_types":  # the parameters typed R on the TP axis (the sequence-parallel norms' weights,
+            for n in tp_replicated(model):  # low-rank factors beside a sharded weight) hold a partial gradient on
+                dist.all_reduce(grads[n])  # each rank, which fully_shard would all-reduce
+        return grads
+
     logits = tp_step(model, pd, tokens)
-    grads = {n: _gather(_local(p.grad), state[n].shape, world) for n, p in params.items()}
-    if backend == "spmd_types":  # the parameters typed R on the TP axis (the sequence-parallel norms' weights, the
-        for n in tp_replicated(model):  # low-rank factors beside a sharded weight) hold a partial gradient on each
-            dist.all_reduce(grads[n])  # rank, which fully_shard would all-reduce
+    grads = whole_grads()
     logits = _gather(logits, (*logits.shape[:-1], logits.shape[-1] * world), world)
     nvfp4 = {n: m for n, m in model.named_modules() if isinstance(m, TitanNVFP4Linear)}
     if rank == 0:
         out.update(logits=logits, grads=grads, layouts={n.split(".")[-1]: _tp_dim(m) for n, m in nvfp4.items()},
                    expert_groups=[sorted(m.tp_groups) for m in experts])
-    if experts_control:  # the same step again, the experts quantizing their shards with their own amaxes
-        model.zero_grad(set_to_none=True)
+    if control:  # the same step again, the experts (control "experts") or every layer ("all") quantizing their
+        model.zero_grad(set_to_none=True)  # shards with their own amaxes
         gf.all_reduce_max = lambda a, group: a
+        if control == "all":
+            lf.all_reduce_max = gf.all_reduce_max
         tp_step(model, pd, tokens)
-        grads = {n: _gather(_local(p.grad), state[n].shape, world) for n, p in params.items()}
+        grads = whole_grads()
         if rank == 0:
             out["control_grads"] = grads
     first = next(iter(nvfp4.values()))
@@ -529,6 +534,17 @@ def tp_replicated(model) -> list[str]:
             if layout is not None and layout.per_axis_spmd_types().get(MeshAxisName.TP) is spmd.R:
                 names.append(f"{mname}.{pname}" if mname else pname)
     return names
+
+
+_REFERENCES: dict = {}
+
+
+def tp_reference_cached(model_name: str, tmp_path, overrides=(), blocks=TP_BLOCKS, copies: int = 1) -> SimpleNamespace:
+    """_tp_reference, computed once per worker process for each set of arguments (tests only read it)."""
+    key = (model_name, tuple(overrides), blocks, copies)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _tp_reference(model_name, tmp_path, overrides, blocks, copies)
+    return _REFERENCES[key]
 
 
 def _tp_reference(model_name: str, tmp_path, overrides=(), blocks=TP_BLOCKS, copies: int = 1) -> SimpleNamespace:
@@ -567,38 +583,45 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize("backend", ["spmd_types", "partial_dtensor"])
-def test_llama3_under_tensor_parallelism_matches_one_process(tp_reference, tmp_path, backend):
+@pytest.mark.long
+def test_llama3_under_tensor_parallelism_matches_one_process(tp_reference, tmp_path):
     """llama3_debug_nvfp4 (2 blocks) at TP degree 2 through llama3's parallelize (TorchTitan's colwise wqkv, w1,
     w3 and rowwise wo, w2, sequence parallel) on 2 gloo ranks, from the one-process model's initial state: the
     logits and every gradient equal one process's up to fp32 summation order, as on 0.2 (the rowwise GEMMs sum 2
-    partial products, colwise dX too, so an element can move across an NVFP4 rounding boundary). spmd_types hands
-    the layers plain local shards (NVFP4Linear.local_tp), partial_dtensor DTensors (NVFP4Linear's DTensor path);
-    either way each rank quantizes with the whole operands' amaxes. The SR streams differ per rank."""
+    partial products, colwise dX too, so an element can move across an NVFP4 rounding boundary). spmd_types (the
+    default backend) hands the layers plain local shards (NVFP4Linear.local_tp); partial_dtensor's DTensors
+    (NVFP4Linear's DTensor path) run the same NVFP4 GEMMs in the lora_rank test below, on both backends. Each rank
+    quantizes with the whole operands' amaxes. The SR streams differ per rank. The control, the same step again with
+    each rank's own shard amaxes (no all-reduce): the gradients move by NVFP4's rounding error, far above the
+    tolerance."""
     ref = tp_reference
-    out = run_ranks(_tp_worker, 2, backend, tmp_path, ref.state, ref.tokens, True, preload=PRELOAD_V03)
+    out = run_ranks(_tp_worker, 2, "spmd_types", tmp_path, ref.state, ref.tokens, "llama3", "all",
+                    preload=PRELOAD_V03)
     assert out["layouts"] == {"wqkv": 0, "wo": 1, "w1": 0, "w2": 1, "w3": 0}  # colwise 0, rowwise 1
     # measured on both backends: 3.3e-8 on the logits; on the gradients at most 1.3e-3 (layer 1's w3: an element
-    # across a rounding boundary), 16 of 17 not bit-equal; the control below moves them by 0.17
+    # across a rounding boundary), 16 of 17 not bit-equal; the control moves them by 0.17
     assert _rel(out["logits"], ref.logits) < 1e-6
     assert out["grads"].keys() == ref.grads.keys()
     for name, g in ref.grads.items():
         assert _rel(out["grads"][name], g) < 2e-3, name
     assert int(out["counter0"][0]) != int(out["counter1"][0])  # a stochastic-rounding stream per rank
+    worst = max(_rel(out["control_grads"][n], g) for n, g in ref.grads.items() if "layers." in n)
+    assert worst > 1e-2, worst
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("backend", ["spmd_types", "partial_dtensor"])
 def test_lora_rank_under_tensor_parallelism_matches_one_process(tmp_path, backend):
     """lora_rank 16 at TP degree 2 (llama3, 2 blocks, 2 gloo ranks), from the one-process model's initial state
     (factors and R included): U sharded like a colwise W, V like a rowwise one, σ and the other factor whole, as
     TorchTitan's own LoRA adapters. The logits and every gradient (the whole factors' summed over the ranks on
     spmd_types, as fully_shard would) equal one process's up to fp32 summation order, as the plain NVFP4 layers
-    do. The re-split on the shards (gathered, split, sliced) gives one process's split: σ and R within 1e-5,
-    U·diag(σ)·V within 1e-5."""
+    do (R runs through the same NVFP4 Linear path, local shards or DTensors). The re-split on the shards (gathered,
+    split, sliced) gives one process's split: σ and R within 1e-5, U·diag(σ)·V within 1e-5."""
     extra = ("--quantize.linear.lora_rank", "16")
-    ref = _tp_reference("llama3", tmp_path / "one", overrides=extra)
-    out = run_ranks(_tp_worker, 2, backend, tmp_path, ref.state, ref.tokens, True, "llama3", False, extra, TP_BLOCKS,
-                    True, preload=PRELOAD_V03)
+    ref = tp_reference_cached("llama3", tmp_path / "one", overrides=extra)
+    out = run_ranks(_tp_worker, 2, backend, tmp_path, ref.state, ref.tokens, "llama3", None, extra, TP_BLOCKS, True,
+                    preload=PRELOAD_V03)
     assert out["layouts"] == {"wqkv": 0, "wo": 1, "w1": 0, "w2": 1, "w3": 0}
     assert sum(n.endswith("lora_u") for n in ref.grads) == 10
     assert _rel(out["logits"], ref.logits) < 1e-6
@@ -612,6 +635,7 @@ def test_lora_rank_under_tensor_parallelism_matches_one_process(tmp_path, backen
             assert _rel(tp, one) < 1e-5, name
         elif "lora_v" not in name:
             assert _rel(out["refreshed"][name], w) < 1e-5, name
+    assert not torch.equal(out["counter0"][:, 0], out["counter1"][:, 0])  # SR streams per rank (a row per GEMM)
 
 
 @pytest.mark.parametrize("backend", ["spmd_types", "partial_dtensor"])
@@ -627,22 +651,14 @@ def test_lora_nvfp4_under_tensor_parallelism_is_refused(tmp_path, backend):
         wo.parallelize(SimpleNamespace(tp_enabled=True, spmd_backend=backend))
 
 
-def test_llama3_tensor_parallelism_without_cross_rank_amax_differs(tp_reference, tmp_path):
-    """The control: with each rank's own shard amaxes (no all-reduce) the same run's gradients move by NVFP4's
-    rounding error, far above the tolerance above."""
-    ref = tp_reference
-    out = run_ranks(_tp_worker, 2, "spmd_types", tmp_path, ref.state, ref.tokens, False, preload=PRELOAD_V03)
-    worst = max(_rel(out["grads"][n], g) for n, g in ref.grads.items() if "layers." in n)
-    assert worst > 1e-2, worst
-
-
+@pytest.mark.long
 def test_deepseek_v3_experts_under_tensor_parallelism_match_one_process(tmp_path):
     """deepseek_v3_debug_nvfp4's dense block and first MoE block at TP degree 2 through its parallelize
     (partial_dtensor): the routed experts' hidden dim sharded (W1, W3 colwise, W2 rowwise, per-expert amaxes
     all-reduced), MLA's Linears and the shared experts as in llama3: logits and every gradient equal one
     process's up to fp32 summation order. The control: the experts' own shard amaxes move their gradients."""
     ref = _tp_reference("deepseek_v3", tmp_path / "ref")
-    out = run_ranks(_tp_worker, 2, "partial_dtensor", tmp_path, ref.state, ref.tokens, True, "deepseek_v3", True,
+    out = run_ranks(_tp_worker, 2, "partial_dtensor", tmp_path, ref.state, ref.tokens, "deepseek_v3", "experts",
                     preload=PRELOAD_V03)
     assert out["expert_groups"] == [["w1_EFD", "w2_EDF", "w3_EFD"]]
     assert out["layouts"] == {"wq": 0, "wkv_a": None, "wkv_b": 0, "wo": 1, "w1": 0, "w2": 1, "w3": 0}
@@ -654,6 +670,7 @@ def test_deepseek_v3_experts_under_tensor_parallelism_match_one_process(tmp_path
     assert len(experts) == 3 and min(_rel(out["control_grads"][n], ref.grads[n]) for n in experts) > 1e-2
 
 
+@pytest.mark.long
 def test_gpt_oss_experts_under_tensor_parallelism_match_one_process(tmp_path):
     """gpt_oss_debug_nvfp4's first block at TP degree 2 through its parallelize (partial_dtensor): each expert's mlp1
     colwise (its bias with it), mlp2 rowwise with the bias added as b2 / 2 on each rank (TorchTitan's
@@ -663,7 +680,7 @@ def test_gpt_oss_experts_under_tensor_parallelism_match_one_process(tmp_path):
     6% to 12%."""
     keep = ("--quantize.linear.filter_fqns", "lm_head,router.gate,wo")  # wo: a rowwise Linear with a bias (refused)
     ref = _tp_reference("gpt_oss", tmp_path / "ref", keep, 1)
-    out = run_ranks(_tp_worker, 2, "partial_dtensor", tmp_path, ref.state, ref.tokens, True, "gpt_oss", True, keep, 1,
+    out = run_ranks(_tp_worker, 2, "partial_dtensor", tmp_path, ref.state, ref.tokens, "gpt_oss", "experts", keep, 1,
                     preload=PRELOAD_V03)
     assert out["expert_groups"] == [["mlp1_weight_EGD", "mlp2_weight_EDF"]]
     assert _rel(out["logits"], ref.logits) < 1e-6
@@ -704,6 +721,7 @@ def _ep_worker(rank, world, out, model_name, blocks, tmp_path, state, tokens, tp
                    expert_groups=[sorted(m.tp_groups) for m in experts])
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("model_name, blocks", [("deepseek_v3", 2), ("gpt_oss", 1)])
 def test_experts_under_expert_parallelism_match_one_process(tmp_path, model_name, blocks):
     """EP = 2 through the model's own parallelize (partial_dtensor; FSDP2 2 over the dense part) on 2 gloo ranks:
@@ -711,7 +729,7 @@ def test_experts_under_expert_parallelism_match_one_process(tmp_path, model_name
     the tokens routed to it, from both ranks. Both ranks get the same batch, so each expert sees two copies of its
     tokens, rank 0's first: what one process sees with the batch doubled. The logits equal it, and so do the
     gradients (summed over the ranks: halved), the experts' bit for bit."""
-    ref = _tp_reference(model_name, tmp_path / "ref", (), blocks, copies=2)
+    ref = tp_reference_cached(model_name, tmp_path / "ref", (), blocks, copies=2)
     out = run_ranks(_ep_worker, 2, model_name, blocks, tmp_path, ref.state, ref.tokens, preload=PRELOAD_V03)
     experts = [n for n in ref.grads if "routed_experts" in n]
     assert out["local_experts"] == [4] and experts  # one MoE block: 8 experts, 4 per rank
@@ -733,7 +751,7 @@ def test_experts_under_expert_and_tensor_parallelism(tmp_path):
     wgrad quantizes dY and X along the tokens, and under sequence parallelism each TP rank routes half of every
     sequence, so each expert gets its tokens in another order than one process and its blocks hold other tokens.
     A gradient off by a factor 2 would be 50-100% apart."""
-    ref = _tp_reference("deepseek_v3", tmp_path / "ref", (), 2, copies=2)
+    ref = tp_reference_cached("deepseek_v3", tmp_path / "ref", (), 2, copies=2)
     out = run_ranks(_ep_worker, 4, "deepseek_v3", 2, tmp_path, ref.state, ref.tokens, 2, preload=PRELOAD_V03)
     assert out["expert_shapes"] == [(2, 256, 256)] and out["expert_groups"] == [[]]
     assert _rel(out["logits"], ref.logits[:BATCH]) < 1e-6  # measured 7.9e-8
@@ -943,6 +961,7 @@ def _dcp_flat(path: Path) -> dict:
     return out
 
 
+@pytest.mark.long
 def test_nvfp4_trainer_resumed_from_a_checkpoint_repeats_the_run(tmp_path):
     """The whole NVFP4Trainer through TorchTitan 0.3's entry point on the CPU (llama3_debug_nvfp4's first 2 blocks with SR, a low-rank
     branch refreshed every 2 steps and 2-step amax windows, on a small offline corpus): 3 steps checkpointing every
@@ -1309,11 +1328,12 @@ def _fsdp_gather_worker(rank, world, out, tmp_path, tp=1):
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("tp", [1, 2], ids=["fsdp2", "fsdp2_tp2"])
-def test_fsdp2_nvfp4_all_gather_trains_as_the_bf16_gather(tmp_path, tp):
+def test_fsdp2_nvfp4_all_gather_trains_as_the_bf16_gather(tmp_path):
     """fsdp_nvfp4_all_gather on 0.3: the 10 NVFP4 Linears' weights gather as codes through llama3's own parallelize
-    (FSDP2 on 2 gloo ranks, and FSDP2 2 × TP 2 on 4, partial_dtensor) and two SGD steps give the BF16 all-gather's
-    gradients bit for bit."""
+    (FSDP2 2 × TP 2 on 4 gloo ranks, partial_dtensor: the gather of FSDP2 alone, on the TP shards) and two SGD steps
+    give the BF16 all-gather's gradients bit for bit. (FSDP2 alone on 2 ranks passed the same way; it is left out
+    for CI's time, as the gather is the same code.)"""
+    tp = 2
     out = run_ranks(_fsdp_gather_worker, 2 * tp, tmp_path, tp, preload=PRELOAD_V03)
     bf16, nvfp4 = out["bf16"], out["nvfp4"]
     assert (bf16["wrapped"], nvfp4["wrapped"]) == (0, 10)
