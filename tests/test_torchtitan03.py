@@ -5,6 +5,7 @@ and backward with NVFP4 layers; llama3 and deepseek_v3 under tensor parallelism 
 process."""
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from functools import partial
@@ -178,16 +179,16 @@ def gloo_rank():
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("model_name, blocks", [("llama3", 6), ("qwen3", 8)])
+@pytest.mark.parametrize("model_name, blocks", [("llama3", 6), ("qwen3", 2)])
 def test_debugmodel_forward_backward_in_nvfp4(gloo_rank, monkeypatch, tmp_path, model_name, blocks):
-    """The registry's <model>_debug_nvfp4 through the model's own parallelize_fn: every block Linear (fused wqkv,
-    wo, w1, w2, w3) in NVFP4, a finite loss near uniform at init, gradients and one SR call per layer, and the
-    checkpoint keys of the BF16 twin."""
+    """The registry's <model>_debug_nvfp4 through the model's own parallelize_fn (llama3's whole debug model, the
+    first 2 of qwen3's 8 blocks): every block Linear (fused wqkv, wo, w1, w2, w3) in NVFP4, a finite loss near
+    uniform at init, gradients and one SR call per layer, and the checkpoint keys of the BF16 twin."""
     torch.manual_seed(0)
     c = parse(f"{model_name}_debug_nvfp4", "--quantize.linear.gemm_backend", "reference", "--training.seq_len",
               str(SEQ), "--training.local_batch_size", str(BATCH), "--dump_folder", str(tmp_path))
     apply_quantize(c)
-    model = build_parallelized(c, monkeypatch)
+    model = build_parallelized(c, monkeypatch, blocks=blocks)
     nvfp4 = {n: m for n, m in model.named_modules() if isinstance(m, TitanNVFP4Linear)}
     assert len(nvfp4) == blocks * 5
     lin = model.layers["0"].feed_forward.w1
@@ -204,6 +205,7 @@ def test_debugmodel_forward_backward_in_nvfp4(gloo_rank, monkeypatch, tmp_path, 
     assert all(m.sr_calls == 1 for m in nvfp4.values())  # one backward drew one SR call per layer
     keys = set(model.state_dict())
     bf16 = parse(f"{model_name}_debug_bf16")
+    bf16.model_spec.model.layers = bf16.model_spec.model.layers[:blocks]
     with torch.device("meta"):
         assert keys == set(bf16.model_spec.model.build().state_dict())  # the same checkpoint keys as BF16
 
@@ -742,6 +744,8 @@ def test_experts_under_expert_parallelism_match_one_process(tmp_path, model_name
 
 
 @pytest.mark.long
+@pytest.mark.skipif(not os.environ.get("TITAN_NVFP4_SLOW_TESTS"),
+                    reason="4 ranks, 27 s on 2 cores: left out of CI's 15 minutes (TITAN_NVFP4_SLOW_TESTS=1 runs it)")
 def test_experts_under_expert_and_tensor_parallelism(tmp_path):
     """EP 2 × TP 2 on 4 gloo ranks (deepseek_v3's first 2 blocks, partial_dtensor, sequence parallel): TorchTitan 0.3
     spreads the 8 experts over all 4 ranks, each rank holding 2 whole experts (no TP groups: every expert's scales
@@ -917,7 +921,6 @@ def test_train_state_resumes_the_sr_streams_bitwise(gloo_rank, monkeypatch, tmp_
 def _train_03(dump: Path, assets: Path, steps: int, *overrides: str) -> str:
     """``-m torchtitan.train --module ... --config llama3_debug_nvfp4`` as one torchrun process on the CPU
     (tests/cpu_train03.py; the model's first 2 blocks), a short job checkpointing every step (full checkpoints: model, optimizer, train_state, dataloader); its log."""
-    import os
     import subprocess
     import sys
 
