@@ -67,7 +67,8 @@ def apply_quantize(config: Trainer.Config) -> None:
 def with_nvfp4_all_gather(parallelize_fn, section: str):
     """``parallelize_fn`` that first wraps the NVFP4 Linears' weights for FSDP2's NVFP4 all-gather
     (fsdp_all_gather.wrap_weight; before the model's fully_shard, as 0.2's converter does). It takes effect under
-    FSDP on the partial_dtensor backend without tensor parallelism; elsewhere under FSDP it stops naming the knob."""
+    FSDP on the partial_dtensor backend (with or without tensor parallelism); on spmd_types under FSDP it stops
+    naming the knob."""
 
     @functools.wraps(parallelize_fn)
     def parallelize(model, *, parallel_dims, parallelism, **kwargs):
