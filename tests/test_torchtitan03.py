@@ -965,6 +965,8 @@ def _dcp_flat(path: Path) -> dict:
 
 
 @pytest.mark.long
+@pytest.mark.skipif(not os.environ.get("TITAN_NVFP4_SLOW_TESTS"),
+                    reason="two TorchTitan jobs, 48 s on 2 cores: left out of CI's 15 minutes (TITAN_NVFP4_SLOW_TESTS=1 runs it)")
 def test_nvfp4_trainer_resumed_from_a_checkpoint_repeats_the_run(tmp_path):
     """The whole NVFP4Trainer through TorchTitan 0.3's entry point on the CPU (llama3_debug_nvfp4's first 2 blocks with SR, a low-rank
     branch refreshed every 2 steps and 2-step amax windows, on a small offline corpus): 3 steps checkpointing every
