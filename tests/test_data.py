@@ -249,7 +249,7 @@ def test_head_keeps_leading_documents_up_to_a_token_count(built, tok, splits, tm
 
 def test_memorize_split_is_the_head_of_train_and_a_registered_dataset(built, tok, splits, monkeypatch):
     """pystdlib_memorize: the leading train documents up to the token count, written once next to the split, and
-    a TorchTitan dataset that reads them (the real count is 1M tokens; 30k here)."""
+    a TorchTitan dataset that reads them (the real count is 262,144 tokens; 30k here)."""
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
     from titan_nvfp4.data import registry
