@@ -731,3 +731,21 @@ def test_validation_forwards_start_new_cuda_graph_steps(monkeypatch, graphs):
         assert steps == ([0, 1, 2] if graphs else [])  # before each forward, with the trees on
         model(torch.zeros(2, 4))  # a training forward after validation: no step marked by us
     assert len(steps) == (3 if graphs else 0) and not model._forward_pre_hooks
+
+
+def test_attention_masks_are_built_without_cuda_graphs():
+    """gpt_oss builds two flex-attention masks a step; under CUDA-graph trees the second build's replay overwrote
+    the first mask (H100, 2026-11-28). The fixes route TorchTitan's create_attention_mask through a
+    create_block_mask compiled with the graphs off, whatever Inductor's global setting (the masks themselves:
+    tests/test_gpu.py, under the graphs)."""
+    import torch._inductor.config as inductor_config
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torchtitan.models import attention
+
+    import titan_nvfp4.integration  # noqa: F401  (applies the fixes)
+    from titan_nvfp4.integration import torchtitan_fixes
+
+    assert attention._compiled_create_block_mask is torchtitan_fixes.mask_builder_without_graphs
+    with inductor_config.patch({"triton.cudagraphs": True}):  # as TORCHINDUCTOR_CUDAGRAPHS=1 sets it
+        assert torch.compile(create_block_mask).get_compiler_config()["triton.cudagraphs"] is True  # TorchTitan's
+        assert torchtitan_fixes.compile_mask_builder().get_compiler_config()["triton.cudagraphs"] is False

@@ -21,6 +21,15 @@ through `custom_config_module`), so both arms of a comparison run the same model
     ("accessing tensor output of CUDAGraphs that has been overwritten"). Every validation forward now
     starts a new graph step (``torch.compiler.cudagraph_mark_step_begin``), as PyTorch asks of such loops.
 
+  * Attention masks under CUDA-graph trees: TorchTitan compiles ``create_block_mask`` once for all masks,
+    with Inductor's global options, so under ``TORCHINDUCTOR_CUDAGRAPHS=1`` the masks are outputs of graph
+    replays. gpt_oss (sliding window and causal) and llama4 (rope and nope) build two masks per step, and the
+    second replay overwrites the first mask before attention reads it ("accessing tensor output of CUDAGraphs
+    that has been overwritten", gpt_oss on an H100, 2026-11-28). Masks are now built by a
+    ``create_block_mask`` compiled without CUDA graphs (a mask is built once per step: the graphs saved nothing).
+    Not yet run on a GPU: tests/test_gpu.py's gpt_oss graph-trees case is the check (compare.NO_CUDAGRAPHS
+    keeps gpt_oss arms off the graphs until it passes).
+
 And extensions: the Trainer's checkpointed ``train_state`` also carries the NVFP4 layers'
 stochastic-rounding call counts, so a resumed run draws the same random numbers (train_state.py); the
 CheckpointManager saves low-rank layers' current W and checks a checkpoint against the job before DCP
@@ -34,7 +43,9 @@ import importlib
 import sys
 
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 from torchtitan.components.validate import Validator
+from torchtitan.models import attention as _attention
 from torchtitan.models.moe.moe import TokenChoiceTopKRouter
 
 _original_router_init = TokenChoiceTopKRouter.init_weights
@@ -48,6 +59,17 @@ def _router_init_weights(self, *args, **kwargs):
             bias.zero_()
     return out
 
+
+#: TorchTitan's compiled create_block_mask, and ours: the same function compiled without CUDA graphs
+_original_mask_builder = getattr(_attention, "_compiled_create_block_mask", None)
+
+
+def compile_mask_builder():
+    """create_block_mask compiled with CUDA graphs off, whatever TORCHINDUCTOR_CUDAGRAPHS says."""
+    return torch.compile(create_block_mask, options={"triton.cudagraphs": False})
+
+
+mask_builder_without_graphs = compile_mask_builder()
 
 _MODELS_WITHOUT_VALIDATOR = ("deepseek_v3", "gpt_oss")
 
@@ -115,6 +137,8 @@ def apply() -> None:
         TokenChoiceTopKRouter.init_weights = _router_init_weights
     if Validator.validate is _original_validate:
         Validator.validate = _validate_in_graph_steps
+    if _original_mask_builder is not None and _attention._compiled_create_block_mask is _original_mask_builder:
+        _attention._compiled_create_block_mask = mask_builder_without_graphs
     for name in _MODELS_WITHOUT_VALIDATOR:
         module = importlib.import_module(f"torchtitan.models.{name}")
         if not getattr(module.get_train_spec, "_nvfp4_text_validator", False):
