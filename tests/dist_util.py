@@ -9,6 +9,7 @@ is as safe as spawning (no OpenMP or gloo state is inherited).
 from __future__ import annotations
 
 import multiprocessing
+import os
 import socket
 
 import torch.multiprocessing as mp
@@ -36,9 +37,17 @@ def free_port() -> int:
 
 def spawn(fn, args: tuple, nprocs: int, preload: list[str] = PRELOAD) -> None:
     """``torch.multiprocessing.spawn``'s contract (fn(rank, *args), errors re-raised) from the preloaded fork server
-    (one per test process: the first call's ``preload`` is the one it keeps)."""
+    (one per test process: the first call's ``preload`` is the one it keeps; its hash seed is not this process's)."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
-    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+    seed = os.environ.get("PYTHONHASHSEED")
+    os.environ["PYTHONHASHSEED"] = "2" if seed == "1" else "1"  # what the server starts with, if this call starts it
+    try:
+        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+    finally:
+        if seed is None:
+            del os.environ["PYTHONHASHSEED"]
+        else:
+            os.environ["PYTHONHASHSEED"] = seed
 
 
 def _entry(rank: int, world: int, port: int, worker, args, out) -> None:

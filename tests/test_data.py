@@ -11,9 +11,7 @@ import importlib
 import json
 import os
 import shutil
-import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,7 +29,6 @@ from torchtitan.config import JobConfig
 from torchtitan.hf_datasets import text_datasets
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset, build_text_dataloader
 
-REPO = Path(__file__).resolve().parents[1]
 MIN_TOKENS = 10_000_000
 # Debian/Ubuntu split CPython's own test suite (Lib/test, a large part of the corpus) into a separate
 # package; without it the corpus is ~3M tokens (the lent GPU machines' Python 3.12) and assets.py
@@ -114,7 +111,7 @@ def test_corpus_has_at_least_10m_tokens(built, splits, tok):
     # extrapolation — and without BOS/EOS. Also checks the manifest's estimate is close.
     docs = splits.train + splits.validation
     t0 = time.perf_counter()
-    n = sum(len(e.ids) for e in tok.tokenizer.encode_batch_fast(docs))
+    n = sum(len(e) for e in tok.tokenizer.encode_batch_fast(docs))  # len(e): no list of ids made
     print(f"\n[test_data] corpus: {n} tokens, {sum(len(d.encode()) for d in docs)} bytes, "
           f"counted in {time.perf_counter() - t0:.1f} s")
     assert n >= MIN_TOKENS
@@ -302,47 +299,32 @@ def test_prepare_cli_prints_manifest(built, capsys):
     assert out["sha256"] == built.manifest["sha256"]
 
 
-_RANK_SCRIPT = textwrap.dedent(
-    """
-    import json, logging, os, sys, time
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    import torchtitan.hf_datasets.text_datasets as td  # heavy imports before the start barrier
-    import titan_nvfp4.data
-    print("ready", flush=True)
-    while not os.path.exists(sys.argv[1]):
-        time.sleep(0.01)
-    import titan_nvfp4.data.prepare  # what TorchTitan's custom_import does on every rank
-    d = os.environ["TITAN_NVFP4_DATA_DIR"]
-    print(json.dumps({"pid": os.getpid(), "registered": td.DATASETS["pystdlib"].path,
-                      "manifest": open(os.path.join(d, "manifest.json")).read()}), flush=True)
-    """
-)
+def _rank(rank: int, target: Path, out: Path, barrier) -> None:
+    """A rank of test_concurrent_ranks_build_once, forked from dist_util's server (torch, TorchTitan imported)."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, filename=out / f"rank{rank}.log", force=True)
+    os.environ[data.ENV_VAR] = str(target)
+    barrier.wait(timeout=300)  # both ranks have done their imports: start them together
+    import titan_nvfp4.data.prepare  # noqa: F401  (what TorchTitan's custom_import does on every rank)
+
+    (out / f"rank{rank}.json").write_text(json.dumps({
+        "pid": os.getpid(), "registered": text_datasets.DATASETS["pystdlib"].path, "hash": hash(str(target)),
+        "manifest": (target / "manifest.json").read_text(),
+    }))
 
 
 @pytest.mark.long
 def test_concurrent_ranks_build_once(built, tmp_path):
     """Two 'ranks' import titan_nvfp4.data.prepare at the same instant: one builds, one waits and reuses."""
+    import multiprocessing
+
+    from dist_util import spawn  # ranks forked from a server that imported TorchTitan once per test process
+
     target = tmp_path / "shared" / "pystdlib"
-    go = tmp_path / "go"
-    env = {**os.environ, data.ENV_VAR: str(target), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    procs = [
-        subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, str(go)], env={**env, "PYTHONHASHSEED": seed},
-                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for seed in ("1", "2")
-    ]
-    try:
-        for p in procs:  # both have done their imports: start them together
-            assert p.stdout.readline().strip() == "ready"
-        go.touch()
-        results = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (_, err) in zip(procs, results):
-        assert p.returncode == 0, err
-    outs = [json.loads(out.strip().splitlines()[-1]) for out, _ in results]
-    errs = [err for _, err in results]
+    spawn(_rank, (target, tmp_path, multiprocessing.get_context("forkserver").Barrier(2)), 2)  # raises a rank's error
+    outs = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    errs = [(tmp_path / f"rank{rank}.log").read_text() for rank in (0, 1)]
     assert sum("Building offline corpus" in e for e in errs) == 1, errs
     assert sum("Waiting for another process" in e for e in errs) == 1, errs
     manifests = [json.loads(o["manifest"]) for o in outs]
@@ -350,7 +332,8 @@ def test_concurrent_ranks_build_once(built, tmp_path):
     assert manifests[0]["build"]["pid"] in {o["pid"] for o in outs}
     assert all(o["registered"] == str(target) for o in outs)
     assert sorted(p.name for p in target.parent.iterdir()) == ["pystdlib", "pystdlib.lock"]
-    # Full-size build in other processes (other hash seeds) gives byte-identical corpus and tokenizer.
+    # Full-size build in other processes (another hash seed: dist_util) gives byte-identical corpus and tokenizer.
+    assert all(o["hash"] != hash(str(target)) for o in outs)
     for key in ("corpus", "train.jsonl", "validation.jsonl", "tokenizer.json"):
         assert manifests[0]["sha256"][key] == built.manifest["sha256"][key], key
     assert _sha(target / "tokenizer.json") == _sha(built.path / "tokenizer.json")
