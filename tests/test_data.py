@@ -50,7 +50,8 @@ def built(tmp_path_factory):
     seconds = time.perf_counter() - t0
     data.register_datasets()
     print(f"\n[test_data] built offline assets in {seconds:.1f} s at {path}")
-    yield SimpleNamespace(path=path, root=root, manifest=data.read_manifest(path), seconds=seconds)
+    files = sorted(p.name for p in path.iterdir())  # as built: a later test adds memorize_30000.jsonl
+    yield SimpleNamespace(path=path, root=root, manifest=data.read_manifest(path), seconds=seconds, files=files)
     mp.undo()
     data.register_datasets()  # back to the default directory for anything that runs later
 
@@ -73,8 +74,7 @@ def _sha(path: Path) -> str:
 
 def test_assets_dir_layout_and_manifest(built):
     assert built.path == built.root / "assets"  # TITAN_NVFP4_DATA_DIR honoured
-    names = {p.name for p in built.path.iterdir()}
-    assert names == {"train.jsonl", "validation.jsonl", "tokenizer.json", "tokenizer_config.json", "manifest.json"}
+    assert set(built.files) == {"train.jsonl", "validation.jsonl", "tokenizer.json", "tokenizer_config.json", "manifest.json"}
     m = built.manifest
     assert m["recipe"] == assets_mod.recipe()
     assert m["recipe"]["python_version"] == ".".join(map(str, sys.version_info[:3]))
