@@ -15,7 +15,7 @@ import titan_nvfp4  # noqa: F401  (registers the converters)
 from titan_nvfp4 import NVFP4Recipe
 from titan_nvfp4.decomposed_linear import DecomposedLinear
 from titan_nvfp4.linear_function import nvfp4_linear
-from titan_nvfp4.numerics.lowrank import check_rank, lowrank_merge, lowrank_split
+from titan_nvfp4.numerics.lowrank import check_rank, lowrank_merge, lowrank_split, project_moments
 from titan_nvfp4.ops import quantize_rowwise, quantize_weight
 from titan_nvfp4.tools.export_dense import fold_decomposed, main as export_main
 from test_converter import edited_toml, meta_llama, parse, world1
@@ -60,7 +60,10 @@ def test_invalid_ranks_stop_the_job_at_parse_time(tmp_path, value):
 def test_refresh_without_rank_and_bad_knobs_rejected(tmp_path):
     for add, needle in ((("lora_refresh_steps = 10",), "needs lora_rank"),
                         (("lora_rank = 16", "lora_nvfp4 = 1"), "lora_nvfp4"),
-                        (("lora_rank = 16", "lora_refresh_steps = -1"), "lora_refresh_steps")):
+                        (("lora_rank = 16", "lora_refresh_steps = -1"), "lora_refresh_steps"),
+                        (("lora_rank = 16", 'lora_refresh_moments = "project"'), "needs lora_refresh_steps > 0"),
+                        (("lora_rank = 16", "lora_refresh_steps = 2", 'lora_refresh_moments = "rotate"'),
+                         r"lora_refresh_moments must be one of \['keep', 'project'\], got 'rotate'")):
         with pytest.raises(Exception, match=needle):
             parse(toml=edited_toml(tmp_path, add=add))
 
@@ -165,20 +168,62 @@ def test_meta_conversion_then_torchtitan_init_decomposes(tmp_path):
     assert all(m.lora_sigma.grad is not None and m.weight.grad is not None for m in mods.values())
 
 
-def test_refresh_keeps_the_weight_and_reorthogonalizes(tmp_path):
+def test_projected_moments_are_the_new_factors_gradients():
+    """project_moments maps the residual's Adam moments (R's gradient is W's, G) onto a split's factors: the first
+    moments are exactly the factors' gradients (autograd, float64), for any factors; the second moments are exact
+    where each factor gradient is one term of G (factors that pick single rows and columns)."""
+    g = torch.Generator().manual_seed(3)
+    n, k, r = 32, 48, 16
+    u, s, v, res = (t.double().requires_grad_() for t in lowrank_split(_weight(n, k).double(), r))
+    x, c = torch.randn(8, k, generator=g, dtype=torch.float64), torch.randn(8, n, generator=g, dtype=torch.float64)
+    ((x @ (res + (u * s) @ v).t()) * c).sum().backward()
+    grad_w = res.grad
+    moments = project_moments(grad_w, grad_w.square(), u.detach(), s.detach(), v.detach())
+    for kind, p in (("u", u), ("sigma", s), ("v", v)):
+        assert torch.allclose(moments[kind][0].double(), p.grad, rtol=1e-5, atol=1e-5), kind
+        assert moments[kind][0].shape == p.shape and moments[kind][1].shape == p.shape
+    # one term per gradient element: U, V select rows / columns, so v = g² exactly
+    pick_u, pick_v = torch.eye(n, r, dtype=torch.float64), torch.eye(r, k, dtype=torch.float64)
+    sig = torch.linspace(0.5, 2.0, r, dtype=torch.float64)
+    m = project_moments(grad_w, grad_w.square(), pick_u, sig, pick_v)
+    for kind in ("u", "sigma", "v"):
+        assert torch.allclose(m[kind][1].double(), m[kind][0].double().square(), rtol=1e-5, atol=1e-9), kind
+    # stacked experts [E, N, K]: matrix by matrix
+    stacked = project_moments(torch.stack([grad_w, 2 * grad_w]), torch.stack([grad_w.square(), grad_w.abs()]),
+                              torch.stack([u.detach(), pick_u]), torch.stack([s.detach(), sig]),
+                              torch.stack([v.detach(), pick_v]))
+    second = project_moments(2 * grad_w, grad_w.abs(), pick_u, sig, pick_v)
+    for kind in ("u", "sigma", "v"):
+        assert torch.equal(stacked[kind][0][0], moments[kind][0]) and torch.equal(stacked[kind][1][1], second[kind][1])
+
+
+def test_refresh_keeps_the_weight_reorthogonalizes_and_projects_the_moments(tmp_path):
+    """lora_refresh_steps = 2 with lora_refresh_moments = "project": the refresh after step 2 keeps W, makes U
+    orthonormal again, and sets every factor's AdamW moments to those the residual's give on the new split (the
+    optimizer found through torch.optim's step hook, as TorchTitan's optimizers step)."""
     model, converters = _initialized_llama(tmp_path, "lora_rank = 16", "lora_refresh_steps = 2",
-                                           'gemm_backend = "reference"')
+                                           'lora_refresh_moments = "project"', 'gemm_backend = "reference"')
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
     m = model.layers["0"].attention.wq
-    with torch.no_grad():  # as an optimizer step would: U no longer orthonormal, W changed
-        m.lora_u.add_(0.01 * torch.randn_like(m.lora_u))
-        m.weight.add_(0.01 * torch.randn_like(m.weight))
-    w_before = m.dense_weight()
-    u_before = m.lora_u.detach().clone()
-    converters.post_optimizer_hook([model])  # step 1: nothing
-    assert torch.equal(m.lora_u, u_before)
-    converters.post_optimizer_hook([model])  # step 2: refresh
+    for step in (1, 2):
+        for p in model.parameters():  # gradients as a backward would leave them (a CPU backward takes a minute)
+            p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+        opt.step()  # U no longer orthonormal, W changed
+        if step == 1:
+            converters.post_optimizer_hook([model])  # step 1: nothing
+            continue
+        w_before, u_before = m.dense_weight(), m.lora_u.detach().clone()
+        adam_v = opt.state[m.lora_v]["exp_avg_sq"].clone()
+        assert not torch.allclose(u_before.t() @ u_before, torch.eye(16), atol=1e-3)
+        converters.post_optimizer_hook([model])  # step 2: the refresh
     assert torch.allclose(m.dense_weight(), w_before, atol=1e-5)
     assert torch.allclose(m.lora_u.t() @ m.lora_u, torch.eye(16), atol=1e-5)
+    new = project_moments(opt.state[m.weight]["exp_avg"], opt.state[m.weight]["exp_avg_sq"],
+                          m.lora_u.detach(), m.lora_sigma.detach(), m.lora_v.detach())
+    for kind, p in (("u", m.lora_u), ("sigma", m.lora_sigma), ("v", m.lora_v)):
+        assert torch.equal(opt.state[p]["exp_avg"], new[kind][0]) and torch.equal(opt.state[p]["exp_avg_sq"], new[kind][1])
+    assert not torch.allclose(opt.state[m.lora_v]["exp_avg_sq"], adam_v)
 
 
 def test_checkpoint_round_trip_and_dense_export(tmp_path):

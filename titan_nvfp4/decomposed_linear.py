@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .distributed.tensor_parallel import broadcast_from_first, gather_shards, shard_of
 from .linear_function import autocast_out_dtype, meta_linear
-from .numerics.lowrank import full_tensor, lowrank_merge, lowrank_split
+from .numerics.lowrank import full_tensor, lowrank_merge, lowrank_split, project_moments
 from .numerics.nvfp4 import BLOCK
 from .nvfp4_linear import NVFP4Linear, check_linear_dims
 from .recipe import NVFP4Recipe
@@ -160,6 +160,31 @@ class LowRankState:
         """(weight name, factor-key prefix) of each decomposed weight: ("weight", "lora_") for a Linear."""
         raise NotImplementedError
 
+    @torch.no_grad()
+    def project_moments_(self, state_of) -> int:
+        """After a re-split: each factor's Adam moments (exp_avg, exp_avg_sq) from its residual's
+        (numerics/lowrank.py project_moments), so that they describe the new factors; ``state_of(param)`` gives a
+        parameter's optimizer state (None before its first step: nothing to project). Returns how many weights."""
+        if getattr(self, "local_tp", None) is not None:
+            raise ValueError(f"{type(self).__name__}: lora_refresh_moments = 'project' is not supported on plain "
+                             "local tensor-parallel shards (TorchTitan 0.3's spmd_types); use 'keep'")
+        n = 0
+        for w_name, fp in self._lowrank_names():
+            factors = self._factors_of(fp)
+            states = [state_of(p) for p in (getattr(self, w_name), *factors)]
+            if not all(states):
+                continue
+            if any("exp_avg" not in s or "exp_avg_sq" not in s for s in states):
+                raise ValueError(f"{type(self).__name__} {w_name}: lora_refresh_moments = 'project' needs Adam's "
+                                 f"moments (exp_avg, exp_avg_sq); the optimizer keeps {sorted(states[0])}")
+            new = project_moments(full_tensor(states[0]["exp_avg"]), full_tensor(states[0]["exp_avg_sq"]),
+                                  *(full_tensor(f) for f in factors))
+            for state, kind in zip(states[1:], ("u", "sigma", "v")):
+                for key, value in zip(("exp_avg", "exp_avg_sq"), new[kind]):
+                    assign_full(state[key], value)
+            n += 1
+        return n
+
     def _factors_of(self, factor_prefix: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(getattr(self, factor_prefix + n) for n in ("u", "sigma", "v"))
 
@@ -224,14 +249,17 @@ def check_lowrank_args(name: str, rank, in_features: int, out_features: int, lor
         raise ValueError(f"{where}: lora_nvfp4 must be True or False, got {lora_nvfp4!r}")
 
 
-def redecompose(model: nn.Module | list[nn.Module]) -> int:
+def redecompose(model: nn.Module | list[nn.Module], state_of=None) -> int:
     """decompose_() every low-rank module (DecomposedLinear, experts with a lora_rank) of ``model`` (or of each
-    model part): the lora_refresh_steps refresh. Returns how many."""
+    model part): the lora_refresh_steps refresh; with ``state_of`` (lora_refresh_moments = "project") the
+    factors' Adam moments are projected onto the new split. Returns how many modules."""
     parts = model if isinstance(model, list) else [model]
     mods = [m for part in parts for m in part.modules()
             if isinstance(m, LowRankState) and "lora_decomposed" in m._buffers]
     for m in mods:
         m.decompose_()
+        if state_of is not None:
+            m.project_moments_(state_of)
     return len(mods)
 
 

@@ -66,6 +66,10 @@ def _overrides_class() -> type:
 RecipeOverrides = _overrides_class()
 
 
+#: lora_refresh_moments values
+REFRESH_MOMENTS = ("keep", "project")
+
+
 def _nonneg_int(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= 0
 
@@ -127,8 +131,11 @@ class LinearKnobs(RecipeKnobs):
     lora_nvfp4: bool = False
     """Run the branch's two GEMMs in NVFP4 too (default: the input's dtype, BF16 in training)."""
     lora_refresh_steps: int = 0
-    """Re-decompose every N optimizer steps (0 = only at initialization). AdamW's moments keep describing
-    the old split, which cost loss in docs/results.md (DecomposedLinear): leave it at 0 unless you study it."""
+    """Re-decompose every N optimizer steps (0 = only at initialization). With lora_refresh_moments "keep",
+    AdamW's moments keep describing the old split, which cost loss in docs/results.md (DecomposedLinear)."""
+    lora_refresh_moments: str = "keep"
+    """What a refresh does to the factors' Adam moments: "keep" them as they are, or "project" them onto the
+    new split (from the residual's moments, which estimate W's gradient: numerics/lowrank.py project_moments)."""
     telemetry_every: int = 0
     """Per-layer numerics telemetry: every N steps (and step 1) each converted Linear measures amax,
     saturated and underflowed blocks and the quantization SNR of W, X and dY, logged with TorchTitan's
@@ -151,6 +158,11 @@ class LinearKnobs(RecipeKnobs):
         self._check_count("lora_refresh_steps")
         if self.lora_refresh_steps and not self.lora_rank:
             raise ValueError(f"[{s}] lora_refresh_steps = {self.lora_refresh_steps} needs lora_rank > 0")
+        if self.lora_refresh_moments not in REFRESH_MOMENTS:
+            raise ValueError(f"[{s}] lora_refresh_moments must be one of {list(REFRESH_MOMENTS)}, got "
+                             f"{self.lora_refresh_moments!r}")
+        if self.lora_refresh_moments != "keep" and not self.lora_refresh_steps:
+            raise ValueError(f"[{s}] lora_refresh_moments = {self.lora_refresh_moments!r} needs lora_refresh_steps > 0")
         self._check_count("telemetry_every")
         self._check_count("activation_amax_history", "a non-negative integer (0 = off)")
         if not isinstance(self.fsdp_nvfp4_all_gather, bool):

@@ -22,6 +22,7 @@ from ..expert_groups import experts_layer_id
 from ..layer_selection import check_block_counts, skip_reason
 from ..metrics_hook import install_metrics_hook
 from ..nvfp4_linear import NVFP4Linear, check_linear_dims
+from ..optimizer_states import shared_optimizer_states
 from ..ops.backends import resolve_backend
 from ..recipe import NVFP4Recipe
 from ..schedule import (GROUPED_STEPS, LINEAR_STEPS, PrecisionSchedule, StepCounter, attach_step_counter,
@@ -131,6 +132,8 @@ class NVFP4LinearConverter(QuantizationConverter):
         self.filter_fqns = list(section.filter_fqns)
         self.lora_rank, self.lora_nvfp4 = section.lora_rank, section.lora_nvfp4
         self.lora_refresh_steps = section.lora_refresh_steps
+        # lora_refresh_moments = "project": the refresh finds the factors' optimizer state through this
+        self.optimizer_states = shared_optimizer_states() if section.lora_refresh_moments == "project" else None
         self.bf16_after_fraction = section.bf16_after_fraction
         self.total_steps = job_config.training.steps
         self.nvfp4_all_gather = section.fsdp_nvfp4_all_gather and _fsdp_all_gather_applies(parallel_dims)
@@ -204,8 +207,10 @@ class NVFP4LinearConverter(QuantizationConverter):
             if counter.step() and i == 0:
                 logger.info(f"NVFP4: Linear layers switched to high precision after optimizer step {counter.count}")
             if self.lora_refresh_steps and counter.count % self.lora_refresh_steps == 0:
-                n = redecompose(part)
-                logger.info(f"NVFP4: re-decomposed {n} low-rank modules after optimizer step {counter.count}")
+                states = self.optimizer_states
+                n = redecompose(part, states.state_of if states else None)
+                logger.info(f"NVFP4: re-decomposed {n} low-rank modules after optimizer step {counter.count}"
+                            + (", their factors' Adam moments projected onto the new split" if states else ""))
 
 
 def attach_telemetry(model: nn.Module, converted: list[str], every: int, counter: StepCounter, what: str,

@@ -15,6 +15,7 @@ from ..amax_history import AmaxHistory, layers_with_history, register_buffers, r
 from ..decomposed_linear import redecompose
 from ..distributed.fsdp_all_gather import precompute_scales, wrap_weight
 from ..metrics_hook import install_metrics_hook
+from ..optimizer_states import shared_optimizer_states
 from ..schedule import (GROUPED_STEPS, LINEAR_STEPS, PrecisionSchedule, StepCounter, attach_step_counter,
                         step_counters, switch_step)
 from ..telemetry import Telemetry
@@ -106,7 +107,8 @@ def attach_linear_state(model_parts: list[torch.nn.Module], section: NVFP4Linear
                             "Linear layers", section.telemetry_every > 0 or section.lora_refresh_steps > 0)
     if section.lora_refresh_steps:
         logger.info(f"NVFP4: low-rank modules re-decomposed every {section.lora_refresh_steps} optimizer steps "
-                    "(lora_refresh_steps; the experts' too)")
+                    "(lora_refresh_steps; the experts' too)" + (", their factors' Adam moments projected onto the new "
+                    "split" if section.lora_refresh_moments == "project" else ""))
     _attach_telemetry(counters, linears, section.telemetry_every, "Linear layers")
     return counters
 
@@ -150,10 +152,11 @@ def _late_switch(model_parts, modules, fraction: float, total_steps: int, name: 
 
 
 def after_optimizer_step(model_parts: list[torch.nn.Module], nvfp4_gather: bool = False,
-                         lora_refresh_steps: int = 0) -> None:
+                         lora_refresh_steps: int = 0, state_of=None) -> None:
     """Push the step's activation amaxes into the windows, count the step (the late switch follows), re-decompose
     the low-rank modules (Linears and, as on 0.2, experts with a lora_rank) every ``lora_refresh_steps`` steps
-    (before the all-gather scales, which read R) and, with ``nvfp4_gather``, reduce the NVFP4-gathered weights'
+    (before the all-gather scales, which read R; with ``state_of``, lora_refresh_moments = "project", the factors'
+    Adam moments are projected onto the new split) and, with ``nvfp4_gather``, reduce the NVFP4-gathered weights'
     tile amaxes for their next all-gathers in one all-reduce (fsdp_all_gather.py)."""
     roll(layers_with_history(model_parts))
     for name, what in ((LINEAR_STEPS, "Linear layers"), (GROUPED_STEPS, "expert modules")):
@@ -161,7 +164,7 @@ def after_optimizer_step(model_parts: list[torch.nn.Module], nvfp4_gather: bool 
             if counter.step() and i == 0:
                 logger.info(f"NVFP4: {what} switched to high precision after optimizer step {counter.count}")
             if name == LINEAR_STEPS and lora_refresh_steps and counter.count % lora_refresh_steps == 0:
-                n = redecompose(part)
+                n = redecompose(part, state_of)
                 if i == 0:
                     logger.info(f"NVFP4: re-decomposed {n} low-rank modules after optimizer step {counter.count}")
     if nvfp4_gather:
@@ -194,11 +197,12 @@ class NVFP4Trainer(Trainer):
             attach_grouped_state(self.model_parts, grouped, config.training.steps)
         gather = linear.enable and linear.fsdp_nvfp4_all_gather
         refresh = linear.lora_refresh_steps if linear.enable else 0
+        state_of = shared_optimizer_states().state_of if refresh and linear.lora_refresh_moments == "project" else None
         per_step = (linear.bf16_after_fraction or linear.activation_amax_history or linear.telemetry_every or gather
                     or refresh)
         if (linear.enable and per_step) or (grouped.enable and (grouped.bf16_after_fraction or grouped.telemetry_every)):
             self.optimizers.register_step_post_hook(
-                lambda *args, **kwargs: after_optimizer_step(self.model_parts, gather, refresh))
+                lambda *args, **kwargs: after_optimizer_step(self.model_parts, gather, refresh, state_of))
 
 
 install(NVFP4Trainer)  # the SR call counts and amax windows in the checkpointed train_state

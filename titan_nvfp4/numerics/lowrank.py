@@ -42,3 +42,22 @@ def lowrank_merge(u: torch.Tensor, sigma: torch.Tensor, v: torch.Tensor, residua
     """W = R + U·diag(σ)·V in fp32, batched as lowrank_split (sharded factors are gathered first)."""
     u, sigma, v, residual = (full_tensor(t).float() for t in (u, sigma, v, residual))
     return residual + (u * sigma[..., None, :]) @ v
+
+
+def project_moments(m_w: torch.Tensor, v_w: torch.Tensor, u: torch.Tensor, sigma: torch.Tensor, v: torch.Tensor
+                    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Adam's moments of a fresh split's factors, from those of the residual R (fp32, batched as lowrank_split).
+
+    R's gradient is the gradient G of the whole W, so R's first moment m_w estimates E[G], and U, σ, V's are what G
+    gives through y = x·(U·diag(σ)·V)ᵀ: G·(σV)ᵀ, (Uσ)ᵀ·G and diag(Uᵀ·G·Vᵀ). Second moments map through the squared
+    coefficients (each element's gradient as a sum of independent terms: the cross terms are dropped).
+    Returns {"u": (m, v), "sigma": (m, v), "v": (m, v)} shaped like the factors.
+    """
+    m_w, v_w, u, sigma, v = (t.float() for t in (m_w, v_w, u, sigma, v))
+    sv = v * sigma[..., :, None]  # σV [..., r, K]
+    us = u * sigma[..., None, :]  # Uσ [..., N, r]
+    return {
+        "u": (m_w @ sv.transpose(-2, -1), v_w @ sv.square().transpose(-2, -1)),
+        "sigma": (((u.transpose(-2, -1) @ m_w) * v).sum(-1), ((u.square().transpose(-2, -1) @ v_w) * v.square()).sum(-1)),
+        "v": (us.transpose(-2, -1) @ m_w, us.square().transpose(-2, -1) @ v_w),
+    }
