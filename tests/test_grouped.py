@@ -749,3 +749,34 @@ def test_attention_masks_are_built_without_cuda_graphs():
     with inductor_config.patch({"triton.cudagraphs": True}):  # as TORCHINDUCTOR_CUDAGRAPHS=1 sets it
         assert torch.compile(create_block_mask).get_compiler_config()["triton.cudagraphs"] is True  # TorchTitan's
         assert torchtitan_fixes.compile_mask_builder().get_compiler_config()["triton.cudagraphs"] is False
+
+
+def test_expert_refresh_projects_each_experts_adam_moments():
+    """lora_refresh_moments = "project" on experts: after a re-split each expert's factor moments are those its
+    residual's give on its new split (project_moments, matrix by matrix), through torch.optim's step hook."""
+    from torchtitan.models.moe.moe import GroupedExperts
+
+    from titan_nvfp4.decomposed_linear import redecompose
+    from titan_nvfp4.numerics.lowrank import project_moments
+    from titan_nvfp4.optimizer_states import shared_optimizer_states
+
+    torch.manual_seed(5)
+    mod = GroupedExperts(dim=64, hidden_dim=32, num_experts=4, use_grouped_mm=True)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.normal_(std=0.1)
+    NVFP4GroupedExperts.convert(mod, REF, layer_id=0, lora_rank=16)  # materialized: decomposed at once
+    states = shared_optimizer_states()
+    opt = torch.optim.AdamW(mod.parameters(), lr=1e-2)
+    for _ in range(2):
+        for p in mod.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    assert redecompose(mod, states.state_of) == 1
+    for g in mod.GEMMS:
+        u, s, v = (getattr(mod, f"{g}_lora_{k}") for k in ("u", "sigma", "v"))
+        w = getattr(mod, g)
+        new = project_moments(opt.state[w]["exp_avg"], opt.state[w]["exp_avg_sq"], u.detach(), s.detach(), v.detach())
+        for kind, p in (("u", u), ("sigma", s), ("v", v)):
+            assert torch.equal(opt.state[p]["exp_avg"], new[kind][0]), (g, kind)
+            assert torch.equal(opt.state[p]["exp_avg_sq"], new[kind][1]), (g, kind)
