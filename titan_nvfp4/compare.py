@@ -119,16 +119,17 @@ class Spec:
     module: str = ""
 
     def arm_mode(self, arm: Arm) -> str:
+        """The mode asked for (the arm's, else the spec's); with none, the default for the arm's model."""
         mode = arm.mode or self.mode
         if mode is None:
             return "compile" if _no_cudagraphs(arm.model) else DEFAULT_MODE
         return mode
 
     def check_modes(self, where: str) -> None:
-        """Refuse CUDA graphs asked for on a model that fails under them, naming the arm."""
+        """Refuse CUDA graphs asked for on a model that fails under them, naming the arm (a default never asks)."""
         for arm in self.arms:
             why = _no_cudagraphs(arm.model)
-            if why and (arm.mode or self.mode) == "compile+cudagraphs":
+            if why and self.arm_mode(arm) == "compile+cudagraphs":
                 raise ValueError(f"{where}: arm {arm.name!r} ({arm.model}) cannot run mode 'compile+cudagraphs': {why}; "
                                  "use 'compile' or 'eager', or leave the mode out")
 

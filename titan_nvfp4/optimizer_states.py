@@ -16,7 +16,7 @@ class OptimizerStates:
 
     def __init__(self) -> None:
         self._optimizers: weakref.WeakSet = weakref.WeakSet()
-        self._handle = register_optimizer_step_post_hook(self._stepped)
+        register_optimizer_step_post_hook(self._stepped)
 
     def _stepped(self, optimizer, args, kwargs) -> None:
         self._optimizers.add(optimizer)
@@ -24,13 +24,10 @@ class OptimizerStates:
     def state_of(self, param: torch.Tensor) -> dict | None:
         """The state dict the optimizer that steps ``param`` keeps for it; None before its first step."""
         for opt in list(self._optimizers):
-            state = opt.state.get(param) if hasattr(opt.state, "get") else None
+            state = opt.state.get(param)
             if state:
                 return state
         return None
-
-    def remove(self) -> None:
-        self._handle.remove()
 
 
 _shared: OptimizerStates | None = None
