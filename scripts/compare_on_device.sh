@@ -6,13 +6,19 @@
 # Runs `python -m titan_nvfp4.compare SPEC ...` (the job files build their offline corpus on first use), then, when
 # $OUT is set, copies the arms' logs (one tar), the table and the plot there and packs the kernel caches
 # (scripts/save_kernel_cache.sh). With checkpoint_interval in the spec, the same command on the still-warm machine
-# resumes each arm that --timeout-s stopped; a new machine starts the arms afresh.
+# resumes each arm that --timeout-s (or a SIGTERM to this script) stopped; a new machine starts the arms afresh.
 set -uo pipefail
 spec=${1:?usage: bash scripts/compare_on_device.sh SPEC [runner arguments]}
 shift
 source scripts/device_setup.sh > "${OUT:-/tmp}/setup.txt" 2>&1 || { cat "${OUT:-/tmp}/setup.txt"; exit 1; }
-python -m titan_nvfp4.compare "$spec" "$@"
-rc=$?
+# In the background, so that a SIGTERM to this script (an outer `timeout`) stops the runner, which stops its
+# arms, and the logs below still get packed.
+python -m titan_nvfp4.compare "$spec" "$@" &
+runner=$!
+trap 'kill -TERM "$runner" 2>/dev/null' TERM INT
+wait "$runner"; rc=$?
+if kill -0 "$runner" 2>/dev/null; then wait "$runner"; rc=124; fi  # a signal ended the first wait
+trap - TERM INT
 out=$(python -c "import sys; from pathlib import Path; from titan_nvfp4.compare import load_spec; print(load_spec(Path(sys.argv[1])).out)" "$spec")
 prev=""
 for a in "$@"; do [[ $prev == --out ]] && out=$a; prev=$a; done  # --out overrides the spec's folder

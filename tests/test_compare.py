@@ -4,6 +4,7 @@ already done, failures reported; and the spec's validation, key by key."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -115,6 +116,14 @@ def test_parallel_arms_overlap_each_on_its_own_gpu(tmp_path, capsys, monkeypatch
     assert {gpus["nvfp4"], gpus["bf16"]} == {"3", "5"} and gpus["half_way"] in ("3", "5")
     assert "on GPU 3" in capsys.readouterr().out
     assert "+0.2000 ± 0.0000" in (out / "compare.md").read_text()  # the same table as one at a time
+    threads = _log_field(out / "nvfp4.log", r"(?m)^# .*OMP_NUM_THREADS=(\d+)")
+    assert threads == [str(max(1, (os.cpu_count() or 1) // 2))]  # the host's cores shared between the two slots
+
+
+def test_parallel_arms_keep_the_callers_openmp_threads(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert compare.main([str(_spec(tmp_path, ARMS, "parallel = 2"))]) == 0
+    assert not _log_field(tmp_path / "out" / "nvfp4.log", r"(?m)^# .*OMP_NUM_THREADS=(\d+)")
 
 
 def test_a_stopped_arm_resumes_from_its_checkpoint(tmp_path, capsys):

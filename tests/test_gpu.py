@@ -176,7 +176,8 @@ def test_debug_model_trains_under_cuda_graph_trees_as_without(tmp_path, job):
     root = pathlib.Path(__file__).resolve().parents[1]
     losses = {}
     for graphs in ("0", "1"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "-m", "torchtitan.train",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m",
+               "torchtitan.train",
                "--job.config_file", f"train_configs/{job}.toml", "--training.steps", "8",
                "--metrics.log_freq", "1", "--compile.enable", "--job.dump_folder", str(tmp_path / graphs)]
         r = subprocess.run(cmd, cwd=root, env=dict(os.environ, TORCHINDUCTOR_CUDAGRAPHS=graphs),
@@ -200,7 +201,8 @@ def test_debug_model_trains_eagerly_with_graphed_bodies_as_without(tmp_path):
     root = pathlib.Path(__file__).resolve().parents[1]
     losses = {}
     for mode in ("off", "small"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "-m", "torchtitan.train",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m",
+               "torchtitan.train",
                "--job.config_file", "train_configs/llama3_nvfp4.toml", "--training.steps", "8",
                "--metrics.log_freq", "1", "--quantize.linear.nvfp4.eager_graphs", mode,
                "--job.dump_folder", str(tmp_path / mode)]

@@ -117,6 +117,21 @@ def test_training_loss_windows_pooled_per_group(tmp_path, capsys):
         assert f"--train-windows: {bad!r}" in capsys.readouterr().err
 
 
+def test_a_run_stopped_early_is_compared_at_the_steps_it_reached():
+    """A baseline that fell from 5 to 1 after step 20 and a run 0.1 above it that stopped at step 20: the
+    difference is +0.1 at the run's own steps, not its final loss against the baseline's later, lower one."""
+    from titan_nvfp4.tools.loss_log import StepMetrics
+
+    def run(losses):
+        return [StepMetrics(step=10 * (i + 1), loss=v, grad_norm=1.0, memory_gib=1.0, tps=1) for i, v in enumerate(losses)]
+
+    base = run([5.0, 4.0, 1.0, 1.0])
+    rows = summarize({"bf16": base, "nvfp4": run([5.1, 4.1])}, last=2)
+    assert rows[1]["steps"] == 20 and rows[1]["final_loss"] == pytest.approx(4.6)
+    assert rows[1]["delta"] == pytest.approx(0.1) and rows[1]["delta_se"] == pytest.approx(0.0, abs=1e-12)
+    assert rows[1]["rel_delta_pct"] == pytest.approx(100 * 0.1 / 4.5)
+
+
 def test_empty_log_is_an_error():
     with pytest.raises(ValueError, match="no TorchTitan metric lines"):
         summarize({"x": parse_log("nothing here")})
@@ -153,6 +168,34 @@ def test_loss_plot_writes_a_png(tmp_path):
     with_val = tmp_path / "with_validation.png"
     plot_main([str(a), str(b), "--out", str(with_val)])
     assert with_val.read_bytes()[:8] == data[:8] and with_val.read_bytes() != data
+
+
+def test_loss_plot_log_scale(tmp_path, monkeypatch):
+    """--log-y puts the loss panel on a log scale, for runs and for groups, and the differences in % of the
+    first run's: a run 10% above the reference plots +10 (not +0.5)."""
+    from matplotlib.axes import Axes
+
+    from titan_nvfp4.tools.loss_plot import main as plot_main
+
+    calls = []
+    monkeypatch.setattr(Axes, "set_yscale", lambda self, value, **kw: calls.append(("scale", value)))
+    monkeypatch.setattr(Axes, "set_ylabel", lambda self, label, **kw: calls.append(("label", label)))
+    plotted = []
+    real_plot = Axes.plot
+    monkeypatch.setattr(Axes, "plot", lambda self, *a, **kw: plotted.append(list(a[1]) if len(a) > 1 else [])
+                        or real_plot(self, *a, **kw))
+    a, b = tmp_path / "bf16.log", tmp_path / "nvfp4.log"
+    a.write_text(_LOG)
+    b.write_text(_LOG.replace("5.00000", "5.50000"))
+    plot_main([str(a), str(b), "--out", str(tmp_path / "runs.png")])
+    assert ("scale", "log") not in calls and ("label", "Δ loss") in calls and [0.0, 0.0, 0.5] in plotted
+    calls.clear(), plotted.clear()
+    plot_main([str(a), str(b), "--out", str(tmp_path / "runs.png"), "--log-y"])
+    assert ("scale", "log") in calls and ("label", "Δ loss (% of bf16)") in calls
+    assert [0.0, 0.0, pytest.approx(10.0)] in plotted
+    calls.clear()
+    plot_main([str(a), str(b), "--out", str(tmp_path / "groups.png"), "--log-y", "--group", "b=bf16", "--group", "n=nvfp4"])
+    assert ("scale", "log") in calls and ("label", "Δ mean loss (% of b)") in calls
 
 
 def test_loss_plot_pools_groups(tmp_path, capsys):

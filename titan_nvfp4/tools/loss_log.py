@@ -6,8 +6,8 @@ Each run is a saved console log of a training run (``... 2>&1 | tee run.log``) o
 (``[job] dump_folder``) holding TensorBoard events (``--metrics.enable_tensorboard``). Parses TorchTitan's metric lines ("step: N  loss: X  grad_norm: G  memory: M GiB ... tps: T") and
 validation lines ("validate step: N  loss: X"), colored or not. Prints per run the final loss (mean
 over the last k logged steps), its difference to the first run with the standard error of that
-difference (from the per-step paired differences over the same steps: runs on the same data share
-most of their batch-to-batch noise), throughput, peak memory, and the last validation loss with its
+difference (the mean of the per-step paired differences over the last k steps both logged: runs on the same
+data share most of their batch-to-batch noise, and a run stopped early is compared at the steps it reached), throughput, peak memory, and the last validation loss with its
 difference to the first run's at that step (with a validation set every run reads alike, this compares
 runs whose training batches differ). ``--gap``: for the third run on, the share of the gap between the
 first two runs (e.g. BF16 and plain NVFP4) that it closes. ``--group NAME=PATTERN[,PATTERN]`` (repeated):
@@ -70,15 +70,21 @@ def gap_closed_pct(baseline: float, reference: float, final: float) -> float:
     return 100.0 * (reference - final) / gap if gap else float("nan")
 
 
-def paired_se(steps: list[StepMetrics], base: list[StepMetrics], last: int) -> float:
-    """Standard error of the mean per-step loss difference to ``base`` over the last ``last`` steps
-    both runs logged (NaN with fewer than two)."""
+def paired_delta(steps: list[StepMetrics], base: list[StepMetrics], last: int) -> tuple[float, float, float]:
+    """(mean, standard error, the base's mean loss) of the per-step loss difference to ``base`` over the last
+    ``last`` steps both runs logged: for runs that logged the same steps, the difference of their final
+    losses; for a run stopped early, against the base at the steps it reached (NaN where none are shared;
+    the standard error NaN with fewer than two)."""
     ref = {s.step: s.loss for s in base}
-    diffs = [s.loss - ref[s.step] for s in steps if s.step in ref][-last:]
-    if len(diffs) < 2:
-        return float("nan")
+    pairs = [(s.loss - ref[s.step], ref[s.step]) for s in steps if s.step in ref][-last:]
+    if not pairs:
+        return float("nan"), float("nan"), float("nan")
+    diffs = [d for d, _ in pairs]
     mean = sum(diffs) / len(diffs)
-    return (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs)) ** 0.5
+    base_mean = sum(b for _, b in pairs) / len(pairs)
+    if len(diffs) < 2:
+        return mean, float("nan"), base_mean
+    return mean, (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs)) ** 0.5, base_mean
 
 
 def summarize(runs: dict[str, list[StepMetrics]], last: int = 10, gap: bool = False,
@@ -95,14 +101,17 @@ def summarize(runs: dict[str, list[StepMetrics]], last: int = 10, gap: bool = Fa
         final = sum(s.loss for s in tail) / len(tail)
         base = final if base is None else base
         base_steps = steps if base_steps is None else base_steps
+        delta, delta_se, at = paired_delta(steps, base_steps, last) if steps is not base_steps else (0.0, 0.0, base)
+        if delta != delta:  # no step in common with the base: the difference of the final losses, unpaired
+            delta, at = final - base, base
         rows.append({
             "run": name,
             "steps": steps[-1].step,
             "first_loss": steps[0].loss,
             "final_loss": final,
-            "delta": final - base,
-            "delta_se": paired_se(steps, base_steps, last) if steps is not base_steps else 0.0,
-            "rel_delta_pct": 100.0 * (final - base) / base if base else float("nan"),
+            "delta": delta,
+            "delta_se": delta_se,
+            "rel_delta_pct": 100.0 * delta / at if at else float("nan"),
             "tps": sorted(s.tps for s in steps[1:] or steps)[len(steps[1:] or steps) // 2],
             "peak_memory_gib": max(s.memory_gib for s in steps),
         })
@@ -115,7 +124,7 @@ def summarize(runs: dict[str, list[StepMetrics]], last: int = 10, gap: bool = Fa
                 r.update(val_step=step, val_loss=val[step], val_delta=val[step] - base_val.get(step, float("nan")))
     if gap and len(rows) >= 3:
         for r in rows[2:]:
-            r["gap_closed_pct"] = gap_closed_pct(rows[0]["final_loss"], rows[1]["final_loss"], r["final_loss"])
+            r["gap_closed_pct"] = gap_closed_pct(0.0, rows[1]["delta"], r["delta"])  # the paired Δs: same steps
     return rows
 
 

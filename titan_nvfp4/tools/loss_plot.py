@@ -9,6 +9,8 @@ exponential moving average (thick). Bottom: loss minus the first run's at the st
 ``--group NAME=PATTERN[,PATTERN]`` (repeated, as in loss_log) plots layouts pooled over seeds instead: per
 group the mean training loss per logged step (EMA) with a ±1 s.d. band across its runs, and the mean
 validation loss with ±1 s.d. bars; the bottom panel shows each group's means minus the first group's.
+``--log-y``: the loss on a log scale and the differences in % of the first run's, for runs that memorize
+their corpus (losses near 0, where an absolute difference of 0.001 can be several percent).
 Needs matplotlib (the `plot` extra).
 """
 
@@ -31,11 +33,19 @@ def ema(values: list[float], decay: float) -> list[float]:
     return out
 
 
-def _finish(fig, top, bottom, out: Path, title: str, delta_label: str, validation_label: str, bottom_legend: bool) -> Path:
+def _diff(value: float, ref: float, relative: bool) -> float:
+    """value − ref, or with ``relative`` in % of ref (the bottom panel under --log-y)."""
+    return 100.0 * (value - ref) / ref if relative else value - ref
+
+
+def _finish(fig, top, bottom, out: Path, title: str, delta_label: str, validation_label: str, bottom_legend: bool,
+            log_y: bool = False) -> Path:
     """Labels, grids and legends of the two panels; save the PNG and close the figure."""
     import matplotlib.pyplot as plt
 
     top.set_ylabel("loss")
+    if log_y:
+        top.set_yscale("log")
     if validation_label:
         top.plot([], [], color="grey", linestyle="--", marker="o", markersize=4, label=validation_label)
     top.legend(fontsize="small")
@@ -55,7 +65,7 @@ def _finish(fig, top, bottom, out: Path, title: str, delta_label: str, validatio
 
 
 def plot_runs(runs: dict[str, list[StepMetrics]], out: Path, smooth: float = 0.6, title: str = "",
-              validation: dict[str, dict[int, float]] | None = None) -> Path:
+              validation: dict[str, dict[int, float]] | None = None, log_y: bool = False) -> Path:
     """Write the two-panel PNG for ``runs`` (name -> metrics; the first is the reference), with the
     ``validation`` losses (name -> step -> loss) of the runs that have them."""
     import matplotlib
@@ -78,7 +88,7 @@ def plot_runs(runs: dict[str, list[StepMetrics]], out: Path, smooth: float = 0.6
         top.plot(steps, ema(loss, smooth), color=color, linewidth=2, label=name)
         if i:
             common = [s for s in runs[name] if s.step in base]
-            diff = [s.loss - base[s.step] for s in common]
+            diff = [_diff(s.loss, base[s.step], log_y) for s in common]
             bottom.plot([s.step for s in common], diff, color=color, alpha=0.25, linewidth=0.8)
             bottom.plot([s.step for s in common], ema(diff, smooth), color=color, linewidth=2, label=f"{name} − {names[0]}")
         val = validation.get(name, {})
@@ -87,10 +97,11 @@ def plot_runs(runs: dict[str, list[StepMetrics]], out: Path, smooth: float = 0.6
             top.plot(steps, [val[k] for k in steps], color=color, linestyle="--", marker="o", markersize=4)
             both = [k for k in steps if k in base_val]
             if i and both:
-                bottom.plot(both, [val[k] - base_val[k] for k in both], color=color, linestyle="--", marker="o",
+                bottom.plot(both, [_diff(val[k], base_val[k], log_y) for k in both], color=color, linestyle="--", marker="o",
                             markersize=4)
-    return _finish(fig, top, bottom, out, title or f"loss per logged step (thick: EMA {smooth})", "Δ loss",
-                   "dashed: validation loss" if any(validation.values()) else "", len(names) > 1)
+    return _finish(fig, top, bottom, out, title or f"loss per logged step (thick: EMA {smooth})",
+                   f"Δ loss (% of {names[0]})" if log_y else "Δ loss",
+                   "dashed: validation loss" if any(validation.values()) else "", len(names) > 1, log_y)
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:
@@ -118,7 +129,8 @@ def group_curves(runs: dict[str, list[StepMetrics]], groups: list[tuple[str, lis
 
 
 def plot_groups(runs: dict[str, list[StepMetrics]], groups: list[tuple[str, list[str]]], out: Path,
-                smooth: float = 0.6, title: str = "", validation: dict[str, dict[int, float]] | None = None) -> Path:
+                smooth: float = 0.6, title: str = "", validation: dict[str, dict[int, float]] | None = None,
+                log_y: bool = False) -> Path:
     """Write the two-panel PNG of runs pooled into ``groups`` (the first is the reference): per group and
     logged step the mean training loss across its runs (steps every run logged), EMA-smoothed, with a ±1 s.d.
     band; validation means with ±1 s.d. bars; bottom: group means minus the first group's."""
@@ -145,15 +157,15 @@ def plot_groups(runs: dict[str, list[StepMetrics]], groups: list[tuple[str, list
                          marker="o", markersize=4, capsize=3)
         if g != ref:
             common = [(k, m) for k, (m, _) in zip(steps, stats) if k in base]
-            bottom.plot([k for k, _ in common], ema([m - base[k] for k, m in common], smooth), color=color,
+            bottom.plot([k for k, _ in common], ema([_diff(m, base[k], log_y) for k, m in common], smooth), color=color,
                         linewidth=2, label=f"{g} − {ref}")
             vcommon = [(k, m) for k, (m, _) in zip(vsteps, vstats) if k in vbase]
             if vcommon:
-                bottom.plot([k for k, _ in vcommon], [m - vbase[k] for k, m in vcommon], color=color, linestyle="--",
+                bottom.plot([k for k, _ in vcommon], [_diff(m, vbase[k], log_y) for k, m in vcommon], color=color, linestyle="--",
                             marker="o", markersize=4)
     return _finish(fig, top, bottom, out, title or f"mean training loss per group (EMA {smooth}; band: ±1 s.d. across runs)",
-                   "Δ mean loss", "dashed: validation mean ± s.d." if any(v[0] for v in vals.values()) else "",
-                   len(curves) > 1)
+                   f"Δ mean loss (% of {ref})" if log_y else "Δ mean loss", "dashed: validation mean ± s.d." if any(v[0] for v in vals.values()) else "",
+                   len(curves) > 1, log_y)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -165,6 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--title", default="", help="figure title")
     ap.add_argument("--group", action="append", default=[], metavar="NAME=PATTERN[,PATTERN]",
                     help="plot runs pooled into layouts (repeat; the first is the reference)")
+    ap.add_argument("--log-y", action="store_true",
+                    help="the loss on a log scale and the differences in %% of the first run's (runs that go on "
+                         "to memorize their corpus)")
     args = ap.parse_args(argv)
     if not 0 <= args.smooth < 1:
         ap.error(f"--smooth must be in [0, 1) (the EMA decay), got {args.smooth}")
@@ -184,9 +199,9 @@ def main(argv: list[str] | None = None) -> None:
     require_group_members(ap.prog, runs, groups)
     try:
         if groups:
-            out = plot_groups(runs, groups, args.out, args.smooth, args.title, validation)
+            out = plot_groups(runs, groups, args.out, args.smooth, args.title, validation, args.log_y)
         else:
-            out = plot_runs(runs, args.out, args.smooth, args.title, validation)
+            out = plot_runs(runs, args.out, args.smooth, args.title, validation, args.log_y)
     except ValueError as e:
         fail(ap.prog, str(e).removeprefix("loss_plot: "))
     print(f"loss_plot: wrote {out}")
