@@ -222,3 +222,16 @@ def test_stats_sum_the_launchers_of_one_kernel(monkeypatch):
     assert L.stats() == {"_kernel_src": (3, 12)}
     tuned.hits += 1
     assert L.stats()["_kernel_src"] == (3, 13)
+
+
+def test_host_grid_arithmetic_matches_triton():
+    """The plain-Python grid helpers the kernels launch with equal Triton's constexpr ones."""
+    import triton
+
+    from titan_nvfp4.kernels.launch import cdiv, next_pow2
+
+    for a in (0, 1, 15, 16, 17, 255, 256, 257, 2**31 + 5):
+        for b in (1, 16, 64, 128):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+    for n in (1, 2, 3, 15, 16, 17, 1000, 2**20 + 1):
+        assert next_pow2(n) == triton.next_power_of_2(n), n

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
+from .launch import cdiv, launch, next_pow2
 
 _BLOCK = 128  # blocks per program
 
@@ -30,6 +30,6 @@ def block_experts_triton(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     out = torch.empty(nblk, dtype=torch.int32, device=offsets.device)
     E = offsets.numel()
     if nblk:
-        launch(_block_experts_kernel, (triton.cdiv(nblk, _BLOCK),), offsets, E, out, nblk,
-               EP2=triton.next_power_of_2(max(E, 1)), BLOCK=_BLOCK)
+        launch(_block_experts_kernel, (cdiv(nblk, _BLOCK),), offsets, E, out, nblk,
+               EP2=next_pow2(max(E, 1)), BLOCK=_BLOCK)
     return out

@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - another Triton layout (_ensure_scratch
 from ..numerics.nvfp4 import NVFP4Tensor
 from ..ops.backends import capability, interpreting
 from ..ops.library import StagedOperand
-from .launch import autotune, launch, tune_bucket
+from .launch import autotune, cdiv, launch, tune_bucket
 from .nvfp4_jit import e4m3_value
 
 #: Staging budget per operand (bytes of fp16); larger operands are staged in row chunks.
@@ -300,11 +300,11 @@ def dequantize_fp16(t: NVFP4Tensor, rows: slice | None = None, cols: slice | Non
         args = (data, scale, words, R, C, data.stride(0), scale.stride(0), scale.stride(1), words.stride(0),
                 tune_bucket(R), tune_bucket(C))
         if data.is_cuda and not interpreting() and R * C >= 2**22:
-            grid = lambda meta: (triton.cdiv(R, meta["BR"]), triton.cdiv(C // 2, meta["BC"]))  # noqa: E731
+            grid = lambda meta: (cdiv(R, meta["BR"]), cdiv(C // 2, meta["BC"]))  # noqa: E731
             launch(_dequant_autotuned, grid, *args, SCALE_DIV=div)
         else:
             BR, BC = (16, 256) if data.is_cuda else (16, 32)
-            launch(_dequant_kernel, (triton.cdiv(R, BR), triton.cdiv(C // 2, BC)), *args, SCALE_DIV=div, BR=BR, BC=BC,
+            launch(_dequant_kernel, (cdiv(R, BR), cdiv(C // 2, BC)), *args, SCALE_DIV=div, BR=BR, BC=BC,
                    num_warps=4)
     return out
 
@@ -327,11 +327,11 @@ def _tma_desc(t: torch.Tensor):
 def _launch_gemm(autotune: bool, args: tuple, kw: dict) -> None:
     m, n = args[10], args[11]
     if autotune:
-        grid = lambda meta: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)  # noqa: E731
+        grid = lambda meta: (cdiv(m, meta["BM"]) * cdiv(n, meta["BN"]),)  # noqa: E731
         launch(_nvfp4_gemm_autotuned, grid, *args, **kw)
     else:
         tiles = fixed_tiles(args[0])
-        launch(_nvfp4_gemm_kernel, (triton.cdiv(m, tiles["BM"]) * triton.cdiv(n, tiles["BN"]),), *args, **kw, **tiles)
+        launch(_nvfp4_gemm_kernel, (cdiv(m, tiles["BM"]) * cdiv(n, tiles["BN"]),), *args, **kw, **tiles)
 
 
 def _programs(t: torch.Tensor) -> int:
@@ -378,11 +378,11 @@ def _launch_persistent(autotune: bool, a16: torch.Tensor, b16: torch.Tensor, gsa
     args = (a16, b16, c, gsa, gsb, bias if bias is not None else gsa, M, N, K, a16.stride(0), b16.stride(0),
             c.stride(0))
     if autotune:
-        grid = lambda meta: (min(progs, triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"])),)  # noqa: E731
+        grid = lambda meta: (min(progs, cdiv(M, meta["BM"]) * cdiv(N, meta["BN"])),)  # noqa: E731
         launch(_nvfp4_gemm_persistent_autotuned, grid, *args, HAS_BIAS=bias is not None, NUM_PROGRAMS=progs)
     else:
         tiles = fixed_tiles(a16)
-        grid = (min(progs, triton.cdiv(M, tiles["BM"]) * triton.cdiv(N, tiles["BN"])),)
+        grid = (min(progs, cdiv(M, tiles["BM"]) * cdiv(N, tiles["BN"])),)
         launch(_nvfp4_gemm_persistent_kernel, grid, *args, HAS_BIAS=bias is not None, SUBTILE=False,
                NUM_PROGRAMS=progs, **tiles)
 

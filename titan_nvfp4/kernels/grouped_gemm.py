@@ -30,7 +30,7 @@ from ..ops.backends import interpreting
 from ..ops.library import StagedOperand
 from .gemm import (_ensure_scratch_allocator, fixed_tiles, _programs, _set_b_block, _tma_desc, _tma_storable, _use_tma,
                    dequantize_fp16, swizzle_tile)
-from .launch import autotune, launch
+from .launch import autotune, cdiv, launch, next_pow2
 from .nvfp4_jit import round_to
 
 
@@ -261,7 +261,7 @@ def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tenso
         args = (a16, b16, offsets, gs_a, gs_b, bias_arg, out, add_arg, E, T, n_out, K, b16.shape[0], b16.shape[1],
                 b_row_step, b_col_step, a16.stride(0), b16.stride(0), out.stride(0), n_split, gsb_hi)
         kw = dict(HAS_BIAS=bias is not None, ACC=add_to is not None, NATIVE=not interpreting(),
-                  EP=triton.next_power_of_2(E + 1), NUM_PROGRAMS=progs, FLATTEN=ROWS_KERNEL == "persistent",
+                  EP=next_pow2(E + 1), NUM_PROGRAMS=progs, FLATTEN=ROWS_KERNEL == "persistent",
                   SPLIT=n_split > 0)
         if _autotune(a16, T * n_out):
             launch(_rows_persistent_autotuned, (progs,), *args, **kw)
@@ -272,13 +272,13 @@ def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tenso
     args = (a16, a_arg, b16, b_arg, offsets, gs_a, gs_b, bias_arg, out, add_arg, E, T, n_out, K, b_row_step,
             b_col_step, a16.stride(0), b16.stride(0), out.stride(0), n_split, gsb_hi)
     kw = dict(HAS_BIAS=bias is not None, ACC=add_to is not None, NATIVE=not interpreting(), TMA=tma,
-              EP=triton.next_power_of_2(E + 1), SPLIT=n_split > 0)
+              EP=next_pow2(E + 1), SPLIT=n_split > 0)
     if _autotune(a16, T * n_out):
-        grid = lambda meta: ((triton.cdiv(T, meta["BM"]) + E + 1) * triton.cdiv(n_out, meta["BN"]),)  # noqa: E731
+        grid = lambda meta: ((cdiv(T, meta["BM"]) + E + 1) * cdiv(n_out, meta["BN"]),)  # noqa: E731
         launch(_rows_autotuned, grid, *args, **kw)
     else:
         t = fixed_tiles(a16)
-        grid = ((triton.cdiv(T, t["BM"]) + E + 1) * triton.cdiv(n_out, t["BN"]),)
+        grid = ((cdiv(T, t["BM"]) + E + 1) * cdiv(n_out, t["BN"]),)
         launch(_grouped_rows_kernel, grid, *args, **kw, **t)
     return out
 
@@ -305,11 +305,11 @@ def grouped_gemm_tokens(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Ten
     a_arg, b_arg = (_tma_desc(a16), _tma_desc(b16)) if tma else (a16, b16)
     args = (a16, a_arg, b16, b_arg, offsets, gs_a, gs_b, out, M, N, a16.stride(0), b16.stride(0), *strides)
     if _autotune(a16, E * M * N):
-        grid = lambda meta: (E * triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
+        grid = lambda meta: (E * cdiv(M, meta["BM"]) * cdiv(N, meta["BN"]),)  # noqa: E731
         launch(_tokens_autotuned, grid, *args, TMA=tma)
     else:
         t = fixed_tiles(a16)
-        launch(_grouped_tokens_kernel, (E * triton.cdiv(M, t["BM"]) * triton.cdiv(N, t["BN"]),), *args, TMA=tma, **t)
+        launch(_grouped_tokens_kernel, (E * cdiv(M, t["BM"]) * cdiv(N, t["BN"]),), *args, TMA=tma, **t)
     return out
 
 

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..numerics.mxfp8 import MX_BLOCK, MXFP8Tensor
 from ..ops.backends import interpreting
-from .launch import autotune, launch
+from .launch import autotune, cdiv, launch
 from .nvfp4_jit import E4M3_MAX, e4m3_round, nan_to_inf_abs
 
 
@@ -181,8 +181,8 @@ _cols_autotuned = autotune(  # the best of a 23-config sweep on an H100, codes a
 
 def _cols_grid(Mpad: int, K: int, G: int, BK: int) -> tuple[int, int, int]:
     """_mxfp8_cols_kernel's grid: K blocks on axis 0, the row blocks on axis 1 (and 2 past 65535)."""
-    row_blocks = triton.cdiv(Mpad // 32, G)
-    return triton.cdiv(K, BK), min(row_blocks, 65535), triton.cdiv(row_blocks, 65535)
+    row_blocks = cdiv(Mpad // 32, G)
+    return cdiv(K, BK), min(row_blocks, 65535), cdiv(row_blocks, 65535)
 
 
 def hardware_e4m3(device: torch.device) -> bool:
@@ -229,11 +229,11 @@ def quantize_mxfp8_tensors(x2d: torch.Tensor, rowwise: bool = True, colwise: boo
                 launch(_mxfp8_cols_kernel, grid({"G": g, "BK": bk}), *cargs, G=g, BK=bk, STAGED=staged, HW=hw,
                        num_warps=2)
         elif tuned:
-            grid = lambda meta: (triton.cdiv(Mpad, meta["BM"]), triton.cdiv(K, meta["BK"]))  # noqa: E731
+            grid = lambda meta: (cdiv(Mpad, meta["BM"]), cdiv(K, meta["BK"]))  # noqa: E731
             launch(_mxfp8_autotuned, grid, *args, ROW=rowwise, COL=colwise, STAGED=staged, HW=hw)
         else:
             bm, bk = (_BM, _BK) if x2d.is_cuda else (_BM_I, _BK_I)
-            grid = (triton.cdiv(Mpad, bm), triton.cdiv(K, bk))
+            grid = (cdiv(Mpad, bm), cdiv(K, bk))
             launch(_mxfp8_kernel, grid, *args, ROW=rowwise, COL=colwise, BM=bm, BK=bk, STAGED=staged, HW=hw,
                    num_warps=4)
     e8m0 = torch.float8_e8m0fnu

@@ -29,7 +29,7 @@ from ..numerics.nvfp4 import NVFP4Tensor, global_encode_scale
 from ..ops.grouped import block_experts
 from ..ops.library import operand_pair, weight_pair
 from .expert_map import block_experts_triton
-from .launch import autotune, launch, tune_bucket
+from .launch import autotune, cdiv, launch, next_pow2, tune_bucket
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
 from .nvfp4_jit import (add_nibble, amax16, block_scales, e2m1_nibble, e2m1_staged, e4m3_value, fos_d2, fos_unit,
                         join_slices16, nibble_word, pack_pairs, pick_four_or_six, quantize_slices16, rht16_slices,
@@ -439,7 +439,7 @@ def _tuned(x: torch.Tensor) -> bool:
 
 def launch_grid(rows: int, cols: int, G: int, BK: int, cols_first: bool) -> tuple[int, ...]:
     """The grid of a kernel tiled by program_tile over [rows, cols] in tiles of 16·G rows and BK columns."""
-    nr, nc = triton.cdiv(rows, 16 * G), triton.cdiv(cols, BK)
+    nr, nc = cdiv(rows, 16 * G), cdiv(cols, BK)
     return (nr * nc,) if cols_first else (nr, nc)
 
 
@@ -587,7 +587,7 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
                 cd if colwise else buf, cs if colwise else buf, signs_t, seed if seed is not None else buf, Mpad,
                 bexp, ns, ROW=rowwise, COL=colwise, RHT=signs is not None, SR_ROW=stochastic_row,
                 SR_COL=stochastic_col, ROW_F16=rowwise and row_fp16, COL_F16=colwise and col_fp16,
-                NSP2=triton.next_power_of_2(2 * ns), FOUR_SIX=four_six, **flags)
+                NSP2=next_pow2(2 * ns), FOUR_SIX=four_six, **flags)
     else:  # no program ran: the decode scales of an all-zero tensor
         gs.copy_(torch.reciprocal(global_encode_scale(buf.view(torch.float32), four_six)))
     return rd, rs, cd, cs, (gs.view(2, ns) if groups is not None else gs)
@@ -679,8 +679,8 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
     if fused:
         g, bk, warps = (_FUSED_2D["G"], _FUSED_2D["BK"], _FUSED_2D["num_warps"]) if w.is_cuda else (G_Q, BK_Q, 1)
         lead, span = _FUSED_2D["LEAD"], _FUSED_2D["SPAN"]
-        tq = triton.cdiv(N // experts // 16, g) * triton.cdiv(K, bk)
-        programs = experts * (tq + triton.cdiv(tq, span))  # every expert's quantization and amax tiles
+        tq = cdiv(N // experts // 16, g) * cdiv(K, bk)
+        programs = experts * (tq + cdiv(tq, span))  # every expert's quantization and amax tiles
         launch(_quantize_2d_fused_kernel, (programs,), w, K, w.stride(0), w.stride(1), buf, gs, d, s,
                dt if emit_transpose else d, st if emit_transpose else s, experts, d_rows, d_expert,
                EMIT_T=emit_transpose, EMIT_F16=staged, G=g, BK=bk, FOUR_SIX=four_six, LEAD=lead, SPAN=span,
@@ -689,7 +689,7 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
         _launch(_quantize_2d_kernel, _quantize_2d_autotuned, w, N, K,
                 w, N, K, w.stride(0), w.stride(1), buf, gs, d, s, dt if emit_transpose else d,
                 st if emit_transpose else s, bexp, experts, d_rows, d_expert, EMIT_T=emit_transpose, GROUPED=grouped,
-                EMIT_F16=staged, NSP2=triton.next_power_of_2(experts), FOUR_SIX=four_six)
+                EMIT_F16=staged, NSP2=next_pow2(experts), FOUR_SIX=four_six)
     else:
         gs.copy_(torch.reciprocal(global_encode_scale(buf.view(torch.float32), four_six)))
     return d, s, dt, st, gs

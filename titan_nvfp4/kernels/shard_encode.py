@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
+from .launch import cdiv, launch
 from .nvfp4_jit import (block_scales, e2m1_code, e4m3_value, encode_factor, global_encode_scale, nan_to_inf_abs,
                         pack_pairs)
 
@@ -90,7 +90,7 @@ def tile_amax_of_rows_triton(rows: torch.Tensor, offset: int, n_rows: int) -> to
     keep = _keep(rows, offset, n_rows)
     if keep:
         tiles = (offset + keep - 1) // 16 - offset // 16 + 1
-        launch(_tile_amax_kernel, (tiles, triton.cdiv(k, BK)), rows, r, k, rows.stride(0), offset, keep, grid,
+        launch(_tile_amax_kernel, (tiles, cdiv(k, BK)), rows, r, k, rows.stride(0), offset, keep, grid,
                tiles_total, BK=BK, num_warps=4)
     return grid
 
@@ -104,7 +104,7 @@ def tile_scales_triton(grid: torch.Tensor, n_rows: int, k: int) -> tuple[torch.T
                          f"got shape {tuple(grid.shape)}")
     e_b = torch.empty(n_rows // 16, k // 16, dtype=torch.float8_e4m3fn, device=grid.device)
     s = torch.empty(2, dtype=torch.float32, device=grid.device)
-    launch(_tile_scales_kernel, (max(1, triton.cdiv(tiles_total, BT)),), grid, tiles_total, e_b, s, BT=BT,
+    launch(_tile_scales_kernel, (max(1, cdiv(tiles_total, BT)),), grid, tiles_total, e_b, s, BT=BT,
            num_warps=4)
     return e_b, s
 
@@ -116,7 +116,7 @@ def encode_tile_rows_triton(rows: torch.Tensor, offset: int, e_b: torch.Tensor, 
     out = torch.empty(r, k // 2, dtype=torch.uint8, device=rows.device)
     if r:
         keep = _keep(rows, offset, e_b.shape[0] * 16)
-        launch(_encode_rows_kernel, (triton.cdiv(r, 16), triton.cdiv(k, BK)), rows, r, k, rows.stride(0), offset,
+        launch(_encode_rows_kernel, (cdiv(r, 16), cdiv(k, BK)), rows, r, k, rows.stride(0), offset,
                keep, e_b if e_b.is_contiguous() else e_b.contiguous(),
                s_enc if s_enc.shape == (1,) and s_enc.dtype == torch.float32 else s_enc.reshape(1).float(), out,
                BK=BK, num_warps=4)
