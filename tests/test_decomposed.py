@@ -63,7 +63,11 @@ def test_refresh_without_rank_and_bad_knobs_rejected(tmp_path):
                         (("lora_rank = 16", "lora_refresh_steps = -1"), "lora_refresh_steps"),
                         (("lora_rank = 16", 'lora_refresh_moments = "project"'), "needs lora_refresh_steps > 0"),
                         (("lora_rank = 16", "lora_refresh_steps = 2", 'lora_refresh_moments = "rotate"'),
-                         r"lora_refresh_moments must be one of \['keep', 'project'\], got 'rotate'")):
+                         r"lora_refresh_moments must be one of \['keep', 'project'\], got 'rotate'"),
+                        (("lora_rank = 16", 'lora_dtype = "float64"'),
+                         r"lora_dtype must be one of \['input', 'weight'\], got 'float64'"),
+                        (("lora_rank = 16", "lora_nvfp4 = true", 'lora_dtype = "weight"'),
+                         r"lora_dtype = 'weight' .* lora_nvfp4 = true")):
         with pytest.raises(Exception, match=needle):
             parse(toml=edited_toml(tmp_path, add=add))
 
@@ -117,6 +121,38 @@ def test_branch_in_nvfp4():
     assert torch.equal(mod(x), want)
 
 
+def test_branch_in_the_factors_dtype_under_autocast():
+    """lora_dtype = "weight" under BF16 autocast: the branch's GEMMs run in the factors' FP32 and are added to R's
+    output in FP32 (one rounding to BF16), so the factors' gradients are FP32-exact; "input" runs them in BF16."""
+    lin = nn.Linear(96, 64)
+    with torch.no_grad():
+        lin.weight.copy_(_weight())
+    x = torch.randn(48, 96)
+    dy = torch.randn(48, 64)
+    grads, outs = {}, {}
+    for mode in ("input", "weight"):
+        mod = DecomposedLinear.from_linear(copy.deepcopy(lin), REF, rank=16)
+        mod.lora_dtype = mode
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = mod(x)
+        assert y.dtype == torch.bfloat16
+        y.backward(dy.to(y.dtype))
+        outs[mode], grads[mode] = y, (mod.lora_u.grad, mod.lora_sigma.grad, mod.lora_v.grad)
+        if mode == "weight":
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                r = nvfp4_linear(x, mod.weight, mod.bias, REF)
+            branch = ((x @ mod.lora_v.t()) * mod.lora_sigma) @ mod.lora_u.t()
+            assert torch.equal(y, (r.float() + branch).to(torch.bfloat16))
+    u, s, v = (t.detach().double().requires_grad_() for t in (mod.lora_u, mod.lora_sigma, mod.lora_v))
+    (((x.double() @ v.t()) * s) @ u.t()).backward(dy.to(torch.bfloat16).double())
+    for mode, bound in (("weight", 1e-5), ("input", None)):
+        err = max(float((g.double() - w.grad).norm() / w.grad.norm()) for g, w in zip(grads[mode], (u, s, v)))
+        if bound:
+            assert err <= bound, err
+        else:
+            assert err > 1e-4, err  # BF16 GEMMs: the knob changes what trains
+
+
 def test_use_before_decomposition_fails_loudly():
     with torch.device("meta"):
         lin = nn.Linear(96, 64)
@@ -144,6 +180,14 @@ def _initialized_llama(tmp_path, *add):
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     return model, converters
+
+
+def test_converter_sets_the_branch_dtype(tmp_path):
+    model, _ = _converted_llama(tmp_path, "lora_rank = 16", 'lora_dtype = "weight"', 'gemm_backend = "reference"')
+    mods = [m for m in model.modules() if isinstance(m, DecomposedLinear)]
+    assert len(mods) == 6 * 7 and all(m.lora_dtype == "weight" for m in mods)
+    model, _ = _converted_llama(tmp_path, "lora_rank = 16", 'gemm_backend = "reference"')
+    assert all(m.lora_dtype == "input" for m in model.modules() if isinstance(m, DecomposedLinear))
 
 
 def test_meta_conversion_then_torchtitan_init_decomposes(tmp_path):

@@ -507,6 +507,40 @@ def test_grouped_converter_twice_is_a_no_op():
     assert dict(model.named_modules()) == mods
 
 
+def test_grouped_converter_takes_the_branch_dtype_from_the_linear_section():
+    """lora_dtype lives in [quantize.linear.nvfp4] and covers the experts' branches: the grouped converter alone
+    (no Linear converter listed) sets it on the experts it converts."""
+    from torchtitan.protocols.model_converter import build_model_converters
+
+    from test_converter import parse, world1
+
+    for value in ("weight", "input"):
+        conv = build_model_converters(parse("--model.converters", GROUPED_CONVERTER_NAME, "--quantize.grouped_mm.nvfp4"
+                                            ".lora_rank", "16", "--quantize.linear.nvfp4.lora_dtype", value), world1())
+        model, _ = _build("deepseek_v3", n_layers=2)
+        conv.convert(model)
+        experts = [m for m in model.modules() if isinstance(m, NVFP4GroupedExperts)]
+        assert experts and all(m.lora_dtype == value for m in experts)
+
+
+def test_grouped_lowrank_in_a_given_dtype():
+    """grouped_lowrank(dtype=float32) on BF16 tokens with FP32 factors: the FP32 product (what lora_dtype = "weight"
+    runs), against float64; by default the input's BF16, further off."""
+    from titan_nvfp4.lowrank_experts import grouped_lowrank
+
+    torch.manual_seed(0)
+    u, s, v = torch.randn(2, 32, 16), torch.rand(2, 16) + 0.5, torch.randn(2, 16, 48)
+    x = torch.randn(40, 48).to(torch.bfloat16)
+    offsets = torch.tensor([16, 32], dtype=torch.int32)
+    want = torch.zeros(40, 32, dtype=torch.float64)
+    for e, (a, b) in enumerate(((0, 16), (16, 32))):
+        want[a:b] = (x[a:b].double() @ v[e].double().t() * s[e].double()) @ u[e].double().t()
+    exact = grouped_lowrank(x, u, s, v, offsets, torch.float32)
+    assert exact.dtype == torch.float32 and not exact[32:].any()
+    assert (exact.double() - want).norm() <= 1e-6 * want.norm()
+    assert (grouped_lowrank(x, u, s, v, offsets).double() - want).norm() > 1e-4 * want.norm()
+
+
 def test_expert_dims_not_multiple_of_16_rejected():
     from torchtitan.models.moe.moe import GroupedExperts
 

@@ -1201,6 +1201,25 @@ def test_grouped_lora_refresh_follows_the_linear_sections_steps():
         assert resplit() == (i == 1), i
 
 
+def test_lora_dtype_reaches_the_experts_branch():
+    """The dense section's lora_dtype = "weight" reaches the experts' branches (as on 0.2), and under BF16 autocast
+    the experts then add an FP32 branch: the output moves against "input"; "input" sets nothing."""
+    from titan_nvfp4.integration_v03.converter import NVFP4LinearConfigConverter
+    from titan_nvfp4.integration_v03.trainer import apply_lora_dtype
+
+    torch.manual_seed(0)
+    m = build_experts(*EXPERT_KINDS["swiglu"], lora_rank=16)
+    part = torch.nn.Module()
+    part.add_module("experts", m)
+    assert apply_lora_dtype([part], NVFP4LinearConfigConverter.Config(lora_rank=16)) == 0 and m.lora_dtype == "input"
+    x = torch.randn(sum(COUNTS), D)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        before = m(x, torch.tensor(COUNTS))
+        assert apply_lora_dtype([part], NVFP4LinearConfigConverter.Config(lora_rank=16, lora_dtype="weight")) == 1
+        after = m(x, torch.tensor(COUNTS))
+    assert m.lora_dtype == "weight" and before.dtype == after.dtype and not torch.equal(before, after)
+
+
 def test_grouped_lora_state_dict_is_02s_and_loads_back():
     """The experts' state dict on 0.3 is 0.2's: each weight's key holds the full W (R + U·diag(σ)·V in R's dtype) and
     ``<weight>_lora_residual`` R; experts initialized otherwise load R and the factors back bit for bit, and a state

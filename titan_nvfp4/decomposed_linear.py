@@ -94,7 +94,10 @@ def _lookup(state_dict: dict, prefix: str, name: str) -> str | None:
 class LowRankState:
     """Whether a low-rank module's weights hold a decomposition (``lora_decomposed`` buffer, saved with
     the checkpoint, and its Python twin ``_lora_ready`` read in forward): shared by DecomposedLinear and
-    the decomposed expert modules (lowrank_experts.py), which define ``decompose_()``."""
+    the decomposed expert modules (lowrank_experts.py), which define ``decompose_()``. ``lora_dtype``: the
+    branch GEMMs' dtype, "input" or "weight" (the factors'; set by ``set_lora_dtype``)."""
+
+    lora_dtype: str = "input"
 
     def _init_lowrank_state(self, device) -> None:
         self.register_buffer("lora_decomposed", torch.zeros((), dtype=torch.bool, device=device))
@@ -235,6 +238,15 @@ class LowRankState:
             self._lora_ready = bool(self.lora_decomposed)
 
 
+def set_lora_dtype(modules: nn.Module | list[nn.Module], value: str) -> int:
+    """Set ``lora_dtype`` (knobs.LORA_DTYPES) on every low-rank module under ``modules``; returns how many."""
+    roots = modules if isinstance(modules, (list, tuple)) else [modules]
+    found = [m for root in roots for m in root.modules() if isinstance(m, LowRankState)]
+    for m in found:
+        m.lora_dtype = value
+    return len(found)
+
+
 def check_lowrank_args(name: str, rank, in_features: int, out_features: int, lora_nvfp4, key: str = "rank") -> None:
     """A DecomposedLinear's rank: a positive multiple of 16 within the weight's smaller dim; lora_nvfp4 a bool.
     ``key``: the rank's name in messages (the argument, or the converter's TOML key)."""
@@ -337,6 +349,10 @@ class DecomposedLinear(LowRankState, NVFP4Linear):
         if self.lora_nvfp4 and not self.high_precision:
             h = self._nvfp4_linear(x, self.lora_v, None, 1) * self.lora_sigma
             return y + self._nvfp4_linear(h, self.lora_u, None, 2)
+        if self.lora_dtype == "weight":  # the branch in the factors' dtype (FP32 under AMP), summed in FP32
+            with torch.autocast(x.device.type, enabled=False):
+                h = F.linear(x.to(self.lora_v.dtype), self.lora_v) * self.lora_sigma
+                return (y.float() + F.linear(h, self.lora_u).float()).to(y.dtype)
         dt = autocast_out_dtype(x)
         h = F.linear(x.to(dt), self.lora_v.to(dt)) * self.lora_sigma.to(dt)
         return y + F.linear(h, self.lora_u.to(dt))
@@ -346,4 +362,4 @@ class DecomposedLinear(LowRankState, NVFP4Linear):
 
 
 __all__ = ["DecomposedLinear", "LORA_LAYER_ID_BASE", "LowRankState", "RESIDUAL", "assign_full", "dense_like",
-           "redecompose"]
+           "redecompose", "set_lora_dtype"]

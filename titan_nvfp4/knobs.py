@@ -68,6 +68,8 @@ RecipeOverrides = _overrides_class()
 
 #: lora_refresh_moments values
 REFRESH_MOMENTS = ("keep", "project")
+#: lora_dtype values
+LORA_DTYPES = ("input", "weight")
 
 
 def _nonneg_int(value) -> bool:
@@ -130,6 +132,10 @@ class LinearKnobs(RecipeKnobs):
     high-precision branch beside the NVFP4 residual (0 = off; else a multiple of 16)."""
     lora_nvfp4: bool = False
     """Run the branch's two GEMMs in NVFP4 too (default: the input's dtype, BF16 in training)."""
+    lora_dtype: str = "input"
+    """The dtype of the high-precision branch's GEMMs (the experts' branch too): "input", the input's (BF16
+    under mixed precision), or "weight", the factors' own (FP32 under TorchTitan's single-device AMP; under
+    FSDP2's BF16 parameters the same as "input"), the branch's sum with R's output then taken in FP32."""
     lora_refresh_steps: int = 0
     """Re-decompose every N optimizer steps (0 = only at initialization). With lora_refresh_moments "keep",
     AdamW's moments keep describing the old split, which cost loss in docs/results.md (DecomposedLinear)."""
@@ -163,6 +169,11 @@ class LinearKnobs(RecipeKnobs):
                              f"{self.lora_refresh_moments!r}")
         if self.lora_refresh_moments != "keep" and not self.lora_refresh_steps:
             raise ValueError(f"[{s}] lora_refresh_moments = {self.lora_refresh_moments!r} needs lora_refresh_steps > 0")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"[{s}] lora_dtype must be one of {list(LORA_DTYPES)}, got {self.lora_dtype!r}")
+        if self.lora_dtype != "input" and self.lora_nvfp4:
+            raise ValueError(f"[{s}] lora_dtype = {self.lora_dtype!r} sets the dtype of a high-precision branch; "
+                             "lora_nvfp4 = true runs the branch in NVFP4: set one of them")
         self._check_count("telemetry_every")
         self._check_count("activation_amax_history", "a non-negative integer (0 = off)")
         if not isinstance(self.fsdp_nvfp4_all_gather, bool):

@@ -28,10 +28,10 @@ def _with_tail_expert(offsets: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def grouped_lowrank(x: torch.Tensor, u: torch.Tensor, sigma: torch.Tensor, v: torch.Tensor,
-                    offsets: torch.Tensor) -> torch.Tensor:
-    """[T, N]: rows of expert e get ((x V_eᵀ) ⊙ σ_e) U_eᵀ, rows past the last expert 0; two grouped GEMMs in the
-    input's dtype (the autocast dtype under autocast), differentiable in all of x, U, σ, V."""
-    dt = autocast_out_dtype(x)
+                    offsets: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[T, N]: rows of expert e get ((x V_eᵀ) ⊙ σ_e) U_eᵀ, rows past the last expert 0; two grouped GEMMs in
+    ``dtype``, by default the input's (the autocast dtype under autocast), differentiable in all of x, U, σ, V."""
+    dt = dtype or autocast_out_dtype(x)
     E, N, r = u.shape
     K = v.shape[-1]
     vs = torch.cat([v * sigma[..., None], v.new_zeros(1, r, K)]).to(dt)
@@ -119,7 +119,11 @@ class LowRankExperts(LowRankState):
         """y plus weight ``g``'s low-rank branch of x (y itself without a rank)."""
         if not self.lora_rank:
             return y
-        return y + grouped_lowrank(x, *self._factors(g), offsets).to(y.dtype)
+        factors = self._factors(g)
+        if self.lora_dtype == "weight":  # the branch in the factors' dtype (FP32 under AMP), summed in FP32
+            with torch.autocast(x.device.type, enabled=False):
+                return (y.float() + grouped_lowrank(x, *factors, offsets, factors[0].dtype).float()).to(y.dtype)
+        return y + grouped_lowrank(x, *factors, offsets).to(y.dtype)
 
 
 __all__ = ["FACTOR_KINDS", "LowRankExperts", "check_expert_rank", "grouped_linear", "grouped_lowrank"]

@@ -16,7 +16,7 @@ from torchtitan.protocols.model_converter import _registry_model_converter_cls, 
 from torchtitan.tools.logging import logger
 
 from ..amax_history import AmaxHistory, layers_with_history, register_buffers, roll
-from ..decomposed_linear import DecomposedLinear, check_lowrank_args, redecompose
+from ..decomposed_linear import DecomposedLinear, check_lowrank_args, redecompose, set_lora_dtype
 from ..distributed.fsdp_all_gather import TRAFFIC, precompute_scales, wrap_weight
 from ..expert_groups import experts_layer_id
 from ..layer_selection import check_block_counts, skip_reason
@@ -131,7 +131,7 @@ class NVFP4LinearConverter(QuantizationConverter):
         require_backend_runs_here(self.recipe, CONVERTER_NAME)
         self.filter_fqns = list(section.filter_fqns)
         self.lora_rank, self.lora_nvfp4 = section.lora_rank, section.lora_nvfp4
-        self.lora_refresh_steps = section.lora_refresh_steps
+        self.lora_refresh_steps, self.lora_dtype = section.lora_refresh_steps, section.lora_dtype
         # lora_refresh_moments = "project": the refresh finds the factors' optimizer state through this
         self.optimizer_states = shared_optimizer_states() if section.lora_refresh_moments == "project" else None
         self.bf16_after_fraction = section.bf16_after_fraction
@@ -173,6 +173,7 @@ class NVFP4LinearConverter(QuantizationConverter):
             logger.info(f"NVFP4: kept {fqn} in high precision ({why})")
         if self.lora_rank and report["converted"]:
             decompose_after_init(model)
+        branch_dtype(model, self.lora_dtype)
         if self.amax_history:
             history = AmaxHistory(self.amax_history)
             for fqn in report["converted"]:
@@ -235,6 +236,13 @@ def _init_weights_then_decompose(self, *args, **kwargs):
     return out
 
 
+def branch_dtype(model: nn.Module, lora_dtype: str) -> None:
+    """Run the low-rank branches converted so far in ``lora_dtype`` (either converter may run last)."""
+    if lora_dtype != "input":
+        n = set_lora_dtype(model, lora_dtype)
+        logger.info(f"NVFP4: the low-rank branches of {n} modules run in their factors' dtype (lora_dtype)")
+
+
 def decompose_after_init(model: nn.Module) -> None:
     """Hook the decomposition into TorchTitan's init_weights protocol: TorchTitan materializes the
     meta model, then calls model.init_weights(), which now splits each DecomposedLinear's weight
@@ -286,6 +294,7 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
         require_backend_runs_here(self.recipe, GROUPED_CONVERTER_NAME)
         self.fqns = list(section.fqns)
         self.lora_rank = section.lora_rank
+        self.lora_dtype = _section(job_config, "linear").lora_dtype  # the dense section's knob covers the experts
         self.bf16_after_fraction = section.bf16_after_fraction
         self.total_steps = job_config.training.steps
         self.telemetry_every = section.telemetry_every
@@ -315,6 +324,7 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
                     "token groups aligned to 16")
         if self.lora_rank:
             decompose_after_init(model)
+        branch_dtype(model, self.lora_dtype)
         for fqn, why in report["skipped"]:
             logger.info(f"NVFP4: kept experts {fqn} in high precision ({why})")
         if self.bf16_after_fraction or self.telemetry_every:

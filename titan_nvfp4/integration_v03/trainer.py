@@ -12,7 +12,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from ..amax_history import AmaxHistory, layers_with_history, register_buffers, roll
-from ..decomposed_linear import redecompose
+from ..decomposed_linear import redecompose, set_lora_dtype
 from ..distributed.fsdp_all_gather import precompute_scales, wrap_weight
 from ..metrics_hook import install_metrics_hook
 from ..optimizer_states import shared_optimizer_states
@@ -113,6 +113,16 @@ def attach_linear_state(model_parts: list[torch.nn.Module], section: NVFP4Linear
     return counters
 
 
+def apply_lora_dtype(model_parts: list[torch.nn.Module], section: NVFP4LinearConfigConverter.Config) -> int:
+    """The dense section's lora_dtype on every low-rank module of the built parts, the experts' too (as on 0.2);
+    returns how many it set."""
+    if section.lora_dtype == "input":
+        return 0
+    n = set_lora_dtype(model_parts, section.lora_dtype)
+    logger.info(f"NVFP4: the low-rank branches of {n} modules run in their factors' dtype (lora_dtype)")
+    return n
+
+
 def attach_grouped_state(model_parts: list[torch.nn.Module], section: NVFP4GroupedMMConfigConverter.Config,
                          total_steps: int) -> list[StepCounter]:
     """The routed experts' late switch to high precision (bf16_after_fraction) and telemetry, as attach_linear_state's."""
@@ -195,6 +205,7 @@ class NVFP4Trainer(Trainer):
         grouped = config.quantize.grouped_mm
         if grouped.enable:
             attach_grouped_state(self.model_parts, grouped, config.training.steps)
+        apply_lora_dtype(self.model_parts, linear)
         gather = linear.enable and linear.fsdp_nvfp4_all_gather
         refresh = linear.lora_refresh_steps if linear.enable else 0
         state_of = shared_optimizer_states().state_of if refresh and linear.lora_refresh_moments == "project" else None
