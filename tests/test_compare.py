@@ -104,6 +104,7 @@ def _log_field(log: Path, pattern: str) -> list[str]:
 
 def test_parallel_arms_overlap_each_on_its_own_gpu(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the runner's to choose (the suite may set it)
     arms = ARMS.replace('"--stub.offset", "0.2"', '"--stub.offset", "0.2", "--stub.sleep", "0.03"') \
                .replace('base = "%s"' % (REPO / "train_configs/llama3_bf16.toml"),
                         'base = "%s"\noverrides = ["--stub.sleep", "0.03"]' % (REPO / "train_configs/llama3_bf16.toml"))
