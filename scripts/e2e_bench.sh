@@ -40,7 +40,7 @@ for bs in $batches; do
     log="$out/${config}_${arm}_bs${bs}.log"
     start=$(date +%s)
     timeout --kill-after=30 "${ARM_TIMEOUT:-240}" \
-      torchrun --nproc_per_node=1 -m torchtitan.train \
+      torchrun --standalone --nproc_per_node=1 -m torchtitan.train \
         --job.config_file "train_configs/${config}_${arm}.toml" \
         "${bs_arg[@]}" "${extra[@]}" 2>&1 \
       | tee "$log" | grep --line-buffered -E "NVFP4: converted|size: .* parameters|step: +(1|2|5|10|20|30|40) |Error"

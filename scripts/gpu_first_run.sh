@@ -14,7 +14,7 @@ python -m titan_nvfp4.data.prepare 2>&1 | tail -5   # build the offline corpus +
 
 for arm in bf16 nvfp4; do
   start=$(date +%s)
-  torchrun --nproc_per_node=1 -m torchtitan.train \
+  torchrun --standalone --nproc_per_node=1 -m torchtitan.train \
       --job.config_file "train_configs/llama3_${arm}.toml" --training.steps "$steps" \
       > "$out/llama3_${arm}.log" 2>&1
   echo "arm $arm: exit $? in $(( $(date +%s) - start )) s"

@@ -26,7 +26,7 @@ export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
 for arm in bf16 nvfp4; do
   dump="$out/dump_$arm"
   TORCH_LOGS=graph_breaks,recompiles timeout --kill-after=30 "${ARM_TIMEOUT:-300}" \
-    torchrun --nproc_per_node=1 -m torchtitan.train --job.config_file "train_configs/${config}_${arm}.toml" \
+    torchrun --standalone --nproc_per_node=1 -m torchtitan.train --job.config_file "train_configs/${config}_${arm}.toml" \
       --training.steps 12 --metrics.log_freq 1 \
       --profiling.enable_profiling --profiling.profile_freq 10 --profiling.profiler_warmup 3 \
       --profiling.profiler_active 1 --job.dump_folder "$dump" "${extra[@]}" > "$out/$arm.log" 2>&1
