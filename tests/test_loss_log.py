@@ -132,6 +132,44 @@ def test_a_run_stopped_early_is_compared_at_the_steps_it_reached():
     assert rows[1]["rel_delta_pct"] == pytest.approx(100 * 0.1 / 4.5)
 
 
+def test_group_gap_closed_with_its_error_bar(tmp_path, capsys):
+    """--gap with --group: a third group's share of the gap between the first two groups' means, with the
+    delta-method s.e. checked against numerical derivatives; a one-run group takes the pooled seed variance."""
+    import math
+    import statistics
+
+    from titan_nvfp4.tools.loss_log import pool_groups
+
+    values = {"bf16": {1: 1.00}, "bf16_seed2": {1: 1.02}, "nvfp4": {1: 1.20}, "nvfp4_seed2": {1: 1.26},
+              "rank32": {1: 1.12}}
+    groups = [("bf16", ["bf16*"]), ("nvfp4", ["nvfp4*"]), ("rank32", ["rank32"])]
+    rows = {r["group"]: r for r in pool_groups(values, groups, gap=True)}
+    m1, m2, m = 1.01, 1.23, 1.12
+    assert rows["rank32"]["closed_pct"] == pytest.approx(100 * (m2 - m) / (m2 - m1))
+    assert "closed_pct" not in rows["nvfp4"] and "closed_pct" not in pool_groups(values, groups)[-1]
+    pooled = (statistics.variance([1.00, 1.02]) + statistics.variance([1.20, 1.26])) / 2
+    var = {"m1": statistics.variance([1.00, 1.02]) / 2, "m2": statistics.variance([1.20, 1.26]) / 2, "m": pooled}
+
+    def share(m1, m2, m):
+        return 100 * (m2 - m) / (m2 - m1)
+    at, h, total = dict(m1=m1, m2=m2, m=m), 1e-6, 0.0
+    for k in at:
+        up, down = dict(at), dict(at)
+        up[k] += h
+        down[k] -= h
+        total += ((share(**up) - share(**down)) / (2 * h)) ** 2 * var[k]
+    assert rows["rank32"]["closed_se_pct"] == pytest.approx(math.sqrt(total), rel=1e-4)
+    logs = []
+    for name, v in values.items():
+        p = tmp_path / f"{name}.log"
+        p.write_text(_LOG.replace("5.00000", f"{v[1]:.5f}"))
+        logs.append(str(p))
+    main([*logs, "--group", "bf16=bf16*", "--group", "nvfp4=nvfp4*", "--group", "rank32=rank32", "--gap",
+          "--train-windows", "20-20"])
+    out = capsys.readouterr().out
+    assert "gap closed ± s.e." in out and f"| {rows['rank32']['closed_pct']:.0f}% ± " in out
+
+
 def test_empty_log_is_an_error():
     with pytest.raises(ValueError, match="no TorchTitan metric lines"):
         summarize({"x": parse_log("nothing here")})

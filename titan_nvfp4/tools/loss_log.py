@@ -10,7 +10,8 @@ difference (the mean of the per-step paired differences over the last k steps bo
 data share most of their batch-to-batch noise, and a run stopped early is compared at the steps it reached), throughput, peak memory, and the last validation loss with its
 difference to the first run's at that step (with a validation set every run reads alike, this compares
 runs whose training batches differ). ``--gap``: for the third run on, the share of the gap between the
-first two runs (e.g. BF16 and plain NVFP4) that it closes. ``--group NAME=PATTERN[,PATTERN]`` (repeated):
+first two runs (e.g. BF16 and plain NVFP4) that it closes (with ``--group``: of the first two groups' means, by
+each later group, ± a delta-method standard error). ``--group NAME=PATTERN[,PATTERN]`` (repeated):
 pool runs by name (fnmatch) into layouts and compare their validation losses across seeds: per group
 and validated step the mean, standard deviation and range, and against the first group the difference
 of the means with its standard error (Welch) and the share of cross-group pairs in which the group is lower.
@@ -178,11 +179,12 @@ def parse_group(spec: str) -> tuple[str, list[str]]:
     return name, patterns.split(",")
 
 
-def pool_groups(values: dict[str, dict], groups: list[tuple[str, list[str]]]) -> list[dict]:
+def pool_groups(values: dict[str, dict], groups: list[tuple[str, list[str]]], gap: bool = False) -> list[dict]:
     """Per-run values pooled per group (a run joins the first group with a matching pattern), at every key
     (a validated step, or a window of training steps) the group's runs have: n, mean, s.d., range; vs the
     first group: Δ of the means, its standard error (Welch: sqrt(s1²/n1 + s2²/n2)) and the share of cross
-    pairs in which this group is lower."""
+    pairs in which this group is lower; with ``gap``, from the third group on the share of the first two
+    groups' gap it closes, ± s.e. (_gap_closed)."""
     members = group_members(values, groups)
     rows = []
     keys = sorted({k for v in values.values() for k in v})
@@ -201,7 +203,38 @@ def pool_groups(values: dict[str, dict], groups: list[tuple[str, list[str]]]) ->
                 row["se"] = math.sqrt(var)
                 row["lower_pairs"] = sum((a < b) + 0.5 * (a == b) for a in v for b in ref) / (len(v) * len(ref))
             rows.append(row)
+    if gap and len(groups) >= 3:
+        _gap_closed(rows, [g for g, _ in groups])
     return rows
+
+
+def _gap_closed(rows: list[dict], order: list[str]) -> None:
+    """Per key, for the third group on: the share of the gap between the first two groups' means that it closes,
+    100·(m₂ − m)/(m₂ − m₁), with a delta-method standard error from the variances of the three means (independent
+    runs). A group of one run takes the pooled seed variance of the groups with several (the seed-to-seed noise
+    assumed alike across arms), so that a single variant arm still gets an error bar."""
+    by_key: dict = {}
+    for r in rows:
+        by_key.setdefault(r["key"], {})[r["group"]] = r
+    for at in by_key.values():
+        if order[0] not in at or order[1] not in at:
+            continue
+        multi = [r for r in at.values() if r["n"] > 1]
+        pooled = (sum((r["n"] - 1) * r["sd"] ** 2 for r in multi) / sum(r["n"] - 1 for r in multi)) if multi else float("nan")
+
+        def var_of_mean(r):
+            return (r["sd"] ** 2 if r["n"] > 1 else pooled) / r["n"]
+
+        base, ref = at[order[0]], at[order[1]]
+        b = ref["mean"] - base["mean"]
+        for g in order[2:]:
+            r = at.get(g)
+            if r is None or not b:
+                continue
+            a = ref["mean"] - r["mean"]
+            var = (var_of_mean(r) / b ** 2 + ((b - a) / b ** 2) ** 2 * var_of_mean(ref)
+                   + (a / b ** 2) ** 2 * var_of_mean(base))
+            r["closed_pct"], r["closed_se_pct"] = 100 * a / b, 100 * math.sqrt(var)
 
 
 def window_means(runs: dict[str, list[StepMetrics]], windows: list[tuple[int, int]]) -> dict[str, dict]:
@@ -232,15 +265,18 @@ def parse_windows(spec: str) -> list[tuple[int, int]]:
 
 
 def groups_markdown(rows: list[dict], key: str = "step") -> str:
-    head = (f"| {key} | group | runs | mean ± s.d. | range | Δ mean vs first group ± s.e. | pairs lower than the first group |\n"
-            "| ---: | --- | ---: | ---: | --- | ---: | ---: |\n")
+    gap = any("closed_pct" in r for r in rows)
+    head = (f"| {key} | group | runs | mean ± s.d. | range | Δ mean vs first group ± s.e. | pairs lower than the first group |"
+            + (" gap closed ± s.e. |" if gap else "") + "\n| ---: | --- | ---: | ---: | --- | ---: | ---: |"
+            + (" ---: |" if gap else "") + "\n")
     body = ""
     for r in rows:
         k = f"{r['key'][0]}–{r['key'][1]}" if isinstance(r["key"], tuple) else r["key"]
         delta = f"{r['delta']:+.4f} ± {r['se']:.4f}" if "delta" in r else ""
         lower = f"{100 * r['lower_pairs']:.0f}%" if "delta" in r else ""
+        closed = (f" {r['closed_pct']:.0f}% ± {r['closed_se_pct']:.0f}% |" if "closed_pct" in r else " |") if gap else ""
         body += (f"| {k} | {r['group']} | {r['n']} | {r['mean']:.4f} ± {r['sd']:.4f} | "
-                 f"{r['lo']:.4f}–{r['hi']:.4f} | {delta} | {lower} |\n")
+                 f"{r['lo']:.4f}–{r['hi']:.4f} | {delta} | {lower} |{closed}\n")
     return head + body
 
 
@@ -324,7 +360,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--last", type=int, default=10, help="logged steps averaged for the final loss (default 10)")
     ap.add_argument("--markdown", action="store_true", help="print Markdown tables instead of one line per run")
     ap.add_argument("--csv", type=Path, help="also write every run's per-step metrics here")
-    ap.add_argument("--gap", action="store_true", help="share of the gap between the first two runs closed by the others")
+    ap.add_argument("--gap", action="store_true", help="share of the gap between the first two runs closed by the others "
+                    "(with --group: between the first two groups, by the later groups, ± s.e.)")
     ap.add_argument("--group", action="append", default=[], metavar="NAME=PATTERN[,PATTERN]",
                     help="pool runs into a layout for the validation comparison across seeds (repeat; the first is the reference)")
     ap.add_argument("--train-windows", metavar="FIRST-LAST[,FIRST-LAST]",
@@ -356,10 +393,10 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows:
             print(" ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
     if groups:
-        print("\n" + groups_markdown(pool_groups(validation, groups)), end="")
+        print("\n" + groups_markdown(pool_groups(validation, groups, args.gap)), end="")
         if windows:
             print("\nTraining loss, mean of the logged steps in each window:\n\n"
-                  + groups_markdown(pool_groups(window_means(runs, windows), groups), key="steps"), end="")
+                  + groups_markdown(pool_groups(window_means(runs, windows), groups, args.gap), key="steps"), end="")
 
 
 if __name__ == "__main__":
