@@ -95,7 +95,7 @@ def main() -> int:
 
     def amax_only(rht: bool):
         buf = torch.zeros(4, dtype=torch.int32, device="cuda")
-        _q._launch(_q._amax_kernel, _q._amax_autotuned, x, M, K, x, M, K, x.stride(0), x.stride(1), buf, signs,
+        _q.launch_tuned(_q._amax_kernel, _q._amax_autotuned, x, M, K, x, M, K, x.stride(0), x.stride(1), buf, signs,
                    buf, 1, ROW=True, COL=rht, RHT=rht, GROUPED=False)
 
     cases.insert(0, ("amax kernel alone, |x|", lambda: amax_only(False), 2 * n))

@@ -63,7 +63,7 @@ def _launch_paths(x: torch.Tensor) -> dict:
         compiled.run(grid[0], grid[1], 1, s, compiled.function, compiled.packed_metadata, None, None, None, *all_args)
 
     return {
-        "amax kernel via the autotuner": lambda: q._launch(q._amax_kernel, q._amax_autotuned, x, M, K, *args, **flags),
+        "amax kernel via the autotuner": lambda: q.launch_tuned(q._amax_kernel, q._amax_autotuned, x, M, K, *args, **flags),
         "amax kernel via the JIT, fixed tiles": lambda: q._amax_kernel[grid](*args, tm, **flags, G=2, BK=128, num_warps=2),
         "amax kernel via its compiled launcher": lambda: direct(False),
         "amax kernel via its compiled launcher + stream query": lambda: direct(True),

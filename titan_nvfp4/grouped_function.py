@@ -34,7 +34,8 @@ from __future__ import annotations
 import torch
 
 from .distributed.amax import AmaxGroups, all_reduce_max
-from .linear_function import _repack, _signs, _unpack, autocast_out_dtype, next_sr_seed, sr_counter
+from .linear_function import (autocast_out_dtype, cached_rht_signs, next_sr_seed, nvfp4_from_parts, nvfp4_parts,
+                              sr_counter)
 from .numerics.rht import signs_for_operand
 from .ops import nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient, quantize_weight, resolve_backend
 from .ops import grouped as G
@@ -101,7 +102,7 @@ class NVFP4GroupedMMFunction(torch.autograd.Function):
             operands = [w_t] + ([x_col] if x_col is not None else [])
             metas.append([(t.shape, t.block_shape) for t in operands])
             for t in operands:
-                saved += list(_unpack(t))
+                saved += list(nvfp4_parts(t))
         y = x2d.new_zeros((x2d.shape[0], out_features), dtype=out_dtype)
         for start, piece in pieces:
             y[start:start + piece.shape[0]] = piece
@@ -136,8 +137,8 @@ class NVFP4GroupedMMFunction(torch.autograd.Function):
         for e, ((start, end), meta) in enumerate(zip(ctx.bounds, ctx.metas)):
             if meta is None:
                 continue
-            w_t = _repack(*saved[i:i + 3], *meta[0])
-            x_col = _repack(*saved[i + 3:i + 6], *meta[1]) if len(meta) > 1 else None
+            w_t = nvfp4_from_parts(*saved[i:i + 3], *meta[0])
+            x_col = nvfp4_from_parts(*saved[i + 3:i + 6], *meta[1]) if len(meta) > 1 else None
             i += 3 * len(meta)
             dy_e = dy2d[start:end]
             want_dw = need_dw and x_col is not None
@@ -383,7 +384,7 @@ def _rht_signs(recipe: NVFP4Recipe, signs: torch.Tensor | None, device) -> torch
     """The RHT signs the recipe uses (the given ones, or its seed's), None without the RHT."""
     if not recipe.rht:
         return None
-    return signs if signs is not None else _signs(recipe.rht_seed, device)
+    return signs if signs is not None else cached_rht_signs(recipe.rht_seed, device)
 
 
 def _grouped(x, weights, offsets, biases, recipe, counters, signs, aligned, groups, amax_carrier, x_amax):

@@ -29,7 +29,8 @@ from .recipe import NVFP4Recipe
 
 
 @functools.lru_cache(maxsize=None)
-def _signs(seed: int, device: torch.device) -> torch.Tensor:
+def cached_rht_signs(seed: int, device: torch.device) -> torch.Tensor:
+    """The RHT signs of ``seed`` on ``device``, made once (for callers that hold no signs buffer)."""
     return rht_signs(seed, device)
 
 
@@ -70,11 +71,13 @@ def autocast_out_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
-def _unpack(t: NVFP4Tensor) -> tuple[torch.Tensor, ...]:
+def nvfp4_parts(t: NVFP4Tensor) -> tuple[torch.Tensor, ...]:
+    """An NVFP4Tensor's tensors (codes, scales, global scale), as save_for_backward takes them."""
     return (t.data, t.scale, t.global_scale)
 
 
-def _repack(data, scale, gs, like_shape, block_shape) -> NVFP4Tensor:
+def nvfp4_from_parts(data, scale, gs, like_shape, block_shape) -> NVFP4Tensor:
+    """The NVFP4Tensor of nvfp4_parts' tensors and its shape and block shape."""
     return NVFP4Tensor(data=data, scale=scale, global_scale=gs, shape=like_shape, block_shape=block_shape)
 
 
@@ -89,7 +92,7 @@ def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, x_signs, out_dtype,
     else:
         wq, w_t = quantize_weight(weight, recipe.weight_2d, backend, w_amax, fos)
     y = nvfp4_gemm(xq, wq, out_dtype=out_dtype, bias=bias, backend=backend)
-    tensors = (y, *_unpack(w_t)) + (_unpack(x_col) if x_col is not None else ())
+    tensors = (y, *nvfp4_parts(w_t)) + (nvfp4_parts(x_col) if x_col is not None else ())
     return tensors, ((w_t.shape, w_t.block_shape), (x_col.shape, x_col.block_shape) if x_col is not None else None)
 
 
@@ -97,7 +100,7 @@ def _backward_body(dy2d, dy_amax=None, *, ctx, saved, need_dx, need_dw, need_db,
     """Backward's GPU work as tensors: (dX, dW, db), None where not needed; body_graphs.py may replay it."""
     recipe: NVFP4Recipe = ctx.recipe
     signs, *saved = saved
-    w_t = _repack(*saved[:3], *ctx.w_t_meta)
+    w_t = nvfp4_from_parts(*saved[:3], *ctx.w_t_meta)
     out_features = w_t.shape[1]
     signs = signs_for_operand(signs, dy2d.dtype, recipe.rht_round_to_input_dtype)
     seed = next_sr_seed(ctx.counter) if recipe.stochastic_rounding else None
@@ -111,7 +114,7 @@ def _backward_body(dy2d, dy_amax=None, *, ctx, saved, need_dx, need_dw, need_db,
     for gemm in (("dw", "dx") if _wgrad_first(m, k, out_features) else ("dx", "dw")):
         if gemm == "dw":
             if need_dw:
-                x_col = _repack(*saved[3:6], *ctx.x_col_meta)
+                x_col = nvfp4_from_parts(*saved[3:6], *ctx.x_col_meta)
                 dw = nvfp4_gemm(dy_col, x_col, out_dtype=w_dtype, backend=ctx.backend)
                 del x_col
             dy_col = None
@@ -299,7 +302,7 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if counter is None:
         counter = sr_counter(recipe, 0, x.device)
     if signs is None and recipe.rht:
-        signs = _signs(recipe.rht_seed, x.device)
+        signs = cached_rht_signs(recipe.rht_seed, x.device)
     if graphs is not None and torch.compiler.is_compiling():  # compiled: inductor's own CUDA graphs, if any
         graphs = None
     return NVFP4LinearFunction.apply(x, weight, bias, recipe, counter, signs if recipe.rht else None, need_wgrad,

@@ -1,6 +1,6 @@
 """The expert of each 16-row block of routed tokens, in one Triton launch (sm_80+, ROCm, the CPU
 interpreter), for the host code of the grouped quantization, amax and SwiGLU kernels (one call each).
-Twin of ``ops.grouped.block_experts`` (arange, searchsorted and a cast: three kernels, but traceable,
+Twin of ``numerics.expert_blocks.block_experts`` (arange, searchsorted and a cast: three kernels, but traceable,
 which autograd code needs); tests/test_grouped.py checks the two against each other."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _block_experts_kernel(OFFS, E, OUT, NBLK, EP2: tl.constexpr, BLOCK: tl.const
 
 
 def block_experts_triton(offsets: torch.Tensor, rows: int) -> torch.Tensor:
-    """int32 [⌈rows/16⌉]: ops.grouped.block_experts(offsets, rows) in one launch (offsets contiguous)."""
+    """int32 [⌈rows/16⌉]: numerics.expert_blocks.block_experts(offsets, rows) in one launch (offsets contiguous)."""
     nblk = -(-rows // 16)
     out = torch.empty(nblk, dtype=torch.int32, device=offsets.device)
     E = offsets.numel()

@@ -37,12 +37,12 @@ import triton.language as tl
 
 try:
     from triton.runtime import _allocation
-except ImportError:  # pragma: no cover - another Triton layout (_ensure_scratch_allocator then always sets one)
+except ImportError:  # pragma: no cover - another Triton layout (ensure_scratch_allocator then always sets one)
     _allocation = None
 
 from ..numerics.nvfp4 import NVFP4Tensor
-from ..ops.backends import capability, interpreting
-from ..ops.library import StagedOperand
+from ..numerics.operands import StagedOperand
+from ..platform import capability, interpreting
 from .launch import autotune, cdiv, launch, tune_bucket
 from .nvfp4_jit import e4m3_value
 
@@ -54,7 +54,7 @@ MIN_CHUNK_ROWS = 2048
 STAGE_A = True
 
 
-def _set_b_block(nargs):
+def set_b_block(nargs):
     """Autotune pre-hook: the TMA descriptors take the tile shape of the config being run."""
     for name, rows in (("a_desc", "BM"), ("b_desc", "BN")):
         desc = nargs[name]
@@ -63,7 +63,7 @@ def _set_b_block(nargs):
 
 
 def _configs():
-    return [triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s, pre_hook=_set_b_block)
+    return [triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s, pre_hook=set_b_block)
             for bm, bn, bk, w, s in ((128, 256, 128, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 4, 4))]
 
 
@@ -309,7 +309,8 @@ def dequantize_fp16(t: NVFP4Tensor, rows: slice | None = None, cols: slice | Non
     return out
 
 
-def _use_tma(x: torch.Tensor) -> bool:
+def tma_supported(x: torch.Tensor) -> bool:
+    """TMA descriptors on this tensor's device: NVIDIA sm_90+."""
     return x.is_cuda and torch.version.hip is None and capability(x.device)[0] >= 9
 
 
@@ -317,7 +318,7 @@ def _use_asm(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.version.hip is None
 
 
-def _tma_desc(t: torch.Tensor):
+def tma_descriptor(t: torch.Tensor):
     from triton.tools.tensor_descriptor import TensorDescriptor
     tiles = fixed_tiles(t)
     block = [tiles["BN"], tiles["BK"]]  # autotuning sets each config's tile shape
@@ -334,7 +335,7 @@ def _launch_gemm(autotune: bool, args: tuple, kw: dict) -> None:
         launch(_nvfp4_gemm_kernel, (cdiv(m, tiles["BM"]) * cdiv(n, tiles["BN"]),), *args, **kw, **tiles)
 
 
-def _programs(t: torch.Tensor) -> int:
+def persistent_programs(t: torch.Tensor) -> int:
     """Programs of a persistent launch: one per SM (a few in the interpreter)."""
     return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device()) if t.is_cuda else 4
 
@@ -344,7 +345,7 @@ def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _tma_storable(c: torch.Tensor) -> bool:
+def tma_storable(c: torch.Tensor) -> bool:
     """A TMA descriptor needs a 16-byte aligned base and row stride and a contiguous last dim."""
     size = c.element_size()
     return c.stride(1) == 1 and (c.stride(0) * size) % 16 == 0 and c.data_ptr() % 16 == 0
@@ -355,7 +356,7 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _ensure_scratch_allocator(t: torch.Tensor) -> None:
+def ensure_scratch_allocator(t: torch.Tensor) -> None:
     """Device-side descriptors need Triton's launch-time allocator on CUDA (the interpreter needs none).
     Triton keeps it in a ContextVar, so each thread (autograd runs backward in its own) starts without
     one: set ours where none is set, and leave a caller's own allocator alone."""
@@ -373,8 +374,8 @@ def _launch_persistent(autotune: bool, a16: torch.Tensor, b16: torch.Tensor, gsa
     """C = (a16 · b16ᵀ)·gs_A·gs_B [+ bias] with the persistent TMA kernel (both operands staged fp16)."""
     M, K = a16.shape
     N = b16.shape[0]
-    progs = _programs(a16)
-    _ensure_scratch_allocator(a16)
+    progs = persistent_programs(a16)
+    ensure_scratch_allocator(a16)
     args = (a16, b16, c, gsa, gsb, bias if bias is not None else gsa, M, N, K, a16.stride(0), b16.stride(0),
             c.stride(0))
     if autotune:
@@ -427,7 +428,7 @@ def nvfp4_gemm_triton(a: NVFP4Tensor | StagedOperand, b: NVFP4Tensor | StagedOpe
     if autotune is None:
         autotune = a_data.is_cuda and not interpreting() and M * N >= 128 * 128
     if use_tma is None:
-        use_tma = _use_tma(a_data)
+        use_tma = tma_supported(a_data)
     if stage_a is None or pre_staged:
         stage_a = STAGE_A or pre_staged
     gsa = a.global_scale.reshape(1).float()
@@ -445,7 +446,7 @@ def nvfp4_gemm_triton(a: NVFP4Tensor | StagedOperand, b: NVFP4Tensor | StagedOpe
         for k0 in range(0, K, kc):
             k1 = min(K, k0 + kc)
             a16, b16 = _stage(a, cols=slice(k0, k1)), _stage(b, cols=slice(k0, k1))
-            a_arg, b_arg = (_tma_desc(a16), _tma_desc(b16)) if use_tma else (a16, b16)
+            a_arg, b_arg = (tma_descriptor(a16), tma_descriptor(b16)) if use_tma else (a16, b16)
             _launch_gemm(autotune, (a16, a_scale, a_arg, b16, b_arg, gsa, gsb, bias if bias is not None else out,
                                     out, part, M, N, k1 - k0, a16.stride(0), a_scale.stride(0), a_scale.stride(1),
                                     b16.stride(0), out.stride(0), out.stride(1)),
@@ -465,20 +466,20 @@ def nvfp4_gemm_triton(a: NVFP4Tensor | StagedOperand, b: NVFP4Tensor | StagedOpe
         if b_cur is None or b_cur[0] != n0:
             b_cur = None
             b16 = _stage(b, slice(n0, n1))
-            b_cur = (n0, b16, _tma_desc(b16) if use_tma and not persistent else b16)
+            b_cur = (n0, b16, tma_descriptor(b16) if use_tma and not persistent else b16)
         if stage_a and (a_cur is None or a_cur[0] != m0):
             a_cur = None
             a16 = _stage(a, slice(m0, m1))
-            a_cur = (m0, a16, _tma_desc(a16) if use_tma and not persistent else a16)
+            a_cur = (m0, a16, tma_descriptor(a16) if use_tma and not persistent else a16)
         _, b16, b_arg = b_cur
         a_src, a_arg = (a_cur[1], a_cur[2]) if stage_a else (a_data, b_arg)
         bias_t = bias[n0:n1].contiguous() if bias is not None else out
         tile = out[m0:m1, n0:n1]
-        if persistent and _tma_storable(tile) and _tma_storable(a_src) and _tma_storable(b16):  # else plain loads
+        if persistent and tma_storable(tile) and tma_storable(a_src) and tma_storable(b16):  # else plain loads
             _launch_persistent(autotune, a_src, b16, gsa, gsb, bias_t if bias is not None else None, tile)
             continue
         if persistent:  # C cannot take a TMA store: the tile kernel, still with TMA loads
-            a_arg, b_arg = _tma_desc(a_src), _tma_desc(b16)
+            a_arg, b_arg = tma_descriptor(a_src), tma_descriptor(b16)
         _launch_gemm(autotune, (a_src, a_scale, a_arg, b16, b_arg, gsa, gsb, bias_t, tile, tile, m1 - m0, n1 - n0, K,
                                 a_src.stride(0), a_scale.stride(0), a_scale.stride(1), b16.stride(0), tile.stride(0),
                                 tile.stride(1)), dict(kw, ACC_IN=False, FINAL=True))

@@ -26,16 +26,16 @@ import triton
 import triton.language as tl
 
 from ..numerics.nvfp4 import NVFP4Tensor
-from ..ops.backends import interpreting
-from ..ops.library import StagedOperand
-from .gemm import (_ensure_scratch_allocator, fixed_tiles, _programs, _set_b_block, _tma_desc, _tma_storable, _use_tma,
-                   dequantize_fp16, swizzle_tile)
+from ..numerics.operands import StagedOperand
+from ..platform import interpreting
+from .gemm import (dequantize_fp16, ensure_scratch_allocator, fixed_tiles, persistent_programs, set_b_block, swizzle_tile,
+                   tma_descriptor, tma_storable, tma_supported)
 from .launch import autotune, cdiv, launch, next_pow2
 from .nvfp4_jit import round_to
 
 
 def _configs():
-    return [triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s, pre_hook=_set_b_block)
+    return [triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s, pre_hook=set_b_block)
             for bm, bn, bk, w, s in ((128, 256, 64, 8, 4), (128, 128, 64, 4, 4), (128, 256, 128, 8, 3),
                                      (64, 256, 64, 4, 4))]
 
@@ -250,14 +250,14 @@ def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tenso
     out = torch.empty((T, n_out), dtype=out_dtype, device=a16.device)
     if T == 0 or n_out == 0:
         return out
-    tma = _use_tma(a16) and not interpreting()
+    tma = tma_supported(a16) and not interpreting()
     gsb_hi = gs_b.shape[-1] if n_split else 0
     gs_a, gs_b = gs_a.float().contiguous(), gs_b.float().contiguous()
     bias_arg = bias if bias is not None else out
     add_arg = add_to if add_to is not None else out
-    if ROWS_KERNEL != "tiles" and (tma or interpreting()) and _tma_storable(a16) and _tma_storable(b16):
-        progs = _programs(a16)
-        _ensure_scratch_allocator(a16)
+    if ROWS_KERNEL != "tiles" and (tma or interpreting()) and tma_storable(a16) and tma_storable(b16):
+        progs = persistent_programs(a16)
+        ensure_scratch_allocator(a16)
         args = (a16, b16, offsets, gs_a, gs_b, bias_arg, out, add_arg, E, T, n_out, K, b16.shape[0], b16.shape[1],
                 b_row_step, b_col_step, a16.stride(0), b16.stride(0), out.stride(0), n_split, gsb_hi)
         kw = dict(HAS_BIAS=bias is not None, ACC=add_to is not None, NATIVE=not interpreting(),
@@ -268,7 +268,7 @@ def grouped_gemm_rows(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Tenso
         else:
             launch(_grouped_rows_persistent_kernel, (progs,), *args, **kw, **fixed_tiles(a16))
         return out
-    a_arg, b_arg = (_tma_desc(a16), _tma_desc(b16)) if tma else (a16, b16)
+    a_arg, b_arg = (tma_descriptor(a16), tma_descriptor(b16)) if tma else (a16, b16)
     args = (a16, a_arg, b16, b_arg, offsets, gs_a, gs_b, bias_arg, out, add_arg, E, T, n_out, K, b_row_step,
             b_col_step, a16.stride(0), b16.stride(0), out.stride(0), n_split, gsb_hi)
     kw = dict(HAS_BIAS=bias is not None, ACC=add_to is not None, NATIVE=not interpreting(), TMA=tma,
@@ -297,12 +297,12 @@ def grouped_gemm_tokens(a16: torch.Tensor, b16: torch.Tensor, offsets: torch.Ten
     out = torch.empty((E, M, N), dtype=out_dtype, device=a16.device)
     if E == 0 or M == 0 or N == 0:
         return out
-    tma = _use_tma(a16) and not interpreting()
+    tma = tma_supported(a16) and not interpreting()
     gs_a, gs_b = gs_a.float().contiguous(), gs_b.float().contiguous()
     strides = (N, 1)
     if SWAP_WGRAD and _padded(N, 128) * _padded(M, 256) < _padded(M, 128) * _padded(N, 256):
         a16, b16, gs_a, gs_b, M, N, strides = b16, a16, gs_b, gs_a, N, M, (1, N)  # out[e, i, j] at i·N + j
-    a_arg, b_arg = (_tma_desc(a16), _tma_desc(b16)) if tma else (a16, b16)
+    a_arg, b_arg = (tma_descriptor(a16), tma_descriptor(b16)) if tma else (a16, b16)
     args = (a16, a_arg, b16, b_arg, offsets, gs_a, gs_b, out, M, N, a16.stride(0), b16.stride(0), *strides)
     if _autotune(a16, E * M * N):
         grid = lambda meta: (E * cdiv(M, meta["BM"]) * cdiv(N, meta["BN"]),)  # noqa: E731

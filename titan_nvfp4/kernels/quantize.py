@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..numerics.expert_blocks import block_experts
 from ..numerics.nvfp4 import NVFP4Tensor, global_encode_scale
-from ..ops.grouped import block_experts
-from ..ops.library import operand_pair, weight_pair
+from ..numerics.operands import operand_pair, weight_pair
 from .expert_map import block_experts_triton
 from .launch import autotune, cdiv, launch, next_pow2, tune_bucket
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
@@ -394,7 +394,7 @@ def _four_six_tiles(ws, bamax, s, G: tl.constexpr, BK: tl.constexpr):
     return pick_four_or_six(e6, r6, e4, r4, err6, err4)
 
 
-def _configs(tiles):
+def quantize_configs(tiles):
     """Autotuner configs from (G, BK, warps, COLS_FIRST) tuples."""
     return [triton.Config({"G": g, "BK": bk, "COLS_FIRST": cf}, num_warps=w) for g, bk, w, cf in tiles]
 
@@ -403,7 +403,7 @@ def _operand_configs():
     # the fastest of `benchmarks/quant_variants.py` on an H100 (2026-11-26), each
     # tile in its faster program order: 1×128 columns first for the rowwise operand alone (0.063 against
     # 0.066 ms), 4×128×4 for forward X, 2×64×2 for backward dY; 64 elements per thread in the last two
-    return _configs(((2, 64, 2, True), (2, 128, 4, False), (4, 128, 8, False), (1, 128, 1, True),
+    return quantize_configs(((2, 64, 2, True), (2, 128, 4, False), (4, 128, 8, False), (1, 128, 1, True),
                      (4, 128, 4, True)))
 
 
@@ -411,7 +411,7 @@ def _weight_configs():
     # the fastest tiles of `benchmarks/weight_quant_bench.py --configs` on an H100 for the 16×16 weight
     # kernel as trained (W staged, Wᵀ codes), each in its faster program order; 4×128×4 in both, as
     # columns first is faster with W staged (0.095 against 0.097 ms) and slower with W as codes
-    return _configs(((2, 128, 4, False), (4, 128, 4, False), (4, 128, 4, True), (2, 128, 2, False),
+    return quantize_configs(((2, 128, 4, False), (4, 128, 4, False), (4, 128, 4, True), (2, 128, 2, False),
                      (1, 256, 2, False)))
 
 
@@ -419,7 +419,7 @@ def _amax_configs():
     # the fastest tiles of `benchmarks/quant_variants.py --amax` (H200, relaxed atomics): 2-4 warps over
     # 64-128 rows for |x| and |RHT xᵀ|, one warp over 16-32 rows and 128-256 features for |x| alone;
     # column tiles first is as fast or faster for each (H100, 2026-11-26)
-    return _configs(((4, 128, 2, True), (8, 64, 4, True), (1, 256, 1, True), (2, 128, 1, True), (2, 128, 2, True)))
+    return quantize_configs(((4, 128, 2, True), (8, 64, 4, True), (1, 256, 1, True), (2, 128, 1, True), (2, 128, 2, True)))
 
 
 _quantize_autotuned = autotune(
@@ -443,7 +443,7 @@ def launch_grid(rows: int, cols: int, G: int, BK: int, cols_first: bool) -> tupl
     return (nr * nc,) if cols_first else (nr, nc)
 
 
-def _launch(kernel, tuned_kernel, x: torch.Tensor, rows: int, cols: int, *args, **flags) -> None:
+def launch_tuned(kernel, tuned_kernel, x: torch.Tensor, rows: int, cols: int, *args, **flags) -> None:
     """Run kernel over [rows, cols] with autotuned tiles and program order (large CUDA inputs) or the
     fixed ones. The tuning is keyed on ``TUNE_M``, the rows rounded up to a power of two
     (launch.tune_bucket), so routed-token counts that change every step share one tuning."""
@@ -509,7 +509,7 @@ def _check_2d(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: {x.numel()} elements exceed the kernel's 2^30 element limit")
 
 
-def _slots(x: torch.Tensor, groups: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+def amax_slots(x: torch.Tensor, groups: torch.Tensor | None) -> tuple[torch.Tensor, int]:
     """(block-expert map, amax slots per operand): a dummy and 1 for one tensor scale; with ``groups``
     (offsets) one slot per expert plus one for the rows past the last group."""
     if groups is None:
@@ -546,7 +546,7 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
         raise ValueError("stochastic rounding needs a seed tensor")
     if groups is not None and (amax is not None or amax_col is not None):
         raise ValueError("quantize_operand: given amaxes and per-expert groups exclude each other")
-    bexp, ns = _slots(x2d, groups)
+    bexp, ns = amax_slots(x2d, groups)
     if group_amaxes is not None and (groups is None or tuple(group_amaxes.shape) != (2, ns)):
         raise ValueError(f"quantize_operand: group_amaxes must be fp32 [2, {ns}] with groups, got "
                          f"{tuple(group_amaxes.shape)}")
@@ -563,7 +563,7 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
     flags = dict(GROUPED=groups is not None)
     if reduce:
         if M > 0:
-            _launch(_amax_kernel, _amax_autotuned, x2d, M, K, x2d, M, K, x2d.stride(0), x2d.stride(1), buf, signs_t,
+            launch_tuned(_amax_kernel, _amax_autotuned, x2d, M, K, x2d, M, K, x2d.stride(0), x2d.stride(1), buf, signs_t,
                     bexp, ns, ROW=row_needed, COL=col_needed, RHT=True, **flags)
         if amax is not None:  # given amaxes go in after the reduction (autotuning zeroes the buffer)
             buf[0:1] = _amax_buffer(x2d, amax, 1)
@@ -582,7 +582,7 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
     if colwise and col_fp16:
         cd, cs = torch.empty((K, Mpad), dtype=torch.float16, device=dev), empty(torch.float8_e4m3fn)
     if M > 0:
-        _launch(_quantize_kernel, _quantize_autotuned, x2d, Mpad, K,
+        launch_tuned(_quantize_kernel, _quantize_autotuned, x2d, Mpad, K,
                 x2d, M, K, x2d.stride(0), x2d.stride(1), buf, gs, rd if rowwise else buf, rs if rowwise else buf,
                 cd if colwise else buf, cs if colwise else buf, signs_t, seed if seed is not None else buf, Mpad,
                 bexp, ns, ROW=rowwise, COL=colwise, RHT=signs is not None, SR_ROW=stochastic_row,
@@ -601,12 +601,12 @@ def operand_amax_tensors(x2d: torch.Tensor, colwise: bool, signs: torch.Tensor |
     one pair per expert slot, as quantize_operand_tensors reduces them: fp32 [2, E + 1]."""
     _check_2d(x2d, "operand_amax")
     M, K = x2d.shape
-    bexp, ns = _slots(x2d, groups)
+    bexp, ns = amax_slots(x2d, groups)
     buf = torch.zeros(2 * ns, dtype=torch.int32, device=x2d.device)
     rht = colwise and signs is not None
     signs_t = signs_arg(signs if rht else None, buf)
     if M > 0:
-        _launch(_amax_kernel, _amax_autotuned, x2d, M, K, x2d, M, K, x2d.stride(0), x2d.stride(1), buf, signs_t,
+        launch_tuned(_amax_kernel, _amax_autotuned, x2d, M, K, x2d, M, K, x2d.stride(0), x2d.stride(1), buf, signs_t,
                 bexp, ns, ROW=True, COL=rht, RHT=True, GROUPED=groups is not None)
     if colwise and not rht:
         buf[ns:] = buf[:ns]
@@ -656,7 +656,7 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
     buf = torch.zeros(2 * experts if fused else experts, dtype=torch.int32, device=dev)  # fp32 bits of the amaxes
     gs = torch.empty(experts, dtype=torch.float32, device=dev)
     if amax is None and N > 0 and not fused:
-        _launch(_amax_kernel, _amax_autotuned, w, N, K, w, N, K, w.stride(0), w.stride(1), buf, buf, bexp, experts,
+        launch_tuned(_amax_kernel, _amax_autotuned, w, N, K, w, N, K, w.stride(0), w.stride(1), buf, buf, bexp, experts,
                 ROW=True, COL=False, RHT=False, GROUPED=grouped)
     elif amax is not None:
         buf.copy_(_amax_bits(torch.as_tensor(amax, dtype=torch.float32, device=dev).reshape(experts)))
@@ -686,7 +686,7 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
                EMIT_T=emit_transpose, EMIT_F16=staged, G=g, BK=bk, FOUR_SIX=four_six, LEAD=lead, SPAN=span,
                num_warps=warps)
     elif N > 0:
-        _launch(_quantize_2d_kernel, _quantize_2d_autotuned, w, N, K,
+        launch_tuned(_quantize_2d_kernel, _quantize_2d_autotuned, w, N, K,
                 w, N, K, w.stride(0), w.stride(1), buf, gs, d, s, dt if emit_transpose else d,
                 st if emit_transpose else s, bexp, experts, d_rows, d_expert, EMIT_T=emit_transpose, GROUPED=grouped,
                 EMIT_F16=staged, NSP2=next_pow2(experts), FOUR_SIX=four_six)
@@ -709,7 +709,7 @@ def expert_amax_tensors(w: torch.Tensor, experts: int) -> torch.Tensor:
     if N % (16 * experts):
         raise ValueError(f"expert_amax: {experts} experts of 16-row blocks do not tile {tuple(w.shape)}")
     if N > 0:
-        _launch(_amax_kernel, _amax_autotuned, w, N, K, w, N, K, w.stride(0), w.stride(1), buf, buf,
+        launch_tuned(_amax_kernel, _amax_autotuned, w, N, K, w, N, K, w.stride(0), w.stride(1), buf, buf,
                 _expert_blocks(experts, N // 16 // experts, w.device), experts, ROW=True, COL=False, RHT=False,
                 GROUPED=True)
     return buf.view(torch.float32)

@@ -21,7 +21,7 @@ from triton.language.extra import libdevice
 
 from .launch import autotune
 from .nvfp4_jit import round_to
-from .quantize import _configs, _launch, _slots, program_tile, reduce_amax16, signs_arg
+from .quantize import quantize_configs, launch_tuned, amax_slots, program_tile, reduce_amax16, signs_arg
 
 
 @triton.jit
@@ -102,14 +102,14 @@ def _swiglu_bwd_kernel(DH, H1, H3, D1, D3, M, N, SH, AMAX1, AMAX3, SIGNS, BEXP, 
 def _fwd_configs():
     # 16 tiles [G, BK] are live at once: 1-4 elements per thread and tile keep them in registers; the
     # sweep of `bench_swiglu.py --sweep` (H100, 2026-11-26) found none faster than 2×128×2 warps
-    return _configs((g, bk, w, False) for g, bk, w in ((2, 64, 1), (2, 128, 2), (1, 128, 2), (2, 64, 4)))
+    return quantize_configs((g, bk, w, False) for g, bk, w in ((2, 64, 1), (2, 128, 2), (1, 128, 2), (2, 64, 4)))
 
 
 def _bwd_configs():
     # 32 tiles are live (both gradients): at most 2 elements per thread and tile. Rows first in both
     # kernels: columns first measured 0.396 -> 0.450 ms forward at 2×128×2 and within 1% backward
     # (`benchmarks/bench_swiglu.py --sweep`, H100, 2026-11-26)
-    return _configs((g, bk, w, False) for g, bk, w in ((2, 64, 1), (2, 64, 2), (1, 128, 2), (2, 64, 4), (2, 128, 4)))
+    return quantize_configs((g, bk, w, False) for g, bk, w in ((2, 64, 1), (2, 64, 2), (1, 128, 2), (2, 64, 4), (2, 128, 4)))
 
 
 _fwd_autotuned = autotune(_fwd_configs(), key=["TUNE_M", "N", "COL", "RHT"], reset_to_zero=["AMAX"])(
@@ -145,11 +145,11 @@ def swiglu_amax_tensors(h1: torch.Tensor, h3: torch.Tensor, offsets: torch.Tenso
     ``signs``, and 0 without ``colwise``. ``offsets``: cumulative token-group ends (multiples of 16)."""
     sh = _check("swiglu", h1, h3)
     M, N = h1.shape
-    bexp, ns = _slots(h1, offsets)
+    bexp, ns = amax_slots(h1, offsets)
     buf = torch.zeros(2 * ns, dtype=torch.int32, device=h1.device)
     out = torch.empty((M, N), dtype=h1.dtype, device=h1.device)
     if M > 0:
-        _launch(_swiglu_fwd_kernel, _fwd_autotuned, h1, M, N, h1, h3, out, M, N, sh, buf, signs_arg(signs, buf), bexp,
+        launch_tuned(_swiglu_fwd_kernel, _fwd_autotuned, h1, M, N, h1, h3, out, M, N, sh, buf, signs_arg(signs, buf), bexp,
                 ns, COL=colwise, RHT=signs is not None, PRECISE=h1.is_cuda, WIDE=M * sh >= 2**31)
     if colwise and signs is None:
         buf[ns:] = buf[:ns]
@@ -162,11 +162,11 @@ def swiglu_backward_amax_tensors(dh: torch.Tensor, h1: torch.Tensor, h3: torch.T
     its per-expert (row, column) amaxes as swiglu_amax_tensors gives them for h."""
     sh = _check("swiglu backward", h1, h3, dh)
     M, N = h1.shape
-    bexp, ns = _slots(h1, offsets)
+    bexp, ns = amax_slots(h1, offsets)
     a1, a3 = (torch.zeros(2 * ns, dtype=torch.int32, device=h1.device) for _ in range(2))  # no aliasing: custom op
     d1, d3 = (torch.empty((M, N), dtype=h1.dtype, device=h1.device) for _ in range(2))
     if M > 0:
-        _launch(_swiglu_bwd_kernel, _bwd_autotuned, h1, M, N, dh, h1, h3, d1, d3, M, N, sh, a1, a3,
+        launch_tuned(_swiglu_bwd_kernel, _bwd_autotuned, h1, M, N, dh, h1, h3, d1, d3, M, N, sh, a1, a3,
                 signs_arg(signs, a1), bexp, ns, COL=colwise, RHT=signs is not None, PRECISE=h1.is_cuda,
                 WIDE=M * sh >= 2**31)
     if colwise and signs is None:

@@ -9,18 +9,13 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-import os
 
 import torch
 
+from ..platform import capability, interpreting
+
 BACKEND_NAMES = ("auto", "reference", "emulated", "native")
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None  # a constant, so torch.compile traces no import
@@ -32,16 +27,6 @@ def triton_available() -> bool:
 
 def _is_blackwell(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None and capability(device)[0] >= 10
-
-
-def capability(device: torch.device) -> tuple[int, int]:
-    """A CUDA device's compute capability, asked once per device (every NVFP4 call resolves its backend)."""
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def resolve_backend(name: str, device: torch.device) -> str:

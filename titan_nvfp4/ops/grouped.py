@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..numerics.expert_blocks import block_experts
 from . import library
 
 
@@ -41,14 +42,6 @@ class GroupedWeight:
     t: GroupedOperand
     row_step: int
     col_step: int
-
-
-def block_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
-    """int32 [⌈rows/16⌉]: the expert of each 16-row block of routed tokens whose cumulative group
-    ends are ``offsets`` [E] (E for blocks past offsets[-1]), computed on the device (no host sync).
-    A block's expert is its first row's: groups must start at multiples of 16."""
-    starts = torch.arange(0, rows + (-rows) % 16, 16, dtype=offsets.dtype, device=offsets.device)
-    return torch.searchsorted(offsets, starts, right=True).to(torch.int32)
 
 
 def expert_bias_grad(dy2d: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

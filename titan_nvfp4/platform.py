@@ -1,0 +1,24 @@
+"""What the machine offers the kernels: Triton's CPU interpreter, a GPU's compute capability. A leaf module
+(torch only), so that kernels, ops and modules alike ask it."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability, asked once per device (every NVFP4 call resolves its backend)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
