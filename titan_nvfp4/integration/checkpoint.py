@@ -51,9 +51,9 @@ def saved_keys(checkpoint_id: str) -> dict[str, object] | None:
 
 def _factor_keys(prefix: str) -> list[str]:
     """The entries a low-rank weight adds, from its factor prefix (``<linear>.`` or ``<experts>.w1_``)."""
-    from ..tools.export_dense import _weight_key  # here: imported at package import, `python -m` would warn
+    from ..tools.export_dense import weight_key_of  # here: imported at package import, `python -m` would warn
 
-    module = _weight_key(prefix).rpartition(".")[0]
+    module = weight_key_of(prefix).rpartition(".")[0]
     return [prefix + n for n in ("lora_u", "lora_sigma", "lora_v", _RES)] + [f"{module}.lora_decomposed"]
 
 

@@ -26,7 +26,7 @@ from .cli import fail, parser, require_inputs, require_output
 _FACTORS = ("lora_u", "lora_sigma", "lora_v", "lora_residual")
 
 
-def _weight_key(prefix: str) -> str:
+def weight_key_of(prefix: str) -> str:
     """The residual's key for factor keys ``prefix + "lora_u"``: ``<linear>.weight`` for a
     DecomposedLinear (prefix ``<linear>.``), ``<experts>.w1`` for expert factors (``<experts>.w1_``)."""
     return prefix + "weight" if prefix == "" or prefix.endswith(".") else prefix[:-1]
@@ -38,7 +38,7 @@ def fold_decomposed(state_dict: dict) -> dict:
     drop = {p + n for p in prefixes for n in _FACTORS} | {k for k in state_dict if k.endswith("lora_decomposed")}
     out = {k: v for k, v in state_dict.items() if k not in drop}
     for p in sorted(prefixes):
-        w_key = _weight_key(p)
+        w_key = weight_key_of(p)
         missing = [k for k in (w_key, p + "lora_sigma", p + "lora_v") if k not in state_dict]
         if missing:
             raise KeyError(f"export_dense: {p}lora_u has no {', '.join(missing)}")
