@@ -1,22 +1,27 @@
-"""The package's import rules (docs/development.md "Import direction"), read from the source: the lower layers
-import nothing above them, numerics/ needs no Triton, and no module imports another's private names."""
+"""The package's import rules (docs/development.md "Import direction"), read from the source: every module
+imports only its layer and those below, numerics/ needs no Triton, and no module imports another's private names."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[1] / "titan_nvfp4"
 
-#: layer -> the package modules (first path component under titan_nvfp4/) its files may import
-ALLOWED = {
-    "platform.py": {"platform"},
-    "numerics": {"numerics", "platform"},
-    "kernels": {"numerics", "platform", "kernels"},
-    "ops": {"numerics", "platform", "kernels", "ops"},
+#: every top-level module of the package -> its layer; a module may import its own layer and those below
+LAYERS = {
+    "platform": 0, "configs": 0,  # leaves: the machine's facts; the recipe presets (data)
+    "numerics": 1,
+    "kernels": 2,
+    "ops": 3,
+    "linear_function": 4, "grouped_function": 4, "distributed": 4, "recipe": 4, "body_graphs": 4,
+    "layer_state": 5, "nvfp4_linear": 5, "decomposed_linear": 5, "lowrank_experts": 5, "amax_history": 5,
+    "schedule": 5, "train_state": 5, "telemetry": 5, "knobs": 5, "layer_selection": 5, "expert_groups": 5,
+    "optimizer_states": 5, "torchtitan_version": 5,
+    "integration": 6, "integration_v03": 6, "metrics_hook": 6, "data": 6, "tools": 6, "compare": 6,
+    "__init__": 6,
 }
+NAMES = {0: "leaves", 1: "numerics", 2: "kernels", 3: "ops", 4: "autograd functions", 5: "modules", 6: "integration"}
 
 
 def _imports(path: Path) -> list[tuple[str, list[str], int]]:
@@ -40,22 +45,28 @@ def _imports(path: Path) -> list[tuple[str, list[str], int]]:
     return out
 
 
-def _files(layer: str) -> list[Path]:
-    root = PACKAGE / layer
-    return [root] if root.is_file() else sorted(root.rglob("*.py"))
+def _top(path: Path) -> str:
+    return path.relative_to(PACKAGE).parts[0].removesuffix(".py")
 
 
-@pytest.mark.parametrize("layer", sorted(ALLOWED))
-def test_lower_layers_import_nothing_above_them(layer):
+def test_every_module_has_a_layer():
+    assert sorted({_top(p) for p in PACKAGE.rglob("*.py")} - set(LAYERS)) == []
+
+
+def test_imports_point_down():
+    """numerics → kernels → ops → autograd functions → modules → integration; no Triton below the kernels, and
+    TorchTitan only in the integration layer."""
     bad = []
-    for path in _files(layer):
+    for path in sorted(PACKAGE.rglob("*.py")):
+        me = LAYERS[_top(path)]
         for top, names, line in _imports(path):
-            if top.startswith("<external>"):
-                if layer in ("numerics", "platform.py") and top == "<external>:triton":
-                    bad.append(f"{path.relative_to(PACKAGE)}:{line} imports triton")
-                continue
-            if top not in ALLOWED[layer]:
-                bad.append(f"{path.relative_to(PACKAGE)}:{line} imports {top}")
+            where = f"{path.relative_to(PACKAGE)}:{line} ({NAMES[me]})"
+            if top == "<external>:triton" and me < LAYERS["kernels"]:
+                bad.append(f"{where} imports triton")
+            elif top == "<external>:torchtitan" and me < LAYERS["integration"]:
+                bad.append(f"{where} imports torchtitan")
+            elif not top.startswith("<external>") and LAYERS.get(top, 99) > me:
+                bad.append(f"{where} imports {top} ({NAMES.get(LAYERS.get(top), 'unknown')})")
     assert not bad, bad
 
 
