@@ -173,7 +173,7 @@ class NVFP4LinearConverter(QuantizationConverter):
             logger.info(f"NVFP4: kept {fqn} in high precision ({why})")
         if self.lora_rank and report["converted"]:
             decompose_after_init(model)
-        branch_dtype(model, self.lora_dtype)
+        apply_lora_dtype(model, self.lora_dtype)
         if self.amax_history:
             history = AmaxHistory(self.amax_history)
             for fqn in report["converted"]:
@@ -236,7 +236,7 @@ def _init_weights_then_decompose(self, *args, **kwargs):
     return out
 
 
-def branch_dtype(model: nn.Module, lora_dtype: str) -> None:
+def apply_lora_dtype(model: nn.Module, lora_dtype: str) -> None:
     """Run the low-rank branches converted so far in ``lora_dtype`` (either converter may run last)."""
     if lora_dtype != "input":
         n = set_lora_dtype(model, lora_dtype)
@@ -324,7 +324,7 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
                     "token groups aligned to 16")
         if self.lora_rank:
             decompose_after_init(model)
-        branch_dtype(model, self.lora_dtype)
+        apply_lora_dtype(model, self.lora_dtype)
         for fqn, why in report["skipped"]:
             logger.info(f"NVFP4: kept experts {fqn} in high precision ({why})")
         if self.bf16_after_fraction or self.telemetry_every:

@@ -234,7 +234,8 @@ def _gap_closed(rows: list[dict], order: list[str]) -> None:
             a = ref["mean"] - r["mean"]
             var = (var_of_mean(r) / b ** 2 + ((b - a) / b ** 2) ** 2 * var_of_mean(ref)
                    + (a / b ** 2) ** 2 * var_of_mean(base))
-            r["closed_pct"], r["closed_se_pct"] = 100 * a / b, 100 * math.sqrt(var)
+            r["closed_pct"] = gap_closed_pct(base["mean"], ref["mean"], r["mean"])
+            r["closed_se_pct"] = 100 * math.sqrt(var)
 
 
 def window_means(runs: dict[str, list[StepMetrics]], windows: list[tuple[int, int]]) -> dict[str, dict]:
