@@ -1,29 +1,87 @@
 #!/usr/bin/env bash
-# A comparison spec's arms on a lent GPU machine, resumable across device calls. From the repo root, with ".whl"
-# (and ".kernel_cache" when an earlier session saved one) in the device tool's carry:
-#   bash scripts/compare_on_device.sh SPEC [runner arguments]
-#   e.g. bash scripts/compare_on_device.sh configs/compare/llama3_2b_pysources.toml --only bf16 nvfp4 --timeout-s 500
+# A comparison spec's arms on a lent GPU machine, across device calls. From the repo root, with ".whl" (and
+# ".kernel_cache" when an earlier session saved one) in the device tool's carry:
+#   bash scripts/compare_on_device.sh SPEC [runner arguments]            # in this call; resumable
+#   bash scripts/compare_on_device.sh --detach SPEC [runner arguments]   # first call of a run that outlasts it
+#   bash scripts/compare_on_device.sh --wait                             # each later call
+#   e.g. bash scripts/compare_on_device.sh --detach configs/compare/gpt_oss_memorize.toml --only nvfp4 --parallel 4
 # Runs `python -m titan_nvfp4.compare SPEC ...` (the job files build their offline corpus on first use), then, when
 # $OUT is set, copies the arms' logs (one tar), the table and the plot there and packs the kernel caches
-# (scripts/save_kernel_cache.sh). With checkpoint_interval in the spec, the same command on the still-warm machine
-# resumes each arm that --timeout-s (or a SIGTERM to this script) stopped; a new machine starts the arms afresh.
+# (scripts/save_kernel_cache.sh).
+# In this call: with checkpoint_interval in the spec, the same command on the still-warm machine resumes each arm
+# that --timeout-s (or a SIGTERM to this script) stopped; a new machine starts the arms afresh.
+# --detach: the runner starts in a process session of its own, which the device tool leaves running when a call
+# returns, so the arms train on between calls (no restart, no reload, no recompile: a 10,000-step arm of ~1,400 s
+# fits one lease). This call and each --wait call wait up to WAIT_S seconds (default 540) or until the runner
+# ends, print every arm's latest step each POLL_S seconds (60) and leave the logs so far in $OUT. Issue the next
+# --wait call at once: a machine idle for ~30 s goes back, and the detached arms with it. Exit status: the
+# runner's once it has ended, 124 while it still runs.
 set -uo pipefail
-spec=${1:?usage: bash scripts/compare_on_device.sh SPEC [runner arguments]}
-shift
-source scripts/device_setup.sh > "${OUT:-/tmp}/setup.txt" 2>&1 || { cat "${OUT:-/tmp}/setup.txt"; exit 1; }
-# In the background, so that a SIGTERM to this script (an outer `timeout`) stops the runner, which stops its
-# arms, and the logs below still get packed.
-python -m titan_nvfp4.compare "$spec" "$@" &
-runner=$!
-trap 'kill -TERM "$runner" 2>/dev/null' TERM INT
-wait "$runner"; rc=$?
-if kill -0 "$runner" 2>/dev/null; then wait "$runner"; rc=124; fi  # a signal ended the first wait
-trap - TERM INT
-out=$(python -c "import sys; from pathlib import Path; from titan_nvfp4.compare import load_spec; print(load_spec(Path(sys.argv[1])).out)" "$spec")
-prev=""
-for a in "$@"; do [[ $prev == --out ]] && out=$a; prev=$a; done  # --out overrides the spec's folder
-if [[ -n ${OUT:-} && -d $out ]]; then
-  (cd "$out" && tar -cJf "$OUT/logs.tar.xz" ./*.log) && cp "$out"/compare.md "$out"/compare.png "$OUT"/ 2>/dev/null
+state=/tmp/titan_nvfp4_compare  # the detached runner's pid, exit status and output folder
+mode=call
+if [[ ${1:-} == --detach || ${1:-} == --wait ]]; then mode=${1#--}; shift; fi
+
+pack() {  # the logs, table and plot of folder $1 into $OUT, and the kernel caches
+  [[ -n ${OUT:-} && -d $1 ]] || return 0
+  (cd "$1" && tar -cJf "$OUT/logs.tar.xz" ./*.log) && cp "$1"/compare.md "$1"/compare.png "$OUT"/ 2>/dev/null
   bash scripts/save_kernel_cache.sh
+}
+
+out_of() {  # the output folder of spec $1 with runner arguments ${@:2} (--out overrides the spec's)
+  local out prev="" a
+  out=$(python -c "import sys; from pathlib import Path; from titan_nvfp4.compare import load_spec; print(load_spec(Path(sys.argv[1])).out)" "$1") || return 1
+  for a in "${@:2}"; do [[ $prev == --out ]] && out=$a; prev=$a; done
+  echo "$out"
+}
+
+if [[ $mode == wait ]]; then
+  [[ -f $state/pid ]] || { echo "compare_on_device: no detached run on this machine (start one with --detach)" >&2; exit 1; }
+else
+  spec=${1:?usage: bash scripts/compare_on_device.sh [--detach] SPEC [runner arguments] | --wait}
+  shift
+  source scripts/device_setup.sh > "${OUT:-/tmp}/setup.txt" 2>&1 || { cat "${OUT:-/tmp}/setup.txt"; exit 1; }
+  out=$(out_of "$spec" "$@") || exit 1
 fi
-exit $rc
+
+if [[ $mode == call ]]; then
+  # In the background, so that a SIGTERM to this script (an outer `timeout`) stops the runner, which stops its
+  # arms, and the logs below still get packed.
+  python -m titan_nvfp4.compare "$spec" "$@" &
+  runner=$!
+  trap 'kill -TERM "$runner" 2>/dev/null' TERM INT
+  wait "$runner"; rc=$?
+  if kill -0 "$runner" 2>/dev/null; then wait "$runner"; rc=124; fi  # a signal ended the first wait
+  trap - TERM INT
+  pack "$out"
+  exit $rc
+fi
+
+if [[ $mode == detach ]]; then
+  if [[ -f $state/pid ]] && kill -0 "$(cat "$state/pid")" 2>/dev/null; then
+    echo "compare_on_device: a detached run is still going (pid $(cat "$state/pid")); use --wait" >&2; exit 1
+  fi
+  rm -rf "$state" && mkdir -p "$state" && echo "$out" > "$state/out"
+  setsid bash -c 'python -m titan_nvfp4.compare "$@" > "'"$state"'/runner.log" 2>&1; echo $? > "'"$state"'/rc"' \
+    compare "$spec" "$@" < /dev/null > /dev/null 2>&1 &
+  echo $! > "$state/pid"
+  echo "compare_on_device: runner detached (pid $(cat "$state/pid")); its output: $state/runner.log"
+fi
+
+out=$(cat "$state/out")
+progress() {
+  echo "== $(date -u +%T) ($((SECONDS - t0)) s)"
+  local log
+  for log in "$out"/*.log; do
+    [[ -e $log ]] && echo "$(basename "$log" .log): $(grep -a 'step:' "$log" | tail -1 | sed 's/.*step:/step:/' | cut -c1-90)"
+  done
+}
+t0=$SECONDS next=${POLL_S:-60}
+while [[ ! -f $state/rc ]] && (( SECONDS - t0 < ${WAIT_S:-540} )); do
+  sleep 2
+  if (( SECONDS - t0 >= next )); then progress; next=$((next + ${POLL_S:-60})); fi
+done
+(( SECONDS - t0 + ${POLL_S:-60} == next )) || progress  # unless it just printed
+tail -n 3 "$state/runner.log"
+pack "$out"
+if [[ -f $state/rc ]]; then exit "$(cat "$state/rc")"; fi
+exit 124

@@ -159,6 +159,7 @@ def test_group_gap_closed_with_its_error_bar(tmp_path, capsys):
         down[k] -= h
         total += ((share(**up) - share(**down)) / (2 * h)) ** 2 * var[k]
     assert rows["rank32"]["closed_se_pct"] == pytest.approx(math.sqrt(total), rel=1e-4)
+    assert rows["rank32"]["se"] == pytest.approx(math.sqrt(pooled + var["m1"]))  # Δ of a one-run group: pooled too
     logs = []
     for name, v in values.items():
         p = tmp_path / f"{name}.log"
@@ -168,6 +169,8 @@ def test_group_gap_closed_with_its_error_bar(tmp_path, capsys):
           "--train-windows", "20-20"])
     out = capsys.readouterr().out
     assert "gap closed ± s.e." in out and f"| {rows['rank32']['closed_pct']:.0f}% ± " in out
+    assert "| step | group |" not in out  # no validation lines: no (empty) validation table
+    assert "| 20–20 | rank32 | 1 | 1.1200 | 1.1200–1.1200 |" in out  # one run: no s.d. column value
 
 
 def test_empty_log_is_an_error():

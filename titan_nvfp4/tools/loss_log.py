@@ -184,58 +184,60 @@ def pool_groups(values: dict[str, dict], groups: list[tuple[str, list[str]]], ga
     (a validated step, or a window of training steps) the group's runs have: n, mean, s.d., range; vs the
     first group: Δ of the means, its standard error (Welch: sqrt(s1²/n1 + s2²/n2)) and the share of cross
     pairs in which this group is lower; with ``gap``, from the third group on the share of the first two
-    groups' gap it closes, ± s.e. (_gap_closed)."""
+    groups' gap it closes, ± s.e. (_gap_closed). A group of one run takes the pooled seed variance of the groups
+    with several (the seed-to-seed noise assumed alike across arms), so that a single variant arm still gets an
+    error bar."""
     members = group_members(values, groups)
     rows = []
     keys = sorted({k for v in values.values() for k in v})
     for key in keys:
         pooled = {g: [values[r][key] for r in runs if key in values[r]] for g, runs in members.items()}
-        ref = pooled[groups[0][0]]
+        at = {}
         for g, v in pooled.items():
-            if not v:
-                continue
-            row = dict(key=key, group=g, n=len(v), mean=statistics.fmean(v),
-                       sd=statistics.stdev(v) if len(v) > 1 else float("nan"), lo=min(v), hi=max(v))
+            if v:
+                at[g] = dict(key=key, group=g, n=len(v), mean=statistics.fmean(v),
+                             sd=statistics.stdev(v) if len(v) > 1 else float("nan"), lo=min(v), hi=max(v))
+        seed_var = pooled_seed_variance(list(at.values()))
+        ref = at.get(groups[0][0])
+        for g, row in at.items():
             if g != groups[0][0] and ref:
-                row["delta"] = row["mean"] - statistics.fmean(ref)
-                var = (statistics.variance(v) / len(v) if len(v) > 1 else float("nan")) + (
-                    statistics.variance(ref) / len(ref) if len(ref) > 1 else float("nan"))
-                row["se"] = math.sqrt(var)
-                row["lower_pairs"] = sum((a < b) + 0.5 * (a == b) for a in v for b in ref) / (len(v) * len(ref))
+                row["delta"] = row["mean"] - ref["mean"]
+                row["se"] = math.sqrt(_var_of_mean(row, seed_var) + _var_of_mean(ref, seed_var))
+                row["lower_pairs"] = sum((a < b) + 0.5 * (a == b) for a in pooled[g] for b in pooled[groups[0][0]]) / (
+                    row["n"] * ref["n"])
             rows.append(row)
-    if gap and len(groups) >= 3:
-        _gap_closed(rows, [g for g, _ in groups])
+        if gap and len(groups) >= 3:
+            _gap_closed(at, [g for g, _ in groups], seed_var)
     return rows
 
 
-def _gap_closed(rows: list[dict], order: list[str]) -> None:
-    """Per key, for the third group on: the share of the gap between the first two groups' means that it closes,
+def pooled_seed_variance(rows: list[dict]) -> float:
+    """The seed-to-seed variance pooled over the groups of several runs (nan if none has two)."""
+    multi = [r for r in rows if r["n"] > 1]
+    return sum((r["n"] - 1) * r["sd"] ** 2 for r in multi) / sum(r["n"] - 1 for r in multi) if multi else float("nan")
+
+
+def _var_of_mean(row: dict, seed_var: float) -> float:
+    return (row["sd"] ** 2 if row["n"] > 1 else seed_var) / row["n"]
+
+
+def _gap_closed(at: dict[str, dict], order: list[str], seed_var: float) -> None:
+    """For the third group on: the share of the gap between the first two groups' means that it closes,
     100·(m₂ − m)/(m₂ − m₁), with a delta-method standard error from the variances of the three means (independent
-    runs). A group of one run takes the pooled seed variance of the groups with several (the seed-to-seed noise
-    assumed alike across arms), so that a single variant arm still gets an error bar."""
-    by_key: dict = {}
-    for r in rows:
-        by_key.setdefault(r["key"], {})[r["group"]] = r
-    for at in by_key.values():
-        if order[0] not in at or order[1] not in at:
+    runs)."""
+    if order[0] not in at or order[1] not in at:
+        return
+    base, ref = at[order[0]], at[order[1]]
+    b = ref["mean"] - base["mean"]
+    for g in order[2:]:
+        r = at.get(g)
+        if r is None or not b:
             continue
-        multi = [r for r in at.values() if r["n"] > 1]
-        pooled = (sum((r["n"] - 1) * r["sd"] ** 2 for r in multi) / sum(r["n"] - 1 for r in multi)) if multi else float("nan")
-
-        def var_of_mean(r):
-            return (r["sd"] ** 2 if r["n"] > 1 else pooled) / r["n"]
-
-        base, ref = at[order[0]], at[order[1]]
-        b = ref["mean"] - base["mean"]
-        for g in order[2:]:
-            r = at.get(g)
-            if r is None or not b:
-                continue
-            a = ref["mean"] - r["mean"]
-            var = (var_of_mean(r) / b ** 2 + ((b - a) / b ** 2) ** 2 * var_of_mean(ref)
-                   + (a / b ** 2) ** 2 * var_of_mean(base))
-            r["closed_pct"] = gap_closed_pct(base["mean"], ref["mean"], r["mean"])
-            r["closed_se_pct"] = 100 * math.sqrt(var)
+        a = ref["mean"] - r["mean"]
+        var = (_var_of_mean(r, seed_var) / b ** 2 + ((b - a) / b ** 2) ** 2 * _var_of_mean(ref, seed_var)
+               + (a / b ** 2) ** 2 * _var_of_mean(base, seed_var))
+        r["closed_pct"] = gap_closed_pct(base["mean"], ref["mean"], r["mean"])
+        r["closed_se_pct"] = 100 * math.sqrt(var)
 
 
 def window_means(runs: dict[str, list[StepMetrics]], windows: list[tuple[int, int]]) -> dict[str, dict]:
@@ -276,8 +278,8 @@ def groups_markdown(rows: list[dict], key: str = "step") -> str:
         delta = f"{r['delta']:+.4f} ± {r['se']:.4f}" if "delta" in r else ""
         lower = f"{100 * r['lower_pairs']:.0f}%" if "delta" in r else ""
         closed = (f" {r['closed_pct']:.0f}% ± {r['closed_se_pct']:.0f}% |" if "closed_pct" in r else " |") if gap else ""
-        body += (f"| {k} | {r['group']} | {r['n']} | {r['mean']:.4f} ± {r['sd']:.4f} | "
-                 f"{r['lo']:.4f}–{r['hi']:.4f} | {delta} | {lower} |{closed}\n")
+        mean = f"{r['mean']:.4f} ± {r['sd']:.4f}" if r["n"] > 1 else f"{r['mean']:.4f}"  # one run: no s.d.
+        body += f"| {k} | {r['group']} | {r['n']} | {mean} | {r['lo']:.4f}–{r['hi']:.4f} | {delta} | {lower} |{closed}\n"
     return head + body
 
 
@@ -394,7 +396,8 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows:
             print(" ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
     if groups:
-        print("\n" + groups_markdown(pool_groups(validation, groups, args.gap)), end="")
+        if any(validation.values()):
+            print("\n" + groups_markdown(pool_groups(validation, groups, args.gap)), end="")
         if windows:
             print("\nTraining loss, mean of the logged steps in each window:\n\n"
                   + groups_markdown(pool_groups(window_means(runs, windows), groups, args.gap), key="steps"), end="")

@@ -148,7 +148,8 @@ def plot_groups(runs: dict[str, list[StepMetrics]], groups: list[tuple[str, list
         color = f"C{i}"
         mean = ema([m for m, _ in stats], smooth)
         sd = [s for _, s in stats]
-        top.plot(steps, mean, color=color, linewidth=2, label=f"{g} ({len(members[g])} runs)")
+        n = len(members[g])
+        top.plot(steps, mean, color=color, linewidth=2, label=f"{g} ({n} run{'' if n == 1 else 's'})")
         top.fill_between(steps, [m - s for m, s in zip(mean, sd)], [m + s for m, s in zip(mean, sd)],
                          color=color, alpha=0.15, linewidth=0)
         vsteps, vstats = vals[g]
