@@ -17,7 +17,7 @@
 # --wait call at once: a machine idle for ~30 s goes back, and the detached arms with it. Exit status: the
 # runner's once it has ended, 124 while it still runs.
 set -uo pipefail
-state=/tmp/titan_nvfp4_compare  # the detached runner's pid, exit status and output folder
+state=${COMPARE_STATE_DIR:-/tmp/titan_nvfp4_compare}  # the detached runner's pid, exit status, output folder
 mode=call
 if [[ ${1:-} == --detach || ${1:-} == --wait ]]; then mode=${1#--}; shift; fi
 

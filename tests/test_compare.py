@@ -263,3 +263,47 @@ def test_stopping_the_runner_stops_the_running_arms(tmp_path):
     assert runner.returncode != 0
 
     assert _stops(pid)
+
+
+def test_a_detached_run_trains_on_between_device_calls(tmp_path):
+    """scripts/compare_on_device.sh --detach starts the runner in a session of its own and returns (124 while it
+    runs) with the logs so far; a second --detach is refused while it runs; --wait waits for it and returns its exit
+    status with every arm's full log, the table and the plot in $OUT. Device setup and kernel-cache packing
+    stubbed; the arms are tests/compare_stub.py."""
+    import shutil
+    import subprocess
+    import tarfile
+
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(REPO / "scripts/compare_on_device.sh", repo / "scripts")
+    (repo / "scripts/device_setup.sh").write_text(f"export PYTHONPATH={REPO}\n")
+    (repo / "scripts/save_kernel_cache.sh").write_text("echo kernel caches packed\n")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin/python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # this interpreter (a venv's)
+    (tmp_path / "bin/python").chmod(0o755)
+    arms = ARMS.replace('"--stub.offset", "0.2"', '"--stub.offset", "0.2", "--stub.sleep", "0.05"')
+    spec = _spec(tmp_path, arms)
+
+    def call(*args, wait_s):
+        out = tmp_path / f"OUT{len(list(tmp_path.glob('OUT*')))}"
+        out.mkdir()
+        env = {**os.environ, "OUT": str(out), "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "WAIT_S": str(wait_s),
+               "POLL_S": "1", "COMPARE_STATE_DIR": str(tmp_path / "state")}
+        r = subprocess.run(["bash", "scripts/compare_on_device.sh", *args], cwd=repo, env=env, capture_output=True,
+                           text=True, timeout=120)
+        return r, out
+
+    r, _ = call("--wait", wait_s=1)
+    assert r.returncode == 1 and "no detached run" in r.stderr
+    r, _ = call("--detach", str(spec), "--only", "nvfp4", "bf16", wait_s=0)
+    assert r.returncode == 124 and "runner detached" in r.stdout, r.stdout + r.stderr
+    r, _ = call("--detach", str(spec), wait_s=0)
+    assert r.returncode == 1 and "still going" in r.stderr
+    r, out = call("--wait", wait_s=100)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (out / "compare.md").is_file() and (out / "compare.png").is_file()
+    with tarfile.open(out / "logs.tar.xz") as tar:
+        logs = {Path(m.name).name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+    assert set(logs) == {"nvfp4.log", "bf16.log"}
+    assert all("step: 40 " in text for text in logs.values())
