@@ -36,6 +36,8 @@ out_of() {  # the output folder of spec $1 with runner arguments ${@:2} (--out o
 
 if [[ $mode == wait ]]; then
   [[ -f $state/pid ]] || { echo "compare_on_device: no detached run on this machine (start one with --detach)" >&2; exit 1; }
+elif [[ $mode == detach && -f $state/pid ]] && kill -0 "$(cat "$state/pid")" 2>/dev/null; then
+  echo "compare_on_device: a detached run is still going (pid $(cat "$state/pid")); use --wait" >&2; exit 1
 else
   spec=${1:?usage: bash scripts/compare_on_device.sh [--detach] SPEC [runner arguments] | --wait}
   shift
@@ -57,10 +59,9 @@ if [[ $mode == call ]]; then
 fi
 
 if [[ $mode == detach ]]; then
-  if [[ -f $state/pid ]] && kill -0 "$(cat "$state/pid")" 2>/dev/null; then
-    echo "compare_on_device: a detached run is still going (pid $(cat "$state/pid")); use --wait" >&2; exit 1
-  fi
   rm -rf "$state" && mkdir -p "$state" && echo "$out" > "$state/out"
+  # the kernel caches' folders (device_setup.sh), for the --wait calls' packing
+  echo "export TRITON_CACHE_DIR='${TRITON_CACHE_DIR:-}' TORCHINDUCTOR_CACHE_DIR='${TORCHINDUCTOR_CACHE_DIR:-}'" > "$state/env"
   setsid bash -c 'python -m titan_nvfp4.compare "$@" > "'"$state"'/runner.log" 2>&1; echo $? > "'"$state"'/rc"' \
     compare "$spec" "$@" < /dev/null > /dev/null 2>&1 &
   echo $! > "$state/pid"
@@ -68,6 +69,7 @@ if [[ $mode == detach ]]; then
 fi
 
 out=$(cat "$state/out")
+source "$state/env"
 progress() {
   echo "== $(date -u +%T) ($((SECONDS - t0)) s)"
   local log
@@ -81,7 +83,7 @@ while [[ ! -f $state/rc ]] && (( SECONDS - t0 < ${WAIT_S:-540} )); do
   if (( SECONDS - t0 >= next )); then progress; next=$((next + ${POLL_S:-60})); fi
 done
 (( SECONDS - t0 + ${POLL_S:-60} == next )) || progress  # unless it just printed
-tail -n 3 "$state/runner.log"
+tail -n 3 "$state/runner.log" 2>/dev/null
 pack "$out"
 if [[ -f $state/rc ]]; then exit "$(cat "$state/rc")"; fi
 exit 124

@@ -277,12 +277,12 @@ def test_a_detached_run_trains_on_between_device_calls(tmp_path):
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     shutil.copy(REPO / "scripts/compare_on_device.sh", repo / "scripts")
-    (repo / "scripts/device_setup.sh").write_text(f"export PYTHONPATH={REPO}\n")
-    (repo / "scripts/save_kernel_cache.sh").write_text("echo kernel caches packed\n")
+    (repo / "scripts/device_setup.sh").write_text(f"export PYTHONPATH={REPO} TRITON_CACHE_DIR=/cache/triton\n")
+    (repo / "scripts/save_kernel_cache.sh").write_text('echo "kernel caches packed from $TRITON_CACHE_DIR"\n')
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin/python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # this interpreter (a venv's)
     (tmp_path / "bin/python").chmod(0o755)
-    arms = ARMS.replace('"--stub.offset", "0.2"', '"--stub.offset", "0.2", "--stub.sleep", "0.05"')
+    arms = ARMS.replace('"--stub.offset", "0.2"', '"--stub.offset", "0.2", "--stub.sleep", "0.25"')  # 10 s: still running at the second --detach
     spec = _spec(tmp_path, arms)
 
     def call(*args, wait_s):
@@ -302,6 +302,7 @@ def test_a_detached_run_trains_on_between_device_calls(tmp_path):
     assert r.returncode == 1 and "still going" in r.stderr
     r, out = call("--wait", wait_s=100)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "kernel caches packed from /cache/triton" in r.stdout  # device_setup.sh's folders, kept from --detach
     assert (out / "compare.md").is_file() and (out / "compare.png").is_file()
     with tarfile.open(out / "logs.tar.xz") as tar:
         logs = {Path(m.name).name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
