@@ -78,11 +78,13 @@ progress() {
   done
 }
 t0=$SECONDS next=${POLL_S:-60}
+fresh=0  # whether the last poll printed
 while [[ ! -f $state/rc ]] && (( SECONDS - t0 < ${WAIT_S:-540} )); do
   sleep 2
-  if (( SECONDS - t0 >= next )); then progress; next=$((next + ${POLL_S:-60})); fi
+  fresh=0
+  if (( SECONDS - t0 >= next )); then progress; fresh=1; next=$((next + ${POLL_S:-60})); fi
 done
-(( SECONDS - t0 + ${POLL_S:-60} == next )) || progress  # unless it just printed
+(( fresh )) || progress
 tail -n 3 "$state/runner.log" 2>/dev/null
 pack "$out"
 if [[ -f $state/rc ]]; then exit "$(cat "$state/rc")"; fi

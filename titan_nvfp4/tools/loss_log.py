@@ -197,21 +197,22 @@ def pool_groups(values: dict[str, dict], groups: list[tuple[str, list[str]]], ga
             if v:
                 at[g] = dict(key=key, group=g, n=len(v), mean=statistics.fmean(v),
                              sd=statistics.stdev(v) if len(v) > 1 else float("nan"), lo=min(v), hi=max(v))
-        seed_var = pooled_seed_variance(list(at.values()))
-        ref = at.get(groups[0][0])
+        seed_var = _pooled_seed_variance(list(at.values()))
+        first = groups[0][0]
+        ref = at.get(first)
         for g, row in at.items():
-            if g != groups[0][0] and ref:
+            if g != first and ref:
                 row["delta"] = row["mean"] - ref["mean"]
                 row["se"] = math.sqrt(_var_of_mean(row, seed_var) + _var_of_mean(ref, seed_var))
-                row["lower_pairs"] = sum((a < b) + 0.5 * (a == b) for a in pooled[g] for b in pooled[groups[0][0]]) / (
-                    row["n"] * ref["n"])
+                lower = sum((a < b) + 0.5 * (a == b) for a in pooled[g] for b in pooled[first])
+                row["lower_pairs"] = lower / (row["n"] * ref["n"])
             rows.append(row)
         if gap and len(groups) >= 3:
             _gap_closed(at, [g for g, _ in groups], seed_var)
     return rows
 
 
-def pooled_seed_variance(rows: list[dict]) -> float:
+def _pooled_seed_variance(rows: list[dict]) -> float:
     """The seed-to-seed variance pooled over the groups of several runs (nan if none has two)."""
     multi = [r for r in rows if r["n"] > 1]
     return sum((r["n"] - 1) * r["sd"] ** 2 for r in multi) / sum(r["n"] - 1 for r in multi) if multi else float("nan")
