@@ -15,6 +15,7 @@
 #                       run_train.sh)
 #              ARM_TIMEOUT  seconds per training run before it is stopped (default 240; the report
 #                       still uses the steps logged so far)
+#              ARMS     the arms to run, in order (default "bf16 nvfp4"); the report covers the logs present
 set -uo pipefail
 out=${OUT:-./outputs/e2e_bench}
 if [[ $# -gt 0 && $1 != -* ]]; then out=$1; shift; fi
@@ -36,7 +37,7 @@ for bs in $batches; do
   retry=0
   bs_arg=(--training.local_batch_size "$bs")
   if [[ $bs == config ]]; then bs_arg=(); fi
-  for arm in bf16 nvfp4; do
+  for arm in ${ARMS:-bf16 nvfp4}; do
     log="$out/${config}_${arm}_bs${bs}.log"
     start=$(date +%s)
     timeout --kill-after=30 "${ARM_TIMEOUT:-240}" \

@@ -35,8 +35,7 @@ The spec (TOML):
 Modes: ``compile+cudagraphs`` (the fastest on a GPU) runs each arm with ``--compile.enable`` and
 TORCHINDUCTOR_CUDAGRAPHS=1 (Inductor's CUDA graph trees, which remove the host time of the NVFP4 launches);
 ``compile`` without the graphs; ``eager`` neither. ``--mode`` on the command line overrides the spec's. With no
-mode given an arm runs ``compile+cudagraphs``, or ``compile`` where its model fails under the graphs
-(``NO_CUDAGRAPHS``); asking for the graphs on such a model is an error.
+mode given an arm runs ``compile+cudagraphs``.
 
 With ``parallel = N`` (or ``--parallel N``) N arms train at once, slot i pinned to visible GPU i modulo the
 GPU count (several slots may share a GPU). With ``checkpoint_interval = N`` each arm checkpoints every N steps
@@ -81,14 +80,6 @@ _KEYS = {"base", "steps", "out", "last", "baseline", "reference", "common", "lau
 # mode -> (TorchTitan flags, TORCHINDUCTOR_CUDAGRAPHS)
 MODES = {"compile+cudagraphs": (("--compile.enable",), "1"), "compile": (("--compile.enable",), "0"), "eager": ((), "0")}
 DEFAULT_MODE = "compile+cudagraphs"
-#: models whose compiled step fails under CUDA graph trees (TorchTitan 0.2.2, torch 2.11, H100), and why.
-#: integration/torchtitan_fixes.py now builds the masks without graphs; drop gpt_oss here once tests/test_gpu.py's
-#: gpt_oss graph-trees case passes on a GPU.
-NO_CUDAGRAPHS = {
-    "gpt_oss": "its two compiled FlexAttention block masks (sliding window, causal) are overwritten by the next graph "
-               "replay (RuntimeError: accessing tensor output of CUDAGraphs that has been overwritten by a subsequent "
-               "run)",
-}
 
 
 @dataclass
@@ -97,7 +88,6 @@ class Arm:
     overrides: list[str] = field(default_factory=list)
     base: Path | None = None  # the spec's base when None (a config name under a module)
     mode: str | None = None   # the spec's mode when None
-    model: str = ""           # the model name of its job file (a config name under a module)
 
 
 @dataclass
@@ -113,25 +103,14 @@ class Spec:
     launcher: list[str] = field(default_factory=lambda: list(DEFAULT_LAUNCHER))
     timeout_s: float = 0
     wandb_offline: bool = False
-    mode: str | None = None   # None: DEFAULT_MODE, or "compile" for a model in NO_CUDAGRAPHS
+    mode: str | None = None   # None: DEFAULT_MODE
     parallel: int = 1
     checkpoint_interval: int = 0
     module: str = ""
 
     def arm_mode(self, arm: Arm) -> str:
-        """The mode asked for (the arm's, else the spec's); with none, the default for the arm's model."""
-        mode = arm.mode or self.mode
-        if mode is None:
-            return "compile" if _no_cudagraphs(arm.model) else DEFAULT_MODE
-        return mode
-
-    def check_modes(self, where: str) -> None:
-        """Refuse CUDA graphs asked for on a model that fails under them, naming the arm (a default never asks)."""
-        for arm in self.arms:
-            why = _no_cudagraphs(arm.model)
-            if why and self.arm_mode(arm) == "compile+cudagraphs":
-                raise ValueError(f"{where}: arm {arm.name!r} ({arm.model}) cannot run mode 'compile+cudagraphs': {why}; "
-                                 "use 'compile' or 'eager', or leave the mode out")
+        """The mode asked for (the arm's, else the spec's), else DEFAULT_MODE."""
+        return arm.mode or self.mode or DEFAULT_MODE
 
     def env(self, arm: Arm) -> dict[str, str]:
         """The variables an arm runs with on top of the runner's own."""
@@ -151,21 +130,6 @@ class Spec:
         dump = "--dump_folder" if self.module else "--job.dump_folder"  # 0.3 moved it to the top level
         return [*self.launcher, *job, "--training.steps", str(self.steps), dump, str(self.out / arm.name),
                 *MODES[self.arm_mode(arm)][0], *ckpt, *self.common, *arm.overrides]
-
-
-def _no_cudagraphs(model: str) -> str:
-    """Why ``model`` (a job file's model name, or a 0.3 config name such as gpt_oss_debug_nvfp4) fails under CUDA
-    graphs, or ""."""
-    return next((why for name, why in NO_CUDAGRAPHS.items() if model == name or model.startswith(name + "_")), "")
-
-
-def _model_name(base: Path, module: str) -> str:
-    """The [model] name of a job file; under a 0.3 module, the config's own name."""
-    if module:
-        return str(base)
-    with open(base, "rb") as f:
-        model = tomllib.load(f).get("model", {})
-    return model.get("name", "") if isinstance(model, dict) else ""
 
 
 def _str_list(value, where: str) -> list[str]:
@@ -251,11 +215,6 @@ def load_spec(path: Path) -> Spec:
         raise ValueError(f"{where}: [compare] launcher must name a command, got []")
     if not isinstance(top.get("wandb_offline", False), bool):
         raise ValueError(f"{where}: [compare] wandb_offline must be true or false")
-    for arm in arms:
-        try:
-            arm.model = _model_name(arm.base or base, top.get("module", ""))
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"{where}: arm {arm.name!r}: job file {str(arm.base or base)!r} is not valid TOML: {e}") from None
     spec = Spec(base=base, steps=steps, out=Path(top.get("out", f"outputs/compare/{path.stem}")), arms=arms,
                 last=last, baseline=top.get("baseline", "") or names[0], reference=top.get("reference", ""),
                 common=_str_list(top.get("common", []), f"{where}: [compare] common"),
@@ -264,7 +223,6 @@ def load_spec(path: Path) -> Spec:
                 mode=_mode(top["mode"], f"{where}: [compare] mode") if "mode" in top else None,
                 parallel=_count(top, "parallel", 1, 1, where),
                 checkpoint_interval=_count(top, "checkpoint_interval", 0, 0, where), module=top.get("module", ""))
-    spec.check_modes(where)
     return spec
 
 
@@ -477,8 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parallel", type=int, default=None, metavar="N",
                     help="arms at once, each on its own GPU, instead of the spec's parallel")
     ap.add_argument("--mode", choices=list(MODES), default=None,
-                    help=f"how every arm runs, instead of the spec's mode (default {DEFAULT_MODE}, or compile for "
-                         f"{', '.join(NO_CUDAGRAPHS)})")
+                    help=f"how every arm runs, instead of the spec's mode (default {DEFAULT_MODE})")
     args = ap.parse_args(argv)
     args.spec = resolve_spec(args.spec)
     try:
@@ -499,10 +456,6 @@ def main(argv: list[str] | None = None) -> int:
         spec.mode = args.mode
         for arm in spec.arms:
             arm.mode = None
-        try:
-            spec.check_modes(f"--mode {args.mode}")
-        except ValueError as e:
-            fail(PROG, str(e))
     names = [a.name for a in spec.arms]
     for n in args.only or []:
         if n not in names:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .distributed.tensor_parallel import local
-from .linear_function import sr_counter
+from .linear_function import cached_rht_signs, sr_counter
 from .numerics.rht import rht_signs
 from .recipe import NVFP4Recipe
 
@@ -34,8 +34,8 @@ class NVFP4LayerState(nn.Module):
 
     def _reset_nvfp4_buffers(self) -> None:
         """Fill the SR counter(s) (call 0 of each stream, distinct per rank) and the RHT signs (the same
-        on every rank); nothing on meta. Under tensor parallelism the buffers are replicated DTensors:
-        each rank fills its local copy."""
+        on every rank; plain ones shared by all layers: _share_signs); nothing on meta. Under tensor
+        parallelism the buffers are replicated DTensors: each rank fills its local copy."""
         if self.sr_counter.is_meta:
             return
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -45,7 +45,7 @@ class NVFP4LayerState(nn.Module):
             else:
                 counter = torch.stack([sr_counter(self.recipe, i, rank=rank) for i in self._stream_ids])
             local(self.sr_counter).copy_(counter)
-            if self.rht_signs is not None:
+            if self.rht_signs is not None and not self._share_signs():
                 local(self.rht_signs).copy_(rht_signs(self.recipe.rht_seed))
             for name in ("x_amax_history", "x_amax_pending"):  # amax_history.py, when the layer keeps one
                 if self._buffers.get(name) is not None:
@@ -58,7 +58,20 @@ class NVFP4LayerState(nn.Module):
         super()._apply(fn, recurse)
         if before.type == "meta" or self.sr_counter.device != before:
             self._reset_nvfp4_buffers()
+        else:
+            self._share_signs()  # a dtype cast copied the signs into this layer's own tensor
         return self
+
+    def _share_signs(self) -> bool:
+        """Point a plain (not distributed, not meta) ``rht_signs`` buffer at the one tensor of its seed and
+        device that every layer holds; whether it did. Sibling layers on one X (wq, wk, wv; w1, w3) then
+        pass the same tensor to the same X quantization, which torch.compile computes once (AOTAutograd's
+        CSE): the siblings' X amax, quantization and saved codes, where each had its own before."""
+        signs = self._buffers.get("rht_signs")
+        if type(signs) is not torch.Tensor or signs.is_meta:
+            return False
+        self._buffers["rht_signs"] = cached_rht_signs(self.recipe.rht_seed, signs.device)
+        return True
 
     #: shared with the converter's StepCounter (schedule.py); None: always NVFP4
     precision_schedule = None

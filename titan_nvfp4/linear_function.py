@@ -30,8 +30,11 @@ from .recipe import NVFP4Recipe
 
 @functools.lru_cache(maxsize=None)
 def cached_rht_signs(seed: int, device: torch.device) -> torch.Tensor:
-    """The RHT signs of ``seed`` on ``device``, made once (for callers that hold no signs buffer)."""
-    return rht_signs(seed, device)
+    """The RHT signs of ``seed`` on ``device``, made once: the tensor every layer's signs buffer points at
+    (layer_state.py), and the signs of callers that hold none. Never written in place; a normal tensor even
+    when first asked for under inference mode (autograd may save it)."""
+    with torch.inference_mode(False):
+        return rht_signs(seed, device)
 
 
 _SEED_MASK = 2**62 - 1

@@ -27,8 +27,7 @@ through `custom_config_module`), so both arms of a comparison run the same model
     second replay overwrites the first mask before attention reads it ("accessing tensor output of CUDAGraphs
     that has been overwritten", gpt_oss on an H100, 2026-11-28). Masks are now built by a
     ``create_block_mask`` compiled without CUDA graphs (a mask is built once per step: the graphs saved nothing).
-    Not yet run on a GPU: tests/test_gpu.py's gpt_oss graph-trees case is the check (compare.NO_CUDAGRAPHS
-    keeps gpt_oss arms off the graphs until it passes).
+    tests/test_gpu.py's gpt_oss graph-trees case: the same losses with and without the graphs (H100, 2026-11-28).
 
 And extensions: the Trainer's checkpointed ``train_state`` also carries the NVFP4 layers'
 stochastic-rounding call counts, so a resumed run draws the same random numbers (train_state.py); the

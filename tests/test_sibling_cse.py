@@ -1,0 +1,95 @@
+"""Sibling NVFP4 Linears on one X (wq, wk, wv; w1, w3) hold one RHT sign tensor, so under torch.compile their
+identical X quantizations are one node after AOTAutograd's CSE: X is quantized once, not once per layer, with
+the bits each layer computes on its own."""
+
+import collections
+
+import pytest
+import torch
+from functorch.compile import min_cut_rematerialization_partition, make_boxed_func
+from torch import nn
+from torch._functorch.aot_autograd import aot_module_simplified
+
+from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
+from titan_nvfp4.ops.backends import interpreting
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class QKV(nn.Module):
+    """Three layers on one X, built on meta and materialized as TorchTitan does."""
+
+    def __init__(self, recipe: NVFP4Recipe):
+        super().__init__()
+        self.q, self.k, self.v = (NVFP4Linear(64, n, bias=False, recipe=recipe, layer_id=i, name=f"w{i}")
+                                  for i, n in enumerate((64, 32, 32)))
+
+    def forward(self, x):
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+
+
+def _qkv(recipe: NVFP4Recipe) -> QKV:
+    with torch.device("meta"):
+        m = QKV(recipe)
+    m.to_empty(device=DEV)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in (m.q, m.k, m.v):
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=g))
+    return m
+
+
+def test_layers_hold_one_sign_tensor_after_materialization_and_a_dtype_cast():
+    m = _qkv(NVFP4Recipe(gemm_backend="reference"))
+    assert m.q.rht_signs is m.k.rht_signs is m.v.rht_signs
+    other_seed = NVFP4Linear(64, 16, bias=False, recipe=NVFP4Recipe(gemm_backend="reference", rht_seed=7),
+                             layer_id=3).to(DEV)
+    assert other_seed.rht_signs is not m.q.rht_signs
+    m.to(torch.bfloat16)
+    assert m.q.rht_signs is m.k.rht_signs is m.v.rht_signs and m.q.rht_signs.dtype == torch.float32
+    with torch.inference_mode():
+        late = NVFP4Linear(64, 16, bias=False, recipe=NVFP4Recipe(gemm_backend="reference", rht_seed=11),
+                           layer_id=4).to(DEV)
+    assert not late.rht_signs.is_inference()
+
+
+@pytest.mark.skipif(DEV == "cpu" and not interpreting(), reason="needs a GPU or TRITON_INTERPRET=1")
+def test_compiled_siblings_quantize_x_once_with_each_layers_bits():
+    """The partitioned forward graph holds one X quantization for three layers (three with per-layer sign
+    tensors, the state before); the compiled step's outputs and gradients equal eager's bit for bit."""
+    counts = []
+
+    def backend(gm, example_inputs):
+        def counting(graph, _):
+            counts.append(collections.Counter(str(n.target) for n in graph.graph.nodes
+                                              if n.op == "call_function" and "titan_nvfp4" in str(n.target)))
+            return make_boxed_func(graph)
+        return aot_module_simplified(gm, example_inputs, fw_compiler=counting, bw_compiler=counting,
+                                     partition_fn=min_cut_rematerialization_partition)
+
+    recipe = NVFP4Recipe(gemm_backend="emulated")
+    m = _qkv(recipe)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 64, generator=g).to(DEV)
+    dy = torch.randn(32, 128, generator=g).to(DEV)
+
+    def step(model):
+        xi = x.clone().requires_grad_(True)
+        y = model(xi)
+        y.backward(dy)
+        out = [y.detach(), xi.grad] + [layer.weight.grad.clone() for layer in (m.q, m.k, m.v)]
+        for layer in (m.q, m.k, m.v):
+            layer.weight.grad = None
+        return out
+
+    counters = [layer.sr_counter.clone() for layer in (m.q, m.k, m.v)]
+    torch._dynamo.reset()
+    compiled = step(torch.compile(m, backend=backend, fullgraph=True))
+    fw, bw = counts
+    assert fw["titan_nvfp4.quantize.default"] == 1 and fw["titan_nvfp4.gemm.default"] == 3
+    assert bw["titan_nvfp4.quantize.default"] == 3  # each layer's own dY
+    for layer, c in zip((m.q, m.k, m.v), counters):  # the SR streams replay: eager draws the same numbers
+        layer.sr_counter.copy_(c)
+    eager = step(m)
+    for i, (a, b) in enumerate(zip(compiled, eager)):
+        assert torch.equal(a, b), f"result {i} differs"
