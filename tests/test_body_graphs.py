@@ -116,3 +116,30 @@ def test_graphs_only_for_small_eager_gpu_calls():
         assert layer._body_graphs(x, layer.weight, 1) is not layer._body_graphs(x, layer.weight, None)
         off = NVFP4Linear(32, 32, recipe=NVFP4Recipe()).cuda()
         assert off._body_graphs(x, off.weight, None) is None
+
+
+@pytest.mark.parametrize("round_to_input", [False, True])
+def test_a_graphed_forward_reads_in_place_only_the_tensors_whose_addresses_are_checked(monkeypatch, round_to_input):
+    """A CUDA graph replays its reads at their captured addresses, so every tensor the forward body reads other
+    than its copied inputs must be one of the ``bound`` tensors BodyGraphs checks (weight, bias, the layer's
+    signs). The signs' cast to a bf16 X's dtype (``rht_round_to_input_dtype``) once happened outside the body:
+    a tensor freed after the capture, whose memory later replays would have read as signs."""
+    if DEV == "cpu" and not interpreting():
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    seen = []
+    run = BodyGraphs.run
+
+    def checking_run(self, key, body, copied, bound, owner=None):
+        seen.append([name for name, v in body.keywords.items()
+                     if isinstance(v, torch.Tensor) and not any(v is b for b in bound)])
+        return run(self, key, body, copied, bound, owner)
+
+    monkeypatch.setattr(BodyGraphs, "run", checking_run)
+    recipe = NVFP4Recipe(gemm_backend="emulated", rht_round_to_input_dtype=round_to_input)
+    weight = torch.nn.Parameter(torch.randn(32, 16, generator=torch.Generator().manual_seed(0)).to(DEV))
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1)).to(DEV, torch.bfloat16).requires_grad_(True)
+    graphs = BodyGraphs(StandInCapture([]), check_device=False)
+    for _ in range(2):
+        nvfp4_linear(x, weight, None, recipe, sr_counter(recipe, 0, DEV), rht_signs(recipe.rht_seed, DEV),
+                     graphs=graphs).float().sum().backward()
+    assert len(seen) == 4 and seen == [[]] * 4, seen

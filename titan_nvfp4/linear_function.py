@@ -84,10 +84,13 @@ def nvfp4_from_parts(data, scale, gs, like_shape, block_shape) -> NVFP4Tensor:
     return NVFP4Tensor(data=data, scale=scale, global_scale=gs, shape=like_shape, block_shape=block_shape)
 
 
-def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, x_signs, out_dtype, need_col, backend, w_amax):
+def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, signs, out_dtype, need_col, backend, w_amax):
     """Forward's GPU work as tensors: (Y, Wᵀ's codes, scales and decode scale, then Xᵀ's when ``need_col``)
-    and their (shape, block shape) metadata; body_graphs.py may replay it as a CUDA graph."""
+    and their (shape, block shape) metadata; body_graphs.py may replay it as a CUDA graph. It takes the
+    layer's ``signs`` and casts them here: a graph replays its reads at their captured addresses, and a cast
+    made outside the body would be freed after the capture."""
     fos = recipe.four_over_six
+    x_signs = signs_for_operand(signs, x2d.dtype, recipe.rht_round_to_input_dtype)
     xq, x_col = quantize_activation(x2d, need_col, x_signs, backend, x_amax, fos)
     if isinstance(weight, NVFP4GatheredWeight):  # FSDP2 gathered it as NVFP4: distributed/fsdp_all_gather.py
         wq = gathered_nvfp4(weight)
@@ -148,13 +151,13 @@ class NVFP4LinearFunction(torch.autograd.Function):
         x2d = x.reshape(-1, in_features)
         # a sharded operand (tensor parallelism) takes the amax of the whole operand: distributed/amax.py
         fp4_wgrad = need_wgrad and recipe.backward == "nvfp4"  # else backward reads X itself (MXFP8 / BF16)
-        x_signs = signs_for_operand(signs, x.dtype, recipe.rht_round_to_input_dtype)
         w_amax = None
         if x_amax is None and groups.x is not None:
+            x_signs = signs_for_operand(signs, x.dtype, recipe.rht_round_to_input_dtype)
             x_amax = all_reduce_max(operand_amax(x2d, fp4_wgrad, x_signs, backend), groups.x)
         if groups.weight is not None and not isinstance(weight, NVFP4GatheredWeight):  # gathered: scales reduced
             w_amax = all_reduce_max(operand_amax(weight, False, None, backend)[:1], groups.weight)
-        body = functools.partial(_forward_body, weight=weight, bias=bias, recipe=recipe, x_signs=x_signs,
+        body = functools.partial(_forward_body, weight=weight, bias=bias, recipe=recipe, signs=signs,
                                  out_dtype=out_dtype, need_col=fp4_wgrad, backend=backend, w_amax=w_amax)
         copied = [x2d] if x_amax is None else [x2d, x_amax]
         saving = any(ctx.needs_input_grad[:3])  # backward will run and read what forward saves
