@@ -814,3 +814,39 @@ def test_expert_refresh_projects_each_experts_adam_moments():
         for kind, p in (("u", u), ("sigma", s), ("v", v)):
             assert torch.equal(opt.state[p]["exp_avg"], new[kind][0]), (g, kind)
             assert torch.equal(opt.state[p]["exp_avg_sq"], new[kind][1]), (g, kind)
+
+
+def test_grouped_lowrank_in_fp32_needs_no_grouped_mm(monkeypatch):
+    """lora_dtype = "weight" (FP32 factors): the branch runs as dense GEMMs with each row masked to its own expert,
+    never torch._grouped_mm (whose FP32 CUDA path loops over the experts after copying the offsets to the host).
+    Output and the gradients of x, U, σ and V against a float64 loop over the experts; empty experts and tail rows
+    get nothing and give nothing."""
+    from titan_nvfp4.lowrank_experts import grouped_lowrank
+
+    def bf16_only(a, b, offs=None, **kw):
+        assert a.dtype == torch.bfloat16, f"torch._grouped_mm called in {a.dtype}"
+        return grouped_mm(a, b, offs=offs, **kw)
+
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", bf16_only)
+    g = torch.Generator().manual_seed(3)
+    E, N, r, K, T = 4, 32, 16, 48, 72
+    offsets = torch.tensor([16, 16, 40, 64], dtype=torch.int32)  # expert 1 empty, rows 64-71 past the last
+    leaves = [torch.randn(E, N, r, generator=g), torch.rand(E, r, generator=g) + 0.5, torch.randn(E, r, K, generator=g),
+              torch.randn(T, K, generator=g)]
+    dy = torch.randn(T, N, generator=g)
+    outs = []
+    for dtype in (torch.float32, torch.float64):
+        u, s, v, x = (t.detach().to(dtype).requires_grad_(True) for t in leaves)
+        if dtype == torch.float32:
+            y = grouped_lowrank(x, u, s, v, offsets, torch.float32)
+        else:
+            y = torch.zeros(T, N, dtype=dtype)
+            for e, (a, b) in enumerate(zip([0, *offsets[:-1].tolist()], offsets.tolist())):
+                y = y.index_add(0, torch.arange(a, b), (x[a:b] @ v[e].t() * s[e]) @ u[e].t())
+        y.backward(dy.to(dtype))
+        outs.append([y.detach(), x.grad, u.grad, s.grad, v.grad])
+    assert outs[0][0].dtype == torch.float32 and not outs[0][0][64:].any()
+    assert not outs[0][1][64:].any() and not outs[0][2][1].any() and not outs[0][4][1].any()
+    for i, (a, b) in enumerate(zip(*outs)):
+        assert (a.double() - b).norm() <= 1e-6 * b.norm(), f"output {i}"

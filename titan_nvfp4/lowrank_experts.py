@@ -27,13 +27,28 @@ def _with_tail_expert(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([offsets.to(torch.int32), offsets.new_full((1,), rows, dtype=torch.int32)])
 
 
+def _expert_of_rows(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows] int64: each routed row's expert, E (one past the last) for the rows past the last expert."""
+    index = torch.arange(rows, device=offsets.device, dtype=torch.int32)
+    return torch.searchsorted(offsets.to(torch.int32), index, right=True)
+
+
 def grouped_lowrank(x: torch.Tensor, u: torch.Tensor, sigma: torch.Tensor, v: torch.Tensor,
                     offsets: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """[T, N]: rows of expert e get ((x V_eᵀ) ⊙ σ_e) U_eᵀ, rows past the last expert 0; two grouped GEMMs in
-    ``dtype``, by default the input's (the autocast dtype under autocast), differentiable in all of x, U, σ, V."""
+    """[T, N]: rows of expert e get ((x V_eᵀ) ⊙ σ_e) U_eᵀ, rows past the last expert 0, in ``dtype``, by default
+    the input's (the autocast dtype under autocast), differentiable in all of x, U, σ, V. BF16 runs two grouped
+    GEMMs. Other dtypes (FP32 for lora_dtype = "weight") run two dense GEMMs over all E·r branch columns, each row
+    keeping its own expert's r: torch._grouped_mm would loop over the experts after copying the offsets to the
+    host (a synchronization per call, ~70 a step in a 4-layer MoE), and at a rank this small the E-fold work
+    costs less."""
     dt = dtype or autocast_out_dtype(x)
     E, N, r = u.shape
     K = v.shape[-1]
+    if dt != torch.bfloat16:
+        own = _expert_of_rows(offsets, x.shape[0])[:, None] == torch.arange(E, device=x.device)[None, :]
+        z = (x.to(dt) @ (v * sigma[..., None]).to(dt).reshape(E * r, K).t()).view(-1, E, r)
+        z = torch.where(own[..., None], z, z.new_zeros(()))  # [T, E, r]: the row's own expert only
+        return z.reshape(-1, E * r) @ u.to(dt).transpose(1, 2).reshape(E * r, N)
     vs = torch.cat([v * sigma[..., None], v.new_zeros(1, r, K)]).to(dt)
     ue = torch.cat([u, u.new_zeros(1, N, r)]).to(dt)
     offs = _with_tail_expert(offsets, x.shape[0])
@@ -52,8 +67,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     y = torch._grouped_mm(x.to(dt), w.transpose(-2, -1), offs=_with_tail_expert(offsets, x.shape[0]))
     if bias is None:
         return y
-    rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int32)
-    expert = torch.searchsorted(offsets.to(torch.int32), rows, right=True)  # E for the tail rows
+    expert = _expert_of_rows(offsets, x.shape[0])
     return y + torch.cat([bias, bias.new_zeros(1, N)]).to(dt)[expert]
 
 
