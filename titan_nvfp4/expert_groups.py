@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .distributed.tensor_parallel import Name, name_of
+from .numerics.expert_blocks import row_experts
 
 #: SR stream ids of expert GEMMs start here, so they never meet those of dense layers
 GROUPED_LAYER_ID_BASE = 1 << 20
@@ -64,9 +65,8 @@ def pad_token_groups(x: torch.Tensor, counts: torch.Tensor, align: int = TOKEN_G
     ends, pends = c.cumsum(0), padded.cumsum(0)
     starts = torch.cat([ends - c, ends[-1:]])  # [E + 1]: the tail (no expert) last
     pstarts = torch.cat([pends - padded, pends[-1:]])
-    r = torch.arange(T, device=x.device)
-    e = torch.searchsorted(ends, r, right=True)
-    rows = pstarts[e] + (r - starts[e])
+    e = row_experts(ends, T)
+    rows = pstarts[e] + (torch.arange(T, device=x.device) - starts[e])
     P = -(-(T + E * (align - 1)) // align) * align
     xp = x.new_zeros(P, x.shape[1]).index_copy(0, rows, x)
     return PaddedGroups(xp, padded.to(counts.dtype), rows)

@@ -16,6 +16,7 @@ from torch import nn
 
 from .decomposed_linear import LowRankState
 from .linear_function import autocast_out_dtype
+from .numerics.expert_blocks import row_experts
 from .numerics.lowrank import lowrank_merge
 
 FACTOR_KINDS = ("u", "sigma", "v")
@@ -25,12 +26,6 @@ def _with_tail_expert(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     """int32 offsets with one more group ending at ``rows``: a zero pseudo-expert for the rows past the last
     expert, which torch._grouped_mm would leave unwritten."""
     return torch.cat([offsets.to(torch.int32), offsets.new_full((1,), rows, dtype=torch.int32)])
-
-
-def _expert_of_rows(offsets: torch.Tensor, rows: int) -> torch.Tensor:
-    """[rows] int64: each routed row's expert, E (one past the last) for the rows past the last expert."""
-    index = torch.arange(rows, device=offsets.device, dtype=torch.int32)
-    return torch.searchsorted(offsets.to(torch.int32), index, right=True)
 
 
 def grouped_lowrank(x: torch.Tensor, u: torch.Tensor, sigma: torch.Tensor, v: torch.Tensor,
@@ -45,7 +40,7 @@ def grouped_lowrank(x: torch.Tensor, u: torch.Tensor, sigma: torch.Tensor, v: to
     E, N, r = u.shape
     K = v.shape[-1]
     if dt != torch.bfloat16:
-        own = _expert_of_rows(offsets, x.shape[0])[:, None] == torch.arange(E, device=x.device)[None, :]
+        own = row_experts(offsets, x.shape[0])[:, None] == torch.arange(E, device=x.device)[None, :]
         z = (x.to(dt) @ (v * sigma[..., None]).to(dt).reshape(E * r, K).t()).view(-1, E, r)
         z = torch.where(own[..., None], z, z.new_zeros(()))  # [T, E, r]: the row's own expert only
         return z.reshape(-1, E * r) @ u.to(dt).transpose(1, 2).reshape(E * r, N)
@@ -67,7 +62,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     y = torch._grouped_mm(x.to(dt), w.transpose(-2, -1), offs=_with_tail_expert(offsets, x.shape[0]))
     if bias is None:
         return y
-    expert = _expert_of_rows(offsets, x.shape[0])
+    expert = row_experts(offsets, x.shape[0])
     return y + torch.cat([bias, bias.new_zeros(1, N)]).to(dt)[expert]
 
 

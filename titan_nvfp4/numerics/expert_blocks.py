@@ -1,5 +1,5 @@
-"""Which expert each 16-row block of routed tokens belongs to, from the cumulative token counts: the map the
-grouped kernels read (kernels/expert_map.py computes the same in one launch)."""
+"""Which expert each routed row, or each 16-row block of routed tokens, belongs to, from the cumulative token
+counts: the block map is what the grouped kernels read (kernels/expert_map.py computes it in one launch)."""
 
 from __future__ import annotations
 
@@ -14,4 +14,10 @@ def block_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(offsets, starts, right=True).to(torch.int32)
 
 
-__all__ = ["block_experts"]
+def row_experts(ends: torch.Tensor, rows: int) -> torch.Tensor:
+    """int64 [rows]: the expert of each routed row whose cumulative group ends are ``ends`` [E] (E for the rows
+    past ends[-1]), on the device (no host sync)."""
+    return torch.searchsorted(ends, torch.arange(rows, dtype=ends.dtype, device=ends.device), right=True)
+
+
+__all__ = ["block_experts", "row_experts"]
