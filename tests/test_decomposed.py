@@ -65,9 +65,9 @@ def test_refresh_without_rank_and_bad_knobs_rejected(tmp_path):
                         (("lora_rank = 16", "lora_refresh_steps = 2", 'lora_refresh_moments = "rotate"'),
                          r"lora_refresh_moments must be one of \['keep', 'project'\], got 'rotate'"),
                         (("lora_rank = 16", 'lora_dtype = "float64"'),
-                         r"lora_dtype must be one of \['input', 'weight'\], got 'float64'"),
-                        (("lora_rank = 16", "lora_nvfp4 = true", 'lora_dtype = "weight"'),
-                         r"lora_dtype = 'weight' .* lora_nvfp4 = true")):
+                         r"lora_dtype must be one of \['input', 'float32'\], got 'float64'"),
+                        (("lora_rank = 16", "lora_nvfp4 = true", 'lora_dtype = "float32"'),
+                         r"lora_dtype = 'float32' .* lora_nvfp4 = true")):
         with pytest.raises(Exception, match=needle):
             parse(toml=edited_toml(tmp_path, add=add))
 
@@ -122,7 +122,7 @@ def test_branch_in_nvfp4():
 
 
 def test_branch_in_the_factors_dtype_under_autocast():
-    """lora_dtype = "weight" under BF16 autocast: the branch's GEMMs run in the factors' FP32 and are added to R's
+    """lora_dtype = "float32" under BF16 autocast: the branch's GEMMs run in the factors' FP32 and are added to R's
     output in FP32 (one rounding to BF16), so the factors' gradients are FP32-exact; "input" runs them in BF16."""
     lin = nn.Linear(96, 64)
     with torch.no_grad():
@@ -130,7 +130,7 @@ def test_branch_in_the_factors_dtype_under_autocast():
     x = torch.randn(48, 96)
     dy = torch.randn(48, 64)
     grads, outs = {}, {}
-    for mode in ("input", "weight"):
+    for mode in ("input", "float32"):
         mod = DecomposedLinear.from_linear(copy.deepcopy(lin), REF, rank=16)
         mod.lora_dtype = mode
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -138,14 +138,14 @@ def test_branch_in_the_factors_dtype_under_autocast():
         assert y.dtype == torch.bfloat16
         y.backward(dy.to(y.dtype))
         outs[mode], grads[mode] = y, (mod.lora_u.grad, mod.lora_sigma.grad, mod.lora_v.grad)
-        if mode == "weight":
+        if mode == "float32":
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
                 r = nvfp4_linear(x, mod.weight, mod.bias, REF)
             branch = ((x @ mod.lora_v.t()) * mod.lora_sigma) @ mod.lora_u.t()
             assert torch.equal(y, (r.float() + branch).to(torch.bfloat16))
     u, s, v = (t.detach().double().requires_grad_() for t in (mod.lora_u, mod.lora_sigma, mod.lora_v))
     (((x.double() @ v.t()) * s) @ u.t()).backward(dy.to(torch.bfloat16).double())
-    for mode, bound in (("weight", 1e-5), ("input", None)):
+    for mode, bound in (("float32", 1e-5), ("input", None)):
         err = max(float((g.double() - w.grad).norm() / w.grad.norm()) for g, w in zip(grads[mode], (u, s, v)))
         if bound:
             assert err <= bound, err
@@ -183,9 +183,9 @@ def _initialized_llama(tmp_path, *add):
 
 
 def test_converter_sets_the_branch_dtype(tmp_path):
-    model, _ = _converted_llama(tmp_path, "lora_rank = 16", 'lora_dtype = "weight"', 'gemm_backend = "reference"')
+    model, _ = _converted_llama(tmp_path, "lora_rank = 16", 'lora_dtype = "float32"', 'gemm_backend = "reference"')
     mods = [m for m in model.modules() if isinstance(m, DecomposedLinear)]
-    assert len(mods) == 6 * 7 and all(m.lora_dtype == "weight" for m in mods)
+    assert len(mods) == 6 * 7 and all(m.lora_dtype == "float32" for m in mods)
     model, _ = _converted_llama(tmp_path, "lora_rank = 16", 'gemm_backend = "reference"')
     assert all(m.lora_dtype == "input" for m in model.modules() if isinstance(m, DecomposedLinear))
 
@@ -351,3 +351,31 @@ def test_decompose_under_fsdp2_matches_one_process():
     for name in ("weight", "lora_u", "lora_sigma", "lora_v"):
         assert torch.equal(out[name], getattr(ref, name).detach()), name
     assert torch.equal(out["y"], ref(x).detach())
+
+
+def test_float32_branch_refuses_factors_already_sharded_in_bf16():
+    """lora_dtype = "float32" stores the factors in FP32 by swapping their data: a factor already sharded (a DTensor)
+    in BF16 cannot be, and the error names it; FP32 DTensor factors need nothing and pass."""
+    import torch.distributed as dist
+    from dist_util import free_port
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from titan_nvfp4.decomposed_linear import set_lora_dtype
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for dtype, fails in ((torch.bfloat16, True), (torch.float32, False)):
+            root = nn.Module()
+            with torch.device("meta"):
+                root.add_module("wq", DecomposedLinear.from_linear(nn.Linear(96, 64, bias=False, dtype=dtype), REF,
+                                                                   rank=16))
+            fully_shard(root.wq, mesh=mesh)
+            if fails:
+                with pytest.raises(ValueError, match=r"lora_dtype = 'float32': wq\.lora_u is a torch\.bfloat16 DTensor"):
+                    set_lora_dtype(root, "float32")
+            else:
+                assert set_lora_dtype(root, "float32") == 1 and root.wq.lora_dtype == "float32"
+    finally:
+        dist.destroy_process_group()

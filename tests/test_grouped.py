@@ -14,6 +14,7 @@ import titan_nvfp4  # noqa: F401  (registers the converters)
 from titan_nvfp4 import NVFP4Recipe
 from titan_nvfp4.grouped_function import nvfp4_grouped_mm
 from titan_nvfp4.integration.converter import GROUPED_CONVERTER_NAME, convert_experts, convert_linears
+from titan_nvfp4.decomposed_linear import LowRankState
 from titan_nvfp4.integration.experts import NVFP4GptOssExperts, NVFP4GroupedExperts
 from titan_nvfp4.linear_function import nvfp4_linear, sr_counter
 from titan_nvfp4.ops import quantize_rowwise, quantize_weight, quantize_wgrad_operand
@@ -514,7 +515,7 @@ def test_grouped_converter_takes_the_branch_dtype_from_the_linear_section():
 
     from test_converter import parse, world1
 
-    for value in ("weight", "input"):
+    for value in ("float32", "input"):
         conv = build_model_converters(parse("--model.converters", GROUPED_CONVERTER_NAME, "--quantize.grouped_mm.nvfp4"
                                             ".lora_rank", "16", "--quantize.linear.nvfp4.lora_dtype", value), world1())
         model, _ = _build("deepseek_v3", n_layers=2)
@@ -523,8 +524,53 @@ def test_grouped_converter_takes_the_branch_dtype_from_the_linear_section():
         assert experts and all(m.lora_dtype == value for m in experts)
 
 
+def test_float32_branch_stores_fp32_factors_in_a_bf16_model(cpu_histc):
+    """lora_dtype = "float32" on gpt_oss, whose TorchTitan 0.2 blocks are BF16: the converters store every factor,
+    dense and expert, in FP32 (R stays BF16), through init_weights' split; the branch then runs in FP32 under BF16
+    autocast and the factors' gradients are FP32. (Kept in the weights' BF16, the knob changed nothing: issue 45's
+    first FP32 arm repeated the BF16-branch arm bit for bit.)"""
+    from torchtitan.protocols.model_converter import build_model_converters
+
+    from test_converter import parse, world1
+
+    knobs = ["--model.converters", f"quantize.linear.nvfp4,{GROUPED_CONVERTER_NAME}",
+             "--quantize.linear.nvfp4.filter_fqns", "output,router.gate",
+             "--quantize.linear.nvfp4.lora_rank", "16", "--quantize.grouped_mm.nvfp4.lora_rank", "16",
+             "--quantize.linear.nvfp4.gemm_backend", "reference", "--quantize.grouped_mm.nvfp4.gemm_backend", "reference"]
+    torch.manual_seed(0)
+    built = {}
+    for value in ("input", "float32"):
+        model, args = _build("gpt_oss", n_layers=1)
+        build_model_converters(parse(*knobs, "--quantize.linear.nvfp4.lora_dtype", value), world1()).convert(model)
+        lowrank = [m for m in model.modules() if isinstance(m, LowRankState)]
+        assert len(lowrank) == 5, [type(m).__name__ for m in lowrank]  # wq, wk, wv, wo and the experts
+        want = torch.float32 if value == "float32" else torch.bfloat16
+        for m in lowrank:
+            assert {p.dtype for _, p in m.lowrank_factors()} == {want}, (type(m).__name__, value)
+            assert getattr(m, m._lowrank_names()[0][0]).dtype == torch.bfloat16, "R keeps the block's BF16"
+        model.to_empty(device="cpu")
+        torch.manual_seed(1)
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)  # TorchTitan's init, then the split
+        assert all(m._is_decomposed() for m in lowrank)
+        assert {p.dtype for m in lowrank for _, p in m.lowrank_factors()} == {want}, "the split keeps the dtype"
+        built[value] = model, args
+    (fp32, args), (bf16, _) = built["float32"], built["input"]
+    x = torch.randn(2, 32, args.dim, dtype=torch.bfloat16)
+    outs = {}
+    for value, model in (("float32", fp32), ("input", bf16)):
+        block = model.layers["0"]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs[value] = (block.attention.wq(x), block.moe(x))
+        sum(o.float().square().mean() for o in outs[value]).backward()
+        grads = [p.grad for m in (block.attention.wq, block.moe.experts) for _, p in m.lowrank_factors()]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads)
+        assert {g.dtype for g in grads} == ({torch.float32} if value == "float32" else {torch.bfloat16})
+    assert all(not torch.equal(a, b) for a, b in zip(outs["float32"], outs["input"])), "the FP32 branch changes y"
+
+
 def test_grouped_lowrank_in_a_given_dtype():
-    """grouped_lowrank(dtype=float32) on BF16 tokens with FP32 factors: the FP32 product (what lora_dtype = "weight"
+    """grouped_lowrank(dtype=float32) on BF16 tokens with FP32 factors: the FP32 product (what lora_dtype = "float32"
     runs), against float64; by default the input's BF16, further off."""
     from titan_nvfp4.lowrank_experts import grouped_lowrank
 
@@ -817,7 +863,7 @@ def test_expert_refresh_projects_each_experts_adam_moments():
 
 
 def test_grouped_lowrank_in_fp32_needs_no_grouped_mm(monkeypatch):
-    """lora_dtype = "weight" (FP32 factors): the branch runs as dense GEMMs with each row masked to its own expert,
+    """lora_dtype = "float32" (FP32 factors): the branch runs as dense GEMMs with each row masked to its own expert,
     never torch._grouped_mm (whose FP32 CUDA path loops over the experts after copying the offsets to the host).
     Output and the gradients of x, U, σ and V against a float64 loop over the experts; empty experts and tail rows
     get nothing and give nothing."""

@@ -1202,7 +1202,7 @@ def test_grouped_lora_refresh_follows_the_linear_sections_steps():
 
 
 def test_lora_dtype_reaches_the_experts_branch():
-    """The dense section's lora_dtype = "weight" reaches the experts' branches (as on 0.2), and under BF16 autocast
+    """The dense section's lora_dtype = "float32" reaches the experts' branches (as on 0.2), and under BF16 autocast
     the experts then add an FP32 branch: the output moves against "input"; "input" sets nothing."""
     from titan_nvfp4.integration_v03.converter import NVFP4LinearConfigConverter
     from titan_nvfp4.integration_v03.trainer import apply_lora_dtype
@@ -1215,9 +1215,9 @@ def test_lora_dtype_reaches_the_experts_branch():
     x = torch.randn(sum(COUNTS), D)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         before = m(x, torch.tensor(COUNTS))
-        assert apply_lora_dtype([part], NVFP4LinearConfigConverter.Config(lora_rank=16, lora_dtype="weight")) == 1
+        assert apply_lora_dtype([part], NVFP4LinearConfigConverter.Config(lora_rank=16, lora_dtype="float32")) == 1
         after = m(x, torch.tensor(COUNTS))
-    assert m.lora_dtype == "weight" and before.dtype == after.dtype and not torch.equal(before, after)
+    assert m.lora_dtype == "float32" and before.dtype == after.dtype and not torch.equal(before, after)
 
 
 def test_grouped_lora_state_dict_is_02s_and_loads_back():

@@ -95,7 +95,7 @@ class LowRankState:
     """Whether a low-rank module's weights hold a decomposition (``lora_decomposed`` buffer, saved with
     the checkpoint, and its Python twin ``_lora_ready`` read in forward): shared by DecomposedLinear and
     the decomposed expert modules (lowrank_experts.py), which define ``decompose_()``. ``lora_dtype``: the
-    branch GEMMs' dtype, "input" or "weight" (the factors'; set by ``set_lora_dtype``)."""
+    branch's precision, "input" or "float32" (knobs.py; set by ``set_lora_dtype``)."""
 
     lora_dtype: str = "input"
 
@@ -191,6 +191,11 @@ class LowRankState:
     def _factors_of(self, factor_prefix: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(getattr(self, factor_prefix + n) for n in ("u", "sigma", "v"))
 
+    def lowrank_factors(self) -> list[tuple[str, nn.Parameter]]:
+        """(attribute name, parameter) of every low-rank factor: U, σ, V of each decomposed weight."""
+        return [(prefix + n, getattr(self, prefix + n)) for _, prefix in self._lowrank_names()
+                for n in ("u", "sigma", "v") if getattr(self, prefix + n, None) is not None]
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """``weight`` saved as the full W, R as ``<factor prefix>residual`` (module docstring)."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -239,11 +244,23 @@ class LowRankState:
 
 
 def set_lora_dtype(modules: nn.Module | list[nn.Module], value: str) -> int:
-    """Set ``lora_dtype`` (knobs.LORA_DTYPES) on every low-rank module under ``modules``; returns how many."""
+    """Set ``lora_dtype`` (knobs.LORA_DTYPES) on every low-rank module under ``modules``; returns how many.
+    "float32" also stores the factors in FP32 (the same Parameter objects, so it must run before the optimizer's
+    first step and before sharding: a factor that is already a DTensor in another dtype is refused by name)."""
     roots = modules if isinstance(modules, (list, tuple)) else [modules]
-    found = [m for root in roots for m in root.modules() if isinstance(m, LowRankState)]
-    for m in found:
+    found = [(name, m) for root in roots for name, m in root.named_modules() if isinstance(m, LowRankState)]
+    for name, m in found:
         m.lora_dtype = value
+        if value != "float32":
+            continue
+        for attr, p in m.lowrank_factors():
+            if p.dtype == torch.float32:
+                continue
+            if isinstance(p, DTensor):
+                raise ValueError(f"lora_dtype = 'float32': {name}.{attr} is a {p.dtype} DTensor, sharded before the "
+                                 "knob could store it in FP32; build the model in FP32 (training.dtype) or set "
+                                 "lora_dtype = 'input'")
+            p.data = p.data.float()
     return len(found)
 
 
@@ -349,10 +366,10 @@ class DecomposedLinear(LowRankState, NVFP4Linear):
         if self.lora_nvfp4 and not self.high_precision:
             h = self._nvfp4_linear(x, self.lora_v, None, 1) * self.lora_sigma
             return y + self._nvfp4_linear(h, self.lora_u, None, 2)
-        if self.lora_dtype == "weight":  # the branch in the factors' dtype (FP32 under AMP), summed in FP32
+        if self.lora_dtype == "float32":  # the branch in FP32 (its factors BF16 only when FSDP2 gathers them so)
             with torch.autocast(x.device.type, enabled=False):
-                h = F.linear(x.to(self.lora_v.dtype), self.lora_v) * self.lora_sigma
-                return (y.float() + F.linear(h, self.lora_u).float()).to(y.dtype)
+                h = F.linear(x.float(), self.lora_v.float()) * self.lora_sigma.float()
+                return (y.float() + F.linear(h, self.lora_u.float())).to(y.dtype)
         dt = autocast_out_dtype(x)
         h = F.linear(x.to(dt), self.lora_v.to(dt)) * self.lora_sigma.to(dt)
         return y + F.linear(h, self.lora_u.to(dt))

@@ -69,7 +69,7 @@ RecipeOverrides = _overrides_class()
 #: lora_refresh_moments values
 REFRESH_MOMENTS = ("keep", "project")
 #: lora_dtype values
-LORA_DTYPES = ("input", "weight")
+LORA_DTYPES = ("input", "float32")
 
 
 def _nonneg_int(value) -> bool:
@@ -133,9 +133,10 @@ class LinearKnobs(RecipeKnobs):
     lora_nvfp4: bool = False
     """Run the branch's two GEMMs in NVFP4 too (default: the input's dtype, BF16 in training)."""
     lora_dtype: str = "input"
-    """The dtype of the high-precision branch's GEMMs (the experts' branch too): "input", the input's (BF16
-    under mixed precision), or "weight", the factors' own (FP32 under TorchTitan's single-device AMP; under
-    FSDP2's BF16 parameters the same as "input"), the branch's sum with R's output then taken in FP32."""
+    """The high-precision branch's precision (the experts' branch too): "input", GEMMs in the input's dtype (BF16
+    under mixed precision), the factors stored like the weights; "float32", the factors stored (so trained, Adam
+    moments included) in FP32 whatever the model's dtype, e.g. gpt_oss's BF16 blocks, the GEMMs in FP32 and their
+    sum with R's output taken in FP32 (under FSDP2's BF16 parameters the factors are all-gathered in BF16)."""
     lora_refresh_steps: int = 0
     """Re-decompose every N optimizer steps (0 = only at initialization). With lora_refresh_moments "keep",
     AdamW's moments keep describing the old split, which cost loss in docs/results.md (DecomposedLinear)."""

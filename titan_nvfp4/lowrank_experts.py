@@ -32,7 +32,7 @@ def grouped_lowrank(x: torch.Tensor, u: torch.Tensor, sigma: torch.Tensor, v: to
                     offsets: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """[T, N]: rows of expert e get ((x V_eᵀ) ⊙ σ_e) U_eᵀ, rows past the last expert 0, in ``dtype``, by default
     the input's (the autocast dtype under autocast), differentiable in all of x, U, σ, V. BF16 runs two grouped
-    GEMMs. Other dtypes (FP32 for lora_dtype = "weight") run two dense GEMMs over all E·r branch columns, each row
+    GEMMs. Other dtypes (FP32 for lora_dtype = "float32") run two dense GEMMs over all E·r branch columns, each row
     keeping its own expert's r: torch._grouped_mm would loop over the experts after copying the offsets to the
     host (a synchronization per call, ~70 a step in a 4-layer MoE), and at a rank this small the E-fold work
     costs less."""
@@ -129,9 +129,9 @@ class LowRankExperts(LowRankState):
         if not self.lora_rank:
             return y
         factors = self._factors(g)
-        if self.lora_dtype == "weight":  # the branch in the factors' dtype (FP32 under AMP), summed in FP32
+        if self.lora_dtype == "float32":  # the branch in FP32, summed with y in FP32
             with torch.autocast(x.device.type, enabled=False):
-                return (y.float() + grouped_lowrank(x, *factors, offsets, factors[0].dtype).float()).to(y.dtype)
+                return (y.float() + grouped_lowrank(x, *factors, offsets, torch.float32)).to(y.dtype)
         return y + grouped_lowrank(x, *factors, offsets).to(y.dtype)
 
 

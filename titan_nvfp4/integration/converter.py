@@ -240,7 +240,8 @@ def apply_lora_dtype(model: nn.Module, lora_dtype: str) -> None:
     """Run the low-rank branches converted so far in ``lora_dtype`` (either converter may run last)."""
     if lora_dtype != "input":
         n = set_lora_dtype(model, lora_dtype)
-        logger.info(f"NVFP4: the low-rank branches of {n} modules run in their factors' dtype (lora_dtype)")
+        logger.info(f"NVFP4: the low-rank branches of {n} modules run in FP32, their factors stored in FP32 "
+                    "(lora_dtype)")
 
 
 def decompose_after_init(model: nn.Module) -> None:

@@ -119,7 +119,8 @@ def apply_lora_dtype(model_parts: list[torch.nn.Module], section: NVFP4LinearCon
     if section.lora_dtype == "input":
         return 0
     n = set_lora_dtype(model_parts, section.lora_dtype)
-    logger.info(f"NVFP4: the low-rank branches of {n} modules run in their factors' dtype (lora_dtype)")
+    logger.info(f"NVFP4: the low-rank branches of {n} modules run in FP32, their factors stored in FP32 "
+                    "(lora_dtype)")
     return n
 
 
