@@ -569,6 +569,26 @@ def test_float32_branch_stores_fp32_factors_in_a_bf16_model(cpu_histc):
     assert all(not torch.equal(a, b) for a, b in zip(outs["float32"], outs["input"])), "the FP32 branch changes y"
 
 
+def test_float32_branch_in_a_bf16_model_under_fsdp_is_refused_by_name():
+    """FSDP2 shards a module's parameters in one dtype (its lazy init asserts it at the first forward): FP32
+    factors beside gpt_oss's BF16 weights are refused at conversion, naming the layer and the way out."""
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.model_converter import build_model_converters
+
+    from test_converter import parse
+
+    fsdp2 = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=2)
+    assert fsdp2.fsdp_enabled
+    for converters in ("quantize.linear.nvfp4", GROUPED_CONVERTER_NAME):
+        model, _ = _build("gpt_oss", n_layers=1)
+        cfg = parse("--model.converters", converters, "--quantize.linear.nvfp4.filter_fqns", "output,router.gate",
+                    "--quantize.linear.nvfp4.lora_rank", "16", "--quantize.grouped_mm.nvfp4.lora_rank", "16",
+                    "--quantize.linear.nvfp4.lora_dtype", "float32")
+        with pytest.raises(ValueError, match=r"lora_dtype = 'float32': layers\.0\.\S+ holds its weights in "
+                                             r"torch\.bfloat16, and FSDP2 .*\(data_parallel_shard_degree = 1\)"):
+            build_model_converters(cfg, fsdp2).convert(model)
+
+
 def test_grouped_lowrank_in_a_given_dtype():
     """grouped_lowrank(dtype=float32) on BF16 tokens with FP32 factors: the FP32 product (what lora_dtype = "float32"
     runs), against float64; by default the input's BF16, further off."""

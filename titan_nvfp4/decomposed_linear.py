@@ -243,10 +243,12 @@ class LowRankState:
             self._lora_ready = bool(self.lora_decomposed)
 
 
-def set_lora_dtype(modules: nn.Module | list[nn.Module], value: str) -> int:
+def set_lora_dtype(modules: nn.Module | list[nn.Module], value: str, one_dtype: bool = False) -> int:
     """Set ``lora_dtype`` (knobs.LORA_DTYPES) on every low-rank module under ``modules``; returns how many.
     "float32" also stores the factors in FP32 (the same Parameter objects, so it must run before the optimizer's
-    first step and before sharding: a factor that is already a DTensor in another dtype is refused by name)."""
+    first step and before sharding: a factor that is already a DTensor in another dtype is refused by name).
+    ``one_dtype``: the modules are to be sharded by FSDP2, which holds one parameter dtype per module, so factors
+    that would differ from their weights' dtype are refused by name."""
     roots = modules if isinstance(modules, (list, tuple)) else [modules]
     found = [(name, m) for root in roots for name, m in root.named_modules() if isinstance(m, LowRankState)]
     for name, m in found:
@@ -260,6 +262,11 @@ def set_lora_dtype(modules: nn.Module | list[nn.Module], value: str) -> int:
                 raise ValueError(f"lora_dtype = 'float32': {name}.{attr} is a {p.dtype} DTensor, sharded before the "
                                  "knob could store it in FP32; build the model in FP32 (training.dtype) or set "
                                  "lora_dtype = 'input'")
+            if one_dtype:
+                raise ValueError(f"lora_dtype = 'float32': {name} holds its weights in {p.dtype}, and FSDP2 shards a "
+                                 "module's parameters in one dtype, so its factors cannot be FP32 beside them (TorchTitan "
+                                 "0.2's gpt_oss builds its blocks in BF16); train without FSDP (data_parallel_shard_degree"
+                                 " = 1) or set lora_dtype = 'input'")
             p.data = p.data.float()
     return len(found)
 

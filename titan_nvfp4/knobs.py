@@ -136,7 +136,8 @@ class LinearKnobs(RecipeKnobs):
     """The high-precision branch's precision (the experts' branch too): "input", GEMMs in the input's dtype (BF16
     under mixed precision), the factors stored like the weights; "float32", the factors stored (so trained, Adam
     moments included) in FP32 whatever the model's dtype, e.g. gpt_oss's BF16 blocks, the GEMMs in FP32 and their
-    sum with R's output taken in FP32 (under FSDP2's BF16 parameters the factors are all-gathered in BF16)."""
+    sum with R's output taken in FP32 (under FSDP2 the weights must be FP32 too, and its BF16 parameters
+    all-gather the factors in BF16)."""
     lora_refresh_steps: int = 0
     """Re-decompose every N optimizer steps (0 = only at initialization). With lora_refresh_moments "keep",
     AdamW's moments keep describing the old split, which cost loss in docs/results.md (DecomposedLinear)."""

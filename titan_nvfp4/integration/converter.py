@@ -132,6 +132,7 @@ class NVFP4LinearConverter(QuantizationConverter):
         self.filter_fqns = list(section.filter_fqns)
         self.lora_rank, self.lora_nvfp4 = section.lora_rank, section.lora_nvfp4
         self.lora_refresh_steps, self.lora_dtype = section.lora_refresh_steps, section.lora_dtype
+        self.fsdp = parallel_dims is not None and parallel_dims.fsdp_enabled
         # lora_refresh_moments = "project": the refresh finds the factors' optimizer state through this
         self.optimizer_states = shared_optimizer_states() if section.lora_refresh_moments == "project" else None
         self.bf16_after_fraction = section.bf16_after_fraction
@@ -173,7 +174,7 @@ class NVFP4LinearConverter(QuantizationConverter):
             logger.info(f"NVFP4: kept {fqn} in high precision ({why})")
         if self.lora_rank and report["converted"]:
             decompose_after_init(model)
-        apply_lora_dtype(model, self.lora_dtype)
+        apply_lora_dtype(model, self.lora_dtype, self.fsdp)
         if self.amax_history:
             history = AmaxHistory(self.amax_history)
             for fqn in report["converted"]:
@@ -236,10 +237,11 @@ def _init_weights_then_decompose(self, *args, **kwargs):
     return out
 
 
-def apply_lora_dtype(model: nn.Module, lora_dtype: str) -> None:
-    """Run the low-rank branches converted so far in ``lora_dtype`` (either converter may run last)."""
+def apply_lora_dtype(model: nn.Module, lora_dtype: str, fsdp: bool) -> None:
+    """Run the low-rank branches converted so far in ``lora_dtype`` (either converter may run last); ``fsdp``:
+    FSDP2 will shard the model, which takes one parameter dtype per module."""
     if lora_dtype != "input":
-        n = set_lora_dtype(model, lora_dtype)
+        n = set_lora_dtype(model, lora_dtype, one_dtype=fsdp)
         logger.info(f"NVFP4: the low-rank branches of {n} modules run in FP32, their factors stored in FP32 "
                     "(lora_dtype)")
 
@@ -296,6 +298,7 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
         self.fqns = list(section.fqns)
         self.lora_rank = section.lora_rank
         self.lora_dtype = _section(job_config, "linear").lora_dtype  # the dense section's knob covers the experts
+        self.fsdp = parallel_dims is not None and parallel_dims.fsdp_enabled
         self.bf16_after_fraction = section.bf16_after_fraction
         self.total_steps = job_config.training.steps
         self.telemetry_every = section.telemetry_every
@@ -325,7 +328,7 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
                     "token groups aligned to 16")
         if self.lora_rank:
             decompose_after_init(model)
-        apply_lora_dtype(model, self.lora_dtype)
+        apply_lora_dtype(model, self.lora_dtype, self.fsdp)
         for fqn, why in report["skipped"]:
             logger.info(f"NVFP4: kept experts {fqn} in high precision ({why})")
         if self.bf16_after_fraction or self.telemetry_every:
