@@ -120,7 +120,7 @@ def apply_lora_dtype(model_parts: list[torch.nn.Module], section: NVFP4LinearCon
         return 0
     n = set_lora_dtype(model_parts, section.lora_dtype)
     logger.info(f"NVFP4: the low-rank branches of {n} modules run in FP32, their factors stored in FP32 "
-                    "(lora_dtype)")
+                "(lora_dtype)")
     return n
 
 
