@@ -188,13 +188,16 @@ class LowRankState:
             n += 1
         return n
 
+    _FACTOR_NAMES = ("u", "sigma", "v")
+
     def _factors_of(self, factor_prefix: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(getattr(self, factor_prefix + n) for n in ("u", "sigma", "v"))
+        return tuple(getattr(self, factor_prefix + n) for n in self._FACTOR_NAMES)
 
     def lowrank_factors(self) -> list[tuple[str, nn.Parameter]]:
-        """(attribute name, parameter) of every low-rank factor: U, σ, V of each decomposed weight."""
-        return [(prefix + n, getattr(self, prefix + n)) for _, prefix in self._lowrank_names()
-                for n in ("u", "sigma", "v") if getattr(self, prefix + n, None) is not None]
+        """(attribute name, parameter) of every low-rank factor: U, σ, V of each decomposed weight (none for an
+        expert module converted without a rank)."""
+        return [(prefix + n, p) for _, prefix in self._lowrank_names() if hasattr(self, prefix + "u")
+                for n, p in zip(self._FACTOR_NAMES, self._factors_of(prefix))]
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """``weight`` saved as the full W, R as ``<factor prefix>residual`` (module docstring)."""
