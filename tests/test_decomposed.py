@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 
 import pytest
+
 import torch
 from torch import nn
 
@@ -241,10 +243,10 @@ def test_projected_moments_are_the_new_factors_gradients():
         assert torch.equal(stacked[kind][0][0], moments[kind][0]) and torch.equal(stacked[kind][1][1], second[kind][1])
 
 
-def test_refresh_keeps_the_weight_reorthogonalizes_and_projects_the_moments(tmp_path):
+def test_refresh_keeps_the_weight_reorthogonalizes_and_projects_the_moments(tmp_path, caplog):
     """lora_refresh_steps = 2 with lora_refresh_moments = "project": the refresh after step 2 keeps W, makes U
     orthonormal again, and sets every factor's AdamW moments to those the residual's give on the new split (the
-    optimizer found through torch.optim's step hook, as TorchTitan's optimizers step)."""
+    optimizer found through torch.optim's step hook, as TorchTitan's optimizers step); the log counts them."""
     model, converters = _initialized_llama(tmp_path, "lora_rank = 16", "lora_refresh_steps = 2",
                                            'lora_refresh_moments = "project"', 'gemm_backend = "reference"')
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -260,7 +262,11 @@ def test_refresh_keeps_the_weight_reorthogonalizes_and_projects_the_moments(tmp_
         w_before, u_before = m.dense_weight(), m.lora_u.detach().clone()
         adam_v = opt.state[m.lora_v]["exp_avg_sq"].clone()
         assert not torch.allclose(u_before.t() @ u_before, torch.eye(16), atol=1e-3)
-        converters.post_optimizer_hook([model])  # step 2: the refresh
+        with caplog.at_level(logging.INFO):
+            converters.post_optimizer_hook([model])  # step 2: the refresh
+    n = sum(isinstance(x, DecomposedLinear) for x in model.modules())
+    assert f"re-decomposed {n} low-rank modules after optimizer step 2, the factors' Adam moments of {n} weights " \
+           "projected onto the new split" in caplog.text
     assert torch.allclose(m.dense_weight(), w_before, atol=1e-5)
     assert torch.allclose(m.lora_u.t() @ m.lora_u, torch.eye(16), atol=1e-5)
     new = project_moments(opt.state[m.weight]["exp_avg"], opt.state[m.weight]["exp_avg_sq"],
@@ -268,6 +274,17 @@ def test_refresh_keeps_the_weight_reorthogonalizes_and_projects_the_moments(tmp_
     for kind, p in (("u", m.lora_u), ("sigma", m.lora_sigma), ("v", m.lora_v)):
         assert torch.equal(opt.state[p]["exp_avg"], new[kind][0]) and torch.equal(opt.state[p]["exp_avg_sq"], new[kind][1])
     assert not torch.allclose(opt.state[m.lora_v]["exp_avg_sq"], adam_v)
+
+
+def test_a_refresh_that_finds_no_moments_says_so():
+    """A projection that finds no optimizer state (an optimizer torch.optim's step hooks do not see) warns in the
+    refresh's log line, not "projected"."""
+    from titan_nvfp4.decomposed_linear import Redecomposed, refresh_message
+
+    assert refresh_message(Redecomposed(4, 4), 10, False) == \
+        "NVFP4: re-decomposed 4 low-rank modules after optimizer step 10"
+    assert "moments of 4 weights projected" in refresh_message(Redecomposed(4, 4), 10, True)
+    assert "none found in any optimizer's state" in refresh_message(Redecomposed(4, 0), 10, True)
 
 
 def test_checkpoint_round_trip_and_dense_export(tmp_path):

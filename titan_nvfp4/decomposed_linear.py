@@ -25,6 +25,8 @@ state dict with ``weight`` alone (a BF16 checkpoint) loads as W and is decompose
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -288,18 +290,36 @@ def check_lowrank_args(name: str, rank, in_features: int, out_features: int, lor
         raise ValueError(f"{where}: lora_nvfp4 must be True or False, got {lora_nvfp4!r}")
 
 
-def redecompose(model: nn.Module | list[nn.Module], state_of=None) -> int:
+class Redecomposed(NamedTuple):
+    """What a refresh did: low-rank modules re-split, and weights whose factors' Adam moments were projected."""
+    modules: int
+    projected: int
+
+
+def redecompose(model: nn.Module | list[nn.Module], state_of=None) -> Redecomposed:
     """decompose_() every low-rank module (DecomposedLinear, experts with a lora_rank) of ``model`` (or of each
     model part): the lora_refresh_steps refresh; with ``state_of`` (lora_refresh_moments = "project") the
-    factors' Adam moments are projected onto the new split. Returns how many modules."""
+    factors' Adam moments are projected onto the new split (weights whose optimizer state is not found yet, before
+    their first step, keep theirs)."""
     parts = model if isinstance(model, list) else [model]
     mods = [m for part in parts for m in part.modules()
             if isinstance(m, LowRankState) and "lora_decomposed" in m._buffers]
+    projected = 0
     for m in mods:
         m.decompose_()
         if state_of is not None:
-            m.project_moments_(state_of)
-    return len(mods)
+            projected += m.project_moments_(state_of)
+    return Redecomposed(len(mods), projected)
+
+
+def refresh_message(done: Redecomposed, step: int, projecting: bool) -> str:
+    """The log line of a refresh after optimizer ``step`` (both TorchTitan integrations)."""
+    msg = f"NVFP4: re-decomposed {done.modules} low-rank modules after optimizer step {step}"
+    if projecting:
+        msg += f", the factors' Adam moments of {done.projected} weights projected onto the new split"
+        if not done.projected:
+            msg += " (none found in any optimizer's state: the moments describe the old split)"
+    return msg
 
 
 class DecomposedLinear(LowRankState, NVFP4Linear):
@@ -389,4 +409,4 @@ class DecomposedLinear(LowRankState, NVFP4Linear):
 
 
 __all__ = ["DecomposedLinear", "LORA_LAYER_ID_BASE", "LowRankState", "RESIDUAL", "assign_full", "dense_like",
-           "redecompose", "set_lora_dtype"]
+           "Redecomposed", "redecompose", "refresh_message", "set_lora_dtype"]
