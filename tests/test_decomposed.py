@@ -62,6 +62,7 @@ def test_invalid_ranks_stop_the_job_at_parse_time(tmp_path, value):
 def test_refresh_without_rank_and_bad_knobs_rejected(tmp_path):
     for add, needle in ((("lora_refresh_steps = 10",), "needs lora_rank"),
                         (("lora_rank = 16", "lora_nvfp4 = 1"), "lora_nvfp4"),
+                        (("lora_nvfp4 = true",), r"lora_nvfp4 = true needs lora_rank > 0"),
                         (("lora_rank = 16", "lora_refresh_steps = -1"), "lora_refresh_steps"),
                         (("lora_rank = 16", 'lora_refresh_moments = "project"'), "needs lora_refresh_steps > 0"),
                         (("lora_rank = 16", "lora_refresh_steps = 2", 'lora_refresh_moments = "rotate"'),
@@ -182,6 +183,16 @@ def _initialized_llama(tmp_path, *add):
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     return model, converters
+
+
+def test_lora_dtype_without_a_rank_is_refused(tmp_path):
+    """lora_dtype = "float32" with no lora_rank in any listed converter would change nothing: refused when the
+    converter is built, naming the knob."""
+    from torchtitan.protocols.model_converter import build_model_converters
+
+    cfg = parse(toml=edited_toml(tmp_path, add=('lora_dtype = "float32"',)))
+    with pytest.raises(ValueError, match=r"lora_dtype = 'float32' needs a low-rank branch: set lora_rank > 0"):
+        build_model_converters(cfg, world1())
 
 
 def test_converter_sets_the_branch_dtype(tmp_path):

@@ -1218,6 +1218,10 @@ def test_lora_dtype_reaches_the_experts_branch():
         assert apply_lora_dtype([part], NVFP4LinearConfigConverter.Config(lora_rank=16, lora_dtype="float32")) == 1
         after = m(x, torch.tensor(COUNTS))
     assert m.lora_dtype == "float32" and before.dtype == after.dtype and not torch.equal(before, after)
+    plain = torch.nn.Module()
+    plain.add_module("experts", build_experts(*EXPERT_KINDS["swiglu"]))  # no rank: nothing for the knob to change
+    with pytest.raises(ValueError, match=r"lora_dtype = 'float32' needs a low-rank branch"):
+        apply_lora_dtype([plain], NVFP4LinearConfigConverter.Config(lora_dtype="float32"))
 
 
 def test_grouped_lora_state_dict_is_02s_and_loads_back():

@@ -249,13 +249,15 @@ class LowRankState:
 
 
 def set_lora_dtype(modules: nn.Module | list[nn.Module], value: str, one_dtype: bool = False) -> int:
-    """Set ``lora_dtype`` (knobs.LORA_DTYPES) on every low-rank module under ``modules``; returns how many.
+    """Set ``lora_dtype`` (knobs.LORA_DTYPES) on every module under ``modules`` with low-rank factors; returns how
+    many.
     "float32" also stores the factors in FP32 (the same Parameter objects, so it must run before the optimizer's
     first step and before sharding: a factor that is already a DTensor in another dtype is refused by name).
     ``one_dtype``: the modules are to be sharded by FSDP2, which holds one parameter dtype per module, so factors
     that would differ from their weights' dtype are refused by name."""
     roots = modules if isinstance(modules, (list, tuple)) else [modules]
-    found = [(name, m) for root in roots for name, m in root.named_modules() if isinstance(m, LowRankState)]
+    found = [(name, m) for root in roots for name, m in root.named_modules()
+             if isinstance(m, LowRankState) and m.lowrank_factors()]
     for name, m in found:
         m.lora_dtype = value
         if value != "float32":

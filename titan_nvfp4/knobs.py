@@ -163,6 +163,8 @@ class LinearKnobs(RecipeKnobs):
         check_rank(self.lora_rank, s)
         if not isinstance(self.lora_nvfp4, bool):
             raise ValueError(f"[{s}] lora_nvfp4 must be true or false, got {self.lora_nvfp4!r}")
+        if self.lora_nvfp4 and not self.lora_rank:
+            raise ValueError(f"[{s}] lora_nvfp4 = true needs lora_rank > 0 (it sets how the dense low-rank branch runs)")
         self._check_count("lora_refresh_steps")
         if self.lora_refresh_steps and not self.lora_rank:
             raise ValueError(f"[{s}] lora_refresh_steps = {self.lora_refresh_steps} needs lora_rank > 0")

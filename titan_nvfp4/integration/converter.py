@@ -41,6 +41,19 @@ def require_listed_once(job_config: JobConfig, name: str) -> None:
         raise ValueError(f"[model] converters lists {name!r} {listed.count(name)} times ({listed}); list it once")
 
 
+def require_lowrank_for_lora_dtype(job_config: JobConfig) -> None:
+    """Refuse lora_dtype other than "input" when no listed converter has a lora_rank: the knob would change nothing."""
+    linear = _section(job_config, "linear")
+    if linear.lora_dtype == "input":
+        return
+    listed = list(getattr(getattr(job_config, "model", None), "converters", None) or [])
+    ranks = {CONVERTER_NAME: linear.lora_rank, GROUPED_CONVERTER_NAME: _section(job_config, "grouped_mm").lora_rank}
+    if not any(ranks[name] for name in listed if name in ranks):
+        raise ValueError(f"[{linear.SECTION}] lora_dtype = {linear.lora_dtype!r} needs a low-rank branch: set "
+                         f"lora_rank > 0 in a listed converter's section ([model] converters = {listed}), or leave "
+                         "lora_dtype = 'input'")
+
+
 def require_backend_runs_here(recipe: NVFP4Recipe, section: str) -> None:
     """Check an explicit gemm_backend against this machine at conversion, not at the first forward after the
     whole model has been materialized."""
@@ -133,6 +146,7 @@ class NVFP4LinearConverter(QuantizationConverter):
         self.lora_rank, self.lora_nvfp4 = section.lora_rank, section.lora_nvfp4
         self.lora_refresh_steps, self.lora_dtype = section.lora_refresh_steps, section.lora_dtype
         self.fsdp = parallel_dims is not None and parallel_dims.fsdp_enabled
+        require_lowrank_for_lora_dtype(job_config)
         # lora_refresh_moments = "project": the refresh finds the factors' optimizer state through this
         self.optimizer_states = shared_optimizer_states() if section.lora_refresh_moments == "project" else None
         self.bf16_after_fraction = section.bf16_after_fraction
@@ -299,6 +313,7 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
         self.lora_rank = section.lora_rank
         self.lora_dtype = _section(job_config, "linear").lora_dtype  # the dense section's knob covers the experts
         self.fsdp = parallel_dims is not None and parallel_dims.fsdp_enabled
+        require_lowrank_for_lora_dtype(job_config)
         self.bf16_after_fraction = section.bf16_after_fraction
         self.total_steps = job_config.training.steps
         self.telemetry_every = section.telemetry_every

@@ -115,10 +115,13 @@ def attach_linear_state(model_parts: list[torch.nn.Module], section: NVFP4Linear
 
 def apply_lora_dtype(model_parts: list[torch.nn.Module], section: NVFP4LinearConfigConverter.Config) -> int:
     """The dense section's lora_dtype on every low-rank module of the built parts, the experts' too (as on 0.2);
-    returns how many it set."""
+    returns how many it set. A model without low-rank factors is refused: the knob would change nothing."""
     if section.lora_dtype == "input":
         return 0
     n = set_lora_dtype(model_parts, section.lora_dtype)
+    if not n:
+        raise ValueError(f"[{section.SECTION}] lora_dtype = {section.lora_dtype!r} needs a low-rank branch: set "
+                         "lora_rank > 0 here or in quantize.grouped_mm, or leave lora_dtype = 'input'")
     logger.info(f"NVFP4: the low-rank branches of {n} modules run in FP32, their factors stored in FP32 "
                 "(lora_dtype)")
     return n
