@@ -40,6 +40,8 @@ from .nvfp4_linear import NVFP4Linear, check_linear_dims
 from .recipe import NVFP4Recipe
 from .telemetry import measure_linear
 
+#: the factor names of a decomposed weight W = U·diag(σ)·V + R (attribute ``<prefix><kind>``)
+FACTOR_KINDS = ("u", "sigma", "v")
 #: SR streams of the branch GEMMs: layer ids LORA_LAYER_ID_BASE + 2·layer_id + {0, 1}
 LORA_LAYER_ID_BASE = 1 << 21
 
@@ -184,22 +186,20 @@ class LowRankState:
                                  f"moments (exp_avg, exp_avg_sq); the optimizer keeps {sorted(states[0])}")
             new = project_moments(full_tensor(states[0]["exp_avg"]), full_tensor(states[0]["exp_avg_sq"]),
                                   *(full_tensor(f) for f in factors))
-            for state, kind in zip(states[1:], ("u", "sigma", "v")):
+            for state, kind in zip(states[1:], FACTOR_KINDS):
                 for key, value in zip(("exp_avg", "exp_avg_sq"), new[kind]):
                     assign_full(state[key], value)
             n += 1
         return n
 
-    _FACTOR_NAMES = ("u", "sigma", "v")
-
     def _factors_of(self, factor_prefix: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(getattr(self, factor_prefix + n) for n in self._FACTOR_NAMES)
+        return tuple(getattr(self, factor_prefix + n) for n in FACTOR_KINDS)
 
     def lowrank_factors(self) -> list[tuple[str, nn.Parameter]]:
         """(attribute name, parameter) of every low-rank factor: U, σ, V of each decomposed weight (none for an
         expert module converted without a rank)."""
         return [(prefix + n, p) for _, prefix in self._lowrank_names() if hasattr(self, prefix + "u")
-                for n, p in zip(self._FACTOR_NAMES, self._factors_of(prefix))]
+                for n, p in zip(FACTOR_KINDS, self._factors_of(prefix))]
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """``weight`` saved as the full W, R as ``<factor prefix>residual`` (module docstring)."""
@@ -238,7 +238,7 @@ class LowRankState:
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         if kinds == {"dense"}:  # W alone: split it here (the factors and the flag are not expected)
-            own = {prefix + fp + n for _, fp in self._lowrank_names() for n in ("u", "sigma", "v")}
+            own = {prefix + fp + n for _, fp in self._lowrank_names() for n in FACTOR_KINDS}
             missing_keys[:] = [k for k in missing_keys if k not in own | {prefix + "lora_decomposed"}]
             with torch.no_grad():
                 self.lora_decomposed.fill_(False)
@@ -322,6 +322,11 @@ def refresh_message(done: Redecomposed, step: int, projecting: bool) -> str:
         if not done.projected:
             msg += " (none found in any optimizer's state: the moments describe the old split)"
     return msg
+
+
+def log_refresh(logger, done: Redecomposed, step: int, projecting: bool) -> None:
+    """refresh_message on ``logger``: a warning when a projection found no moments, else info."""
+    (logger.warning if projecting and not done.projected else logger.info)(refresh_message(done, step, projecting))
 
 
 class DecomposedLinear(LowRankState, NVFP4Linear):
@@ -410,5 +415,5 @@ class DecomposedLinear(LowRankState, NVFP4Linear):
         return f"{super().extra_repr()}, lora_rank={self.rank}, lora_nvfp4={self.lora_nvfp4}"
 
 
-__all__ = ["DecomposedLinear", "LORA_LAYER_ID_BASE", "LowRankState", "RESIDUAL", "assign_full", "dense_like",
-           "Redecomposed", "redecompose", "refresh_message", "set_lora_dtype"]
+__all__ = ["FACTOR_KINDS", "DecomposedLinear", "LORA_LAYER_ID_BASE", "LowRankState", "RESIDUAL", "Redecomposed",
+           "assign_full", "dense_like", "log_refresh", "redecompose", "refresh_message", "set_lora_dtype"]

@@ -14,12 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .decomposed_linear import LowRankState
+from .decomposed_linear import FACTOR_KINDS, LowRankState
 from .linear_function import autocast_out_dtype
 from .numerics.expert_blocks import row_experts
 from .numerics.lowrank import lowrank_merge
-
-FACTOR_KINDS = ("u", "sigma", "v")
 
 
 def _with_tail_expert(offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -108,7 +106,7 @@ class LowRankExperts(LowRankState):
         self._init_lowrank_state(getattr(self, self.GEMMS[0]).device)
 
     def _factors(self, g: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(getattr(self, f"{g}_lora_{k}") for k in FACTOR_KINDS)
+        return self._factors_of(f"{g}_lora_")
 
     def _lowrank_names(self) -> list[tuple[str, str]]:
         return [(g, f"{g}_lora_") for g in self.GEMMS]
@@ -135,4 +133,4 @@ class LowRankExperts(LowRankState):
         return y + grouped_lowrank(x, *factors, offsets).to(y.dtype)
 
 
-__all__ = ["FACTOR_KINDS", "LowRankExperts", "check_expert_rank", "grouped_linear", "grouped_lowrank"]
+__all__ = ["LowRankExperts", "check_expert_rank", "grouped_linear", "grouped_lowrank"]

@@ -16,7 +16,7 @@ from torchtitan.protocols.model_converter import _registry_model_converter_cls, 
 from torchtitan.tools.logging import logger
 
 from ..amax_history import AmaxHistory, layers_with_history, register_buffers, roll
-from ..decomposed_linear import DecomposedLinear, check_lowrank_args, redecompose, refresh_message, set_lora_dtype
+from ..decomposed_linear import DecomposedLinear, check_lowrank_args, log_refresh, redecompose, set_lora_dtype
 from ..distributed.fsdp_all_gather import TRAFFIC, precompute_scales, wrap_weight
 from ..expert_groups import experts_layer_id
 from ..layer_selection import check_block_counts, skip_reason
@@ -225,8 +225,7 @@ class NVFP4LinearConverter(QuantizationConverter):
             if self.lora_refresh_steps and counter.count % self.lora_refresh_steps == 0:
                 states = self.optimizer_states
                 done = redecompose(part, states.state_of if states else None)
-                (logger.warning if states and not done.projected else logger.info)(
-                    refresh_message(done, counter.count, states is not None))
+                log_refresh(logger, done, counter.count, states is not None)
 
 
 def attach_telemetry(model: nn.Module, converted: list[str], every: int, counter: StepCounter, what: str,

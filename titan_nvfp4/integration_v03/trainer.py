@@ -12,7 +12,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from ..amax_history import AmaxHistory, layers_with_history, register_buffers, roll
-from ..decomposed_linear import redecompose, refresh_message, set_lora_dtype
+from ..decomposed_linear import log_refresh, redecompose, set_lora_dtype
 from ..distributed.fsdp_all_gather import precompute_scales, wrap_weight
 from ..metrics_hook import install_metrics_hook
 from ..optimizer_states import shared_optimizer_states
@@ -180,8 +180,7 @@ def after_optimizer_step(model_parts: list[torch.nn.Module], nvfp4_gather: bool 
             if name == LINEAR_STEPS and lora_refresh_steps and counter.count % lora_refresh_steps == 0:
                 done = redecompose(part, state_of)
                 if i == 0:
-                    (logger.warning if state_of and not done.projected else logger.info)(
-                        refresh_message(done, counter.count, state_of is not None))
+                    log_refresh(logger, done, counter.count, state_of is not None)
     if nvfp4_gather:
         for part in model_parts:
             precompute_scales(part)
