@@ -368,6 +368,8 @@ TOOL_CASES = {
     "loss_log: --csv onto a folder": ("loss_log", ["a.log", "--csv", "folder"], 2, r"--csv folder is a folder"),
     "loss_log: a group that matches no run": ("loss_log", ["a.log", "b.log", "--group", "g=zzz*"], 2,
                                               r"--group g: no run matches \(runs: a, b\)"),
+    "loss_log: a run wanted by two groups": ("loss_log", ["a.log", "b.log", "--group", "g=a,b", "--group", "h=a"], 2,
+                                             r"--group h: no run matches .*; a matches but joined --group g first"),
     "loss_log: a malformed group": ("loss_log", ["a.log", "--group", "x"], 2, r"--group 'x': expected NAME=PATTERN"),
     "loss_plot: --smooth 1": ("loss_plot", ["a.log", "--out", "x.png", "--smooth", "1"], 2, r"--smooth must be in \[0, 1\)"),
     "loss_plot: --out into a missing folder": ("loss_plot", ["a.log", "--out", "nodir/x.png"], 2,

@@ -352,9 +352,16 @@ def read_runs(prog: str, paths: list[Path]) -> tuple[dict[str, list[StepMetrics]
 
 def require_group_members(prog: str, runs, groups: list[tuple[str, list[str]]]) -> None:
     """``fail`` naming each --group that no run joins."""
-    empty = [g for g, m in group_members(runs, groups).items() if not m]
-    if empty:
-        fail(prog, f"--group {', '.join(empty)}: no run matches (runs: {', '.join(runs)})")
+    members = group_members(runs, groups)
+    empty = [g for g, m in members.items() if not m]
+    if not empty:
+        return
+    owner = {run: g for g, m in members.items() for run in m}
+    patterns = dict(groups)
+    taken = {run: owner[run] for g in empty for run in runs if run in owner
+             and any(fnmatch.fnmatchcase(run, p) for p in patterns[g])}
+    why = "".join(f"; {run} matches but joined --group {g} first (a run joins one group)" for run, g in taken.items())
+    fail(prog, f"--group {', '.join(empty)}: no run matches (runs: {', '.join(runs)}){why}")
 
 
 def main(argv: list[str] | None = None) -> None:
