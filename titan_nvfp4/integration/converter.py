@@ -255,8 +255,8 @@ def apply_lora_dtype(model: nn.Module, lora_dtype: str, fsdp: bool) -> None:
     FSDP2 will shard the model, which takes one parameter dtype per module."""
     if lora_dtype != "input":
         n = set_lora_dtype(model, lora_dtype, one_dtype=fsdp)
-        logger.info(f"NVFP4: the low-rank branches of {n} modules run in FP32, their factors stored in FP32 "
-                    "(lora_dtype)")
+        logger.info(f"NVFP4: the low-rank branches of the {n} modules converted so far run in FP32, their factors "
+                    "stored in FP32 (lora_dtype)")
 
 
 def decompose_after_init(model: nn.Module) -> None:
