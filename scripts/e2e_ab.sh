@@ -10,7 +10,8 @@
 #         TORCHINDUCTOR_CUDAGRAPHS=1 SKIP=10 BATCHES=16 bash scripts/e2e_ab.sh $OUT issue43-combined -- \
 #             --training.steps 60 --metrics.log_freq 10 --compile.enable
 #
-# ab/ is git-ignored, so the copies travel only when the device tool's carry names it. Environment: as
+# ab/ is git-ignored, so the copies travel only when the device tool's carry names it; each holds its tests too,
+# for `cd ab/REV && python -m pytest tests/test_gpu.py` in the same call. Environment: as
 # e2e_bench.sh (CONFIG, BATCHES, SKIP, ARM_TIMEOUT, PYTORCH_ALLOC_CONF); the revisions' arms use the local batch
 # size this tree's arms settled on. Reports: OUT/head/e2e_bench.md, OUT/<REV>/e2e_bench.md, and OUT/ab.md with
 # every report's ratio line.
@@ -23,7 +24,7 @@ if [[ ${1:-} == --prepare ]]; then
   for rev in "$@"; do
     dir=ab/$(name_of "$rev")
     rm -rf "$dir" && mkdir -p "$dir" || exit 1
-    git archive "$rev" titan_nvfp4 scripts train_configs configs benchmarks pyproject.toml | tar -x -C "$dir" || exit 1
+    git archive "$rev" titan_nvfp4 scripts train_configs configs benchmarks tests pyproject.toml | tar -x -C "$dir" || exit 1
     echo "e2e_ab: $rev ($(git rev-parse --short "$rev")) in $dir ($(du -sh "$dir" | cut -f1))"
   done
   exit 0

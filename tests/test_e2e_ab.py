@@ -19,7 +19,7 @@ def _git(repo: Path, *args: str) -> None:
 
 def test_e2e_ab_runs_each_revision_from_its_copy_against_one_bf16_run(tmp_path):
     repo = tmp_path / "repo"
-    for d in ("scripts", "titan_nvfp4", "train_configs", "configs", "benchmarks"):
+    for d in ("scripts", "titan_nvfp4", "train_configs", "configs", "benchmarks", "tests"):
         (repo / d).mkdir(parents=True)
         (repo / d / "keep").write_text("")
     (repo / "pyproject.toml").write_text("")
