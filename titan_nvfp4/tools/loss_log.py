@@ -351,7 +351,7 @@ def read_runs(prog: str, paths: list[Path]) -> tuple[dict[str, list[StepMetrics]
 
 
 def require_group_members(prog: str, runs, groups: list[tuple[str, list[str]]]) -> None:
-    """``fail`` naming each --group that no run joins."""
+    """``fail`` naming each --group that no run joins, and any run its patterns match that an earlier group took."""
     members = group_members(runs, groups)
     empty = [g for g, m in members.items() if not m]
     if not empty:
