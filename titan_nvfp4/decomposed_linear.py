@@ -256,13 +256,13 @@ def set_lora_dtype(modules: nn.Module | list[nn.Module], value: str, one_dtype: 
     ``one_dtype``: the modules are to be sharded by FSDP2, which holds one parameter dtype per module, so factors
     that would differ from their weights' dtype are refused by name."""
     roots = modules if isinstance(modules, (list, tuple)) else [modules]
-    found = [(name, m) for root in roots for name, m in root.named_modules()
-             if isinstance(m, LowRankState) and m.lowrank_factors()]
-    for name, m in found:
+    found = [(name, m, factors) for root in roots for name, m in root.named_modules()
+             if isinstance(m, LowRankState) and (factors := m.lowrank_factors())]
+    for name, m, factors in found:
         m.lora_dtype = value
         if value != "float32":
             continue
-        for attr, p in m.lowrank_factors():
+        for attr, p in factors:
             if p.dtype == torch.float32:
                 continue
             if isinstance(p, DTensor):
@@ -276,6 +276,19 @@ def set_lora_dtype(modules: nn.Module | list[nn.Module], value: str, one_dtype: 
                                  " = 1) or set lora_dtype = 'input'")
             p.data = p.data.float()
     return len(found)
+
+
+def lora_dtype_without_rank(section: str, value: str, where: str) -> ValueError:
+    """The error for a lora_dtype other than "input" with no low-rank branch to act on (both integrations);
+    ``where``: where a lora_rank could be set."""
+    return ValueError(f"[{section}] lora_dtype = {value!r} needs a low-rank branch: set lora_rank > 0 {where}, or "
+                      "leave lora_dtype = 'input'")
+
+
+def log_lora_dtype(logger, n: int, scope: str = "") -> None:
+    """The log line of lora_dtype = "float32" set on ``n`` modules (both integrations); ``scope`` qualifies them."""
+    logger.info(f"NVFP4: the low-rank branches of {n} modules{scope} run in FP32, their factors stored in FP32 "
+                "(lora_dtype)")
 
 
 def check_lowrank_args(name: str, rank, in_features: int, out_features: int, lora_nvfp4, key: str = "rank") -> None:
@@ -416,4 +429,5 @@ class DecomposedLinear(LowRankState, NVFP4Linear):
 
 
 __all__ = ["FACTOR_KINDS", "DecomposedLinear", "LORA_LAYER_ID_BASE", "LowRankState", "RESIDUAL", "Redecomposed",
-           "assign_full", "dense_like", "log_refresh", "redecompose", "refresh_message", "set_lora_dtype"]
+           "assign_full", "dense_like", "log_lora_dtype", "log_refresh", "lora_dtype_without_rank", "redecompose",
+           "refresh_message", "set_lora_dtype"]

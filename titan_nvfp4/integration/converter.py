@@ -16,7 +16,8 @@ from torchtitan.protocols.model_converter import _registry_model_converter_cls, 
 from torchtitan.tools.logging import logger
 
 from ..amax_history import AmaxHistory, layers_with_history, register_buffers, roll
-from ..decomposed_linear import DecomposedLinear, check_lowrank_args, log_refresh, redecompose, set_lora_dtype
+from ..decomposed_linear import (DecomposedLinear, check_lowrank_args, log_lora_dtype, log_refresh,
+                                 lora_dtype_without_rank, redecompose, set_lora_dtype)
 from ..distributed.fsdp_all_gather import TRAFFIC, precompute_scales, wrap_weight
 from ..expert_groups import experts_layer_id
 from ..layer_selection import check_block_counts, skip_reason
@@ -49,9 +50,8 @@ def require_lowrank_for_lora_dtype(job_config: JobConfig) -> None:
     listed = list(getattr(getattr(job_config, "model", None), "converters", None) or [])
     ranks = {CONVERTER_NAME: linear.lora_rank, GROUPED_CONVERTER_NAME: _section(job_config, "grouped_mm").lora_rank}
     if not any(ranks[name] for name in listed if name in ranks):
-        raise ValueError(f"[{linear.SECTION}] lora_dtype = {linear.lora_dtype!r} needs a low-rank branch: set "
-                         f"lora_rank > 0 in a listed converter's section ([model] converters = {listed}), or leave "
-                         "lora_dtype = 'input'")
+        raise lora_dtype_without_rank(linear.SECTION, linear.lora_dtype,
+                                      f"in a listed converter's section ([model] converters = {listed})")
 
 
 def require_backend_runs_here(recipe: NVFP4Recipe, section: str) -> None:
@@ -254,9 +254,7 @@ def apply_lora_dtype(model: nn.Module, lora_dtype: str, fsdp: bool) -> None:
     """Run the low-rank branches converted so far in ``lora_dtype`` (either converter may run last); ``fsdp``:
     FSDP2 will shard the model, which takes one parameter dtype per module."""
     if lora_dtype != "input":
-        n = set_lora_dtype(model, lora_dtype, one_dtype=fsdp)
-        logger.info(f"NVFP4: the low-rank branches of the {n} modules converted so far run in FP32, their factors "
-                    "stored in FP32 (lora_dtype)")
+        log_lora_dtype(logger, set_lora_dtype(model, lora_dtype, one_dtype=fsdp), " converted so far")
 
 
 def decompose_after_init(model: nn.Module) -> None:

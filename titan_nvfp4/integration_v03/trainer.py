@@ -12,7 +12,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from ..amax_history import AmaxHistory, layers_with_history, register_buffers, roll
-from ..decomposed_linear import log_refresh, redecompose, set_lora_dtype
+from ..decomposed_linear import log_lora_dtype, log_refresh, lora_dtype_without_rank, redecompose, set_lora_dtype
 from ..distributed.fsdp_all_gather import precompute_scales, wrap_weight
 from ..metrics_hook import install_metrics_hook
 from ..optimizer_states import shared_optimizer_states
@@ -120,10 +120,8 @@ def apply_lora_dtype(model_parts: list[torch.nn.Module], section: NVFP4LinearCon
         return 0
     n = set_lora_dtype(model_parts, section.lora_dtype)
     if not n:
-        raise ValueError(f"[{section.SECTION}] lora_dtype = {section.lora_dtype!r} needs a low-rank branch: set "
-                         "lora_rank > 0 here or in quantize.grouped_mm, or leave lora_dtype = 'input'")
-    logger.info(f"NVFP4: the low-rank branches of {n} modules run in FP32, their factors stored in FP32 "
-                "(lora_dtype)")
+        raise lora_dtype_without_rank(section.SECTION, section.lora_dtype, "here or in quantize.grouped_mm")
+    log_lora_dtype(logger, n)
     return n
 
 
