@@ -411,13 +411,17 @@ def test_state_dict_roundtrip_with_nn_linear(bias):
 # ----------------------------------------------------------------------------- 8. autocast
 
 def test_autocast_bf16_output_and_fp32_accumulation():
+    """Under autocast X is quantized as F.linear would multiply it, cast to the autocast dtype (as TorchAO's
+    Float8Linear does); the weight from its fp32 master; the output in bf16 from an fp32 accumulator."""
     recipe = _recipe("nvidia_paper")
     m = make_layer(64, 48, True, torch.float32, recipe, layer_id=3)
     x = torch.randn(2, 20, 64, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = m(x)
     assert y.dtype == torch.bfloat16
-    x2d = x.detach().reshape(-1, 64)
+    x2d = x.detach().reshape(-1, 64).to(torch.bfloat16)
+    assert not torch.equal(quantize_nvfp4(x2d, (1, 16)).global_scale,  # else the test could not tell the two
+                           quantize_nvfp4(x.detach().reshape(-1, 64), (1, 16)).global_scale)
     xq, wq = quantize_nvfp4(x2d, (1, 16)), quantize_nvfp4(m.weight.detach(), (16, 16))
     expect = nvfp4_gemm(xq, wq, out_dtype=torch.bfloat16, bias=m.bias.detach())  # outside autocast
     assert torch.equal(y.detach().reshape(-1, 48), expect)
@@ -429,7 +433,9 @@ def test_autocast_bf16_output_and_fp32_accumulation():
     y.backward(dy)
     assert x.grad.dtype == torch.float32 and m.weight.grad.dtype == torch.float32
     r = reference(x2d, m.weight.detach(), m.bias.detach(), dy.reshape(-1, 48), recipe, 3, call)
-    assert_matches(x.grad.reshape(-1, 64), r["dx"], "dX under autocast")
+    # dX leaves the GEMM in X's autocast dtype, then its cast's backward takes it to fp32 (as for F.linear)
+    assert torch.equal(x.grad, x.grad.to(torch.bfloat16).float())
+    assert_matches(x.grad.reshape(-1, 64).to(torch.bfloat16), r["dx"], "dX under autocast")
     assert_matches(m.weight.grad, r["dw"], "dW under autocast")
 
 

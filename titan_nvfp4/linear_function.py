@@ -65,6 +65,16 @@ def next_sr_seed(counter: torch.Tensor) -> torch.Tensor:
     return seed
 
 
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the autocast dtype under autocast, as F.linear (and TorchAO's Float8Linear, before it quantizes)
+    casts its input: NVFP4 then quantizes what a BF16 Linear would multiply, the same whether the model runs
+    under autocast (one GPU, fp32 parameters) or in BF16 (FSDP2's mixed precision). Else ``x`` itself."""
+    dev = x.device.type
+    if dev == "meta" or not x.is_floating_point() or not torch.is_autocast_enabled(dev):
+        return x
+    return x.to(torch.get_autocast_dtype(dev))
+
+
 def autocast_out_dtype(x: torch.Tensor) -> torch.dtype:
     """Under autocast the output takes the autocast dtype, as nn.Linear's would; the NVFP4 math itself
     then runs with autocast off (its fp32 accumulator must not be rounded to 16 bits)."""
@@ -302,6 +312,7 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     _check_linear_args(x, weight, bias, recipe)
     if x.is_meta:
         return meta_linear(x, weight, bias)
+    x = autocast_input(x)
     # Grad mode is off inside Function.forward, so decide here whether the wgrad operand is needed:
     # under no_grad / inference_mode the RHT + quantization of X would be thrown away.
     need_wgrad = torch.is_grad_enabled() and weight.requires_grad

@@ -16,7 +16,7 @@ from .amax_history import activation_amax
 from .body_graphs import BodyGraphs, graphable
 from .distributed.tensor_parallel import local, local_tp_nvfp4_linear, tp_nvfp4_linear
 from .layer_state import NVFP4LayerState
-from .linear_function import meta_linear, nvfp4_linear
+from .linear_function import autocast_input, meta_linear, nvfp4_linear
 from .numerics.rht import signs_for_operand
 from .ops import operand_amax, resolve_backend
 from .recipe import NVFP4Recipe
@@ -113,6 +113,7 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         the counter when the layer has several). A DTensor weight (tensor parallelism) runs on the
         local shards with cross-rank amaxes: distributed/tensor_parallel.py; so do plain local shards under
         ``local_tp``."""
+        x = autocast_input(x)  # before the amax history and the body graphs see it (nvfp4_linear casts too)
         counter, signs = local(self.sr_counter), local(self.rht_signs)
         if gemm is not None:
             counter = counter[gemm]
