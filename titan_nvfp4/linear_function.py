@@ -158,12 +158,15 @@ class NVFP4LinearFunction(torch.autograd.Function):
     def _forward(ctx, x, weight, bias, recipe, counter, signs, out_dtype, need_wgrad, groups, x_amax, graphs):
         backend = resolve_backend(recipe.gemm_backend, x.device)
         in_features = weight.shape[1]
-        x2d = x.reshape(-1, in_features)
+        # X as F.linear multiplies it under autocast: cast to the autocast dtype (out_dtype), here rather than
+        # before the Function so that sibling layers' casts of one X stay separate autograd-wise (each dX is
+        # widened on its own, as for BF16 Linears) while compile's CSE merges their forward casts
+        x2d = x.reshape(-1, in_features).to(out_dtype)
         # a sharded operand (tensor parallelism) takes the amax of the whole operand: distributed/amax.py
         fp4_wgrad = need_wgrad and recipe.backward == "nvfp4"  # else backward reads X itself (MXFP8 / BF16)
         w_amax = None
         if x_amax is None and groups.x is not None:
-            x_signs = signs_for_operand(signs, x.dtype, recipe.rht_round_to_input_dtype)
+            x_signs = signs_for_operand(signs, x2d.dtype, recipe.rht_round_to_input_dtype)
             x_amax = all_reduce_max(operand_amax(x2d, fp4_wgrad, x_signs, backend), groups.x)
         if groups.weight is not None and not isinstance(weight, NVFP4GatheredWeight):  # gathered: scales reduced
             w_amax = all_reduce_max(operand_amax(weight, False, None, backend)[:1], groups.weight)
@@ -184,16 +187,16 @@ class NVFP4LinearFunction(torch.autograd.Function):
             tensors, meta = body(*copied)
         y, saved_w_t, saved_x_col = tensors[0], tensors[1:4], tensors[4:]
         ctx.has_bias, ctx.hp_backward = bias is not None, recipe.backward != "nvfp4"
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.q_dtype = x.shape, x.dtype, weight.dtype, out_dtype
         ctx.recipe, ctx.backend, ctx.groups = recipe, backend, groups
         if ctx.hp_backward:  # MXFP8 / BF16 backward: X for wgrad (Xᵀ in MXFP8, or in the compute dtype) and W
             ctx.compute_dtype = out_dtype
             x_saved: tuple = (None, None)
             if need_wgrad and recipe.backward == "mxfp8":  # blocks along the tokens: ~half the bytes of BF16 X
-                _, x_col = mxfp8_operands(x2d.to(out_dtype), False, True, backend)
+                _, x_col = mxfp8_operands(x2d, False, True, backend)
                 x_saved = (x_col.data, x_col.scale)
             elif need_wgrad:
-                x_saved = (x2d.to(out_dtype), None)
+                x_saved = (x2d, None)
             ctx.save_for_backward(*x_saved, weight)
             return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -220,7 +223,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
             dy_row, dy_col = mxfp8_operands(dy2d, need_dx, need_dw, ctx.backend, staged=True)
             if need_dx:
                 _, w_col = mxfp8_operands(weight.to(dt), False, True, ctx.backend, staged=True)
-                dx = mxfp8_gemm(dy_row, w_col, ctx.x_dtype).reshape(ctx.x_shape)
+                dx = mxfp8_gemm(dy_row, w_col, dt).to(ctx.x_dtype).reshape(ctx.x_shape)
             if need_dw:
                 dw = mxfp8_gemm(dy_col, MXFP8Tensor(x_a, x_b), ctx.w_dtype)
         else:
@@ -251,7 +254,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
             signs = signs_for_operand(saved[0], dy.dtype, ctx.recipe.rht_round_to_input_dtype)
             dy_amax = all_reduce_max(operand_amax(dy2d, need_dw, signs, ctx.backend), ctx.groups.grad)
         body = functools.partial(_backward_body, ctx=ctx, saved=saved, need_dx=need_dx, need_dw=need_dw,
-                                 need_db=need_db, out_dtypes=(ctx.x_dtype, ctx.w_dtype))
+                                 need_db=need_db, out_dtypes=(ctx.q_dtype, ctx.w_dtype))
         if ctx.graphs is not None and dy_amax is None:
             key = ("bwd", dy2d.shape, dy2d.stride(), dy2d.dtype, need_dx, need_dw, need_db)
             (dx, dw, db), _, replayed = ctx.graphs.run(key, body, [dy2d], [ctx.counter, *saved])
@@ -261,8 +264,8 @@ class NVFP4LinearFunction(torch.autograd.Function):
                 dx, dw, db = (None if t is None else t.clone() for t in (dx, dw, db))
         else:
             (dx, dw, db), _ = body(dy2d, dy_amax)
-        if dx is not None:
-            dx = dx.reshape(ctx.x_shape)
+        if dx is not None:  # in X's autocast dtype, widened as the backward of F.linear's input cast widens it
+            dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
         return dx, dw, db, None, None, None, None, None, None, None
 
 
@@ -308,11 +311,11 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     ``groups``: the process groups sharding X, W and dY (tensor parallelism), whose tensor amaxes are
     then all-reduced so that every rank quantizes with the whole operand's tensor scale; ``x_amax``:
     fp32 [row, column] amaxes to quantize X with instead of its own (an amax history: amax_history.py);
-    ``graphs``: the layer's BodyGraphs, to replay its bodies as CUDA graphs in eager mode (body_graphs.py)."""
+    ``graphs``: the layer's BodyGraphs, to replay its bodies as CUDA graphs in eager mode (body_graphs.py).
+    Under autocast X is quantized in the autocast dtype, as F.linear casts it, and dX leaves in it, widened."""
     _check_linear_args(x, weight, bias, recipe)
     if x.is_meta:
         return meta_linear(x, weight, bias)
-    x = autocast_input(x)
     # Grad mode is off inside Function.forward, so decide here whether the wgrad operand is needed:
     # under no_grad / inference_mode the RHT + quantization of X would be thrown away.
     need_wgrad = torch.is_grad_enabled() and weight.requires_grad

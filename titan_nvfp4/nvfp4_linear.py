@@ -113,7 +113,6 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         the counter when the layer has several). A DTensor weight (tensor parallelism) runs on the
         local shards with cross-rank amaxes: distributed/tensor_parallel.py; so do plain local shards under
         ``local_tp``."""
-        x = autocast_input(x)  # before the amax history and the body graphs see it (nvfp4_linear casts too)
         counter, signs = local(self.sr_counter), local(self.rht_signs)
         if gemm is not None:
             counter = counter[gemm]
@@ -147,8 +146,9 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         """X's amaxes from the layer's amax history (amax_history.py), recording this forward's."""
         fp4_wgrad = torch.is_grad_enabled() and weight.requires_grad and self.recipe.backward == "nvfp4"
         backend = resolve_backend(self.recipe.gemm_backend, x.device)
-        signs = signs_for_operand(local(self.rht_signs), x.dtype, self.recipe.rht_round_to_input_dtype)
-        current = operand_amax(x.detach().reshape(-1, x.shape[-1]), fp4_wgrad, signs if fp4_wgrad else None, backend)
+        xq = autocast_input(x.detach())  # X as quantized (linear_function.py)
+        signs = signs_for_operand(local(self.rht_signs), xq.dtype, self.recipe.rht_round_to_input_dtype)
+        current = operand_amax(xq.reshape(-1, x.shape[-1]), fp4_wgrad, signs if fp4_wgrad else None, backend)
         return activation_amax(self, current)
 
     def extra_repr(self) -> str:
