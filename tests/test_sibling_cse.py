@@ -1,6 +1,6 @@
 """Sibling NVFP4 Linears on one X (wq, wk, wv; w1, w3) hold one RHT sign tensor, so under torch.compile their
 identical X quantizations are one node after AOTAutograd's CSE: X is quantized once, not once per layer, with
-the bits each layer computes on its own."""
+the bits each layer computes on its own; in the backward their wgrads stage the saved Xᵀ codes once."""
 
 import collections
 
@@ -94,6 +94,7 @@ def test_compiled_siblings_quantize_x_once_with_each_layers_bits(autocast):
     assert bw["titan_nvfp4.quantize.default"] == 3  # each layer's own dY
     casts = [n for n in fw if "convert_element_type" in n or "_to_copy" in n]
     assert sum(fw[n] for n in casts) == (1 if autocast else 0), fw  # X's cast to bf16, once for three layers
+    assert bw["titan_nvfp4.stage.default"] == 1 and fw["titan_nvfp4.stage.default"] == 0  # Xᵀ staged once
     for layer, c in zip((m.q, m.k, m.v), counters):  # the SR streams replay: eager draws the same numbers
         layer.sr_counter.copy_(c)
     eager = step(m)

@@ -24,7 +24,7 @@ from .numerics.mxfp8 import MXFP8Tensor
 from .numerics.nvfp4 import NVFP4Tensor
 from .numerics.rht import rht_signs, signs_for_operand
 from .ops import (mxfp8_gemm, mxfp8_operands, nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient,
-                  quantize_weight, resolve_backend)
+                  quantize_weight, resolve_backend, staged_for_gemms)
 from .recipe import NVFP4Recipe
 
 
@@ -130,7 +130,8 @@ def _backward_body(dy2d, dy_amax=None, *, ctx, saved, need_dx, need_dw, need_db,
     for gemm in (("dw", "dx") if _wgrad_first(m, k, out_features) else ("dx", "dw")):
         if gemm == "dw":
             if need_dw:
-                x_col = nvfp4_from_parts(*saved[3:6], *ctx.x_col_meta)
+                # staged by its own op: siblings on one X stage it once under compile (ops/gemm.py)
+                x_col = staged_for_gemms(nvfp4_from_parts(*saved[3:6], *ctx.x_col_meta), ctx.backend)
                 dw = nvfp4_gemm(dy_col, x_col, out_dtype=w_dtype, backend=ctx.backend)
                 del x_col
             dy_col = None

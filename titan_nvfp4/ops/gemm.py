@@ -80,10 +80,21 @@ def _library_gemm(backend: str) -> GemmFn:
 
 def _op_args(t: NVFP4Tensor | library.StagedOperand) -> tuple:
     """(data, scale, global scale, tiles) of an operand for the gemm op; a staged operand (emulated
-    backend only) passes its fp16 values and empty scales."""
+    backend only) passes its fp16 values and empty scales (made from the global scale, not from the values:
+    a graph that needs the placeholder before the values must not stage them for it)."""
     if isinstance(t, library.StagedOperand):
-        return t.values, t.values.new_empty((0,), dtype=torch.float8_e4m3fn), t.global_scale, False
+        return t.values, t.global_scale.new_empty((0,), dtype=torch.float8_e4m3fn), t.global_scale, False
     return t.data, t.scale, t.global_scale, _tiles(t)
+
+
+def staged_for_gemms(t: NVFP4Tensor, backend: str) -> NVFP4Tensor | library.StagedOperand:
+    """On the emulated backend, ``t``'s codes staged as the GEMM's fp16 values by one op call, for a saved
+    operand that several GEMMs may read: sibling layers' wgrads on one X (wq, wk, wv) then stage its Xᵀ once
+    under torch.compile (CSE), where each GEMM would stage it in chunks of its own. The bits are the same
+    as a GEMM staging it (the staging is exact). Other backends read the codes as they are."""
+    if backend != "emulated":
+        return t
+    return library.StagedOperand(library.stage(t.data, t.scale, _tiles(t)), t.global_scale)
 
 
 def _tiles(t: NVFP4Tensor) -> bool:
