@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .body_graphs import BodyGraphs
 from .distributed.amax import AmaxGroups, all_reduce_max
@@ -26,6 +27,7 @@ from .numerics.rht import rht_signs, signs_for_operand
 from .ops import (mxfp8_gemm, mxfp8_operands, nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient,
                   quantize_weight, resolve_backend, staged_for_gemms)
 from .recipe import NVFP4Recipe
+from .sibling_x import shared_x_operands
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,14 +96,24 @@ def nvfp4_from_parts(data, scale, gs, like_shape, block_shape) -> NVFP4Tensor:
     return NVFP4Tensor(data=data, scale=scale, global_scale=gs, shape=like_shape, block_shape=block_shape)
 
 
-def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, signs, out_dtype, need_col, backend, w_amax):
+def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, signs, out_dtype, need_col, backend, w_amax,
+                  shared_x=None):
     """Forward's GPU work as tensors: (Y, Wᵀ's codes, scales and decode scale, then Xᵀ's when ``need_col``)
     and their (shape, block shape) metadata; body_graphs.py may replay it as a CUDA graph. It takes the
     layer's ``signs`` and casts them here: a graph replays its reads at their captured addresses, and a cast
-    made outside the body would be freed after the capture."""
+    made outside the body would be freed after the capture. ``shared_x``: the eager X that x2d views, whose
+    quantization sibling Linears share (sibling_x.py)."""
     fos = recipe.four_over_six
-    x_signs = signs_for_operand(signs, x2d.dtype, recipe.rht_round_to_input_dtype)
-    xq, x_col = quantize_activation(x2d, need_col, x_signs, backend, x_amax, fos)
+
+    def quantize_x():
+        x_signs = signs_for_operand(signs, x2d.dtype, recipe.rht_round_to_input_dtype)
+        return quantize_activation(x2d, need_col, x_signs, backend, x_amax, fos)
+
+    if shared_x is None:
+        xq, x_col = quantize_x()
+    else:
+        key = (x2d.shape, x2d.dtype, need_col, backend, fos, recipe.rht_round_to_input_dtype)
+        xq, x_col = shared_x_operands(shared_x, signs, key, quantize_x)
     if isinstance(weight, NVFP4GatheredWeight):  # FSDP2 gathered it as NVFP4: distributed/fsdp_all_gather.py
         wq = gathered_nvfp4(weight)
         w_t = wq.t()
@@ -185,7 +197,11 @@ class NVFP4LinearFunction(torch.autograd.Function):
                 ctx.fwd_key = key if saving else None
             ctx.graphs = graphs
         else:
-            tensors, meta = body(*copied)
+            # eager siblings on one X share its quantization (sibling_x.py); compile's CSE does it in a graph
+            share = (not torch.compiler.is_compiling() and x_amax is None and type(x) is torch.Tensor
+                     and not x.is_inference()  # an inference tensor has no version counter
+                     and _get_current_dispatch_mode() is None)  # a mode (SAC, FlopCounter) sees every call
+            tensors, meta = body(*copied, shared_x=x if share else None)
         y, saved_w_t, saved_x_col = tensors[0], tensors[1:4], tensors[4:]
         ctx.has_bias, ctx.hp_backward = bias is not None, recipe.backward != "nvfp4"
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.q_dtype = x.shape, x.dtype, weight.dtype, out_dtype

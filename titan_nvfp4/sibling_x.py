@@ -1,0 +1,62 @@
+"""Eager sibling Linears (wq, wk, wv; w1, w3) share one quantization of the X they all read.
+
+Under torch.compile the siblings' X quantizations are identical custom-op calls, and AOTAutograd's CSE keeps
+one of them (layer_state._share_signs gives every layer the same RHT sign tensor). An eager step runs each
+Linear alone, so the last X quantized is remembered here. It is reused only for the same tensor object,
+unmodified since (its version counter), with the same signs tensor and settings. X is rounded to nearest,
+with no random draws, so the reused operands are the ones a fresh quantization would give, bit for bit: one
+amax pass, one quantization and one saved copy of the Xᵀ codes instead of one per sibling. The entry holds X
+weakly and is dropped when X is freed, so it keeps no activation alive. TITAN_NVFP4_SHARE_X=0 turns it off
+(an A/B switch for benchmarks).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Callable
+
+import torch
+
+#: whether eager siblings share (read at import)
+ENABLED = os.environ.get("TITAN_NVFP4_SHARE_X", "1") != "0"
+_last: "_Entry | None" = None
+
+
+class _Entry:
+    __slots__ = ("x_ref", "version", "signs", "key", "operands", "__weakref__")
+
+    def __init__(self, x: torch.Tensor, signs: torch.Tensor | None, key: tuple, operands: tuple) -> None:
+        self.x_ref = weakref.ref(x, _forget(weakref.ref(self)))
+        self.version, self.signs, self.key, self.operands = x._version, signs, key, operands
+
+
+def _forget(entry_ref: weakref.ref) -> Callable:
+    def callback(_) -> None:
+        global _last
+        if _last is not None and _last is entry_ref():
+            _last = None
+    return callback
+
+
+def shared_x_operands(x: torch.Tensor, signs: torch.Tensor | None, key: tuple, quantize: Callable[[], tuple]) -> tuple:
+    """``quantize()``'s X operands, or those it gave for the same ``x`` (same object and version), the same
+    ``signs`` tensor and an equal ``key`` (plain values: everything else the quantization reads)."""
+    global _last
+    if not ENABLED:
+        return quantize()
+    e = _last
+    if e is not None and e.x_ref() is x and e.version == x._version and e.signs is signs and e.key == key:
+        return e.operands
+    operands = quantize()
+    _last = _Entry(x, signs, key, operands)
+    return operands
+
+
+def forget_shared_x() -> None:
+    """Drop the remembered X operands (tests; a caller that changes X in ways its version does not record)."""
+    global _last
+    _last = None
+
+
+__all__ = ["forget_shared_x", "shared_x_operands"]
