@@ -24,7 +24,7 @@ def counted(monkeypatch):
     real = lf.quantize_activation
 
     def counting(*args, **kwargs):
-        calls.append(args[0].shape)
+        calls.append(args[0].dtype)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(lf, "quantize_activation", counting)
@@ -33,10 +33,11 @@ def counted(monkeypatch):
     sx.forget_shared_x()
 
 
-def _step(m, x, dy):
+def _step(m, x, dy, autocast=False):
     xi = x.clone().requires_grad_(True)
-    y = m(xi)
-    y.backward(dy)
+    with torch.autocast(DEV, dtype=torch.bfloat16, enabled=autocast):
+        y = m(xi)
+    y.backward(dy.to(y.dtype))
     out = [y.detach(), xi.grad] + [layer.weight.grad.clone() for layer in (m.q, m.k, m.v)]
     for layer in (m.q, m.k, m.v):
         layer.weight.grad = None
@@ -44,18 +45,20 @@ def _step(m, x, dy):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_siblings_quantize_x_once_with_each_layers_bits(backend, counted, monkeypatch):
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "fp32_under_bf16_autocast"])
+def test_siblings_quantize_x_once_with_each_layers_bits(backend, autocast, counted, monkeypatch):
+    """Under autocast the one quantization is of X's bf16 cast, made once for the three layers."""
     m = _qkv(NVFP4Recipe(gemm_backend=backend))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(32, 64, generator=g).to(DEV)
     dy = torch.randn(32, 128, generator=g).to(DEV)
     counters = [layer.sr_counter.clone() for layer in (m.q, m.k, m.v)]
-    shared = _step(m, x, dy)
-    assert len(counted) == 1, counted
+    shared = _step(m, x, dy, autocast)
+    assert counted == [torch.bfloat16 if autocast else torch.float32], counted
     for layer, c in zip((m.q, m.k, m.v), counters):  # the SR streams replay: the same dY draws
         layer.sr_counter.copy_(c)
     monkeypatch.setattr(lf, "shared_x_operands", lambda x, signs, key, quantize: quantize())
-    alone = _step(m, x, dy)
+    alone = _step(m, x, dy, autocast)
     assert len(counted) == 4
     for i, (a, b) in enumerate(zip(shared, alone)):
         assert torch.equal(a, b), f"result {i} differs"

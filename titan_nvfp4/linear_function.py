@@ -106,13 +106,14 @@ def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, signs, out_dtype, n
     fos = recipe.four_over_six
 
     def quantize_x():
-        x_signs = signs_for_operand(signs, x2d.dtype, recipe.rht_round_to_input_dtype)
-        return quantize_activation(x2d, need_col, x_signs, backend, x_amax, fos)
+        xc = x2d.to(out_dtype)  # the autocast cast (see _forward), once per shared X
+        x_signs = signs_for_operand(signs, xc.dtype, recipe.rht_round_to_input_dtype)
+        return quantize_activation(xc, need_col, x_signs, backend, x_amax, fos)
 
     if shared_x is None:
         xq, x_col = quantize_x()
     else:
-        key = (x2d.shape, x2d.dtype, need_col, backend, fos, recipe.rht_round_to_input_dtype)
+        key = (x2d.shape, out_dtype, need_col, backend, fos, recipe.rht_round_to_input_dtype)
         xq, x_col = shared_x_operands(shared_x, signs, key, quantize_x)
     if isinstance(weight, NVFP4GatheredWeight):  # FSDP2 gathered it as NVFP4: distributed/fsdp_all_gather.py
         wq = gathered_nvfp4(weight)
@@ -173,8 +174,15 @@ class NVFP4LinearFunction(torch.autograd.Function):
         in_features = weight.shape[1]
         # X as F.linear multiplies it under autocast: cast to the autocast dtype (out_dtype), here rather than
         # before the Function so that sibling layers' casts of one X stay separate autograd-wise (each dX is
-        # widened on its own, as for BF16 Linears) while compile's CSE merges their forward casts
-        x2d = x.reshape(-1, in_features).to(out_dtype)
+        # widened on its own, as for BF16 Linears) while compile's CSE merges their forward casts, and eager
+        # siblings that share X's quantization (sibling_x.py) share its cast too (_forward_body casts then)
+        x2d = x.reshape(-1, in_features)
+        # eager siblings on one X share its quantization (sibling_x.py); compile's CSE does it in a graph
+        share = (graphs is None and not groups and not torch.compiler.is_compiling() and x_amax is None
+                 and type(x) is torch.Tensor and not x.is_inference()  # an inference tensor has no version counter
+                 and _get_current_dispatch_mode() is None)  # a mode (SAC, FlopCounter) sees every call
+        if not share:
+            x2d = x2d.to(out_dtype)
         # a sharded operand (tensor parallelism) takes the amax of the whole operand: distributed/amax.py
         fp4_wgrad = need_wgrad and recipe.backward == "nvfp4"  # else backward reads X itself (MXFP8 / BF16)
         w_amax = None
@@ -197,10 +205,6 @@ class NVFP4LinearFunction(torch.autograd.Function):
                 ctx.fwd_key = key if saving else None
             ctx.graphs = graphs
         else:
-            # eager siblings on one X share its quantization (sibling_x.py); compile's CSE does it in a graph
-            share = (not torch.compiler.is_compiling() and x_amax is None and type(x) is torch.Tensor
-                     and not x.is_inference()  # an inference tensor has no version counter
-                     and _get_current_dispatch_mode() is None)  # a mode (SAC, FlopCounter) sees every call
             tensors, meta = body(*copied, shared_x=x if share else None)
         y, saved_w_t, saved_x_col = tensors[0], tensors[1:4], tensors[4:]
         ctx.has_bias, ctx.hp_backward = bias is not None, recipe.backward != "nvfp4"
@@ -210,10 +214,10 @@ class NVFP4LinearFunction(torch.autograd.Function):
             ctx.compute_dtype = out_dtype
             x_saved: tuple = (None, None)
             if need_wgrad and recipe.backward == "mxfp8":  # blocks along the tokens: ~half the bytes of BF16 X
-                _, x_col = mxfp8_operands(x2d, False, True, backend)
+                _, x_col = mxfp8_operands(x2d.to(out_dtype), False, True, backend)
                 x_saved = (x_col.data, x_col.scale)
             elif need_wgrad:
-                x_saved = (x2d, None)
+                x_saved = (x2d.to(out_dtype), None)
             ctx.save_for_backward(*x_saved, weight)
             return y.reshape(*x.shape[:-1], weight.shape[0])
 
