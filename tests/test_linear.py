@@ -471,8 +471,9 @@ def test_backward_runs_the_gemm_order_with_the_lower_peak(monkeypatch):
     gradients either way."""
     from titan_nvfp4 import linear_function as lf
 
-    assert lf._wgrad_first(16384, 4096, 4096) and lf._wgrad_first(16384, 14336, 4096)
-    assert not lf._wgrad_first(2048, 4096, 14336)
+    assert lf._wgrad_first(16384, 14336, 4096) and lf._wgrad_first(32768, 5632, 2048)
+    # Xᵀ is staged whole for wgrad (staged_for_gemms): a wide output's dY then goes first, through dgrad
+    assert not lf._wgrad_first(2048, 4096, 14336) and not lf._wgrad_first(32768, 2048, 5632)
     recipe = NVFP4Recipe()
     torch.manual_seed(0)
     w = torch.randn(48, 64, requires_grad=True)

@@ -293,13 +293,13 @@ class NVFP4LinearFunction(torch.autograd.Function):
 def _wgrad_first(m: int, k: int, n: int) -> bool:
     """Whether backward should run wgrad before dgrad: the order whose peak is lower, counting what the
     emulated backend holds (bytes of fp16 = 2 per element): dY staged both ways (m·n each), dX (m·k),
-    dW (n·k) and the staging chunk of the packed operand of each GEMM (Wᵀ for dgrad, Xᵀ for wgrad, at
-    most STAGE_BYTES). dgrad first: max(dY + dYᵀ + Wᵀ chunk + dX, dYᵀ + dX + Xᵀ chunk + dW); wgrad first:
-    max(dY + dYᵀ + Xᵀ chunk + dW, dY + dW + Wᵀ chunk + dX)."""
+    dW (n·k), dgrad's staging chunk of Wᵀ (at most STAGE_BYTES) and wgrad's staged Xᵀ (m·k, whole:
+    staged_for_gemms). dgrad first: max(dY + dYᵀ + Wᵀ chunk + dX, dYᵀ + dX + Xᵀ + dW); wgrad first:
+    max(dY + dYᵀ + Xᵀ + dW, dY + dW + Wᵀ chunk + dX)."""
     from .kernels.gemm import STAGE_BYTES  # here: the kernels load only when a kernel backend runs
 
     dy, dx, dw = 2 * m * n, 2 * m * k, 2 * n * k
-    sd, sw = min(STAGE_BYTES, dw), min(STAGE_BYTES, dx)
+    sd, sw = min(STAGE_BYTES, dw), dx
     return max(2 * dy + sw + dw, dy + dw + sd + dx) < max(2 * dy + sd + dx, dy + dx + sw + dw)
 
 
