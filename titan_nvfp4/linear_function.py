@@ -27,7 +27,7 @@ from .numerics.rht import rht_signs, signs_for_operand
 from .ops import (mxfp8_gemm, mxfp8_operands, nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient,
                   quantize_weight, resolve_backend, staged_for_gemms)
 from .recipe import NVFP4Recipe
-from .sibling_x import shared_x_operands
+from .sibling_x import shared_staging, shared_x_operands
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,6 +125,18 @@ def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, signs, out_dtype, n
     return tensors, ((w_t.shape, w_t.block_shape), (x_col.shape, x_col.block_shape) if x_col is not None else None)
 
 
+def _staged_x_col(x_col: NVFP4Tensor, ctx):
+    """wgrad's Xᵀ operand, staged by its own op (ops/gemm.py): sibling layers on one X stage it once, under
+    compile by CSE and in eager through sibling_x.shared_staging (not inside a body graph, nor under a mode)."""
+    def stage():
+        return staged_for_gemms(x_col, ctx.backend)
+
+    if (ctx.backend != "emulated" or ctx.graphs is not None or torch.compiler.is_compiling()
+            or _get_current_dispatch_mode() is not None or type(x_col.data) is not torch.Tensor):
+        return stage()
+    return shared_staging(x_col.data, x_col.scale, (tuple(x_col.shape), tuple(x_col.block_shape)), stage)
+
+
 def _backward_body(dy2d, dy_amax=None, *, ctx, saved, need_dx, need_dw, need_db, out_dtypes):
     """Backward's GPU work as tensors: (dX, dW, db), None where not needed; body_graphs.py may replay it."""
     recipe: NVFP4Recipe = ctx.recipe
@@ -143,8 +155,7 @@ def _backward_body(dy2d, dy_amax=None, *, ctx, saved, need_dx, need_dw, need_db,
     for gemm in (("dw", "dx") if _wgrad_first(m, k, out_features) else ("dx", "dw")):
         if gemm == "dw":
             if need_dw:
-                # staged by its own op: siblings on one X stage it once under compile (ops/gemm.py)
-                x_col = staged_for_gemms(nvfp4_from_parts(*saved[3:6], *ctx.x_col_meta), ctx.backend)
+                x_col = _staged_x_col(nvfp4_from_parts(*saved[3:6], *ctx.x_col_meta), ctx)
                 dw = nvfp4_gemm(dy_col, x_col, out_dtype=w_dtype, backend=ctx.backend)
                 del x_col
             dy_col = None

@@ -6,8 +6,9 @@ Linear alone, so the last X quantized is remembered here. It is reused only for 
 unmodified since (its version counter), with the same signs tensor and settings. X is rounded to nearest,
 with no random draws, so the reused operands are the ones a fresh quantization would give, bit for bit: one
 amax pass, one quantization and one saved copy of the Xᵀ codes instead of one per sibling. The entry holds X
-weakly and is dropped when X is freed, so it keeps no activation alive. TITAN_NVFP4_SHARE_X=0 turns it off
-(an A/B switch for benchmarks).
+weakly and is dropped when X is freed, so it keeps no activation alive. In the backward the siblings' wgrads
+stage those saved Xᵀ codes once the same way (shared_staging). TITAN_NVFP4_SHARE_X=0 turns both off (an A/B
+switch for benchmarks).
 """
 
 from __future__ import annotations
@@ -20,43 +21,52 @@ import torch
 
 #: whether eager siblings share (read at import)
 ENABLED = os.environ.get("TITAN_NVFP4_SHARE_X", "1") != "0"
-_last: "_Entry | None" = None
+#: the last entry per purpose: "x" (X's forward operands), "stage" (the staged Xᵀ of wgrad)
+_last: "dict[str, _Entry]" = {}
 
 
 class _Entry:
     __slots__ = ("x_ref", "version", "signs", "key", "operands", "__weakref__")
 
-    def __init__(self, x: torch.Tensor, signs: torch.Tensor | None, key: tuple, operands: tuple) -> None:
-        self.x_ref = weakref.ref(x, _forget(weakref.ref(self)))
+    def __init__(self, slot: str, x: torch.Tensor, signs: torch.Tensor | None, key: tuple, operands) -> None:
+        self.x_ref = weakref.ref(x, _forget(slot, weakref.ref(self)))
         self.version, self.signs, self.key, self.operands = x._version, signs, key, operands
 
 
-def _forget(entry_ref: weakref.ref) -> Callable:
+def _forget(slot: str, entry_ref: weakref.ref) -> Callable:
     def callback(_) -> None:
-        global _last
-        if _last is not None and _last is entry_ref():
-            _last = None
+        if _last.get(slot) is not None and _last.get(slot) is entry_ref():
+            del _last[slot]
     return callback
+
+
+def _shared(slot: str, x: torch.Tensor, signs: torch.Tensor | None, key: tuple, make: Callable[[], object]):
+    if not ENABLED:
+        return make()
+    e = _last.get(slot)
+    if e is not None and e.x_ref() is x and e.version == x._version and e.signs is signs and e.key == key:
+        return e.operands
+    operands = make()
+    _last[slot] = _Entry(slot, x, signs, key, operands)
+    return operands
 
 
 def shared_x_operands(x: torch.Tensor, signs: torch.Tensor | None, key: tuple, quantize: Callable[[], tuple]) -> tuple:
     """``quantize()``'s X operands, or those it gave for the same ``x`` (same object and version), the same
     ``signs`` tensor and an equal ``key`` (plain values: everything else the quantization reads)."""
-    global _last
-    if not ENABLED:
-        return quantize()
-    e = _last
-    if e is not None and e.x_ref() is x and e.version == x._version and e.signs is signs and e.key == key:
-        return e.operands
-    operands = quantize()
-    _last = _Entry(x, signs, key, operands)
-    return operands
+    return _shared("x", x, signs, key, quantize)
+
+
+def shared_staging(codes: torch.Tensor, scales: torch.Tensor, key: tuple, stage: Callable[[], object]):
+    """``stage()``'s staged operand, or the one it gave for the same saved ``codes`` tensor (object and version),
+    ``scales`` tensor and ``key``: the wgrads of eager siblings, which saved one Xᵀ, stage it once. Held until
+    another operand is staged or the codes are freed (the last sibling's backward done)."""
+    return _shared("stage", codes, scales, key, stage)
 
 
 def forget_shared_x() -> None:
-    """Drop the remembered X operands (tests; a caller that changes X in ways its version does not record)."""
-    global _last
-    _last = None
+    """Drop the remembered operands (tests; a caller that changes X in ways its version does not record)."""
+    _last.clear()
 
 
-__all__ = ["forget_shared_x", "shared_x_operands"]
+__all__ = ["forget_shared_x", "shared_staging", "shared_x_operands"]
