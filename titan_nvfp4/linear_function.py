@@ -137,7 +137,7 @@ def _staged_x_col(x_col: NVFP4Tensor, ctx):
     return shared_staging(x_col.data, x_col.scale, (tuple(x_col.shape), tuple(x_col.block_shape)), stage)
 
 
-def _backward_body(dy2d, dy_amax=None, *, ctx, saved, need_dx, need_dw, need_db, out_dtypes):
+def _backward_body(dy2d, dy_amax=None, *, ctx, saved, need_dx, need_dw, need_db, out_dtypes, dx_round=None):
     """Backward's GPU work as tensors: (dX, dW, db), None where not needed; body_graphs.py may replay it."""
     recipe: NVFP4Recipe = ctx.recipe
     signs, *saved = saved
@@ -161,7 +161,7 @@ def _backward_body(dy2d, dy_amax=None, *, ctx, saved, need_dx, need_dw, need_db,
             dy_col = None
         else:
             if need_dx:
-                dx = nvfp4_gemm(dyq, w_t, out_dtype=x_dtype, backend=ctx.backend)
+                dx = nvfp4_gemm(dyq, w_t, out_dtype=x_dtype, backend=ctx.backend, round_to=dx_round)
             dyq = None
     if need_db:
         db = dy2d.float().sum(0).to(dy2d.dtype)
@@ -285,8 +285,13 @@ class NVFP4LinearFunction(torch.autograd.Function):
         if ctx.groups.grad is not None:
             signs = signs_for_operand(saved[0], dy.dtype, ctx.recipe.rht_round_to_input_dtype)
             dy_amax = all_reduce_max(operand_amax(dy2d, need_dw, signs, ctx.backend), ctx.groups.grad)
+        # dX in X's autocast dtype, widened to X's: compiled, the GEMM writes the 16-bit dX and inductor fuses the
+        # widening into its consumer; eager, the GEMM stores the widened values itself (no widening kernel)
+        widen_in_gemm = ctx.q_dtype != ctx.x_dtype and not torch.compiler.is_compiling()
         body = functools.partial(_backward_body, ctx=ctx, saved=saved, need_dx=need_dx, need_dw=need_dw,
-                                 need_db=need_db, out_dtypes=(ctx.q_dtype, ctx.w_dtype))
+                                 need_db=need_db, out_dtypes=(ctx.x_dtype if widen_in_gemm else ctx.q_dtype,
+                                                              ctx.w_dtype),
+                                 dx_round=ctx.q_dtype if widen_in_gemm else None)
         if ctx.graphs is not None and dy_amax is None:
             key = ("bwd", dy2d.shape, dy2d.stride(), dy2d.dtype, need_dx, need_dw, need_db)
             (dx, dw, db), _, replayed = ctx.graphs.run(key, body, [dy2d], [ctx.counter, *saved])
@@ -297,7 +302,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         else:
             (dx, dw, db), _ = body(dy2d, dy_amax)
         if dx is not None:  # in X's autocast dtype, widened as the backward of F.linear's input cast widens it
-            dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
+            dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)  # a no-op where the GEMM widened it
         return dx, dw, db, None, None, None, None, None, None, None
 
 

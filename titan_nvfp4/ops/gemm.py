@@ -113,11 +113,18 @@ def nvfp4_gemm(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
     backend: str = "auto",
+    round_to: torch.dtype | None = None,
 ) -> torch.Tensor:
     """out[m, n] = Σ_k A[m, k] B[n, k] over the NVFP4 storages of a and b (either may come staged,
-    see library.StagedOperand, on the emulated backend)."""
+    see library.StagedOperand, on the emulated backend). ``round_to``: a 16-bit dtype whose rounding the
+    values of a wider ``out_dtype`` take first, as a 16-bit result widened (the emulated GEMM does it in its
+    store; the other backends compute in ``round_to`` and widen)."""
     if a.storage_shape[1] != b.storage_shape[1]:
         raise ValueError(f"NVFP4 GEMM contraction mismatch: {a.storage_shape} vs {b.storage_shape}")
     if backend not in _BACKENDS:  # "auto": resolve here for direct callers
         backend = resolve_backend(backend, a.data.device)
-    return _BACKENDS[backend](a, b, out_dtype, bias)
+    if round_to is None or round_to == out_dtype:
+        return _BACKENDS[backend](a, b, out_dtype, bias)
+    if backend == "emulated":
+        return library.gemm(*_op_args(a), *_op_args(b), out_dtype, bias, backend, round_to)
+    return _BACKENDS[backend](a, b, round_to, bias).to(out_dtype)

@@ -158,21 +158,23 @@ def _operand(data: Tensor, scale: Tensor, gs: Tensor, tiles: bool) -> NVFP4Tenso
 
 @_op("gemm")
 def gemm(a_data: Tensor, a_scale: Tensor, a_gs: Tensor, a_tiles: bool, b_data: Tensor, b_scale: Tensor,
-         b_gs: Tensor, b_tiles: bool, out_dtype: torch.dtype, bias: Optional[Tensor], backend: str) -> Tensor:
-    """out [M, N] = (A · Bᵀ)·gs_A·gs_B [+ bias]; ``*_tiles``: the operand has 16×16 scale blocks."""
+         b_gs: Tensor, b_tiles: bool, out_dtype: torch.dtype, bias: Optional[Tensor], backend: str,
+         round_to: Optional[torch.dtype] = None) -> Tensor:
+    """out [M, N] = (A · Bᵀ)·gs_A·gs_B [+ bias]; ``*_tiles``: the operand has 16×16 scale blocks; ``round_to``:
+    a 16-bit dtype the values of a wider ``out_dtype`` are rounded to first."""
     a = _operand(a_data, a_scale, a_gs, a_tiles)
     b = _operand(b_data, b_scale, b_gs, b_tiles)
     if backend == "emulated":
         from ..kernels.gemm import nvfp4_gemm_triton
-        return nvfp4_gemm_triton(a, b, out_dtype, bias)
+        return nvfp4_gemm_triton(a, b, out_dtype, bias, round_to=round_to)
     if backend == "native":
         from ..kernels.native import nvfp4_gemm_native
-        return nvfp4_gemm_native(a, b, out_dtype, bias)
+        return nvfp4_gemm_native(a, b, round_to or out_dtype, bias).to(out_dtype)
     raise ValueError(f"titan_nvfp4::gemm: backend must be 'emulated' or 'native', got {backend!r}")
 
 
 @gemm.op.register_fake
-def _gemm_fake(a_data, a_scale, a_gs, a_tiles, b_data, b_scale, b_gs, b_tiles, out_dtype, bias, backend):
+def _gemm_fake(a_data, a_scale, a_gs, a_tiles, b_data, b_scale, b_gs, b_tiles, out_dtype, bias, backend, round_to=None):
     return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
 
 
