@@ -189,7 +189,8 @@ class NVFP4LinearFunction(torch.autograd.Function):
         # siblings that share X's quantization (sibling_x.py) share its cast too (_forward_body casts then)
         x2d = x.reshape(-1, in_features)
         # eager siblings on one X share its quantization (sibling_x.py); compile's CSE does it in a graph
-        share = (graphs is None and not groups and not torch.compiler.is_compiling() and x_amax is None
+        # (is_compiling first: torch 2.11's dynamo cannot trace AmaxGroups.__bool__)
+        share = (not torch.compiler.is_compiling() and graphs is None and not groups and x_amax is None
                  and type(x) is torch.Tensor and not x.is_inference()  # an inference tensor has no version counter
                  and _get_current_dispatch_mode() is None)  # a mode (SAC, FlopCounter) sees every call
         if not share:
