@@ -95,6 +95,22 @@ def test_grouped_against_float64_on_dequantized_operands():
         start = end
 
 
+def test_grouped_under_autocast_quantizes_x_in_the_autocast_dtype():
+    """An fp32 x under bf16 autocast is quantized as its bf16 cast (TorchTitan's BF16 experts multiply x.bfloat16());
+    the output is bf16 and x's gradient fp32, as for nvfp4_linear."""
+    recipe = dataclasses.replace(REF, rht=True)
+    x, w, b, offsets, dy = _case(bias=False)
+
+    def run(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _grads(lambda x, w, b: nvfp4_grouped_mm(x, w, offsets, b, recipe), x, w, None, dy.bfloat16())
+
+    y, dx, dw, _ = run(x)
+    y16, dx16, dw16, _ = run(x.bfloat16())
+    assert y.dtype == torch.bfloat16 and dx.dtype == torch.float32
+    assert torch.equal(y, y16) and torch.equal(dw, dw16) and torch.equal(dx, dx16.float())
+
+
 def test_stochastic_rounding_per_expert_streams():
     recipe = dataclasses.replace(REF, stochastic_rounding=True)
     x, w, b, offsets, dy = _case(counts=[32, 32], tail=0, bias=False)

@@ -451,7 +451,7 @@ def test_persistent_gemm_matches_the_tile_kernel(monkeypatch):
         pytest.skip("TMA descriptors need sm_90+")
     launched = []
     real = g._launch_persistent
-    monkeypatch.setattr(g, "_launch_persistent", lambda *a: launched.append(a[-1].shape) or real(*a))
+    monkeypatch.setattr(g, "_launch_persistent", lambda *a, **k: launched.append(a[-1].shape) or real(*a, **k))
     for n, out_dtype, block in ((80, torch.float32, (16, 16)), (20, torch.bfloat16, (1, 16))):
         a = quantize_nvfp4(inputs(50, 96, "heavy", torch.float32))
         b = quantize_nvfp4(inputs(n, 96, "normal", torch.float32), block_shape=block)
@@ -476,7 +476,7 @@ def test_prestaged_operands_are_not_chunked(monkeypatch):
     monkeypatch.setattr(g, "STAGE_BYTES", 256 * 2 * 64)  # 256-row chunks
     launched = []
     real = g._launch_persistent
-    monkeypatch.setattr(g, "_launch_persistent", lambda *a: launched.append(tuple(a[-1].shape)) or real(*a))
+    monkeypatch.setattr(g, "_launch_persistent", lambda *a, **k: launched.append(tuple(a[-1].shape)) or real(*a, **k))
     a = quantize_nvfp4(inputs(272, 64, "heavy", torch.float32))
     b = quantize_nvfp4(inputs(48, 64, "normal", torch.float32), block_shape=(16, 16))
     packed = nvfp4_gemm_triton(a, b, torch.float32, use_tma=True, stage_a=True)
@@ -486,6 +486,35 @@ def test_prestaged_operands_are_not_chunked(monkeypatch):
     got = nvfp4_gemm_triton(*staged, torch.float32, use_tma=True)
     assert launched == [(272, 48)]
     torch.testing.assert_close(got, packed, rtol=0 if not GPU else 1e-6, atol=0 if not GPU else 1e-6)
+
+
+@pytest.mark.parametrize("use_tma,split_k", [(False, False), (True, False), (False, True)],
+                         ids=["tile", "persistent", "k_split"])
+def test_round_to_stores_a_16bit_result_widened(monkeypatch, use_tma, split_k):
+    """round_to = bf16 with an fp32 out: bit for bit the bf16 result widened, in each kernel path and the
+    no-contraction fill, and through ops.nvfp4_gemm on the reference backend too."""
+    from titan_nvfp4.kernels import gemm as g
+    from titan_nvfp4.ops import nvfp4_gemm
+
+    if use_tma and GPU and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA descriptors need sm_90+")
+    if split_k:
+        monkeypatch.setattr(g, "STAGE_BYTES", 2 * 1024 * 12)  # wgrad-like: K chunks with fp32 partials
+        monkeypatch.setattr(g, "MIN_CHUNK_ROWS", 64)
+    k = 1024 if split_k else 96
+    a = quantize_nvfp4(inputs(40, k, "heavy", torch.float32))
+    b = quantize_nvfp4(inputs(48, k, "normal", torch.float32), block_shape=(16, 16))
+    bvec = torch.randn(48, device=DEV)
+    for bias in (None, bvec):
+        want = nvfp4_gemm_triton(a, b, torch.bfloat16, bias, use_tma=use_tma, stage_a=True).float()
+        got = nvfp4_gemm_triton(a, b, torch.float32, bias, use_tma=use_tma, stage_a=True, round_to=torch.bfloat16)
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+        assert not torch.equal(got, nvfp4_gemm_triton(a, b, torch.float32, bias, use_tma=use_tma, stage_a=True))
+    ref = nvfp4_gemm(a, b, torch.float32, bvec, backend="reference", round_to=torch.bfloat16)
+    assert torch.equal(ref, nvfp4_gemm(a, b, torch.bfloat16, bvec, backend="reference").float())
+    empty = quantize_nvfp4(torch.zeros(40, 0, device=DEV)), quantize_nvfp4(torch.zeros(48, 0, device=DEV))
+    fill = nvfp4_gemm_triton(*empty, torch.float32, bvec, round_to=torch.bfloat16)
+    assert torch.equal(fill, bvec.to(torch.bfloat16).float().expand(40, 48))
 
 
 @pytest.mark.skipif(not GPU, reason="autotuned large-tile configs only run compiled")

@@ -15,6 +15,7 @@ LAYERS = {
     "kernels": 2,
     "ops": 3,
     "linear_function": 4, "grouped_function": 4, "distributed": 4, "recipe": 4, "body_graphs": 4,
+    "sibling_x": 4,
     "layer_state": 5, "nvfp4_linear": 5, "decomposed_linear": 5, "lowrank_experts": 5, "amax_history": 5,
     "schedule": 5, "train_state": 5, "telemetry": 5, "knobs": 5, "layer_selection": 5, "expert_groups": 5,
     "optimizer_states": 5, "torchtitan_version": 5,

@@ -411,13 +411,17 @@ def test_state_dict_roundtrip_with_nn_linear(bias):
 # ----------------------------------------------------------------------------- 8. autocast
 
 def test_autocast_bf16_output_and_fp32_accumulation():
+    """Under autocast X is quantized as F.linear would multiply it, cast to the autocast dtype (as TorchAO's
+    Float8Linear does); the weight from its fp32 master; the output in bf16 from an fp32 accumulator."""
     recipe = _recipe("nvidia_paper")
     m = make_layer(64, 48, True, torch.float32, recipe, layer_id=3)
     x = torch.randn(2, 20, 64, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = m(x)
     assert y.dtype == torch.bfloat16
-    x2d = x.detach().reshape(-1, 64)
+    x2d = x.detach().reshape(-1, 64).to(torch.bfloat16)
+    assert not torch.equal(quantize_nvfp4(x2d, (1, 16)).global_scale,  # else the test could not tell the two
+                           quantize_nvfp4(x.detach().reshape(-1, 64), (1, 16)).global_scale)
     xq, wq = quantize_nvfp4(x2d, (1, 16)), quantize_nvfp4(m.weight.detach(), (16, 16))
     expect = nvfp4_gemm(xq, wq, out_dtype=torch.bfloat16, bias=m.bias.detach())  # outside autocast
     assert torch.equal(y.detach().reshape(-1, 48), expect)
@@ -429,7 +433,9 @@ def test_autocast_bf16_output_and_fp32_accumulation():
     y.backward(dy)
     assert x.grad.dtype == torch.float32 and m.weight.grad.dtype == torch.float32
     r = reference(x2d, m.weight.detach(), m.bias.detach(), dy.reshape(-1, 48), recipe, 3, call)
-    assert_matches(x.grad.reshape(-1, 64), r["dx"], "dX under autocast")
+    # dX leaves the GEMM in X's autocast dtype, then its cast's backward takes it to fp32 (as for F.linear)
+    assert torch.equal(x.grad, x.grad.to(torch.bfloat16).float())
+    assert_matches(x.grad.reshape(-1, 64).to(torch.bfloat16), r["dx"], "dX under autocast")
     assert_matches(m.weight.grad, r["dw"], "dW under autocast")
 
 
@@ -454,9 +460,9 @@ def test_no_wgrad_operand_without_autograd(monkeypatch):
     x = torch.randn(16, 64)
     m(x)  # grad mode on, W requires grad: the operand is needed
     with torch.no_grad():
-        m(x)
+        m(x.clone())  # fresh tensors: the same one would reuse its quantization (sibling_x.py)
     with torch.inference_mode():
-        m(x)
+        m(x.clone())
     assert calls == [True, False, False]
 
 
@@ -465,8 +471,9 @@ def test_backward_runs_the_gemm_order_with_the_lower_peak(monkeypatch):
     gradients either way."""
     from titan_nvfp4 import linear_function as lf
 
-    assert lf._wgrad_first(16384, 4096, 4096) and lf._wgrad_first(16384, 14336, 4096)
-    assert not lf._wgrad_first(2048, 4096, 14336)
+    assert lf._wgrad_first(16384, 14336, 4096) and lf._wgrad_first(32768, 5632, 2048)
+    # Xᵀ is staged whole for wgrad (staged_for_gemms): a wide output's dY then goes first, through dgrad
+    assert not lf._wgrad_first(2048, 4096, 14336) and not lf._wgrad_first(32768, 2048, 5632)
     recipe = NVFP4Recipe()
     torch.manual_seed(0)
     w = torch.randn(48, 64, requires_grad=True)

@@ -1,6 +1,6 @@
 """Sibling NVFP4 Linears on one X (wq, wk, wv; w1, w3) hold one RHT sign tensor, so under torch.compile their
 identical X quantizations are one node after AOTAutograd's CSE: X is quantized once, not once per layer, with
-the bits each layer computes on its own."""
+the bits each layer computes on its own; in the backward their wgrads stage the saved Xᵀ codes once."""
 
 import collections
 
@@ -54,15 +54,16 @@ def test_layers_hold_one_sign_tensor_after_materialization_and_a_dtype_cast():
 
 
 @pytest.mark.skipif(DEV == "cpu" and not interpreting(), reason="needs a GPU or TRITON_INTERPRET=1")
-def test_compiled_siblings_quantize_x_once_with_each_layers_bits():
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "fp32_under_bf16_autocast"])
+def test_compiled_siblings_quantize_x_once_with_each_layers_bits(autocast):
     """The partitioned forward graph holds one X quantization for three layers (three with per-layer sign
-    tensors, the state before); the compiled step's outputs and gradients equal eager's bit for bit."""
+    tensors, the state before); the compiled step's outputs and gradients equal eager's bit for bit. Under
+    autocast the layers' casts of X to bf16 are one node too, and X's gradient is fp32 (each layer's dX widened)."""
     counts = []
 
     def backend(gm, example_inputs):
         def counting(graph, _):
-            counts.append(collections.Counter(str(n.target) for n in graph.graph.nodes
-                                              if n.op == "call_function" and "titan_nvfp4" in str(n.target)))
+            counts.append(collections.Counter(str(n.target) for n in graph.graph.nodes if n.op == "call_function"))
             return make_boxed_func(graph)
         return aot_module_simplified(gm, example_inputs, fw_compiler=counting, bw_compiler=counting,
                                      partition_fn=min_cut_rematerialization_partition)
@@ -75,8 +76,11 @@ def test_compiled_siblings_quantize_x_once_with_each_layers_bits():
 
     def step(model):
         xi = x.clone().requires_grad_(True)
-        y = model(xi)
-        y.backward(dy)
+        with torch.autocast(DEV, dtype=torch.bfloat16, enabled=autocast):
+            y = model(xi)
+        assert y.dtype == (torch.bfloat16 if autocast else torch.float32)
+        y.backward(dy.to(y.dtype))
+        assert xi.grad.dtype == torch.float32
         out = [y.detach(), xi.grad] + [layer.weight.grad.clone() for layer in (m.q, m.k, m.v)]
         for layer in (m.q, m.k, m.v):
             layer.weight.grad = None
@@ -88,6 +92,9 @@ def test_compiled_siblings_quantize_x_once_with_each_layers_bits():
     fw, bw = counts
     assert fw["titan_nvfp4.quantize.default"] == 1 and fw["titan_nvfp4.gemm.default"] == 3
     assert bw["titan_nvfp4.quantize.default"] == 3  # each layer's own dY
+    casts = [n for n in fw if "convert_element_type" in n or "_to_copy" in n]
+    assert sum(fw[n] for n in casts) == (1 if autocast else 0), fw  # X's cast to bf16, once for three layers
+    assert bw["titan_nvfp4.stage.default"] == 1 and fw["titan_nvfp4.stage.default"] == 0  # Xᵀ staged once
     for layer, c in zip((m.q, m.k, m.v), counters):  # the SR streams replay: eager draws the same numbers
         layer.sr_counter.copy_(c)
     eager = step(m)

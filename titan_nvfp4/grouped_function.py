@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 
 from .distributed.amax import AmaxGroups, all_reduce_max
-from .linear_function import (autocast_out_dtype, cached_rht_signs, next_sr_seed, nvfp4_from_parts, nvfp4_parts,
-                              sr_counter)
+from .linear_function import (autocast_input, autocast_out_dtype, cached_rht_signs, next_sr_seed, nvfp4_from_parts,
+                              nvfp4_parts, sr_counter)
 from .numerics.rht import signs_for_operand
 from .ops import nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient, quantize_weight, resolve_backend
 from .ops import grouped as G
@@ -388,6 +388,7 @@ def _rht_signs(recipe: NVFP4Recipe, signs: torch.Tensor | None, device) -> torch
 
 
 def _grouped(x, weights, offsets, biases, recipe, counters, signs, aligned, groups, amax_carrier, x_amax):
+    x = autocast_input(x)  # see linear_function.py
     weights, biases = tuple(weights), tuple(biases)
     counters = tuple(counters) if counters is not None else (None,) * len(weights)
     for w in weights:

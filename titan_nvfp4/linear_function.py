@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .body_graphs import BodyGraphs
 from .distributed.amax import AmaxGroups, all_reduce_max
@@ -24,8 +25,9 @@ from .numerics.mxfp8 import MXFP8Tensor
 from .numerics.nvfp4 import NVFP4Tensor
 from .numerics.rht import rht_signs, signs_for_operand
 from .ops import (mxfp8_gemm, mxfp8_operands, nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient,
-                  quantize_weight, resolve_backend)
+                  quantize_weight, resolve_backend, staged_for_gemms)
 from .recipe import NVFP4Recipe
+from .sibling_x import shared_staging, shared_x_operands
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,6 +67,16 @@ def next_sr_seed(counter: torch.Tensor) -> torch.Tensor:
     return seed
 
 
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the autocast dtype under autocast, as F.linear (and TorchAO's Float8Linear, before it quantizes)
+    casts its input: NVFP4 then quantizes what a BF16 Linear would multiply, the same whether the model runs
+    under autocast (one GPU, fp32 parameters) or in BF16 (FSDP2's mixed precision). Else ``x`` itself."""
+    dev = x.device.type
+    if dev == "meta" or not x.is_floating_point() or not torch.is_autocast_enabled(dev):
+        return x
+    return x.to(torch.get_autocast_dtype(dev))
+
+
 def autocast_out_dtype(x: torch.Tensor) -> torch.dtype:
     """Under autocast the output takes the autocast dtype, as nn.Linear's would; the NVFP4 math itself
     then runs with autocast off (its fp32 accumulator must not be rounded to 16 bits)."""
@@ -84,14 +96,25 @@ def nvfp4_from_parts(data, scale, gs, like_shape, block_shape) -> NVFP4Tensor:
     return NVFP4Tensor(data=data, scale=scale, global_scale=gs, shape=like_shape, block_shape=block_shape)
 
 
-def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, signs, out_dtype, need_col, backend, w_amax):
+def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, signs, out_dtype, need_col, backend, w_amax,
+                  shared_x=None):
     """Forward's GPU work as tensors: (Y, Wᵀ's codes, scales and decode scale, then Xᵀ's when ``need_col``)
     and their (shape, block shape) metadata; body_graphs.py may replay it as a CUDA graph. It takes the
     layer's ``signs`` and casts them here: a graph replays its reads at their captured addresses, and a cast
-    made outside the body would be freed after the capture."""
+    made outside the body would be freed after the capture. ``shared_x``: the eager X that x2d views, whose
+    quantization sibling Linears share (sibling_x.py)."""
     fos = recipe.four_over_six
-    x_signs = signs_for_operand(signs, x2d.dtype, recipe.rht_round_to_input_dtype)
-    xq, x_col = quantize_activation(x2d, need_col, x_signs, backend, x_amax, fos)
+
+    def quantize_x():
+        xc = x2d.to(out_dtype)  # the autocast cast (see _forward), once per shared X
+        x_signs = signs_for_operand(signs, xc.dtype, recipe.rht_round_to_input_dtype)
+        return quantize_activation(xc, need_col, x_signs, backend, x_amax, fos)
+
+    if shared_x is None:
+        xq, x_col = quantize_x()
+    else:
+        key = (x2d.shape, out_dtype, need_col, backend, fos, recipe.rht_round_to_input_dtype)
+        xq, x_col = shared_x_operands(shared_x, signs, key, quantize_x)
     if isinstance(weight, NVFP4GatheredWeight):  # FSDP2 gathered it as NVFP4: distributed/fsdp_all_gather.py
         wq = gathered_nvfp4(weight)
         w_t = wq.t()
@@ -102,7 +125,19 @@ def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, signs, out_dtype, n
     return tensors, ((w_t.shape, w_t.block_shape), (x_col.shape, x_col.block_shape) if x_col is not None else None)
 
 
-def _backward_body(dy2d, dy_amax=None, *, ctx, saved, need_dx, need_dw, need_db, out_dtypes):
+def _staged_x_col(x_col: NVFP4Tensor, ctx):
+    """wgrad's Xᵀ operand, staged by its own op (ops/gemm.py): sibling layers on one X stage it once, under
+    compile by CSE and in eager through sibling_x.shared_staging (not inside a body graph, nor under a mode)."""
+    def stage():
+        return staged_for_gemms(x_col, ctx.backend)
+
+    if (ctx.backend != "emulated" or ctx.graphs is not None or torch.compiler.is_compiling()
+            or _get_current_dispatch_mode() is not None or type(x_col.data) is not torch.Tensor):
+        return stage()
+    return shared_staging(x_col.data, x_col.scale, (tuple(x_col.shape), tuple(x_col.block_shape)), stage)
+
+
+def _backward_body(dy2d, dy_amax=None, *, ctx, saved, need_dx, need_dw, need_db, out_dtypes, dx_round=None):
     """Backward's GPU work as tensors: (dX, dW, db), None where not needed; body_graphs.py may replay it."""
     recipe: NVFP4Recipe = ctx.recipe
     signs, *saved = saved
@@ -120,13 +155,13 @@ def _backward_body(dy2d, dy_amax=None, *, ctx, saved, need_dx, need_dw, need_db,
     for gemm in (("dw", "dx") if _wgrad_first(m, k, out_features) else ("dx", "dw")):
         if gemm == "dw":
             if need_dw:
-                x_col = nvfp4_from_parts(*saved[3:6], *ctx.x_col_meta)
+                x_col = _staged_x_col(nvfp4_from_parts(*saved[3:6], *ctx.x_col_meta), ctx)
                 dw = nvfp4_gemm(dy_col, x_col, out_dtype=w_dtype, backend=ctx.backend)
                 del x_col
             dy_col = None
         else:
             if need_dx:
-                dx = nvfp4_gemm(dyq, w_t, out_dtype=x_dtype, backend=ctx.backend)
+                dx = nvfp4_gemm(dyq, w_t, out_dtype=x_dtype, backend=ctx.backend, round_to=dx_round)
             dyq = None
     if need_db:
         db = dy2d.float().sum(0).to(dy2d.dtype)
@@ -148,12 +183,23 @@ class NVFP4LinearFunction(torch.autograd.Function):
     def _forward(ctx, x, weight, bias, recipe, counter, signs, out_dtype, need_wgrad, groups, x_amax, graphs):
         backend = resolve_backend(recipe.gemm_backend, x.device)
         in_features = weight.shape[1]
+        # X as F.linear multiplies it under autocast: cast to the autocast dtype (out_dtype), here rather than
+        # before the Function so that sibling layers' casts of one X stay separate autograd-wise (each dX is
+        # widened on its own, as for BF16 Linears) while compile's CSE merges their forward casts, and eager
+        # siblings that share X's quantization (sibling_x.py) share its cast too (_forward_body casts then)
         x2d = x.reshape(-1, in_features)
+        # eager siblings on one X share its quantization (sibling_x.py); compile's CSE does it in a graph
+        # (is_compiling first: torch 2.11's dynamo cannot trace AmaxGroups.__bool__)
+        share = (not torch.compiler.is_compiling() and graphs is None and not groups and x_amax is None
+                 and type(x) is torch.Tensor and not x.is_inference()  # an inference tensor has no version counter
+                 and _get_current_dispatch_mode() is None)  # a mode (SAC, FlopCounter) sees every call
+        if not share:
+            x2d = x2d.to(out_dtype)
         # a sharded operand (tensor parallelism) takes the amax of the whole operand: distributed/amax.py
         fp4_wgrad = need_wgrad and recipe.backward == "nvfp4"  # else backward reads X itself (MXFP8 / BF16)
         w_amax = None
         if x_amax is None and groups.x is not None:
-            x_signs = signs_for_operand(signs, x.dtype, recipe.rht_round_to_input_dtype)
+            x_signs = signs_for_operand(signs, x2d.dtype, recipe.rht_round_to_input_dtype)
             x_amax = all_reduce_max(operand_amax(x2d, fp4_wgrad, x_signs, backend), groups.x)
         if groups.weight is not None and not isinstance(weight, NVFP4GatheredWeight):  # gathered: scales reduced
             w_amax = all_reduce_max(operand_amax(weight, False, None, backend)[:1], groups.weight)
@@ -171,10 +217,10 @@ class NVFP4LinearFunction(torch.autograd.Function):
                 ctx.fwd_key = key if saving else None
             ctx.graphs = graphs
         else:
-            tensors, meta = body(*copied)
+            tensors, meta = body(*copied, shared_x=x if share else None)
         y, saved_w_t, saved_x_col = tensors[0], tensors[1:4], tensors[4:]
         ctx.has_bias, ctx.hp_backward = bias is not None, recipe.backward != "nvfp4"
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.q_dtype = x.shape, x.dtype, weight.dtype, out_dtype
         ctx.recipe, ctx.backend, ctx.groups = recipe, backend, groups
         if ctx.hp_backward:  # MXFP8 / BF16 backward: X for wgrad (Xᵀ in MXFP8, or in the compute dtype) and W
             ctx.compute_dtype = out_dtype
@@ -210,7 +256,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
             dy_row, dy_col = mxfp8_operands(dy2d, need_dx, need_dw, ctx.backend, staged=True)
             if need_dx:
                 _, w_col = mxfp8_operands(weight.to(dt), False, True, ctx.backend, staged=True)
-                dx = mxfp8_gemm(dy_row, w_col, ctx.x_dtype).reshape(ctx.x_shape)
+                dx = mxfp8_gemm(dy_row, w_col, dt).to(ctx.x_dtype).reshape(ctx.x_shape)
             if need_dw:
                 dw = mxfp8_gemm(dy_col, MXFP8Tensor(x_a, x_b), ctx.w_dtype)
         else:
@@ -240,8 +286,13 @@ class NVFP4LinearFunction(torch.autograd.Function):
         if ctx.groups.grad is not None:
             signs = signs_for_operand(saved[0], dy.dtype, ctx.recipe.rht_round_to_input_dtype)
             dy_amax = all_reduce_max(operand_amax(dy2d, need_dw, signs, ctx.backend), ctx.groups.grad)
+        # dX in X's autocast dtype, widened to X's: compiled, the GEMM writes the 16-bit dX and inductor fuses the
+        # widening into its consumer; eager, the GEMM stores the widened values itself (no widening kernel)
+        widen_in_gemm = ctx.q_dtype != ctx.x_dtype and not torch.compiler.is_compiling()
         body = functools.partial(_backward_body, ctx=ctx, saved=saved, need_dx=need_dx, need_dw=need_dw,
-                                 need_db=need_db, out_dtypes=(ctx.x_dtype, ctx.w_dtype))
+                                 need_db=need_db, out_dtypes=(ctx.x_dtype if widen_in_gemm else ctx.q_dtype,
+                                                              ctx.w_dtype),
+                                 dx_round=ctx.q_dtype if widen_in_gemm else None)
         if ctx.graphs is not None and dy_amax is None:
             key = ("bwd", dy2d.shape, dy2d.stride(), dy2d.dtype, need_dx, need_dw, need_db)
             (dx, dw, db), _, replayed = ctx.graphs.run(key, body, [dy2d], [ctx.counter, *saved])
@@ -251,21 +302,21 @@ class NVFP4LinearFunction(torch.autograd.Function):
                 dx, dw, db = (None if t is None else t.clone() for t in (dx, dw, db))
         else:
             (dx, dw, db), _ = body(dy2d, dy_amax)
-        if dx is not None:
-            dx = dx.reshape(ctx.x_shape)
+        if dx is not None:  # in X's autocast dtype, widened as the backward of F.linear's input cast widens it
+            dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)  # a no-op where the GEMM widened it
         return dx, dw, db, None, None, None, None, None, None, None
 
 
 def _wgrad_first(m: int, k: int, n: int) -> bool:
     """Whether backward should run wgrad before dgrad: the order whose peak is lower, counting what the
     emulated backend holds (bytes of fp16 = 2 per element): dY staged both ways (m·n each), dX (m·k),
-    dW (n·k) and the staging chunk of the packed operand of each GEMM (Wᵀ for dgrad, Xᵀ for wgrad, at
-    most STAGE_BYTES). dgrad first: max(dY + dYᵀ + Wᵀ chunk + dX, dYᵀ + dX + Xᵀ chunk + dW); wgrad first:
-    max(dY + dYᵀ + Xᵀ chunk + dW, dY + dW + Wᵀ chunk + dX)."""
+    dW (n·k), dgrad's staging chunk of Wᵀ (at most STAGE_BYTES) and wgrad's staged Xᵀ (m·k, whole:
+    staged_for_gemms). dgrad first: max(dY + dYᵀ + Wᵀ chunk + dX, dYᵀ + dX + Xᵀ + dW); wgrad first:
+    max(dY + dYᵀ + Xᵀ + dW, dY + dW + Wᵀ chunk + dX)."""
     from .kernels.gemm import STAGE_BYTES  # here: the kernels load only when a kernel backend runs
 
     dy, dx, dw = 2 * m * n, 2 * m * k, 2 * n * k
-    sd, sw = min(STAGE_BYTES, dw), min(STAGE_BYTES, dx)
+    sd, sw = min(STAGE_BYTES, dw), dx
     return max(2 * dy + sw + dw, dy + dw + sd + dx) < max(2 * dy + sd + dx, dy + dx + sw + dw)
 
 
@@ -298,7 +349,8 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     ``groups``: the process groups sharding X, W and dY (tensor parallelism), whose tensor amaxes are
     then all-reduced so that every rank quantizes with the whole operand's tensor scale; ``x_amax``:
     fp32 [row, column] amaxes to quantize X with instead of its own (an amax history: amax_history.py);
-    ``graphs``: the layer's BodyGraphs, to replay its bodies as CUDA graphs in eager mode (body_graphs.py)."""
+    ``graphs``: the layer's BodyGraphs, to replay its bodies as CUDA graphs in eager mode (body_graphs.py).
+    Under autocast X is quantized in the autocast dtype, as F.linear casts it, and dX leaves in it, widened."""
     _check_linear_args(x, weight, bias, recipe)
     if x.is_meta:
         return meta_linear(x, weight, bias)

@@ -16,7 +16,7 @@ from .amax_history import activation_amax
 from .body_graphs import BodyGraphs, graphable
 from .distributed.tensor_parallel import local, local_tp_nvfp4_linear, tp_nvfp4_linear
 from .layer_state import NVFP4LayerState
-from .linear_function import meta_linear, nvfp4_linear
+from .linear_function import autocast_input, meta_linear, nvfp4_linear
 from .numerics.rht import signs_for_operand
 from .ops import operand_amax, resolve_backend
 from .recipe import NVFP4Recipe
@@ -146,8 +146,9 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         """X's amaxes from the layer's amax history (amax_history.py), recording this forward's."""
         fp4_wgrad = torch.is_grad_enabled() and weight.requires_grad and self.recipe.backward == "nvfp4"
         backend = resolve_backend(self.recipe.gemm_backend, x.device)
-        signs = signs_for_operand(local(self.rht_signs), x.dtype, self.recipe.rht_round_to_input_dtype)
-        current = operand_amax(x.detach().reshape(-1, x.shape[-1]), fp4_wgrad, signs if fp4_wgrad else None, backend)
+        xq = autocast_input(x.detach())  # X as quantized (linear_function.py)
+        signs = signs_for_operand(local(self.rht_signs), xq.dtype, self.recipe.rht_round_to_input_dtype)
+        current = operand_amax(xq.reshape(-1, x.shape[-1]), fp4_wgrad, signs if fp4_wgrad else None, backend)
         return activation_amax(self, current)
 
     def extra_repr(self) -> str:

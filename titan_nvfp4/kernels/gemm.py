@@ -133,15 +133,32 @@ def grouped_tile(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr
     return swizzle_tile(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
 
 
+#: ROUND codes of the GEMM kernels: the 16-bit dtype their fp32 results are rounded to before a wider store
+ROUND_CODES = {None: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@triton.jit
+def _rounded(x, ROUND: tl.constexpr):
+    """fp32 x rounded to bf16 (ROUND 1) or fp16 (2), as fp32; x itself for 0. The same conversion a 16-bit
+    store applies, so a wide C holds exactly what a 16-bit C widened would."""
+    if ROUND == 1:
+        return x.to(tl.bfloat16).to(tl.float32)
+    elif ROUND == 2:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
 @triton.jit
 def _nvfp4_gemm_kernel(A, SA, a_desc, B, b_desc, GSA, GSB, BIAS, C, P, M, N, K, sam, ssam, ssak, sbn, scm, scn,
                        A_SCALE_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, B_TMA: tl.constexpr, A_STAGED: tl.constexpr,
                        ACC_IN: tl.constexpr, FINAL: tl.constexpr, USE_ASM: tl.constexpr, BM: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+                       BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, ROUND: tl.constexpr = 0):
     """C[M, N] = A[M, K] · B[N, K]ᵀ (B staged fp16), scaled in the epilogue. A is packed NVFP4 and
     dequantized here, or with A_STAGED staged fp16 like B (then read through TMA when B_TMA).
     Split along K: ACC_IN adds the fp32 partial sums in P [M, N] (contiguous) to this launch's, and a
-    launch that is not FINAL writes its unscaled sums back to P instead of C."""
+    launch that is not FINAL writes its unscaled sums back to P instead of C. ROUND (round_code): C's values
+    rounded to bf16 or fp16 first, for a wider C that holds what a 16-bit C and its widening would."""
     pid_m, pid_n = grouped_tile(M, N, BM, BN, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -186,7 +203,7 @@ def _nvfp4_gemm_kernel(A, SA, a_desc, B, b_desc, GSA, GSB, BIAS, C, P, M, N, K, 
         if HAS_BIAS:
             out = out + tl.load(BIAS + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         c_ptr = C + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
-        tl.store(c_ptr, out.to(C.dtype.element_ty), mask=mask)
+        tl.store(c_ptr, _rounded(out, ROUND).to(C.dtype.element_ty), mask=mask)
     else:
         tl.store(p_ptr, acc, mask=mask)
 
@@ -211,7 +228,8 @@ def fixed_tiles(t: torch.Tensor) -> dict:
 @triton.jit
 def _nvfp4_gemm_persistent_kernel(A, B, C, GSA, GSB, BIAS, M, N, K, sam, sbn, scm,
                                   HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                                  GROUP_M: tl.constexpr, SUBTILE: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+                                  GROUP_M: tl.constexpr, SUBTILE: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+                                  ROUND: tl.constexpr = 0):
     """C[M, N] = (A[M, K] · B[N, K]ᵀ)·gs_A·gs_B [+ bias] for staged fp16 A and B, all three through TMA
     descriptors built on the device (no host descriptor objects per launch: they cost more host time
     than the kernel launch itself). Out-of-range rows and columns load as zeros and are not stored.
@@ -235,6 +253,7 @@ def _nvfp4_gemm_persistent_kernel(A, B, C, GSA, GSB, BIAS, M, N, K, sam, sbn, sc
         if HAS_BIAS:
             rn = pid_n * BN + tl.arange(0, BN)
             out = out + tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        out = _rounded(out, ROUND)
         if SUBTILE:
             left, right = tl.split(tl.permute(tl.reshape(out, (BM, 2, BN // 2)), (0, 2, 1)))
             c_desc.store([pid_m * BM, pid_n * BN], left.to(c_desc.dtype))
@@ -370,8 +389,10 @@ def ensure_scratch_allocator(t: torch.Tensor) -> None:
         triton.set_allocator(_scratch)
 
 
-def _launch_persistent(autotune: bool, a16: torch.Tensor, b16: torch.Tensor, gsa, gsb, bias, c: torch.Tensor) -> None:
-    """C = (a16 · b16ᵀ)·gs_A·gs_B [+ bias] with the persistent TMA kernel (both operands staged fp16)."""
+def _launch_persistent(autotune: bool, a16: torch.Tensor, b16: torch.Tensor, gsa, gsb, bias, c: torch.Tensor, *,
+                       rnd: int = 0) -> None:
+    """C = (a16 · b16ᵀ)·gs_A·gs_B [+ bias] with the persistent TMA kernel (both operands staged fp16); ``rnd``: the
+    kernel's ROUND."""
     M, K = a16.shape
     N = b16.shape[0]
     progs = persistent_programs(a16)
@@ -380,12 +401,13 @@ def _launch_persistent(autotune: bool, a16: torch.Tensor, b16: torch.Tensor, gsa
             c.stride(0))
     if autotune:
         grid = lambda meta: (min(progs, cdiv(M, meta["BM"]) * cdiv(N, meta["BN"])),)  # noqa: E731
-        launch(_nvfp4_gemm_persistent_autotuned, grid, *args, HAS_BIAS=bias is not None, NUM_PROGRAMS=progs)
+        launch(_nvfp4_gemm_persistent_autotuned, grid, *args, HAS_BIAS=bias is not None, NUM_PROGRAMS=progs,
+               ROUND=rnd)
     else:
         tiles = fixed_tiles(a16)
         grid = (min(progs, cdiv(M, tiles["BM"]) * cdiv(N, tiles["BN"])),)
         launch(_nvfp4_gemm_persistent_kernel, grid, *args, HAS_BIAS=bias is not None, SUBTILE=False,
-               NUM_PROGRAMS=progs, **tiles)
+               NUM_PROGRAMS=progs, ROUND=rnd, **tiles)
 
 
 def _chunks(rows: int, K: int):
@@ -404,10 +426,12 @@ def _stage(t: NVFP4Tensor | StagedOperand, rows: slice | None = None, cols: slic
 
 def nvfp4_gemm_triton(a: NVFP4Tensor | StagedOperand, b: NVFP4Tensor | StagedOperand, out_dtype: torch.dtype,
                       bias: torch.Tensor | None = None, autotune: bool | None = None,
-                      use_tma: bool | None = None, stage_a: bool | None = None) -> torch.Tensor:
+                      use_tma: bool | None = None, stage_a: bool | None = None,
+                      round_to: torch.dtype | None = None) -> torch.Tensor:
     """out [M, N] = Σ_k A[m, k] B[n, k] over the storages of a and b (contraction along their rows).
     ``stage_a``: stage A as fp16 too instead of dequantizing it in registers (default STAGE_A); an
-    operand that comes staged (StagedOperand) is read as it is."""
+    operand that comes staged (StagedOperand) is read as it is. ``round_to``: bf16 or fp16, the values of a
+    wider ``out_dtype`` rounded to it first (a 16-bit result and its widening, in one store)."""
     M, K = a.storage_shape
     N, Kb = b.storage_shape
     if K != Kb:
@@ -423,7 +447,7 @@ def nvfp4_gemm_triton(a: NVFP4Tensor | StagedOperand, b: NVFP4Tensor | StagedOpe
     if M == 0 or N == 0:
         return out
     if K == 0:
-        out.copy_((bias.to(out_dtype).expand(M, N) if bias is not None else torch.zeros_like(out)))
+        out.copy_((bias.to(round_to or out_dtype).to(out_dtype).expand(M, N) if bias is not None else torch.zeros_like(out)))
         return out
     if autotune is None:
         autotune = a_data.is_cuda and not interpreting() and M * N >= 128 * 128
@@ -433,8 +457,9 @@ def nvfp4_gemm_triton(a: NVFP4Tensor | StagedOperand, b: NVFP4Tensor | StagedOpe
         stage_a = STAGE_A or pre_staged
     gsa = a.global_scale.reshape(1).float()
     gsb = b.global_scale.reshape(1).float()
+    rnd = ROUND_CODES[round_to]
     kw = dict(A_SCALE_DIV=1 if pre_staged else _scale_div(a), HAS_BIAS=bias is not None, B_TMA=use_tma,
-              A_STAGED=stage_a, USE_ASM=_use_asm(a_data) and not interpreting())
+              A_STAGED=stage_a, USE_ASM=_use_asm(a_data) and not interpreting(), ROUND=rnd)
     b_pre = isinstance(b, StagedOperand)
     if (stage_a and not (pre_staged and b_pre) and K >= max(M, N)
             and STAGE_BYTES // (2 * K) < min(MIN_CHUNK_ROWS, max(M, N))):
@@ -476,7 +501,7 @@ def nvfp4_gemm_triton(a: NVFP4Tensor | StagedOperand, b: NVFP4Tensor | StagedOpe
         bias_t = bias[n0:n1].contiguous() if bias is not None else out
         tile = out[m0:m1, n0:n1]
         if persistent and tma_storable(tile) and tma_storable(a_src) and tma_storable(b16):  # else plain loads
-            _launch_persistent(autotune, a_src, b16, gsa, gsb, bias_t if bias is not None else None, tile)
+            _launch_persistent(autotune, a_src, b16, gsa, gsb, bias_t if bias is not None else None, tile, rnd=rnd)
             continue
         if persistent:  # C cannot take a TMA store: the tile kernel, still with TMA loads
             a_arg, b_arg = tma_descriptor(a_src), tma_descriptor(b16)

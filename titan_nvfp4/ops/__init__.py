@@ -1,7 +1,7 @@
 """Dispatch from the autograd functions to an implementation: reference, emulated or native."""
 
 from .backends import BACKEND_NAMES, resolve_backend
-from .gemm import mxfp8_gemm, nvfp4_gemm, register_backend
+from .gemm import mxfp8_gemm, nvfp4_gemm, register_backend, staged_for_gemms
 from .quantize import (
     mxfp8_operands,
     operand_amax,
@@ -25,4 +25,5 @@ __all__ = [
     "quantize_wgrad_operand",
     "register_backend",
     "resolve_backend",
+    "staged_for_gemms",
 ]

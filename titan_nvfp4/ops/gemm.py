@@ -80,10 +80,21 @@ def _library_gemm(backend: str) -> GemmFn:
 
 def _op_args(t: NVFP4Tensor | library.StagedOperand) -> tuple:
     """(data, scale, global scale, tiles) of an operand for the gemm op; a staged operand (emulated
-    backend only) passes its fp16 values and empty scales."""
+    backend only) passes its fp16 values and empty scales (made from the global scale, not from the values:
+    a graph that needs the placeholder before the values must not stage them for it)."""
     if isinstance(t, library.StagedOperand):
-        return t.values, t.values.new_empty((0,), dtype=torch.float8_e4m3fn), t.global_scale, False
+        return t.values, t.global_scale.new_empty((0,), dtype=torch.float8_e4m3fn), t.global_scale, False
     return t.data, t.scale, t.global_scale, _tiles(t)
+
+
+def staged_for_gemms(t: NVFP4Tensor, backend: str) -> NVFP4Tensor | library.StagedOperand:
+    """On the emulated backend, ``t``'s codes staged as the GEMM's fp16 values by one op call, for a saved
+    operand that several GEMMs may read: sibling layers' wgrads on one X (wq, wk, wv) then stage its Xᵀ once
+    under torch.compile (CSE), where each GEMM would stage it in chunks of its own. The bits are the same
+    as a GEMM staging it (the staging is exact). Other backends read the codes as they are."""
+    if backend != "emulated":
+        return t
+    return library.StagedOperand(library.stage(t.data, t.scale, _tiles(t)), t.global_scale)
 
 
 def _tiles(t: NVFP4Tensor) -> bool:
@@ -102,11 +113,18 @@ def nvfp4_gemm(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
     backend: str = "auto",
+    round_to: torch.dtype | None = None,
 ) -> torch.Tensor:
     """out[m, n] = Σ_k A[m, k] B[n, k] over the NVFP4 storages of a and b (either may come staged,
-    see library.StagedOperand, on the emulated backend)."""
+    see library.StagedOperand, on the emulated backend). ``round_to``: a 16-bit dtype whose rounding the
+    values of a wider ``out_dtype`` take first, as a 16-bit result widened (the emulated GEMM does it in its
+    store; the other backends compute in ``round_to`` and widen)."""
     if a.storage_shape[1] != b.storage_shape[1]:
         raise ValueError(f"NVFP4 GEMM contraction mismatch: {a.storage_shape} vs {b.storage_shape}")
     if backend not in _BACKENDS:  # "auto": resolve here for direct callers
         backend = resolve_backend(backend, a.data.device)
-    return _BACKENDS[backend](a, b, out_dtype, bias)
+    if round_to is None or round_to == out_dtype:
+        return _BACKENDS[backend](a, b, out_dtype, bias)
+    if backend == "emulated":
+        return library.gemm(*_op_args(a), *_op_args(b), out_dtype, bias, backend, round_to)
+    return _BACKENDS[backend](a, b, round_to, bias).to(out_dtype)

@@ -15,6 +15,7 @@ the registered op, so tracing and dispatch modes see one opaque op as before.
   titan_nvfp4::quantize     1×16 rows and/or RHT'd 16-along-tokens columns of one 2D operand
   titan_nvfp4::quantize_2d  16×16-block weight plus the codes and scales of its transpose
   titan_nvfp4::gemm         (A·Bᵀ)·gs_A·gs_B [+ bias] on the emulated or the native backend
+  titan_nvfp4::stage        an operand's codes as the emulated GEMM's fp16 values, for one read by several GEMMs
   titan_nvfp4::quantize_mxfp8  rowwise and/or columnwise MXFP8 of one 2D operand
   titan_nvfp4::*_grouped, amax_experts, grouped_gemm_*  the same for MoE experts, per-expert tensor scales
   titan_nvfp4::stage_grouped  a grouped operand's codes as the GEMMs' fp16 values, for one read by several GEMMs
@@ -157,22 +158,39 @@ def _operand(data: Tensor, scale: Tensor, gs: Tensor, tiles: bool) -> NVFP4Tenso
 
 @_op("gemm")
 def gemm(a_data: Tensor, a_scale: Tensor, a_gs: Tensor, a_tiles: bool, b_data: Tensor, b_scale: Tensor,
-         b_gs: Tensor, b_tiles: bool, out_dtype: torch.dtype, bias: Optional[Tensor], backend: str) -> Tensor:
-    """out [M, N] = (A · Bᵀ)·gs_A·gs_B [+ bias]; ``*_tiles``: the operand has 16×16 scale blocks."""
+         b_gs: Tensor, b_tiles: bool, out_dtype: torch.dtype, bias: Optional[Tensor], backend: str,
+         round_to: Optional[torch.dtype] = None) -> Tensor:
+    """out [M, N] = (A · Bᵀ)·gs_A·gs_B [+ bias]; ``*_tiles``: the operand has 16×16 scale blocks; ``round_to``:
+    a 16-bit dtype the values of a wider ``out_dtype`` are rounded to first."""
     a = _operand(a_data, a_scale, a_gs, a_tiles)
     b = _operand(b_data, b_scale, b_gs, b_tiles)
     if backend == "emulated":
         from ..kernels.gemm import nvfp4_gemm_triton
-        return nvfp4_gemm_triton(a, b, out_dtype, bias)
+        return nvfp4_gemm_triton(a, b, out_dtype, bias, round_to=round_to)
     if backend == "native":
         from ..kernels.native import nvfp4_gemm_native
-        return nvfp4_gemm_native(a, b, out_dtype, bias)
+        return nvfp4_gemm_native(a, b, round_to or out_dtype, bias).to(out_dtype)
     raise ValueError(f"titan_nvfp4::gemm: backend must be 'emulated' or 'native', got {backend!r}")
 
 
 @gemm.op.register_fake
-def _gemm_fake(a_data, a_scale, a_gs, a_tiles, b_data, b_scale, b_gs, b_tiles, out_dtype, bias, backend):
+def _gemm_fake(a_data, a_scale, a_gs, a_tiles, b_data, b_scale, b_gs, b_tiles, out_dtype, bias, backend, round_to=None):
     return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
+
+
+@_op("stage")
+def stage(data: Tensor, scale: Tensor, tiles: bool) -> Tensor:
+    """fp16 q·e_b [R, C] of an operand's codes [R, C/2] and scales (no global scale: the GEMM applies it),
+    exact: what the emulated GEMM stages from codes on each call, as one op, so that the wgrads of sibling
+    layers on one X (wq, wk, wv) stage its saved Xᵀ once under torch.compile (CSE) instead of once each."""
+    from ..kernels.gemm import dequantize_fp16
+
+    return dequantize_fp16(_operand(data, scale, scale.new_ones((), dtype=torch.float32), tiles))
+
+
+@stage.op.register_fake
+def _stage_fake(data, scale, tiles):
+    return data.new_empty((data.shape[0], 2 * data.shape[1]), dtype=torch.float16)
 
 
 @_op("quantize_mxfp8")

@@ -1,0 +1,140 @@
+"""Eager sibling NVFP4 Linears on one X (wq, wk, wv) quantize it once (titan_nvfp4/sibling_x.py), with the bits
+each layer computes on its own; any change to X, its object, the signs or the settings quantizes afresh, and the
+remembered operands go when X does."""
+
+import gc
+
+import pytest
+import torch
+
+import titan_nvfp4.linear_function as lf
+import titan_nvfp4.sibling_x as sx
+from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
+from titan_nvfp4.ops.backends import interpreting
+from test_sibling_cse import DEV, _qkv
+
+BACKENDS = ["reference", pytest.param("emulated", marks=pytest.mark.skipif(
+    DEV == "cpu" and not interpreting(), reason="needs a GPU or TRITON_INTERPRET=1"))]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The number of X quantizations (lf.quantize_activation calls) so far; sharing starts from nothing."""
+    calls = []
+    real = lf.quantize_activation
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lf, "quantize_activation", counting)
+    sx.forget_shared_x()
+    yield calls
+    sx.forget_shared_x()
+
+
+def _step(m, x, dy, autocast=False):
+    xi = x.clone().requires_grad_(True)
+    with torch.autocast(DEV, dtype=torch.bfloat16, enabled=autocast):
+        y = m(xi)
+    y.backward(dy.to(y.dtype))
+    out = [y.detach(), xi.grad] + [layer.weight.grad.clone() for layer in (m.q, m.k, m.v)]
+    for layer in (m.q, m.k, m.v):
+        layer.weight.grad = None
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "fp32_under_bf16_autocast"])
+def test_siblings_quantize_x_once_with_each_layers_bits(backend, autocast, counted, monkeypatch):
+    """Under autocast the one quantization is of X's bf16 cast, made once for the three layers. On the emulated
+    backend the three wgrads stage the one saved Xᵀ once."""
+    staged = []
+    real_stage = lf.staged_for_gemms
+    monkeypatch.setattr(lf, "staged_for_gemms", lambda t, b: staged.append(b) or real_stage(t, b))
+    m = _qkv(NVFP4Recipe(gemm_backend=backend))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 64, generator=g).to(DEV)
+    dy = torch.randn(32, 128, generator=g).to(DEV)
+    counters = [layer.sr_counter.clone() for layer in (m.q, m.k, m.v)]
+    shared = _step(m, x, dy, autocast)
+    assert counted == [torch.bfloat16 if autocast else torch.float32], counted
+    assert len(staged) == (1 if backend == "emulated" else 3), staged  # the reference GEMM reads codes
+    for layer, c in zip((m.q, m.k, m.v), counters):  # the SR streams replay: the same dY draws
+        layer.sr_counter.copy_(c)
+    monkeypatch.setattr(lf, "shared_x_operands", lambda x, signs, key, quantize: quantize())
+    monkeypatch.setattr(lf, "shared_staging", lambda codes, scales, key, stage: stage())
+    alone = _step(m, x, dy, autocast)
+    assert len(counted) == 4 and len(staged) == (4 if backend == "emulated" else 6)
+    for i, (a, b) in enumerate(zip(shared, alone)):
+        assert torch.equal(a, b), f"result {i} differs"
+
+
+def test_a_changed_or_new_x_and_other_settings_quantize_afresh(counted):
+    recipe = NVFP4Recipe(gemm_backend="reference")
+    m = _qkv(recipe)
+    x = torch.randn(32, 64, device=DEV)
+    with torch.no_grad():
+        m.q(x), m.k(x)
+        assert len(counted) == 1
+        x.mul_(2)  # in place: the version counter moves
+        y = m.v(x)
+        assert len(counted) == 2
+        fresh = NVFP4Linear(64, 32, bias=False, recipe=recipe, layer_id=7).to(DEV)
+        fresh.weight.copy_(m.v.weight)
+        assert torch.equal(y, fresh(x.clone())) and len(counted) == 3  # an equal X in another tensor
+        other = NVFP4Linear(64, 32, bias=False, recipe=NVFP4Recipe(gemm_backend="reference", rht_seed=5),
+                            layer_id=8).to(DEV)
+        other(x)
+        other(x)
+        assert len(counted) == 4, "another signs tensor: afresh; the same layer again: shared"
+        m.q(x)
+        assert len(counted) == 5, "back to the first signs tensor"
+    m.k(x)  # with grad: X's wgrad operand is needed now, a different quantization
+    assert len(counted) == 6
+
+
+def test_the_remembered_operands_go_with_x(counted):
+    m = _qkv(NVFP4Recipe(gemm_backend="reference"))
+    x = torch.randn(32, 64, device=DEV)
+    with torch.no_grad():
+        m.q(x)
+    assert sx._last["x"].x_ref() is x
+    del x
+    gc.collect()
+    assert "x" not in sx._last
+
+
+def test_compiling_and_amax_history_do_not_share(counted):
+    """An X quantized with given amaxes (amax history, tensor parallelism) is not remembered."""
+    m = _qkv(NVFP4Recipe(gemm_backend="reference"))
+    x = torch.randn(32, 64, device=DEV)
+    amax = torch.tensor([x.abs().max(), x.abs().max()], device=DEV)
+    with torch.no_grad():
+        lf.nvfp4_linear(x, m.q.weight, None, m.q.recipe, m.q.sr_counter, m.q.rht_signs, x_amax=amax)
+        lf.nvfp4_linear(x, m.k.weight, None, m.k.recipe, m.k.sr_counter, m.k.rht_signs, x_amax=amax)
+    assert len(counted) == 2 and "x" not in sx._last
+
+
+def test_inference_tensors_are_quantized_each_time(counted):
+    """An inference-mode X has no version counter to check: each sibling quantizes it."""
+    m = _qkv(NVFP4Recipe(gemm_backend="reference"))
+    with torch.inference_mode():
+        x = torch.randn(32, 64, device=DEV)
+        m.q(x), m.k(x)
+    assert len(counted) == 2 and "x" not in sx._last
+
+
+def test_under_a_dispatch_mode_every_call_quantizes(counted):
+    """A dispatch mode (selective activation checkpointing, FLOP counters) sees each layer's own X quantization."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    m = _qkv(NVFP4Recipe(gemm_backend="reference"))
+    x = torch.randn(32, 64, device=DEV)
+    with torch.no_grad(), Passthrough():
+        m.q(x), m.k(x)
+    assert len(counted) == 2 and "x" not in sx._last

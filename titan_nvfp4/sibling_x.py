@@ -1,0 +1,72 @@
+"""Eager sibling Linears (wq, wk, wv; w1, w3) share one quantization of the X they all read.
+
+Under torch.compile the siblings' X quantizations are identical custom-op calls, and AOTAutograd's CSE keeps
+one of them (layer_state._share_signs gives every layer the same RHT sign tensor). An eager step runs each
+Linear alone, so the last X quantized is remembered here. It is reused only for the same tensor object,
+unmodified since (its version counter), with the same signs tensor and settings. X is rounded to nearest,
+with no random draws, so the reused operands are the ones a fresh quantization would give, bit for bit: one
+amax pass, one quantization and one saved copy of the Xᵀ codes instead of one per sibling. The entry holds X
+weakly and is dropped when X is freed, so it keeps no activation alive. In the backward the siblings' wgrads
+stage those saved Xᵀ codes once the same way (shared_staging). TITAN_NVFP4_SHARE_X=0 turns both off (an A/B
+switch for benchmarks).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Callable
+
+import torch
+
+#: whether eager siblings share (read at import)
+ENABLED = os.environ.get("TITAN_NVFP4_SHARE_X", "1") != "0"
+#: the last entry per purpose: "x" (X's forward operands), "stage" (the staged Xᵀ of wgrad)
+_last: "dict[str, _Entry]" = {}
+
+
+class _Entry:
+    __slots__ = ("x_ref", "version", "signs", "key", "operands", "__weakref__")
+
+    def __init__(self, slot: str, x: torch.Tensor, signs: torch.Tensor | None, key: tuple, operands) -> None:
+        self.x_ref = weakref.ref(x, _forget(slot, weakref.ref(self)))
+        self.version, self.signs, self.key, self.operands = x._version, signs, key, operands
+
+
+def _forget(slot: str, entry_ref: weakref.ref) -> Callable:
+    def callback(_) -> None:
+        if _last.get(slot) is not None and _last.get(slot) is entry_ref():
+            del _last[slot]
+    return callback
+
+
+def _shared(slot: str, x: torch.Tensor, signs: torch.Tensor | None, key: tuple, make: Callable[[], object]):
+    if not ENABLED:
+        return make()
+    e = _last.get(slot)
+    if e is not None and e.x_ref() is x and e.version == x._version and e.signs is signs and e.key == key:
+        return e.operands
+    operands = make()
+    _last[slot] = _Entry(slot, x, signs, key, operands)
+    return operands
+
+
+def shared_x_operands(x: torch.Tensor, signs: torch.Tensor | None, key: tuple, quantize: Callable[[], tuple]) -> tuple:
+    """``quantize()``'s X operands, or those it gave for the same ``x`` (same object and version), the same
+    ``signs`` tensor and an equal ``key`` (plain values: everything else the quantization reads)."""
+    return _shared("x", x, signs, key, quantize)
+
+
+def shared_staging(codes: torch.Tensor, scales: torch.Tensor, key: tuple, stage: Callable[[], object]):
+    """``stage()``'s staged operand, or the one it gave for the same saved ``codes`` tensor (object and version),
+    ``scales`` tensor and ``key``: the wgrads of eager siblings, which saved one Xᵀ, stage it once. Held until
+    another operand is staged or the codes are freed (the last sibling's backward done)."""
+    return _shared("stage", codes, scales, key, stage)
+
+
+def forget_shared_x() -> None:
+    """Drop the remembered operands (tests; a caller that changes X in ways its version does not record)."""
+    _last.clear()
+
+
+__all__ = ["forget_shared_x", "shared_staging", "shared_x_operands"]
