@@ -1,13 +1,15 @@
 """Host time of the Python around the kernels: one NVFP4Linear forward+backward on the emulated path with
 every kernel launch stubbed out, so that it runs on a CPU without a GPU.
 
-    python benchmarks/host_glue.py [--shape 64 64 64] [--experts E] [--reps 200] [--repeats 15] [--profile tottime]
+    python benchmarks/host_glue.py [--shape 64 64 64] [--siblings S | --experts E] [--reps 200] [--repeats 15]
+                                   [--profile tottime]
 
 Small models are host-bound in eager mode (docs/performance.md, "The README's debug model"): what one
 NVFP4Linear spends outside its launches (argument checks, allocations, operand wrappers, the autograd
 function) adds to every layer's step. On a GPU the same code pays more per torch call (CUDA allocations,
 stream queries), so read the figure as relative: before and after a change, on one machine. The outputs
-are garbage (no kernel runs); the launches per call are counted. ``--experts E`` times the routed experts'
+are garbage (no kernel runs); the launches per call are counted. ``--siblings S`` runs S Linears on one X
+(wq, wk, wv: S = 3), the case where eager siblings share X's quantization. ``--experts E`` times the routed experts'
 grouped GEMM (nvfp4_grouped_mm) instead. ``--profile SORT`` prints cProfile's
 top 40 entries (sorted by tottime or cumulative).
 """
@@ -48,6 +50,8 @@ def main() -> None:
                          "own ops (gradient fills and accumulation) stays out of the figure)")
     ap.add_argument("--reps", type=int, default=200, help="forward+backward calls per timing")
     ap.add_argument("--repeats", type=int, default=15, help="timings; the best is printed (the least disturbed)")
+    ap.add_argument("--siblings", type=int, default=1, metavar="S",
+                    help="S Linears reading the same X (their outputs summed), as wq, wk and wv do")
     ap.add_argument("--experts", type=int, default=0, metavar="E",
                     help="time nvfp4_grouped_mm over E experts instead (M tokens split evenly, weights [E, N, K])")
     ap.add_argument("--profile", choices=("tottime", "cumulative"), help="print cProfile's top 40 entries")
@@ -68,12 +72,12 @@ def main() -> None:
             return nvfp4_grouped_mm(x.bfloat16(), weight, offsets, None, recipe, counter, aligned=True)
         what = f"nvfp4_grouped_mm forward+backward, {e} experts, {m}x{k}x{n}"
     else:
-        layer = NVFP4Linear(k, n, bias=False, recipe=recipe)
+        layers = [NVFP4Linear(k, n, bias=False, recipe=recipe) for _ in range(args.siblings)]
 
         def forward() -> torch.Tensor:
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                return layer(x)
-        what = f"NVFP4Linear forward+backward {m}x{k}x{n}"
+                return sum(layer(x) for layer in layers)
+        what = f"NVFP4Linear forward+backward {m}x{k}x{n}" + (f", {args.siblings} siblings" if args.siblings > 1 else "")
 
     def step() -> None:
         y = forward()

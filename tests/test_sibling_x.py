@@ -3,6 +3,7 @@ each layer computes on its own; any change to X, its object, the signs or the se
 remembered operands go when X does."""
 
 import gc
+import sys
 
 import pytest
 import torch
@@ -103,6 +104,24 @@ def test_the_remembered_operands_go_with_x(counted):
     del x
     gc.collect()
     assert "x" not in sx._last
+
+
+def test_x_freed_at_interpreter_exit_raises_nothing(counted, monkeypatch):
+    # at exit the module's globals become None before the last X is freed: its callback must not read them
+    m = _qkv(NVFP4Recipe(gemm_backend="reference"))
+    x = torch.randn(32, 64, device=DEV)
+    with torch.no_grad():
+        m.q(x)
+    remembered = sx._last
+    raised = []
+    monkeypatch.setattr(sys, "unraisablehook", raised.append)
+    sx._last = None
+    try:
+        del x
+        gc.collect()
+    finally:
+        sx._last = remembered
+    assert raised == [] and "x" not in remembered
 
 
 def test_compiling_and_amax_history_do_not_share(counted):

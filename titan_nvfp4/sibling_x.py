@@ -34,9 +34,9 @@ class _Entry:
 
 
 def _forget(slot: str, entry_ref: weakref.ref) -> Callable:
-    def callback(_) -> None:
-        if _last.get(slot) is not None and _last.get(slot) is entry_ref():
-            del _last[slot]
+    def callback(_, last: dict = _last) -> None:  # bound now: at interpreter exit the module's globals are None
+        if last.get(slot) is not None and last.get(slot) is entry_ref():
+            del last[slot]
     return callback
 
 
