@@ -13,8 +13,9 @@
 # ab/ is git-ignored, so the copies travel only when the device tool's carry names it; each holds its tests too,
 # for `cd ab/REV && python -m pytest tests/test_gpu.py` in the same call. Environment: as
 # e2e_bench.sh (CONFIG, BATCHES, SKIP, ARM_TIMEOUT, PYTORCH_ALLOC_CONF); the revisions' arms use the local batch
-# size this tree's arms settled on. Reports: OUT/head/e2e_bench.md, OUT/<REV>/e2e_bench.md, and OUT/ab.md with
-# every report's ratio line.
+# size this tree's arms settled on. The runs go to AB_WORK (default: a new folder under /tmp), each revision's to
+# AB_WORK/<REV>; OUT gets few files, as the device tool returns at most 8: ab.md (every report's table and ratio,
+# each setup log's last line) and the training logs head_bf16.log, head_nvfp4.log and <REV>_nvfp4.log.
 set -uo pipefail
 name_of() { echo "${1//\//_}"; }  # a revision as a folder name
 
@@ -40,21 +41,28 @@ for name in "${names[@]}"; do
 done
 root=$PWD
 out=$(mkdir -p "$out" && cd "$out" && pwd) || exit 1
+work=${AB_WORK:-$(mktemp -d /tmp/e2e_ab.XXXXXX)}
+work=$(mkdir -p "$work" && cd "$work" && pwd) || exit 1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$root/.kernel_cache/triton}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$root/.kernel_cache/inductor}
 export DEVICE_WHL_DIR=${DEVICE_WHL_DIR:-$root/.whl}
 
-bash scripts/e2e_bench.sh "$out/head" "$@"
+bash scripts/e2e_bench.sh "$work/head" "$@"
 config=${CONFIG:-llama3_2b_bench}
-bf16=$(ls -t "$out/head/${config}_bf16_bs"*.log 2>/dev/null | head -1)
-[[ -n $bf16 ]] || { echo "e2e_ab: no BF16 log in $out/head" >&2; exit 1; }
+bf16=$(ls -t "$work/head/${config}_bf16_bs"*.log 2>/dev/null | head -1)
+[[ -n $bf16 ]] || { echo "e2e_ab: no BF16 log in $work/head" >&2; exit 1; }
 bs=${bf16##*_bs}; bs=${bs%.log}
+cp "$bf16" "$out/head_bf16.log"
 for name in "${names[@]}"; do
-  mkdir -p "$out/$name" && cp "$bf16" "$out/$name/"
-  (cd "ab/$name" && BATCHES=$bs ARMS=nvfp4 bash scripts/e2e_bench.sh "$out/$name" "$@")
+  mkdir -p "$work/$name" && cp "$bf16" "$work/$name/"
+  (cd "ab/$name" && BATCHES=$bs ARMS=nvfp4 bash scripts/e2e_bench.sh "$work/$name" "$@")
 done
 for name in head "${names[@]}"; do
   echo "## $name"
-  grep -E "ratio|^\| " "$out/$name/e2e_bench.md"
+  grep -E "ratio|^\| " "$work/$name/e2e_bench.md"
+  echo "setup: $(tail -1 "$work/$name/device_setup.log" 2>/dev/null)"
   echo
+  nvfp4=$(ls -t "$work/$name/${config}_nvfp4_bs"*.log 2>/dev/null | head -1)
+  [[ -n $nvfp4 ]] && cp "$nvfp4" "$out/${name}_nvfp4.log"
 done | tee "$out/ab.md"
+echo "e2e_ab: every run's folder is under $work"

@@ -41,7 +41,8 @@ def test_e2e_ab_runs_each_revision_from_its_copy_against_one_bf16_run(tmp_path):
     (bin_dir / "torchrun").write_text(f'#!/bin/sh\necho "$PWD $TRITON_CACHE_DIR $*" >> {tmp_path}/runs.txt\ncat {LOG}\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CONFIG": "llama3", "SKIP": "2"}
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CONFIG": "llama3", "SKIP": "2",
+           "AB_WORK": str(tmp_path / "work")}
     env.pop("TRITON_CACHE_DIR", None)
 
     r = subprocess.run(["bash", "scripts/e2e_ab.sh", "--prepare", "feature/x"], cwd=repo, env=env, capture_output=True,
@@ -58,11 +59,15 @@ def test_e2e_ab_runs_each_revision_from_its_copy_against_one_bf16_run(tmp_path):
     assert cwds == [str(repo)] * 2 + [str(repo / "ab/feature_x")]
     assert caches == {str(repo / ".kernel_cache/triton")}
     assert all("llama3_nvfp4.toml" in line for line in runs[1:]) and "--training.steps 10" in runs[2]
-    assert "setup of feature/x" in (repo / "out/feature_x/device_setup.log").read_text()
-    assert (repo / "out/feature_x/llama3_bf16_bsconfig.log").read_text() == LOG.read_text()
+    assert "setup of feature/x" in (tmp_path / "work/feature_x/device_setup.log").read_text()
+    assert (tmp_path / "work/feature_x/llama3_bf16_bsconfig.log").read_text() == LOG.read_text()
     report = (repo / "out/ab.md").read_text()
     assert report.index("## head") < report.index("## feature_x")
-    assert report.count("step-time ratio") == 2
+    assert report.count("step-time ratio") == 2 and "setup: setup of feature/x" in report
+    # few files come back from the device: the report and the three training logs, nothing in folders
+    assert sorted(p.name for p in (repo / "out").iterdir()) == ["ab.md", "feature_x_nvfp4.log", "head_bf16.log",
+                                                               "head_nvfp4.log"]
+    assert (repo / "out/head_bf16.log").read_text() == LOG.read_text()
 
     r = subprocess.run(["bash", "scripts/e2e_ab.sh", "out", "nothing"], cwd=repo, env=env, capture_output=True,
                        text=True, timeout=60)
