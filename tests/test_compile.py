@@ -261,3 +261,35 @@ def test_eager_calls_skip_the_dispatcher_and_modes_do_not():
         assert calls == [library.quantize.op]
     meta = library.quantize(x.to("meta"), True, True, None, False, False, None)  # meta: the fake impl
     assert meta[0].device.type == "meta" and meta[0].shape == direct[0].shape
+
+
+def test_compiled_functions_never_take_the_truth_of_amax_groups(monkeypatch):
+    """torch 2.11's dynamo (the GPU machines') cannot trace a frozen dataclass's truth value (``not groups``,
+    ``groups or ...``) inside an autograd.Function, and newer ones can: so no traced path may take it. A
+    ``__bool__`` that raises makes the compile fail here, on any torch, wherever one does."""
+    from titan_nvfp4.distributed.amax import AmaxGroups
+    from titan_nvfp4.grouped_function import nvfp4_grouped_mm
+    from titan_nvfp4.linear_function import nvfp4_linear, sr_counter
+
+    def no_truth(self):
+        raise AssertionError("AmaxGroups' truth value taken in traced code")
+
+    monkeypatch.setattr(AmaxGroups, "__bool__", no_truth, raising=False)
+    recipe = NVFP4Recipe(gemm_backend="emulated")
+    groups = AmaxGroups()  # no process group: every amax is local, as on one rank
+    x = _x(32, 32).requires_grad_(True)
+    w = _x(32, 32, seed=1).requires_grad_(True)
+    we = _x(2 * 32, 32, seed=2).view(2, 32, 32).requires_grad_(True)
+    offsets = torch.tensor([16, 32], dtype=torch.int32, device=DEV)
+    counters = [sr_counter(recipe, i, device=DEV) for i in range(2)]
+    signs = rht_signs(recipe.rht_seed).to(DEV)
+    torch._dynamo.reset()
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def both(x, w, we):
+        y = nvfp4_linear(x, w, None, recipe, counters[0], signs, groups=groups)
+        return y.sum() + nvfp4_grouped_mm(x, we, offsets, None, recipe, counters[1], signs,
+                                            aligned=True, groups=groups).sum()
+
+    both(x, w, we).backward()
+    assert x.grad is not None and w.grad is not None and we.grad is not None

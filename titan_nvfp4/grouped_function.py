@@ -74,7 +74,7 @@ class NVFP4GroupedMMFunction(torch.autograd.Function):
         out_dtype = autocast_out_dtype(x)  # see linear_function.py
         with torch.autocast(x.device.type, enabled=False):
             return NVFP4GroupedMMFunction._forward(ctx, x, weight, bias, offsets, recipe, counter, signs, out_dtype,
-                                                   need_wgrad, groups or AmaxGroups())
+                                                   need_wgrad, groups if groups is not None else AmaxGroups())
 
     @staticmethod
     def _forward(ctx, x, weight, bias, offsets, recipe, counter, signs, out_dtype, need_wgrad, groups):
@@ -185,7 +185,7 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
                 need_wgrad: bool, n: int, groups: AmaxGroups | None, amax_carrier: bool,
                 x_amax: torch.Tensor | None, *params):
         weights, biases, counters = params[:n], params[n:2 * n], params[2 * n:3 * n]
-        groups = groups or AmaxGroups()
+        groups = groups if groups is not None else AmaxGroups()
         out_dtype = autocast_out_dtype(x)  # see linear_function.py
         in_features = weights[0].shape[2]
         with torch.autocast(x.device.type, enabled=False):
@@ -396,12 +396,13 @@ def _grouped(x, weights, offsets, biases, recipe, counters, signs, aligned, grou
     need_wgrad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
     counters = tuple(c if c is not None else sr_counter(recipe, i, x.device) for i, c in enumerate(counters))
     signs = _rht_signs(recipe, signs, x.device)
+    groups = groups if groups is not None and groups.sharded else None  # no group: every amax local
     if amax_carrier or _use_grouped_kernels(resolve_backend(recipe.gemm_backend, x.device), offsets, aligned):
         return list(NVFP4GroupedKernelFunction.apply(x, offsets, recipe, signs, need_wgrad, len(weights),
-                                                     groups if groups else None, amax_carrier, x_amax, *weights,
+                                                     groups, amax_carrier, x_amax, *weights,
                                                      *biases, *counters))
     return [NVFP4GroupedMMFunction.apply(x, w, b, offsets, recipe, c, signs,
-                                         torch.is_grad_enabled() and w.requires_grad, groups if groups else None)
+                                         torch.is_grad_enabled() and w.requires_grad, groups)
             for w, b, c in zip(weights, biases, counters)]
 
 

@@ -177,7 +177,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         out_dtype = autocast_out_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             return NVFP4LinearFunction._forward(ctx, x, weight, bias, recipe, counter, signs, out_dtype, need_wgrad,
-                                                groups or AmaxGroups(), x_amax, graphs)
+                                                groups if groups is not None else AmaxGroups(), x_amax, graphs)
 
     @staticmethod
     def _forward(ctx, x, weight, bias, recipe, counter, signs, out_dtype, need_wgrad, groups, x_amax, graphs):
@@ -189,8 +189,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         # siblings that share X's quantization (sibling_x.py) share its cast too (_forward_body casts then)
         x2d = x.reshape(-1, in_features)
         # eager siblings on one X share its quantization (sibling_x.py); compile's CSE does it in a graph
-        # (is_compiling first: torch 2.11's dynamo cannot trace AmaxGroups.__bool__)
-        share = (not torch.compiler.is_compiling() and graphs is None and not groups and x_amax is None
+        share = (not torch.compiler.is_compiling() and graphs is None and not groups.sharded and x_amax is None
                  and type(x) is torch.Tensor and not x.is_inference()  # an inference tensor has no version counter
                  and _get_current_dispatch_mode() is None)  # a mode (SAC, FlopCounter) sees every call
         if not share:
@@ -208,7 +207,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         copied = [x2d] if x_amax is None else [x2d, x_amax]
         saving = any(ctx.needs_input_grad[:3])  # backward will run and read what forward saves
         ctx.fwd_key = ctx.graphs = None
-        if graphs is not None and not groups and backend == "emulated" and recipe.backward == "nvfp4" \
+        if graphs is not None and not groups.sharded and backend == "emulated" and recipe.backward == "nvfp4" \
                 and not isinstance(weight, NVFP4GatheredWeight):
             key = ("fwd", x2d.shape, x2d.stride(), x2d.dtype, out_dtype, fp4_wgrad, x_amax is not None, saving)
             tensors, meta, replayed = graphs.run(key, body, copied, [weight, bias, signs], ctx if saving else None)
@@ -364,4 +363,4 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if graphs is not None and torch.compiler.is_compiling():  # compiled: inductor's own CUDA graphs, if any
         graphs = None
     return NVFP4LinearFunction.apply(x, weight, bias, recipe, counter, signs if recipe.rht else None, need_wgrad,
-                                     groups if groups else None, x_amax, graphs)
+                                     groups if groups is not None and groups.sharded else None, x_amax, graphs)

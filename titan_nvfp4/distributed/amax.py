@@ -20,8 +20,11 @@ class AmaxGroups:
     weight: dist.ProcessGroup | None = None
     grad: dist.ProcessGroup | None = None
 
-    def __bool__(self) -> bool:
-        return any(g is not None for g in (self.x, self.weight, self.grad))
+    @property
+    def sharded(self) -> bool:
+        """Whether any operand is sharded. A property, not ``__bool__``: torch 2.11's dynamo cannot take a frozen
+        dataclass's truth value inside an autograd.Function (tests/test_compile.py)."""
+        return self.x is not None or self.weight is not None or self.grad is not None
 
 
 def all_reduce_max(amax: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
