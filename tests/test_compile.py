@@ -264,9 +264,9 @@ def test_eager_calls_skip_the_dispatcher_and_modes_do_not():
 
 
 def test_compiled_functions_never_take_the_truth_of_amax_groups(monkeypatch):
-    """torch 2.11's dynamo (the GPU machines') cannot trace a frozen dataclass's truth value (``not groups``,
-    ``groups or ...``) inside an autograd.Function, and newer ones can: so no traced path may take it. A
-    ``__bool__`` that raises makes the compile fail here, on any torch, wherever one does."""
+    """torch 2.11's dynamo (the GPU machines') cannot apply ``not`` to a frozen dataclass inside an
+    autograd.Function, and newer ones can: so no traced path takes an AmaxGroups' truth value. A ``__bool__``
+    that raises makes the compile fail here, on any torch, wherever one does."""
     from titan_nvfp4.distributed.amax import AmaxGroups
     from titan_nvfp4.grouped_function import nvfp4_grouped_mm
     from titan_nvfp4.linear_function import nvfp4_linear, sr_counter

@@ -22,8 +22,8 @@ class AmaxGroups:
 
     @property
     def sharded(self) -> bool:
-        """Whether any operand is sharded. A property, not ``__bool__``: torch 2.11's dynamo cannot take a frozen
-        dataclass's truth value inside an autograd.Function (tests/test_compile.py)."""
+        """Whether any operand is sharded. A property, not ``__bool__``: torch 2.11's dynamo cannot apply ``not`` to a
+        frozen dataclass inside an autograd.Function (tests/test_compile.py)."""
         return self.x is not None or self.weight is not None or self.grad is not None
 
 
