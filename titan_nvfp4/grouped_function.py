@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from .distributed.amax import AmaxGroups, all_reduce_max
+from .distributed.amax import AmaxGroups, all_reduce_max, sharding_groups
 from .linear_function import (autocast_input, autocast_out_dtype, cached_rht_signs, next_sr_seed, nvfp4_from_parts,
                               nvfp4_parts, sr_counter)
 from .numerics.rht import signs_for_operand
@@ -396,7 +396,7 @@ def _grouped(x, weights, offsets, biases, recipe, counters, signs, aligned, grou
     need_wgrad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
     counters = tuple(c if c is not None else sr_counter(recipe, i, x.device) for i, c in enumerate(counters))
     signs = _rht_signs(recipe, signs, x.device)
-    groups = groups if groups is not None and groups.sharded else None  # no group: every amax local
+    groups = sharding_groups(groups)
     if amax_carrier or _use_grouped_kernels(resolve_backend(recipe.gemm_backend, x.device), offsets, aligned):
         return list(NVFP4GroupedKernelFunction.apply(x, offsets, recipe, signs, need_wgrad, len(weights),
                                                      groups, amax_carrier, x_amax, *weights,

@@ -16,10 +16,9 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .body_graphs import BodyGraphs
-from .distributed.amax import AmaxGroups, all_reduce_max
+from .distributed.amax import AmaxGroups, all_reduce_max, sharding_groups
 from .distributed.fsdp_all_gather import NVFP4GatheredWeight, gathered_nvfp4
 from .numerics.mxfp8 import MXFP8Tensor
 from .numerics.nvfp4 import NVFP4Tensor
@@ -27,7 +26,7 @@ from .numerics.rht import rht_signs, signs_for_operand
 from .ops import (mxfp8_gemm, mxfp8_operands, nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient,
                   quantize_weight, resolve_backend, staged_for_gemms)
 from .recipe import NVFP4Recipe
-from .sibling_x import shared_staging, shared_x_operands
+from .sibling_x import plain_eager, shared_staging, shared_x_operands
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,8 +130,7 @@ def _staged_x_col(x_col: NVFP4Tensor, ctx):
     def stage():
         return staged_for_gemms(x_col, ctx.backend)
 
-    if (ctx.backend != "emulated" or ctx.graphs is not None or torch.compiler.is_compiling()
-            or _get_current_dispatch_mode() is not None or type(x_col.data) is not torch.Tensor):
+    if ctx.backend != "emulated" or ctx.graphs is not None or not plain_eager() or type(x_col.data) is not torch.Tensor:
         return stage()
     return shared_staging(x_col.data, x_col.scale, (tuple(x_col.shape), tuple(x_col.block_shape)), stage)
 
@@ -185,13 +183,11 @@ class NVFP4LinearFunction(torch.autograd.Function):
         in_features = weight.shape[1]
         # X as F.linear multiplies it under autocast: cast to the autocast dtype (out_dtype), here rather than
         # before the Function so that sibling layers' casts of one X stay separate autograd-wise (each dX is
-        # widened on its own, as for BF16 Linears) while compile's CSE merges their forward casts, and eager
-        # siblings that share X's quantization (sibling_x.py) share its cast too (_forward_body casts then)
+        # widened on its own, as for BF16 Linears) while compile's CSE merges their forward casts. Eager siblings
+        # on one X share its cast and quantization (sibling_x.py): _forward_body casts then.
         x2d = x.reshape(-1, in_features)
-        # eager siblings on one X share its quantization (sibling_x.py); compile's CSE does it in a graph
-        share = (not torch.compiler.is_compiling() and graphs is None and not groups.sharded and x_amax is None
-                 and type(x) is torch.Tensor and not x.is_inference()  # an inference tensor has no version counter
-                 and _get_current_dispatch_mode() is None)  # a mode (SAC, FlopCounter) sees every call
+        share = (plain_eager() and graphs is None and not groups.sharded and x_amax is None
+                 and type(x) is torch.Tensor and not x.is_inference())  # an inference tensor has no version counter
         if not share:
             x2d = x2d.to(out_dtype)
         # a sharded operand (tensor parallelism) takes the amax of the whole operand: distributed/amax.py
@@ -363,4 +359,4 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if graphs is not None and torch.compiler.is_compiling():  # compiled: inductor's own CUDA graphs, if any
         graphs = None
     return NVFP4LinearFunction.apply(x, weight, bias, recipe, counter, signs if recipe.rht else None, need_wgrad,
-                                     groups if groups is not None and groups.sharded else None, x_amax, graphs)
+                                     sharding_groups(groups), x_amax, graphs)

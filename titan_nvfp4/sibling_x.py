@@ -18,6 +18,7 @@ import weakref
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 #: whether eager siblings share (read at import)
 ENABLED = os.environ.get("TITAN_NVFP4_SHARE_X", "1") != "0"
@@ -51,6 +52,12 @@ def _shared(slot: str, x: torch.Tensor, signs: torch.Tensor | None, key: tuple, 
     return operands
 
 
+def plain_eager() -> bool:
+    """Whether this call runs plain eager, where sharing is safe: not traced by torch.compile (whose CSE shares
+    in the graph) and under no dispatch mode (SAC, FlopCounter: a mode sees every call)."""
+    return not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+
+
 def shared_x_operands(x: torch.Tensor, signs: torch.Tensor | None, key: tuple, quantize: Callable[[], tuple]) -> tuple:
     """``quantize()``'s X operands, or those it gave for the same ``x`` (same object and version), the same
     ``signs`` tensor and an equal ``key`` (plain values: everything else the quantization reads)."""
@@ -69,4 +76,4 @@ def forget_shared_x() -> None:
     _last.clear()
 
 
-__all__ = ["forget_shared_x", "shared_staging", "shared_x_operands"]
+__all__ = ["forget_shared_x", "plain_eager", "shared_staging", "shared_x_operands"]

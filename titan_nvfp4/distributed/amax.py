@@ -27,6 +27,11 @@ class AmaxGroups:
         return self.x is not None or self.weight is not None or self.grad is not None
 
 
+def sharding_groups(groups: AmaxGroups | None) -> AmaxGroups | None:
+    """``groups`` where it shards an operand, else None (every amax local): what the public entry points pass on."""
+    return groups if groups is not None and groups.sharded else None
+
+
 def all_reduce_max(amax: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """MAX of ``amax`` over ``group`` (a functional collective: traceable by torch.compile)."""
     if group is None or dist.get_world_size(group) == 1:
@@ -36,4 +41,4 @@ def all_reduce_max(amax: torch.Tensor, group: dist.ProcessGroup | None) -> torch
     return funcol.wait_tensor(funcol.all_reduce(amax, "max", group))
 
 
-__all__ = ["AmaxGroups", "all_reduce_max"]
+__all__ = ["AmaxGroups", "all_reduce_max", "sharding_groups"]

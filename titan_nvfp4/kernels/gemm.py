@@ -447,7 +447,8 @@ def nvfp4_gemm_triton(a: NVFP4Tensor | StagedOperand, b: NVFP4Tensor | StagedOpe
     if M == 0 or N == 0:
         return out
     if K == 0:
-        out.copy_((bias.to(round_to or out_dtype).to(out_dtype).expand(M, N) if bias is not None else torch.zeros_like(out)))
+        out.copy_(bias.to(round_to or out_dtype).to(out_dtype).expand(M, N) if bias is not None
+                  else torch.zeros_like(out))
         return out
     if autotune is None:
         autotune = a_data.is_cuda and not interpreting() and M * N >= 128 * 128
