@@ -42,6 +42,15 @@ def parse(*cli: str, toml: Path = JOB_TOML):
     return ConfigManager().parse_args(["--job.config_file", str(toml), *cli])
 
 
+#: what the job file sets beyond its preset: the debug model's eager runs graph its small Linears
+JOB_FILE_FIELDS = {"eager_graphs": "small"}
+
+
+def job_recipe(preset: str, **fields) -> NVFP4Recipe:
+    """The recipe the job file builds with ``recipe = preset`` and ``fields`` set in its section."""
+    return dataclasses.replace(preset_from_file(preset), **{**JOB_FILE_FIELDS, **fields})
+
+
 def edited_toml(tmp_path: Path, replace: dict[str, str] | None = None, add: tuple[str, ...] = ()) -> Path:
     """A copy of the real job file whose [quantize.linear.nvfp4] section has ``key = value`` set
     (replacing the existing or commented-out line, so no key appears twice) plus extra lines."""
@@ -121,20 +130,20 @@ def test_job_file_parses_to_paper_recipe(job_cfg):
     assert sec.recipe == "nvidia_paper" and sec.filter_fqns == ["output"]
     assert NAME in job_cfg.model.converters
     recipe = sec.build_recipe()
-    assert recipe == preset_from_file("nvidia_paper")
+    assert recipe == job_recipe("nvidia_paper") and recipe.eager_graphs == "small"
     assert (recipe.weight_2d, recipe.stochastic_rounding, recipe.rht) == (True, True, True)
     assert (recipe.bf16_first_blocks, recipe.bf16_last_blocks) == (0, 0)
 
 
 def test_cli_override_wins():
     r = parse("--quantize.linear.nvfp4.rht", "False").quantize.linear.nvfp4.build_recipe()
-    assert r == dataclasses.replace(preset_from_file("nvidia_paper"), rht=False)
+    assert r == job_recipe("nvidia_paper", rht=False)
 
 
 def test_toml_override_wins_over_preset_and_cli_over_toml(tmp_path):
     path = edited_toml(tmp_path, {"weight_2d": "false"})
     r = parse(toml=path).quantize.linear.nvfp4.build_recipe()
-    assert r == dataclasses.replace(preset_from_file("nvidia_paper"), weight_2d=False)
+    assert r == job_recipe("nvidia_paper", weight_2d=False)
     r = parse("--quantize.linear.nvfp4.weight_2d", "True", toml=path).quantize.linear.nvfp4.build_recipe()
     assert r.weight_2d is True
 
@@ -142,7 +151,7 @@ def test_toml_override_wins_over_preset_and_cli_over_toml(tmp_path):
 def test_other_preset_with_override(tmp_path):
     path = edited_toml(tmp_path, {"recipe": '"naive_rtn"', "rht": "true"})
     r = parse(toml=path).quantize.linear.nvfp4.build_recipe()
-    assert r == dataclasses.replace(preset_from_file("naive_rtn"), rht=True)
+    assert r == job_recipe("naive_rtn", rht=True)
     assert r.weight_2d is False and r.stochastic_rounding is False
 
 
