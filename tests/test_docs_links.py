@@ -3,14 +3,15 @@ page: raw outputs stay only for the results the docs cite."""
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from test_docs_commands import PAGES
+from test_docs_commands import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~)")
 
@@ -32,6 +33,7 @@ def slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
+@functools.lru_cache(maxsize=None)
 def anchors(path: Path) -> set[str]:
     """Every heading anchor of a markdown file, repeated headings numbered as GitHub numbers them."""
     seen: Counter[str] = Counter()
