@@ -62,7 +62,7 @@ def full() -> None:
     pkg = installed_package_dir()
     import titan_nvfp4
 
-    from titan_nvfp4.torchtitan_version import INTEGRATIONS, installed_generation
+    from titan_nvfp4.integration_common.torchtitan_version import INTEGRATIONS, installed_generation
 
     # the integration of the other TorchTitan generation refuses to import, naming the installed one
     other = [p for g, p in INTEGRATIONS.items() if g != installed_generation()]
@@ -94,7 +94,7 @@ def full() -> None:
         print(f"wheel_smoke: preset {name} -> {dense}")
 
     from titan_nvfp4.compare import load_spec, resolve_spec
-    from titan_nvfp4.recipe import shipped_compare_specs
+    from titan_nvfp4.recipe.nvfp4_recipe import shipped_compare_specs
 
     os.chdir(CHECKOUT)  # a spec's job-file paths are relative to a checkout
     for name in shipped_compare_specs():

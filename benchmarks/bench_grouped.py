@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from titan_nvfp4 import NVFP4Recipe
-from titan_nvfp4.grouped_function import nvfp4_grouped_mm, nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
+from titan_nvfp4.autograd.grouped_function import nvfp4_grouped_mm, nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
 from titan_nvfp4.kernels import grouped_gemm
-from titan_nvfp4.linear_function import sr_counter
+from titan_nvfp4.autograd.linear_function import sr_counter
 
 # benchmarks/ is on sys.path when run as a script
 from timing import copy_ceiling, header, ms, peak_gib, replay_ms, require_cuda, versions

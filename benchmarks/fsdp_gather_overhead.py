@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from titan_nvfp4 import NVFP4Recipe
 from titan_nvfp4.distributed import fsdp_all_gather as AG
-from titan_nvfp4.nvfp4_linear import NVFP4Linear
+from titan_nvfp4.modules.nvfp4_linear import NVFP4Linear
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke run on gloo with the reference backend
 

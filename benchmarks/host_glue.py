@@ -32,9 +32,9 @@ import titan_nvfp4.kernels.gemm as kernel_gemm  # noqa: E402
 import titan_nvfp4.kernels.grouped_gemm as kernel_grouped_gemm  # noqa: E402
 import titan_nvfp4.kernels.quantize as kernel_quantize  # noqa: E402
 from titan_nvfp4 import NVFP4Linear  # noqa: E402
-from titan_nvfp4.grouped_function import nvfp4_grouped_mm  # noqa: E402
-from titan_nvfp4.linear_function import sr_counter  # noqa: E402
-from titan_nvfp4.recipe import NVFP4Recipe  # noqa: E402
+from titan_nvfp4.autograd.grouped_function import nvfp4_grouped_mm  # noqa: E402
+from titan_nvfp4.autograd.linear_function import sr_counter  # noqa: E402
+from titan_nvfp4.recipe.nvfp4_recipe import NVFP4Recipe  # noqa: E402
 
 LAUNCHES = [0]
 

@@ -25,7 +25,7 @@ import triton
 
 from titan_nvfp4 import NVFP4Recipe
 from titan_nvfp4.kernels import launch as L
-from titan_nvfp4.linear_function import sr_counter
+from titan_nvfp4.autograd.linear_function import sr_counter
 
 # benchmarks/ is on sys.path when run as a script
 from bench_grouped import SHAPES, bf16_mm, fwd_bwd, nvfp4_mm_factory

@@ -11,9 +11,9 @@ from torch import nn
 
 import titan_nvfp4  # noqa: F401  (registers the converters)
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
-from titan_nvfp4.amax_history import AmaxHistory, layers_with_history, register_buffers, roll
+from titan_nvfp4.modules.amax_history import AmaxHistory, layers_with_history, register_buffers, roll
 from titan_nvfp4.integration import train_state
-from titan_nvfp4.linear_function import nvfp4_linear
+from titan_nvfp4.autograd.linear_function import nvfp4_linear
 from titan_nvfp4.numerics.nvfp4 import quantize_nvfp4
 from titan_nvfp4.ops import operand_amax, quantize_activation
 from dist_util import run_ranks

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from titan_nvfp4 import NVFP4Recipe
-from titan_nvfp4.linear_function import nvfp4_linear
+from titan_nvfp4.autograd.linear_function import nvfp4_linear
 from titan_nvfp4.numerics.mxfp8 import quantize_mxfp8
 
 BASE = NVFP4Recipe(gemm_backend="reference")

@@ -1,4 +1,4 @@
-"""Eager CUDA graphs of the NVFP4 Linear's bodies (titan_nvfp4/body_graphs.py): which calls replay, which run
+"""Eager CUDA graphs of the NVFP4 Linear's bodies (titan_nvfp4/autograd/body_graphs.py): which calls replay, which run
 eagerly, and that either way the bits are the eager path's. On the CPU a stand-in capture gives CUDA-graph
 semantics (capturing runs nothing; a replay rewrites the tensors the capture returned); tests/test_gpu.py
 repeats the comparison with real graphs and a whole model."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
-from titan_nvfp4.body_graphs import SMALL_ELEMENTS, BodyGraphs, graphable
-from titan_nvfp4.linear_function import nvfp4_linear, sr_counter
+from titan_nvfp4.autograd.body_graphs import SMALL_ELEMENTS, BodyGraphs, graphable
+from titan_nvfp4.autograd.linear_function import nvfp4_linear, sr_counter
 from titan_nvfp4.numerics.rht import rht_signs
 from titan_nvfp4.ops.backends import interpreting
 
@@ -97,7 +97,7 @@ def test_replayed_bodies_give_the_eager_bits_and_step_aside_when_unsafe(capture)
 
 def test_graphs_only_for_small_eager_gpu_calls():
     """The size rule, the knob's values (dense Linears only), and no graphs on the CPU or with the knob off."""
-    from titan_nvfp4.knobs import GroupedKnobs, LinearKnobs
+    from titan_nvfp4.recipe.knobs import GroupedKnobs, LinearKnobs
 
     assert LinearKnobs(eager_graphs="small").build_recipe().eager_graphs == "small"
     with pytest.raises(ValueError, match=r"\[quantize.grouped_mm.nvfp4\] eager_graphs applies to the dense"):

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import titan_nvfp4  # noqa: F401  (registers the converters, patches the CheckpointManager)
-from titan_nvfp4.amax_history import layers_with_history
-from titan_nvfp4.decomposed_linear import DecomposedLinear
-from titan_nvfp4.linear_function import sr_counter
-from titan_nvfp4.nvfp4_linear import NVFP4Linear
+from titan_nvfp4.modules.amax_history import layers_with_history
+from titan_nvfp4.modules.decomposed_linear import DecomposedLinear
+from titan_nvfp4.autograd.linear_function import sr_counter
+from titan_nvfp4.modules.nvfp4_linear import NVFP4Linear
 from titan_nvfp4.numerics.rht import rht_signs
 from titan_nvfp4.tools.export_dense import main as export_main
 from torchtitan.components.checkpoint import CheckpointManager

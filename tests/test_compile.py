@@ -123,8 +123,8 @@ def test_compiled_grouped_swiglu_matches_eager_bit_for_bit():
     """A SwiGLU expert's grouped kernels (W1 and W3 on one quantization of x, the fused SwiGLU, X's
     wgrad operand staged once for both wgrads) under dynamo with fullgraph=True: the same bits as
     eager for h, dx and the three weight gradients, stochastic rounding included."""
-    from titan_nvfp4.grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
-    from titan_nvfp4.linear_function import sr_counter
+    from titan_nvfp4.autograd.grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
+    from titan_nvfp4.autograd.linear_function import sr_counter
 
     recipe = NVFP4Recipe(gemm_backend="emulated")
     offsets = torch.tensor([32, 32, 64], dtype=torch.int32, device=DEV)
@@ -186,7 +186,7 @@ def test_compiled_model_with_sr_and_amax_history_matches_eager():
     stochastic rounding and activation_amax_history: compiled and eager agree bit for bit before and after
     the window's roll; the pending-amax update compiles into the graph, the window's readiness recompiles
     once; SR draws new numbers each step (steps 0 and 1 see the same inputs), in both alike."""
-    from titan_nvfp4.amax_history import AmaxHistory, register_buffers, roll
+    from titan_nvfp4.modules.amax_history import AmaxHistory, register_buffers, roll
 
     recipe = NVFP4Recipe(gemm_backend="emulated", stochastic_rounding=True)
     eager = _model(recipe)
@@ -268,8 +268,8 @@ def test_compiled_functions_never_take_the_truth_of_amax_groups(monkeypatch):
     autograd.Function, and newer ones can: so no traced path takes an AmaxGroups' truth value. A ``__bool__``
     that raises makes the compile fail here, on any torch, wherever one does."""
     from titan_nvfp4.distributed.amax import AmaxGroups
-    from titan_nvfp4.grouped_function import nvfp4_grouped_mm
-    from titan_nvfp4.linear_function import nvfp4_linear, sr_counter
+    from titan_nvfp4.autograd.grouped_function import nvfp4_grouped_mm
+    from titan_nvfp4.autograd.linear_function import nvfp4_linear, sr_counter
 
     def no_truth(self):
         raise AssertionError("AmaxGroups' truth value taken in traced code")

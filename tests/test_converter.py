@@ -70,7 +70,7 @@ def edited_toml(tmp_path: Path, replace: dict[str, str] | None = None, add: tupl
 
 
 def preset_from_file(name: str) -> NVFP4Recipe:
-    """A preset read straight from configs/ (not through titan_nvfp4.recipe.load_preset)."""
+    """A preset read straight from configs/ (not through titan_nvfp4.recipe.nvfp4_recipe.load_preset)."""
     with open(ROOT / "configs" / f"{name}.toml", "rb") as f:
         data = tomllib.load(f)
     data.pop("description", None)

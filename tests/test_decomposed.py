@@ -15,8 +15,8 @@ from torch import nn
 
 import titan_nvfp4  # noqa: F401  (registers the converters)
 from titan_nvfp4 import NVFP4Recipe
-from titan_nvfp4.decomposed_linear import DecomposedLinear
-from titan_nvfp4.linear_function import nvfp4_linear
+from titan_nvfp4.modules.decomposed_linear import DecomposedLinear
+from titan_nvfp4.autograd.linear_function import nvfp4_linear
 from titan_nvfp4.numerics.lowrank import check_rank, lowrank_merge, lowrank_split, project_moments
 from titan_nvfp4.ops import quantize_rowwise, quantize_weight
 from titan_nvfp4.tools.export_dense import fold_decomposed, main as export_main
@@ -290,7 +290,7 @@ def test_refresh_keeps_the_weight_reorthogonalizes_and_projects_the_moments(tmp_
 def test_a_refresh_that_finds_no_moments_says_so():
     """A projection that finds no optimizer state (an optimizer torch.optim's step hooks do not see) warns in the
     refresh's log line, not "projected"."""
-    from titan_nvfp4.decomposed_linear import Redecomposed, refresh_message
+    from titan_nvfp4.modules.decomposed_linear import Redecomposed, refresh_message
 
     assert refresh_message(Redecomposed(4, 4), 10, False) == \
         "NVFP4: re-decomposed 4 low-rank modules after optimizer step 10"
@@ -389,7 +389,7 @@ def test_float32_branch_refuses_factors_already_sharded_in_bf16():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from titan_nvfp4.decomposed_linear import set_lora_dtype
+    from titan_nvfp4.modules.decomposed_linear import set_lora_dtype
 
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
     try:

@@ -81,7 +81,7 @@ def test_grouped_kernels_on_gpu_match_the_reference_loop():
     rows) against the per-expert reference loop on the same GPU. Same operands bit for bit; the fp32
     sums run in another order (tensor-core tiles vs cuBLAS), so: one bf16 rounding on y and dx, fp32
     rounding on dW."""
-    from titan_nvfp4.grouped_function import nvfp4_grouped_mm
+    from titan_nvfp4.autograd.grouped_function import nvfp4_grouped_mm
 
     g = torch.Generator().manual_seed(0)
     counts = torch.tensor([0, 512, 48, 0, 1024, 16, 720, 1200]) // 16 * 16
@@ -136,8 +136,8 @@ def test_grouped_wgrad_gemm_on_gpu_is_exact(m, n):
 def test_grouped_experts_compile_without_graph_breaks():
     """nvfp4_grouped_mm under inductor (fullgraph=True), forward and backward with SR: the same bits
     as eager, and the SR counter advanced the same way."""
-    from titan_nvfp4.grouped_function import nvfp4_grouped_mm
-    from titan_nvfp4.linear_function import sr_counter
+    from titan_nvfp4.autograd.grouped_function import nvfp4_grouped_mm
+    from titan_nvfp4.autograd.linear_function import sr_counter
     from titan_nvfp4.numerics.rht import rht_signs
 
     recipe = NVFP4Recipe(gemm_backend="emulated")

@@ -12,11 +12,11 @@ import torch
 
 import titan_nvfp4  # noqa: F401  (registers the converters)
 from titan_nvfp4 import NVFP4Recipe
-from titan_nvfp4.grouped_function import nvfp4_grouped_mm
+from titan_nvfp4.autograd.grouped_function import nvfp4_grouped_mm
 from titan_nvfp4.integration.converter import GROUPED_CONVERTER_NAME, convert_experts, convert_linears
-from titan_nvfp4.decomposed_linear import LowRankState
+from titan_nvfp4.modules.decomposed_linear import LowRankState
 from titan_nvfp4.integration.experts import NVFP4GptOssExperts, NVFP4GroupedExperts
-from titan_nvfp4.linear_function import nvfp4_linear, sr_counter
+from titan_nvfp4.autograd.linear_function import nvfp4_linear, sr_counter
 from titan_nvfp4.ops import quantize_rowwise, quantize_weight, quantize_wgrad_operand
 from titan_nvfp4.numerics.rht import rht_signs
 from titan_nvfp4.ops.backends import interpreting
@@ -335,7 +335,7 @@ def test_grouped_kernels_stochastic_rounding_is_unbiased_and_keeps_the_scales():
 def test_shared_input_experts_equal_separate_calls():
     """W1 and W3 on one quantization of x (the grouped kernels): the same outputs and gradients, bits
     included, as two separate grouped GEMMs, with SR on and the counters advanced the same way."""
-    from titan_nvfp4.grouped_function import nvfp4_grouped_mm_shared
+    from titan_nvfp4.autograd.grouped_function import nvfp4_grouped_mm_shared
 
     recipe = NVFP4Recipe(gemm_backend="emulated")
     x, w1, _, offsets, _ = _case(counts=ALIGNED, tail=16, k=32, n=32, bias=False, seed=1)
@@ -608,7 +608,7 @@ def test_float32_branch_in_a_bf16_model_under_fsdp_is_refused_by_name():
 def test_grouped_lowrank_in_a_given_dtype():
     """grouped_lowrank(dtype=float32) on BF16 tokens with FP32 factors: the FP32 product (what lora_dtype = "float32"
     runs), against float64; by default the input's BF16, further off."""
-    from titan_nvfp4.lowrank_experts import grouped_lowrank
+    from titan_nvfp4.modules.lowrank_experts import grouped_lowrank
 
     torch.manual_seed(0)
     u, s, v = torch.randn(2, 32, 16), torch.rand(2, 16) + 0.5, torch.randn(2, 16, 48)
@@ -640,7 +640,7 @@ def test_expert_lowrank_branch_meta_build_decomposition_and_gradients(name, cpu_
     (U·diag(σ)·V + R = W to fp32 rounding), W unchanged for a BF16 reader (dense_weights), the module's
     output = NVFP4 on R plus the exact branch, and gradients for U, σ, V and R."""
     from titan_nvfp4.integration.converter import decompose_after_init, redecompose
-    from titan_nvfp4.lowrank_experts import grouped_lowrank
+    from titan_nvfp4.modules.lowrank_experts import grouped_lowrank
 
     torch.manual_seed(0)
     model, args = _build(name, n_layers=2)  # a dense and a MoE block where the flavour has both
@@ -872,9 +872,9 @@ def test_expert_refresh_projects_each_experts_adam_moments():
     residual's give on its new split (project_moments, matrix by matrix), through torch.optim's step hook."""
     from torchtitan.models.moe.moe import GroupedExperts
 
-    from titan_nvfp4.decomposed_linear import redecompose
+    from titan_nvfp4.modules.decomposed_linear import redecompose
     from titan_nvfp4.numerics.lowrank import project_moments
-    from titan_nvfp4.optimizer_states import shared_optimizer_states
+    from titan_nvfp4.training.optimizer_states import shared_optimizer_states
 
     torch.manual_seed(5)
     mod = GroupedExperts(dim=64, hidden_dim=32, num_experts=4, use_grouped_mm=True)
@@ -903,7 +903,7 @@ def test_grouped_lowrank_in_fp32_needs_no_grouped_mm(monkeypatch):
     never torch._grouped_mm (whose FP32 CUDA path loops over the experts after copying the offsets to the host).
     Output and the gradients of x, U, σ and V against a float64 loop over the experts; empty experts and tail rows
     get nothing and give nothing."""
-    from titan_nvfp4.lowrank_experts import grouped_lowrank
+    from titan_nvfp4.modules.lowrank_experts import grouped_lowrank
 
     def bf16_only(a, b, offs=None, **kw):
         assert a.dtype == torch.bfloat16, f"torch._grouped_mm called in {a.dtype}"

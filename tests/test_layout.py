@@ -8,21 +8,23 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "titan_nvfp4"
 
-#: every top-level module of the package -> its layer; a module may import its own layer and those below
+#: every top-level module or sub-package of the package -> its layer; a module may import its own layer and those below
 LAYERS = {
-    "platform": 0, "configs": 0,  # leaves: the machine's facts; the recipe presets (data)
+    "configs": 0,  # the recipe presets (data)
     "numerics": 1,
-    "kernels": 2,
-    "ops": 3,
-    "linear_function": 4, "grouped_function": 4, "distributed": 4, "recipe": 4, "body_graphs": 4,
-    "sibling_x": 4,
-    "layer_state": 5, "nvfp4_linear": 5, "decomposed_linear": 5, "lowrank_experts": 5, "amax_history": 5,
-    "schedule": 5, "train_state": 5, "telemetry": 5, "knobs": 5, "layer_selection": 5, "expert_groups": 5,
-    "optimizer_states": 5, "torchtitan_version": 5,
-    "integration": 6, "integration_v03": 6, "metrics_hook": 6, "data": 6, "tools": 6, "compare": 6,
-    "__init__": 6,
+    "recipe": 2,  # NVFP4Recipe, presets, the config sections' knobs, layer selection
+    "kernels": 3,
+    "ops": 4,
+    "distributed": 5,
+    "autograd": 6,
+    "modules": 7,
+    "training": 8,
+    "convert": 9,  # the framework-free entry point
+    "integration": 10, "integration_v03": 10, "integration_common": 10, "data": 10, "tools": 10, "compare": 10,
+    "__init__": 10,
 }
-NAMES = {0: "leaves", 1: "numerics", 2: "kernels", 3: "ops", 4: "autograd functions", 5: "modules", 6: "integration"}
+NAMES = {0: "leaves", 1: "numerics", 2: "recipe", 3: "kernels", 4: "ops", 5: "distributed", 6: "autograd functions",
+         7: "modules", 8: "training state", 9: "convert", 10: "integration"}
 
 
 def _imports(path: Path) -> list[tuple[str, list[str], int]]:

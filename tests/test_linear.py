@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe, build_recipe, quantize_nvfp4, rht, rht_signs
-from titan_nvfp4.linear_function import nvfp4_linear, sr_counter, sr_seed
+from titan_nvfp4.autograd.linear_function import nvfp4_linear, sr_counter, sr_seed
 from titan_nvfp4.ops import nvfp4_gemm
 
 CPU = torch.device("cpu")
@@ -451,7 +451,7 @@ def test_empty_token_batch_like_nn_linear():
 
 
 def test_no_wgrad_operand_without_autograd(monkeypatch):
-    import titan_nvfp4.linear_function as lf
+    import titan_nvfp4.autograd.linear_function as lf
 
     calls = []
     real = lf.quantize_activation
@@ -469,7 +469,7 @@ def test_no_wgrad_operand_without_autograd(monkeypatch):
 def test_backward_runs_the_gemm_order_with_the_lower_peak(monkeypatch):
     """wgrad before dgrad where that leaves less memory (many tokens), dgrad first otherwise; same
     gradients either way."""
-    from titan_nvfp4 import linear_function as lf
+    from titan_nvfp4.autograd import linear_function as lf
 
     assert lf._wgrad_first(16384, 14336, 4096) and lf._wgrad_first(32768, 5632, 2048)
     # Xᵀ is staged whole for wgrad (staged_for_gemms): a wide output's dY then goes first, through dgrad

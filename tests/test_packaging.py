@@ -15,7 +15,7 @@ sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower(
 sys.path_hooks[:] = [h for h in sys.path_hooks if "editable" not in repr(h).lower()]
 sys.path.insert(0, {str(REPO)!r})
 import titan_nvfp4
-from titan_nvfp4.recipe import build_recipe, shipped_compare_specs
+from titan_nvfp4.recipe.nvfp4_recipe import build_recipe, shipped_compare_specs
 assert titan_nvfp4.__file__.startswith({str(REPO)!r}), titan_nvfp4.__file__
 print(sorted(titan_nvfp4.available_presets()), sorted(shipped_compare_specs()))
 print(build_recipe("nvidia_paper_selective", {{}}).bf16_last_blocks)
@@ -30,7 +30,7 @@ def test_presets_and_specs_are_found_from_a_source_tree_on_pythonpath(tmp_path):
 
 def test_every_preset_and_spec_is_package_data():
     import titan_nvfp4
-    from titan_nvfp4.recipe import shipped_compare_specs
+    from titan_nvfp4.recipe.nvfp4_recipe import shipped_compare_specs
 
     on_disk = sorted(p.stem for p in (REPO / "configs").glob("*.toml"))
     assert titan_nvfp4.available_presets() == on_disk

@@ -10,11 +10,11 @@ import torch.nn.functional as F
 
 import titan_nvfp4  # noqa: F401  (registers the converters)
 from titan_nvfp4 import NVFP4Linear
-from titan_nvfp4.decomposed_linear import DecomposedLinear
+from titan_nvfp4.modules.decomposed_linear import DecomposedLinear
 from titan_nvfp4.integration.converter import GROUPED_STEPS, LINEAR_STEPS
 from titan_nvfp4.integration.experts import NVFP4GptOssExperts, NVFP4GroupedExperts
-from titan_nvfp4.lowrank_experts import grouped_linear
-from titan_nvfp4.schedule import PrecisionSchedule, StepCounter, switch_step
+from titan_nvfp4.modules.lowrank_experts import grouped_linear
+from titan_nvfp4.training.schedule import PrecisionSchedule, StepCounter, switch_step
 from test_converter import edited_toml, meta_llama, parse, world1
 from test_grouped import _build, cpu_histc  # noqa: F401  (fixture)
 from test_train_state import FakeTrainer  # TorchTitan's Trainer checkpoint interface, with our extension

@@ -1,4 +1,4 @@
-"""Eager sibling NVFP4 Linears on one X (wq, wk, wv) quantize it once (titan_nvfp4/sibling_x.py), with the bits
+"""Eager sibling NVFP4 Linears on one X (wq, wk, wv) quantize it once (titan_nvfp4/autograd/sibling_x.py), with the bits
 each layer computes on its own; any change to X, its object, the signs or the settings quantizes afresh, and the
 remembered operands go when X does."""
 
@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-import titan_nvfp4.linear_function as lf
-import titan_nvfp4.sibling_x as sx
+import titan_nvfp4.autograd.linear_function as lf
+import titan_nvfp4.autograd.sibling_x as sx
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
 from titan_nvfp4.ops.backends import interpreting
 from test_sibling_cse import DEV, _qkv

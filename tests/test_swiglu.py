@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from titan_nvfp4 import NVFP4Recipe
-from titan_nvfp4.grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
+from titan_nvfp4.autograd.grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
 from titan_nvfp4.kernels.swiglu import swiglu_amax_tensors, swiglu_backward_amax_tensors, swiglu_reference
-from titan_nvfp4.linear_function import sr_counter
+from titan_nvfp4.autograd.linear_function import sr_counter
 from titan_nvfp4.numerics.rht import rht_signs
 from titan_nvfp4.ops import grouped as G
 from titan_nvfp4.ops.backends import interpreting

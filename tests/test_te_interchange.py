@@ -10,7 +10,7 @@ import torch
 
 import te_reference
 from titan_nvfp4 import NVFP4Recipe
-from titan_nvfp4.linear_function import nvfp4_linear
+from titan_nvfp4.autograd.linear_function import nvfp4_linear
 from titan_nvfp4.numerics.formats import unpack_nibbles
 from titan_nvfp4.numerics.rht import rht, rht_signs, signs_for_operand
 from titan_nvfp4.ops.backends import interpreting
@@ -100,7 +100,7 @@ def test_grouped_kernels_round_as_the_per_expert_reference():
     """MoE experts: with the knob on, the grouped kernels (one launch for all experts) give the per-expert
     reference's dW bit for bit (fp32 weights: dW in fp32, whose GEMMs the backends sum alike), and the knob
     changes dW."""
-    from titan_nvfp4.grouped_function import nvfp4_grouped_mm
+    from titan_nvfp4.autograd.grouped_function import nvfp4_grouped_mm
 
     g = torch.Generator().manual_seed(0)
     offsets = torch.tensor([32, 32, 64], dtype=torch.int32, device=DEV)  # an empty expert; groups of 16

@@ -1,4 +1,4 @@
-"""Per-layer numerics telemetry (titan_nvfp4/telemetry.py): the statistics on crafted blocks, the
+"""Per-layer numerics telemetry (titan_nvfp4/modules/telemetry.py): the statistics on crafted blocks, the
 measured steps, the three operands of a converted Linear, and the hand-off to TorchTitan's metrics."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
 from titan_nvfp4.numerics.nvfp4 import quantize_nvfp4
-from titan_nvfp4.schedule import StepCounter
-from titan_nvfp4.metrics_hook import install_metrics_hook
-from titan_nvfp4.telemetry import Telemetry, drain_all, operand_stats
+from titan_nvfp4.training.schedule import StepCounter
+from titan_nvfp4.integration_common.metrics_hook import install_metrics_hook
+from titan_nvfp4.modules.telemetry import Telemetry, drain_all, operand_stats
 from test_grouped import cpu_histc, cpu_triton  # noqa: F401  (cpu_histc: a fixture)
 
 
@@ -89,7 +89,7 @@ def test_converter_wires_telemetry_and_validates_the_knob(tmp_path, monkeypatch)
 
 
 def test_expert_weight_stats_quantize_each_expert_on_its_own():
-    from titan_nvfp4.telemetry import expert_weight_stats
+    from titan_nvfp4.modules.telemetry import expert_weight_stats
 
     g = torch.Generator().manual_seed(5)
     w = torch.randn(3, 32, 64, generator=g)
@@ -110,7 +110,7 @@ def test_expert_weight_stats_quantize_each_expert_on_its_own():
 @pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
 def test_experts_measure_every_grouped_gemm(name, cpu_histc):
     from titan_nvfp4.integration.converter import convert_experts
-    from titan_nvfp4.telemetry import expert_weight_stats
+    from titan_nvfp4.modules.telemetry import expert_weight_stats
     from test_grouped import _build
 
     torch.manual_seed(0)

@@ -80,7 +80,7 @@ def _tp_mlp(world: int, recipe: NVFP4Recipe, w: dict) -> MLP:
 
 def _tp_worker(rank, world, out, w, x, recipe, reduce_amax):
     if not reduce_amax:  # the control: each rank with its own shard's amax
-        import titan_nvfp4.linear_function as lf
+        import titan_nvfp4.autograd.linear_function as lf
 
         lf.all_reduce_max = lambda a, group: a
     model = _tp_mlp(world, recipe, w)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from titan_nvfp4.torchtitan_version import installed_generation
+from titan_nvfp4.integration_common.torchtitan_version import installed_generation
 
 if installed_generation() != "0.3":
     pytest.skip("needs torchtitan 0.3 (.ci/torchtitan03)", allow_module_level=True)
@@ -30,16 +30,16 @@ from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher  # no
 from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts, swiglu  # noqa: E402
 
 from dist_util import PRELOAD_V03, run_ranks  # noqa: E402
-from titan_nvfp4.expert_groups import experts_layer_id, pad_token_groups  # noqa: E402
-from titan_nvfp4.grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu  # noqa: E402
-from titan_nvfp4.decomposed_linear import DecomposedLinear, redecompose  # noqa: E402
+from titan_nvfp4.modules.expert_groups import experts_layer_id, pad_token_groups  # noqa: E402
+from titan_nvfp4.autograd.grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu  # noqa: E402
+from titan_nvfp4.modules.decomposed_linear import DecomposedLinear, redecompose  # noqa: E402
 from titan_nvfp4.integration_v03.converter import NVFP4GroupedMMConfigConverter  # noqa: E402
 from titan_nvfp4.integration_v03.decomposed import TitanDecomposedLinear  # noqa: E402
 from titan_nvfp4.integration_v03.experts import TitanNVFP4GptOssExperts, TitanNVFP4GroupedExperts  # noqa: E402
 from titan_nvfp4.integration_v03.modules import TitanNVFP4Linear  # noqa: E402
 from titan_nvfp4.integration_v03.trainer import (LINEAR_STEPS, NVFP4Trainer, after_optimizer_step,  # noqa: E402
                                                  apply_quantize, attach_grouped_state, attach_linear_state)
-from titan_nvfp4.lowrank_experts import LowRankExperts, grouped_lowrank  # noqa: E402
+from titan_nvfp4.modules.lowrank_experts import LowRankExperts, grouped_lowrank  # noqa: E402
 
 MODULE = "titan_nvfp4.integration_v03.configs"
 DOC = Path(__file__).resolve().parents[1] / "docs" / "torchtitan03.md"
@@ -472,8 +472,8 @@ def _tp_worker(rank, world, out, backend, tmp_path, state, tokens, model_name="l
     import torchtitan.models.llama3.parallelize as llama_parallelize
 
     torch.set_num_threads(1)
-    import titan_nvfp4.grouped_function as gf
-    import titan_nvfp4.linear_function as lf
+    import titan_nvfp4.autograd.grouped_function as gf
+    import titan_nvfp4.autograd.linear_function as lf
 
     c = tp_config(world, backend, tmp_path, model_name, *overrides)
     if backend == "spmd_types":  # two upstream gaps on this torch, the BF16 model's too: fully_shard refuses
@@ -838,7 +838,7 @@ def test_linear_telemetry_measures_the_steps_it_names(gloo_rank, monkeypatch, tm
     an unmeasured step none."""
     from torchtitan.components.metrics import MetricsProcessor
 
-    from titan_nvfp4.telemetry import drain_all
+    from titan_nvfp4.modules.telemetry import drain_all
 
     c, model, step = _debug_step_model(monkeypatch, tmp_path, "--quantize.linear.telemetry_every", "2")
     counters = attach_linear_state([model], c.quantize.linear, total_steps=4)
@@ -863,7 +863,7 @@ def test_linear_telemetry_measures_the_steps_it_names(gloo_rank, monkeypatch, tm
 def test_expert_telemetry_measures_every_grouped_gemm_and_changes_no_bit(kind):
     """The experts' telemetry on 0.3: a measured step records each grouped GEMM's weight (per expert), routed tokens
     and dY, and computes the same bits as an unmeasured one (the SwiGLU experts then run W1 and W3 unfused)."""
-    from titan_nvfp4.telemetry import Telemetry, drain_all
+    from titan_nvfp4.modules.telemetry import Telemetry, drain_all
 
     upstream, names = EXPERT_KINDS[kind]
     torch.manual_seed(0)

@@ -8,13 +8,13 @@ modules still work.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .decomposed_linear import DecomposedLinear
-from .grouped_function import nvfp4_grouped_mm, nvfp4_grouped_mm_shared
-from .linear_function import nvfp4_linear
+from .modules.decomposed_linear import DecomposedLinear
+from .autograd.grouped_function import nvfp4_grouped_mm, nvfp4_grouped_mm_shared
+from .autograd.linear_function import nvfp4_linear
 from .numerics import MXFP8Tensor, NVFP4Tensor, quantize_mxfp8, quantize_nvfp4, rht, rht_signs
-from .nvfp4_linear import NVFP4Linear
-from .recipe import NVFP4Recipe, available_presets, build_recipe
-from .torchtitan_version import installed_generation
+from .modules.nvfp4_linear import NVFP4Linear
+from .recipe.nvfp4_recipe import NVFP4Recipe, available_presets, build_recipe
+from .integration_common.torchtitan_version import installed_generation
 
 try:
     __version__ = version("titan-nvfp4")

@@ -69,7 +69,7 @@ except ImportError:  # Python 3.10
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .recipe import shipped_compare_specs
+from .recipe.nvfp4_recipe import shipped_compare_specs
 from .tools.cli import fail, parser
 from .tools.loss_log import (StepMetrics, parse_log, parse_validation, summarize, tensorboard_run, to_markdown,
                              validation_markdown, write_csv)

@@ -4,6 +4,6 @@ Importing it on another TorchTitan raises an ImportError that names the installe
 titan_nvfp4.integration_v03).
 """
 
-from ..torchtitan_version import require_generation
+from ..integration_common.torchtitan_version import require_generation
 
 require_generation("0.2")

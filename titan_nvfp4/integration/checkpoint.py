@@ -24,7 +24,7 @@ import os
 from torch import nn
 from torchtitan.tools.logging import logger
 
-from ..decomposed_linear import RESIDUAL, LowRankState
+from ..modules.decomposed_linear import RESIDUAL, LowRankState
 from .train_state import HISTORY_KEY, KEY
 
 _TRAIN_STATE, _OPTIMIZER = "train_state", "optimizer"

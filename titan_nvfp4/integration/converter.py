@@ -15,20 +15,20 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
 from torchtitan.tools.logging import logger
 
-from ..amax_history import AmaxHistory, layers_with_history, register_buffers, roll
-from ..decomposed_linear import (DecomposedLinear, check_lowrank_args, log_lora_dtype, log_refresh,
+from ..modules.amax_history import AmaxHistory, layers_with_history, register_buffers, roll
+from ..modules.decomposed_linear import (DecomposedLinear, check_lowrank_args, log_lora_dtype, log_refresh,
                                  lora_dtype_without_rank, redecompose, set_lora_dtype)
 from ..distributed.fsdp_all_gather import TRAFFIC, precompute_scales, wrap_weight
-from ..expert_groups import experts_layer_id
-from ..layer_selection import check_block_counts, skip_reason
-from ..metrics_hook import install_metrics_hook
-from ..nvfp4_linear import NVFP4Linear, check_linear_dims
-from ..optimizer_states import shared_optimizer_states
+from ..modules.expert_groups import experts_layer_id
+from ..recipe.layer_selection import check_block_counts, skip_reason
+from ..integration_common.metrics_hook import install_metrics_hook
+from ..modules.nvfp4_linear import NVFP4Linear, check_linear_dims
+from ..training.optimizer_states import shared_optimizer_states
 from ..ops.backends import resolve_backend
-from ..recipe import NVFP4Recipe
-from ..schedule import (GROUPED_STEPS, LINEAR_STEPS, PrecisionSchedule, StepCounter, attach_step_counter,
+from ..recipe.nvfp4_recipe import NVFP4Recipe
+from ..training.schedule import (GROUPED_STEPS, LINEAR_STEPS, PrecisionSchedule, StepCounter, attach_step_counter,
                         step_counters, switch_step)
-from ..telemetry import Telemetry
+from ..modules.telemetry import Telemetry
 
 CONVERTER_NAME = "quantize.linear.nvfp4"
 GROUPED_CONVERTER_NAME = "quantize.grouped_mm.nvfp4"

@@ -34,14 +34,14 @@ from torchtitan.models.moe.utils import indices_padding_wrapper
 
 from ..distributed.amax import AmaxGroups
 from ..distributed.tensor_parallel import local
-from ..expert_groups import check_expert_dims
-from ..grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
-from ..layer_state import NVFP4LayerState
-from ..lowrank_experts import LowRankExperts, check_expert_rank, grouped_linear
+from ..modules.expert_groups import check_expert_dims
+from ..autograd.grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
+from ..modules.layer_state import NVFP4LayerState
+from ..modules.lowrank_experts import LowRankExperts, check_expert_rank, grouped_linear
 from ..numerics.lowrank import check_rank
-from ..nvfp4_linear import check_recipe
-from ..recipe import NVFP4Recipe
-from ..telemetry import measure_experts
+from ..modules.nvfp4_linear import check_recipe
+from ..recipe.nvfp4_recipe import NVFP4Recipe
+from ..modules.telemetry import measure_experts
 
 
 def groups_aligned() -> bool:

@@ -1,7 +1,7 @@
 """The `[quantize.linear.nvfp4]` and `[quantize.grouped_mm.nvfp4]` sections TorchTitan's JobConfig gains through
 `[job] custom_config_module = "titan_nvfp4.integration.job_config"`.
 
-The keys and their checks live in titan_nvfp4/knobs.py, shared with the TorchTitan 0.3 integration. Every
+The keys and their checks live in titan_nvfp4/recipe/knobs.py, shared with the TorchTitan 0.3 integration. Every
 recipe field defaults to None, meaning "take it from the preset named by `recipe`". Values are checked when
 TorchTitan parses the TOML file, so a bad value stops the job before anything starts; misspelt keys are
 rejected by TorchTitan's own parser, which names them.
@@ -10,7 +10,7 @@ rejected by TorchTitan's own parser, which names them.
 
 from dataclasses import dataclass, field
 
-from ..knobs import DEFAULT_FILTER_FQNS, GroupedKnobs, LinearKnobs
+from ..recipe.knobs import DEFAULT_FILTER_FQNS, GroupedKnobs, LinearKnobs
 
 from .training_device import require_training_device
 

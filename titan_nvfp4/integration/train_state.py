@@ -1,4 +1,4 @@
-"""The NVFP4 train state (titan_nvfp4/train_state.py: SR call counts and amax windows in the checkpointed
+"""The NVFP4 train state (titan_nvfp4/training/train_state.py: SR call counts and amax windows in the checkpointed
 ``train_state``) installed on TorchTitan 0.2's Trainer.
 
 ``install_on_running_trainers`` runs from the converter's import (torchtitan_fixes.apply) on the Trainer class
@@ -8,7 +8,7 @@ of an imported ``torchtitan.train``; a custom trainer calls ``install(MyTrainer)
 
 from __future__ import annotations
 
-from ..train_state import (HISTORY_KEY, KEY, amax_histories, empty_amax_histories, install, load_amax_histories,
+from ..training.train_state import (HISTORY_KEY, KEY, amax_histories, empty_amax_histories, install, load_amax_histories,
                            load_sr_calls, sr_calls, sync_step_counters)
 
 

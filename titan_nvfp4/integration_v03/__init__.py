@@ -4,6 +4,6 @@ with a `quantize` section and a config registry (``--module titan_nvfp4.integrat
 Importing it on another TorchTitan raises an ImportError that names the installed version.
 """
 
-from ..torchtitan_version import require_generation
+from ..integration_common.torchtitan_version import require_generation
 
 require_generation("0.3")

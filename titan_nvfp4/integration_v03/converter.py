@@ -1,7 +1,7 @@
 """The 0.3 model converters: `quantize.linear` replaces Linear.Config nodes of a model config tree with
 TitanNVFP4Linear.Config (TitanDecomposedLinear.Config with a lora_rank), `quantize.grouped_mm` the routed experts'
 GroupedExperts.Config nodes with their NVFP4 versions (experts.py; with its lora_rank), per the shared knobs
-(titan_nvfp4/knobs.py)."""
+(titan_nvfp4/recipe/knobs.py)."""
 
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
@@ -11,12 +11,12 @@ from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.protocols.model import ModelConfigConverter
 from torchtitan.tools.logging import logger
 
-from ..decomposed_linear import check_lowrank_args
-from ..expert_groups import check_expert_dims, experts_layer_id
-from ..knobs import GroupedKnobs, LinearKnobs
-from ..layer_selection import check_block_counts, skip_reason
-from ..lowrank_experts import check_expert_rank
-from ..nvfp4_linear import check_linear_dims
+from ..modules.decomposed_linear import check_lowrank_args
+from ..modules.expert_groups import check_expert_dims, experts_layer_id
+from ..recipe.knobs import GroupedKnobs, LinearKnobs
+from ..recipe.layer_selection import check_block_counts, skip_reason
+from ..modules.lowrank_experts import check_expert_rank
+from ..modules.nvfp4_linear import check_linear_dims
 from .decomposed import TitanDecomposedLinear
 from .experts import EXPERT_CLASSES
 from .modules import TitanNVFP4Linear

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import spmd_types as spmd
 from torchtitan.distributed.parallel_dims import MeshAxisName
 
-from ..decomposed_linear import FACTOR_KINDS, DecomposedLinear, check_lowrank_args
+from ..modules.decomposed_linear import FACTOR_KINDS, DecomposedLinear, check_lowrank_args
 from .modules import REPLICATED, TitanNVFP4Linear, declare_states, tp_sharding
 
 FACTORS = tuple(f"lora_{k}" for k in FACTOR_KINDS)  # DecomposedLinear's U, σ, V

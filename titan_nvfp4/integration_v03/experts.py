@@ -6,7 +6,7 @@ modules, so parameters, state-dict keys, param_init and the weights' sharding co
 config converter (converter.py) swaps their Config nodes. The NVFP4 buffers (SR counters, RHT signs) get
 declared placements (modules.declare_buffers).
 
-The token groups are padded to multiples of 16 inside the module (titan_nvfp4/expert_groups.py), so the
+The token groups are padded to multiples of 16 inside the module (titan_nvfp4/modules/expert_groups.py), so the
 grouped kernels need no host sync and the results equal those of the unpadded groups; TorchTitan's own padding
 dispatcher (TorchAOTokenDispatcher) would need torchao. Tensor parallelism of both (TorchTitan's plan: the hidden
 dim sharded, x whole, the output a partial sum) all-reduces the sharded operands' per-expert amaxes over the TP
@@ -34,13 +34,13 @@ from torchtitan.protocols.module import Module
 
 from ..distributed.amax import AmaxGroups
 from ..distributed.tensor_parallel import local, tp_amax_groups
-from ..expert_groups import check_expert_dims, pad_token_groups
-from ..grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
-from ..layer_state import NVFP4LayerState
-from ..lowrank_experts import LowRankExperts, check_expert_rank, grouped_linear
+from ..modules.expert_groups import check_expert_dims, pad_token_groups
+from ..autograd.grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
+from ..modules.layer_state import NVFP4LayerState
+from ..modules.lowrank_experts import LowRankExperts, check_expert_rank, grouped_linear
 from ..numerics.lowrank import check_rank
-from ..nvfp4_linear import check_recipe
-from ..telemetry import measure_experts
+from ..modules.nvfp4_linear import check_recipe
+from ..modules.telemetry import measure_experts
 from .modules import REPLICATED, declare_states, nvfp4_config, place_buffers, tp_sharding
 
 SECTION = "quantize.grouped_mm"

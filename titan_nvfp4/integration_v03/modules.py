@@ -9,8 +9,8 @@ from torchtitan.models.common.linear import Linear
 from torchtitan.protocols.module import Module
 from torchtitan.protocols.sharding import SpmdLayout
 
-from ..nvfp4_linear import NVFP4Linear
-from ..recipe import NVFP4Recipe
+from ..modules.nvfp4_linear import NVFP4Linear
+from ..recipe.nvfp4_recipe import NVFP4Recipe
 
 _AXES = (MeshAxisName.DP, MeshAxisName.CP, MeshAxisName.TP)
 PER_RANK = SpmdLayout({a: spmd.V for a in _AXES})  # the SR counter: each rank draws its own stream

@@ -2,7 +2,7 @@
 and [quantize.grouped_mm.nvfp4]), applied to the model config before the Trainer builds the model; after the
 build it attaches the per-step state of the NVFP4 Linears (the late BF16 switch, the activation amax windows, the
 low-rank refresh of lora_refresh_steps), advanced by an optimizer step hook, and its checkpointed train_state
-carries the SR call counts and the windows (titan_nvfp4/train_state.py), so a resumed run continues bit for bit."""
+carries the SR call counts and the windows (titan_nvfp4/training/train_state.py), so a resumed run continues bit for bit."""
 
 import functools
 from dataclasses import dataclass, field
@@ -11,15 +11,15 @@ import torch
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from ..amax_history import AmaxHistory, layers_with_history, register_buffers, roll
-from ..decomposed_linear import log_lora_dtype, log_refresh, lora_dtype_without_rank, redecompose, set_lora_dtype
+from ..modules.amax_history import AmaxHistory, layers_with_history, register_buffers, roll
+from ..modules.decomposed_linear import log_lora_dtype, log_refresh, lora_dtype_without_rank, redecompose, set_lora_dtype
 from ..distributed.fsdp_all_gather import precompute_scales, wrap_weight
-from ..metrics_hook import install_metrics_hook
-from ..optimizer_states import shared_optimizer_states
-from ..schedule import (GROUPED_STEPS, LINEAR_STEPS, PrecisionSchedule, StepCounter, attach_step_counter,
+from ..integration_common.metrics_hook import install_metrics_hook
+from ..training.optimizer_states import shared_optimizer_states
+from ..training.schedule import (GROUPED_STEPS, LINEAR_STEPS, PrecisionSchedule, StepCounter, attach_step_counter,
                         step_counters, switch_step)
-from ..telemetry import Telemetry
-from ..train_state import install
+from ..modules.telemetry import Telemetry
+from ..training.train_state import install
 from .converter import NVFP4GroupedMMConfigConverter, NVFP4LinearConfigConverter
 from .experts import EXPERT_CLASSES
 from .modules import TitanNVFP4Linear
@@ -137,7 +137,7 @@ def attach_grouped_state(model_parts: list[torch.nn.Module], section: NVFP4Group
 
 def _attach_telemetry(counters: list[StepCounter], modules: list[list[torch.nn.Module]], every: int, what: str) -> None:
     """Every ``every`` steps (and step 1, as the parts' counters count them) the modules measure their operands into
-    TorchTitan's next metrics log (titan_nvfp4/telemetry.py)."""
+    TorchTitan's next metrics log (titan_nvfp4/modules/telemetry.py)."""
     if not every:
         return
     for counter, ms in zip(counters, modules):

@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - another Triton layout (ensure_scratch_
 
 from ..numerics.nvfp4 import NVFP4Tensor
 from ..numerics.operands import StagedOperand
-from ..platform import capability, interpreting
+from .platform import capability, interpreting
 from .launch import autotune, cdiv, launch, tune_bucket
 from .nvfp4_jit import e4m3_value
 

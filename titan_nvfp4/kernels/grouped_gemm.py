@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..numerics.nvfp4 import NVFP4Tensor
 from ..numerics.operands import StagedOperand
-from ..platform import interpreting
+from .platform import interpreting
 from .gemm import (dequantize_fp16, ensure_scratch_allocator, fixed_tiles, persistent_programs, set_b_block, swizzle_tile,
                    tma_descriptor, tma_storable, tma_supported)
 from .launch import autotune, cdiv, launch, next_pow2

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..numerics.mxfp8 import MX_BLOCK, MXFP8Tensor
-from ..platform import interpreting
+from .platform import interpreting
 from .launch import autotune, cdiv, launch
 from .nvfp4_jit import E4M3_MAX, e4m3_round, nan_to_inf_abs
 

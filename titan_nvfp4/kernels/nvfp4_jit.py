@@ -7,7 +7,7 @@ pair bit for bit. Shared by the quantization kernels (quantize.py) and the GEMM 
 import triton
 import triton.language as tl
 
-from ..platform import interpreting
+from .platform import interpreting
 
 E4M3_MAX = tl.constexpr(448.0)
 FP32_MAX = tl.constexpr(3.4028234663852886e38)

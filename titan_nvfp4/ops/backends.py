@@ -13,9 +13,8 @@ import importlib.util
 
 import torch
 
-from ..platform import capability, interpreting
-
-BACKEND_NAMES = ("auto", "reference", "emulated", "native")
+from ..kernels.platform import capability, interpreting
+from ..recipe.nvfp4_recipe import BACKEND_NAMES
 
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None  # a constant, so torch.compile traces no import

@@ -19,7 +19,6 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from .ops.backends import BACKEND_NAMES
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -83,6 +82,8 @@ class NVFP4Recipe:
             validate_field(f.name, getattr(self, f.name))
 
 
+#: gemm_backend values (titan_nvfp4.ops.backends resolves them on a device)
+BACKEND_NAMES = ("auto", "reference", "emulated", "native")
 _BOOL_FIELDS = ("weight_2d", "stochastic_rounding", "rht", "rht_round_to_input_dtype", "staged_expert_activations")
 BACKWARDS = ("nvfp4", "mxfp8", "bf16")
 BLOCK_SCALE_RULES = ("six", "four_over_six")
@@ -115,12 +116,12 @@ def _configs_package() -> ModuleType:
     """``titan_nvfp4.configs``: installed (a wheel, an editable install), or the repo's configs/ folder when
     the package runs from a source tree on PYTHONPATH (as on the GPU machines)."""
     try:
-        from . import configs
+        from .. import configs
     except ImportError:
-        init = Path(__file__).resolve().parent.parent / "configs" / "__init__.py"
+        init = Path(__file__).resolve().parents[2] / "configs" / "__init__.py"
         if not init.is_file():
             raise
-        spec = importlib.util.spec_from_file_location(f"{__package__}.configs", init,
+        spec = importlib.util.spec_from_file_location("titan_nvfp4.configs", init,
                                                       submodule_search_locations=[str(init.parent)])
         configs = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = configs

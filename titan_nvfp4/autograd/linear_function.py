@@ -18,14 +18,14 @@ import functools
 import torch
 
 from .body_graphs import BodyGraphs
-from .distributed.amax import AmaxGroups, all_reduce_max, sharding_groups
-from .distributed.fsdp_all_gather import NVFP4GatheredWeight, gathered_nvfp4
-from .numerics.mxfp8 import MXFP8Tensor
-from .numerics.nvfp4 import NVFP4Tensor
-from .numerics.rht import rht_signs, signs_for_operand
-from .ops import (mxfp8_gemm, mxfp8_operands, nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient,
+from ..distributed.amax import AmaxGroups, all_reduce_max, sharding_groups
+from ..distributed.fsdp_all_gather import NVFP4GatheredWeight, gathered_nvfp4
+from ..numerics.mxfp8 import MXFP8Tensor
+from ..numerics.nvfp4 import NVFP4Tensor
+from ..numerics.rht import rht_signs, signs_for_operand
+from ..ops import (mxfp8_gemm, mxfp8_operands, nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient,
                   quantize_weight, resolve_backend, staged_for_gemms)
-from .recipe import NVFP4Recipe
+from ..recipe.nvfp4_recipe import NVFP4Recipe
 from .sibling_x import plain_eager, shared_staging, shared_x_operands
 
 
@@ -308,7 +308,7 @@ def _wgrad_first(m: int, k: int, n: int) -> bool:
     dW (n·k), dgrad's staging chunk of Wᵀ (at most STAGE_BYTES) and wgrad's staged Xᵀ (m·k, whole:
     staged_for_gemms). dgrad first: max(dY + dYᵀ + Wᵀ chunk + dX, dYᵀ + dX + Xᵀ + dW); wgrad first:
     max(dY + dYᵀ + Xᵀ + dW, dY + dW + Wᵀ chunk + dX)."""
-    from .kernels.gemm import STAGE_BYTES  # here: the kernels load only when a kernel backend runs
+    from ..kernels.gemm import STAGE_BYTES  # here: the kernels load only when a kernel backend runs
 
     dy, dx, dw = 2 * m * n, 2 * m * k, 2 * n * k
     sd, sw = min(STAGE_BYTES, dw), dx

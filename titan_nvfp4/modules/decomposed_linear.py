@@ -32,12 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .distributed.tensor_parallel import broadcast_from_first, gather_shards, shard_of
-from .linear_function import autocast_out_dtype, meta_linear
-from .numerics.lowrank import full_tensor, lowrank_merge, lowrank_split, project_moments
-from .numerics.nvfp4 import BLOCK
+from ..distributed.tensor_parallel import broadcast_from_first, gather_shards, shard_of
+from ..autograd.linear_function import autocast_out_dtype, meta_linear
+from ..numerics.lowrank import full_tensor, lowrank_merge, lowrank_split, project_moments
+from ..numerics.nvfp4 import BLOCK
 from .nvfp4_linear import NVFP4Linear, check_linear_dims
-from .recipe import NVFP4Recipe
+from ..recipe.nvfp4_recipe import NVFP4Recipe
 from .telemetry import measure_linear
 
 #: the factor names of a decomposed weight W = U·diag(σ)·V + R (attribute ``<prefix><kind>``)

@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import torch
 
-from .distributed.amax import AmaxGroups, all_reduce_max, sharding_groups
+from ..distributed.amax import AmaxGroups, all_reduce_max, sharding_groups
 from .linear_function import (autocast_input, autocast_out_dtype, cached_rht_signs, next_sr_seed, nvfp4_from_parts,
                               nvfp4_parts, sr_counter)
-from .numerics.rht import signs_for_operand
-from .ops import nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient, quantize_weight, resolve_backend
-from .ops import grouped as G
-from .recipe import NVFP4Recipe
+from ..numerics.rht import signs_for_operand
+from ..ops import nvfp4_gemm, operand_amax, quantize_activation, quantize_gradient, quantize_weight, resolve_backend
+from ..ops import grouped as G
+from ..recipe.nvfp4_recipe import NVFP4Recipe
 
 _SEED_MASK = 2**62 - 1
 _EXPERT_MIX = 0xD6E8FEB86659FD93 & _SEED_MASK

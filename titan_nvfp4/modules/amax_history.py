@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .distributed.tensor_parallel import local
+from ..distributed.tensor_parallel import local
 
 
 class AmaxHistory:

@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from .numerics.nvfp4 import BLOCK, block_encode_factor, global_encode_scale, quantize_nvfp4
+from ..numerics.nvfp4 import BLOCK, block_encode_factor, global_encode_scale, quantize_nvfp4
 
 
 def _operand_sums(x: torch.Tensor, block_shape=(1, BLOCK)) -> dict[str, float]:

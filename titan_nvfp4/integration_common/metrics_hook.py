@@ -2,7 +2,7 @@
 what the layers measured (telemetry.py, which imports no TorchTitan) to its extra metrics. Both integrations install
 it when a telemetry_every knob is set."""
 
-from .telemetry import drain_all
+from ..modules.telemetry import drain_all
 
 
 def install_metrics_hook() -> None:

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from .decomposed_linear import FACTOR_KINDS, LowRankState
-from .linear_function import autocast_out_dtype
-from .numerics.expert_blocks import row_experts
-from .numerics.lowrank import lowrank_merge
+from ..autograd.linear_function import autocast_out_dtype
+from ..numerics.expert_blocks import row_experts
+from ..numerics.lowrank import lowrank_merge
 
 
 def _with_tail_expert(offsets: torch.Tensor, rows: int) -> torch.Tensor:

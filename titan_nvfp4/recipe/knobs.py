@@ -14,8 +14,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
-from .numerics.lowrank import check_rank
-from .recipe import NVFP4Recipe, build_recipe, validate_field
+from ..numerics.lowrank import check_rank
+from .nvfp4_recipe import NVFP4Recipe, build_recipe, validate_field
 
 DEFAULT_FILTER_FQNS = ("output", "router.gate", "shared_experts")  # TorchTitan 0.2's LM head is `output`
 

@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 import torch
 
-from .distributed.tensor_parallel import Name, name_of
-from .numerics.expert_blocks import row_experts
+from ..distributed.tensor_parallel import Name, name_of
+from ..numerics.expert_blocks import row_experts
 
 #: SR stream ids of expert GEMMs start here, so they never meet those of dense layers
 GROUPED_LAYER_ID_BASE = 1 << 20

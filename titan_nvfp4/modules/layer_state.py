@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .distributed.tensor_parallel import local
-from .linear_function import cached_rht_signs, sr_counter
-from .numerics.rht import rht_signs
-from .recipe import NVFP4Recipe
+from ..distributed.tensor_parallel import local
+from ..autograd.linear_function import cached_rht_signs, sr_counter
+from ..numerics.rht import rht_signs
+from ..recipe.nvfp4_recipe import NVFP4Recipe
 
 
 class NVFP4LayerState(nn.Module):

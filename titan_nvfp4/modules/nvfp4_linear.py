@@ -13,13 +13,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .amax_history import activation_amax
-from .body_graphs import BodyGraphs, graphable
-from .distributed.tensor_parallel import local, local_tp_nvfp4_linear, tp_nvfp4_linear
+from ..autograd.body_graphs import BodyGraphs, graphable
+from ..distributed.tensor_parallel import local, local_tp_nvfp4_linear, tp_nvfp4_linear
 from .layer_state import NVFP4LayerState
-from .linear_function import autocast_input, meta_linear, nvfp4_linear
-from .numerics.rht import signs_for_operand
-from .ops import operand_amax, resolve_backend
-from .recipe import NVFP4Recipe
+from ..autograd.linear_function import autocast_input, meta_linear, nvfp4_linear
+from ..numerics.rht import signs_for_operand
+from ..ops import operand_amax, resolve_backend
+from ..recipe.nvfp4_recipe import NVFP4Recipe
 from .telemetry import measure_linear
 
 

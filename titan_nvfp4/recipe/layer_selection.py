@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from .recipe import NVFP4Recipe
+from .nvfp4_recipe import NVFP4Recipe
 
 _BLOCK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .amax_history import layers_with_history
-from .distributed.tensor_parallel import local
-from .layer_state import NVFP4LayerState
+from ..modules.amax_history import layers_with_history
+from ..distributed.tensor_parallel import local
+from ..modules.layer_state import NVFP4LayerState
 from .schedule import StepCounter
 
 KEY = "nvfp4_sr_calls"
