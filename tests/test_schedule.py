@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import titan_nvfp4  # noqa: F401  (registers the converters)
 from titan_nvfp4 import NVFP4Linear
 from titan_nvfp4.modules.decomposed_linear import DecomposedLinear
-from titan_nvfp4.integration.converter import GROUPED_STEPS, LINEAR_STEPS
+from titan_nvfp4.training.schedule import GROUPED_STEPS, LINEAR_STEPS
 from titan_nvfp4.integration.experts import NVFP4GptOssExperts, NVFP4GroupedExperts
 from titan_nvfp4.modules.lowrank_experts import grouped_linear
 from titan_nvfp4.training.schedule import PrecisionSchedule, StepCounter, switch_step

@@ -12,6 +12,8 @@ from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
+import logging
+
 import pytest
 
 from titan_nvfp4.integration_common.torchtitan_version import installed_generation
@@ -37,8 +39,10 @@ from titan_nvfp4.integration_v03.converter import NVFP4GroupedMMConfigConverter 
 from titan_nvfp4.integration_v03.decomposed import TitanDecomposedLinear  # noqa: E402
 from titan_nvfp4.integration_v03.experts import TitanNVFP4GptOssExperts, TitanNVFP4GroupedExperts  # noqa: E402
 from titan_nvfp4.integration_v03.modules import TitanNVFP4Linear  # noqa: E402
-from titan_nvfp4.integration_v03.trainer import (LINEAR_STEPS, NVFP4Trainer, after_optimizer_step,  # noqa: E402
-                                                 apply_quantize, attach_grouped_state, attach_linear_state)
+from titan_nvfp4.integration_v03.trainer import (NVFP4Trainer, after_optimizer_step, apply_quantize,  # noqa: E402
+                                                 attach_sections)
+from titan_nvfp4.training.schedule import LINEAR_STEPS  # noqa: E402
+from titan_nvfp4.training.step_state import SectionSteps  # noqa: E402
 from titan_nvfp4.modules.lowrank_experts import LowRankExperts, grouped_lowrank  # noqa: E402
 
 MODULE = "titan_nvfp4.integration_v03.configs"
@@ -790,11 +794,12 @@ def test_late_switch_and_amax_windows_follow_the_optimizer_steps(gloo_rank, monk
     windows and switches every NVFP4 Linear to high precision after step 2 of 4 (no SR draws, no amaxes after it)."""
     c, model, step = _debug_step_model(monkeypatch, tmp_path, "--quantize.linear.bf16_after_fraction", "0.5",
                                        "--quantize.linear.activation_amax_history", "4")
-    counters = attach_linear_state([model], c.quantize.linear, total_steps=4)
+    sections = attach_sections([model], c.quantize, total_steps=4)
+    counters = sections[0].counters
     assert len(counters) == 1 and getattr(model, LINEAR_STEPS) is counters[0]
     linears = [m for m in model.modules() if isinstance(m, TitanNVFP4Linear)]
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    opt.register_step_post_hook(lambda *a, **k: after_optimizer_step([model]))
+    opt.register_step_post_hook(lambda *a, **k: after_optimizer_step([model], sections))
     assert all(not m.x_amax_history.any() for m in linears)
     for i in range(3):
         step()
@@ -817,14 +822,15 @@ def test_experts_switch_to_torchtitans_own_experts_after_the_fraction(kind):
     m = build_experts(upstream, names, bf16_after_fraction=0.5)
     part = torch.nn.Module()
     part.add_module("experts", m)
-    assert len(attach_grouped_state([part], section, total_steps=2)) == 1
+    steps = SectionSteps(section, 2, logging.getLogger("test"))
+    assert len(steps.attach([part], [[m]])) == 1
     counts = torch.tensor(COUNTS)
     x = torch.randn(sum(COUNTS), D)
     outs = []
     for _ in range(2):
         outs.append(m(x, counts))
         outs[-1].square().sum().backward()
-        after_optimizer_step([part])  # as the optimizer's step post hook
+        after_optimizer_step([part], [steps])  # as the optimizer's step post hook
     assert m.high_precision and bool((m.sr_counter[:, 1] == 1).all())  # the second step drew nothing
     plain = upstream.__new__(upstream)
     plain.__dict__.update(m.__dict__)  # the same parameters in TorchTitan's own module
@@ -841,11 +847,12 @@ def test_linear_telemetry_measures_the_steps_it_names(gloo_rank, monkeypatch, tm
     from titan_nvfp4.modules.telemetry import drain_all
 
     c, model, step = _debug_step_model(monkeypatch, tmp_path, "--quantize.linear.telemetry_every", "2")
-    counters = attach_linear_state([model], c.quantize.linear, total_steps=4)
+    sections = attach_sections([model], c.quantize, total_steps=4)
+    counters = sections[0].counters
     assert len(counters) == 1 and getattr(MetricsProcessor.log, "_nvfp4_telemetry", False)
     linears = [m for m in model.modules() if isinstance(m, TitanNVFP4Linear)]
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    opt.register_step_post_hook(lambda *a, **k: after_optimizer_step([model]))
+    opt.register_step_post_hook(lambda *a, **k: after_optimizer_step([model], sections))
     drain_all()
     measured = []
     for _ in range(3):
@@ -1076,9 +1083,9 @@ def test_lora_factors_train_refresh_and_resume(gloo_rank, monkeypatch, tmp_path)
     overrides = (*LORA, "--quantize.linear.lora_refresh_steps", "2")
     c, model, step = _debug_step_model(monkeypatch, tmp_path, *overrides, blocks=1)
     assert c.quantize.linear.lora_refresh_steps == 2
-    attach_linear_state([model], c.quantize.linear, total_steps=4)
+    sections = attach_sections([model], c.quantize, total_steps=4)
     opt = c.optimizer.build(model_parts=[model])
-    opt.register_step_post_hook(lambda *a, **k: after_optimizer_step([model], lora_refresh_steps=2))
+    opt.register_step_post_hook(lambda *a, **k: after_optimizer_step([model], sections))
     mods = [m for m in model.modules() if isinstance(m, TitanDecomposedLinear)]
     trained = {id(p) for g in opt.optimizers[0].param_groups for p in g["params"]}
     assert all(id(getattr(m, f)) in trained for m in mods for f in FACTORS)
@@ -1184,9 +1191,10 @@ def test_grouped_lora_refresh_follows_the_linear_sections_steps():
     part = torch.nn.Module()
     part.add_module("experts", m)
     section = NVFP4LinearConfigConverter.Config(lora_rank=16, lora_refresh_steps=2)
-    attach_linear_state([part], section, total_steps=4)
+    steps = SectionSteps(section, 4, logging.getLogger("test"))
+    steps.attach([part], [[]])  # the Linears' section of a part with no Linear: its counter drives the refresh
     opt = torch.optim.SGD(part.parameters(), lr=1e-3)
-    opt.register_step_post_hook(lambda *a, **k: after_optimizer_step([part], lora_refresh_steps=2))
+    opt.register_step_post_hook(lambda *a, **k: after_optimizer_step([part], [steps]))
     counts = torch.tensor(COUNTS)
     x = torch.randn(sum(COUNTS), D)
 

@@ -98,38 +98,52 @@ def sync_step_counters(model_parts: list[nn.Module], step: int) -> None:
                 m.amax_history.at_step(step)
 
 
+def state_of_layers(model_parts: list[nn.Module]) -> dict:
+    """What a checkpoint must carry for the NVFP4 layers beside the model's state dict: the SR call counts (KEY)
+    and, for layers that keep one, the amax windows (HISTORY_KEY); {} for a model without NVFP4 layers."""
+    out = {}
+    calls = sr_calls(model_parts)
+    if calls:
+        out[KEY] = calls
+    histories = amax_histories(model_parts)
+    if histories:
+        out[HISTORY_KEY] = histories
+    return out
+
+
+def load_state_of_layers(model_parts: list[nn.Module], state: dict, step: int) -> None:
+    """Restore ``state`` (state_of_layers' dict, entries optional) and set the step counters and amax histories to
+    the restored optimizer ``step``; windows the state does not carry start empty, as at step 0."""
+    calls, histories = state.get(KEY), state.get(HISTORY_KEY)
+    if calls:
+        load_sr_calls(model_parts, calls)
+    if histories:
+        load_amax_histories(model_parts, histories)
+    sync_step_counters(model_parts, step)
+    if not histories:  # a checkpoint without windows (integration/checkpoint.py)
+        empty_amax_histories(model_parts)
+
+
 def install(trainer_cls) -> None:
-    """Extend ``trainer_cls.state_dict`` / ``load_state_dict`` (TorchTitan's Trainer) with KEY (idempotent)."""
+    """Extend ``trainer_cls.state_dict`` / ``load_state_dict`` (TorchTitan's Trainer) with KEY and HISTORY_KEY
+    (idempotent)."""
     if getattr(trainer_cls, "_nvfp4_train_state", False):
         return
     original_state_dict, original_load = trainer_cls.state_dict, trainer_cls.load_state_dict
 
     def state_dict(self):
         out = original_state_dict(self)
-        calls = sr_calls(getattr(self, "model_parts", []))
-        if calls:
-            out[KEY] = calls
-        histories = amax_histories(getattr(self, "model_parts", []))
-        if histories:
-            out[HISTORY_KEY] = histories
+        out.update(state_of_layers(getattr(self, "model_parts", [])))
         return out
 
     def load_state_dict(self, state_dict):
-        calls, histories = state_dict.get(KEY), state_dict.get(HISTORY_KEY)
         rest = {k: v for k, v in state_dict.items() if k not in (KEY, HISTORY_KEY)}
         original_load(self, rest)
-        parts = getattr(self, "model_parts", [])
-        if calls:
-            load_sr_calls(parts, calls)
-        if histories:
-            load_amax_histories(parts, histories)
-        sync_step_counters(parts, int(getattr(self, "step", 0)))
-        if not histories:  # a checkpoint without windows (integration/checkpoint.py)
-            empty_amax_histories(parts)
+        load_state_of_layers(getattr(self, "model_parts", []), state_dict, int(getattr(self, "step", 0)))
 
     trainer_cls.state_dict, trainer_cls.load_state_dict = state_dict, load_state_dict
     trainer_cls._nvfp4_train_state = True
 
 
 __all__ = ["HISTORY_KEY", "KEY", "amax_histories", "empty_amax_histories", "install", "load_amax_histories",
-           "load_sr_calls", "nvfp4_layers", "sr_calls", "sync_step_counters"]
+           "load_sr_calls", "load_state_of_layers", "nvfp4_layers", "sr_calls", "state_of_layers", "sync_step_counters"]

@@ -1,0 +1,181 @@
+"""The per-step core shared by every trainer: what converted NVFP4 modules need between optimizer steps.
+
+One ``SectionSteps`` serves one converted section (the dense Linears, or the routed experts) of a model's parts:
+``attach`` gives the modules their step counter and late high-precision switch (bf16_after_fraction), their amax
+windows (activation_amax_history) and telemetry (telemetry_every); ``after_optimizer_step`` rolls the windows,
+counts the step, switches, re-decomposes the low-rank modules (lora_refresh_steps) and pre-reduces the NVFP4
+all-gather's scales. TorchTitan 0.2's converters, 0.3's trainer and ``titan_nvfp4.convert`` call the same code, so a
+knob with a schedule is wired here once. Imports no TorchTitan: callers hand in their module lists and a logger.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from torch import nn
+
+from ..distributed.fsdp_all_gather import TRAFFIC, precompute_scales
+from ..modules.amax_history import AmaxHistory, layers_with_history, register_buffers, roll
+from ..modules.decomposed_linear import log_lora_dtype, log_refresh, redecompose, set_lora_dtype
+from ..modules.telemetry import Telemetry, drain_all
+from ..recipe.knobs import LinearKnobs, RecipeKnobs
+from .optimizer_states import shared_optimizer_states
+from .schedule import GROUPED_STEPS, LINEAR_STEPS, PrecisionSchedule, StepCounter, attach_step_counter, step_counters
+from .schedule import switch_step
+from .train_state import load_state_of_layers, state_of_layers
+
+Parts = nn.Module | list[nn.Module]
+
+
+def as_parts(model: Parts) -> list[nn.Module]:
+    """A model or a list of model parts (pipeline stages) as a list."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+class SectionSteps:
+    """The per-step state of one converted section, read from its knobs (LinearKnobs: the dense Linears, else the
+    routed experts); ``total_steps`` sizes bf16_after_fraction; ``nvfp4_all_gather``: the FSDP2 NVFP4 all-gather
+    is on (the caller decides whether it applies)."""
+
+    def __init__(self, knobs: RecipeKnobs, total_steps: int, log: logging.Logger | logging.LoggerAdapter, *,
+                 nvfp4_all_gather: bool = False) -> None:
+        self.dense = isinstance(knobs, LinearKnobs)
+        self.counter_name = LINEAR_STEPS if self.dense else GROUPED_STEPS
+        self.what = "Linear layers" if self.dense else "expert modules"
+        self.log = log
+        self.total_steps = total_steps
+        self.fraction = knobs.bf16_after_fraction
+        self.telemetry_every = knobs.telemetry_every
+        self.amax_history = knobs.activation_amax_history if self.dense else 0
+        self.refresh_steps = knobs.lora_refresh_steps if self.dense else 0
+        projecting = self.refresh_steps and knobs.lora_refresh_moments == "project"
+        # registered now, before the first optimizer step, so the refresh finds the factors' moments
+        self.state_of = shared_optimizer_states().state_of if projecting else None
+        self.nvfp4_all_gather = nvfp4_all_gather
+        self._gather_logged = False
+        self.counters: list[StepCounter] = []
+        if self.fraction and not total_steps:
+            raise ValueError(f"[{knobs.SECTION}] bf16_after_fraction = {self.fraction} needs the run's total number of "
+                             "optimizer steps (training.steps; total_steps for titan_nvfp4.convert)")
+
+    @property
+    def counted(self) -> bool:
+        """Whether the section's modules need a step counter (a switch, telemetry or a refresh follows it)."""
+        return bool(self.fraction or self.telemetry_every or self.refresh_steps)
+
+    @property
+    def per_step(self) -> bool:
+        """Whether ``after_optimizer_step`` has anything to do."""
+        return bool(self.counted or self.amax_history or self.nvfp4_all_gather)
+
+    def attach(self, model: Parts, modules: list[list[nn.Module]],
+               on_telemetry: Callable[[], None] | None = None) -> list[StepCounter]:
+        """Give ``modules`` (the converted modules of each part of ``model``) their per-step state; returns the
+        parts' step counters (none when nothing follows the count). ``on_telemetry``: called once when telemetry
+        is on (an integration adds the measurements to its metrics there)."""
+        parts = as_parts(model)
+        if len(parts) != len(modules):
+            raise ValueError(f"attach: {len(parts)} model parts but {len(modules)} module lists")
+        n = sum(map(len, modules))
+        if self.amax_history:
+            history = AmaxHistory(self.amax_history)
+            for m in (m for ms in modules for m in ms):
+                register_buffers(m, history)
+            self.log.info(f"NVFP4: X of {n} Linear layers quantized with the max amax of the last "
+                          f"{self.amax_history} optimizer steps (activation_amax_history)")
+        if not self.counted:
+            return []
+        schedule = PrecisionSchedule(switch_step(self.fraction, self.total_steps))
+        counters = [attach_step_counter(p, self.counter_name, ms, schedule) for p, ms in zip(parts, modules)]
+        self.counters = counters
+        if self.fraction:
+            self.log.info(f"NVFP4: {self.what} switch to high precision after optimizer step {schedule.switch_step} "
+                          f"(bf16_after_fraction = {self.fraction} of {self.total_steps} steps)")
+        if self.refresh_steps:
+            self.log.info(f"NVFP4: low-rank modules re-decomposed every {self.refresh_steps} optimizer steps "
+                          "(lora_refresh_steps; the experts' too)" + (", their factors' Adam moments projected onto "
+                          "the new split" if self.state_of is not None else ""))
+        if self.telemetry_every:
+            for counter, ms in zip(counters, modules):
+                telemetry = Telemetry(self.telemetry_every, counter)
+                for m in ms:
+                    m.telemetry = telemetry
+            if on_telemetry is not None:
+                on_telemetry()
+            names = "nvfp4/<layer>/<operand>/<stat>" if self.dense else "nvfp4/<experts>/<weight>/<operand>/<stat>"
+            self.log.info(f"NVFP4: telemetry of {n} {self.what} every {self.telemetry_every} steps ({names} in the "
+                          "metrics)")
+        return counters
+
+    def after_optimizer_step(self, model: Parts) -> None:
+        """After each optimizer step: with the NVFP4 all-gather, log its first step's traffic and reduce the gathered
+        weights' tile amaxes for their next all-gathers; push the step's activation amaxes into the windows; count
+        the step (the switch follows); every lora_refresh_steps steps re-decompose the low-rank modules (Linears
+        and experts) before the scales are next read."""
+        parts = as_parts(model)
+        if self.amax_history:
+            roll(layers_with_history(parts))
+        for i, (part, counter) in enumerate(step_counters(parts, self.counter_name)):
+            if counter.step() and i == 0:
+                self.log.info(f"NVFP4: {self.what} switched to high precision after optimizer step {counter.count}")
+            if self.refresh_steps and counter.count % self.refresh_steps == 0:
+                done = redecompose(part, self.state_of)
+                if i == 0:
+                    log_refresh(self.log, done, counter.count, self.state_of is not None)
+        if self.nvfp4_all_gather:
+            first = not self._gather_logged
+            if first:
+                self._gather_logged = True
+                self.log.info(f"NVFP4: FSDP2 all-gather, first step on this rank: {TRAFFIC.summary(TRAFFIC.take())}")
+            n = sum(precompute_scales(p) for p in parts)
+            if first:
+                self.log.info(f"NVFP4: after each optimizer step the tile amaxes of {n} NVFP4-gathered weights are "
+                              "all-reduced at once (one all-reduce per FSDP group), ahead of their next all-gathers")
+
+
+def apply_lora_dtype(model: Parts, lora_dtype: str, log, *, one_dtype: bool = False, scope: str = "") -> int:
+    """Run the low-rank branches of ``model`` in ``lora_dtype`` ("input": nothing to do); returns how many modules it
+    set. ``one_dtype``: FSDP2 will shard the model, which takes one parameter dtype per module."""
+    if lora_dtype == "input":
+        return 0
+    n = set_lora_dtype(as_parts(model), lora_dtype, one_dtype=one_dtype)
+    if n:
+        log_lora_dtype(log, n, scope)
+    return n
+
+
+class TrainingSteps:
+    """The per-step object a training loop drives (``titan_nvfp4.convert`` returns one): call ``step()`` after every
+    ``optimizer.step()``. Its ``state_dict`` (torch.distributed.checkpoint's Stateful protocol) holds the optimizer
+    steps taken, the layers' stochastic-rounding call counts and amax windows, so a resumed run continues bit for
+    bit; ``telemetry()`` returns what telemetry_every measured since the last call."""
+
+    def __init__(self, model: Parts, sections: list[SectionSteps]) -> None:
+        self.parts = as_parts(model)
+        self.sections = sections
+        self.steps = 0
+
+    def step(self) -> None:
+        """One optimizer step done."""
+        self.steps += 1
+        for s in self.sections:
+            s.after_optimizer_step(self.parts)
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, **state_of_layers(self.parts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "steps" not in state:
+            raise ValueError(f"TrainingSteps.load_state_dict: no 'steps' entry (got keys {sorted(state)}): not a "
+                             "state_dict of titan_nvfp4's TrainingSteps")
+        self.steps = int(state["steps"])
+        load_state_of_layers(self.parts, state, self.steps)
+
+    @staticmethod
+    def telemetry() -> dict[str, float]:
+        """The measurements of telemetry_every since the last call (emptied): {nvfp4/<layer>/<operand>/<stat>: v}."""
+        return drain_all()
+
+
+__all__ = ["SectionSteps", "TrainingSteps", "apply_lora_dtype", "as_parts"]
