@@ -318,3 +318,21 @@ def test_environment_variable_faults_get_a_message(tmp_path, capsys, monkeypatch
                                          f"{a_file} (File exists)")
         monkeypatch.delenv(var)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "site-packages"]
+
+
+def test_variants_refuse_their_input_as_output_and_write_whole(corpus, tmp_path, capsys):
+    """A derived copy never replaces its source, and is written atomically (no partial DST)."""
+    from titan_nvfp4.data import variants
+
+    _, path = corpus
+    src = tmp_path / "train.jsonl"
+    shutil.copy(path / "train.jsonl", src)
+    before = src.read_bytes()
+    for kind in ("replicate", "rotate", "head"):
+        with pytest.raises(SystemExit) as e:
+            variants.main([kind, str(src), str(src), "--tokenizer", str(path)])
+        assert e.value.code == 2 and f"DST {src} would overwrite the input {src}" in capsys.readouterr().err
+    assert src.read_bytes() == before
+    variants.main(["rotate", str(src), str(tmp_path / "rot.jsonl")])
+    assert sorted(read_jsonl(tmp_path / "rot.jsonl")) == sorted(read_jsonl(src))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []

@@ -102,9 +102,7 @@ def memorize_split(path: str | os.PathLike, tokens: int = MEMORIZE_TOKENS) -> Pa
     train = split_file(p, _SPLIT_FILES[TRAIN_NAME])  # builds the pystdlib assets when missing; checks them
     f = p / f"memorize_{tokens}.jsonl"  # assets.DERIVED: a rebuild of the directory removes it
     if not f.is_file():
-        tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
-        _, docs, total = head(train, tmp, tokens, p)
-        os.replace(tmp, f)
+        _, docs, total = head(train, f, tokens, p)  # written atomically
         logger.info("Wrote %s: %d documents, %d tokens", f, docs, total)
     return f
 
