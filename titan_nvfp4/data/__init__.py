@@ -7,11 +7,12 @@ Importing this package registers TorchTitan datasets ``pystdlib`` and ``pystdlib
 (TorchTitan's ``[experimental] custom_import``) to also build the pystdlib assets, or
 ``titan_nvfp4.data.prepare_pysources`` for pysources; modules: ``corpus`` (text), ``tokenizer`` (BPE),
 ``assets`` (build/lock/manifest), ``registry`` (TorchTitan datasets), ``prepare`` (import hook and CLI),
-``pysources`` (the package-sources corpus).
+``pysources`` (the package-sources corpus), ``manifest`` (the check of a folder against its manifest).
 """
 
 from .assets import ENV_VAR, default_data_dir, ensure_assets, read_manifest
 from .corpus import Corpus, build_corpus, corpus_sha256
+from .manifest import AssetsError
 from .pysources import ensure_pysources, register_pysources
 from .registry import TRAIN_NAME, VALIDATION_NAME, register_datasets
 from .tokenizer import BOS_TOKEN, EOS_TOKEN, VOCAB_SIZE, train_tokenizer
@@ -24,6 +25,7 @@ except ImportError as _e:  # torchtitan (or datasets) missing: building the asse
         raise
 
 __all__ = [
+    "AssetsError",
     "BOS_TOKEN",
     "Corpus",
     "ENV_VAR",

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from .assets import ensure_assets, read_manifest
+from .manifest import AssetsError
 from .registry import register_datasets
 
 logger = logging.getLogger(__name__)
@@ -66,18 +67,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="pysources: look for the packages in this directory instead of sys.path (repeatable)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.corpus == "pysources":
-        from .pysources import CorpusTooSmall, ensure_pysources
+    if args.corpus != "pysources" and (args.min_tokens is not None or args.site_dir):
+        parser.error("--min-tokens and --site-dir apply to --corpus pysources only")
+    from .pysources import CorpusTooSmall, ensure_pysources
 
-        try:
+    try:
+        if args.corpus == "pysources":
             data_dir = ensure_pysources(args.out, force=args.force, site_dirs=args.site_dir, min_tokens=args.min_tokens)
-        except CorpusTooSmall as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-    else:
-        if args.min_tokens is not None or args.site_dir:
-            parser.error("--min-tokens and --site-dir apply to --corpus pysources only")
-        data_dir = ensure_assets(args.out, force=args.force)
+        else:
+            data_dir = ensure_assets(args.out, force=args.force)
+    except (CorpusTooSmall, AssetsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(json.dumps({"path": str(data_dir), **(read_manifest(data_dir) or {})}, indent=2, sort_keys=True))
     return 0
 

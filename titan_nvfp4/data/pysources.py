@@ -22,7 +22,7 @@ when the estimated token count is below ``min_tokens`` (``MIN_TOKENS`` = 50M, en
 tokens in two epochs; ``$TITAN_NVFP4_PYSOURCES_MIN_TOKENS`` or ``--min-tokens`` change it).
 
 Built on first use in ``$TITAN_NVFP4_PYSOURCES_DIR`` or ``./assets/pysources`` with the same layout,
-manifest, lock and atomic rename as pystdlib (``assets.ensure_built``); ahead of a run::
+manifest (checked by sha256 on reuse), lock and kill-safe (re)build as pystdlib (``assets.ensure_built``); ahead of a run::
 
     python -m titan_nvfp4.data.prepare --corpus pysources
 
@@ -49,7 +49,8 @@ from importlib.metadata import PathDistribution
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from .assets import FORMAT_VERSION, ensure_built, manifest_matches, write_assets
+from .assets import FORMAT_VERSION, ensure_built, manifest_matches, write_assets  # noqa: F401 (ps.manifest_matches)
+from .manifest import AssetsError
 from .corpus import SHUFFLE_SEED, Corpus, collect_unique, split_documents
 from .registry import register_splits
 from .tokenizer import SPECIAL_TOKENS, VOCAB_SIZE, training_sample
@@ -93,9 +94,18 @@ def default_data_dir() -> Path:
 
 
 def default_min_tokens() -> int:
-    """``$TITAN_NVFP4_PYSOURCES_MIN_TOKENS`` if set, else ``MIN_TOKENS``."""
-    value = os.environ.get(MIN_TOKENS_ENV_VAR)
-    return int(value) if value else MIN_TOKENS
+    """``$TITAN_NVFP4_PYSOURCES_MIN_TOKENS`` if set, else ``MIN_TOKENS``; an AssetsError naming the variable
+    when it is not a whole number >= 0."""
+    value = os.environ.get(MIN_TOKENS_ENV_VAR, "").strip()
+    if not value:
+        return MIN_TOKENS
+    try:
+        tokens = int(value)
+    except ValueError:
+        tokens = -1
+    if tokens < 0:
+        raise AssetsError(f"{MIN_TOKENS_ENV_VAR}={value!r}: not a whole number of tokens >= 0")
+    return tokens
 
 
 def default_site_dirs() -> list[Path]:
@@ -332,6 +342,7 @@ def ensure_pysources(
     """Return the pysources assets directory, building it first if missing or stale (lock shared with
     concurrent ranks, as ``assets.ensure_assets``)."""
     target = Path(os.path.abspath(path)) if path is not None else default_data_dir()
+    min_tokens = default_min_tokens() if min_tokens is None else min_tokens  # a bad variable fails before the lock
     recipe_ = recipe(packages, site_dirs, max_file_bytes, tokenizer_sample_bytes, validation_every)
     build = functools.partial(
         build_pysources_assets, packages=packages, site_dirs=site_dirs, min_tokens=min_tokens,
@@ -339,8 +350,8 @@ def ensure_pysources(
         validation_every=validation_every, recipe_=recipe_,
     )
     return ensure_built(
-        target, build, functools.partial(manifest_matches, expected_recipe=recipe_), force=force,
-        source=f"pysources: {len(recipe_['package_versions'])} of {len(packages)} packages", env_var=ENV_VAR,
+        target, build, recipe_, force=force, env_var=ENV_VAR, from_env=path is None and bool(os.environ.get(ENV_VAR)),
+        source=f"pysources: {len(recipe_['package_versions'])} of {len(packages)} packages",
     )
 
 

@@ -9,8 +9,8 @@ a gap between NVFP4 and BF16 can show (issue 45). It is written next to the spli
 TorchTitan looks datasets up by name in ``torchtitan.hf_datasets.text_datasets.DATASETS``; each entry
 gives a default path, a loader ``path -> datasets.Dataset`` and a per-sample text extractor. Our
 loaders read the local JSON-lines files with ``datasets`` (nothing touches the network);
-``training.dataset_path`` / ``validation.dataset_path`` may name another assets directory or a
-``.jsonl`` file.
+``training.dataset_path`` / ``validation.dataset_path`` may name another assets directory (read only when its
+files match the sha256s of its manifest) or a ``.jsonl`` file (read as it is).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .assets import default_data_dir, ensure_assets
+from .manifest import DATA_FILES, MANIFEST, AssetsError, ManifestError, check_files, load_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -41,17 +42,35 @@ def split_file(
     """The JSONL file a dataset path stands for: the file itself, or ``split_filename`` in a directory.
 
     A directory that does not exist yet is built first by ``ensure`` (default: ``ensure_assets``, the
-    pystdlib build; same lock), ``corpus_name`` names the corpus in the error message.
+    pystdlib build; same lock), ``corpus_name`` names the corpus in the error message. A directory is read
+    only when its data files have the sizes and sha256s its manifest records (an ``AssetsError`` says which
+    does not, or that there is no manifest); a file is read as it is, unless its directory's manifest lists
+    it, when it is checked the same way.
     """
     p = Path(path)
     if p.is_file():
+        if p.name in DATA_FILES and (p.parent / MANIFEST).is_file():
+            _verify(p.parent, "dataset path", (p.name,))
         return p
     if not p.exists():
         (ensure or ensure_assets)(p)
     f = p / split_filename
     if not f.is_file():
         raise FileNotFoundError(f"{f} not found: {p} is not a {corpus_name} assets directory")
+    _verify(p, f"dataset path {p}")
     return f
+
+
+def _verify(folder: Path, what: str, names: tuple[str, ...] = DATA_FILES) -> None:
+    """Check ``names`` of ``folder`` against its manifest; errors start with ``what`` (the dataset path)."""
+    try:
+        check_files(folder, load_manifest(folder), names)
+    except AssetsError as e:
+        hint = ""
+        if isinstance(e, ManifestError) and not (folder / MANIFEST).exists():
+            hint = (", so its files cannot be checked; give a directory built by python -m titan_nvfp4.data.prepare, "
+                    "or name a .jsonl file to read it as it is")
+        raise type(e)(f"{what}: {e}{hint}") from None
 
 
 def load_split(
@@ -80,12 +99,10 @@ def memorize_split(path: str | os.PathLike, tokens: int = MEMORIZE_TOKENS) -> Pa
     p = Path(path)
     if p.is_file():
         return p
-    f = p / f"memorize_{tokens}.jsonl"
+    train = split_file(p, _SPLIT_FILES[TRAIN_NAME])  # builds the pystdlib assets when missing; checks them
+    f = p / f"memorize_{tokens}.jsonl"  # assets.DERIVED: a rebuild of the directory removes it
     if not f.is_file():
-        train = split_file(p, _SPLIT_FILES[TRAIN_NAME])  # builds the pystdlib assets when missing
-        tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
-        _, docs, total = head(train, tmp, tokens, p)
-        os.replace(tmp, f)
+        _, docs, total = head(train, f, tokens, p)  # written atomically
         logger.info("Wrote %s: %d documents, %d tokens", f, docs, total)
     return f
 

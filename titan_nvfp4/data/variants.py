@@ -16,12 +16,16 @@ TorchTitan hands data-parallel rank r of N the r-th contiguous 1/N of a map-styl
     python -m titan_nvfp4.data.variants replicate SRC DST [--copies 2]
     python -m titan_nvfp4.data.variants rotate SRC DST
     python -m titan_nvfp4.data.variants head SRC DST --tokens 1000000 [--tokenizer assets/pystdlib]
+
+DST is written atomically (a kill leaves the old DST or none) and may not be SRC.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+from ..tools.atomic import refuse_output_over_input, write_bytes
 
 
 def _lines(src: str | Path) -> list[bytes]:
@@ -35,7 +39,7 @@ def replicate(src: str | Path, dst: str | Path, copies: int = 2) -> Path:
     """Write ``copies`` back-to-back copies of the documents of ``src`` to ``dst``."""
     if copies < 1:
         raise ValueError(f"copies must be >= 1, got {copies}")
-    Path(dst).write_bytes(b"".join(_lines(src)) * copies)
+    write_bytes(dst, b"".join(_lines(src)) * copies, "DST")
     return Path(dst)
 
 
@@ -43,7 +47,7 @@ def rotate(src: str | Path, dst: str | Path) -> Path:
     """Write the documents of ``src`` from the middle one on, then the first half, to ``dst``."""
     lines = _lines(src)
     half = len(lines) // 2
-    Path(dst).write_bytes(b"".join(lines[half:] + lines[:half]))
+    write_bytes(dst, b"".join(lines[half:] + lines[:half]), "DST")
     return Path(dst)
 
 
@@ -64,7 +68,7 @@ def head(src: str | Path, dst: str | Path, tokens: int, tokenizer: str | Path) -
         total += len(tok.encode(json.loads(line)["text"], add_special_tokens=False).ids) + 2  # + BOS, EOS
     if total < tokens:
         raise ValueError(f"{src} holds only {total} tokens, fewer than the {tokens} asked for")
-    Path(dst).write_bytes(b"".join(kept))
+    write_bytes(dst, b"".join(kept), "DST")
     return Path(dst), len(kept), total
 
 
@@ -77,6 +81,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=1_000_000, help="head: tokens to keep (whole documents)")
     ap.add_argument("--tokenizer", type=Path, default=Path("assets/pystdlib"), help="head: the tokenizer's folder")
     args = ap.parse_args(argv)
+    try:
+        refuse_output_over_input(args.dst, [args.src], "DST")
+    except ValueError as e:
+        ap.error(str(e))
     if args.kind == "head":
         out, docs, total = head(args.src, args.dst, args.tokens, args.tokenizer)
         print(f"head: {args.src} -> {out} ({docs} documents, {total} tokens)")

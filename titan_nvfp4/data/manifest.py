@@ -1,0 +1,102 @@
+"""The manifest of an assets folder, read strictly, and the check of the folder's files against it.
+
+``manifest.json`` records each data file's size (``file_bytes``) and sha256 (``sha256``). A folder is
+reused, or read as a ``dataset_path``, only when every data file has both: a same-size edit or a truncated
+copy is caught by content, not by size alone. Hashing costs about 0.2 s per 100 MB (one core, warm page
+cache); each process hashes a file once per (device, inode, size, mtime, ctime): any write changes the
+ctime, which no user call can set back, so a cached hash is never that of other bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+DATA_FILES = ("train.jsonl", "validation.jsonl", "tokenizer.json", "tokenizer_config.json")
+
+_hashes: dict[tuple, str] = {}  # (realpath, dev, ino, size, mtime_ns, ctime_ns) -> sha256, this process only
+
+
+class AssetsError(ValueError):
+    """An assets folder, its manifest, its lock or a setting naming it cannot be used; the message says which and why."""
+
+
+class ManifestError(AssetsError):
+    """``manifest.json`` is missing, unreadable, not JSON or lacks an entry the check needs."""
+
+
+class ContentMismatch(AssetsError):
+    """A data file is missing, or its size or sha256 is not the one its manifest records."""
+
+
+def load_manifest(folder: str | os.PathLike) -> dict:
+    """The parsed ``manifest.json`` of ``folder``; a ManifestError naming the file and why when it cannot be."""
+    path = Path(folder) / MANIFEST
+    try:
+        with open(path, encoding="utf-8") as fh:
+            manifest = json.load(fh)
+    except FileNotFoundError:
+        raise ManifestError(f"{folder} has no {MANIFEST}") from None
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot be read ({e.strerror})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(manifest, dict):
+        raise ManifestError(f"{path}: holds a JSON {type(manifest).__name__}, not an object")
+    return manifest
+
+
+def _entries(manifest: dict, key: str, kind: type, path: Path) -> dict:
+    value = manifest.get(key)
+    if not isinstance(value, dict):
+        got = "missing" if value is None else f"a {type(value).__name__}"
+        raise ManifestError(f"{path}: '{key}' is {got}, not an object of file names")
+    for name in DATA_FILES:
+        if not isinstance(value.get(name), kind) or isinstance(value.get(name), bool):
+            raise ManifestError(f"{path}: '{key}' has no {kind.__name__} entry for {name}")
+    return value
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of the file at ``path``, remembered per (device, inode, size, mtime, ctime) for this process."""
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _hashes:
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                h.update(chunk)
+        _hashes[key] = h.hexdigest()
+    return _hashes[key]
+
+
+def check_files(folder: str | os.PathLike, manifest: dict, names: tuple[str, ...] = DATA_FILES) -> None:
+    """Raise ContentMismatch naming the first of the data files ``names`` of ``folder`` that is missing or whose
+    size or sha256 differs from ``manifest``'s (ManifestError when the manifest lacks the entries)."""
+    where = Path(folder) / MANIFEST
+    sizes = _entries(manifest, "file_bytes", int, where)
+    hashes = _entries(manifest, "sha256", str, where)
+    for name in names:
+        f = Path(folder) / name
+        if not f.is_file():
+            raise ContentMismatch(f"{f}: missing ({MANIFEST} lists it)")
+        size = f.stat().st_size
+        if size != sizes[name]:
+            raise ContentMismatch(f"{f}: {size:,} bytes, {MANIFEST} records {sizes[name]:,} (truncated or edited)")
+        try:
+            digest = file_sha256(f)
+        except OSError as e:
+            raise ContentMismatch(f"{f}: cannot be read ({e.strerror})") from None
+        if digest != hashes[name]:
+            raise ContentMismatch(f"{f}: sha256 {digest[:16]} is not the {hashes[name][:16]} {MANIFEST} records "
+                                  f"(edited or corrupt, same size)")
+
+
+def verify_folder(folder: str | os.PathLike) -> dict:
+    """The manifest of ``folder`` after checking every data file against it (ManifestError, ContentMismatch)."""
+    manifest = load_manifest(folder)
+    check_files(folder, manifest)
+    return manifest
