@@ -13,7 +13,7 @@ import torch
 import titan_nvfp4  # noqa: F401  (registers the converters)
 from titan_nvfp4 import NVFP4Recipe
 from titan_nvfp4.autograd.grouped_function import nvfp4_grouped_mm
-from titan_nvfp4.convert import convert_experts, convert_linears
+from titan_nvfp4.conversion import convert_experts, convert_linears
 from titan_nvfp4.integration.converter import GROUPED_CONVERTER_NAME
 from titan_nvfp4.modules.decomposed_linear import LowRankState
 from titan_nvfp4.integration.experts import NVFP4GptOssExperts, NVFP4GroupedExperts
@@ -640,7 +640,7 @@ def test_expert_lowrank_branch_meta_build_decomposition_and_gradients(name, cpu_
     """lora_rank on experts: factors allocated on meta, the per-expert SVD split after init_weights
     (U·diag(σ)·V + R = W to fp32 rounding), W unchanged for a BF16 reader (dense_weights), the module's
     output = NVFP4 on R plus the exact branch, and gradients for U, σ, V and R."""
-    from titan_nvfp4.convert import decompose_after_init
+    from titan_nvfp4.conversion import decompose_after_init
     from titan_nvfp4.modules.decomposed_linear import redecompose
     from titan_nvfp4.modules.lowrank_experts import grouped_lowrank
 

@@ -19,7 +19,7 @@ LAYERS = {
     "autograd": 6,
     "modules": 7,
     "training": 8,
-    "convert": 9,  # the framework-free entry point
+    "conversion": 9,  # the framework-free entry point
     "integration": 10, "integration_v03": 10, "integration_common": 10, "data": 10, "tools": 10, "compare": 10,
     "__init__": 10,
 }

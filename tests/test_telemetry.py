@@ -109,7 +109,7 @@ def test_expert_weight_stats_quantize_each_expert_on_its_own():
 @cpu_triton
 @pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
 def test_experts_measure_every_grouped_gemm(name, cpu_histc):
-    from titan_nvfp4.convert import convert_experts
+    from titan_nvfp4.conversion import convert_experts
     from titan_nvfp4.modules.telemetry import expert_weight_stats
     from test_grouped import _build
 

@@ -11,9 +11,11 @@ from importlib.metadata import PackageNotFoundError, version
 from .modules.decomposed_linear import DecomposedLinear
 from .autograd.grouped_function import nvfp4_grouped_mm, nvfp4_grouped_mm_shared
 from .autograd.linear_function import nvfp4_linear
+from .conversion import convert
 from .numerics import MXFP8Tensor, NVFP4Tensor, quantize_mxfp8, quantize_nvfp4, rht, rht_signs
 from .modules.nvfp4_linear import NVFP4Linear
 from .recipe.nvfp4_recipe import NVFP4Recipe, available_presets, build_recipe
+from .training.step_state import TrainingSteps
 from .integration_common.torchtitan_version import installed_generation
 
 try:
@@ -25,6 +27,8 @@ if installed_generation() == "0.2":  # TorchTitan 0.2 finds converters in its re
     from .integration import converter as _converter  # noqa: F401
 
 __all__ = [
+    "TrainingSteps",
+    "convert",
     "DecomposedLinear",
     "MXFP8Tensor",
     "NVFP4Linear",

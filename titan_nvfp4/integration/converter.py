@@ -1,7 +1,7 @@
 """The `quantize.linear.nvfp4` and `quantize.grouped_mm.nvfp4` model converters: swap a meta-device
 model's nn.Linear layers for NVFP4Linear and its routed MoE experts for the NVFP4 expert modules
 (experts.py). Registered in TorchTitan's converter registry on import (which also registers our
-Llama3 flavors, see flavors.py). The conversion and the per-step logic are the core's (titan_nvfp4/convert.py,
+Llama3 flavors, see flavors.py). The conversion and the per-step logic are the core's (titan_nvfp4/conversion.py,
 titan_nvfp4/training/step_state.py); what is here is TorchTitan 0.2's: the job config, its hooks, its logger."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
 from torchtitan.tools.logging import logger
 
-from ..convert import convert_dense, convert_routed_experts, register_experts, require_backend_runs_here
+from ..conversion import convert_dense, convert_routed_experts, register_experts, require_backend_runs_here
 from ..integration_common.metrics_hook import install_metrics_hook
 from ..modules.decomposed_linear import lora_dtype_without_rank
 from ..recipe.knobs import GroupedKnobs, LinearKnobs
