@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import time
 from pathlib import Path
 
@@ -66,7 +67,8 @@ def train(model: torch.nn.Module, nvfp4_steps, *, steps: int, batch: int = 8, se
           seed: int = 42, device: str = "cuda", compile: bool = False, checkpoint: Path | None = None,
           save_at: int = 0, resume: bool = False, log_every: int = 10, warmup: int = 5) -> dict:
     """Materialize, initialize and train the converted ``model``; ``nvfp4_steps.step()`` runs after every
-    optimizer step. Returns {"losses": [loss of each step run], "tokens_per_s": after ``warmup`` steps}."""
+    optimizer step. Returns {"losses": [loss of each step run], "tokens_per_s": batch·seq over the median step time
+    after the first ``warmup`` steps (compilation, autotuning)}."""
     model.to_empty(device=device)
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -82,8 +84,9 @@ def train(model: torch.nn.Module, nvfp4_steps, *, steps: int, batch: int = 8, se
         dcp.load(holder, checkpoint_id=str(checkpoint))
         start = nvfp4_steps.steps
     vocab = model.vocab_size
-    losses, t0, timed = [], None, 0
+    losses, times = [], []
     for step in range(start + 1, steps + 1):
+        t0 = time.perf_counter()
         inputs, labels = batch_at(step, vocab, batch, seq, seed, device)
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             logits = model(inputs)
@@ -93,16 +96,14 @@ def train(model: torch.nn.Module, nvfp4_steps, *, steps: int, batch: int = 8, se
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         nvfp4_steps.step()  # after every optimizer step: SR streams, schedules, amax windows, refreshes
-        losses.append(loss.item())  # a sync per step, as TorchTitan's loss logging
-        if step - start == warmup:
-            t0, timed = time.perf_counter(), 0
-        elif t0 is not None:
-            timed += 1
+        losses.append(loss.item())  # a sync per step, as TorchTitan's loss logging every step
+        times.append(time.perf_counter() - t0)
         if log_every and step % log_every == 0:
             print(f"step {step:5d}  loss {losses[-1]:.4f}", flush=True)
         if checkpoint is not None and step == save_at:
             dcp.save({"train": state}, checkpoint_id=str(checkpoint))
-    tps = batch * seq * timed / (time.perf_counter() - t0) if t0 is not None and timed else float("nan")
+    timed = times[warmup:]
+    tps = batch * seq / statistics.median(timed) if timed else float("nan")
     return {"losses": losses, "tokens_per_s": tps}
 
 
@@ -113,6 +114,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s (compilation, autotuning)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--recipe", default="nvidia_paper")
     p.add_argument("--gemm-backend", default="auto")
@@ -125,8 +127,8 @@ def main(argv=None) -> None:
     model, nvfp4_steps = titan_nvfp4.convert(model, a.recipe, filter_fqns=["output"], gemm_backend=a.gemm_backend,
                                              eager_graphs="small", total_steps=a.steps)
     out = train(model, nvfp4_steps, steps=a.steps, batch=a.batch, seq=a.seq, device=a.device, compile=a.compile,
-                checkpoint=a.checkpoint, save_at=a.save_at, resume=a.resume)
-    print(f"final loss {out['losses'][-1]:.4f}  tokens/s {out['tokens_per_s']:.0f}")
+                checkpoint=a.checkpoint, save_at=a.save_at, resume=a.resume, warmup=a.warmup)
+    print(f"final loss {out['losses'][-1]:.4f}  tokens/s {out['tokens_per_s']:.0f} (median step after {a.warmup})")
 
 
 if __name__ == "__main__":
