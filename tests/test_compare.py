@@ -1,4 +1,4 @@
-"""The comparison runner (titan_nvfp4/compare.py) end to end with a stub trainer process that writes
+"""The comparison runner (titan_nvfp4/compare/) end to end with a stub trainer process that writes
 TorchTitan's log lines or TensorBoard events (tests/compare_stub.py): table, CSV, plot, skipping arms
 already done, failures reported; and the spec's validation, key by key."""
 

@@ -23,7 +23,8 @@ SLOW = '"--stub.worker", "--stub.sleep", "0.25"'  # 10 s for 40 steps, a worker 
 
 
 def _spec(tmp_path: Path, nvfp4: str = '"--stub.offset", "0.2"', steps: int = 40,
-          launcher: str = f'["{sys.executable}", "{STUB}"]', third: bool = False) -> Path:
+          launcher: str = f'["{sys.executable}", "{STUB}"]', third: bool = False,
+          bf16_job: Path = REPO / "train_configs/llama3_bf16.toml") -> Path:
     p = tmp_path / "spec.toml"
     p.write_text(f"""
 [compare]
@@ -36,7 +37,7 @@ common = ["--metrics.log_freq", "5"]
 launcher = {launcher}
 [[arm]]
 name = "bf16"
-base = "{REPO / 'train_configs/llama3_bf16.toml'}"
+base = "{bf16_job}"
 [[arm]]
 name = "nvfp4"
 overrides = [{nvfp4}]
@@ -174,17 +175,19 @@ def test_an_orphan_still_writing_the_log_keeps_the_arm_from_running(tmp_path, ca
 
 
 def test_an_edited_spec_is_refused_by_arm_and_change_and_rerun_starts_afresh(tmp_path, capsys):
-    """S2: after an arm's override is edited, or the steps lowered, the runner names the arm and what changed and
-    runs nothing; the table leaves the stale arm out; --rerun removes its log and dump folder (TensorBoard events,
-    checkpoints) before running it afresh."""
+    """S2: after an arm's override is edited, the steps lowered, or its job file edited, the runner names the arm
+    and what changed and runs nothing; the table leaves the stale arm out; --rerun removes its log and dump folder
+    (TensorBoard events, checkpoints) before running it afresh."""
     out = tmp_path / "out"
-    assert _main([str(_spec(tmp_path))], capsys)[0] == 0
+    job = tmp_path / "llama3_bf16.toml"
+    job.write_bytes((REPO / "train_configs/llama3_bf16.toml").read_bytes())
+    assert _main([str(_spec(tmp_path, bf16_job=job))], capsys)[0] == 0
     before = {a: (out / f"{a}.log").read_bytes() for a in ("bf16", "nvfp4")}
 
-    spec = _spec(tmp_path, '"--stub.offset", "0.3"')
+    spec = _spec(tmp_path, '"--stub.offset", "0.3"', bf16_job=job)
     code, _, err = _main([str(spec)], capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert "arm 'nvfp4'" in err and "--stub.offset 0.2 → 0.3" in err and "--rerun" in err and "bf16" not in err
+    assert "arm 'nvfp4'" in err and "--stub.offset 0.2 → 0.3" in err and "--rerun" in err and "arm 'bf16'" not in err
     assert before == {a: (out / f"{a}.log").read_bytes() for a in ("bf16", "nvfp4")}  # nothing ran
     code, stdout, _ = _main([str(spec), "--report-only"], capsys)
     assert code == 0 and list(_rows(out)) == ["bf16"]
@@ -199,12 +202,17 @@ def test_an_edited_spec_is_refused_by_arm_and_change_and_rerun_starts_afresh(tmp
     assert (out / "nvfp4.log").read_text().count("# compare: arm nvfp4") == 1
     assert _rows(out)["nvfp4"][3].startswith("+0.3000") and "Not tabled" not in stdout
 
-    spec = _spec(tmp_path, '"--stub.offset", "0.3"', steps=30)
+    spec = _spec(tmp_path, '"--stub.offset", "0.3"', steps=30, bf16_job=job)
     code, _, err = _main([str(spec)], capsys)
     assert code == 2 and "arm 'bf16'" in err and "arm 'nvfp4'" in err and "--training.steps 40 → 30" in err, err
     code, stdout, err = _main([str(spec), "--rerun"], capsys)
     assert code == 0 and "step 30" in stdout and "Partial" not in stdout and "Not tabled" not in stdout, err
     assert not list(out.glob(".*.old")) and not list(out.glob(".compare*"))  # no trash, no half-written outputs
+
+    job.write_text(job.read_text() + "\n# an edit\n")
+    code, _, err = _main([str(spec)], capsys)
+    assert code == 2 and f"arm 'bf16': {out / 'bf16.log'} ran another spec (the job file {job} changed)" in err, err
+    assert "arm 'nvfp4'" not in err
 
 
 def test_logs_that_mix_runs_are_left_out_of_the_table_and_refused(tmp_path, capsys):

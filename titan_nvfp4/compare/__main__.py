@@ -1,5 +1,6 @@
-"""``python -m titan_nvfp4.compare``."""
+"""``python -m titan_nvfp4.compare`` (importing this module, as a wheel check does, runs nothing)."""
 
 from .cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -87,13 +87,13 @@ def acquire(spec: Spec, arm: Arm) -> ArmLock:
     """Lock ``arm`` for this runner, or raise Busy naming who holds it."""
     path = lock_path(spec, arm)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    for attempt in range(3):
+    for attempt in range(4):  # a table's brief look (``holder``) holds it for microseconds: try a few times
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             break
         except BlockingIOError:
-            owner = _owner(fd)
-            if owner or attempt == 2:  # an empty record: only a reader's brief look (``holder``), try again
+            if attempt == 3:
+                owner = _owner(fd)
                 os.close(fd)
                 raise Busy(f"arm {arm.name!r} is being run by {_who(owner)} (lock {path}): wait for it to end, or "
                            "stop it") from None
