@@ -241,17 +241,24 @@ def test_logs_that_mix_runs_are_left_out_of_the_table_and_refused(tmp_path, caps
     code, stdout, err = _main([str(spec), "--rerun"], capsys)
     assert code == 0 and list(_rows(out)) == ["bf16", "nvfp4", "no_rht"], err
     assert "Not tabled" not in stdout and "Not checked" not in stdout
+    text = (out / "no_rht.log").read_text()  # a second run's output appended without a header (tee -a)
+    (out / "no_rht.log").write_text(text + "".join(ln for ln in text.splitlines(keepends=True) if not ln.startswith("#")))
+    state = compare.read_arm_log(compare.load_spec(spec), compare.load_spec(spec).arms[2])
+    assert state.status == "mixed" and "logs step 1 after step 40" in state.why
 
 
 def test_bad_runner_inputs_get_one_line(tmp_path, capsys, monkeypatch):
-    """torchrun not on PATH, --out naming a file, a log that is a folder, an output that is a folder: one line each
-    naming it, no traceback."""
+    """torchrun not on PATH, a spec that is a folder, --out naming a file, a log that is a folder, an output that is a
+    folder: one line each naming it, no traceback."""
     spec = _spec(tmp_path, "", launcher='["torchrun", "--standalone", "-m", "torchtitan.train"]')
     monkeypatch.setenv("PATH", str(tmp_path))
     code, _, err = _main([str(spec)], capsys)
     assert code == 2 and err.strip() == ("python -m titan_nvfp4.compare: error: [compare] launcher: 'torchrun' is not "
                                          "on PATH (activate the environment that has it, or give its full path)"), err
     monkeypatch.undo()
+
+    code, _, err = _main([str(tmp_path)], capsys)
+    assert code == 2 and f"spec {tmp_path} is a folder; give a .toml file" in err
 
     (tmp_path / "a_file").write_text("")
     code, _, err = _main([str(_spec(tmp_path)), "--out", str(tmp_path / "a_file")], capsys)

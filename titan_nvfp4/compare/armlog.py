@@ -127,7 +127,7 @@ def read_arm_log(spec: Spec, arm: Arm) -> ArmLog:
     text = data.decode(errors="replace")
     heads: list[tuple[int, re.Match, str]] = []  # (line number, spec line, the command line above it)
     last_step: dict[str, int] = {}  # by rank prefix: every rank of a multi-GPU arm may log each step
-    previous = ""
+    previous, before_header = "", False
     for n, line in enumerate(text.splitlines(), 1):
         m = _SPEC_LINE.match(line)
         if m:
@@ -137,6 +137,7 @@ def read_arm_log(spec: Spec, arm: Arm) -> ArmLog:
             last_step.clear()  # a resumed run logs again from its checkpoint's step
         elif "step:" in line:
             for s in parse_log(line):
+                before_header |= not heads
                 rank = r[1] if (r := _RANK_PREFIX.match(line)) else ""
                 if heads and s.step < last_step.get(rank, 0):
                     return ArmLog("mixed", why=f"{log} logs step {s.step} after step {last_step[rank]} at line {n} "
@@ -146,8 +147,7 @@ def read_arm_log(spec: Spec, arm: Arm) -> ArmLog:
     if not heads:
         return ArmLog("unchecked", _metrics(spec, arm, text),
                       f"{log} has no spec line (an older runner's log, or one gathered from elsewhere)")
-    first = heads[0][0] - 1  # the line of the first header's command
-    if parse_log("\n".join(text.splitlines()[:max(first - 1, 0)])):
+    if before_header:
         return ArmLog("mixed", why=f"{log} has metric lines before its first header (two runs in one log)")
     if heads[0][1]["kind"] != "fresh":
         return ArmLog("mixed", why=f"{log} starts with a resumed run (its first part is missing)")

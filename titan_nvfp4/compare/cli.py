@@ -21,6 +21,8 @@ def resolve_spec(name: str) -> Path:
     path = Path(name)
     if path.is_file():
         return path
+    if path.is_dir():
+        fail(PROG, f"spec {name} is a folder; give a .toml file")
     shipped = shipped_compare_specs()
     if name not in shipped:
         fail(PROG, f"no such spec file: {name} (shipped specs: {', '.join(sorted(shipped))})")
