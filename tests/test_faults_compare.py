@@ -13,8 +13,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 from titan_nvfp4 import compare
 
 STUB = str(Path(__file__).with_name("compare_stub.py"))
@@ -142,7 +140,8 @@ def test_sighup_stops_the_runner_and_its_arm_like_sigterm(tmp_path):
         runner.kill()
         _kill(stub, worker)
     assert runner.returncode == 128 + signal.SIGHUP, err
-    assert err.strip().splitlines()[-1] == "python -m titan_nvfp4.compare: stopped by SIGHUP; the arms it ran are stopped"
+    assert err.strip().splitlines()[-1] == \
+        "python -m titan_nvfp4.compare: stopped by SIGHUP; the arms it ran are stopped"
     assert "Traceback" not in err, err
 
 
@@ -242,7 +241,8 @@ def test_logs_that_mix_runs_are_left_out_of_the_table_and_refused(tmp_path, caps
     assert code == 0 and list(_rows(out)) == ["bf16", "nvfp4", "no_rht"], err
     assert "Not tabled" not in stdout and "Not checked" not in stdout
     text = (out / "no_rht.log").read_text()  # a second run's output appended without a header (tee -a)
-    (out / "no_rht.log").write_text(text + "".join(ln for ln in text.splitlines(keepends=True) if not ln.startswith("#")))
+    again = "".join(ln for ln in text.splitlines(keepends=True) if not ln.startswith("#"))
+    (out / "no_rht.log").write_text(text + again)
     state = compare.read_arm_log(compare.load_spec(spec), compare.load_spec(spec).arms[2])
     assert state.status == "mixed" and "logs step 1 after step 40" in state.why
 

@@ -71,5 +71,6 @@ from .runner import run_arm, run_arms
 from .spec import DEFAULT_LAUNCHER, DEFAULT_MODE, MODES, Arm, Spec, check_arm_args, load_spec
 from .table import report
 
-__all__ = ["DEFAULT_LAUNCHER", "DEFAULT_MODE", "MODES", "PROG", "Arm", "ArmLog", "Spec", "arm_metrics", "check_arm_args",
-           "is_done", "load_spec", "main", "read_arm_log", "report", "resolve_spec", "run_arm", "run_arms"]
+__all__ = ["DEFAULT_LAUNCHER", "DEFAULT_MODE", "MODES", "PROG", "Arm", "ArmLog", "Spec", "arm_metrics",
+           "check_arm_args", "is_done", "load_spec", "main", "read_arm_log", "report", "resolve_spec", "run_arm",
+           "run_arms"]

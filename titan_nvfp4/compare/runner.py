@@ -125,6 +125,9 @@ def run_arm(spec: Spec, arm: Arm, index: int, gpu: str | None = None, resume: bo
             proc = subprocess.Popen([sys.executable, str(GUARD), str(GRACE_S), *spec.command(arm)], stdin=guard_end,
                                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                     pass_fds=(lock.fd,) if lock else ())
+        except BaseException:
+            os.close(runner_end)
+            raise
         finally:
             os.close(guard_end)
         try:
