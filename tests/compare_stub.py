@@ -3,7 +3,9 @@ and writes what TorchTitan writes, metric lines on stdout or (with --metrics.ena
 TensorBoard scalars under the dump folder. --stub.offset shifts the loss; --stub.fail_at exits 1 there (in a
 run that starts at step 1: a resumed run goes on);
 --stub.sleep sleeps that long per step; --stub.child starts a child process (as torchrun starts workers) and
-writes its pid to <dump>/child.pid. With --checkpoint.enable it saves <dump>/checkpoint/step-N every
+writes its pid to <dump>/child.pid; --stub.worker starts one in a session of its own, as torchrun starts each
+worker, that writes a line to the log every 0.1 s, and writes its pid and the stub's to <dump>/worker.pid and
+<dump>/stub.pid. With --checkpoint.enable it saves <dump>/checkpoint/step-N every
 --checkpoint.interval steps and resumes after the latest one, as TorchTitan does."""
 
 import argparse
@@ -29,12 +31,18 @@ ap.add_argument("--stub.offset", dest="offset", type=float, default=0.0)
 ap.add_argument("--stub.fail_at", dest="fail_at", type=int, default=0)
 ap.add_argument("--stub.sleep", dest="sleep", type=float, default=0.0)
 ap.add_argument("--stub.child", dest="child", action="store_true")
+ap.add_argument("--stub.worker", dest="worker", action="store_true")
 args = ap.parse_args()
 dump = Path(args.dump)
 dump.mkdir(parents=True, exist_ok=True)
 if args.child:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     (dump / "child.pid").write_text(str(child.pid))
+if args.worker:
+    worker = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: print('[worker] alive', flush=True); "
+                               "time.sleep(0.1)"], start_new_session=True)
+    (dump / "stub.pid").write_text(str(os.getpid()))
+    (dump / "worker.pid").write_text(str(worker.pid))
 ckpts = sorted(int(p.name[5:]) for p in (dump / "checkpoint").glob("step-*")) if args.ckpt else []
 first = ckpts[-1] + 1 if ckpts else 1
 print(f"[titan] INFO - Starting job from {args.config} (module {args.module}), compile {args.compile}, "

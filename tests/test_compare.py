@@ -1,4 +1,4 @@
-"""The comparison runner (titan_nvfp4/compare.py) end to end with a stub trainer process that writes
+"""The comparison runner (titan_nvfp4/compare/) end to end with a stub trainer process that writes
 TorchTitan's log lines or TensorBoard events (tests/compare_stub.py): table, CSV, plot, skipping arms
 already done, failures reported; and the spec's validation, key by key."""
 
@@ -90,8 +90,11 @@ def test_a_failing_arm_is_reported_and_the_others_still_tabled(tmp_path, capsys)
     out = capsys.readouterr()
     assert "[1/3] nvfp4: exit 1" in out.out and "step 10" in out.out
     assert "arms that failed: nvfp4" in out.err
-    assert compare.main([str(_spec(tmp_path, arms)), "--only", "bf16", "--mode", "compile"]) == 0  # just that arm
+    assert compare.main([str(_spec(tmp_path, arms)), "--only", "bf16"]) == 0  # just that arm
     assert "[2/3] bf16: already reached step 40" in capsys.readouterr().out  # done: not run again
+    with pytest.raises(SystemExit) as e:  # another mode is another run: refused, naming the arm and the change
+        compare.main([str(_spec(tmp_path, arms)), "--only", "bf16", "--mode", "compile"])
+    assert e.value.code == 2 and "arm 'bf16'" in (err := capsys.readouterr().err) and "CUDAGRAPHS=1 → 0" in err
     assert compare.main([str(_spec(tmp_path, arms)), "--only", "bf16", "--mode", "compile", "--rerun"]) == 0
     assert "[2/3] bf16: exit 0" in capsys.readouterr().out
     assert "compile True, TORCHINDUCTOR_CUDAGRAPHS=0" in (tmp_path / "out/bf16.log").read_text()

@@ -1,0 +1,76 @@
+"""Loss-convergence comparisons in one command: arms of TorchTitan overrides on one base job file, run
+with the same seed and data one after another, then a table, a CSV and a plot.
+
+    python -m titan_nvfp4.compare configs/compare/llama3_debug.toml [--only ARM ...] [--rerun] [--report-only] [--out DIR]
+    python -m titan_nvfp4.compare llama3_debug          # a spec shipped with the package, by name
+
+Job-file paths in a spec are relative to the current directory: run it from a titan-nvfp4 checkout.
+
+The spec (TOML):
+
+    [compare]
+    base = "train_configs/llama3_nvfp4.toml"   # the job file every arm starts from
+    steps = 1000                               # --training.steps of every arm
+    out = "outputs/compare/llama3_debug"       # logs, table, CSV and plot
+    last = 20                                  # logged steps averaged for the final loss
+    baseline = "bf16"                          # Δ is against this arm (default: the first)
+    reference = "nvfp4"                        # optional: the gap baseline–reference each arm closes
+    common = ["--metrics.log_freq", "10"]      # overrides for every arm
+    launcher = ["torchrun", "--standalone", "--nproc_per_node=1", "-m", "torchtitan.train"]   # the default (a free port each)
+    timeout_s = 0                              # per arm (0: none)
+    mode = "compile+cudagraphs"                # or "compile", or "eager" (an arm may set its own); see Modes
+    parallel = 1                               # arms at once, each on its own GPU (arm slot i on GPU i % GPUs)
+    checkpoint_interval = 0                    # > 0: checkpoint every N steps; running the spec again resumes
+    module = ""                                # TorchTitan 0.3: the config registry; base names are its configs
+
+    [[arm]]
+    name = "bf16"
+    base = "train_configs/llama3_bf16.toml"    # an arm may start from another job file
+    [[arm]]
+    name = "nvfp4"                             # no overrides: the base job as it is
+    [[arm]]
+    name = "no_rht"
+    overrides = ["--quantize.linear.nvfp4.rht", "False"]
+
+Modes: ``compile+cudagraphs`` (the fastest on a GPU) runs each arm with ``--compile.enable`` and
+TORCHINDUCTOR_CUDAGRAPHS=1 (Inductor's CUDA graph trees, which remove the host time of the NVFP4 launches);
+``compile`` without the graphs; ``eager`` neither. ``--mode`` on the command line overrides the spec's. With no
+mode given an arm runs ``compile+cudagraphs``.
+
+With ``parallel = N`` (or ``--parallel N``) N arms train at once, slot i pinned to visible GPU i modulo the
+GPU count (several slots may share a GPU). With ``checkpoint_interval = N`` each arm checkpoints every N steps
+under its dump folder (TorchTitan's DCP: model, optimizer, schedule, data position), and an arm stopped
+before ``steps`` (``timeout_s``, a lost machine) resumes from its latest checkpoint when the spec runs again,
+its log continued; later log lines for a step win. ``timeout_s`` stops all of an arm's processes.
+
+TorchTitan 0.3 (a config registry instead of job files): ``module = "titan_nvfp4.integration_v03.configs"``, and
+each ``base`` names a config of it (``base = "llama3_debug_nvfp4"``); an arm runs ``--module M --config BASE``.
+
+Each arm's log starts with its variables and full command, then a line with the arm's spec hash (its command
+with the dump folder aside, its mode's variables and its job file's sha256). An arm whose log is a run of this
+spec that reached ``steps`` is not run again; one whose log ran another spec (an edited override, fewer steps,
+another mode, an edited job file) is refused, naming the arm and what changed, and so is a log without a spec
+line or one that mixes two runs; ``--rerun`` runs the arms afresh, each one's log and dump folder (TensorBoard
+events, checkpoints) removed first (``--only`` picks arms). The table shows only logs of this spec: partial
+ones flagged, stale or mixed ones left out and named, an older runner's log (no spec line) flagged as unchecked.
+
+Each arm is locked (``<out>/.<arm>.lock``, with the owner's pid) while a runner runs it: a second runner of the
+arm is refused by name, and a lock whose owner died is taken over with a note. The trainer runs under a guard
+process that stops its whole tree (torchrun's workers included) when the runner ends by any signal, SIGKILL
+too; SIGINT, SIGTERM and SIGHUP stop the runner and its arms. A process left writing an arm's log keeps the arm
+from running until it is stopped. Losses come from the arm's log (TorchTitan's metric lines,
+tools/loss_log.py); when the log has none (a job that logs elsewhere) from the TensorBoard events under its dump
+folder (``--metrics.enable_tensorboard``). The table, CSV and plot are written atomically.
+W&B: add ``--metrics.enable_wandb`` to ``common``; ``wandb_offline = true`` in ``[compare]`` sets
+WANDB_MODE=offline, which needs no network.
+"""
+
+from .armlog import ArmLog, arm_metrics, is_done, read_arm_log
+from .cli import PROG, main, resolve_spec
+from .runner import run_arm, run_arms
+from .spec import DEFAULT_LAUNCHER, DEFAULT_MODE, MODES, Arm, Spec, check_arm_args, load_spec
+from .table import report
+
+__all__ = ["DEFAULT_LAUNCHER", "DEFAULT_MODE", "MODES", "PROG", "Arm", "ArmLog", "Spec", "arm_metrics",
+           "check_arm_args", "is_done", "load_spec", "main", "read_arm_log", "report", "resolve_spec", "run_arm",
+           "run_arms"]

@@ -1,0 +1,199 @@
+"""A comparison spec: its TOML read and checked key by key, and the command and environment each arm runs with."""
+
+from __future__ import annotations
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_LAUNCHER = ("torchrun", "--standalone", "--nproc_per_node=1", "-m", "torchtitan.train")
+_KEYS = {"base", "steps", "out", "last", "baseline", "reference", "common", "launcher", "timeout_s", "wandb_offline",
+         "mode", "parallel", "checkpoint_interval", "module"}
+# mode -> (TorchTitan flags, TORCHINDUCTOR_CUDAGRAPHS)
+MODES = {"compile+cudagraphs": (("--compile.enable",), "1"), "compile": (("--compile.enable",), "0"), "eager": ((), "0")}
+DEFAULT_MODE = "compile+cudagraphs"
+#: the runner's own outputs in the out folder: no arm's log or dump folder may take their names
+OUTPUTS = ("compare.md", "compare.csv", "compare.png")
+
+
+@dataclass
+class Arm:
+    name: str
+    overrides: list[str] = field(default_factory=list)
+    base: Path | None = None  # the spec's base when None (a config name under a module)
+    mode: str | None = None   # the spec's mode when None
+
+
+@dataclass
+class Spec:
+    base: Path
+    steps: int
+    out: Path
+    arms: list[Arm]
+    last: int = 20
+    baseline: str = ""
+    reference: str = ""
+    common: list[str] = field(default_factory=list)
+    launcher: list[str] = field(default_factory=lambda: list(DEFAULT_LAUNCHER))
+    timeout_s: float = 0
+    wandb_offline: bool = False
+    mode: str | None = None   # None: DEFAULT_MODE
+    parallel: int = 1
+    checkpoint_interval: int = 0
+    module: str = ""
+
+    def arm_mode(self, arm: Arm) -> str:
+        """The mode asked for (the arm's, else the spec's), else DEFAULT_MODE."""
+        return arm.mode or self.mode or DEFAULT_MODE
+
+    def env(self, arm: Arm) -> dict[str, str]:
+        """The variables an arm runs with on top of the runner's own."""
+        env = {"TORCHINDUCTOR_CUDAGRAPHS": MODES[self.arm_mode(arm)][1]}
+        if self.wandb_offline:
+            env["WANDB_MODE"] = "offline"
+        return env
+
+    def log(self, arm: Arm) -> Path:
+        return self.out / f"{arm.name}.log"
+
+    def dump(self, arm: Arm) -> Path:
+        """The arm's dump folder: TensorBoard events, checkpoints, whatever else its trainer writes."""
+        return self.out / arm.name
+
+    def job_file(self, arm: Arm) -> Path | None:
+        """The job file the arm starts from; None under a config registry (``module``: its base is a name)."""
+        return None if self.module else (arm.base or self.base)
+
+    def command(self, arm: Arm) -> list[str]:
+        ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(self.checkpoint_interval),
+                "--checkpoint.keep_latest_k", "2"] if self.checkpoint_interval else []
+        base = str(arm.base or self.base)
+        job = (["--module", self.module, "--config", base] if self.module else ["--job.config_file", base])
+        dump = "--dump_folder" if self.module else "--job.dump_folder"  # 0.3 moved it to the top level
+        return [*self.launcher, *job, "--training.steps", str(self.steps), dump, str(self.dump(arm)),
+                *MODES[self.arm_mode(arm)][0], *ckpt, *self.common, *arm.overrides]
+
+
+def _str_list(value, where: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{where} must be a list of strings, got {value!r}")
+    return value
+
+
+def _mode(value, where: str) -> str:
+    if value not in MODES:
+        raise ValueError(f"{where} must be one of {', '.join(repr(m) for m in MODES)}, got {value!r}")
+    return value
+
+
+def _count(top: dict, key: str, default: int | None, low: int, where: str) -> int:
+    value = top.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{where}: [compare] {key} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def load_spec(path: Path) -> Spec:
+    """Parse and check a comparison spec; errors name the file and the key."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: invalid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
+    where = f"{path}"
+    top = raw.get("compare")
+    if not isinstance(top, dict):
+        raise ValueError(f"{where}: needs a [compare] table")
+    unknown = set(top) - _KEYS
+    if unknown:
+        raise ValueError(f"{where}: unknown [compare] keys {sorted(unknown)} (known: {sorted(_KEYS)})")
+    extra = set(raw) - {"compare", "arm"}
+    if extra:
+        raise ValueError(f"{where}: unknown tables {sorted(extra)} (expected [compare] and [[arm]])")
+    for key in ("base", "steps"):
+        if key not in top:
+            raise ValueError(f"{where}: [compare] {key} is required")
+    for key in ("base", "out", "baseline", "reference", "module"):
+        if key in top and not isinstance(top[key], str):
+            raise ValueError(f"{where}: [compare] {key} must be a string, got {top[key]!r}")
+    steps, last = _count(top, "steps", None, 1, where), _count(top, "last", 20, 1, where)
+    if not isinstance(raw.get("arm", []), list):
+        raise ValueError(f"{where}: arms are [[arm]] tables (an array of tables), got a single [arm] table")
+    arms = []
+    for i, a in enumerate(raw.get("arm", [])):
+        if not isinstance(a, dict) or not isinstance(a.get("name"), str) or not a["name"]:
+            raise ValueError(f"{where}: [[arm]] number {i + 1} needs a name")
+        bad = set(a) - {"name", "overrides", "base", "mode"}
+        if bad:
+            raise ValueError(f"{where}: arm {a['name']!r} has unknown keys {sorted(bad)}")
+        if "/" in a["name"] or "\\" in a["name"] or a["name"].startswith(".") or a["name"] in [x.name for x in arms]:
+            raise ValueError(f"{where}: arm name {a['name']!r} must be unique and a plain file name (no '/', no "
+                             "leading '.')")
+        if a["name"] in OUTPUTS:
+            raise ValueError(f"{where}: arm name {a['name']!r} is the name of one of the runner's outputs {OUTPUTS}")
+        if "base" in a and not isinstance(a["base"], str):
+            raise ValueError(f"{where}: arm {a['name']!r} base must be a string (a job file path), got {a['base']!r}")
+        arm_base = Path(a["base"]) if "base" in a else None
+        if arm_base is not None and not top.get("module") and not arm_base.is_file():
+            raise ValueError(f"{where}: arm {a['name']!r} base = {str(arm_base)!r}: no such job file (paths are relative to the current directory)")
+        arms.append(Arm(a["name"], _str_list(a.get("overrides", []), f"{where}: arm {a['name']!r} overrides"), arm_base,
+                        _mode(a.get("mode"), f"{where}: arm {a['name']!r} mode") if "mode" in a else None))
+    if len(arms) < 2:
+        raise ValueError(f"{where}: a comparison needs at least two [[arm]] tables, got {len(arms)}")
+    names = [a.name for a in arms]
+    for key in ("baseline", "reference"):
+        if top.get(key) and top[key] not in names:
+            raise ValueError(f"{where}: [compare] {key} = {top[key]!r} is not an arm ({names})")
+    if top.get("reference") and top["reference"] == (top.get("baseline") or names[0]):
+        raise ValueError(f"{where}: [compare] reference = {top['reference']!r} is the baseline arm: the gap needs two arms")
+    base = Path(top["base"])
+    if not top.get("module") and not base.is_file():
+        raise ValueError(f"{where}: [compare] base = {str(base)!r}: " + ("a folder, not a job file" if base.is_dir() else
+                         "no such job file (paths are relative to the current directory)"))
+    timeout = top.get("timeout_s", 0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
+        raise ValueError(f"{where}: [compare] timeout_s must be a non-negative number, got {timeout!r}")
+    if "launcher" in top and not top["launcher"]:
+        raise ValueError(f"{where}: [compare] launcher must name a command, got []")
+    if not isinstance(top.get("wandb_offline", False), bool):
+        raise ValueError(f"{where}: [compare] wandb_offline must be true or false")
+    spec = Spec(base=base, steps=steps, out=Path(top.get("out", f"outputs/compare/{path.stem}")), arms=arms,
+                last=last, baseline=top.get("baseline", "") or names[0], reference=top.get("reference", ""),
+                common=_str_list(top.get("common", []), f"{where}: [compare] common"),
+                launcher=_str_list(top.get("launcher", list(DEFAULT_LAUNCHER)), f"{where}: [compare] launcher"),
+                timeout_s=timeout, wandb_offline=top.get("wandb_offline", False),
+                mode=_mode(top["mode"], f"{where}: [compare] mode") if "mode" in top else None,
+                parallel=_count(top, "parallel", 1, 1, where),
+                checkpoint_interval=_count(top, "checkpoint_interval", 0, 0, where), module=top.get("module", ""))
+    return spec
+
+
+def check_arm_args(spec: Spec, where: str, arms: list[Arm] | None = None) -> None:
+    """Parse each arm's job file and flags with TorchTitan's ConfigManager, as its run will, so that a misspelt or
+    invalid override stops the comparison before any arm trains (only for a launcher that runs torchtitan.train)."""
+    if not spec.launcher or spec.launcher[-1] != "torchtitan.train":
+        return
+    import contextlib
+    import io
+
+    try:
+        from torchtitan.config import ConfigManager
+    except ImportError as e:
+        raise ValueError(f"{where}: the arms run torchtitan.train, but TorchTitan does not import here ({e})") from None
+
+    for arm in arms if arms is not None else spec.arms:
+        args = spec.command(arm)[len(spec.launcher):]
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                ConfigManager().parse_args(args)
+        except (SystemExit, ValueError, TypeError, KeyError) as e:
+            text = err.getvalue() + ("" if isinstance(e, SystemExit) else str(e))
+            lines = [ln.strip(" │╭╮╰╯─┃━-") for ln in text.splitlines()]
+            message = " ".join(ln for ln in lines if ln and not ln.startswith(("For full helptext", "Run `")))
+            raise ValueError(f"{where}: arm {arm.name!r}: TorchTitan rejects its arguments: {message}") from None

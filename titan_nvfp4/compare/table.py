@@ -1,0 +1,75 @@
+"""The comparison's table, CSV and plot: only arms whose logs are runs of this spec (flagged when partial, or when
+an older runner's log cannot say), never a stale or mixed one; each file written atomically."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ..tools.atomic import atomic_file, write_text
+from ..tools.loss_log import parse_validation, summarize, to_markdown, validation_markdown, write_csv
+from .armlog import ArmLog, read_arm_log
+from .lock import holder
+from .spec import Spec
+
+
+def _notes(spec: Spec, states: dict[str, ArmLog]) -> str:
+    """The lines under the table: arms left out and why, unchecked, partial (and who runs them now), not logged."""
+    arms = {a.name: a for a in spec.arms}
+    lines = []
+    left_out = [f"{n} ({s.why})" for n, s in states.items() if s.status in ("stale", "mixed")]
+    if left_out:
+        lines.append(f"Not tabled (not a run of this spec; --rerun starts them afresh): {'; '.join(left_out)}")
+    unchecked = [n for n, s in states.items() if s.status == "unchecked" and s.tabled]
+    if unchecked:
+        lines.append("Not checked against this spec (no spec line: an older runner's logs, or gathered ones): "
+                     + ", ".join(unchecked))
+    partial = []
+    for n, s in states.items():
+        if s.tabled and s.steps[-1].step < spec.steps:
+            who = holder(spec, arms[n])
+            partial.append(f"{n} at step {s.steps[-1].step}" + (f" (running: {who})" if who else ""))
+    if partial:
+        lines.append(f"Partial (below step {spec.steps}): {', '.join(partial)}")
+    missing = [n for n, s in states.items() if s.status in ("none", "current", "unchecked") and not s.steps]
+    if missing:
+        lines.append(f"No logged steps yet: {', '.join(missing)}")
+    return "".join(f"\n{line}\n" for line in lines)
+
+
+def report(spec: Spec) -> str:
+    """Write <out>/compare.md, compare.csv and compare.png from the arms whose logs may be tabled; return the table."""
+    order = [a for a in spec.arms if a.name == spec.baseline] + [a for a in spec.arms if a.name != spec.baseline]
+    if spec.reference:  # the gap columns read the reference as the second run
+        order = order[:1] + [a for a in order[1:] if a.name == spec.reference] + \
+                [a for a in order[1:] if a.name != spec.reference]
+    states = {a.name: read_arm_log(spec, a) for a in order}
+    runs = {n: s.steps for n, s in states.items() if s.tabled}
+    if spec.baseline not in runs:
+        why = states[spec.baseline].why
+        raise RuntimeError(f"the baseline arm {spec.baseline!r} has no logged steps in {spec.out} to table"
+                           + (f" ({why})" if why and states[spec.baseline].status in ("stale", "mixed") else ""))
+    validation = {a.name: parse_validation(spec.log(a).read_text(errors="replace")) for a in order
+                  if a.name in runs and spec.log(a).is_file()}
+    validation = {n: v for n, v in validation.items() if v}
+    rows = summarize(runs, spec.last, gap=bool(spec.reference) and spec.reference in runs, validation=validation or None)
+    table = to_markdown(rows, spec.last)
+    if validation:
+        table += "\n" + validation_markdown(validation)
+    table += _notes(spec, states)
+    write_text(spec.out / "compare.md", table, "table")
+    with atomic_file(spec.out / "compare.csv", "CSV") as tmp:
+        write_csv(runs, tmp)
+    try:
+        from ..tools.loss_plot import plot_runs
+
+        with atomic_file(spec.out / "compare.png", "plot") as tmp:
+            staged = tmp.with_name(tmp.name + ".png")  # matplotlib takes the image format from the suffix
+            try:
+                plot_runs(runs, staged, title=f"{spec.base.name}: {spec.steps} steps per arm")
+                os.replace(staged, tmp)
+            finally:
+                staged.unlink(missing_ok=True)
+    except ImportError:
+        print("compare: no plot (matplotlib missing: pip install -e .[plot])", file=sys.stderr)
+    return table
