@@ -144,7 +144,7 @@ def ms_eden_tensor_scale(amax: torch.Tensor, scale_override: float = MS_EDEN_SCA
                          scale_max: float = MS_EDEN_SCALE_MAX) -> torch.Tensor:
     """s = max((amax / scale_max) / vmax, 2⁻¹¹⁷) in fp32; 1 for amax == 0; NaN for a non-finite amax."""
     amax = amax.float()
-    # tensor / tensor: an IEEE division (a Python-scalar divisor may become a multiply by its reciprocal)
+    # tensor / tensor: a correctly rounded fp32 division, as a kernel's div_rn
     s = amax / torch.full_like(amax, _fp32(scale_max)) / torch.full_like(amax, _fp32(6.0 / scale_override))
     s = torch.clamp(s, min=MIN_TENSOR_SCALE)
     s = torch.where(amax == 0, torch.ones_like(s), s)
