@@ -1,11 +1,13 @@
-"""The 16-point random Hadamard transform (RHT) used on both wgrad operands.
+"""The random Hadamard transform (RHT): 16-point on both wgrad operands, and of any power-of-two size
+(the length of the sign vector) for MS-EDEN's backward operands (ms_eden.py).
 
-T = H16 · diag(s) / 4 is orthonormal (H16 is the ±1 Sylvester Hadamard matrix, s a ±1 sign
+T = Hn · diag(s) / √n is orthonormal (Hn is the ±1 Sylvester Hadamard matrix, s a ±1 sign
 vector), so transforming both operands of dW = dYᵀ X along the token dim leaves the product
-unchanged while spreading outliers across each 16-element block before FP4 quantization.
+unchanged while spreading outliers across each n-element block before FP4 quantization.
 
-The transform is defined as a fixed sequence of fp32 operations (sign flip, four butterfly stages
-of a+b / a-b, multiply by 0.25), so a kernel that performs the same stages gets the same bits. The
+The transform is defined as a fixed sequence of fp32 operations (sign flip, log2(n) butterfly stages
+of a+b / a-b, multiply by the fp32 constant rht_norm(n): exactly 1/4 for n = 16, and exact for every
+power of four), so a kernel that performs the same stages gets the same bits. The
 signs' dtype is the precision of the output: fp32 signs keep it in fp32; bf16 (or fp16) signs round
 it to that dtype, nearest-even, as Transformer Engine does for bf16 operands (the recipe's
 ``rht_round_to_input_dtype``; signs_for_operand picks the dtype).
@@ -44,27 +46,38 @@ def signs_for_operand(signs: torch.Tensor | None, dtype: torch.dtype, round_to_i
     return signs if signs.dtype == want else signs.to(want)
 
 
+def rht_norm(n: int) -> float:
+    """1/√n rounded to fp32 (a Python float holding that fp32 value): the transform's last multiply."""
+    return float(torch.tensor(n ** -0.5, dtype=torch.float32))
+
+
 def rht_matrix(signs: torch.Tensor) -> torch.Tensor:
-    """The transform as a float64 matrix M with ``rht(x) == x @ M`` on 16-blocks (for tests)."""
-    return torch.diag(signs.double().cpu()) @ hadamard_matrix() / 4.0
+    """The transform as a float64 matrix M with ``rht(x) == x @ M`` on n-blocks, n = len(signs) (for tests)."""
+    n = signs.numel()
+    return torch.diag(signs.double().cpu()) @ hadamard_matrix(n) * n ** -0.5
 
 
 def rht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """Apply the RHT to consecutive 16-element blocks of the last dim of x; returns fp32.
+    """Apply the RHT to consecutive n-element blocks of the last dim of x, n = len(signs) (a power of
+    two: 16 for wgrad, up to 128 and more for MS-EDEN); returns fp32.
 
-    Each block b becomes H16 · (s ⊙ b) / 4, computed as sign flip, four butterfly stages and an
-    exact scaling by 1/4, then rounded to ``signs.dtype`` when that is not fp32 (module docstring).
+    Each block b becomes Hn · (s ⊙ b) / √n, computed as sign flip, log2(n) butterfly stages and a
+    multiply by rht_norm(n) (exactly 1/4 for n = 16), then rounded to ``signs.dtype`` when that is
+    not fp32 (module docstring).
     """
-    if x.shape[-1] % RHT_SIZE:
-        raise ValueError(f"RHT needs the last dim to be a multiple of 16, got shape {tuple(x.shape)}")
-    y = x.float().reshape(-1, RHT_SIZE) * signs.to(device=x.device, dtype=torch.float32)
+    n = signs.numel()
+    if n < 2 or n & (n - 1):
+        raise ValueError(f"RHT signs must have a power-of-two length >= 2, got {n}")
+    if x.shape[-1] % n:
+        raise ValueError(f"RHT needs the last dim to be a multiple of {n}, got shape {tuple(x.shape)}")
+    y = x.float().reshape(-1, n) * signs.reshape(n).to(device=x.device, dtype=torch.float32)
     h = 1
-    while h < RHT_SIZE:
-        y = y.reshape(-1, RHT_SIZE // (2 * h), 2, h)
+    while h < n:
+        y = y.reshape(-1, n // (2 * h), 2, h)
         a, b = y[:, :, 0, :], y[:, :, 1, :]
         y = torch.stack((a + b, a - b), dim=2)
         h *= 2
-    y = y.reshape(x.shape) * 0.25
+    y = y.reshape(x.shape) * rht_norm(n)
     if signs.dtype != torch.float32:
         y = y.to(signs.dtype).float()
     return y.contiguous()
