@@ -8,7 +8,9 @@ max *reserved* since the previous line) and the "Trainer is initialized with loc
 gradient accumulation steps A, sequence length S, ..." line. TorchTitan's tps is the rank's tokens since
 the last log over the wall time since it, so step time = B*A*S / tps for any log_freq (one GPU, or
 pure data parallel: with TP/CP/PP tps is divided further). The first --skip steps (compilation,
-autotuning, allocator warm-up) are left out of the medians and the peak memory.
+autotuning, allocator warm-up) are left out of the medians and the peak memory. A log with a rerun appended is
+read from where its last run starts (loss_log.split_log, said in the notes column). ``--json`` is written
+atomically and may not name an input.
 """
 
 from __future__ import annotations

@@ -94,9 +94,9 @@ def main(argv=None) -> None:
     ap.add_argument("out", type=Path, help="where to torch.save the dense state dict")
     args = ap.parse_args(argv)
     require_inputs(ap.prog, [args.checkpoint], "checkpoint")
-    require_output(ap.prog, args.out, "OUT", [args.checkpoint])
+    require_output(ap.prog, args.out, "output file", [args.checkpoint])
     if args.checkpoint.is_dir() and args.checkpoint.resolve() in args.out.resolve().parents:
-        fail(ap.prog, f"OUT {args.out} is inside the checkpoint folder {args.checkpoint}: write it elsewhere")
+        fail(ap.prog, f"output file {args.out} is inside the checkpoint folder {args.checkpoint}: write it elsewhere")
     if args.checkpoint.is_dir() and not (args.checkpoint / ".metadata").is_file():
         fail(ap.prog, f"{args.checkpoint} is a folder without a DCP checkpoint (no .metadata file)")
     try:
@@ -123,7 +123,7 @@ def main(argv=None) -> None:
                       + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""))
     if model is not state:
         dense = dict(state, model=dense)
-    with writing(ap.prog, args.out, "OUT"), atomic_file(args.out, "OUT") as tmp:
+    with writing(ap.prog, args.out, "output file"), atomic_file(args.out, "output file") as tmp:
         torch.save(dense, tmp)
     print(f"export_dense: folded {n} low-rank weights into dense weights -> {args.out}")
 

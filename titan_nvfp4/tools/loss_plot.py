@@ -11,7 +11,8 @@ group the mean training loss per logged step (EMA) with a ±1 s.d. band across i
 validation loss with ±1 s.d. bars; the bottom panel shows each group's means minus the first group's.
 ``--log-y``: the loss on a log scale and the differences in % of the first run's, for runs that memorize
 their corpus (losses near 0, where an absolute difference of 0.001 can be several percent).
-Needs matplotlib (the `plot` extra).
+A NaN loss is a gap in the curves (the moving averages go on after it). ``--out`` is written atomically and may
+not name an input. Needs matplotlib (the `plot` extra).
 """
 
 from __future__ import annotations
