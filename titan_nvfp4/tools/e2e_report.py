@@ -22,8 +22,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .cli import fail, parser, require_output, writing
 from .atomic import write_text
+from .cli import fail, parser, require_output, writing
 from .loss_log import ANSI_ESCAPES, StepMetrics, split_log
 
 _INIT = re.compile(
@@ -49,9 +49,8 @@ class RunSummary:
 def tokens_per_step(text: str) -> int | None:
     """B*A*S from TorchTitan's last "Trainer is initialized with ..." line (that of the log's last run), or None
     when absent."""
-    m = None
-    for m in _INIT.finditer(ANSI_ESCAPES.sub("", text)):
-        pass
+    found = list(_INIT.finditer(ANSI_ESCAPES.sub("", text)))
+    m = found[-1] if found else None
     return int(m["b"]) * int(m["a"]) * int(m["s"]) if m else None
 
 

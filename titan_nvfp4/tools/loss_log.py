@@ -55,15 +55,13 @@ class StepMetrics:
 
 def parse_log(text: str) -> list[StepMetrics]:
     """Every metric line of the last training run in a TorchTitan log, in step order (see ``split_log``)."""
-    runs = split_log(text)
-    return runs[-1].steps if runs else []
+    return split_log(text)[-1].steps
 
 
 def parse_validation(text: str) -> dict[int, float]:
     """Validation loss by step of the last training run in a log, from TorchTitan's "validate step: N  loss: X"
     lines (see ``split_log``)."""
-    runs = split_log(text)
-    return runs[-1].validation if runs else {}
+    return split_log(text)[-1].validation
 
 
 @dataclass
