@@ -8,7 +8,9 @@ max *reserved* since the previous line) and the "Trainer is initialized with loc
 gradient accumulation steps A, sequence length S, ..." line. TorchTitan's tps is the rank's tokens since
 the last log over the wall time since it, so step time = B*A*S / tps for any log_freq (one GPU, or
 pure data parallel: with TP/CP/PP tps is divided further). The first --skip steps (compilation,
-autotuning, allocator warm-up) are left out of the medians and the peak memory.
+autotuning, allocator warm-up) are left out of the medians and the peak memory. A log with a rerun appended is
+read from where its last run starts (loss_log.split_log, said in the notes column). ``--json`` is written
+atomically and may not name an input.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .cli import fail, parser, require_output
-from .loss_log import ANSI_ESCAPES, StepMetrics, parse_log
+from .atomic import write_text
+from .cli import fail, parser, require_output, writing
+from .loss_log import ANSI_ESCAPES, StepMetrics, split_log
 
 _INIT = re.compile(
     r"local batch size (?P<b>\d+), global batch size \d+, gradient accumulation steps (?P<a>\d+), "
@@ -44,18 +47,24 @@ class RunSummary:
 
 
 def tokens_per_step(text: str) -> int | None:
-    """B*A*S from TorchTitan's "Trainer is initialized with ..." line, or None when absent."""
-    m = _INIT.search(ANSI_ESCAPES.sub("", text))
+    """B*A*S from TorchTitan's last "Trainer is initialized with ..." line (that of the log's last run), or None
+    when absent."""
+    found = list(_INIT.finditer(ANSI_ESCAPES.sub("", text)))
+    m = found[-1] if found else None
     return int(m["b"]) * int(m["a"]) * int(m["s"]) if m else None
 
 
 def summarize_run(name: str, text: str, skip: int, tokens: int | None = None) -> RunSummary:
-    """Median step time and tps, peak reserved memory and last loss of the steps after ``skip``."""
+    """Median step time and tps, peak reserved memory and last loss of the steps after ``skip``, of the log's last
+    run (loss_log.split_log: a log with runs appended is read from where the last one restarts, with a note)."""
     tokens = tokens or tokens_per_step(text)
-    steps: list[StepMetrics] = parse_log(text)
+    runs = split_log(text)
+    steps: list[StepMetrics] = runs[-1].steps
     measured = [s for s in steps if s.step > skip and s.tps > 0]
     r = RunSummary(name, tokens, len(steps), len(measured))
-    if _OOM.search(text):
+    if len(runs) > 1:
+        r.notes.append(f"{len(runs)} runs in the log: the last, from {runs[-1].where}")
+    if _OOM.search("\n".join(text.splitlines()[runs[-1].line - 1:])):
         r.notes.append("out of memory")
     if steps:
         r.final_loss = steps[-1].loss
@@ -113,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens_per_step is not None and args.tokens_per_step < 1:
         ap.error(f"--tokens-per-step must be a positive integer, got {args.tokens_per_step}")
     if args.json:
-        require_output(ap.prog, args.json, "--json")
+        require_output(ap.prog, args.json, "--json", args.logs)
     for p in args.logs:
         if p.is_dir():
             fail(ap.prog, f"{p} is a folder, not a log file")
@@ -131,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     print(to_markdown(runs, args.skip), end="")
     if args.json:
         rows = [asdict(r) | {"step_time_ratio": ratio(r, runs[0])} for r in runs]
-        args.json.write_text(json.dumps({"skip": args.skip, "runs": rows}, indent=2) + "\n")
+        with writing(ap.prog, args.json, "--json"):
+            write_text(args.json, json.dumps({"skip": args.skip, "runs": rows}, indent=2) + "\n", "--json")
     missing = [str(p) for p in args.logs if not p.exists()]
     if missing:
         print(f"{ap.prog}: missing logs: {', '.join(missing)}", file=sys.stderr)

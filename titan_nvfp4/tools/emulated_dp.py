@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -130,6 +131,18 @@ def pop_data_parallel(argv: list[str]) -> tuple[int, list[str]]:
     return n, rest
 
 
+_OWN_ERRORS = ("--data-parallel", "training.local_batch_size", "emulated data parallel")
+
+
+def require_job_file(argv: list[str]) -> None:
+    """``fail`` naming a ``--job.config_file`` that does not exist (TorchTitan would end with a traceback)."""
+    for i, a in enumerate(argv):
+        path = argv[i + 1] if a == "--job.config_file" and i + 1 < len(argv) else \
+            a.split("=", 1)[1] if a.startswith("--job.config_file=") else None
+        if path is not None and not Path(path).is_file():
+            fail(PROG, f"--job.config_file {path}: no such file")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["-h"], ["--help"]):
@@ -138,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
               "--data-parallel N lists them)")
         return
     n, rest = pop_data_parallel(argv)
+    require_job_file(rest)
     patch_train_specs(n)
     from torchtitan.config import ConfigManager
     from torchtitan.train import Trainer, main as titan_main
@@ -146,7 +160,13 @@ def main(argv: list[str] | None = None) -> None:
     parse_args = ConfigManager.parse_args
     ConfigManager.parse_args = lambda self, args=None: parse_args(self, rest if args is None else args)
 
-    titan_main(Trainer)
+    try:
+        titan_main(Trainer)
+    except (ValueError, KeyError) as e:  # this launcher's own refusals (a batch that does not split, ...): one line
+        message = str(e.args[0]) if e.args else ""
+        if message.startswith(_OWN_ERRORS):
+            fail(PROG, message)
+        raise
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ factors ``lora_u``, ``lora_sigma``, ``lora_v`` (expert: ``w1_lora_u``, ...); the
 the residual, the factors and the ``lora_decomposed`` flags, so its weights are exactly those a BF16 model
 loads from the checkpoint directly. A checkpoint written before the residual was saved apart (``weight`` =
 R) is folded: W = R + U·diag(σ)·V in fp32, stored in R's dtype. All other entries are kept as they are.
-OUT.pt is a torch.save'd state dict.
+OUT.pt is a torch.save'd state dict, written atomically (a kill mid-write leaves the old file or none); an OUT
+that names the checkpoint, or lies inside its folder, is refused. The checkpoint's bytes are verified first
+(tools/checkpoint_integrity.py: file sizes against .metadata, each entry's CRC-32), and weights with NaN or Inf
+are refused by key.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from pathlib import Path
 import torch
 
 from ..numerics.lowrank import lowrank_merge
-from .cli import fail, parser, require_inputs, require_output
+from .atomic import atomic_file
+from .checkpoint_integrity import verify_checkpoint
+from .cli import fail, parser, require_inputs, require_output, writing
 
 _FACTORS = ("lora_u", "lora_sigma", "lora_v", "lora_residual")
 
@@ -62,20 +67,48 @@ def load_checkpoint(path: str) -> dict:
     return torch.load(path, weights_only=False, map_location="cpu")
 
 
+def non_finite(state: dict) -> list[str]:
+    """Keys of the floating-point tensors in ``state`` holding NaN or Inf, with their counts."""
+    return [f"{k} ({int((~torch.isfinite(v)).sum())} of {v.numel()})" for k, v in state.items()
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+
+
+def _first_line(e: BaseException) -> str:
+    """An exception's first line of text; for DCP's CheckpointException, that of the first rank's failure."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            e = inner
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
 def main(argv=None) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
     ap = parser("titan_nvfp4.tools.export_dense", __doc__)
     ap.add_argument("checkpoint", type=Path, help="a TorchTitan DCP checkpoint folder (outputs/<run>/checkpoint/step-N) "
                                                   "or a torch.save'd state dict")
     ap.add_argument("out", type=Path, help="where to torch.save the dense state dict")
     args = ap.parse_args(argv)
     require_inputs(ap.prog, [args.checkpoint], "checkpoint")
-    require_output(ap.prog, args.out)
+    require_output(ap.prog, args.out, "output file", [args.checkpoint])
+    if args.checkpoint.is_dir() and args.checkpoint.resolve() in args.out.resolve().parents:
+        fail(ap.prog, f"output file {args.out} is inside the checkpoint folder {args.checkpoint}: write it elsewhere")
     if args.checkpoint.is_dir() and not (args.checkpoint / ".metadata").is_file():
         fail(ap.prog, f"{args.checkpoint} is a folder without a DCP checkpoint (no .metadata file)")
     try:
+        verify_checkpoint(args.checkpoint)
+    except ValueError as e:
+        fail(ap.prog, f"checkpoint {args.checkpoint} is damaged: {e}")
+    except OSError as e:
+        fail(ap.prog, f"cannot read checkpoint {args.checkpoint}: {e.strerror or e}")
+    try:
         state = load_checkpoint(args.checkpoint)
-    except Exception as e:  # a truncated or foreign file: torch raises pickle, zip and runtime errors alike
-        fail(ap.prog, f"cannot read checkpoint {args.checkpoint}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    except (Exception, CheckpointException) as e:  # torch raises pickle, zip and runtime errors alike; DCP its own
+        fail(ap.prog, f"cannot read checkpoint {args.checkpoint}: {_first_line(e)}")
     if not isinstance(state, dict):
         fail(ap.prog, f"{args.checkpoint} holds a {type(state).__name__}, not a state dict")
     model = state["model"] if isinstance(state.get("model"), dict) else state
@@ -84,9 +117,14 @@ def main(argv=None) -> None:
         dense = fold_decomposed(model)
     except KeyError as e:
         fail(ap.prog, f"{args.checkpoint}: {str(e.args[0]).removeprefix('export_dense: ')}")
+    bad = non_finite(dense)
+    if bad:
+        fail(ap.prog, f"{args.checkpoint}: weights hold NaN or Inf, not exported: {', '.join(bad[:5])}"
+                      + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""))
     if model is not state:
         dense = dict(state, model=dense)
-    torch.save(dense, args.out)
+    with writing(ap.prog, args.out, "output file"), atomic_file(args.out, "output file") as tmp:
+        torch.save(dense, tmp)
     print(f"export_dense: folded {n} low-rank weights into dense weights -> {args.out}")
 
 

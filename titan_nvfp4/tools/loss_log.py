@@ -17,6 +17,9 @@ and validated step the mean, standard deviation and range, and against the first
 of the means with its standard error (Welch) and the share of cross-group pairs in which the group is lower.
 ``--train-windows 10-50,60-100`` adds the same table for each run's mean training loss over those steps:
 comparable across groups only when they trained on the same batches (``titan_nvfp4.tools.emulated_dp``).
+Each log or dump folder is read as one run: a log with a rerun appended (``tee -a``) from where its last run
+restarts at step 1 (``split_log``), a dump folder as its newest TensorBoard run (``tensorboard_runs``), with a note
+on stderr. ``--csv`` is written atomically and may not name an input.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ import fnmatch
 import math
 import re
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cli import fail, parser, require_inputs, require_output
+from .atomic import write_text
+from .cli import fail, parser, require_inputs, require_output, writing
 
 ANSI_ESCAPES = re.compile(r"\x1b\[[0-9;]*m")
 _FLOAT = r"[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"  # a garbled number is no metric line
@@ -49,19 +54,102 @@ class StepMetrics:
 
 
 def parse_log(text: str) -> list[StepMetrics]:
-    """Every metric line of a TorchTitan log, in order (later duplicates of a step win)."""
-    by_step: dict[int, StepMetrics] = {}
-    for line in ANSI_ESCAPES.sub("", text).splitlines():
-        m = _LINE.search(line)
-        if m:
-            s = StepMetrics(int(m["step"]), float(m["loss"]), float(m["gn"]), float(m["mem"]), int(m["tps"].replace(",", "")))
-            by_step[s.step] = s
-    return [by_step[k] for k in sorted(by_step)]
+    """Every metric line of the last training run in a TorchTitan log, in step order (see ``split_log``)."""
+    return split_log(text)[-1].steps
 
 
 def parse_validation(text: str) -> dict[int, float]:
-    """Validation loss by step from TorchTitan's "validate step: N  loss: X" lines (later duplicates win)."""
-    return {int(m["step"]): float(m["loss"]) for m in map(_VALIDATION.search, ANSI_ESCAPES.sub("", text).splitlines()) if m}
+    """Validation loss by step of the last training run in a log, from TorchTitan's "validate step: N  loss: X"
+    lines (see ``split_log``)."""
+    return split_log(text)[-1].validation
+
+
+@dataclass
+class LoggedRun:
+    """One training run found in a log or a dump folder: its metrics in step order, its validation losses by
+    step, and where it starts (``line`` of a log, 1-based; ``where`` in words: "line 57", or a TensorBoard folder)."""
+    steps: list[StepMetrics]
+    validation: dict[int, float]
+    where: str
+    line: int = 1
+
+
+_STARTS = re.compile(r"Training starts at step (?P<step>\d+)")
+_RANK = re.compile(r"^\[(?:rank|default)(?P<rank>\d+)\]:")  # torchrun --tee's prefix of each rank's lines
+
+
+class _RunBuilder:
+    """Records of one run, with TorchTitan's restart rules (``split_log``)."""
+
+    def __init__(self, line: int, where: str):
+        self.line, self.where = line, where
+        self.steps: dict[int, StepMetrics] = {}
+        self.validation: dict[int, float] = {}
+        self.last_step = 0
+
+    def empty(self) -> bool:
+        return not self.steps and not self.validation
+
+    def resume_at(self, step: int) -> None:
+        """A resumed run goes on from ``step``: what the interrupted run logged from there on is dropped."""
+        self.steps = {k: v for k, v in self.steps.items() if k < step}
+        self.validation = {k: v for k, v in self.validation.items() if k < step}
+        self.last_step = max(self.steps, default=0)
+
+    def done(self) -> LoggedRun:
+        return LoggedRun([self.steps[k] for k in sorted(self.steps)], dict(sorted(self.validation.items())),
+                         self.where, self.line)
+
+
+def split_log(text: str) -> list[LoggedRun]:
+    """The training runs of a console log, oldest first, for logs that hold several (``tee -a``, a rerun into the
+    same file). TorchTitan logs step 1 of every run, so "Training starts at step 1" after earlier records, or a
+    metric line of step 1 after later steps, begins a new run (which may hold no step yet: a rerun that crashed at
+    start). A resume from a checkpoint ("Training starts at step N" with N > 1, or the metric step count going
+    back to N > 1) continues the run: its steps and validations from N on replace those the interrupted run
+    logged. Within a run, a step logged twice (every rank printing its line) or validated twice keeps its later
+    line. With torchrun's ``[rankN]:`` prefixes only the first rank seen is read. Readers take the last run, with
+    a note: a rerun appended to an old log is the run just made, and one that crashed at step 120 must be
+    reported at step 120, not completed by the old run's later steps (refusing the log would leave the user to
+    cut it by hand)."""
+    runs: list[LoggedRun] = []
+    cur = _RunBuilder(1, "line 1")
+    rank = None
+
+    def restart(step: int, n: int) -> None:
+        nonlocal cur
+        if step > 1:
+            cur.resume_at(step)
+        elif not cur.empty():
+            runs.append(cur.done())
+            cur = _RunBuilder(n, f"line {n}")
+
+    for n, line in enumerate(ANSI_ESCAPES.sub("", text).splitlines(), 1):
+        prefix = _RANK.match(line)
+        if prefix:
+            rank = prefix["rank"] if rank is None else rank
+            if prefix["rank"] != rank:
+                continue
+        if (m := _STARTS.search(line)) is not None:
+            restart(int(m["step"]), n)
+        elif (m := _LINE.search(line)) is not None:
+            s = StepMetrics(int(m["step"]), float(m["loss"]), float(m["gn"]), float(m["mem"]),
+                            int(m["tps"].replace(",", "")))
+            if s.step < cur.last_step:
+                restart(s.step, n)
+            cur.steps[s.step] = s
+            cur.last_step = s.step
+        elif (m := _VALIDATION.search(line)) is not None:
+            cur.validation[int(m["step"])] = float(m["loss"])
+    return [*runs, cur.done()]
+
+
+def runs_note(path, runs: list[LoggedRun]) -> str | None:
+    """What a reader says when ``path`` holds several runs and only the last is read (None for one run)."""
+    if len(runs) < 2:
+        return None
+    return (f"{path} holds {len(runs)} training runs (a run restarts at step 1 at {', '.join(r.where for r in runs[1:])}): "
+            f"reading only the last, from {runs[-1].where}")
 
 
 def gap_closed_pct(baseline: float, reference: float, final: float) -> float:
@@ -284,29 +372,68 @@ def groups_markdown(rows: list[dict], key: str = "step") -> str:
     return head + body
 
 
-def write_csv(runs: dict[str, list[StepMetrics]], path: Path) -> None:
-    """Every run's per-step metrics, one row per (run, step)."""
-    with open(path, "w") as f:
-        f.write("run,step,loss,grad_norm,memory_gib,tps\n")
-        for name, steps in runs.items():
-            for s in steps:
-                f.write(f"{name},{s.step},{s.loss},{s.grad_norm},{s.memory_gib},{s.tps}\n")
+def write_csv(runs: dict[str, list[StepMetrics]], path: Path, option: str = "output") -> None:
+    """Every run's per-step metrics, one row per (run, step), written atomically (``option`` names ``path`` in
+    errors)."""
+    rows = "".join(f"{name},{s.step},{s.loss},{s.grad_norm},{s.memory_gib},{s.tps}\n"
+                   for name, steps in runs.items() for s in steps)
+    write_text(path, "run,step,loss,grad_norm,memory_gib,tps\n" + rows, option)
 
 
-def tensorboard_run(folder: Path) -> tuple[list[StepMetrics], dict[int, float]]:
-    """Per-step metrics and validation losses from the TensorBoard events TorchTitan wrote under ``folder``."""
+def _event_files(folder: Path) -> list[Path]:
+    """The TensorBoard event files under ``folder``; of TorchTitan's per-rank folders (``rank_N``, with
+    ``metrics.save_for_all_ranks``) only the lowest rank's: its metrics are those the console log shows."""
     files = sorted(folder.rglob("events.out.tfevents.*")) if folder.is_dir() else []
-    if not files:
-        return [], {}
+    ranks = {f: int(m[1]) for f in files for m in [re.fullmatch(r"rank_(\d+)", f.parent.name)] if m}
+    if ranks:
+        lowest = min(ranks.values())
+        files = [f for f in files if ranks.get(f, lowest) == lowest]
+    return files
+
+
+def _read_events(file: Path) -> tuple[float, dict[int, dict[str, float]]]:
+    """(wall time of the file's first scalar, {step: {tag: value}}) of one TensorBoard event file."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    acc = EventAccumulator(str(file), size_guidance={"scalars": 0})
+    acc.Reload()
     by_step: dict[int, dict[str, float]] = {}
-    for f in files:
-        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags().get("scalars", []):
-            for ev in acc.Scalars(tag):
-                by_step.setdefault(ev.step, {})[tag] = ev.value
+    first = float("inf")
+    for tag in acc.Tags().get("scalars", []):
+        for ev in acc.Scalars(tag):
+            by_step.setdefault(ev.step, {})[tag] = ev.value
+            first = min(first, ev.wall_time)
+    return first, by_step
+
+
+def tensorboard_runs(folder: Path) -> list[LoggedRun]:
+    """The training runs TorchTitan's TensorBoard events under ``folder`` hold, oldest first. Each run (and each
+    resume) writes its own run folder (``tb/<date-time>``); the event files are taken in the order they were
+    written (their first event's wall time) with ``split_log``'s rules: one whose first step is 1 begins a new run
+    (a rerun into the same dump folder), one that starts later resumes the run, replacing its steps from there on.
+    ``where`` names the run's folders, relative to ``folder``."""
+    files = sorted(((first, f, by_step) for f in _event_files(folder) for first, by_step in [_read_events(f)]
+                    if by_step), key=lambda t: (t[0], str(t[1])))
+    parents = [f.parent for _, f, _ in files]
+    runs: list[tuple[list[str], dict[int, dict[str, float]]]] = []
+    for _, f, by_step in files:
+        named = f if parents.count(f.parent) > 1 else f.parent  # a folder of several event files: name the file
+        where = str(named.relative_to(folder)) if named != folder else "."
+        start = min(by_step)
+        if not runs or start == 1:
+            runs.append(([where], dict(by_step)))
+            continue
+        wheres, merged = runs[-1]
+        for step in [k for k in merged if k >= start]:
+            del merged[step]
+        merged.update(by_step)
+        if where not in wheres:
+            wheres.append(where)
+    return [LoggedRun(*_tensorboard_metrics(merged), ", ".join(wheres)) for wheres, merged in runs]
+
+
+def _tensorboard_metrics(by_step: dict[int, dict[str, float]]) -> tuple[list[StepMetrics], dict[int, float]]:
+    """Per-step metrics and validation losses from TorchTitan's scalar tags by step."""
     steps, validation = [], {}
     for step in sorted(by_step):
         m = by_step[step]
@@ -318,12 +445,28 @@ def tensorboard_run(folder: Path) -> tuple[list[StepMetrics], dict[int, float]]:
     return steps, validation
 
 
-def read_run(path: Path) -> tuple[list[StepMetrics], dict[int, float]]:
-    """A run's per-step metrics and validation losses: from a log file, or a dump folder's TensorBoard events."""
+def tensorboard_run(folder: Path) -> tuple[list[StepMetrics], dict[int, float]]:
+    """Per-step metrics and validation losses of the newest training run whose TensorBoard events TorchTitan
+    wrote under ``folder`` (``tensorboard_runs``)."""
+    runs = tensorboard_runs(folder)
+    return (runs[-1].steps, runs[-1].validation) if runs else ([], {})
+
+
+def read_run(path: Path, notes: list[str] | None = None) -> tuple[list[StepMetrics], dict[int, float]]:
+    """A run's per-step metrics and validation losses: from a log file, or a dump folder's TensorBoard events; of
+    a log or folder that holds several runs, the last (``split_log``, ``tensorboard_runs``), with a line saying so
+    appended to ``notes``."""
     if path.is_dir():
-        return tensorboard_run(path)
-    text = path.read_text(errors="replace")
-    return parse_log(text), parse_validation(text)
+        runs = tensorboard_runs(path)
+        if len(runs) > 1 and notes is not None:
+            notes.append(f"{path} holds {len(runs)} TensorBoard runs ({'; '.join(r.where for r in runs)}): "
+                         f"reading only the newest, {runs[-1].where}")
+    else:
+        runs = split_log(path.read_text(errors="replace"))
+        note = runs_note(path, runs)
+        if note and notes is not None:
+            notes.append(note)
+    return (runs[-1].steps, runs[-1].validation) if runs else ([], {})
 
 
 def run_name(path: Path) -> str:
@@ -332,7 +475,8 @@ def run_name(path: Path) -> str:
 
 
 def read_runs(prog: str, paths: list[Path]) -> tuple[dict[str, list[StepMetrics]], dict[str, dict[int, float]]]:
-    """``read_run`` for each path, keyed by ``run_name``; a missing path, or one without metrics, ends ``prog``."""
+    """``read_run`` for each path, keyed by ``run_name``; a missing path, or one without training metrics (one with
+    validation lines only included), ends ``prog``. Notes on runs left out (``read_run``) go to stderr."""
     require_inputs(prog, paths)
     runs, validation, seen = {}, {}, {}
     for p in paths:
@@ -340,13 +484,17 @@ def read_runs(prog: str, paths: list[Path]) -> tuple[dict[str, list[StepMetrics]
         if name in seen:
             fail(prog, f"two runs named {name!r} ({seen[name]} and {p}): runs are named by their file or folder name")
         seen[name] = p
+        notes: list[str] = []
         try:
-            runs[name], validation[name] = read_run(p)
+            runs[name], validation[name] = read_run(p, notes)
         except OSError as e:
             fail(prog, f"cannot read {p}: {e.strerror}")
-        if not runs[name] and not validation[name]:
-            fail(prog, f"no TorchTitan metric lines in {p}" if p.is_file() else
-                 f"no TensorBoard events with training metrics under {p}")
+        for note in notes:
+            print(f"{prog}: note: {note}", file=sys.stderr)
+        if not runs[name]:
+            only = " (validation lines only)" if validation[name] else ""
+            fail(prog, f"no TorchTitan metric lines in {p}{only}" if p.is_file() else
+                 f"no TensorBoard events with training metrics under {p}{only}")
     return runs, validation
 
 
@@ -382,7 +530,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.last < 1:
         ap.error(f"--last must be a positive number of logged steps, got {args.last}")
     if args.csv:
-        require_output(ap.prog, args.csv, "--csv")
+        require_output(ap.prog, args.csv, "--csv", args.logs)
     try:
         windows = parse_windows(args.train_windows) if args.train_windows else []
     except ValueError as e:
@@ -395,7 +543,8 @@ def main(argv: list[str] | None = None) -> None:
     require_group_members(ap.prog, runs, groups)
     rows = summarize(runs, args.last, args.gap, validation)
     if args.csv:
-        write_csv(runs, args.csv)
+        with writing(ap.prog, args.csv, "--csv"):
+            write_csv(runs, args.csv, "--csv")
     if args.markdown:
         print(to_markdown(rows, args.last), end="")
         if any(validation.values()):

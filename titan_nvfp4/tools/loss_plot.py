@@ -11,22 +11,30 @@ group the mean training loss per logged step (EMA) with a ±1 s.d. band across i
 validation loss with ±1 s.d. bars; the bottom panel shows each group's means minus the first group's.
 ``--log-y``: the loss on a log scale and the differences in % of the first run's, for runs that memorize
 their corpus (losses near 0, where an absolute difference of 0.001 can be several percent).
-Needs matplotlib (the `plot` extra).
+A NaN loss is a gap in the curves (the moving averages go on after it). ``--out`` is written atomically and may
+not name an input. Needs matplotlib (the `plot` extra).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
-from .cli import fail, parser, require_output
+from .atomic import atomic_file
+from .cli import fail, parser, require_output, writing
 from .loss_log import StepMetrics, group_members, parse_group, read_runs, require_group_members
 
 
 def ema(values: list[float], decay: float) -> list[float]:
-    """Exponential moving average, bias-corrected so that early points are not pulled towards 0."""
+    """Exponential moving average, bias-corrected so that early points are not pulled towards 0. A NaN or
+    infinite value is a missing point: NaN there (a gap in the curve), and the average goes on from the values
+    around it rather than staying NaN for the rest of the run."""
     out, acc, weight = [], 0.0, 0.0
     for v in values:
+        if not math.isfinite(v):
+            out.append(float("nan"))
+            continue
         acc = decay * acc + (1 - decay) * v
         weight = decay * weight + (1 - decay)
         out.append(acc / weight)
@@ -59,8 +67,11 @@ def _finish(fig, top, bottom, out: Path, title: str, delta_label: str, validatio
         bottom.legend(fontsize="small")
     fig.tight_layout()
     out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        with atomic_file(out) as tmp:  # the format from out's suffix (tmp's is .tmp)
+            fig.savefig(tmp, dpi=110, format=out.suffix.lstrip(".").lower() or plt.rcParams["savefig.format"])
+    finally:
+        plt.close(fig)
     return out
 
 
@@ -195,14 +206,15 @@ def main(argv: list[str] | None = None) -> None:
     formats = FigureCanvasBase.get_supported_filetypes()
     if args.out.suffix.lower().lstrip(".") not in formats:
         fail(ap.prog, f"--out {args.out}: unknown image format {args.out.suffix!r} (one of .{', .'.join(sorted(formats))})")
-    require_output(ap.prog, args.out, "--out")
+    require_output(ap.prog, args.out, "--out", args.logs)
     runs, validation = read_runs(ap.prog, args.logs)
     require_group_members(ap.prog, runs, groups)
     try:
-        if groups:
-            out = plot_groups(runs, groups, args.out, args.smooth, args.title, validation, args.log_y)
-        else:
-            out = plot_runs(runs, args.out, args.smooth, args.title, validation, args.log_y)
+        with writing(ap.prog, args.out, "--out"):
+            if groups:
+                out = plot_groups(runs, groups, args.out, args.smooth, args.title, validation, args.log_y)
+            else:
+                out = plot_runs(runs, args.out, args.smooth, args.title, validation, args.log_y)
     except ValueError as e:
         fail(ap.prog, str(e).removeprefix("loss_plot: "))
     print(f"loss_plot: wrote {out}")
