@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import time
 from pathlib import Path
 
@@ -67,8 +66,9 @@ def train(model: torch.nn.Module, nvfp4_steps, *, steps: int, batch: int = 8, se
           seed: int = 42, device: str = "cuda", compile: bool = False, checkpoint: Path | None = None,
           save_at: int = 0, resume: bool = False, log_every: int = 10, warmup: int = 5) -> dict:
     """Materialize, initialize and train the converted ``model``; ``nvfp4_steps.step()`` runs after every
-    optimizer step. Returns {"losses": [loss of each step run], "tokens_per_s": batch·seq over the median step time
-    after the first ``warmup`` steps (compilation, autotuning)}."""
+    optimizer step. Returns {"losses": [loss of each step run], "tokens_per_s": over the steps after the first
+    ``warmup`` (compilation, autotuning)}. The losses stay on the device until a log step, as TorchTitan keeps them,
+    so no step waits for the GPU but those."""
     model.to_empty(device=device)
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -84,9 +84,11 @@ def train(model: torch.nn.Module, nvfp4_steps, *, steps: int, batch: int = 8, se
         dcp.load(holder, checkpoint_id=str(checkpoint))
         start = nvfp4_steps.steps
     vocab = model.vocab_size
-    losses, times = [], []
+    losses, t0 = [], None
     for step in range(start + 1, steps + 1):
-        t0 = time.perf_counter()
+        if step == start + warmup + 1:
+            torch.cuda.synchronize() if torch.device(device).type == "cuda" else None
+            t0 = time.perf_counter()
         inputs, labels = batch_at(step, vocab, batch, seq, seed, device)
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             logits = model(inputs)
@@ -96,14 +98,14 @@ def train(model: torch.nn.Module, nvfp4_steps, *, steps: int, batch: int = 8, se
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         nvfp4_steps.step()  # after every optimizer step: SR streams, schedules, amax windows, refreshes
-        losses.append(loss.item())  # a sync per step, as TorchTitan's loss logging every step
-        times.append(time.perf_counter() - t0)
+        losses.append(loss.detach())
         if log_every and step % log_every == 0:
-            print(f"step {step:5d}  loss {losses[-1]:.4f}", flush=True)
+            print(f"step {step:5d}  loss {losses[-1].item():.4f}", flush=True)
         if checkpoint is not None and step == save_at:
             dcp.save({"train": state}, checkpoint_id=str(checkpoint))
-    timed = times[warmup:]
-    tps = batch * seq / statistics.median(timed) if timed else float("nan")
+    losses = [loss.item() for loss in losses]  # waits for the last step
+    timed = steps - start - warmup
+    tps = batch * seq * timed / (time.perf_counter() - t0) if t0 is not None and timed > 0 else float("nan")
     return {"losses": losses, "tokens_per_s": tps}
 
 
@@ -128,7 +130,7 @@ def main(argv=None) -> None:
                                              eager_graphs="small", total_steps=a.steps)
     out = train(model, nvfp4_steps, steps=a.steps, batch=a.batch, seq=a.seq, device=a.device, compile=a.compile,
                 checkpoint=a.checkpoint, save_at=a.save_at, resume=a.resume, warmup=a.warmup)
-    print(f"final loss {out['losses'][-1]:.4f}  tokens/s {out['tokens_per_s']:.0f} (median step after {a.warmup})")
+    print(f"final loss {out['losses'][-1]:.4f}  tokens/s {out['tokens_per_s']:.0f} (steps after {a.warmup})")
 
 
 if __name__ == "__main__":
