@@ -1349,6 +1349,7 @@ def _fsdp_gather_worker(rank, world, out, tmp_path, tp=1):
                 m.set_force_sum_reduction_for_comms(True)
         wrapped = sum(isinstance(_local(m.weight), NVFP4ShardedWeight) for m in model.modules()
                       if isinstance(m, TitanNVFP4Linear))
+        sections = attach_sections([model], c.quantize, total_steps=2)
         TRAFFIC.take()
         grads = []
         for _ in range(2):
@@ -1358,7 +1359,7 @@ def _fsdp_gather_worker(rank, world, out, tmp_path, tp=1):
             with torch.no_grad():
                 for p in model.parameters():
                     p -= 0.05 * p.grad
-            after_optimizer_step([model], nvfp4_gather=gather)
+            after_optimizer_step([model], sections)
         if rank == 0:
             out["nvfp4" if gather else "bf16"] = dict(grads=grads, wrapped=wrapped, traffic=TRAFFIC.take())
 

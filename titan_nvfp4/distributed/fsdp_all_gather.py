@@ -101,6 +101,10 @@ class GatherTraffic:
         """Tile amaxes all-reduced outside a gather (``precompute_scales``)."""
         self.reduced_bytes += reduced
 
+    def peek(self) -> dict[str, int]:
+        """The counts so far, left as they are."""
+        return {f: getattr(self, f, 0) for f in self.FIELDS}
+
     def take(self) -> dict[str, int]:
         """The counts so far, and start again from zero."""
         counts = {f: getattr(self, f, 0) for f in self.FIELDS}

@@ -127,7 +127,7 @@ class SectionSteps:
             first = not self._gather_logged
             if first:
                 self._gather_logged = True
-                self.log.info(f"NVFP4: FSDP2 all-gather, first step on this rank: {TRAFFIC.summary(TRAFFIC.take())}")
+                self.log.info(f"NVFP4: FSDP2 all-gather, first step on this rank: {TRAFFIC.summary(TRAFFIC.peek())}")
             n = sum(precompute_scales(p) for p in parts)
             if first:
                 self.log.info(f"NVFP4: after each optimizer step the tile amaxes of {n} NVFP4-gathered weights are "
