@@ -13,6 +13,8 @@ it to that dtype, nearest-even, as Transformer Engine does for bf16 operands (th
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 RHT_SIZE = 16
@@ -30,6 +32,8 @@ def hadamard_matrix(n: int = RHT_SIZE, dtype: torch.dtype = torch.float64) -> to
 
 def rht_signs(seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """A reproducible ±1 fp32 sign vector of length 16 from ``seed`` (same on every rank)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**63 <= seed < 2**64:
+        raise ValueError(f"rht_signs: seed must be an integer in [-2**63, 2**64), got {seed!r}")
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     bits = torch.randint(0, 2, (RHT_SIZE,), generator=gen)
     return (1.0 - 2.0 * bits.float()).to(device)
@@ -54,8 +58,16 @@ def rht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 
     Each block b becomes H16 · (s ⊙ b) / 4, computed as sign flip, four butterfly stages and an
     exact scaling by 1/4, then rounded to ``signs.dtype`` when that is not fp32 (module docstring).
+    Differentiable, unlike the quantizers: autograd gives the exact transposed transform (the rounding to
+    16-bit signs passes the gradient straight through).
     """
-    if x.shape[-1] % RHT_SIZE:
+    for name, t in (("x", x), ("signs", signs)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"rht: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if signs.shape != (RHT_SIZE,) or not signs.is_floating_point():
+        raise ValueError(f"rht: signs must be a floating-point tensor of shape ({RHT_SIZE},) (rht_signs), got "
+                         f"{signs.dtype} {tuple(signs.shape)}")
+    if x.dim() == 0 or x.shape[-1] % RHT_SIZE:
         raise ValueError(f"RHT needs the last dim to be a multiple of 16, got shape {tuple(x.shape)}")
     y = x.float().reshape(-1, RHT_SIZE) * signs.to(device=x.device, dtype=torch.float32)
     h = 1
