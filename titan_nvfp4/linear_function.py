@@ -321,18 +321,32 @@ def meta_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return torch.nn.functional.linear(x, weight.to(**meta), None if bias is None else bias.to(**meta))
 
 
-def _check_linear_args(x, weight, bias, recipe) -> None:
-    """nvfp4_linear's operands: tensors of matching shapes (x [..., K], weight [N, K], bias [N]) and an NVFP4Recipe."""
+def _check_linear_args(x, weight, bias, recipe, counter, signs) -> None:
+    """nvfp4_linear's operands: floating-point tensors of matching shapes (x [..., K], weight [N, K], bias [N]) on
+    one device, an NVFP4Recipe, and a counter and signs as sr_counter and rht_signs make them."""
     if not isinstance(recipe, NVFP4Recipe):
         raise TypeError(f"nvfp4_linear: recipe must be an NVFP4Recipe, got {type(recipe).__name__}")
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if not isinstance(t, torch.Tensor) and not (name == "bias" and t is None):
+    for name, t in (("x", x), ("weight", weight), ("bias", bias), ("counter", counter), ("signs", signs)):
+        if not isinstance(t, torch.Tensor) and not (name != "x" and name != "weight" and t is None):
             raise TypeError(f"nvfp4_linear: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if name in ("x", "weight", "bias") and t is not None and not t.is_floating_point():
+            raise TypeError(f"nvfp4_linear: {name} must be a floating-point tensor, got {t.dtype}")
     if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"nvfp4_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit: x [..., K] "
                          "times weight [N, K]")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"nvfp4_linear: bias of shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
+    if counter is not None and (counter.dtype != torch.int64 or tuple(counter.shape) != (2,)):
+        raise ValueError(f"nvfp4_linear: counter must be an int64 tensor of shape (2,) (sr_counter), got {counter.dtype} "
+                         f"{tuple(counter.shape)}")
+    if signs is not None and (tuple(signs.shape) != (16,) or not signs.is_floating_point()):
+        raise ValueError(f"nvfp4_linear: signs must be a floating-point tensor of shape (16,) (rht_signs), got "
+                         f"{signs.dtype} {tuple(signs.shape)}")
+    if not x.is_meta:
+        for name, t in (("weight", weight), ("bias", bias)):
+            if t is not None and t.device != x.device:
+                hint = " (not materialized: to_empty() and initialize it first)" if t.is_meta else ""
+                raise ValueError(f"nvfp4_linear: x is on {x.device} but {name} on {t.device}{hint}")
 
 
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe,
@@ -346,7 +360,7 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     fp32 [row, column] amaxes to quantize X with instead of its own (an amax history: amax_history.py);
     ``graphs``: the layer's BodyGraphs, to replay its bodies as CUDA graphs in eager mode (body_graphs.py).
     Under autocast X is quantized in the autocast dtype, as F.linear casts it, and dX leaves in it, widened."""
-    _check_linear_args(x, weight, bias, recipe)
+    _check_linear_args(x, weight, bias, recipe, counter, signs)
     if x.is_meta:
         return meta_linear(x, weight, bias)
     # Grad mode is off inside Function.forward, so decide here whether the wgrad operand is needed:
