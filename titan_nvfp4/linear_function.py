@@ -96,12 +96,12 @@ def nvfp4_from_parts(data, scale, gs, like_shape, block_shape) -> NVFP4Tensor:
 
 
 def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, signs, out_dtype, need_col, backend, w_amax,
-                  shared_x=None):
+                  shared_x=None, reader=None):
     """Forward's GPU work as tensors: (Y, Wᵀ's codes, scales and decode scale, then Xᵀ's when ``need_col``)
     and their (shape, block shape) metadata; body_graphs.py may replay it as a CUDA graph. It takes the
     layer's ``signs`` and casts them here: a graph replays its reads at their captured addresses, and a cast
     made outside the body would be freed after the capture. ``shared_x``: the eager X that x2d views, whose
-    quantization sibling Linears share (sibling_x.py)."""
+    quantization sibling Linears share (sibling_x.py), read by the layer ``reader`` identifies."""
     fos = recipe.four_over_six
 
     def quantize_x():
@@ -113,7 +113,7 @@ def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, signs, out_dtype, n
         xq, x_col = quantize_x()
     else:
         key = (x2d.shape, out_dtype, need_col, backend, fos, recipe.rht_round_to_input_dtype)
-        xq, x_col = shared_x_operands(shared_x, signs, key, quantize_x)
+        xq, x_col = shared_x_operands(shared_x, signs, key, quantize_x, reader)
     if isinstance(weight, NVFP4GatheredWeight):  # FSDP2 gathered it as NVFP4: distributed/fsdp_all_gather.py
         wq = gathered_nvfp4(weight)
         w_t = wq.t()
@@ -184,7 +184,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         # X as F.linear multiplies it under autocast: cast to the autocast dtype (out_dtype), here rather than
         # before the Function so that sibling layers' casts of one X stay separate autograd-wise (each dX is
         # widened on its own, as for BF16 Linears) while compile's CSE merges their forward casts. Eager siblings
-        # on one X share its cast and quantization (sibling_x.py): _forward_body casts then.
+        # on one X made in this forward share its cast and quantization (sibling_x.py): _forward_body casts then.
         x2d = x.reshape(-1, in_features)
         share = (plain_eager() and graphs is None and not groups.sharded and x_amax is None
                  and type(x) is torch.Tensor and not x.is_inference())  # an inference tensor has no version counter
@@ -212,7 +212,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
                 ctx.fwd_key = key if saving else None
             ctx.graphs = graphs
         else:
-            tensors, meta = body(*copied, shared_x=x if share else None)
+            tensors, meta = body(*copied, shared_x=x if share else None, reader=counter.data_ptr())  # per layer
         y, saved_w_t, saved_x_col = tensors[0], tensors[1:4], tensors[4:]
         ctx.has_bias, ctx.hp_backward = bias is not None, recipe.backward != "nvfp4"
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.q_dtype = x.shape, x.dtype, weight.dtype, out_dtype

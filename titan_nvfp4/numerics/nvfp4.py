@@ -292,7 +292,7 @@ def _given_amax(amax: torch.Tensor | float, a: torch.Tensor, eager: bool) -> tor
     if eager and a.device.type != "meta" and bool(amax_t <= 0):  # one sync; inf and NaN pass (NaN decode)
         given = float(amax) if not isinstance(amax, torch.Tensor) else float(amax.reshape(()))
         if given < 0:
-            raise ValueError(f"amax must be non-negative, got {given:g}")
+            raise ValueError(f"amax must be non-negative, got {given}")
         x_amax = float(a.abs().amax()) if a.numel() else 0.0
         if x_amax > 0:
             zero = "amax = 0" if given == 0 else f"amax = {given:g} rounds to 0 in float32"

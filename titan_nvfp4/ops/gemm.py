@@ -123,6 +123,7 @@ def nvfp4_gemm(
     store; the other backends compute in ``round_to`` and widen)."""
     if a.storage_shape[1] != b.storage_shape[1]:
         raise ValueError(f"NVFP4 GEMM contraction mismatch: {a.storage_shape} vs {b.storage_shape}")
+    check_bias(bias, b.storage_shape[0], (a.values if isinstance(a, library.StagedOperand) else a.data).device)
     if backend not in _BACKENDS:  # "auto": resolve here for direct callers
         backend = resolve_backend(backend, a.data.device)
     if round_to is None or round_to == out_dtype:
