@@ -212,7 +212,8 @@ class NVFP4LinearFunction(torch.autograd.Function):
                 ctx.fwd_key = key if saving else None
             ctx.graphs = graphs
         else:
-            tensors, meta = body(*copied, shared_x=x if share else None, reader=counter.data_ptr())  # per layer
+            reader = counter.data_ptr() if share else None  # the layer's SR counter: one storage per layer
+            tensors, meta = body(*copied, shared_x=x if share else None, reader=reader)
         y, saved_w_t, saved_x_col = tensors[0], tensors[1:4], tensors[4:]
         ctx.has_bias, ctx.hp_backward = bias is not None, recipe.backward != "nvfp4"
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.q_dtype = x.shape, x.dtype, weight.dtype, out_dtype

@@ -139,9 +139,10 @@ def refuse_grad(fn: str, **tensors) -> None:
         return
     for name, t in tensors.items():
         if isinstance(t, torch.Tensor) and t.requires_grad:
-            raise ValueError(f"{fn}: {name} requires grad, but quantization is not differentiable (the codes are "
-                             f"integers); pass {name}.detach() or call it under torch.no_grad(), and train through "
-                             "nvfp4_linear / NVFP4Linear, whose backward quantizes the gradients itself")
+            raise ValueError(f"{fn}: {name} requires grad, but quantization is not differentiable (its codes and "
+                             f"scales carry no gradient to {name}); pass {name}.detach() or call it under "
+                             "torch.no_grad(), and train through nvfp4_linear / NVFP4Linear, whose backward quantizes "
+                             "the gradients itself")
 
 
 def check_out_dtype(dtype) -> None:
