@@ -18,8 +18,10 @@ import pytest
 import torch
 from torch import nn
 
-from titan_nvfp4 import DecomposedLinear, NVFP4Linear, NVFP4Recipe, nvfp4_linear, quantize_mxfp8, quantize_nvfp4
+from titan_nvfp4 import (DecomposedLinear, NVFP4Linear, NVFP4Recipe, nvfp4_grouped_mm, nvfp4_linear, quantize_mxfp8,
+                         quantize_nvfp4, rht, rht_signs)
 from titan_nvfp4.compare import check_arm_args, load_spec
+from titan_nvfp4.ops import nvfp4_gemm
 from titan_nvfp4.ops.backends import resolve_backend
 from titan_nvfp4.recipe.nvfp4_recipe import build_recipe, load_preset
 from test_converter import edited_toml, meta_llama, parse, world1
@@ -163,6 +165,21 @@ CASES = {
         r"beyond float32's range"),
     "MXFP8 dequantize to int": (lambda tmp: quantize_mxfp8(torch.randn(2, 32)).dequantize(torch.int8), TypeError,
                                 r"floating-point torch\.dtype"),
+    "x that requires grad": (lambda tmp: quantize_nvfp4(X.clone().requires_grad_(True)), ValueError,
+                             r"quantize_nvfp4: x requires grad, but quantization is not differentiable"),
+    "MXFP8 of x that requires grad": (lambda tmp: quantize_mxfp8(X.clone().requires_grad_(True)), ValueError,
+                                      r"quantize_mxfp8: x requires grad"),
+    "amax beyond float32": (lambda tmp: quantize_nvfp4(X, amax=1e300), ValueError,
+                            r"amax = 1e\+300 is beyond float32's range"),
+    "rht signs of 12": (lambda tmp: rht(X, torch.ones(12)), ValueError,
+                        r"rht: signs must be a 1-D floating-point tensor of a power-of-two length >= 2 \(rht_signs\), "
+                        r"got torch\.float32 \(12,\)"),
+    "rht_signs seed 1.5": (lambda tmp: rht_signs(1.5), ValueError, r"rht_signs: seed must be an integer .*got 1\.5"),
+    "GEMM bias shorter than N": (lambda tmp: nvfp4_gemm(quantize_nvfp4(X), quantize_nvfp4(torch.randn(48, 32)),
+                                                         torch.float32, bias=torch.randn(16), backend="reference"),
+                                 ValueError, r"NVFP4 GEMM: bias of shape \(16,\), expected \(48,\)"),
+    "build_recipe overrides a list": (lambda tmp: build_recipe("nvidia_paper", ["rht"]), TypeError,
+                                      r"build_recipe: overrides must be a dict of recipe keys, got list"),
     # nvfp4_linear and the modules
     "nvfp4_linear: K of x and weight differ": (lambda tmp: nvfp4_linear(X, torch.randn(16, 48), None, REF), ValueError,
                                                r"x \(4, 32\) and weight \(16, 48\) do not fit"),
@@ -170,6 +187,27 @@ CASES = {
                                              ValueError, r"bias of shape \(8,\), expected \(16,\)"),
     "nvfp4_linear: no recipe": (lambda tmp: nvfp4_linear(X, torch.randn(16, 32), None, None), TypeError,
                                 r"recipe must be an NVFP4Recipe, got NoneType"),
+    "nvfp4_linear: an int bias": (lambda tmp: nvfp4_linear(X, torch.randn(16, 32), torch.ones(16, dtype=torch.int32),
+                                                           REF), TypeError,
+                                  r"nvfp4_linear: bias must be a floating-point tensor, got torch\.int32"),
+    "nvfp4_linear: a weight on meta": (lambda tmp: nvfp4_linear(X, torch.empty(16, 32, device="meta"), None, REF),
+                                       ValueError, r"x is on cpu but weight on meta \(not materialized"),
+    "nvfp4_linear: counter of 3 floats": (lambda tmp: nvfp4_linear(X, torch.randn(16, 32), None, REF,
+                                                                   counter=torch.zeros(3)), ValueError,
+                                          r"counter must be an int64 tensor of shape \(2,\) \(sr_counter\)"),
+    "nvfp4_linear: signs of 8": (lambda tmp: nvfp4_linear(X, torch.randn(16, 32), None, REF, signs=torch.ones(8)),
+                                 ValueError, r"signs must be a floating-point tensor of shape \(16,\)"),
+    "integer input": (lambda tmp: NVFP4Linear(32, 16, recipe=REF, name="mlp.w1")(torch.ones(4, 32, dtype=torch.int64)),
+                      TypeError, r"mlp\.w1: input must be a floating-point tensor, got torch\.int64"),
+    "a layer on meta given a real input": (
+        lambda tmp: NVFP4Linear(32, 16, recipe=REF, name="mlp.w1", device="meta")(X), RuntimeError,
+        r"mlp\.w1: the layer is on the meta device \(not materialized: to_empty\(\) and initialize it first\)"),
+    "grouped GEMM: bias not [E, N]": (
+        lambda tmp: nvfp4_grouped_mm(torch.randn(8, 32), torch.randn(2, 16, 32), torch.tensor([4, 8]), torch.randn(2, 8),
+                                     REF), ValueError, r"grouped GEMM: bias of shape \(2, 8\), expected \(2, 16\)"),
+    "grouped GEMM: no recipe": (
+        lambda tmp: nvfp4_grouped_mm(torch.randn(8, 32), torch.randn(2, 16, 32), torch.tensor([4, 8]), None, None),
+        TypeError, r"grouped GEMM: recipe must be an NVFP4Recipe, got NoneType"),
     "in_features 0": (lambda tmp: NVFP4Linear(0, 16), ValueError, r"in_features must be a positive integer, got 0"),
     "in_features -16": (lambda tmp: NVFP4Linear(-16, 16, name="mlp.w1"), ValueError,
                         r"'mlp\.w1'.*in_features must be a positive integer, got -16"),

@@ -1,6 +1,7 @@
 """Eager sibling NVFP4 Linears on one X (wq, wk, wv) quantize it once (titan_nvfp4/autograd/sibling_x.py), with the bits
 each layer computes on its own; any change to X, its object, the signs or the settings quantizes afresh, and the
-remembered operands go when X does."""
+remembered operands go when X does. Only an activation of the running forward is shared (as a norm's output is);
+tests/test_faults_api.py refills inputs behind the version counter's back."""
 
 import gc
 import sys
@@ -34,10 +35,15 @@ def counted(monkeypatch):
     sx.forget_shared_x()
 
 
+def _activation(x: torch.Tensor) -> torch.Tensor:
+    """x as the siblings read it in a model: an activation of this forward (a norm's output), not a leaf."""
+    return x.detach().requires_grad_(True) * 1.0
+
+
 def _step(m, x, dy, autocast=False):
     xi = x.clone().requires_grad_(True)
     with torch.autocast(DEV, dtype=torch.bfloat16, enabled=autocast):
-        y = m(xi)
+        y = m(xi * 1.0)  # an activation, as a norm's output: what siblings share
     y.backward(dy.to(y.dtype))
     out = [y.detach(), xi.grad] + [layer.weight.grad.clone() for layer in (m.q, m.k, m.v)]
     for layer in (m.q, m.k, m.v):
@@ -63,7 +69,7 @@ def test_siblings_quantize_x_once_with_each_layers_bits(backend, autocast, count
     assert len(staged) == (1 if backend == "emulated" else 3), staged  # the reference GEMM reads codes
     for layer, c in zip((m.q, m.k, m.v), counters):  # the SR streams replay: the same dY draws
         layer.sr_counter.copy_(c)
-    monkeypatch.setattr(lf, "shared_x_operands", lambda x, signs, key, quantize: quantize())
+    monkeypatch.setattr(lf, "shared_x_operands", lambda x, signs, key, quantize, layer: quantize())
     monkeypatch.setattr(lf, "shared_staging", lambda codes, scales, key, stage: stage())
     alone = _step(m, x, dy, autocast)
     assert len(counted) == 4 and len(staged) == (4 if backend == "emulated" else 6)
@@ -74,34 +80,36 @@ def test_siblings_quantize_x_once_with_each_layers_bits(backend, autocast, count
 def test_a_changed_or_new_x_and_other_settings_quantize_afresh(counted):
     recipe = NVFP4Recipe(gemm_backend="reference")
     m = _qkv(recipe)
-    x = torch.randn(32, 64, device=DEV)
+    x = _activation(torch.randn(32, 64, device=DEV))
+    m.q(x), m.k(x)
+    assert len(counted) == 1
     with torch.no_grad():
-        m.q(x), m.k(x)
-        assert len(counted) == 1
         x.mul_(2)  # in place: the version counter moves
-        y = m.v(x)
-        assert len(counted) == 2
-        fresh = NVFP4Linear(64, 32, bias=False, recipe=recipe, layer_id=7).to(DEV)
+    y = m.v(x)
+    assert len(counted) == 2
+    fresh = NVFP4Linear(64, 32, bias=False, recipe=recipe, layer_id=7).to(DEV)
+    with torch.no_grad():
         fresh.weight.copy_(m.v.weight)
-        assert torch.equal(y, fresh(x.clone())) and len(counted) == 3  # an equal X in another tensor
-        other = NVFP4Linear(64, 32, bias=False, recipe=NVFP4Recipe(gemm_backend="reference", rht_seed=5),
-                            layer_id=8).to(DEV)
-        other(x)
-        other(x)
-        assert len(counted) == 4, "another signs tensor: afresh; the same layer again: shared"
-        m.q(x)
-        assert len(counted) == 5, "back to the first signs tensor"
-    m.k(x)  # with grad: X's wgrad operand is needed now, a different quantization
-    assert len(counted) == 6
+    assert torch.equal(y, fresh(x.clone())) and len(counted) == 3  # an equal X in another tensor
+    other = NVFP4Linear(64, 32, bias=False, recipe=NVFP4Recipe(gemm_backend="reference", rht_seed=5),
+                        layer_id=8).to(DEV)
+    other(x)
+    assert len(counted) == 4, "another signs tensor: afresh"
+    other(x)
+    assert len(counted) == 5, "the same layer reading one X again (a new step, or a repeat): afresh"
+    m.q(x)
+    assert len(counted) == 6, "back to the first signs tensor"
+    m.k.weight.requires_grad_(False)  # no wgrad: X's wgrad operand is not made, a different quantization
+    m.k(x)
+    assert len(counted) == 7
 
 
 def test_the_remembered_operands_go_with_x(counted):
     m = _qkv(NVFP4Recipe(gemm_backend="reference"))
-    x = torch.randn(32, 64, device=DEV)
-    with torch.no_grad():
-        m.q(x)
+    x = _activation(torch.randn(32, 64, device=DEV))
+    y = m.q(x)
     assert sx._last["x"].x_ref() is x
-    del x
+    del x, y  # y's graph holds x's
     gc.collect()
     assert "x" not in sx._last
 
@@ -109,15 +117,14 @@ def test_the_remembered_operands_go_with_x(counted):
 def test_x_freed_at_interpreter_exit_raises_nothing(counted, monkeypatch):
     # at exit the module's globals become None before the last X is freed: its callback must not read them
     m = _qkv(NVFP4Recipe(gemm_backend="reference"))
-    x = torch.randn(32, 64, device=DEV)
-    with torch.no_grad():
-        m.q(x)
+    x = _activation(torch.randn(32, 64, device=DEV))
+    y = m.q(x)
     remembered = sx._last
     raised = []
     monkeypatch.setattr(sys, "unraisablehook", raised.append)
     sx._last = None
     try:
-        del x
+        del x, y
         gc.collect()
     finally:
         sx._last = remembered
@@ -127,11 +134,10 @@ def test_x_freed_at_interpreter_exit_raises_nothing(counted, monkeypatch):
 def test_compiling_and_amax_history_do_not_share(counted):
     """An X quantized with given amaxes (amax history, tensor parallelism) is not remembered."""
     m = _qkv(NVFP4Recipe(gemm_backend="reference"))
-    x = torch.randn(32, 64, device=DEV)
-    amax = torch.tensor([x.abs().max(), x.abs().max()], device=DEV)
-    with torch.no_grad():
-        lf.nvfp4_linear(x, m.q.weight, None, m.q.recipe, m.q.sr_counter, m.q.rht_signs, x_amax=amax)
-        lf.nvfp4_linear(x, m.k.weight, None, m.k.recipe, m.k.sr_counter, m.k.rht_signs, x_amax=amax)
+    x = _activation(torch.randn(32, 64, device=DEV))
+    amax = torch.stack([x.detach().abs().max(), x.detach().abs().max()])
+    lf.nvfp4_linear(x, m.q.weight, None, m.q.recipe, m.q.sr_counter, m.q.rht_signs, x_amax=amax)
+    lf.nvfp4_linear(x, m.k.weight, None, m.k.recipe, m.k.sr_counter, m.k.rht_signs, x_amax=amax)
     assert len(counted) == 2 and "x" not in sx._last
 
 
@@ -153,7 +159,21 @@ def test_under_a_dispatch_mode_every_call_quantizes(counted):
             return func(*args, **(kwargs or {}))
 
     m = _qkv(NVFP4Recipe(gemm_backend="reference"))
-    x = torch.randn(32, 64, device=DEV)
-    with torch.no_grad(), Passthrough():
+    x = _activation(torch.randn(32, 64, device=DEV))
+    with Passthrough():
         m.q(x), m.k(x)
     assert len(counted) == 2 and "x" not in sx._last
+
+
+def test_leaves_and_tensors_under_no_grad_are_quantized_by_every_layer(counted):
+    """A leaf (an input batch, a buffer a loop refills, a numpy array) or any X under no_grad has no autograd
+    provenance in this forward: every sibling quantizes it, also a leaf that requires grad and a view of one."""
+    m = _qkv(NVFP4Recipe(gemm_backend="reference"))
+    leaf = torch.randn(32, 64, device=DEV, requires_grad=True)
+    m(leaf)
+    m(leaf.view(32, 64))
+    with torch.no_grad():
+        m(leaf * 1.0)
+    assert len(counted) == 9 and "x" not in sx._last
+    m(leaf * 1.0)  # an activation: one quantization for the three
+    assert len(counted) == 10

@@ -324,7 +324,10 @@ def _use_grouped_kernels(backend: str, offsets: torch.Tensor, aligned: bool | No
     return aligned
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None) -> None:
+    for name, t in (("x", x), ("weight", weight), ("offsets", offsets), ("bias", bias)):
+        if not isinstance(t, torch.Tensor) and not (name == "bias" and t is None):
+            raise TypeError(f"grouped GEMM: {name} must be a torch.Tensor, got {type(t).__name__}")
     if weight.dim() != 3:
         raise ValueError(f"grouped GEMM: expected 3D expert weights [E, N, K], got {tuple(weight.shape)}")
     if weight.shape[1] % 16 or weight.shape[2] % 16:
@@ -335,6 +338,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> None
                          f"{tuple(offsets.shape)}")
     if x.shape[-1] != weight.shape[2]:
         raise ValueError(f"grouped GEMM: input features {x.shape[-1]} do not match expert weights {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != tuple(weight.shape[:2]):
+        raise ValueError(f"grouped GEMM: bias of shape {tuple(bias.shape)}, expected {tuple(weight.shape[:2])} (one "
+                         f"row per expert) for expert weights {tuple(weight.shape)}")
 
 
 def nvfp4_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None,
@@ -388,11 +394,13 @@ def _rht_signs(recipe: NVFP4Recipe, signs: torch.Tensor | None, device) -> torch
 
 
 def _grouped(x, weights, offsets, biases, recipe, counters, signs, aligned, groups, amax_carrier, x_amax):
-    x = autocast_input(x)  # see linear_function.py
+    if not isinstance(recipe, NVFP4Recipe):
+        raise TypeError(f"grouped GEMM: recipe must be an NVFP4Recipe, got {type(recipe).__name__}")
     weights, biases = tuple(weights), tuple(biases)
+    for w, b in zip(weights, biases):
+        _check(x, w, offsets, b)
+    x = autocast_input(x)  # see linear_function.py
     counters = tuple(counters) if counters is not None else (None,) * len(weights)
-    for w in weights:
-        _check(x, w, offsets)
     need_wgrad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
     counters = tuple(c if c is not None else sr_counter(recipe, i, x.device) for i, c in enumerate(counters))
     signs = _rht_signs(recipe, signs, x.device)

@@ -96,12 +96,12 @@ def nvfp4_from_parts(data, scale, gs, like_shape, block_shape) -> NVFP4Tensor:
 
 
 def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, signs, out_dtype, need_col, backend, w_amax,
-                  shared_x=None):
+                  shared_x=None, reader=None):
     """Forward's GPU work as tensors: (Y, Wᵀ's codes, scales and decode scale, then Xᵀ's when ``need_col``)
     and their (shape, block shape) metadata; body_graphs.py may replay it as a CUDA graph. It takes the
     layer's ``signs`` and casts them here: a graph replays its reads at their captured addresses, and a cast
     made outside the body would be freed after the capture. ``shared_x``: the eager X that x2d views, whose
-    quantization sibling Linears share (sibling_x.py)."""
+    quantization sibling Linears share (sibling_x.py), read by the layer ``reader`` identifies."""
     fos = recipe.four_over_six
 
     def quantize_x():
@@ -113,7 +113,7 @@ def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, signs, out_dtype, n
         xq, x_col = quantize_x()
     else:
         key = (x2d.shape, out_dtype, need_col, backend, fos, recipe.rht_round_to_input_dtype)
-        xq, x_col = shared_x_operands(shared_x, signs, key, quantize_x)
+        xq, x_col = shared_x_operands(shared_x, signs, key, quantize_x, reader)
     if isinstance(weight, NVFP4GatheredWeight):  # FSDP2 gathered it as NVFP4: distributed/fsdp_all_gather.py
         wq = gathered_nvfp4(weight)
         w_t = wq.t()
@@ -184,7 +184,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         # X as F.linear multiplies it under autocast: cast to the autocast dtype (out_dtype), here rather than
         # before the Function so that sibling layers' casts of one X stay separate autograd-wise (each dX is
         # widened on its own, as for BF16 Linears) while compile's CSE merges their forward casts. Eager siblings
-        # on one X share its cast and quantization (sibling_x.py): _forward_body casts then.
+        # on one X made in this forward share its cast and quantization (sibling_x.py): _forward_body casts then.
         x2d = x.reshape(-1, in_features)
         share = (plain_eager() and graphs is None and not groups.sharded and x_amax is None
                  and type(x) is torch.Tensor and not x.is_inference())  # an inference tensor has no version counter
@@ -212,7 +212,8 @@ class NVFP4LinearFunction(torch.autograd.Function):
                 ctx.fwd_key = key if saving else None
             ctx.graphs = graphs
         else:
-            tensors, meta = body(*copied, shared_x=x if share else None)
+            reader = counter.data_ptr() if share else None  # the layer's SR counter: one storage per layer
+            tensors, meta = body(*copied, shared_x=x if share else None, reader=reader)
         y, saved_w_t, saved_x_col = tensors[0], tensors[1:4], tensors[4:]
         ctx.has_bias, ctx.hp_backward = bias is not None, recipe.backward != "nvfp4"
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.q_dtype = x.shape, x.dtype, weight.dtype, out_dtype
@@ -321,18 +322,32 @@ def meta_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return torch.nn.functional.linear(x, weight.to(**meta), None if bias is None else bias.to(**meta))
 
 
-def _check_linear_args(x, weight, bias, recipe) -> None:
-    """nvfp4_linear's operands: tensors of matching shapes (x [..., K], weight [N, K], bias [N]) and an NVFP4Recipe."""
+def _check_linear_args(x, weight, bias, recipe, counter, signs) -> None:
+    """nvfp4_linear's operands: floating-point tensors of matching shapes (x [..., K], weight [N, K], bias [N]) on
+    one device, an NVFP4Recipe, and a counter and signs as sr_counter and rht_signs make them."""
     if not isinstance(recipe, NVFP4Recipe):
         raise TypeError(f"nvfp4_linear: recipe must be an NVFP4Recipe, got {type(recipe).__name__}")
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if not isinstance(t, torch.Tensor) and not (name == "bias" and t is None):
+    for name, t in (("x", x), ("weight", weight), ("bias", bias), ("counter", counter), ("signs", signs)):
+        if not isinstance(t, torch.Tensor) and not (name != "x" and name != "weight" and t is None):
             raise TypeError(f"nvfp4_linear: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if name in ("x", "weight", "bias") and t is not None and not t.is_floating_point():
+            raise TypeError(f"nvfp4_linear: {name} must be a floating-point tensor, got {t.dtype}")
     if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"nvfp4_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit: x [..., K] "
                          "times weight [N, K]")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"nvfp4_linear: bias of shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
+    if counter is not None and (counter.dtype != torch.int64 or tuple(counter.shape) != (2,)):
+        raise ValueError(f"nvfp4_linear: counter must be an int64 tensor of shape (2,) (sr_counter), got {counter.dtype} "
+                         f"{tuple(counter.shape)}")
+    if signs is not None and (tuple(signs.shape) != (16,) or not signs.is_floating_point()):
+        raise ValueError(f"nvfp4_linear: signs must be a floating-point tensor of shape (16,) (rht_signs), got "
+                         f"{signs.dtype} {tuple(signs.shape)}")
+    if not x.is_meta:
+        for name, t in (("weight", weight), ("bias", bias)):
+            if t is not None and t.device != x.device:
+                hint = " (not materialized: to_empty() and initialize it first)" if t.is_meta else ""
+                raise ValueError(f"nvfp4_linear: x is on {x.device} but {name} on {t.device}{hint}")
 
 
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe,
@@ -346,7 +361,7 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     fp32 [row, column] amaxes to quantize X with instead of its own (an amax history: amax_history.py);
     ``graphs``: the layer's BodyGraphs, to replay its bodies as CUDA graphs in eager mode (body_graphs.py).
     Under autocast X is quantized in the autocast dtype, as F.linear casts it, and dX leaves in it, widened."""
-    _check_linear_args(x, weight, bias, recipe)
+    _check_linear_args(x, weight, bias, recipe, counter, signs)
     if x.is_meta:
         return meta_linear(x, weight, bias)
     # Grad mode is off inside Function.forward, so decide here whether the wgrad operand is needed:

@@ -41,7 +41,7 @@ except ImportError:  # pragma: no cover - another Triton layout (ensure_scratch_
     _allocation = None
 
 from ..numerics.nvfp4 import NVFP4Tensor
-from ..numerics.operands import StagedOperand
+from ..numerics.operands import StagedOperand, check_bias
 from .platform import capability, interpreting
 from .launch import autotune, cdiv, launch, tune_bucket
 from .nvfp4_jit import e4m3_value
@@ -437,6 +437,8 @@ def nvfp4_gemm_triton(a: NVFP4Tensor | StagedOperand, b: NVFP4Tensor | StagedOpe
     if K != Kb:
         raise ValueError(f"NVFP4 GEMM contraction mismatch: {a.storage_shape} vs {b.storage_shape}")
     pre_staged = isinstance(a, StagedOperand)
+    check_bias(bias, N, (a.values if pre_staged else a.data).device)  # the kernels read N values at stride 1
+    bias = bias.contiguous() if bias is not None else None
     a_data = a.values if pre_staged else a.data
     a_scale = a.values if pre_staged else a.scale  # a placeholder argument when A is staged
     b_data = b.values if isinstance(b, StagedOperand) else b.data

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..numerics.nvfp4 import NVFP4Tensor
+from ..numerics.operands import check_bias
 
 
 def _ceil(a: int, b: int) -> int:
@@ -54,6 +55,7 @@ def nvfp4_gemm_native(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype,
     """out [M, N] = (A · Bᵀ)·gs_A·gs_B [+ bias] on FP4 tensor cores. Untested on hardware."""
     from torch.nn.functional import ScalingType, SwizzleType
 
+    check_bias(bias, b.storage_shape[0], a.data.device)
     mat_a, mat_b, scale_a, scale_b = native_operands(a, b)
     recipe = [ScalingType.BlockWise1x16, ScalingType.TensorWise]
     swizzle = [SwizzleType.SWIZZLE_32_4_4, SwizzleType.NO_SWIZZLE]

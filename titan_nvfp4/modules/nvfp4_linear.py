@@ -89,6 +89,11 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         ``local_tp``): else name the layer."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self.label()}: input must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{self.label()}: input must be a floating-point tensor, got {x.dtype}")
+        if self.weight.is_meta and not x.is_meta:
+            raise RuntimeError(f"{self.label()}: the layer is on the meta device (not materialized: to_empty() and "
+                               f"initialize it first), its input on {x.device}")
         features = self.in_features if self.local_tp is None else self.weight.shape[-1]
         if x.dim() == 0 or x.shape[-1] != features:
             raise RuntimeError(f"{self.label()}: input of shape {tuple(x.shape)} has "

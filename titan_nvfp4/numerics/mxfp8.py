@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .formats import F8_E4M3_MAX, e8m0_from_exponent, e8m0_to_float, to_e4m3_saturating
-from .nvfp4 import check_out_dtype
+from .nvfp4 import check_out_dtype, refuse_grad
 
 MX_BLOCK = 32
 
@@ -40,9 +40,11 @@ def _ceil_log2(d: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_mxfp8(x: torch.Tensor) -> MXFP8Tensor:
-    """Quantize x to MXFP8 with 1×32 blocks along the last dim."""
+    """Quantize x to MXFP8 with 1×32 blocks along the last dim. Not differentiable, as quantize_nvfp4: an x
+    that requires grad, with grad mode on, is refused (numerics.nvfp4.refuse_grad)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize_mxfp8: x must be a torch.Tensor, got {type(x).__name__}")
+    refuse_grad("quantize_mxfp8", x=x)
     if not x.is_floating_point():
         raise TypeError(f"MXFP8 quantization needs a floating-point tensor, got {x.dtype}")
     if x.dim() == 0:

@@ -127,6 +127,24 @@ def four_over_six_scales(blocks: torch.Tensor, s_enc: torch.Tensor) -> torch.Ten
     return torch.where((e4.float() != 0) & (err4 < err6), e4, e6)
 
 
+def refuse_grad(fn: str, **tensors) -> None:
+    """Refuse a tensor argument that requires grad while grad mode is on: quantization is not differentiable.
+
+    NVFP4Tensor and MXFP8Tensor are plain containers of integer codes and scales, outside the autograd graph
+    (as TorchAO's NVFP4Tensor, built with requires_grad=False); autograd could only reach x through the
+    scales, a partial and meaningless gradient. A straight-through estimator (Transformer Engine's FP8 cast)
+    would need a tensor subclass in the graph, and the recipe's gradient path (stochastic rounding of dY, the
+    RHT of wgrad) belongs to nvfp4_linear, so the quantizers say so instead of returning half a graph."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise ValueError(f"{fn}: {name} requires grad, but quantization is not differentiable (its codes and "
+                             f"scales carry no gradient to {name}); pass {name}.detach() or call it under "
+                             "torch.no_grad(), and train through nvfp4_linear / NVFP4Linear, whose backward quantizes "
+                             "the gradients itself")
+
+
 def check_out_dtype(dtype) -> None:
     """A dequantized tensor is floating point: refuse an integer, bool or non-dtype ``dtype`` instead of truncating."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -247,7 +265,10 @@ def _check_quantize_args(x, block_shape, stochastic, seed, generator, four_over_
 
 
 def _random_bits_like(a: torch.Tensor, seed: int | None, generator: torch.Generator | None) -> torch.Tensor:
-    """SR_BITS random bits per element of a (int32), from ``generator`` or a fresh one seeded with ``seed``."""
+    """SR_BITS random bits per element of a (int32), from ``generator`` or a fresh one seeded with ``seed``.
+    On the meta device (shape inference) no number is drawn, so the seed has nothing to seed."""
+    if a.is_meta:
+        return torch.empty(a.shape, dtype=torch.int32, device=a.device)
     if generator is None and seed is not None:
         generator = torch.Generator(device=a.device).manual_seed(int(seed))
     return torch.randint(0, 2**SR_BITS, a.shape, generator=generator, device=a.device, dtype=torch.int32)
@@ -264,15 +285,33 @@ def _given_amax(amax: torch.Tensor | float, a: torch.Tensor, eager: bool) -> tor
             raise ValueError(f"amax must hold one value (a number or a 0-d tensor), got shape {tuple(amax.shape)}")
         if amax.device.type == "meta" and a.device.type != "meta":
             raise ValueError(f"amax is on the meta device (it holds no value); x is on {a.device}")
+        if eager and amax.dtype == torch.float64 and not amax.is_meta:  # wider than fp32: one more sync
+            _check_fp32_range(float(amax.reshape(())))
+    else:
+        _check_fp32_range(amax)
     amax_t = torch.as_tensor(amax, dtype=torch.float32, device=a.device).reshape(())
     if eager and a.device.type != "meta" and bool(amax_t <= 0):  # one sync; inf and NaN pass (NaN decode)
-        if float(amax_t) < 0:
-            raise ValueError(f"amax must be non-negative, got {float(amax_t)}")
+        given = float(amax) if not isinstance(amax, torch.Tensor) else float(amax.reshape(()))
+        if given < 0:
+            raise ValueError(f"amax must be non-negative, got {given}")
         x_amax = float(a.abs().amax()) if a.numel() else 0.0
         if x_amax > 0:
-            raise ValueError(f"amax = 0 but x has non-zero values (max |x| = {x_amax:.3g}); pass x's amax, or None "
+            zero = "amax = 0" if given == 0 else f"amax = {given:g} rounds to 0 in float32"
+            raise ValueError(f"{zero} but x has non-zero values (max |x| = {x_amax:.3g}); pass x's amax, or None "
                              "to take it from x")
     return amax_t
+
+
+def _check_fp32_range(value) -> None:
+    """A given amax that float32 (the scales' arithmetic) cannot hold, named instead of turned into inf."""
+    try:
+        v = float(value)
+    except OverflowError:  # an integer beyond any float
+        raise ValueError(f"amax = an integer of {len(str(abs(value)))} digits is beyond float32's range (max "
+                         f"{FP32_MAX:.3e}): NVFP4 scales are computed in float32; scale x and amax down together") from None
+    if math.isfinite(v) and abs(v) > FP32_MAX:
+        raise ValueError(f"amax = {v:.3g} is beyond float32's range (max {FP32_MAX:.3e}): NVFP4 scales are "
+                         "computed in float32; scale x and amax down together")
 
 
 def quantize_nvfp4(
@@ -287,11 +326,16 @@ def quantize_nvfp4(
     """Quantize x to NVFP4 (see the module docstring for the exact arithmetic).
 
     block_shape: (1, 16), (16, 1) or (16, 16). stochastic: stochastic rounding of the elements
-    (scales always round to nearest), reproducible with ``seed`` or a ``generator``. amax: a
-    global amax to use instead of max|x| (e.g. one all-reduced across ranks). four_over_six: each
-    block's scale from the Four Over Six rule (module docstring).
+    (scales always round to nearest), reproducible with ``seed`` or a ``generator`` (on the meta device,
+    shape inference, nothing is drawn and the seed is not used). amax: a global amax to use instead of
+    max|x| (e.g. one all-reduced across ranks), within float32's range. four_over_six: each block's
+    scale from the Four Over Six rule (module docstring).
+
+    Not differentiable: an x (or amax) that requires grad, with grad mode on, is refused (refuse_grad says
+    why); quantize ``x.detach()``, or train through nvfp4_linear / NVFP4Linear.
     """
     block_shape = _check_quantize_args(x, block_shape, stochastic, seed, generator, four_over_six)
+    refuse_grad("quantize_nvfp4", x=x, amax=amax)
     eager = not torch.compiler.is_compiling()  # checks with data-dependent branches stay out of graphs
     if eager and x.dtype == torch.float64 and x.numel():
         big = x.abs().nan_to_num(0.0, posinf=0.0).amax()

@@ -24,6 +24,21 @@ class StagedOperand:
         return tuple(self.values.shape)
 
 
+def check_bias(bias: torch.Tensor | None, n: int, device: torch.device, where: str = "NVFP4 GEMM") -> None:
+    """A GEMM's bias is None or a floating-point [N] tensor on the output's device: refused by name otherwise
+    (a kernel reading N values from a shorter bias reads past its end; a [1] bias would broadcast)."""
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"{where}: bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if tuple(bias.shape) != (n,):
+        raise ValueError(f"{where}: bias of shape {tuple(bias.shape)}, expected ({n},): one value per output column")
+    if not bias.is_floating_point():
+        raise TypeError(f"{where}: bias must be a floating-point tensor, got {bias.dtype}")
+    if bias.device != device:
+        raise ValueError(f"{where}: bias is on {bias.device}, the operands on {device}")
+
+
 def operand_pair(out, shape: torch.Size, rowwise: bool,
                  colwise: bool) -> tuple[NVFP4Tensor | StagedOperand | None, NVFP4Tensor | None]:
     """NVFP4Tensors from the outputs of ``quantize`` for a 2D operand of ``shape`` [M, K]: the
@@ -52,4 +67,4 @@ def weight_pair(out, shape: torch.Size) -> tuple[NVFP4Tensor | StagedOperand, NV
             NVFP4Tensor(dt, st, gs[0], torch.Size((k, n)), (16, 16)))
 
 
-__all__ = ["StagedOperand", "operand_pair", "weight_pair"]
+__all__ = ["StagedOperand", "check_bias", "operand_pair", "weight_pair"]

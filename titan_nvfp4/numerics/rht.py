@@ -15,6 +15,8 @@ it to that dtype, nearest-even, as Transformer Engine does for bf16 operands (th
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 RHT_SIZE = 16
@@ -32,6 +34,8 @@ def hadamard_matrix(n: int = RHT_SIZE, dtype: torch.dtype = torch.float64) -> to
 
 def rht_signs(seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """A reproducible ±1 fp32 sign vector of length 16 from ``seed`` (same on every rank)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**63 <= seed < 2**64:
+        raise ValueError(f"rht_signs: seed must be an integer in [-2**63, 2**64), got {seed!r}")
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     bits = torch.randint(0, 2, (RHT_SIZE,), generator=gen)
     return (1.0 - 2.0 * bits.float()).to(device)
@@ -63,12 +67,17 @@ def rht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 
     Each block b becomes Hn · (s ⊙ b) / √n, computed as sign flip, log2(n) butterfly stages and a
     multiply by rht_norm(n) (exactly 1/4 for n = 16), then rounded to ``signs.dtype`` when that is
-    not fp32 (module docstring).
+    not fp32 (module docstring). Differentiable, unlike the quantizers: autograd gives the exact transposed
+    transform (the rounding to 16-bit signs passes the gradient straight through).
     """
+    for name, t in (("x", x), ("signs", signs)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"rht: {name} must be a torch.Tensor, got {type(t).__name__}")
     n = signs.numel()
-    if n < 2 or n & (n - 1):
-        raise ValueError(f"RHT signs must have a power-of-two length >= 2, got {n}")
-    if x.shape[-1] % n:
+    if signs.dim() != 1 or n < 2 or n & (n - 1) or not signs.is_floating_point():
+        raise ValueError(f"rht: signs must be a 1-D floating-point tensor of a power-of-two length >= 2 (rht_signs), "
+                         f"got {signs.dtype} {tuple(signs.shape)}")
+    if x.dim() == 0 or x.shape[-1] % n:
         raise ValueError(f"RHT needs the last dim to be a multiple of {n}, got shape {tuple(x.shape)}")
     y = x.float().reshape(-1, n) * signs.reshape(n).to(device=x.device, dtype=torch.float32)
     h = 1

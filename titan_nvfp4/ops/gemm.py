@@ -14,6 +14,7 @@ import torch
 from ..numerics.formats import e8m0_to_float
 from ..numerics.mxfp8 import MX_BLOCK, MXFP8Tensor
 from ..numerics.nvfp4 import NVFP4Tensor
+from ..numerics.operands import check_bias
 from . import library
 from .backends import resolve_backend
 
@@ -64,6 +65,7 @@ def _mx_dequantize(t: MXFP8Tensor | torch.Tensor) -> torch.Tensor:
 def gemm_reference(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     """What an FP4 tensor core computes: exact products of q·e_b, fp32 sums, global scales on the
     fp32 accumulator, then bias, then one rounding to out_dtype."""
+    check_bias(bias, b.storage_shape[0], a.data.device)
     acc = _matmul_fp32_accumulate(a.scaled_codes(torch.float32), b.scaled_codes(torch.float32))
     out = acc * (a.global_scale.float() * b.global_scale.float())
     if bias is not None:
@@ -121,6 +123,7 @@ def nvfp4_gemm(
     store; the other backends compute in ``round_to`` and widen)."""
     if a.storage_shape[1] != b.storage_shape[1]:
         raise ValueError(f"NVFP4 GEMM contraction mismatch: {a.storage_shape} vs {b.storage_shape}")
+    check_bias(bias, b.storage_shape[0], (a.values if isinstance(a, library.StagedOperand) else a.data).device)
     if backend not in _BACKENDS:  # "auto": resolve here for direct callers
         backend = resolve_backend(backend, a.data.device)
     if round_to is None or round_to == out_dtype:

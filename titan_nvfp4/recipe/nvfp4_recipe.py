@@ -175,6 +175,8 @@ def load_preset(name: str) -> dict[str, Any]:
 
 def build_recipe(preset: str | None, overrides: dict[str, Any]) -> NVFP4Recipe:
     """A recipe from a preset (or the dataclass defaults) with explicit overrides on top."""
+    if not isinstance(overrides, dict):
+        raise TypeError(f"build_recipe: overrides must be a dict of recipe keys, got {type(overrides).__name__}")
     fields = load_preset(preset) if preset else {}
     fields.update({k: v for k, v in overrides.items() if v is not None})
     return NVFP4Recipe(**fields)
