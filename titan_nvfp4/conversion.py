@@ -1,7 +1,8 @@
-"""The framework-free entry point, exported as ``titan_nvfp4.convert``: ``convert(model, recipe="nvidia_paper", **knobs)`` swaps a model's nn.Linear layers
-(and, with ``experts``, its routed experts) for NVFP4 modules in place and returns the model with the per-step object
-its training loop calls after each optimizer step. Works on meta-device models. The knobs are the TOML section's,
-checked by the same code with the same messages; TorchTitan 0.2's converters call the functions below too."""
+"""The framework-free entry point, exported as ``titan_nvfp4.convert``: ``convert(model, recipe="nvidia_paper",
+**knobs)`` swaps a model's nn.Linear layers (and, with ``experts``, its routed experts) for NVFP4 modules in place
+and returns the model with the per-step object its training loop calls after each optimizer step. Works on
+meta-device models. The knobs are the TOML section's, checked by the same code with the same messages; TorchTitan
+0.2's converters call the functions below too."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """NVFP4Trainer: TorchTitan 0.3's Trainer whose Config gains a `quantize` section (0.2's [quantize.linear.nvfp4]
-and [quantize.grouped_mm.nvfp4]), applied to the model config before the Trainer builds the model; after the
-build the core's per-step state (titan_nvfp4/training/step_state.py: the late BF16 switch, the activation amax
-windows, the low-rank refresh of lora_refresh_steps, telemetry) is attached and advanced by an optimizer step hook, and its checkpointed train_state
-carries the SR call counts and the windows (titan_nvfp4/training/train_state.py), so a resumed run continues bit for bit."""
+and [quantize.grouped_mm.nvfp4]), applied to the model config before the Trainer builds the model. After the
+build, the core's per-step state (titan_nvfp4/training/step_state.py: the late BF16 switch, the activation amax
+windows, the low-rank refresh of lora_refresh_steps, telemetry) is attached and advanced by an optimizer step
+hook, and the checkpointed train_state carries the SR call counts and the windows (training/train_state.py), so a
+resumed run continues bit for bit."""
 
 import functools
 from dataclasses import dataclass, field
@@ -112,11 +113,13 @@ class NVFP4Trainer(Trainer):
                                                                                                  sections))
 
 
-def attach_sections(model_parts: list[torch.nn.Module], quantize: QuantizeConfig, total_steps: int) -> list[SectionSteps]:
+def attach_sections(model_parts: list[torch.nn.Module], quantize: QuantizeConfig,
+                    total_steps: int) -> list[SectionSteps]:
     """The core's per-step state (training/step_state.py) of each enabled section, attached to the NVFP4 modules of
     the built ``model_parts``; returns the sections an optimizer step must advance."""
     sections = []
-    for section, classes in ((quantize.linear, (TitanNVFP4Linear,)), (quantize.grouped_mm, tuple(EXPERT_CLASSES.values()))):
+    experts = tuple(EXPERT_CLASSES.values())
+    for section, classes in ((quantize.linear, (TitanNVFP4Linear,)), (quantize.grouped_mm, experts)):
         if not section.enable:
             continue
         gather = getattr(section, "fsdp_nvfp4_all_gather", False)
