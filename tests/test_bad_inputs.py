@@ -22,7 +22,7 @@ from titan_nvfp4 import DecomposedLinear, NVFP4Linear, NVFP4Recipe, nvfp4_linear
 from titan_nvfp4.compare import check_arm_args, load_spec
 from titan_nvfp4.ops.backends import resolve_backend
 from titan_nvfp4.recipe.nvfp4_recipe import build_recipe, load_preset
-from test_converter import edited_toml, meta_llama, parse, world1
+from job_helpers import edited_toml, meta_llama, parse, world1
 
 ROOT = Path(__file__).resolve().parents[1]
 X = torch.randn(4, 32)
