@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))  # test-only helpers such as nvfp4_twin
 
 # Every cached kernel launch is checked against the kernel Triton itself would launch
@@ -24,6 +26,14 @@ try:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 except ImportError:  # pragma: no cover
     pass
+
+
+@pytest.fixture
+def cpu_histc(monkeypatch):
+    """torch.histc counting integer indices on the CPU, for TorchTitan's MoE routers (moe_helpers.histc_for_cpu)."""
+    from moe_helpers import histc_for_cpu
+
+    monkeypatch.setattr(torch, "histc", histc_for_cpu())
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,9 +17,8 @@ from titan_nvfp4.autograd.linear_function import nvfp4_linear
 from titan_nvfp4.numerics.nvfp4 import quantize_nvfp4
 from titan_nvfp4.ops import operand_amax, quantize_activation
 from dist_util import run_ranks
-from test_converter import edited_toml, parse
-from test_schedule import _llama
-from test_train_state import FakeTrainer
+from job_helpers import _llama, edited_toml, parse
+from fake_trainer import FakeTrainer
 
 RECIPE = NVFP4Recipe(gemm_backend="reference", stochastic_rounding=False)
 

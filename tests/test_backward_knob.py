@@ -50,7 +50,7 @@ def test_mxfp8_and_bf16_backward(m):
 
 
 def test_backward_knob_validation(tmp_path):
-    from test_converter import edited_toml, parse
+    from job_helpers import edited_toml, parse
 
     with pytest.raises(ValueError, match="backward must be one of"):
         NVFP4Recipe(backward="fp8")

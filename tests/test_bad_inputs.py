@@ -24,7 +24,7 @@ from titan_nvfp4.compare import check_arm_args, load_spec
 from titan_nvfp4.ops import nvfp4_gemm
 from titan_nvfp4.ops.backends import resolve_backend
 from titan_nvfp4.recipe.nvfp4_recipe import build_recipe, load_preset
-from test_converter import edited_toml, meta_llama, parse, world1
+from job_helpers import edited_toml, meta_llama, parse, world1
 
 ROOT = Path(__file__).resolve().parents[1]
 X = torch.randn(4, 32)

@@ -25,8 +25,8 @@ from torchtitan.components.optimizer import build_optimizers
 from torchtitan.distributed import ParallelDims
 from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 from torchtitan.protocols.model_converter import build_model_converters
-from test_converter import parse, world1
-from test_train_state import FakeTrainer
+from job_helpers import parse, world1
+from fake_trainer import FakeTrainer
 
 ARGS = TransformerModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=256, multiple_of=16, max_seq_len=32)
 REF = {"gemm_backend": "reference"}  # stochastic rounding on (the preset), so resumes test the SR counts

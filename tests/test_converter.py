@@ -3,13 +3,11 @@ and converting / materializing / training-stepping the Llama3 debug model on CPU
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,21 +23,14 @@ except ModuleNotFoundError:  # Python 3.10
 import titan_nvfp4  # noqa: F401  (registers the converter)
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe, available_presets
 from titan_nvfp4.integration.job_config import DEFAULT_FILTER_FQNS
-from torchtitan.config import ConfigManager
 from torchtitan.distributed import ParallelDims
-from torchtitan.models.llama3 import Transformer, llama3_args
 from torchtitan.protocols.model_converter import _registry_model_converter_cls, build_model_converters
 
-ROOT = Path(__file__).resolve().parents[1]
-JOB_TOML = ROOT / "train_configs" / "llama3_nvfp4.toml"
+from job_helpers import ROOT, edited_toml, meta_llama, parse, world1
+
 NAME = "quantize.linear.nvfp4"
-SECTION = "[quantize.linear.nvfp4]"
 BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
                  "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
-
-
-def parse(*cli: str, toml: Path = JOB_TOML):
-    return ConfigManager().parse_args(["--job.config_file", str(toml), *cli])
 
 
 #: what the job file sets beyond its preset: the debug model's eager runs graph its small Linears
@@ -51,42 +42,12 @@ def job_recipe(preset: str, **fields) -> NVFP4Recipe:
     return dataclasses.replace(preset_from_file(preset), **{**JOB_FILE_FIELDS, **fields})
 
 
-def edited_toml(tmp_path: Path, replace: dict[str, str] | None = None, add: tuple[str, ...] = ()) -> Path:
-    """A copy of the real job file whose [quantize.linear.nvfp4] section has ``key = value`` set
-    (replacing the existing or commented-out line, so no key appears twice) plus extra lines."""
-    text = JOB_TOML.read_text()
-    head, sep, section = text.partition(SECTION)
-    assert sep, "the job file lost its [quantize.linear.nvfp4] section"
-    assert "\n[" not in section, "the section is expected to be the last one of the file"
-    for key, value in (replace or {}).items():
-        pat = re.compile(rf"^#?[ \t]*{re.escape(key)}[ \t]*=.*$", re.M)
-        assert len(pat.findall(section)) == 1, f"{key} not exactly once in the section"
-        section = pat.sub(f"{key} = {value}", section)
-    section = section.rstrip("\n") + "\n" + "".join(f"{line}\n" for line in add)
-    path = tmp_path / "job.toml"
-    path.write_text(head + sep + section)
-    tomllib.loads(path.read_text())  # still valid TOML, no duplicate keys
-    return path
-
-
 def preset_from_file(name: str) -> NVFP4Recipe:
     """A preset read straight from configs/ (not through titan_nvfp4.recipe.nvfp4_recipe.load_preset)."""
     with open(ROOT / "configs" / f"{name}.toml", "rb") as f:
         data = tomllib.load(f)
     data.pop("description", None)
     return NVFP4Recipe(**data)
-
-
-def world1() -> ParallelDims:
-    return ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-
-
-def meta_llama(cfg=None) -> Transformer:
-    args = copy.deepcopy(llama3_args["debugmodel"])
-    if cfg is not None:
-        args.update_from_config(cfg)  # as TorchTitan's trainer does (max_seq_len = training.seq_len)
-    with torch.device("meta"):
-        return Transformer(args)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from titan_nvfp4.autograd.linear_function import nvfp4_linear
 from titan_nvfp4.numerics.lowrank import check_rank, lowrank_merge, lowrank_split, project_moments
 from titan_nvfp4.ops import quantize_rowwise, quantize_weight
 from titan_nvfp4.tools.export_dense import fold_decomposed, main as export_main
-from test_converter import edited_toml, meta_llama, parse, world1
+from job_helpers import edited_toml, meta_llama, parse, world1
 
 REF = NVFP4Recipe(gemm_backend="reference", stochastic_rounding=False)
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from docs_pages import PAGES, REPO
+
 DATA = Path(__file__).resolve().parent / "data"
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 CPU_TRAINING_MARK = "titan-nvfp4: TorchTitan training needs a CUDA or ROCm GPU"
 
 

@@ -9,8 +9,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from test_docs_commands import PAGES
-from test_docs_commands import REPO as ROOT
+
+from docs_pages import PAGES
+from docs_pages import REPO as ROOT
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~)")

@@ -12,7 +12,7 @@ from titan_nvfp4.numerics.nvfp4 import (block_decode_scale, block_encode_factor,
 from titan_nvfp4.numerics.rht import rht_signs
 from titan_nvfp4.ops.quantize import quantize_wgrad_operand
 
-from test_kernels import DEV, GPU, inputs, same_bits, same_values
+from kernel_helpers import DEV, GPU, inputs, same_bits, same_values
 
 
 def _candidates(blocks: torch.Tensor, s_enc: torch.Tensor):

@@ -4,7 +4,6 @@ TorchTitan's MoE debug models (meta device, init_weights, CPU forward + backward
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
@@ -20,15 +19,11 @@ from titan_nvfp4.integration.experts import NVFP4GptOssExperts, NVFP4GroupedExpe
 from titan_nvfp4.autograd.linear_function import nvfp4_linear, sr_counter
 from titan_nvfp4.ops import quantize_rowwise, quantize_weight, quantize_wgrad_operand
 from titan_nvfp4.numerics.rht import rht_signs
-from titan_nvfp4.ops.backends import interpreting
+
+from moe_helpers import _build, cpu_triton
 
 REF = NVFP4Recipe(gemm_backend="reference", stochastic_rounding=False)
 
-# These tests run CPU tensors through Triton (our kernels, and TorchTitan's token-permutation kernel,
-# which TorchTitan picks whenever CUDA is present): in CI's interpreter, not on a GPU machine's driver.
-# On a GPU machine run them with TRITON_INTERPRET=1; test_gpu.py covers the kernels on the device.
-cpu_triton = pytest.mark.skipif(torch.cuda.is_available() and not interpreting(),
-                                reason="CPU tensors through Triton: set TRITON_INTERPRET=1 on a GPU machine")
 # uneven groups: an empty expert, a single token, sizes that are not multiples of 16, and 5 tail rows
 COUNTS = [37, 0, 1, 16, 50]
 TAIL = 5
@@ -369,57 +364,6 @@ def test_unaligned_groups_fall_back_to_the_per_expert_loop():
 
 # --------------------------------------------------------------------- TorchTitan's MoE models
 
-def _moe_models():
-    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_args
-    from torchtitan.models.gpt_oss import GptOssModel, gptoss_configs
-    from torchtitan.models.llama4 import Transformer as Llama4, llama4_args
-    from torchtitan.models.qwen3 import Qwen3Model, qwen3_args
-
-    return {
-        "deepseek_v3": (DeepSeekV3Model, deepseekv3_args["debugmodel"]),
-        "llama4": (Llama4, llama4_args["debugmodel"]),
-        "qwen3": (Qwen3Model, qwen3_args["debugmodel_moe"]),
-        "gpt_oss": (GptOssModel, gptoss_configs["debugmodel"]),
-    }
-
-
-def _build(name: str, seq: int = 32, score_before_experts: bool | None = None, n_layers: int | None = None):
-    """TorchTitan's debug flavour of ``name`` on the meta device, its vocabulary cut to the other flavours'
-    2048: gpt_oss's debug flavour keeps its tokenizer's 201,088, whose embedding and output layer would
-    take most of a CPU test's time in init_weights."""
-    from torchtitan.config import ConfigManager
-
-    cls, args = _moe_models()[name]
-    args = copy.deepcopy(args)
-    args.vocab_size = min(args.vocab_size, 2048)
-    if score_before_experts is not None:
-        args.moe_args.score_before_experts = score_before_experts
-    if n_layers is not None:  # fewer blocks (deepseek_v3: the first stays dense), for the multi-process tests
-        args.n_layers = n_layers
-    # as TorchTitan's trainer does (max_seq_len, the MoE implementation, ...)
-    args.update_from_config(ConfigManager().parse_args(["--training.seq_len", str(seq)]))
-    with torch.device("meta"):
-        return cls(args), args
-
-
-def histc_for_cpu(histc=torch.histc):
-    """TorchTitan's router counts tokens per expert with torch.histc on int64 indices, which has no
-    CPU kernel: a torch.histc that counts in float32 there (exact for these counts). GPU runs use the
-    real op."""
-
-    def patched(x, *args, **kwargs):
-        if x.device.type == "cpu" and not x.is_floating_point():
-            return histc(x.float(), *args, **kwargs).to(x.dtype)  # integer counts, as CUDA returns
-        return histc(x, *args, **kwargs)
-
-    return patched
-
-
-@pytest.fixture
-def cpu_histc(monkeypatch):
-    monkeypatch.setattr(torch, "histc", histc_for_cpu())
-
-
 @cpu_triton
 @pytest.mark.parametrize("name", ["deepseek_v3", "llama4", "qwen3", "gpt_oss"])
 def test_moe_debug_model_converts_on_meta_and_trains_on_cpu(name, cpu_histc):
@@ -514,7 +458,7 @@ def test_grouped_converter_twice_is_a_no_op():
     """A second conversion changes nothing and raises nothing, as the Linear converter's (issue 42)."""
     from torchtitan.protocols.model_converter import build_model_converters
 
-    from test_converter import parse, world1
+    from job_helpers import parse, world1
 
     conv = build_model_converters(parse("--model.converters", GROUPED_CONVERTER_NAME), world1())
     model, _ = _build("deepseek_v3", n_layers=2)
@@ -530,7 +474,7 @@ def test_grouped_converter_takes_the_branch_dtype_from_the_linear_section():
     (no Linear converter listed) sets it on the experts it converts."""
     from torchtitan.protocols.model_converter import build_model_converters
 
-    from test_converter import parse, world1
+    from job_helpers import parse, world1
 
     for value in ("float32", "input"):
         conv = build_model_converters(parse("--model.converters", GROUPED_CONVERTER_NAME, "--quantize.grouped_mm.nvfp4"
@@ -548,7 +492,7 @@ def test_float32_branch_stores_fp32_factors_in_a_bf16_model(cpu_histc):
     first FP32 arm repeated the BF16-branch arm bit for bit.)"""
     from torchtitan.protocols.model_converter import build_model_converters
 
-    from test_converter import parse, world1
+    from job_helpers import parse, world1
 
     knobs = ["--model.converters", f"quantize.linear.nvfp4,{GROUPED_CONVERTER_NAME}",
              "--quantize.linear.nvfp4.filter_fqns", "output,router.gate",
@@ -592,7 +536,7 @@ def test_float32_branch_in_a_bf16_model_under_fsdp_is_refused_by_name():
     from torchtitan.distributed import ParallelDims
     from torchtitan.protocols.model_converter import build_model_converters
 
-    from test_converter import parse
+    from job_helpers import parse
 
     fsdp2 = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=2)
     assert fsdp2.fsdp_enabled

@@ -15,9 +15,9 @@ from titan_nvfp4.training.schedule import GROUPED_STEPS, LINEAR_STEPS
 from titan_nvfp4.integration.experts import NVFP4GptOssExperts, NVFP4GroupedExperts
 from titan_nvfp4.modules.lowrank_experts import grouped_linear
 from titan_nvfp4.training.schedule import PrecisionSchedule, StepCounter, switch_step
-from test_converter import edited_toml, meta_llama, parse, world1
-from test_grouped import _build, cpu_histc  # noqa: F401  (fixture)
-from test_train_state import FakeTrainer  # TorchTitan's Trainer checkpoint interface, with our extension
+from job_helpers import _llama, edited_toml, meta_llama, parse, world1
+from moe_helpers import _build
+from fake_trainer import FakeTrainer  # TorchTitan's Trainer checkpoint interface, with our extension
 
 
 def test_switch_step():
@@ -35,20 +35,6 @@ def test_bad_fraction_stops_the_job_at_parse_time(tmp_path, value):
     toml = edited_toml(tmp_path, add=(f"bf16_after_fraction = {value}",))
     with pytest.raises(Exception, match=r"bf16_after_fraction must be a number in \[0, 1\], got"):
         parse(toml=toml)
-
-
-def _llama(tmp_path, *add, steps: int = 4):
-    from torchtitan.protocols.model_converter import build_model_converters
-
-    cfg = parse("--training.steps", str(steps), toml=edited_toml(tmp_path, add=add))
-    model = meta_llama(cfg)
-    converters = build_model_converters(cfg, world1())
-    converters.convert(model)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    return model, converters
 
 
 def _plain_output(model, tokens):

@@ -13,7 +13,7 @@ import titan_nvfp4.autograd.linear_function as lf
 import titan_nvfp4.autograd.sibling_x as sx
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
 from titan_nvfp4.ops.backends import interpreting
-from test_sibling_cse import DEV, _qkv
+from sibling_helpers import DEV, _qkv
 
 BACKENDS = ["reference", pytest.param("emulated", marks=pytest.mark.skipif(
     DEV == "cpu" and not interpreting(), reason="needs a GPU or TRITON_INTERPRET=1"))]

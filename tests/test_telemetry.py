@@ -13,7 +13,7 @@ from titan_nvfp4.numerics.nvfp4 import quantize_nvfp4
 from titan_nvfp4.training.schedule import StepCounter
 from titan_nvfp4.integration_common.metrics_hook import install_metrics_hook
 from titan_nvfp4.modules.telemetry import Telemetry, drain_all, operand_stats
-from test_grouped import cpu_histc, cpu_triton  # noqa: F401  (cpu_histc: a fixture)
+from moe_helpers import cpu_triton
 
 
 def test_operand_stats_on_crafted_blocks():
@@ -75,7 +75,7 @@ def test_converter_wires_telemetry_and_validates_the_knob(tmp_path, monkeypatch)
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.protocols.model_converter import build_model_converters
 
-    from test_converter import edited_toml, meta_llama, parse, world1
+    from job_helpers import edited_toml, meta_llama, parse, world1
 
     monkeypatch.setattr(MetricsProcessor, "log", MetricsProcessor.log)  # restored after the test
     cfg = parse(toml=edited_toml(tmp_path, add=("telemetry_every = 50",)))
@@ -111,7 +111,7 @@ def test_expert_weight_stats_quantize_each_expert_on_its_own():
 def test_experts_measure_every_grouped_gemm(name, cpu_histc):
     from titan_nvfp4.conversion import convert_experts
     from titan_nvfp4.modules.telemetry import expert_weight_stats
-    from test_grouped import _build
+    from moe_helpers import _build
 
     torch.manual_seed(0)
     model, args = _build(name)
@@ -144,7 +144,7 @@ def test_grouped_section_wires_telemetry(tmp_path, monkeypatch):
     from torchtitan.config import ConfigManager
     from torchtitan.distributed import ParallelDims
     from torchtitan.protocols.model_converter import build_model_converters
-    from test_grouped import _build
+    from moe_helpers import _build
 
     monkeypatch.setattr(MetricsProcessor, "log", MetricsProcessor.log)  # undo the hook after the test
     job = tmp_path / "job.toml"

@@ -16,7 +16,7 @@ from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
 from titan_nvfp4.distributed.tensor_parallel import local
 from titan_nvfp4.numerics.rht import rht_signs
 from dist_util import run_ranks
-from test_grouped import cpu_histc, histc_for_cpu  # noqa: F401  (cpu_histc: a fixture)
+from moe_helpers import histc_for_cpu
 
 RNE = NVFP4Recipe(gemm_backend="reference", stochastic_rounding=False)
 
@@ -149,7 +149,7 @@ LLAMA_KEYS = ('gemm_backend = "reference"', "stochastic_rounding = false")
 
 
 def _llama_cfg(toml, tp: int, dp: int, *extra: str):
-    from test_converter import parse
+    from job_helpers import parse
 
     return parse("--parallelism.tensor_parallel_degree", str(tp), "--parallelism.data_parallel_shard_degree",
                  str(dp), "--training.seq_len", "32", "--training.mixed_precision_param", "float32",
@@ -232,7 +232,7 @@ def _llama_worker(rank, world, out, toml, tp, dp, state, tokens):
 @pytest.mark.long
 @pytest.mark.parametrize("tp,dp", [(2, 1), (2, 2)], ids=["tp2", "fsdp2xtp2"])
 def test_llama3_under_torchtitan_tp_plan_matches_one_process(tmp_path, tp, dp):
-    from test_converter import edited_toml, world1
+    from job_helpers import edited_toml, world1
 
     toml = edited_toml(tmp_path, add=LLAMA_KEYS)
     ref = _llama(_llama_cfg(toml, 1, 1), world1())
@@ -285,7 +285,7 @@ def test_fsdp2_x_tp2_nvfp4_all_gather_equals_the_bf16_all_gather(tmp_path):
     tile amaxes all-reduced over the FSDP group and the tensor amax over the FSDP and TP groups, so the
     gathered codes are the TP shard's quantization with the whole weight's tensor scale, as the BF16
     all-gather's path computes it: logits and gradients bit for bit."""
-    from test_converter import edited_toml, world1
+    from job_helpers import edited_toml, world1
 
     toml = edited_toml(tmp_path, add=LLAMA_KEYS)
     ref = _llama(_llama_cfg(toml, 1, 1), world1(), n_layers=2)
@@ -313,7 +313,7 @@ def _moe_job(tmp_path):
 
 
 def _moe_model(job, ep: int, dp: int, score_before_experts: bool | None = None, n_layers: int | None = None):
-    from test_grouped import _build
+    from moe_helpers import _build
     from torchtitan.config import ConfigManager
     from torchtitan.distributed import ParallelDims
     from torchtitan.protocols.model_converter import build_model_converters
@@ -383,7 +383,7 @@ def _moe_tp_worker(rank, world, out, job, state, tokens, check_experts=True):
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.deepseek_v3.infra.parallelize import parallelize_deepseekv3
     from torchtitan.protocols.model_converter import build_model_converters
-    from test_grouped import _build
+    from moe_helpers import _build
 
     from titan_nvfp4.integration.experts import NVFP4GroupedExperts
 
@@ -600,7 +600,7 @@ def test_fsdp2_nvfp4_all_gather_under_compile_and_activation_checkpointing_match
     as the eager run. Before the gathered weight was a traceable subclass (__tensor_flatten__), the
     compiled blocks left the NVFP4 weights without a gradient, silently: a 2-GPU run trained only its
     BF16 layers."""
-    from test_converter import edited_toml, world1
+    from job_helpers import edited_toml, world1
 
     # the attention's Linears stay BF16: the compile then traces the reference backend's math 3 times, not 7
     toml = edited_toml(tmp_path, replace={"filter_fqns": '["output", "attention"]'},
@@ -641,7 +641,7 @@ def _train_worker(rank, world, out, toml, tp, dp, state, batches, ckpt, phase):
 
         assert isinstance(model.layers["0"].attention.wq.weight._local_tensor, NVFP4ShardedWeight)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    from test_train_state import FakeTrainer  # TorchTitan's train_state, with the SR call counts
+    from fake_trainer import FakeTrainer  # TorchTitan's train_state, with the SR call counts
 
     trainer = FakeTrainer(model)
     losses = []
@@ -677,7 +677,7 @@ def test_dcp_checkpoint_resume_reproduces_the_run_bit_for_bit(tmp_path, tp, dp):
     are all-gathered as NVFP4 (fsdp_nvfp4_all_gather), so their sharded wrapper goes through DCP too,
     and the converter's post-optimizer hook precomputes their scales (the resumed run's first forward
     reduces them itself: the load dropped them)."""
-    from test_converter import edited_toml, world1
+    from job_helpers import edited_toml, world1
 
     keys = ('gemm_backend = "reference"', "lora_rank = 16") + (("fsdp_nvfp4_all_gather = true",) if dp > 1 else ())
     toml = edited_toml(tmp_path, add=keys)  # SR on (the preset)

@@ -15,23 +15,9 @@ import titan_nvfp4  # noqa: F401
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
 from titan_nvfp4.integration import train_state
 
+from fake_trainer import FakeTrainer
+
 SR = NVFP4Recipe(gemm_backend="reference", stochastic_rounding=True)
-
-
-class FakeTrainer:
-    """TorchTitan's Trainer, as far as its checkpoint is concerned (torchtitan/train.py)."""
-
-    def __init__(self, model):
-        self.model_parts, self.step, self.ntokens_seen = [model], 0, 0
-
-    def state_dict(self):
-        return {"step": self.step, "ntokens_seen": self.ntokens_seen}
-
-    def load_state_dict(self, state_dict):
-        self.step, self.ntokens_seen = state_dict["step"], state_dict["ntokens_seen"]
-
-
-train_state.install(FakeTrainer)
 
 
 def _model():
