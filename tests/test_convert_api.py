@@ -17,7 +17,7 @@ from titan_nvfp4 import NVFP4Linear
 from titan_nvfp4.training.train_state import KEY, HISTORY_KEY
 from torchtitan.protocols.model_converter import _registry_model_converter_cls
 
-from test_converter import ROOT, edited_toml, parse, world1
+from job_helpers import ROOT, edited_toml, parse, world1
 
 spec = importlib.util.spec_from_file_location("plain_pytorch_loop", ROOT / "docs" / "plain_pytorch_loop.py")
 loop = importlib.util.module_from_spec(spec)

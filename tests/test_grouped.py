@@ -447,9 +447,12 @@ def test_grouped_section_rejects_bad_values(tmp_path):
 def test_grouped_converter_with_no_match_fails_loudly():
     from titan_nvfp4.integration.converter import NVFP4GroupedMMConverter
 
+    from job_helpers import parse, world1
+
     model, _ = _build("deepseek_v3")
-    conv = NVFP4GroupedMMConverter.__new__(NVFP4GroupedMMConverter)
-    conv.recipe, conv.fqns, conv.enabled = REF, ["no_such_module"], True
+    cfg = parse("--quantize.grouped_mm.nvfp4.fqns", "no_such_module",
+                "--quantize.grouped_mm.nvfp4.gemm_backend", "reference")
+    conv = NVFP4GroupedMMConverter(cfg, world1())
     with pytest.raises(ValueError, match="no routed-expert module matched"):
         conv.convert(model)
 
