@@ -1,6 +1,6 @@
 """The TorchTitan job the integration tests start from: the real job file (train_configs/llama3_nvfp4.toml) parsed
 with CLI overrides or with its [quantize.linear.nvfp4] section edited, a one-process world, and the Llama3 debug
-model on meta, converted by the job's converters (``_llama``)."""
+model on meta, converted by the job's converters (``llama_model``)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def meta_llama(cfg=None) -> Transformer:
         return Transformer(args)
 
 
-def _llama(tmp_path, *add, steps: int = 4):
+def llama_model(tmp_path, *add, steps: int = 4):
     from torchtitan.protocols.model_converter import build_model_converters
 
     cfg = parse("--training.steps", str(steps), toml=edited_toml(tmp_path, add=add))

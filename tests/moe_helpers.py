@@ -17,7 +17,7 @@ cpu_triton = pytest.mark.skipif(torch.cuda.is_available() and not interpreting()
                                 reason="CPU tensors through Triton: set TRITON_INTERPRET=1 on a GPU machine")
 
 
-def _moe_models():
+def moe_models():
     from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_args
     from torchtitan.models.gpt_oss import GptOssModel, gptoss_configs
     from torchtitan.models.llama4 import Transformer as Llama4, llama4_args
@@ -31,13 +31,13 @@ def _moe_models():
     }
 
 
-def _build(name: str, seq: int = 32, score_before_experts: bool | None = None, n_layers: int | None = None):
+def build_moe(name: str, seq: int = 32, score_before_experts: bool | None = None, n_layers: int | None = None):
     """TorchTitan's debug flavour of ``name`` on the meta device, its vocabulary cut to the other flavours'
     2048: gpt_oss's debug flavour keeps its tokenizer's 201,088, whose embedding and output layer would
     take most of a CPU test's time in init_weights."""
     from torchtitan.config import ConfigManager
 
-    cls, args = _moe_models()[name]
+    cls, args = moe_models()[name]
     args = copy.deepcopy(args)
     args.vocab_size = min(args.vocab_size, 2048)
     if score_before_experts is not None:

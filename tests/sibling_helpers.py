@@ -21,7 +21,7 @@ class QKV(nn.Module):
         return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
 
 
-def _qkv(recipe: NVFP4Recipe) -> QKV:
+def qkv_layers(recipe: NVFP4Recipe) -> QKV:
     with torch.device("meta"):
         m = QKV(recipe)
     m.to_empty(device=DEV)

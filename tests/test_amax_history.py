@@ -17,7 +17,7 @@ from titan_nvfp4.autograd.linear_function import nvfp4_linear
 from titan_nvfp4.numerics.nvfp4 import quantize_nvfp4
 from titan_nvfp4.ops import operand_amax, quantize_activation
 from dist_util import run_ranks
-from job_helpers import _llama, edited_toml, parse
+from job_helpers import llama_model, edited_toml, parse
 from fake_trainer import FakeTrainer
 
 RECIPE = NVFP4Recipe(gemm_backend="reference", stochastic_rounding=False)
@@ -153,7 +153,7 @@ def test_refused_with_pipeline_parallelism(tmp_path):
 
 def test_converter_wires_it_and_resume_restores_it(tmp_path):
     keys = ("activation_amax_history = 3", 'gemm_backend = "reference"', "stochastic_rounding = false")
-    model, converters = _llama(tmp_path, *keys)
+    model, converters = llama_model(tmp_path, *keys)
     layers = layers_with_history(model)
     assert layers and all(isinstance(m, NVFP4Linear) for m in layers)
     assert not any("amax" in k for k in model.state_dict()), "model keys stay TorchTitan's"
@@ -168,7 +168,7 @@ def test_converter_wires_it_and_resume_restores_it(tmp_path):
     trainer.step = 1
     dcp.save({"train_state": trainer}, checkpoint_id=str(tmp_path / "step-1"))
 
-    fresh, _ = _llama(tmp_path, *keys)
+    fresh, _ = llama_model(tmp_path, *keys)
     assert not layers_with_history(fresh)[0].amax_history.ready
     t2 = FakeTrainer(fresh)
     dcp.load({"train_state": t2}, checkpoint_id=str(tmp_path / "step-1"))

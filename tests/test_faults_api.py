@@ -2,7 +2,7 @@
 
 S8: an input whose values change behind its version counter (numpy refilling a from_numpy tensor, a ``.data``
 edit, a reused batch buffer) gives the output a fresh layer gives, bit for bit; eager sibling sharing
-(titan_nvfp4/sibling_x.py) reuses only activations of the running forward. S7: quantization of a tensor that
+(titan_nvfp4/autograd/sibling_x.py) reuses only activations of the running forward. S7: quantization of a tensor that
 requires grad is refused with a message, not differentiated through its scales. S11: a GEMM bias that is not
 [N] is refused before a kernel reads it.
 """
@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-import titan_nvfp4.linear_function as lf
-import titan_nvfp4.sibling_x as sx
+import titan_nvfp4.autograd.linear_function as lf
+import titan_nvfp4.autograd.sibling_x as sx
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe, quantize_mxfp8, quantize_nvfp4, rht, rht_signs
 from titan_nvfp4.numerics import rht_matrix
 from titan_nvfp4.ops import library, nvfp4_gemm

@@ -20,7 +20,7 @@ from titan_nvfp4.autograd.linear_function import nvfp4_linear, sr_counter
 from titan_nvfp4.ops import quantize_rowwise, quantize_weight, quantize_wgrad_operand
 from titan_nvfp4.numerics.rht import rht_signs
 
-from moe_helpers import _build, cpu_triton
+from moe_helpers import build_moe, cpu_triton
 
 REF = NVFP4Recipe(gemm_backend="reference", stochastic_rounding=False)
 
@@ -368,7 +368,7 @@ def test_unaligned_groups_fall_back_to_the_per_expert_loop():
 @pytest.mark.parametrize("name", ["deepseek_v3", "llama4", "qwen3", "gpt_oss"])
 def test_moe_debug_model_converts_on_meta_and_trains_on_cpu(name, cpu_histc):
     torch.manual_seed(0)
-    model, args = _build(name, n_layers=2)  # a dense and a MoE block where the flavour has both
+    model, args = build_moe(name, n_layers=2)  # a dense and a MoE block where the flavour has both
     keys = set(model.state_dict().keys())
     recipe = NVFP4Recipe(gemm_backend="reference")
     report = convert_experts(model, recipe, ["experts"])
@@ -427,7 +427,7 @@ def test_grouped_converter_through_torchtitan(tmp_path):
     dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
     converters = build_model_converters(cfg, dims)
     assert moe_utils.TOKEN_GROUP_ALIGN_SIZE_M == 16
-    model, _ = _build("deepseek_v3")
+    model, _ = build_moe("deepseek_v3")
     converters.convert(model)
     experts = [m for m in model.modules() if isinstance(m, NVFP4GroupedExperts)]
     assert experts and not experts[0].recipe.stochastic_rounding
@@ -449,7 +449,7 @@ def test_grouped_converter_with_no_match_fails_loudly():
 
     from job_helpers import parse, world1
 
-    model, _ = _build("deepseek_v3")
+    model, _ = build_moe("deepseek_v3")
     cfg = parse("--quantize.grouped_mm.nvfp4.fqns", "no_such_module",
                 "--quantize.grouped_mm.nvfp4.gemm_backend", "reference")
     conv = NVFP4GroupedMMConverter(cfg, world1())
@@ -464,7 +464,7 @@ def test_grouped_converter_twice_is_a_no_op():
     from job_helpers import parse, world1
 
     conv = build_model_converters(parse("--model.converters", GROUPED_CONVERTER_NAME), world1())
-    model, _ = _build("deepseek_v3", n_layers=2)
+    model, _ = build_moe("deepseek_v3", n_layers=2)
     conv.convert(model)
     mods = dict(model.named_modules())
     assert any(isinstance(m, NVFP4GroupedExperts) for m in mods.values())
@@ -482,7 +482,7 @@ def test_grouped_converter_takes_the_branch_dtype_from_the_linear_section():
     for value in ("float32", "input"):
         conv = build_model_converters(parse("--model.converters", GROUPED_CONVERTER_NAME, "--quantize.grouped_mm.nvfp4"
                                             ".lora_rank", "16", "--quantize.linear.nvfp4.lora_dtype", value), world1())
-        model, _ = _build("deepseek_v3", n_layers=2)
+        model, _ = build_moe("deepseek_v3", n_layers=2)
         conv.convert(model)
         experts = [m for m in model.modules() if isinstance(m, NVFP4GroupedExperts)]
         assert experts and all(m.lora_dtype == value for m in experts)
@@ -504,7 +504,7 @@ def test_float32_branch_stores_fp32_factors_in_a_bf16_model(cpu_histc):
     torch.manual_seed(0)
     built = {}
     for value in ("input", "float32"):
-        model, args = _build("gpt_oss", n_layers=1)
+        model, args = build_moe("gpt_oss", n_layers=1)
         build_model_converters(parse(*knobs, "--quantize.linear.nvfp4.lora_dtype", value), world1()).convert(model)
         lowrank = [m for m in model.modules() if isinstance(m, LowRankState)]
         assert len(lowrank) == 5, [type(m).__name__ for m in lowrank]  # wq, wk, wv, wo and the experts
@@ -544,7 +544,7 @@ def test_float32_branch_in_a_bf16_model_under_fsdp_is_refused_by_name():
     fsdp2 = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=2)
     assert fsdp2.fsdp_enabled
     for converters in ("quantize.linear.nvfp4", GROUPED_CONVERTER_NAME):
-        model, _ = _build("gpt_oss", n_layers=1)
+        model, _ = build_moe("gpt_oss", n_layers=1)
         cfg = parse("--model.converters", converters, "--quantize.linear.nvfp4.filter_fqns", "output,router.gate",
                     "--quantize.linear.nvfp4.lora_rank", "16", "--quantize.grouped_mm.nvfp4.lora_rank", "16",
                     "--quantize.linear.nvfp4.lora_dtype", "float32")
@@ -592,7 +592,7 @@ def test_expert_lowrank_branch_meta_build_decomposition_and_gradients(name, cpu_
     from titan_nvfp4.modules.lowrank_experts import grouped_lowrank
 
     torch.manual_seed(0)
-    model, args = _build(name, n_layers=2)  # a dense and a MoE block where the flavour has both
+    model, args = build_moe(name, n_layers=2)  # a dense and a MoE block where the flavour has both
     recipe = NVFP4Recipe(gemm_backend="reference")
     report = convert_experts(model, recipe, ["experts"], lora_rank=16)
     decompose_after_init(model)
@@ -630,13 +630,13 @@ def test_expert_lowrank_branch_meta_build_decomposition_and_gradients(name, cpu_
     from titan_nvfp4.tools.export_dense import fold_decomposed
 
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    plain, _ = _build(name, n_layers=2)
+    plain, _ = build_moe(name, n_layers=2)
     dense = fold_decomposed(state)
     assert not any("lora" in k for k in dense) and set(dense) == set(plain.state_dict())
     prefix = next(k for k in state if k.endswith(f"{g0}_lora_u"))[: -len(f"{g0}_lora_u")]
     for g, w in experts[0].dense_weights().items():
         assert torch.equal(dense[prefix + g], w.to(dense[prefix + g].dtype))  # R + U·diag(σ)·V in R's dtype
-    again, _ = _build(name, n_layers=2)
+    again, _ = build_moe(name, n_layers=2)
     convert_experts(again, recipe, ["experts"], lora_rank=16)
     again.to_empty(device="cpu")
     again.load_state_dict(state)
@@ -673,10 +673,10 @@ def test_expert_lowrank_rejects_bad_ranks_and_is_optional():
         with pytest.raises(ValueError, match=r"\[quantize.grouped_mm.nvfp4\] lora_rank must be 0 \(off\) or a positive "
                                              rf"multiple of 16, got {bad}"):
             NVFP4GroupedMMConfig(lora_rank=bad)
-    model, _ = _build("deepseek_v3")
+    model, _ = build_moe("deepseek_v3")
     with pytest.raises(ValueError, match="lora_rank 4096 does not fit experts"):
         convert_experts(model, NVFP4Recipe(), ["experts"], lora_rank=4096)
-    model, _ = _build("deepseek_v3")
+    model, _ = build_moe("deepseek_v3")
     convert_experts(model, NVFP4Recipe(), ["experts"])
     assert not any("lora" in k for k in model.state_dict())
 

@@ -15,8 +15,8 @@ from titan_nvfp4.training.schedule import GROUPED_STEPS, LINEAR_STEPS
 from titan_nvfp4.integration.experts import NVFP4GptOssExperts, NVFP4GroupedExperts
 from titan_nvfp4.modules.lowrank_experts import grouped_linear
 from titan_nvfp4.training.schedule import PrecisionSchedule, StepCounter, switch_step
-from job_helpers import _llama, edited_toml, meta_llama, parse, world1
-from moe_helpers import _build
+from job_helpers import llama_model, edited_toml, meta_llama, parse, world1
+from moe_helpers import build_moe
 from fake_trainer import FakeTrainer  # TorchTitan's Trainer checkpoint interface, with our extension
 
 
@@ -49,7 +49,7 @@ def _plain_output(model, tokens):
 
 def test_linears_switch_at_the_step_and_after_a_resume(tmp_path):
     keys = ("bf16_after_fraction = 0.5", 'gemm_backend = "reference"', "stochastic_rounding = false")
-    model, converters = _llama(tmp_path, *keys, steps=4)
+    model, converters = llama_model(tmp_path, *keys, steps=4)
     linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
     assert linears and all(not m.high_precision for m in linears)
     tokens = torch.randint(0, 2000, (2, 32))
@@ -65,7 +65,7 @@ def test_linears_switch_at_the_step_and_after_a_resume(tmp_path):
 
     # resume from the step-1 checkpoint (TorchTitan restores its train_state step): same count, still
     # NVFP4, and the switch one step later
-    again, conv2 = _llama(tmp_path, *keys, steps=4)
+    again, conv2 = llama_model(tmp_path, *keys, steps=4)
     again.load_state_dict(state)
     FakeTrainer(again).load_state_dict({"step": 1, "ntokens_seen": 0})
     counter = getattr(again, LINEAR_STEPS)
@@ -76,7 +76,7 @@ def test_linears_switch_at_the_step_and_after_a_resume(tmp_path):
     assert all(m.high_precision for m in lin2) and counter.count == 2
 
     # resuming after the switch switches before the first forward
-    third, _ = _llama(tmp_path, *keys, steps=4)
+    third, _ = llama_model(tmp_path, *keys, steps=4)
     third.load_state_dict(model.state_dict())
     FakeTrainer(third).load_state_dict({"step": 2, "ntokens_seen": 0})
     assert all(m.high_precision for m in third.modules() if isinstance(m, NVFP4Linear))
@@ -84,15 +84,15 @@ def test_linears_switch_at_the_step_and_after_a_resume(tmp_path):
 
 
 def test_fraction_one_is_high_precision_from_the_start_and_zero_adds_nothing(tmp_path):
-    model, _ = _llama(tmp_path, "bf16_after_fraction = 1.0", 'gemm_backend = "reference"')
+    model, _ = llama_model(tmp_path, "bf16_after_fraction = 1.0", 'gemm_backend = "reference"')
     assert all(m.high_precision for m in model.modules() if isinstance(m, NVFP4Linear))
     assert set(model.state_dict()) == set(meta_llama().state_dict()), "the schedule adds no state-dict keys"
-    off, _ = _llama(tmp_path, 'gemm_backend = "reference"')
+    off, _ = llama_model(tmp_path, 'gemm_backend = "reference"')
     assert not hasattr(off, LINEAR_STEPS)
 
 
 def test_decomposed_linear_in_high_precision_is_its_dense_weight(tmp_path):
-    model, _ = _llama(tmp_path, "bf16_after_fraction = 1.0", "lora_rank = 16", 'gemm_backend = "reference"')
+    model, _ = llama_model(tmp_path, "bf16_after_fraction = 1.0", "lora_rank = 16", 'gemm_backend = "reference"')
     m = model.layers["0"].attention.wq
     assert isinstance(m, DecomposedLinear) and m.high_precision
     x = torch.randn(8, m.in_features, dtype=torch.float64)
@@ -104,10 +104,10 @@ def test_decomposed_linear_in_high_precision_is_its_dense_weight(tmp_path):
 
 def test_refresh_follows_the_saved_step_count(tmp_path):
     keys = ("lora_rank = 16", "lora_refresh_steps = 2", 'gemm_backend = "reference"')
-    model, converters = _llama(tmp_path, *keys)
+    model, converters = llama_model(tmp_path, *keys)
     converters.post_optimizer_hook([model])  # step 1
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    again, conv2 = _llama(tmp_path, *keys)
+    again, conv2 = llama_model(tmp_path, *keys)
     again.load_state_dict(state)
     FakeTrainer(again).load_state_dict({"step": 1, "ntokens_seen": 0})
     m = again.layers["0"].attention.wq
@@ -144,8 +144,8 @@ def test_experts_switch_to_torchtitan_numerics(tmp_path, name, cpu_histc):
                    f'[model]\nname = "{name}"\nflavor = "debugmodel"\nconverters = ["quantize.grouped_mm.nvfp4"]\n'
                    '[quantize.grouped_mm.nvfp4]\nbf16_after_fraction = 1.0\ngemm_backend = "reference"\n')
     cfg = ConfigManager().parse_args(["--job.config_file", str(job), "--training.steps", "10"])
-    model, _ = _build(name)
-    plain, _ = _build(name)
+    model, _ = build_moe(name)
+    plain, _ = build_moe(name)
     converters = build_model_converters(cfg, world1())
     converters.convert(model)
     for m in (model, plain):

@@ -12,11 +12,11 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
 from titan_nvfp4.ops.backends import interpreting
 
-from sibling_helpers import DEV, _qkv
+from sibling_helpers import DEV, qkv_layers
 
 
 def test_layers_hold_one_sign_tensor_after_materialization_and_a_dtype_cast():
-    m = _qkv(NVFP4Recipe(gemm_backend="reference"))
+    m = qkv_layers(NVFP4Recipe(gemm_backend="reference"))
     assert m.q.rht_signs is m.k.rht_signs is m.v.rht_signs
     other_seed = NVFP4Linear(64, 16, bias=False, recipe=NVFP4Recipe(gemm_backend="reference", rht_seed=7),
                              layer_id=3).to(DEV)
@@ -45,7 +45,7 @@ def test_compiled_siblings_quantize_x_once_with_each_layers_bits(autocast):
                                      partition_fn=min_cut_rematerialization_partition)
 
     recipe = NVFP4Recipe(gemm_backend="emulated")
-    m = _qkv(recipe)
+    m = qkv_layers(recipe)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(32, 64, generator=g).to(DEV)
     dy = torch.randn(32, 128, generator=g).to(DEV)

@@ -13,7 +13,7 @@ import titan_nvfp4.autograd.linear_function as lf
 import titan_nvfp4.autograd.sibling_x as sx
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
 from titan_nvfp4.ops.backends import interpreting
-from sibling_helpers import DEV, _qkv
+from sibling_helpers import DEV, qkv_layers
 
 BACKENDS = ["reference", pytest.param("emulated", marks=pytest.mark.skipif(
     DEV == "cpu" and not interpreting(), reason="needs a GPU or TRITON_INTERPRET=1"))]
@@ -59,7 +59,7 @@ def test_siblings_quantize_x_once_with_each_layers_bits(backend, autocast, count
     staged = []
     real_stage = lf.staged_for_gemms
     monkeypatch.setattr(lf, "staged_for_gemms", lambda t, b: staged.append(b) or real_stage(t, b))
-    m = _qkv(NVFP4Recipe(gemm_backend=backend))
+    m = qkv_layers(NVFP4Recipe(gemm_backend=backend))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(32, 64, generator=g).to(DEV)
     dy = torch.randn(32, 128, generator=g).to(DEV)
@@ -79,7 +79,7 @@ def test_siblings_quantize_x_once_with_each_layers_bits(backend, autocast, count
 
 def test_a_changed_or_new_x_and_other_settings_quantize_afresh(counted):
     recipe = NVFP4Recipe(gemm_backend="reference")
-    m = _qkv(recipe)
+    m = qkv_layers(recipe)
     x = _activation(torch.randn(32, 64, device=DEV))
     m.q(x), m.k(x)
     assert len(counted) == 1
@@ -105,7 +105,7 @@ def test_a_changed_or_new_x_and_other_settings_quantize_afresh(counted):
 
 
 def test_the_remembered_operands_go_with_x(counted):
-    m = _qkv(NVFP4Recipe(gemm_backend="reference"))
+    m = qkv_layers(NVFP4Recipe(gemm_backend="reference"))
     x = _activation(torch.randn(32, 64, device=DEV))
     y = m.q(x)
     assert sx._last["x"].x_ref() is x
@@ -116,7 +116,7 @@ def test_the_remembered_operands_go_with_x(counted):
 
 def test_x_freed_at_interpreter_exit_raises_nothing(counted, monkeypatch):
     # at exit the module's globals become None before the last X is freed: its callback must not read them
-    m = _qkv(NVFP4Recipe(gemm_backend="reference"))
+    m = qkv_layers(NVFP4Recipe(gemm_backend="reference"))
     x = _activation(torch.randn(32, 64, device=DEV))
     y = m.q(x)
     remembered = sx._last
@@ -133,7 +133,7 @@ def test_x_freed_at_interpreter_exit_raises_nothing(counted, monkeypatch):
 
 def test_compiling_and_amax_history_do_not_share(counted):
     """An X quantized with given amaxes (amax history, tensor parallelism) is not remembered."""
-    m = _qkv(NVFP4Recipe(gemm_backend="reference"))
+    m = qkv_layers(NVFP4Recipe(gemm_backend="reference"))
     x = _activation(torch.randn(32, 64, device=DEV))
     amax = torch.stack([x.detach().abs().max(), x.detach().abs().max()])
     lf.nvfp4_linear(x, m.q.weight, None, m.q.recipe, m.q.sr_counter, m.q.rht_signs, x_amax=amax)
@@ -143,7 +143,7 @@ def test_compiling_and_amax_history_do_not_share(counted):
 
 def test_inference_tensors_are_quantized_each_time(counted):
     """An inference-mode X has no version counter to check: each sibling quantizes it."""
-    m = _qkv(NVFP4Recipe(gemm_backend="reference"))
+    m = qkv_layers(NVFP4Recipe(gemm_backend="reference"))
     with torch.inference_mode():
         x = torch.randn(32, 64, device=DEV)
         m.q(x), m.k(x)
@@ -158,7 +158,7 @@ def test_under_a_dispatch_mode_every_call_quantizes(counted):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
-    m = _qkv(NVFP4Recipe(gemm_backend="reference"))
+    m = qkv_layers(NVFP4Recipe(gemm_backend="reference"))
     x = _activation(torch.randn(32, 64, device=DEV))
     with Passthrough():
         m.q(x), m.k(x)
@@ -168,7 +168,7 @@ def test_under_a_dispatch_mode_every_call_quantizes(counted):
 def test_leaves_and_tensors_under_no_grad_are_quantized_by_every_layer(counted):
     """A leaf (an input batch, a buffer a loop refills, a numpy array) or any X under no_grad has no autograd
     provenance in this forward: every sibling quantizes it, also a leaf that requires grad and a view of one."""
-    m = _qkv(NVFP4Recipe(gemm_backend="reference"))
+    m = qkv_layers(NVFP4Recipe(gemm_backend="reference"))
     leaf = torch.randn(32, 64, device=DEV, requires_grad=True)
     m(leaf)
     m(leaf.view(32, 64))

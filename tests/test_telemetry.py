@@ -111,10 +111,10 @@ def test_expert_weight_stats_quantize_each_expert_on_its_own():
 def test_experts_measure_every_grouped_gemm(name, cpu_histc):
     from titan_nvfp4.conversion import convert_experts
     from titan_nvfp4.modules.telemetry import expert_weight_stats
-    from moe_helpers import _build
+    from moe_helpers import build_moe
 
     torch.manual_seed(0)
-    model, args = _build(name)
+    model, args = build_moe(name)
     convert_experts(model, NVFP4Recipe(gemm_backend="reference"), ["experts"])
     model.to_empty(device="cpu")
     with torch.no_grad():
@@ -144,7 +144,7 @@ def test_grouped_section_wires_telemetry(tmp_path, monkeypatch):
     from torchtitan.config import ConfigManager
     from torchtitan.distributed import ParallelDims
     from torchtitan.protocols.model_converter import build_model_converters
-    from moe_helpers import _build
+    from moe_helpers import build_moe
 
     monkeypatch.setattr(MetricsProcessor, "log", MetricsProcessor.log)  # undo the hook after the test
     job = tmp_path / "job.toml"
@@ -155,7 +155,7 @@ def test_grouped_section_wires_telemetry(tmp_path, monkeypatch):
     cfg = ConfigManager().parse_args(["--job.config_file", str(job)])
     dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
     converters = build_model_converters(cfg, dims)
-    model, _ = _build("deepseek_v3")
+    model, _ = build_moe("deepseek_v3")
     converters.convert(model)
     experts = [m for m in model.modules() if getattr(m, "GEMMS", None)]
     assert experts and all(m.telemetry is experts[0].telemetry and m.telemetry.every == 25 for m in experts)

@@ -313,7 +313,7 @@ def _moe_job(tmp_path):
 
 
 def _moe_model(job, ep: int, dp: int, score_before_experts: bool | None = None, n_layers: int | None = None):
-    from moe_helpers import _build
+    from moe_helpers import build_moe
     from torchtitan.config import ConfigManager
     from torchtitan.distributed import ParallelDims
     from torchtitan.protocols.model_converter import build_model_converters
@@ -323,7 +323,7 @@ def _moe_model(job, ep: int, dp: int, score_before_experts: bool | None = None, 
                                       "--parallelism.data_parallel_shard_degree", str(dp),
                                       "--training.mixed_precision_param", "float32"])
     dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=1, pp=1, ep=ep, etp=1, world_size=dp)
-    model, _ = _build("deepseek_v3", score_before_experts=score_before_experts, n_layers=n_layers)
+    model, _ = build_moe("deepseek_v3", score_before_experts=score_before_experts, n_layers=n_layers)
     build_model_converters(cfg, dims).convert(model)
     return model, cfg, dims
 
@@ -383,7 +383,7 @@ def _moe_tp_worker(rank, world, out, job, state, tokens, check_experts=True):
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.deepseek_v3.infra.parallelize import parallelize_deepseekv3
     from torchtitan.protocols.model_converter import build_model_converters
-    from moe_helpers import _build
+    from moe_helpers import build_moe
 
     from titan_nvfp4.integration.experts import NVFP4GroupedExperts
 
@@ -393,7 +393,7 @@ def _moe_tp_worker(rank, world, out, job, state, tokens, check_experts=True):
                                       "--parallelism.tensor_parallel_degree", str(world),
                                       "--training.mixed_precision_param", "float32"])
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world, pp=1, ep=1, etp=1, world_size=world)
-    model, _ = _build("deepseek_v3", score_before_experts=True, n_layers=MOE_TEST_LAYERS)
+    model, _ = build_moe("deepseek_v3", score_before_experts=True, n_layers=MOE_TEST_LAYERS)
     build_model_converters(cfg, dims).convert(model)
     parallelize_deepseekv3(model, dims, cfg)  # TorchTitan's TP plan: attention, dense MLPs and the experts
     _materialize_parallel(model, state)
