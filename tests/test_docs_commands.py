@@ -92,6 +92,8 @@ def kind(cmd: str) -> str:
         return "train"
     if cmd.startswith(("python -m titan_nvfp4.", "python -c ")):
         return "cpu"
+    if cmd.startswith("python docs/"):  # the docs' runnable examples: on the CPU they run here
+        return "cpu" if "--device cpu" in cmd else "gpu_script"
     if cmd.startswith(("bash scripts/", "source scripts/", "python benchmarks/", "cd benchmarks")):
         return "gpu_script"
     if re.match(r"torchrun (--\S+ )*benchmarks/", cmd):
