@@ -102,23 +102,23 @@ def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, signs, out_dtype, n
     layer's ``signs`` and casts them here: a graph replays its reads at their captured addresses, and a cast
     made outside the body would be freed after the capture. ``shared_x``: the eager X that x2d views, whose
     quantization sibling Linears share (sibling_x.py)."""
-    fos = recipe.four_over_six
+    four_over_six = recipe.four_over_six
 
     def quantize_x():
         xc = x2d.to(out_dtype)  # the autocast cast (see _forward), once per shared X
         x_signs = signs_for_operand(signs, xc.dtype, recipe.rht_round_to_input_dtype)
-        return quantize_activation(xc, need_col, x_signs, backend, x_amax, fos)
+        return quantize_activation(xc, need_col, x_signs, backend, x_amax, four_over_six=four_over_six)
 
     if shared_x is None:
         xq, x_col = quantize_x()
     else:
-        key = (x2d.shape, out_dtype, need_col, backend, fos, recipe.rht_round_to_input_dtype)
+        key = (x2d.shape, out_dtype, need_col, backend, four_over_six, recipe.rht_round_to_input_dtype)
         xq, x_col = shared_x_operands(shared_x, signs, key, quantize_x)
     if isinstance(weight, NVFP4GatheredWeight):  # FSDP2 gathered it as NVFP4: distributed/fsdp_all_gather.py
         wq = gathered_nvfp4(weight)
         w_t = wq.t()
     else:
-        wq, w_t = quantize_weight(weight, recipe.weight_2d, backend, w_amax, fos)
+        wq, w_t = quantize_weight(weight, recipe.weight_2d, backend, w_amax, four_over_six=four_over_six)
     y = nvfp4_gemm(xq, wq, out_dtype=out_dtype, bias=bias, backend=backend)
     tensors = (y, *nvfp4_parts(w_t)) + (nvfp4_parts(x_col) if x_col is not None else ())
     return tensors, ((w_t.shape, w_t.block_shape), (x_col.shape, x_col.block_shape) if x_col is not None else None)
@@ -143,7 +143,8 @@ def _backward_body(dy2d, dy_amax=None, *, ctx, saved, need_dx, need_dw, need_db,
     out_features = w_t.shape[1]
     signs = signs_for_operand(signs, dy2d.dtype, recipe.rht_round_to_input_dtype)
     seed = next_sr_seed(ctx.counter) if recipe.stochastic_rounding else None
-    dyq, dy_col = quantize_gradient(dy2d, need_dx, need_dw, signs, seed, ctx.backend, dy_amax, recipe.four_over_six)
+    dyq, dy_col = quantize_gradient(dy2d, need_dx, need_dw, signs, seed, ctx.backend, dy_amax,
+                                    four_over_six=recipe.four_over_six)
 
     # Each dY operand is dropped right after its GEMM, and the GEMM that leaves the lower peak
     # memory runs first (_wgrad_first); the two are independent, so the bits do not depend on it.
