@@ -85,6 +85,18 @@ def autocast_out_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
+def x_amaxes(x: torch.Tensor, out_dtype: torch.dtype, signs: torch.Tensor | None, recipe: NVFP4Recipe, backend: str,
+             need_wgrad: bool) -> torch.Tensor:
+    """fp32 [row, column] tensor amaxes of X as forward quantizes it: x [..., K] in ``out_dtype`` (the autocast
+    cast, autocast_out_dtype), the column amax that of RHT(X)ᵀ (``signs`` as the recipe rounds them) when wgrad
+    reads X in NVFP4, else 0. The one computation of X's amax for both of its users, which must agree bit for
+    bit: the cross-rank all-reduce of tensor parallelism (_forward) and the amax history (NVFP4Linear)."""
+    x2d = x.detach().reshape(-1, x.shape[-1]).to(out_dtype)
+    fp4_wgrad = need_wgrad and recipe.backward == "nvfp4"  # else backward reads X itself (MXFP8 / BF16)
+    x_signs = signs_for_operand(signs, x2d.dtype, recipe.rht_round_to_input_dtype) if fp4_wgrad else None
+    return operand_amax(x2d, fp4_wgrad, x_signs, backend)
+
+
 def nvfp4_parts(t: NVFP4Tensor) -> tuple[torch.Tensor, ...]:
     """An NVFP4Tensor's tensors (codes, scales, global scale), as save_for_backward takes them."""
     return (t.data, t.scale, t.global_scale)
@@ -195,8 +207,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         fp4_wgrad = need_wgrad and recipe.backward == "nvfp4"  # else backward reads X itself (MXFP8 / BF16)
         w_amax = None
         if x_amax is None and groups.x is not None:
-            x_signs = signs_for_operand(signs, x2d.dtype, recipe.rht_round_to_input_dtype)
-            x_amax = all_reduce_max(operand_amax(x2d, fp4_wgrad, x_signs, backend), groups.x)
+            x_amax = all_reduce_max(x_amaxes(x2d, out_dtype, signs, recipe, backend, need_wgrad), groups.x)
         if groups.weight is not None and not isinstance(weight, NVFP4GatheredWeight):  # gathered: scales reduced
             w_amax = all_reduce_max(operand_amax(weight, False, None, backend)[:1], groups.weight)
         body = functools.partial(_forward_body, weight=weight, bias=bias, recipe=recipe, signs=signs,
