@@ -87,9 +87,9 @@ def main() -> int:
         ("amax(x, RHT xT) + rowwise + RHT colwise (fwd X)", lambda: quantize_operand(x, rowwise=True, colwise=True, signs=signs), 4 * n + 2 * codes),
         ("rowwise + RHT colwise, amaxes given", lambda: quantize_operand(x, rowwise=True, colwise=True, signs=signs, amax=amax, amax_col=amax), 2 * n + 2 * codes),
         ("rowwise SR + RHT colwise SR, amaxes given (bwd dY)", lambda: quantize_operand(x, rowwise=True, colwise=True, signs=signs, stochastic_row=True, stochastic_col=True, seed=seed, amax=amax, amax_col=amax), 2 * n + 2 * codes),
-        ("4/6: rowwise 1x16 (RNE), amax given", lambda: quantize_operand(x, amax=amax, four_six=True), 2 * n + codes),
-        ("4/6: rowwise + RHT colwise, amaxes given (fwd X)", lambda: quantize_operand(x, rowwise=True, colwise=True, signs=signs, amax=amax, amax_col=amax, four_six=True), 2 * n + 2 * codes),
-        ("4/6: rowwise SR + RHT colwise SR, amaxes given (bwd dY)", lambda: quantize_operand(x, rowwise=True, colwise=True, signs=signs, stochastic_row=True, stochastic_col=True, seed=seed, amax=amax, amax_col=amax, four_six=True), 2 * n + 2 * codes),
+        ("4/6: rowwise 1x16 (RNE), amax given", lambda: quantize_operand(x, amax=amax, four_over_six=True), 2 * n + codes),
+        ("4/6: rowwise + RHT colwise, amaxes given (fwd X)", lambda: quantize_operand(x, rowwise=True, colwise=True, signs=signs, amax=amax, amax_col=amax, four_over_six=True), 2 * n + 2 * codes),
+        ("4/6: rowwise SR + RHT colwise SR, amaxes given (bwd dY)", lambda: quantize_operand(x, rowwise=True, colwise=True, signs=signs, stochastic_row=True, stochastic_col=True, seed=seed, amax=amax, amax_col=amax, four_over_six=True), 2 * n + 2 * codes),
     ]
     from titan_nvfp4.kernels import quantize as _q
 
@@ -105,7 +105,7 @@ def main() -> int:
     w_amax = w.abs().amax().float()  # outside the timed calls, as x's amax above
     cases.append(("weight 16x16 + W^T codes, amax included", lambda: quantize_weight_2d(w), 2 * (2 * nw) + nw + nw // 256))
     cases.append(("weight 16x16 + W^T codes, amax given", lambda: quantize_weight_2d(w, amax=w_amax), 2 * nw + nw + nw // 256))
-    cases.append(("4/6: weight 16x16 + W^T codes, amax given", lambda: quantize_weight_2d(w, amax=w_amax, four_six=True), 2 * nw + nw + nw // 256))
+    cases.append(("4/6: weight 16x16 + W^T codes, amax given", lambda: quantize_weight_2d(w, amax=w_amax, four_over_six=True), 2 * nw + nw + nw // 256))
     from titan_nvfp4.kernels.mxfp8 import quantize_mxfp8_operand
 
     mx = n + n // 32  # e4m3 elements + e8m0 scales of one MXFP8 operand

@@ -30,7 +30,7 @@ from titan_nvfp4.numerics.rht import rht_signs
 # benchmarks/ is on sys.path when run as a script
 from timing import copy_ceiling, graph_ms, require_cuda
 
-VARIANTS = {  # name: (ROW, COL, RHT, SR_ROW, SR_COL, ROW_F16, COL_F16)
+VARIANTS = {  # name: (ROW, COL, RHT, STOCHASTIC_ROW, STOCHASTIC_COL, ROW_STAGED, COL_STAGED)
     "row": (True, False, False, False, False, False, False),
     "row SR": (True, False, False, True, False, False, False),
     "col RHT": (False, True, True, False, False, False, False),
@@ -101,8 +101,8 @@ def main() -> None:
             def run():
                 return q._quantize_kernel[q.launch_grid(M, K, g, bk, cf)](
                     x, M, K, x.stride(0), x.stride(1), amax, gs, rd16 if rf16 else rd, rs, cd16 if cf16 else cd, cs,
-                    signs, seed, M, amax, 1, tune_bucket(M), ROW=row, COL=col, RHT=rht, SR_ROW=srr, SR_COL=src,
-                    GROUPED=False, ROW_F16=rf16, COL_F16=cf16, NSP2=2, G=g, BK=bk, COLS_FIRST=cf, num_warps=w,
+                    signs, seed, M, amax, 1, tune_bucket(M), ROW=row, COL=col, RHT=rht, STOCHASTIC_ROW=srr,
+                    STOCHASTIC_COL=src, GROUPED=False, ROW_STAGED=rf16, COL_STAGED=cf16, NSP2=2, G=g, BK=bk, COLS_FIRST=cf, num_warps=w,
                     **opts)
             k = run()
             if args.ncu:

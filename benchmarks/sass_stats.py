@@ -37,7 +37,7 @@ from triton.compiler import compile as triton_compile  # noqa: E402
 from titan_nvfp4.kernels import quantize as q  # noqa: E402
 from titan_nvfp4.kernels import swiglu as sw  # noqa: E402
 
-VARIANTS = {  # name: (ROW, COL, RHT, SR_ROW, SR_COL, ROW_F16[, FOUR_SIX])
+VARIANTS = {  # name: (ROW, COL, RHT, STOCHASTIC_ROW, STOCHASTIC_COL, ROW_STAGED[, FOUR_OVER_SIX])
     "row": (True, False, False, False, False, False),
     "row f16": (True, False, False, False, False, True),
     "row SR": (True, False, False, True, False, False),
@@ -59,10 +59,10 @@ _ALIGNED_INTS = ("K", "sxm", "Mpad")  # what Triton's specialization sees for a 
 OTHER = {
     "weight 16x16 staged + transpose (fwd W)": (q._quantize_2d_kernel, {"W": "*bf16", "AMAX": "*i32", "GS": "*fp32",
         "D": "*fp16", "S": "*fp8e4nv", "DT": "*u8", "ST": "*fp8e4nv", "BEXP": "*i32"},
-        dict(swk=1, EMIT_T=True, GROUPED=False, EMIT_F16=True, NSP2=1, FOUR_SIX=False)),
+        dict(swk=1, EMIT_T=True, GROUPED=False, EMIT_STAGED=True, NSP2=1, FOUR_OVER_SIX=False)),
     "4/6: weight 16x16 staged + transpose (fwd W)": (q._quantize_2d_kernel, {"W": "*bf16", "AMAX": "*i32",
         "GS": "*fp32", "D": "*fp16", "S": "*fp8e4nv", "DT": "*u8", "ST": "*fp8e4nv", "BEXP": "*i32"},
-        dict(swk=1, EMIT_T=True, GROUPED=False, EMIT_F16=True, NSP2=1, FOUR_SIX=True)),
+        dict(swk=1, EMIT_T=True, GROUPED=False, EMIT_STAGED=True, NSP2=1, FOUR_OVER_SIX=True)),
     "amax row + col RHT": (q._amax_kernel, {"X": "*bf16", "AMAX": "*i32", "SIGNS": "*fp32", "BEXP": "*i32"},
                            dict(sxk=1, ROW=True, COL=True, RHT=True, GROUPED=False)),
     "MoE SwiGLU forward + amaxes (h)": (sw._swiglu_fwd_kernel, {"H1": "*bf16", "H3": "*bf16", "OUT": "*bf16",
@@ -89,10 +89,11 @@ def compile_variant(name: str, g=2, bk=128, warps=4, arch=90):
     if name in OTHER:
         fn, pointers, const = OTHER[name]
         return _compile(fn, pointers, dict(const, G=g, BK=bk), warps, arch)
-    row, col, rht, sr_row, sr_col, row_f16, *four_six = VARIANTS[name]
-    const = dict(sxk=1, ROW=row, COL=col, RHT=rht, SR_ROW=sr_row, SR_COL=sr_col, GROUPED=False,
-                 ROW_F16=row_f16, NSP2=2, G=g, BK=bk, COL_F16=col and sr_col, FOUR_SIX=bool(four_six and four_six[0]))  # dY's columns go out staged
-    pointers = dict(_POINTERS, RD="*fp16" if row_f16 else "*u8", CD="*fp16" if const["COL_F16"] else "*u8")
+    row, col, rht, sr_row, sr_col, row_f16, *four_over_six = VARIANTS[name]
+    const = dict(sxk=1, ROW=row, COL=col, RHT=rht, STOCHASTIC_ROW=sr_row, STOCHASTIC_COL=sr_col, GROUPED=False,
+                 ROW_STAGED=row_f16, NSP2=2, G=g, BK=bk, COL_STAGED=col and sr_col,  # dY's columns go out staged
+                 FOUR_OVER_SIX=bool(four_over_six and four_over_six[0]))
+    pointers = dict(_POINTERS, RD="*fp16" if row_f16 else "*u8", CD="*fp16" if const["COL_STAGED"] else "*u8")
     return _compile(q._quantize_kernel, pointers, const, warps, arch)
 
 
@@ -122,9 +123,9 @@ ISSUE_PER_S = 29.6e12  # H100 thread-instructions per second (see the module doc
 COPY_BYTES_PER_S = 2.97e12  # H100 copy ceiling, read + write (bench_kernels.py)
 # bench_kernels.py's operand kernels with their constexprs and bytes per element (x read once, codes out)
 CEILING_CASES = [
-    ("rowwise 1x16 (RNE), amax given", dict(ROW=True, COL=False, RHT=False, SR_ROW=False, SR_COL=False), 2.5625),
-    ("rowwise + RHT colwise, amaxes given", dict(ROW=True, COL=True, RHT=True, SR_ROW=False, SR_COL=False), 3.125),
-    ("rowwise SR + RHT colwise SR, amaxes given (bwd dY)", dict(ROW=True, COL=True, RHT=True, SR_ROW=True, SR_COL=True),
+    ("rowwise 1x16 (RNE), amax given", dict(ROW=True, COL=False, RHT=False, STOCHASTIC_ROW=False, STOCHASTIC_COL=False), 2.5625),
+    ("rowwise + RHT colwise, amaxes given", dict(ROW=True, COL=True, RHT=True, STOCHASTIC_ROW=False, STOCHASTIC_COL=False), 3.125),
+    ("rowwise SR + RHT colwise SR, amaxes given (bwd dY)", dict(ROW=True, COL=True, RHT=True, STOCHASTIC_ROW=True, STOCHASTIC_COL=True),
      3.125),
 ]
 
@@ -135,20 +136,20 @@ def ceilings() -> None:
     print("| kernel | bytes / element | instructions / element at 85% of copy | fewest instructions / element "
           "(config) | ceiling, % of copy |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    for four_six in (False, True):
+    for four_over_six in (False, True):
         for name, flags, nbytes in CEILING_CASES:
             best = None
             for cfg in q._operand_configs():
                 g, bk, warps = cfg.kwargs["G"], cfg.kwargs["BK"], cfg.num_warps
-                const = dict(sxk=1, GROUPED=False, ROW_F16=False, COL_F16=False, NSP2=2, FOUR_SIX=four_six,
-                             **cfg.kwargs, **flags)
+                const = dict(sxk=1, GROUPED=False, ROW_STAGED=False, COL_STAGED=False, NSP2=2,
+                             FOUR_OVER_SIX=four_over_six, **cfg.kwargs, **flags)
                 lines, _, _ = sass_and_registers(_compile(q._quantize_kernel, dict(_POINTERS), const, warps, 90))
                 per = len(lines) / (16 * g * bk / (32 * warps))
                 if best is None or per < best[0]:
                     best = (per, f"G{g} BK{bk} w{warps}")
             budget = ISSUE_PER_S * nbytes / (0.85 * COPY_BYTES_PER_S)
             ceiling = ISSUE_PER_S * nbytes / (best[0] * COPY_BYTES_PER_S)
-            label = ("4/6: " if four_six else "") + name
+            label = ("4/6: " if four_over_six else "") + name
             print(f"| {label} | {nbytes:.3f} | {budget:.1f} | {best[0]:.1f} ({best[1]}) | {ceiling:.0%} |", flush=True)
 
 

@@ -57,7 +57,7 @@ def main() -> None:
     for name, fn, nbytes in (
             ("weight 16x16 + W^T codes, amax included", lambda: quantize_weight_2d(w), 2 * (2 * nw) + nw + nw // 256),
             ("weight 16x16 + W^T codes, amax given", lambda: quantize_weight_2d(w, amax=amax), 2 * nw + nw + nw // 256),
-            ("4/6: weight 16x16 + W^T codes, amax given", lambda: quantize_weight_2d(w, amax=amax, four_six=True),
+            ("4/6: weight 16x16 + W^T codes, amax given", lambda: quantize_weight_2d(w, amax=amax, four_over_six=True),
              2 * nw + nw + nw // 256)):
         fn()
         torch.cuda.synchronize()
@@ -84,7 +84,7 @@ def _sweep(w: torch.Tensor, amax: torch.Tensor, configs, copy_bw: float) -> None
         def run():
             return q._quantize_2d_kernel[q.launch_grid(N, K, g, bk, cf)](
                 w, N, K, w.stride(0), w.stride(1), buf, gs, d, st, dt, st, buf, 1, N, N * K, tune_bucket(N),
-                EMIT_T=True, GROUPED=False, EMIT_F16=True, NSP2=1, FOUR_SIX=False, G=g, BK=bk, COLS_FIRST=cf,
+                EMIT_T=True, GROUPED=False, EMIT_STAGED=True, NSP2=1, FOUR_OVER_SIX=False, G=g, BK=bk, COLS_FIRST=cf,
                 num_warps=wp)
         k = run()
         ms = graph_ms(run)

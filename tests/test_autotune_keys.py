@@ -58,7 +58,7 @@ def _grouped_step(tokens: int, dim: int = 32, hidden: int = 48):
     signs, seed = rht_signs(0, "cpu"), torch.zeros(1, dtype=torch.int64)
 
     def run():
-        q.quantize_operand_tensors(x, colwise=True, signs=signs, groups=offsets, row_fp16=True)
+        q.quantize_operand_tensors(x, colwise=True, signs=signs, groups=offsets, row_staged=True)
         sw.swiglu_amax_tensors(dy, dy, offsets, True, signs)
         sw.swiglu_backward_amax_tensors(dy, dy, dy, offsets, True, signs)
         q.quantize_operand_tensors(dy, colwise=True, signs=signs, stochastic_row=True, stochastic_col=True,

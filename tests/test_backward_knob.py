@@ -77,7 +77,8 @@ def test_mxfp8_backward_kernels_match_the_reference(n, monkeypatch):
 
     kernel_calls = []
     real = ops_quantize.library.quantize_mxfp8
-    monkeypatch.setattr(ops_quantize.library, "quantize_mxfp8", lambda *a: kernel_calls.append(a[1:]) or real(*a))
+    monkeypatch.setattr(ops_quantize.library, "quantize_mxfp8",
+                        lambda x, **k: kernel_calls.append((k["rowwise"], k["colwise"], k["staged"])) or real(x, **k))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         emu = _run(NVFP4Recipe(gemm_backend="emulated", backward="mxfp8"), x, w, b)

@@ -29,34 +29,36 @@ def test_quantize_op_passes_opcheck(rows):
     x = _x(rows, 64)
     seed = torch.tensor([7], dtype=torch.int64, device=DEV)
     signs = rht_signs(1, DEV)
-    every = [(x, True, True, signs, False, False, None), (x, True, True, signs, True, True, seed),
-             (x, False, True, None, False, False, None), (x, True, False, None, False, False, None)]
+    both, sr = dict(rowwise=True, colwise=True), dict(stochastic_row=True, stochastic_col=True)
+    every = [((x, signs), both), ((x, signs, seed), dict(both, **sr)),
+             ((x,), dict(rowwise=False, colwise=True)), ((x,), dict(rowwise=True, colwise=False))]
     # every flag set where the column operand is padded; at 32 rows (no padding) the one with every output
-    for args in every if rows % 16 else every[1:2]:
-        torch.library.opcheck(library.quantize.op, args)
+    for args, kwargs in every if rows % 16 else every[1:2]:
+        torch.library.opcheck(library.quantize.op, args, kwargs)
 
 
 def test_amax_op_and_given_amaxes_pass_opcheck():
     x = _x(40, 64)
     signs = rht_signs(1, DEV)
-    for args in [(x, True, signs), (x, False, None), (x, True, None)]:
-        torch.library.opcheck(library.amax.op, args)
+    for args, colwise in [((x, signs), True), ((x,), False), ((x,), True)]:
+        torch.library.opcheck(library.amax.op, args, dict(colwise=colwise))
     amaxes = torch.tensor([3.0, 5.0], device=DEV)
-    torch.library.opcheck(library.quantize.op, (x, True, True, signs, False, False, None, False, False, amaxes))
-    torch.library.opcheck(library.quantize_2d.op, (_x(48, 64, seed=1), False, amaxes[:1]))
+    torch.library.opcheck(library.quantize.op, (x, signs, None, amaxes), dict(rowwise=True, colwise=True))
+    torch.library.opcheck(library.quantize_2d.op, (_x(48, 64, seed=1), amaxes[:1]))
 
 
 def test_quantize_2d_and_gemm_ops_pass_opcheck():
     w = _x(48, 64, seed=1)
     torch.library.opcheck(library.quantize_2d.op, (w,))
     d, s, dt, st, gs = library.quantize_2d(w)
-    rd, rs, _, _, gsx = library.quantize(_x(32, 64, seed=2), True, False, None, False, False, None)
+    rd, rs, _, _, gsx = library.quantize(_x(32, 64, seed=2), rowwise=True, colwise=False)
     bias = torch.randn(48, device=DEV)
     # test_schema is left out: its mutation check multiplies the float8 scale inputs, which PyTorch's
     # CPU kernels do not implement ("mul_cpu_reduced_float" for Float8_e4m3fn)
     utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     for out_dtype, b in [(torch.float32, None), (torch.bfloat16, bias)]:
-        torch.library.opcheck(library.gemm.op, (rd, rs, gsx[0], False, d, s, gs[0], True, out_dtype, b, "emulated"),
+        torch.library.opcheck(library.gemm.op, (rd, rs, gsx[0], d, s, gs[0], b),
+                              dict(a_tiles=False, b_tiles=True, out_dtype=out_dtype, backend="emulated"),
                               test_utils=utils)
 
 
@@ -65,8 +67,8 @@ def test_quantize_mxfp8_op_passes_opcheck(rows):
     x = _x(rows, 64, dtype=torch.bfloat16)
     every = [(True, True), (True, False), (False, True), (True, True, True), (False, True, True)]
     # every flag set where the columns are padded (40 rows); at 64 rows the two with both outputs
-    for flags in every if rows % 32 else [every[0], every[3]]:
-        torch.library.opcheck(library.quantize_mxfp8.op, (x, *flags))  # third: staged BF16 values
+    for flags in every if rows % 32 else [every[0], every[3]]:  # third: staged BF16 values
+        torch.library.opcheck(library.quantize_mxfp8.op, (x,), dict(zip(("rowwise", "colwise", "staged"), flags)))
 
 
 def test_grouped_quantize_stage_and_wgrad_ops_pass_opcheck():
@@ -75,19 +77,20 @@ def test_grouped_quantize_stage_and_wgrad_ops_pass_opcheck():
     x, dy = _x(48, 32), _x(48, 64, seed=3)
     offsets = torch.tensor([16, 16, 48], dtype=torch.int32, device=DEV)  # an empty expert in the middle
     signs = rht_signs(1, DEV)
-    torch.library.opcheck(library.quantize_grouped.op, (x, offsets, True, True, signs, False, False, None, True))
-    _, _, cd, cs, gs = library.quantize_grouped(x, offsets, False, True, signs, False, False, None, False)
+    torch.library.opcheck(library.quantize_grouped.op, (x, offsets, signs),
+                          dict(rowwise=True, colwise=True, row_staged=True))
+    _, _, cd, cs, gs = library.quantize_grouped(x, offsets, signs, rowwise=False, colwise=True)
     no_schema = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")  # see above
     torch.library.opcheck(library.stage_grouped.op, (cd, cs), test_utils=no_schema)
     staged = library.stage_grouped(cd, cs)
     want = NVFP4Tensor(cd, cs, gs[1, 0], torch.Size((32, 48)), (1, 16)).scaled_codes(torch.float32)
     assert staged.dtype == torch.float16 and torch.equal(staged.float(), want)
-    _, _, dd, _, gd = library.quantize_grouped(dy, offsets, False, True, signs, False, False, None, False, True)
-    args = (dd, dd.new_empty((0,)), cd, cs, offsets, gd[1], gs[1], torch.float32)
-    torch.library.opcheck(library.grouped_gemm_tokens.op, args, test_utils=no_schema)
-    assert torch.equal(library.grouped_gemm_tokens(*args),
+    _, _, dd, _, gd = library.quantize_grouped(dy, offsets, signs, rowwise=False, colwise=True, col_staged=True)
+    args, kwargs = (dd, dd.new_empty((0,)), cd, cs, offsets, gd[1], gs[1]), dict(out_dtype=torch.float32)
+    torch.library.opcheck(library.grouped_gemm_tokens.op, args, kwargs, test_utils=no_schema)
+    assert torch.equal(library.grouped_gemm_tokens(*args, **kwargs),
                        library.grouped_gemm_tokens(dd, dd.new_empty((0,)), staged, cs.new_empty((0,)), offsets, gd[1],
-                                                   gs[1], torch.float32))
+                                                   gs[1], out_dtype=torch.float32))
 
 
 @pytest.mark.long
@@ -98,23 +101,25 @@ def test_expert_pair_ops_pass_opcheck_and_equal_separate_ones():
     E, n, k = 2, 32, 48
     w1, w3 = _x(E * n, k, seed=4), _x(E * n, k, seed=5) * 3
     no_schema = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")  # see above
-    torch.library.opcheck(library.quantize_2d_grouped_pair.op, (w1, w3, E), test_utils=no_schema)
-    d, *rest = library.quantize_2d_grouped_pair(w1, w3, E)
-    one = [library.quantize_2d_grouped(w, E, True) for w in (w1, w3)]
+    torch.library.opcheck(library.quantize_2d_grouped_pair.op, (w1, w3), dict(experts=E), test_utils=no_schema)
+    d, *rest = library.quantize_2d_grouped_pair(w1, w3, experts=E)
+    one = [library.quantize_2d_grouped(w, experts=E, staged=True) for w in (w1, w3)]
     for i, (d_i, _, dt, st, gs) in enumerate(one):
         assert torch.equal(d.view(E, 2, n, k)[:, i].reshape(E * n, k), d_i)
         for a, b in zip(rest[3 * i:3 * i + 3], (dt, st, gs)):
             assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                                b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
     offsets = torch.tensor([16, 48], dtype=torch.int32, device=DEV)
-    xd, xs, _, _, gx = library.quantize_grouped(_x(64, k, seed=6), offsets, True, False, None, False, False, None, True)
+    xd, xs, _, _, gx = library.quantize_grouped(_x(64, k, seed=6), offsets, rowwise=True, colwise=False,
+                                                row_staged=True)
     gs_b = torch.stack([rest[2], rest[5]])
-    args = (xd, xs, d, d.new_empty((0,)), True, offsets, gx[0], gs_b, 2 * n, 2 * n, 0, torch.float32, None, None, n)
-    torch.library.opcheck(library.grouped_gemm_rows.op, args, test_utils=no_schema)
-    y = library.grouped_gemm_rows(*args)
+    args = (xd, xs, d, d.new_empty((0,)), offsets, gx[0], gs_b)
+    kwargs = dict(b_tiles=True, n_out=2 * n, b_row_step=2 * n, b_col_step=0, out_dtype=torch.float32, n_split=n)
+    torch.library.opcheck(library.grouped_gemm_rows.op, args, kwargs, test_utils=no_schema)
+    y = library.grouped_gemm_rows(*args, **kwargs)
     for i, (d_i, *_, gs) in enumerate(one):
-        alone = library.grouped_gemm_rows(xd, xs, d_i, d_i.new_empty((0,)), True, offsets, gx[0], gs, n, n, 0,
-                                          torch.float32, None)
+        alone = library.grouped_gemm_rows(xd, xs, d_i, d_i.new_empty((0,)), offsets, gx[0], gs, b_tiles=True, n_out=n,
+                                          b_row_step=n, b_col_step=0, out_dtype=torch.float32)
         assert torch.equal(y[:, i * n:(i + 1) * n], alone), i
 
 
@@ -151,7 +156,7 @@ def test_compiled_grouped_swiglu_matches_eager_bit_for_bit():
 def test_gemm_op_rejects_unknown_backend():
     d, s, _, _, gs = library.quantize_2d(_x(16, 32))
     with pytest.raises(ValueError, match="backend must be 'emulated' or 'native', got 'cublas'"):
-        library.gemm(d, s, gs[0], True, d, s, gs[0], True, torch.float32, None, "cublas")
+        library.gemm(d, s, gs[0], d, s, gs[0], a_tiles=True, b_tiles=True, out_dtype=torch.float32, backend="cublas")
 
 
 class _Block(torch.nn.Module):
@@ -239,9 +244,9 @@ def test_eager_calls_skip_the_dispatcher_and_modes_do_not():
             return func(*args, **(kwargs or {}))
 
     x = _x(32, 64)
-    direct = library.quantize(x, True, True, None, False, False, None)
+    direct = library.quantize(x, rowwise=True, colwise=True)
     with Seen() as mode:
-        via_op = library.quantize(x, True, True, None, False, False, None)
+        via_op = library.quantize(x, rowwise=True, colwise=True)
     assert "titan_nvfp4.quantize.default" in mode.ops
     for a, b in zip(direct, via_op):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
@@ -252,14 +257,14 @@ def test_eager_calls_skip_the_dispatcher_and_modes_do_not():
     calls = []
     real = CustomOpDef.__call__
     with mock.patch.object(CustomOpDef, "__call__", lambda self, *a, **k: calls.append(self) or real(self, *a, **k)):
-        library.quantize(x, True, True, None, False, False, None)
+        library.quantize(x, rowwise=True, colwise=True)
         assert calls == []  # eager: straight to the kernels
-        library.quantize_2d(torch.nn.Parameter(_x(32, 64)), False, None)
+        library.quantize_2d(torch.nn.Parameter(_x(32, 64)))
         assert calls == []  # a Parameter (the weight inside NVFP4LinearFunction) is a plain tensor too
         with Seen():
-            library.quantize(x, True, True, None, False, False, None)
+            library.quantize(x, rowwise=True, colwise=True)
         assert calls == [library.quantize.op]
-    meta = library.quantize(x.to("meta"), True, True, None, False, False, None)  # meta: the fake impl
+    meta = library.quantize(x.to("meta"), rowwise=True, colwise=True)  # meta: the fake impl
     assert meta[0].device.type == "meta" and meta[0].shape == direct[0].shape
 
 

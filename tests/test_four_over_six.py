@@ -103,11 +103,11 @@ def test_edge_cases_and_sixteen_by_sixteen_tiles():
 def test_kernels_bit_identical_to_the_reference(shape, kind):
     x = inputs(*shape, kind)
     signs = rht_signs(3, DEV)
-    row, col = quantize_operand(x, rowwise=True, colwise=True, signs=signs, four_six=True)
+    row, col = quantize_operand(x, rowwise=True, colwise=True, signs=signs, four_over_six=True)
     same_bits(row, quantize_nvfp4(x, four_over_six=True), "rowwise 4/6")
-    same_bits(col, quantize_wgrad_operand(x, signs, four_six=True), "wgrad operand (RHT) 4/6")
+    same_bits(col, quantize_wgrad_operand(x, signs, four_over_six=True), "wgrad operand (RHT) 4/6")
     if shape[0] % 16 == 0:
-        wq, wt = quantize_weight_2d(x, four_six=True)
+        wq, wt = quantize_weight_2d(x, four_over_six=True)
         ref = quantize_nvfp4(x, block_shape=(16, 16), four_over_six=True)
         same_bits(wq, ref, "W 16x16 4/6")
         same_bits(wt, ref.t(), "W^T 16x16 4/6")
@@ -123,10 +123,10 @@ def test_staged_kernels_emit_the_references_values(kind):
     x = inputs(64, 96, kind).float()
     signs = rht_signs(5, DEV)
     ref_row = quantize_nvfp4(x, four_over_six=True)
-    ref_col = quantize_wgrad_operand(x, signs, four_six=True)
+    ref_col = quantize_wgrad_operand(x, signs, four_over_six=True)
     for fp16 in (False, True):
-        rd, rs, cd, cs, _ = quantize_operand_tensors(x, rowwise=True, colwise=True, signs=signs, row_fp16=fp16,
-                                                     col_fp16=fp16, four_six=True)
+        rd, rs, cd, cs, _ = quantize_operand_tensors(x, rowwise=True, colwise=True, signs=signs, row_staged=fp16,
+                                                     col_staged=fp16, four_over_six=True)
         for got, scales, ref, what in ((rd, rs, ref_row, "row"), (cd, cs, ref_col, "column")):
             if fp16:
                 want = ref.scaled_codes(torch.float16).cpu()
@@ -137,7 +137,7 @@ def test_staged_kernels_emit_the_references_values(kind):
                 assert torch.equal(got.cpu(), ref.data.cpu()), what
                 assert torch.equal(scales.view(torch.uint8).cpu(), ref.scale.view(torch.uint8).cpu()), what
     ref_w = quantize_nvfp4(x, block_shape=(16, 16), four_over_six=True)
-    d16, s16, dt16, st16, _ = quantize_weight_2d_tensors(x, staged=True, four_six=True)
+    d16, s16, dt16, st16, _ = quantize_weight_2d_tensors(x, staged=True, four_over_six=True)
     want = ref_w.scaled_codes(torch.float16).cpu()
     assert d16.dtype == torch.float16 and torch.equal(d16.cpu(), want)
     assert torch.equal(dt16.cpu(), ref_w.t().data.cpu())
@@ -148,7 +148,7 @@ def test_grouped_kernels_take_one_tensor_scale_per_expert():
 
     x = inputs(96, 64, "heavy")
     offsets = torch.tensor([32, 32, 80], dtype=torch.int32, device=DEV)  # an empty expert, a 16-row tail
-    rd, rs, _, _, gs = quantize_operand_tensors(x, groups=offsets, four_six=True)
+    rd, rs, _, _, gs = quantize_operand_tensors(x, groups=offsets, four_over_six=True)
     for e, (a, b) in enumerate(((0, 32), (32, 32), (32, 80), (80, 96))):
         if a == b:
             continue
@@ -156,7 +156,7 @@ def test_grouped_kernels_take_one_tensor_scale_per_expert():
         assert torch.equal(rd[a:b].cpu(), ref.data.cpu()) and torch.equal(rs[a:b].view(torch.uint8).cpu(),
                                                                             ref.scale.view(torch.uint8).cpu())
         assert torch.equal(gs[0, e].cpu(), ref.global_scale.cpu())
-    d, s, _, _, gw = quantize_weight_2d_tensors(x, experts=2, four_six=True)
+    d, s, _, _, gw = quantize_weight_2d_tensors(x, experts=2, four_over_six=True)
     for e in range(2):
         ref = quantize_nvfp4(x[48 * e:48 * (e + 1)], (16, 16), four_over_six=True)
         assert torch.equal(d[48 * e:48 * (e + 1)].cpu(), ref.data.cpu()) and torch.equal(gw[e].cpu(), ref.global_scale.cpu())
@@ -168,7 +168,7 @@ def test_stochastic_rounding_keeps_the_nearest_even_choice_and_stays_unbiased():
 
     def sr(seed):
         s = torch.full((1,), seed, dtype=torch.int64, device=DEV)
-        return quantize_operand(x, stochastic_row=True, seed=s, four_six=True)[0]
+        return quantize_operand(x, stochastic_row=True, seed=s, four_over_six=True)[0]
 
     a = sr(1)
     assert torch.equal(a.scale.view(torch.uint8).cpu(), rne.scale.view(torch.uint8).cpu())

@@ -162,8 +162,8 @@ def test_non_finite_input_poisons_like_the_reference(bad):
     assert torch.isnan(row.dequantize()).all() and torch.isnan(col.dequantize()).all()
 
 
-@pytest.mark.parametrize("four_six", [False, True], ids=["six", "four_over_six"])
-def test_one_non_finite_block_under_a_given_amax(four_six):
+@pytest.mark.parametrize("four_over_six", [False, True], ids=["six", "four_over_six"])
+def test_one_non_finite_block_under_a_given_amax(four_over_six):
     """A NaN under a given finite amax (a sharded tensor's all-reduced one, or an amax history) poisons its
     own block only, as in the reference: scale NaN, codes 0, staged values NaN, in every output of the
     operand and weight kernels. (The interpreter decodes E4M3 NaN as a finite value; the kernels must not
@@ -175,12 +175,12 @@ def test_one_non_finite_block_under_a_given_amax(four_six):
     amax = x.abs().amax()
     amax_col = quantize_wgrad_operand(x, None).dequantize().abs().amax()
     x[37, 50] = float("nan")
-    ref_row = quantize_nvfp4(x, amax=amax, four_over_six=four_six)
-    ref_col = quantize_wgrad_operand(x, None, amax=amax_col, four_six=four_six)
+    ref_row = quantize_nvfp4(x, amax=amax, four_over_six=four_over_six)
+    ref_col = quantize_wgrad_operand(x, None, amax=amax_col, four_over_six=four_over_six)
     assert int(ref_row.scale.float().isnan().sum()) == 1 and int(ref_col.scale.float().isnan().sum()) == 1
     for fp16 in (False, True):
         rd, rs, cd, cs, _ = quantize_operand_tensors(x, rowwise=True, colwise=True, amax=amax, amax_col=amax_col,
-                                                     row_fp16=fp16, col_fp16=fp16, four_six=four_six)
+                                                     row_staged=fp16, col_staged=fp16, four_over_six=four_over_six)
         for got, scales, ref, what in ((rd, rs, ref_row, "row"), (cd, cs, ref_col, "column")):
             if fp16:
                 want = ref.scaled_codes(torch.float16).cpu()
@@ -189,11 +189,11 @@ def test_one_non_finite_block_under_a_given_amax(four_six):
             else:
                 assert torch.equal(got.cpu(), ref.data.cpu()), what
                 assert torch.equal(scales.view(torch.uint8).cpu(), ref.scale.view(torch.uint8).cpu()), what
-    ref_w = quantize_nvfp4(x, block_shape=(16, 16), amax=amax, four_over_six=four_six)
-    d, s, dt, st, _ = quantize_weight_2d_tensors(x, amax, four_six=four_six)
+    ref_w = quantize_nvfp4(x, block_shape=(16, 16), amax=amax, four_over_six=four_over_six)
+    d, s, dt, st, _ = quantize_weight_2d_tensors(x, amax, four_over_six=four_over_six)
     assert torch.equal(d.cpu(), ref_w.data.cpu()) and torch.equal(dt.cpu(), ref_w.t().data.cpu())
     assert torch.equal(s.view(torch.uint8).cpu(), ref_w.scale.view(torch.uint8).cpu())
-    d16 = quantize_weight_2d_tensors(x, amax, staged=True, four_six=four_six)[0]
+    d16 = quantize_weight_2d_tensors(x, amax, staged=True, four_over_six=four_over_six)[0]
     want = ref_w.scaled_codes(torch.float16).cpu()
     assert same_values(d16, want) and int(d16.isnan().sum()) == 256
     staged = dequantize_fp16(ref_row).cpu()  # the GEMM's staging decodes the NaN scale too
@@ -256,7 +256,8 @@ def test_amax_and_weight_kernels_every_tile_config_bit_identical(kind):
         gs = torch.empty(1, device=DEV)
         q._quantize_2d_kernel[q.launch_grid(N, K, g, bk, cfg.kwargs["COLS_FIRST"])](
             w, N, K, w.stride(0), w.stride(1), w_amax, gs, d, s, dt, st, w_amax, 1, N, N * K, tune_bucket(N),
-            EMIT_T=True, GROUPED=False, EMIT_F16=False, NSP2=1, FOUR_SIX=False, **cfg.kwargs, num_warps=cfg.num_warps)
+            EMIT_T=True, GROUPED=False, EMIT_STAGED=False, NSP2=1, FOUR_OVER_SIX=False, **cfg.kwargs,
+            num_warps=cfg.num_warps)
         same_bits(NVFP4Tensor(d, s, gs[0], w.shape, (16, 16)), ref_w, f"W 16x16 {cfg}")
         same_bits(NVFP4Tensor(dt, st, gs[0], torch.Size((K, N)), (16, 16)), ref_w.t(), f"W^T 16x16 {cfg}")
 
@@ -287,8 +288,8 @@ def test_operand_kernel_every_tile_config_bit_identical(sr):
         gs = torch.empty(2, device=DEV)
         q._quantize_kernel[q.launch_grid(Mpad, K, g, bk, cfg.kwargs["COLS_FIRST"])](
             x, M, K, x.stride(0), x.stride(1), amax.view(torch.int32), gs, *got, signs, seed, Mpad, seed, 1,
-            tune_bucket(Mpad), ROW=True, COL=True, RHT=True, SR_ROW=sr, SR_COL=sr, GROUPED=False, ROW_F16=False,
-            COL_F16=False, NSP2=2, **cfg.kwargs, num_warps=cfg.num_warps)
+            tune_bucket(Mpad), ROW=True, COL=True, RHT=True, STOCHASTIC_ROW=sr, STOCHASTIC_COL=sr, GROUPED=False,
+            ROW_STAGED=False, COL_STAGED=False, NSP2=2, **cfg.kwargs, num_warps=cfg.num_warps)
         for a, b, name in zip(got, want[:4], ("row codes", "row scales", "column codes", "column scales")):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (name, cfg)
         assert same_values(gs, want[4]), cfg
@@ -533,7 +534,7 @@ def test_staged_operand_is_exact_and_chunking_is_invisible(monkeypatch):
 @pytest.mark.parametrize("kind", ["normal", "adversarial"])
 @pytest.mark.parametrize("sr", [False, True])
 def test_quantization_kernel_emits_the_staged_operand_exactly(kind, sr, monkeypatch):
-    """row_fp16 / col_fp16: the quantization kernel writes the GEMM's fp16 values q·e_b itself, of the
+    """row_staged / col_staged: the quantization kernel writes the GEMM's fp16 values q·e_b itself, of the
     rows and of the RHT'd columns. They must be the staging of the codes it would otherwise write (same
     SR draws: same seed, same counters), NaN blocks included, and the GEMM must give the same bits
     from either."""
@@ -545,7 +546,7 @@ def test_quantization_kernel_emits_the_staged_operand_exactly(kind, sr, monkeypa
     seed = torch.tensor([5], device=DEV) if sr else None
     kw = dict(stochastic_row=sr, stochastic_col=sr, seed=seed, colwise=True, signs=rht_signs(0, DEV))
     codes, codes_col = operand_pair(quantize_operand_tensors(x, **kw), x.shape, True, True)
-    staged, staged_col = operand_pair(quantize_operand_tensors(x, row_fp16=True, col_fp16=True, **kw), x.shape,
+    staged, staged_col = operand_pair(quantize_operand_tensors(x, row_staged=True, col_staged=True, **kw), x.shape,
                                       True, True)
     for s, c in ((staged, codes), (staged_col, codes_col)):  # the rows [80, 96]; the RHT'd columns [96, 80]
         assert isinstance(s, StagedOperand) and s.values.dtype == torch.float16

@@ -455,7 +455,7 @@ def test_no_wgrad_operand_without_autograd(monkeypatch):
 
     calls = []
     real = lf.quantize_activation
-    monkeypatch.setattr(lf, "quantize_activation", lambda x2d, need_col, *a: (calls.append(need_col), real(x2d, need_col, *a))[1])
+    monkeypatch.setattr(lf, "quantize_activation", lambda x2d, need_col, *a, **k: (calls.append(need_col), real(x2d, need_col, *a, **k))[1])
     m = make_layer(64, 32, False, torch.float32, _recipe("nvidia_paper"))
     x = torch.randn(16, 64)
     m(x)  # grad mode on, W requires grad: the operand is needed

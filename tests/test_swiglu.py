@@ -125,7 +125,7 @@ def test_fused_swiglu_experts_equal_the_unfused_block(monkeypatch):
     eager SwiGLU, W2 on its own amax pass. Stochastic rounding only: no part of the fused path depends on
     the rounding mode, and nearest-even doubled the test's CI time."""
     pairs = []
-    monkeypatch.setattr(G, "quantize_expert_pair", lambda *a: pairs.append(1) or _pair(*a))
+    monkeypatch.setattr(G, "quantize_expert_pair", lambda *a, **k: pairs.append(1) or _pair(*a, **k))
     recipe = NVFP4Recipe(gemm_backend="emulated", stochastic_rounding=True)  # SR: the counters must match too
     g = torch.Generator().manual_seed(3)
     E, dim, hidden = 3, 32, 48

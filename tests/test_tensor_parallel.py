@@ -132,6 +132,37 @@ def test_without_cross_rank_amax_the_shards_quantize_differently():
     assert _rel(out["y"], ref["y"]) > 1e-3  # so the test above can fail
 
 
+def _history_worker(rank, world, out, w, x, recipe):
+    """Two steps on one X under autocast: step 1 quantizes w2's sharded X with the amax the tensor-parallel path
+    reduces (linear_function._forward), step 2 with the one the amax history recorded (NVFP4Linear._history_amax),
+    all-reduced by roll."""
+    from titan_nvfp4.modules.amax_history import AmaxHistory, register_buffers, roll
+
+    model = _tp_mlp(world, recipe, w)
+    history = AmaxHistory(1)
+    for m in (model.w1, model.w2):
+        register_buffers(m, history)
+    ys = []
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ys.append(model(x).detach())  # grad enabled: the column amax (RHT'd Xᵀ) is the wgrad operand's
+        roll([model.w1, model.w2])
+    out[f"y{rank}"] = ys
+
+
+def test_history_and_tensor_parallel_take_one_amax_of_x():
+    """X's amaxes have one computation (linear_function.x_amaxes) for both of their users: a step that quantizes
+    X with the history's window (holding the previous step's amax of the same X) gives the bits of the step
+    that reduced X's amax across the tensor-parallel ranks itself, under autocast (X cast to BF16) with the
+    transform rounded to BF16."""
+    recipe = dataclasses.replace(RNE, rht_round_to_input_dtype=True)
+    w, x = _weights()
+    out = run_ranks(_history_worker, 2, w, x, recipe)
+    for r in range(2):
+        first, second = out[f"y{r}"]
+        assert torch.equal(first, second), r
+
+
 def test_stochastic_rounding_streams_differ_per_rank():
     recipe = dataclasses.replace(RNE, stochastic_rounding=True)
     w, x = _weights()

@@ -94,9 +94,10 @@ class NVFP4GroupedMMFunction(torch.autograd.Function):
                 metas.append(None)
                 continue
             xq, x_col = quantize_activation(x2d[start:end], need_wgrad, x_signs, backend,
-                                            None if x_amax is None else x_amax[e], recipe.four_over_six)
+                                            None if x_amax is None else x_amax[e],
+                                            four_over_six=recipe.four_over_six)
             wq, w_t = quantize_weight(weight[e], recipe.weight_2d, backend, None if w_amax is None else w_amax[e],
-                                      recipe.four_over_six)
+                                      four_over_six=recipe.four_over_six)
             pieces.append((start, nvfp4_gemm(xq, wq, out_dtype=out_dtype,
                                              bias=None if bias is None else bias[e], backend=backend)))
             operands = [w_t] + ([x_col] if x_col is not None else [])
@@ -143,7 +144,8 @@ class NVFP4GroupedMMFunction(torch.autograd.Function):
             dy_e = dy2d[start:end]
             want_dw = need_dw and x_col is not None
             dyq, dy_col = quantize_gradient(dy_e, need_dx, want_dw, signs, _expert_seed(seed, e), ctx.backend,
-                                            None if dy_amax is None else dy_amax[e], ctx.recipe.four_over_six)
+                                            None if dy_amax is None else dy_amax[e],
+                                            four_over_six=ctx.recipe.four_over_six)
             if need_dx:
                 dx[start:end] = nvfp4_gemm(dyq, w_t, out_dtype=ctx.x_dtype, backend=ctx.backend)
             if want_dw:
@@ -197,19 +199,19 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
                 x_amax = all_reduce_max(x_amax, groups.x)
             xq, x_col = G.quantize_tokens(x2d, offsets, True, need_wgrad, x_signs, None,
                                           col_staged=recipe.staged_expert_activations,
-                                          four_six=recipe.four_over_six, amaxes=x_amax)
+                                          four_over_six=recipe.four_over_six, amaxes=x_amax)
             outs, saved, metas = [], [offsets, signs] + (list(x_col.tensors()) if x_col is not None else []), []
             w_amaxes = [all_reduce_max(G.expert_amaxes(w), groups.weight) if groups.weight is not None else None
                         for w in weights]
             if amax_carrier and _pair_fusable(recipe, weights, biases):  # W1|W3: one GEMM of both, then views
-                both, *gws = G.quantize_expert_pair(*weights, recipe.four_over_six, *w_amaxes)
+                both, *gws = G.quantize_expert_pair(*weights, *w_amaxes, four_over_six=recipe.four_over_six)
                 n_w = weights[0].shape[1]
                 y = G.gemm_rows(xq, both, offsets, 2 * n_w, 2 * n_w, 0, out_dtype, n_split=n_w)
                 outs = [y[:, :n_w], y[:, n_w:]]
             else:  # (a loop, not a comprehension: a closure over xq would keep dynamo from deleting it)
                 gws = []
                 for w, b, w_amax in zip(weights, biases, w_amaxes):
-                    gws.append(G.quantize_experts(w, recipe.weight_2d, recipe.four_over_six, w_amax))
+                    gws.append(G.quantize_experts(w, recipe.weight_2d, w_amax, four_over_six=recipe.four_over_six))
                     outs.append(G.gemm_rows(xq, gws[-1].w, offsets, w.shape[1], w.shape[1], 0, out_dtype, b))
             for gw in gws:
                 saved += list(gw.t.tensors())  # Wᵀ for dgrad; X only in its wgrad form, as the dense linear
@@ -262,7 +264,7 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
                         dy_amax = G.token_amaxes(dy2d, offsets, need_dw, dy_signs)
                     dy_amax = all_reduce_max(dy_amax, ctx.groups.grad)
                 dyq, dy_col = G.quantize_tokens(dy2d, offsets, need_dx, need_dw, dy_signs, seed, col_staged=True,
-                                                four_six=ctx.recipe.four_over_six, amaxes=dy_amax)
+                                                four_over_six=ctx.recipe.four_over_six, amaxes=dy_amax)
                 # wgrad first, dY's staged column operand dropped before dgrad allocates its output
                 dws.append(G.gemm_tokens(dy_col, x_col, offsets, ctx.w_dtypes[j]) if need_dw else None)
                 del dy_col

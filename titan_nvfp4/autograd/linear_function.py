@@ -85,6 +85,18 @@ def autocast_out_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
+def x_amaxes(x: torch.Tensor, out_dtype: torch.dtype, signs: torch.Tensor | None, recipe: NVFP4Recipe, backend: str,
+             need_wgrad: bool) -> torch.Tensor:
+    """fp32 [row, column] tensor amaxes of X as forward quantizes it: x [..., K] in ``out_dtype`` (the autocast
+    cast, autocast_out_dtype), the column amax that of RHT(X)ᵀ (``signs`` as the recipe rounds them) when wgrad
+    reads X in NVFP4, else 0. The one computation of X's amax for both of its users, which must agree bit for
+    bit: the cross-rank all-reduce of tensor parallelism (_forward) and the amax history (NVFP4Linear)."""
+    x2d = x.detach().reshape(-1, x.shape[-1]).to(out_dtype)
+    fp4_wgrad = need_wgrad and recipe.backward == "nvfp4"  # else backward reads X itself (MXFP8 / BF16)
+    x_signs = signs_for_operand(signs, x2d.dtype, recipe.rht_round_to_input_dtype) if fp4_wgrad else None
+    return operand_amax(x2d, fp4_wgrad, x_signs, backend)
+
+
 def nvfp4_parts(t: NVFP4Tensor) -> tuple[torch.Tensor, ...]:
     """An NVFP4Tensor's tensors (codes, scales, global scale), as save_for_backward takes them."""
     return (t.data, t.scale, t.global_scale)
@@ -102,23 +114,23 @@ def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, signs, out_dtype, n
     layer's ``signs`` and casts them here: a graph replays its reads at their captured addresses, and a cast
     made outside the body would be freed after the capture. ``shared_x``: the eager X that x2d views, whose
     quantization sibling Linears share (sibling_x.py), read by the layer ``reader`` identifies."""
-    fos = recipe.four_over_six
+    four_over_six = recipe.four_over_six
 
     def quantize_x():
         xc = x2d.to(out_dtype)  # the autocast cast (see _forward), once per shared X
         x_signs = signs_for_operand(signs, xc.dtype, recipe.rht_round_to_input_dtype)
-        return quantize_activation(xc, need_col, x_signs, backend, x_amax, fos)
+        return quantize_activation(xc, need_col, x_signs, backend, x_amax, four_over_six=four_over_six)
 
     if shared_x is None:
         xq, x_col = quantize_x()
     else:
-        key = (x2d.shape, out_dtype, need_col, backend, fos, recipe.rht_round_to_input_dtype)
+        key = (x2d.shape, out_dtype, need_col, backend, four_over_six, recipe.rht_round_to_input_dtype)
         xq, x_col = shared_x_operands(shared_x, signs, key, quantize_x, reader)
     if isinstance(weight, NVFP4GatheredWeight):  # FSDP2 gathered it as NVFP4: distributed/fsdp_all_gather.py
         wq = gathered_nvfp4(weight)
         w_t = wq.t()
     else:
-        wq, w_t = quantize_weight(weight, recipe.weight_2d, backend, w_amax, fos)
+        wq, w_t = quantize_weight(weight, recipe.weight_2d, backend, w_amax, four_over_six=four_over_six)
     y = nvfp4_gemm(xq, wq, out_dtype=out_dtype, bias=bias, backend=backend)
     tensors = (y, *nvfp4_parts(w_t)) + (nvfp4_parts(x_col) if x_col is not None else ())
     return tensors, ((w_t.shape, w_t.block_shape), (x_col.shape, x_col.block_shape) if x_col is not None else None)
@@ -143,7 +155,8 @@ def _backward_body(dy2d, dy_amax=None, *, ctx, saved, need_dx, need_dw, need_db,
     out_features = w_t.shape[1]
     signs = signs_for_operand(signs, dy2d.dtype, recipe.rht_round_to_input_dtype)
     seed = next_sr_seed(ctx.counter) if recipe.stochastic_rounding else None
-    dyq, dy_col = quantize_gradient(dy2d, need_dx, need_dw, signs, seed, ctx.backend, dy_amax, recipe.four_over_six)
+    dyq, dy_col = quantize_gradient(dy2d, need_dx, need_dw, signs, seed, ctx.backend, dy_amax,
+                                    four_over_six=recipe.four_over_six)
 
     # Each dY operand is dropped right after its GEMM, and the GEMM that leaves the lower peak
     # memory runs first (_wgrad_first); the two are independent, so the bits do not depend on it.
@@ -194,8 +207,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         fp4_wgrad = need_wgrad and recipe.backward == "nvfp4"  # else backward reads X itself (MXFP8 / BF16)
         w_amax = None
         if x_amax is None and groups.x is not None:
-            x_signs = signs_for_operand(signs, x2d.dtype, recipe.rht_round_to_input_dtype)
-            x_amax = all_reduce_max(operand_amax(x2d, fp4_wgrad, x_signs, backend), groups.x)
+            x_amax = all_reduce_max(x_amaxes(x2d, out_dtype, signs, recipe, backend, need_wgrad), groups.x)
         if groups.weight is not None and not isinstance(weight, NVFP4GatheredWeight):  # gathered: scales reduced
             w_amax = all_reduce_max(operand_amax(weight, False, None, backend)[:1], groups.weight)
         body = functools.partial(_forward_body, weight=weight, bias=bias, recipe=recipe, signs=signs,

@@ -33,10 +33,10 @@ def nan_to_inf_abs(x):
 
 
 @triton.jit
-def global_encode_scale(amax, FOUR_SIX: tl.constexpr = False):
+def global_encode_scale(amax, FOUR_OVER_SIX: tl.constexpr = False):
     """Twin of numerics.nvfp4.global_encode_scale: S = min(2688 / amax, FP32_MAX) (1536 / amax with
-    FOUR_SIX); 1 if amax == 0; NaN if amax is not finite (amax == +inf here, see nan_to_inf_abs)."""
-    top: tl.constexpr = 1536.0 if FOUR_SIX else 2688.0
+    FOUR_OVER_SIX); 1 if amax == 0; NaN if amax is not finite (amax == +inf here, see nan_to_inf_abs)."""
+    top: tl.constexpr = 1536.0 if FOUR_OVER_SIX else 2688.0
     s = tl.minimum(tl.math.div_rn(tl.full(amax.shape, top, tl.float32), amax), FP32_MAX)
     s = tl.where(amax == 0.0, 1.0, s)
     return tl.where(amax == float("inf"), float("nan"), s)
@@ -72,7 +72,7 @@ def block_scales(block_amax, s_enc, TO_FOUR: tl.constexpr = False):
 
 
 @triton.jit
-def fos_unit(block_amax, s_enc):
+def four_over_six_unit(block_amax, s_enc):
     """2¹⁰ / u of Four Over Six's error (numerics.nvfp4.four_over_six_error): u = 2^⌊log₂(amax_b·S)⌋,
     built from the exponent bits (clamped to [10, 253], where 2^(137 - exp) is a normal fp32)."""
     ex = ((block_amax * s_enc).to(tl.int32, bitcast=True) >> 23) & 0xFF
@@ -81,7 +81,7 @@ def fos_unit(block_amax, s_enc):
 
 
 @triton.jit
-def fos_d2(x, s_enc, r, e32, p):
+def four_over_six_d2(x, s_enc, r, e32, p):
     """One element's D² (int32) of four_over_six_error: D = min(⌊|x·S - g·e_b|·p⌋, 2047), g the
     nearest-even E2M1 magnitude of x·r_b; 0 where the block is not finite (e_b NaN)."""
     a = tl.minimum(tl.abs(x * r), 6.0)
@@ -102,19 +102,19 @@ def pick_four_or_six(e6, r6, e4, r4, err6, err4):
 
 
 @triton.jit
-def four_six_scales16(xs, block_amax, s_enc):
+def four_over_six_scales16(xs, block_amax, s_enc):
     """Twin of numerics.nvfp4.four_over_six_scales (plus the encode factor) for 16-element blocks
     across a 16-tuple of tiles (tile i = element i of each block). Returns (e_b, r_b) as block_scales."""
     e6, r6 = block_scales(block_amax, s_enc)
     e4, r4 = block_scales(block_amax, s_enc, TO_FOUR=True)
-    p = fos_unit(block_amax, s_enc)
+    p = four_over_six_unit(block_amax, s_enc)
     f6 = e4m3_value(e6)
     f4 = e4m3_value(e4)
-    err6 = fos_d2(xs[0], s_enc, r6, f6, p)
-    err4 = fos_d2(xs[0], s_enc, r4, f4, p)
+    err6 = four_over_six_d2(xs[0], s_enc, r6, f6, p)
+    err4 = four_over_six_d2(xs[0], s_enc, r4, f4, p)
     for i in tl.static_range(1, 16):
-        err6 += fos_d2(xs[i], s_enc, r6, f6, p)
-        err4 += fos_d2(xs[i], s_enc, r4, f4, p)
+        err6 += four_over_six_d2(xs[i], s_enc, r6, f6, p)
+        err4 += four_over_six_d2(xs[i], s_enc, r4, f4, p)
     return pick_four_or_six(e6, r6, e4, r4, err6, err4)
 
 
@@ -339,16 +339,16 @@ def _mul_wide(c, m: tl.constexpr):
 
 @triton.jit
 def quantize_slices16(xs, s_enc, STOCHASTIC: tl.constexpr, seed, counter, STAGED: tl.constexpr = False,
-                      FOUR_SIX: tl.constexpr = False):
+                      FOUR_OVER_SIX: tl.constexpr = False):
     """NVFP4 of 16-element blocks laid out across a 16-tuple of tiles (tile i = element i of each
     block): (out, e4m3 scales, one per tile element). out is 2 int32 tiles, the packed codes of
     elements 0-7 and 8-15 of each block (nibble_word), or with STAGED the 16 tiles of the GEMM's fp16
     values q·e_b (the decoded codes times e_b). Stochastic draws: one Philox call per block at
     ``counter`` (unique per block), a byte per element (random8x16). Codes of a non-finite block are
-    0 (the reference's NaN·r). FOUR_SIX: block scales by Four Over Six (s_enc must then be the
-    FOUR_SIX tensor scale)."""
-    if FOUR_SIX:
-        e, r = four_six_scales16(xs, amax16(xs).to(tl.float32), s_enc)
+    0 (the reference's NaN·r). FOUR_OVER_SIX: block scales by Four Over Six (s_enc must then be the
+    FOUR_OVER_SIX tensor scale)."""
+    if FOUR_OVER_SIX:
+        e, r = four_over_six_scales16(xs, amax16(xs).to(tl.float32), s_enc)
     else:
         e, r = block_scales(amax16(xs).to(tl.float32), s_enc)
     finite = r == r

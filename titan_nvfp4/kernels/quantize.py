@@ -31,8 +31,8 @@ from ..numerics.operands import operand_pair, weight_pair
 from .expert_map import block_experts_triton
 from .launch import autotune, cdiv, launch, next_pow2, tune_bucket
 from .nvfp4_jit import global_encode_scale as _jit_global_scale
-from .nvfp4_jit import (add_nibble, amax16, block_scales, e2m1_nibble, e2m1_staged, e4m3_value, fos_d2, fos_unit,
-                        join_slices16, nibble_word, pack_pairs, pick_four_or_six, quantize_slices16, rht16_slices,
+from .nvfp4_jit import (add_nibble, amax16, block_scales, e2m1_nibble, e2m1_staged, e4m3_value, four_over_six_d2,
+                        four_over_six_unit, join_slices16, nibble_word, pack_pairs, pick_four_or_six, quantize_slices16, rht16_slices,
                         round_to, split8, words_along_slices)
 
 G_Q = 2  # 16-row blocks per program (fixed tiles: small inputs on a GPU)
@@ -113,30 +113,30 @@ def reduce_amax16(xs, blk, M, AMAX, SIGNS, BEXP, NSLOT, ROW: tl.constexpr, COL: 
 
 
 @triton.jit
-def _store_decode_scales(GS, AMAX, NS, NSP2: tl.constexpr, FOUR_SIX: tl.constexpr):
+def _store_decode_scales(GS, AMAX, NS, NSP2: tl.constexpr, FOUR_OVER_SIX: tl.constexpr):
     """GS[i] = 1/S of AMAX[i] for the NS slots (twin of NVFP4Tensor.global_scale), by program (0, 0);
     a slot of an operand not emitted holds amax 0, giving 1: every output is defined."""
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         i = tl.arange(0, NSP2)
-        tl.store(GS + i, _decode_scale(tl.load(AMAX + i, mask=i < NS, other=0), FOUR_SIX), mask=i < NS)
+        tl.store(GS + i, _decode_scale(tl.load(AMAX + i, mask=i < NS, other=0), FOUR_OVER_SIX), mask=i < NS)
 
 
 @triton.jit
-def _decode_scale(amax_bits, FOUR_SIX: tl.constexpr):
+def _decode_scale(amax_bits, FOUR_OVER_SIX: tl.constexpr):
     """1/S of amaxes given as fp32 bits in int32 (twin of NVFP4Tensor.global_scale)."""
-    s_enc = _jit_global_scale(amax_bits.to(tl.float32, bitcast=True), FOUR_SIX)
+    s_enc = _jit_global_scale(amax_bits.to(tl.float32, bitcast=True), FOUR_OVER_SIX)
     return tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc)
 
 
 @triton.jit
-def _encode_scale(AMAX, BEXP, blk, nblk, GROUPED: tl.constexpr, FOUR_SIX: tl.constexpr):
+def _encode_scale(AMAX, BEXP, blk, nblk, GROUPED: tl.constexpr, FOUR_OVER_SIX: tl.constexpr):
     """The tensor encode scale S of 16-row blocks ``blk``: a scalar, or with GROUPED one per block
     (of its expert's slot BEXP[blk]) shaped [len(blk), 1] to broadcast over the block's tiles."""
     if GROUPED:
         e = tl.load(BEXP + blk, mask=blk < nblk, other=0)
-        return _jit_global_scale(tl.load(AMAX + e).to(tl.float32, bitcast=True), FOUR_SIX)[:, None]
+        return _jit_global_scale(tl.load(AMAX + e).to(tl.float32, bitcast=True), FOUR_OVER_SIX)[:, None]
     else:
-        return _jit_global_scale(tl.load(AMAX).to(tl.float32, bitcast=True), FOUR_SIX)
+        return _jit_global_scale(tl.load(AMAX).to(tl.float32, bitcast=True), FOUR_OVER_SIX)
 
 
 @triton.jit
@@ -157,10 +157,10 @@ def _load16_cols(X, rows, kb, M, K, sxm, sxk, AS_LOADED: tl.constexpr = False):
 
 @triton.jit
 def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, Mpad, BEXP, NSLOT, TUNE_M,
-                     ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr, SR_ROW: tl.constexpr,
-                     SR_COL: tl.constexpr, GROUPED: tl.constexpr, ROW_F16: tl.constexpr, NSP2: tl.constexpr,
-                     G: tl.constexpr, BK: tl.constexpr, COL_F16: tl.constexpr = False,
-                     FOUR_SIX: tl.constexpr = False, COLS_FIRST: tl.constexpr = False):
+                     ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr, STOCHASTIC_ROW: tl.constexpr,
+                     STOCHASTIC_COL: tl.constexpr, GROUPED: tl.constexpr, ROW_STAGED: tl.constexpr, NSP2: tl.constexpr,
+                     G: tl.constexpr, BK: tl.constexpr, COL_STAGED: tl.constexpr = False,
+                     FOUR_OVER_SIX: tl.constexpr = False, COLS_FIRST: tl.constexpr = False):
     """Row operand: RD [M, K/2], RS [M, K/16]. Column operand of xᵀ (tokens zero-padded to Mpad):
     CD [K, Mpad/2], CS [K, Mpad/16]. GS [2·NSLOT]: the decode scales of the two, from AMAX (row slots,
     then column slots). NSLOT is 1, or with GROUPED one slot per expert: 16-row block b then takes
@@ -169,13 +169,13 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
     as 16 tiles per row block for the column operand and once as 16 tiles per column block for the
     row operand, so that every 16-element block is elementwise work between tiles. Philox counters
     (quantize_slices16): row block (m, kb) uses m·K/16 + kb, column block (b, k) uses
-    (Mpad/16)·K + b·K + k: the two roundings draw independent numbers from one seed. ROW_F16: the row
+    (Mpad/16)·K + b·K + k: the two roundings draw independent numbers from one seed. ROW_STAGED: the row
     operand goes out as the GEMM's staged fp16 values q·e_b in RD [M, K] instead of codes and scales;
-    COL_F16 likewise the column operand in CD [K, Mpad]. FOUR_SIX: Four Over Six block scales (and its
+    COL_STAGED likewise the column operand in CD [K, Mpad]. FOUR_OVER_SIX: Four Over Six block scales (and its
     tensor scales) for both operands. Programs are ordered by program_tile (COLS_FIRST)."""
     pr, pc = program_tile(K, BK, COLS_FIRST)
     seed = tl.load(SEED)  # a dummy pointer when neither rounding is stochastic
-    _store_decode_scales(GS, AMAX, 2 * NSLOT, NSP2, FOUR_SIX)
+    _store_decode_scales(GS, AMAX, 2 * NSLOT, NSP2, FOUR_OVER_SIX)
     nblk = Mpad // 16
     if COL:
         blk = pr * G + tl.arange(0, G)
@@ -183,12 +183,12 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
         xs = _load16(X, blk, rk, M, K, sxm, sxk)
         if RHT:
             xs = rht16_slices(xs, SIGNS)
-        s = _encode_scale(AMAX + NSLOT, BEXP, blk, nblk, GROUPED, FOUR_SIX)
+        s = _encode_scale(AMAX + NSLOT, BEXP, blk, nblk, GROUPED, FOUR_OVER_SIX)
         # (not k·Mpad/16 + b: that expression is the CS store's offsets, whose layout it would then share)
-        out, e = quantize_slices16(xs, s, SR_COL, seed, (Mpad // 16) * K + blk[:, None] * K + rk[None, :],
-                                   STAGED=COL_F16, FOUR_SIX=FOUR_SIX)
+        out, e = quantize_slices16(xs, s, STOCHASTIC_COL, seed, (Mpad // 16) * K + blk[:, None] * K + rk[None, :],
+                                   STAGED=COL_STAGED, FOUR_OVER_SIX=FOUR_OVER_SIX)
         kmask = (rk < K)[:, None]
-        if COL_F16:  # [G, BK, 16] (token 16g + i last) -> [BK, 16G]: rows of xᵀ
+        if COL_STAGED:  # [G, BK, 16] (token 16g + i last) -> [BK, 16G]: rows of xᵀ
             vals = tl.reshape(tl.permute(join_slices16(out, G, BK), (1, 0, 2)), (BK, 16 * G))
             rt = pr * (16 * G) + tl.arange(0, 16 * G)
             tl.store(CD + rk[:, None].to(tl.int64) * Mpad + rt[None, :], vals, mask=kmask & (rt < Mpad)[None, :])
@@ -203,14 +203,14 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
         rows = pr * (16 * G) + tl.arange(0, 16 * G)
         kb = pc * (BK // 16) + tl.arange(0, BK // 16)
         # bf16 until used: 48 instead of 56 registers (Four Over Six uses each element thrice: fp32)
-        xs = _load16_cols(X, rows, kb, M, K, sxm, sxk, AS_LOADED=not FOUR_SIX)
-        s = _encode_scale(AMAX, BEXP, rows // 16, nblk, GROUPED, FOUR_SIX)
+        xs = _load16_cols(X, rows, kb, M, K, sxm, sxk, AS_LOADED=not FOUR_OVER_SIX)
+        s = _encode_scale(AMAX, BEXP, rows // 16, nblk, GROUPED, FOUR_OVER_SIX)
         # staged rows skip the codes: quantize_slices16 forms q·e_b directly
-        out, e = quantize_slices16(xs, s, SR_ROW, seed, rows[:, None] * (K // 16) + kb[None, :], STAGED=ROW_F16,
-                                   FOUR_SIX=FOUR_SIX)
+        out, e = quantize_slices16(xs, s, STOCHASTIC_ROW, seed, rows[:, None] * (K // 16) + kb[None, :],
+                                   STAGED=ROW_STAGED, FOUR_OVER_SIX=FOUR_OVER_SIX)
         rmask = (rows < M)[:, None]
         kmask = (kb < K // 16)[None, :]
-        if ROW_F16:
+        if ROW_STAGED:
             vals = join_slices16(out, 16 * G, BK // 16)
             tl.store(RD + rows[:, None, None].to(tl.int64) * K + kb[None, :, None] * 16 + tl.arange(0, 16)[None, None, :],
                      vals, mask=(rmask & kmask)[:, :, None])
@@ -222,27 +222,27 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
 
 @triton.jit
 def _quantize_2d_kernel(W, N, K, swn, swk, AMAX, GS, D, S, DT, ST, BEXP, NSLOT, D_ROWS, D_EXPERT, TUNE_M,
-                        EMIT_T: tl.constexpr, GROUPED: tl.constexpr, EMIT_F16: tl.constexpr, NSP2: tl.constexpr,
-                        G: tl.constexpr, BK: tl.constexpr, FOUR_SIX: tl.constexpr = False,
+                        EMIT_T: tl.constexpr, GROUPED: tl.constexpr, EMIT_STAGED: tl.constexpr, NSP2: tl.constexpr,
+                        G: tl.constexpr, BK: tl.constexpr, FOUR_OVER_SIX: tl.constexpr = False,
                         COLS_FIRST: tl.constexpr = False):
     """16×16 blocks, nearest-even: D [N, K/2], S [N/16, K/16], GS the decode scales, and DT [K, N/2]
     with ST = Sᵀ, the codes and scales of Wᵀ (whose tiles are the transposed tiles of W). With
     GROUPED, W stacks experts along N and 16-row block b takes the tensor scale of slot BEXP[b].
-    EMIT_F16: D gets the GEMM's staged fp16 values q·e_b of W instead of codes (S unused), row r of
+    EMIT_STAGED: D gets the GEMM's staged fp16 values q·e_b of W instead of codes (S unused), row r of
     each D_ROWS-row expert at D + expert·D_EXPERT + r·K (D_EXPERT = D_ROWS·K: plain [N, K]; larger:
     into every expert's slice of a wider buffer, see quantize_expert_pair).
-    FOUR_SIX: Four Over Six tile scales, the error summed over each tile's 256 elements (int32, exact).
+    FOUR_OVER_SIX: Four Over Six tile scales, the error summed over each tile's 256 elements (int32, exact).
     Programs are ordered by program_tile (COLS_FIRST)."""
-    _store_decode_scales(GS, AMAX, NSLOT, NSP2, FOUR_SIX)
+    _store_decode_scales(GS, AMAX, NSLOT, NSP2, FOUR_OVER_SIX)
     pr, pc = program_tile(K, BK, COLS_FIRST)
     _quantize_2d_tile(W, pr * G, pc, N // 16, N, K, swn, swk, AMAX, BEXP, D, S, DT, ST, D_ROWS, D_EXPERT, EMIT_T,
-                      GROUPED, EMIT_F16, G, BK, FOUR_SIX)
+                      GROUPED, EMIT_STAGED, G, BK, FOUR_OVER_SIX)
 
 
 @triton.jit
 def _quantize_2d_fused_kernel(W, K, swn, swk, AMAX, GS, D, S, DT, ST, NSLOT, D_ROWS, D_EXPERT,
-                              EMIT_T: tl.constexpr, EMIT_F16: tl.constexpr, G: tl.constexpr, BK: tl.constexpr,
-                              FOUR_SIX: tl.constexpr = False, LEAD: tl.constexpr = 1, SPAN: tl.constexpr = 1):
+                              EMIT_T: tl.constexpr, EMIT_STAGED: tl.constexpr, G: tl.constexpr, BK: tl.constexpr,
+                              FOUR_OVER_SIX: tl.constexpr = False, LEAD: tl.constexpr = 1, SPAN: tl.constexpr = 1):
     """_quantize_2d_kernel (GROUPED) for NSLOT stacked experts of D_ROWS rows whose amaxes are reduced
     in the same launch, so that the second read of each expert comes from L2 rather than HBM. AMAX
     holds NSLOT amax slots and NSLOT tile counters, zero at launch. Program p takes tile p in the
@@ -261,10 +261,10 @@ def _quantize_2d_fused_kernel(W, K, swn, swk, AMAX, GS, D, S, DT, ST, NSLOT, D_R
         # the tile's wait instead measured 0.399 against 0.353 ms (64 experts of 1408 × 2048, H100)
         if loc == 0:
             wait_count(DONE + e, ta)
-            tl.store(GS + e, _decode_scale(tl.load(AMAX + e), FOUR_SIX))
+            tl.store(GS + e, _decode_scale(tl.load(AMAX + e), FOUR_OVER_SIX))
         _quantize_2d_tile(W, e * bpe + (loc // ct) * G, loc % ct, (e + 1) * bpe, NSLOT * D_ROWS, K, swn, swk,
-                          AMAX + e, AMAX, D, S, DT, ST, D_ROWS, D_EXPERT, EMIT_T, False, EMIT_F16, G, BK, FOUR_SIX,
-                          DONE + e, ta, True)
+                          AMAX + e, AMAX, D, S, DT, ST, D_ROWS, D_EXPERT, EMIT_T, False, EMIT_STAGED, G, BK,
+                          FOUR_OVER_SIX, DONE + e, ta, True)
     else:
         m = tl.zeros((), tl.float32)
         for i in tl.static_range(SPAN):
@@ -316,28 +316,28 @@ def wait_count(DONE, n):
 
 @triton.jit
 def _quantize_2d_tile(W, b0, t1, nblk, N, K, swn, swk, AMAX, BEXP, D, S, DT, ST, D_ROWS, D_EXPERT,
-                      EMIT_T: tl.constexpr, GROUPED: tl.constexpr, EMIT_F16: tl.constexpr, G: tl.constexpr,
-                      BK: tl.constexpr, FOUR_SIX: tl.constexpr, DONE=None, n_done=0, WAIT: tl.constexpr = False):
+                      EMIT_T: tl.constexpr, GROUPED: tl.constexpr, EMIT_STAGED: tl.constexpr, G: tl.constexpr,
+                      BK: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, DONE=None, n_done=0, WAIT: tl.constexpr = False):
     """One program's tile of _quantize_2d_kernel for W [N, K]: the G 16-row blocks from block b0 (those
     at or past block nblk are left to other tiles) and column tile t1 of BK columns; the tensor scale
     from AMAX as _encode_scale reads it. WAIT: only once the counter at DONE reaches n_done (W is
     loaded before the wait, so that the two latencies overlap)."""
     blk = b0 + tl.arange(0, G)
     rk = t1 * BK + tl.arange(0, BK)
-    ws = _load16(W, blk, rk, nblk * 16, K, swn, swk, AS_LOADED=not FOUR_SIX)
+    ws = _load16(W, blk, rk, nblk * 16, K, swn, swk, AS_LOADED=not FOUR_OVER_SIX)
     if WAIT:
         wait_count(DONE, n_done)
-    s = _encode_scale(AMAX, BEXP, blk, nblk, GROUPED, FOUR_SIX)
+    s = _encode_scale(AMAX, BEXP, blk, nblk, GROUPED, FOUR_OVER_SIX)
     bamax = tl.max(tl.reshape(amax16(ws), (G, BK // 16, 16)), axis=2).to(tl.float32)
-    if FOUR_SIX:
-        e, r = _four_six_tiles(ws, bamax, s, G, BK)
+    if FOUR_OVER_SIX:
+        e, r = _four_over_six_tiles(ws, bamax, s, G, BK)
     else:
         e, r = block_scales(bamax, s)  # [G, BK/16]
     rk2 = t1 * (BK // 2) + tl.arange(0, BK // 2)
     # per element: e_b (for the staged values) and the code mask of non-finite blocks (r is NaN there)
     e32 = tl.reshape(tl.broadcast_to(e4m3_value(e)[:, :, None], (G, BK // 16, 16)), (G, BK))
     keep = tl.reshape(tl.broadcast_to(tl.where(r == r, -1, 0)[:, :, None], (G, BK // 16, 16)), (G, BK))
-    if EMIT_F16:  # where each 16-row block's first staged row goes (blocks never straddle experts)
+    if EMIT_STAGED:  # where each 16-row block's first staged row goes (blocks never straddle experts)
         e_of = blk * 16 // D_ROWS
         d_row0 = e_of.to(tl.int64) * D_EXPERT + (blk * 16 - e_of * D_ROWS).to(tl.int64) * K
     # Wᵀ's code words of rows 0-7 and 8-15, filled as the codes come (8 live nibbles would cost registers)
@@ -351,7 +351,7 @@ def _quantize_2d_tile(W, b0, t1, nblk, N, K, swn, swk, AMAX, BEXP, D, S, DT, ST,
         else:
             hi = add_nibble(hi, c, i - 8)
         row = (blk * 16 + i)[:, None]
-        if EMIT_F16:
+        if EMIT_STAGED:
             tl.store(D + (d_row0 + i * K)[:, None] + rk[None, :], e2m1_staged(y, e32).to(tl.float16),
                      mask=(row < nblk * 16) & (rk < K)[None, :])
         else:
@@ -359,7 +359,7 @@ def _quantize_2d_tile(W, b0, t1, nblk, N, K, swn, swk, AMAX, BEXP, D, S, DT, ST,
                      mask=(row < nblk * 16) & (rk2 < K // 2)[None, :])
     rk16 = t1 * (BK // 16) + tl.arange(0, BK // 16)
     smask = (blk < nblk)[:, None] & (rk16 < K // 16)[None, :]
-    if not EMIT_F16:
+    if not EMIT_STAGED:
         tl.store(S + blk[:, None] * (K // 16) + rk16[None, :], e, mask=smask)
     if EMIT_T:
         tl.store(ST + rk16[None, :] * (N // 16) + blk[:, None], e, mask=smask)
@@ -376,19 +376,19 @@ def _per_element(t, G: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _four_six_tiles(ws, bamax, s, G: tl.constexpr, BK: tl.constexpr):
+def _four_over_six_tiles(ws, bamax, s, G: tl.constexpr, BK: tl.constexpr):
     """Four Over Six scales of 16×16 tiles (twin of four_over_six_scales on a tile's 256 elements):
     the 16 row tiles [G, BK] ``ws`` each add their D² per element, then each tile's 16 columns are summed."""
     e6, r6 = block_scales(bamax, s)
     e4, r4 = block_scales(bamax, s, TO_FOUR=True)
-    p = _per_element(fos_unit(bamax, s), G, BK)
+    p = _per_element(four_over_six_unit(bamax, s), G, BK)
     r6e, r4e = _per_element(r6, G, BK), _per_element(r4, G, BK)
     f6, f4 = _per_element(e4m3_value(e6), G, BK), _per_element(e4m3_value(e4), G, BK)
-    err6 = fos_d2(ws[0], s, r6e, f6, p)
-    err4 = fos_d2(ws[0], s, r4e, f4, p)
+    err6 = four_over_six_d2(ws[0], s, r6e, f6, p)
+    err4 = four_over_six_d2(ws[0], s, r4e, f4, p)
     for i in tl.static_range(1, 16):
-        err6 += fos_d2(ws[i], s, r6e, f6, p)
-        err4 += fos_d2(ws[i], s, r4e, f4, p)
+        err6 += four_over_six_d2(ws[i], s, r6e, f6, p)
+        err4 += four_over_six_d2(ws[i], s, r4e, f4, p)
     err6 = tl.sum(tl.reshape(err6, (G, BK // 16, 16)), axis=2)
     err4 = tl.sum(tl.reshape(err4, (G, BK // 16, 16)), axis=2)
     return pick_four_or_six(e6, r6, e4, r4, err6, err4)
@@ -424,9 +424,10 @@ def _amax_configs():
 
 _quantize_autotuned = autotune(
     _operand_configs(),
-    key=["TUNE_M", "K", "ROW", "COL", "RHT", "SR_ROW", "SR_COL", "GROUPED", "ROW_F16", "COL_F16", "FOUR_SIX"])(
+    key=["TUNE_M", "K", "ROW", "COL", "RHT", "STOCHASTIC_ROW", "STOCHASTIC_COL", "GROUPED", "ROW_STAGED", "COL_STAGED",
+         "FOUR_OVER_SIX"])(
     _quantize_kernel)
-_quantize_2d_autotuned = autotune(_weight_configs(), key=["TUNE_M", "K", "EMIT_T", "EMIT_F16", "FOUR_SIX"])(
+_quantize_2d_autotuned = autotune(_weight_configs(), key=["TUNE_M", "K", "EMIT_T", "EMIT_STAGED", "FOUR_OVER_SIX"])(
     _quantize_2d_kernel)
 _amax_autotuned = autotune(_amax_configs(), key=["TUNE_M", "K", "ROW", "COL", "RHT"], reset_to_zero=["AMAX"])(
     _amax_kernel)
@@ -527,15 +528,15 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
                              signs: torch.Tensor | None = None, stochastic_row: bool = False,
                              stochastic_col: bool = False, seed: torch.Tensor | None = None,
                              amax: torch.Tensor | None = None, amax_col: torch.Tensor | None = None,
-                             groups: torch.Tensor | None = None, row_fp16: bool = False, col_fp16: bool = False,
-                             four_six: bool = False, group_amaxes: torch.Tensor | None = None):
+                             groups: torch.Tensor | None = None, row_staged: bool = False, col_staged: bool = False,
+                             four_over_six: bool = False, group_amaxes: torch.Tensor | None = None):
     """``quantize_operand`` as plain tensors: (row codes, row scales, column codes, column scales,
     fp32 [gs_row, gs_col]); an operand not asked for comes back as empty tensors. With ``groups``
     (the cumulative expert offsets, multiples of 16) every expert's rows get a tensor scale of their
     own and the decode scales come back as fp32 [2, E + 1] (row, column; slot E: rows past the last
-    expert). ``row_fp16``: the row operand comes back as the GEMM's staged fp16 values q·e_b [M, K]
-    (no global scale; exact) with empty scales, saving the GEMM's own staging pass; ``col_fp16`` the
-    same for the column operand, [K, M padded to 16]. ``four_six``: Four Over Six block and tensor scales.
+    expert). ``row_staged``: the row operand comes back as the GEMM's staged fp16 values q·e_b [M, K]
+    (no global scale; exact) with empty scales, saving the GEMM's own staging pass; ``col_staged`` the
+    same for the column operand, [K, M padded to 16]. ``four_over_six``: Four Over Six block and tensor scales.
     ``group_amaxes``: with ``groups``, fp32 [2, E + 1] per-expert (row, column) tensor amaxes to use (all-
     reduced across the ranks sharding the operand) instead of x2d's own."""
     _check_2d(x2d, "quantize_operand")
@@ -575,21 +576,21 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
         return x2d.new_empty((0,), dtype=dtype)
     rd = torch.empty((M, K // 2), dtype=torch.uint8, device=dev) if rowwise else empty(torch.uint8)
     rs = torch.empty((M, K // 16), dtype=torch.float8_e4m3fn, device=dev) if rowwise else empty(torch.float8_e4m3fn)
-    if rowwise and row_fp16:
+    if rowwise and row_staged:
         rd, rs = torch.empty((M, K), dtype=torch.float16, device=dev), empty(torch.float8_e4m3fn)
     cd = torch.empty((K, Mpad // 2), dtype=torch.uint8, device=dev) if colwise else empty(torch.uint8)
     cs = torch.empty((K, Mpad // 16), dtype=torch.float8_e4m3fn, device=dev) if colwise else empty(torch.float8_e4m3fn)
-    if colwise and col_fp16:
+    if colwise and col_staged:
         cd, cs = torch.empty((K, Mpad), dtype=torch.float16, device=dev), empty(torch.float8_e4m3fn)
     if M > 0:
         launch_tuned(_quantize_kernel, _quantize_autotuned, x2d, Mpad, K,
                 x2d, M, K, x2d.stride(0), x2d.stride(1), buf, gs, rd if rowwise else buf, rs if rowwise else buf,
                 cd if colwise else buf, cs if colwise else buf, signs_t, seed if seed is not None else buf, Mpad,
-                bexp, ns, ROW=rowwise, COL=colwise, RHT=signs is not None, SR_ROW=stochastic_row,
-                SR_COL=stochastic_col, ROW_F16=rowwise and row_fp16, COL_F16=colwise and col_fp16,
-                NSP2=next_pow2(2 * ns), FOUR_SIX=four_six, **flags)
+                bexp, ns, ROW=rowwise, COL=colwise, RHT=signs is not None, STOCHASTIC_ROW=stochastic_row,
+                STOCHASTIC_COL=stochastic_col, ROW_STAGED=rowwise and row_staged, COL_STAGED=colwise and col_staged,
+                NSP2=next_pow2(2 * ns), FOUR_OVER_SIX=four_over_six, **flags)
     else:  # no program ran: the decode scales of an all-zero tensor
-        gs.copy_(torch.reciprocal(global_encode_scale(buf.view(torch.float32), four_six)))
+        gs.copy_(torch.reciprocal(global_encode_scale(buf.view(torch.float32), four_over_six)))
     return rd, rs, cd, cs, (gs.view(2, ns) if groups is not None else gs)
 
 
@@ -618,18 +619,18 @@ def quantize_operand(x2d: torch.Tensor, *, rowwise: bool = True, colwise: bool =
                      signs: torch.Tensor | None = None, stochastic_row: bool = False, stochastic_col: bool = False,
                      seed: torch.Tensor | None = None, amax: torch.Tensor | None = None,
                      amax_col: torch.Tensor | None = None,
-                     four_six: bool = False) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
+                     four_over_six: bool = False) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
     """NVFP4 of x2d [M, K] with 1×16 blocks along K (``rowwise``) and of x2dᵀ with 16-element blocks
     along the tokens, after the RHT when ``signs`` is given, tokens zero-padded to a multiple of 16
     (``colwise``): both from one read of x2d. ``seed``: an int64 device tensor for Philox."""
     out = quantize_operand_tensors(x2d, rowwise=rowwise, colwise=colwise, signs=signs, stochastic_row=stochastic_row,
                                    stochastic_col=stochastic_col, seed=seed, amax=amax, amax_col=amax_col,
-                                   four_six=four_six)
+                                   four_over_six=four_over_six)
     return operand_pair(out, x2d.shape, rowwise, colwise)
 
 
-def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None, emit_transpose: bool = True,
-                               experts: int = 1, staged: bool = False, four_six: bool = False,
+def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None, emit_transpose: bool = True, *,
+                               experts: int = 1, staged: bool = False, four_over_six: bool = False,
                                staged_into: tuple[torch.Tensor, int] | None = None):
     """``quantize_weight_2d`` as plain tensors: (codes, scales, codes of Wᵀ, scales of Wᵀ, fp32 decode
     scales [experts]); without ``emit_transpose`` the last-but-one two are empty. ``experts`` > 1: w
@@ -638,7 +639,7 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
     staged fp16 values [N, K] (exact) with empty scales; Wᵀ stays codes (what backward keeps).
     ``staged_into`` (with ``staged``): (buffer, rows per expert in it): expert e's staged rows go to
     buffer rows e·rows.. instead of a new [N, K] tensor, which comes back as given.
-    ``four_six``: Four Over Six tile and tensor scales."""
+    ``four_over_six``: Four Over Six tile and tensor scales."""
     _check_2d(w, "quantize_weight_2d")
     N, K = w.shape
     if N % (16 * experts):
@@ -683,15 +684,15 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
         programs = experts * (tq + cdiv(tq, span))  # every expert's quantization and amax tiles
         launch(_quantize_2d_fused_kernel, (programs,), w, K, w.stride(0), w.stride(1), buf, gs, d, s,
                dt if emit_transpose else d, st if emit_transpose else s, experts, d_rows, d_expert,
-               EMIT_T=emit_transpose, EMIT_F16=staged, G=g, BK=bk, FOUR_SIX=four_six, LEAD=lead, SPAN=span,
+               EMIT_T=emit_transpose, EMIT_STAGED=staged, G=g, BK=bk, FOUR_OVER_SIX=four_over_six, LEAD=lead, SPAN=span,
                num_warps=warps)
     elif N > 0:
         launch_tuned(_quantize_2d_kernel, _quantize_2d_autotuned, w, N, K,
                 w, N, K, w.stride(0), w.stride(1), buf, gs, d, s, dt if emit_transpose else d,
                 st if emit_transpose else s, bexp, experts, d_rows, d_expert, EMIT_T=emit_transpose, GROUPED=grouped,
-                EMIT_F16=staged, NSP2=next_pow2(experts), FOUR_SIX=four_six)
+                EMIT_STAGED=staged, NSP2=next_pow2(experts), FOUR_OVER_SIX=four_over_six)
     else:
-        gs.copy_(torch.reciprocal(global_encode_scale(buf.view(torch.float32), four_six)))
+        gs.copy_(torch.reciprocal(global_encode_scale(buf.view(torch.float32), four_over_six)))
     return d, s, dt, st, gs
 
 
@@ -728,8 +729,8 @@ def _expert_blocks(experts: int, blocks_per_expert: int, device: torch.device) -
     return torch.arange(experts, dtype=torch.int32, device=device).repeat_interleave(blocks_per_expert)
 
 
-def quantize_weight_2d(w: torch.Tensor, amax: torch.Tensor | None = None, emit_transpose: bool = True,
-                       four_six: bool = False) -> tuple[NVFP4Tensor, NVFP4Tensor | None]:
+def quantize_weight_2d(w: torch.Tensor, amax: torch.Tensor | None = None, emit_transpose: bool = True, *,
+                       four_over_six: bool = False) -> tuple[NVFP4Tensor, NVFP4Tensor | None]:
     """16×16-block NVFP4 of w [N, K] and, sharing its scales, of wᵀ (what dgrad reads)."""
-    wq, wt = weight_pair(quantize_weight_2d_tensors(w, amax, emit_transpose, four_six=four_six), w.shape)
+    wq, wt = weight_pair(quantize_weight_2d_tensors(w, amax, emit_transpose, four_over_six=four_over_six), w.shape)
     return wq, (wt if emit_transpose else None)

@@ -16,9 +16,8 @@ from .amax_history import activation_amax
 from ..autograd.body_graphs import BodyGraphs, graphable
 from ..distributed.tensor_parallel import local, local_tp_nvfp4_linear, tp_nvfp4_linear
 from .layer_state import NVFP4LayerState
-from ..autograd.linear_function import autocast_input, meta_linear, nvfp4_linear
-from ..numerics.rht import signs_for_operand
-from ..ops import operand_amax, resolve_backend
+from ..autograd.linear_function import autocast_out_dtype, meta_linear, nvfp4_linear, x_amaxes
+from ..ops import resolve_backend
 from ..recipe.nvfp4_recipe import NVFP4Recipe
 from .telemetry import measure_linear
 
@@ -149,11 +148,9 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
 
     def _history_amax(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """X's amaxes from the layer's amax history (amax_history.py), recording this forward's."""
-        fp4_wgrad = torch.is_grad_enabled() and weight.requires_grad and self.recipe.backward == "nvfp4"
+        need_wgrad = torch.is_grad_enabled() and weight.requires_grad  # as nvfp4_linear decides it
         backend = resolve_backend(self.recipe.gemm_backend, x.device)
-        xq = autocast_input(x.detach())  # X as quantized (linear_function.py)
-        signs = signs_for_operand(local(self.rht_signs), xq.dtype, self.recipe.rht_round_to_input_dtype)
-        current = operand_amax(xq.reshape(-1, x.shape[-1]), fp4_wgrad, signs if fp4_wgrad else None, backend)
+        current = x_amaxes(x, autocast_out_dtype(x), local(self.rht_signs), self.recipe, backend, need_wgrad)
         return activation_amax(self, current)
 
     def extra_repr(self) -> str:

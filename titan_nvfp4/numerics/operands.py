@@ -43,7 +43,7 @@ def operand_pair(out, shape: torch.Size, rowwise: bool,
                  colwise: bool) -> tuple[NVFP4Tensor | StagedOperand | None, NVFP4Tensor | None]:
     """NVFP4Tensors from the outputs of ``quantize`` for a 2D operand of ``shape`` [M, K]: the
     rowwise operand and the column operand of xᵀ [K, M padded to 16], each a StagedOperand when
-    quantized with ``row_fp16`` / ``col_fp16``."""
+    quantized with ``row_staged`` / ``col_staged``."""
     rd, rs, cd, cs, gs = out
     m, k = shape
     if rowwise and rd.dtype == torch.float16:

@@ -76,7 +76,7 @@ def gemm_reference(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype, bias:
 def _library_gemm(backend: str) -> GemmFn:
     def run(a: NVFP4Tensor | library.StagedOperand, b: NVFP4Tensor | library.StagedOperand, out_dtype: torch.dtype,
             bias: torch.Tensor | None = None):
-        return library.gemm(*_op_args(a), *_op_args(b), out_dtype, bias, backend)
+        return _gemm_op(a, b, out_dtype, bias, backend)
     return run
 
 
@@ -89,6 +89,14 @@ def _op_args(t: NVFP4Tensor | library.StagedOperand) -> tuple:
     return t.data, t.scale, t.global_scale, _tiles(t)
 
 
+def _gemm_op(a: NVFP4Tensor | library.StagedOperand, b: NVFP4Tensor | library.StagedOperand, out_dtype: torch.dtype,
+             bias: torch.Tensor | None, backend: str, round_to: torch.dtype | None = None) -> torch.Tensor:
+    """The gemm op on two operands: their tensors positionally, every option by name."""
+    (a_data, a_scale, a_gs, a_tiles), (b_data, b_scale, b_gs, b_tiles) = _op_args(a), _op_args(b)
+    return library.gemm(a_data, a_scale, a_gs, b_data, b_scale, b_gs, bias, a_tiles=a_tiles, b_tiles=b_tiles,
+                        out_dtype=out_dtype, backend=backend, round_to=round_to)
+
+
 def staged_for_gemms(t: NVFP4Tensor, backend: str) -> NVFP4Tensor | library.StagedOperand:
     """On the emulated backend, ``t``'s codes staged as the GEMM's fp16 values by one op call, for a saved
     operand that several GEMMs may read: sibling layers' wgrads on one X (wq, wk, wv) then stage its Xᵀ once
@@ -96,7 +104,7 @@ def staged_for_gemms(t: NVFP4Tensor, backend: str) -> NVFP4Tensor | library.Stag
     as a GEMM staging it (the staging is exact). Other backends read the codes as they are."""
     if backend != "emulated":
         return t
-    return library.StagedOperand(library.stage(t.data, t.scale, _tiles(t)), t.global_scale)
+    return library.StagedOperand(library.stage(t.data, t.scale, tiles=_tiles(t)), t.global_scale)
 
 
 def _tiles(t: NVFP4Tensor) -> bool:
@@ -129,5 +137,5 @@ def nvfp4_gemm(
     if round_to is None or round_to == out_dtype:
         return _BACKENDS[backend](a, b, out_dtype, bias)
     if backend == "emulated":
-        return library.gemm(*_op_args(a), *_op_args(b), out_dtype, bias, backend, round_to)
+        return _gemm_op(a, b, out_dtype, bias, backend, round_to)
     return _BACKENDS[backend](a, b, round_to, bias).to(out_dtype)

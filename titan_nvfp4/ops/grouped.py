@@ -65,16 +65,18 @@ def _stack_offsets(experts: int, rows: int, device: torch.device) -> torch.Tenso
 
 def quantize_tokens(x2d: torch.Tensor, offsets: torch.Tensor, rowwise: bool, colwise: bool,
                     signs: torch.Tensor | None, seed: torch.Tensor | None,
-                    row_staged: bool = True, col_staged: bool = False, four_six: bool = False,
-                    amaxes: torch.Tensor | None = None) -> tuple[GroupedOperand | None, GroupedOperand | None]:
+                    amaxes: torch.Tensor | None = None, *, row_staged: bool = True, col_staged: bool = False,
+                    four_over_six: bool = False) -> tuple[GroupedOperand | None, GroupedOperand | None]:
     """Routed tokens x2d [T, K]: the 1×16 row operand and the wgrad operand xᵀ [K, T padded to 16]
     (RHT when ``signs``), each expert with its own tensor scales; stochastic iff ``seed``.
     ``row_staged`` / ``col_staged``: that operand, when it only feeds a GEMM at once (X's rows; dY's
     rows and columns), comes as the GEMM's fp16 values (``data`` fp16, no scales) rather than codes.
     ``amaxes``: token_amaxes' fp32 [2, E + 1] to use (all-reduced across ranks) instead of x2d's own."""
     sr = seed is not None
-    rd, rs, cd, cs, gs = library.quantize_grouped(x2d, offsets, rowwise, colwise, signs, sr, sr, seed,
-                                                  rowwise and row_staged, colwise and col_staged, four_six, amaxes)
+    rd, rs, cd, cs, gs = library.quantize_grouped(x2d, offsets, signs, seed, amaxes, rowwise=rowwise, colwise=colwise,
+                                                  stochastic_row=sr, stochastic_col=sr,
+                                                  row_staged=rowwise and row_staged, col_staged=colwise and col_staged,
+                                                  four_over_six=four_over_six)
     row = GroupedOperand(rd, rs, gs[0]) if rowwise else None
     col = GroupedOperand(cd, cs, gs[1]) if colwise else None
     return row, col
@@ -83,58 +85,59 @@ def quantize_tokens(x2d: torch.Tensor, offsets: torch.Tensor, rowwise: bool, col
 def token_amaxes(x2d: torch.Tensor, offsets: torch.Tensor, colwise: bool,
                  signs: torch.Tensor | None) -> torch.Tensor:
     """fp32 [2, E + 1]: the per-expert (row, column) tensor amaxes quantize_tokens would reduce."""
-    return library.amax_grouped(x2d, offsets, colwise, signs)
+    return library.amax_grouped(x2d, offsets, signs, colwise=colwise)
 
 
 def swiglu(h1: torch.Tensor, h3: torch.Tensor, offsets: torch.Tensor, colwise: bool,
            signs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(h = silu(h1) ⊙ h3, token_amaxes(h, offsets, colwise, signs)) from one pass over h1 and h3."""
-    return library.swiglu_amax(h1, h3, offsets, colwise, signs)
+    return library.swiglu_amax(h1, h3, offsets, signs, colwise=colwise)
 
 
 def swiglu_backward(dh: torch.Tensor, h1: torch.Tensor, h3: torch.Tensor, offsets: torch.Tensor, colwise: bool,
                     signs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dh1, dh3, token_amaxes of dh1, token_amaxes of dh3): the gradients of silu(h1) ⊙ h3 given dh."""
-    return library.swiglu_backward_amax(dh, h1, h3, offsets, colwise, signs)
+    return library.swiglu_backward_amax(dh, h1, h3, offsets, signs, colwise=colwise)
 
 
 def expert_amaxes(w: torch.Tensor) -> torch.Tensor:
     """fp32 [E]: each expert weight's tensor amax (w [E, N, K]), as quantize_experts reduces it."""
     E, N, K = w.shape
-    return library.amax_experts(w.reshape(E * N, K), E)
+    return library.amax_experts(w.reshape(E * N, K), experts=E)
 
 
-def quantize_experts(w: torch.Tensor, weight_2d: bool, four_six: bool = False,
-                     amax: torch.Tensor | None = None) -> GroupedWeight:
+def quantize_experts(w: torch.Tensor, weight_2d: bool, amax: torch.Tensor | None = None, *,
+                     four_over_six: bool = False) -> GroupedWeight:
     """Expert weights w [E, N, K]: 16×16 blocks (one quantization read both ways, Wᵀ = [K, E·N]; W
     itself comes staged as fp16, since only the forward GEMM reads it) or 1×16 along K for fprop and
     1×16 along N for dgrad (Wᵀ stacked as [E·K, N]). ``amax``: fp32 [E] expert amaxes to use (an
     expert weight sharded across ranks: all-reduced) instead of w's own."""
     E, N, K = w.shape
     if weight_2d:
-        d, s, dt, st, gs = library.quantize_2d_grouped(w.reshape(E * N, K), E, True, four_six, amax)
+        d, s, dt, st, gs = library.quantize_2d_grouped(w.reshape(E * N, K), amax, experts=E, staged=True,
+                                                       four_over_six=four_over_six)
         return GroupedWeight(GroupedOperand(d, s, gs, True), GroupedOperand(dt, st, gs, True), 0, N)
     slots = None
     if amax is not None:  # [row, column] slots of the stacked experts plus the (empty) tail slot
         slots = torch.cat([amax.float().reshape(E), amax.new_zeros(1, dtype=torch.float32)]).expand(2, E + 1)
-    rd, rs, _, _, gs = library.quantize_grouped(w.reshape(E * N, K), _stack_offsets(E, N, w.device), True, False,
-                                                None, False, False, None, False, False, four_six, slots)
+    rows = dict(amaxes=slots, rowwise=True, colwise=False, four_over_six=four_over_six)
+    rd, rs, _, _, gs = library.quantize_grouped(w.reshape(E * N, K), _stack_offsets(E, N, w.device), **rows)
     wt = w.transpose(1, 2).reshape(E * K, N)
-    td, ts, _, _, gst = library.quantize_grouped(wt, _stack_offsets(E, K, w.device), True, False, None, False,
-                                                 False, None, False, False, four_six, slots)
+    td, ts, _, _, gst = library.quantize_grouped(wt, _stack_offsets(E, K, w.device), **rows)
     return GroupedWeight(GroupedOperand(rd, rs, gs[0]), GroupedOperand(td, ts, gst[0]), K, 0)
 
 
-def quantize_expert_pair(w1: torch.Tensor, w3: torch.Tensor, four_six: bool = False,
-                         amax1: torch.Tensor | None = None,
-                         amax3: torch.Tensor | None = None) -> tuple[GroupedOperand, GroupedWeight, GroupedWeight]:
+def quantize_expert_pair(w1: torch.Tensor, w3: torch.Tensor, amax1: torch.Tensor | None = None,
+                         amax3: torch.Tensor | None = None, *,
+                         four_over_six: bool = False) -> tuple[GroupedOperand, GroupedWeight, GroupedWeight]:
     """W1 and W3 [E, N, K] of SwiGLU experts with 16×16 blocks, as quantize_experts gives each, except
     that their staged forward values share one [E·2N, K] operand (expert e: W1_e over W3_e; decode
     scales [2, E]) for one grouped GEMM of both (gemm_rows ``n_split`` = N). Returns (that operand,
     W1's weight, W3's weight); the weights' ``w`` is the shared operand, their ``t`` their own Wᵀ."""
     E, N, K = w1.shape
-    d, dt1, st1, gs1, dt3, st3, gs3 = library.quantize_2d_grouped_pair(w1.reshape(E * N, K), w3.reshape(E * N, K), E,
-                                                                      four_six, amax1, amax3)
+    d, dt1, st1, gs1, dt3, st3, gs3 = library.quantize_2d_grouped_pair(w1.reshape(E * N, K), w3.reshape(E * N, K),
+                                                                      amax1, amax3, experts=E,
+                                                                      four_over_six=four_over_six)
     both = GroupedOperand(d, d.new_empty((0,)), torch.stack([gs1, gs3]), True)
     return (both, GroupedWeight(both, GroupedOperand(dt1, st1, gs1, True), 0, N),
             GroupedWeight(both, GroupedOperand(dt3, st3, gs3, True), 0, N))
@@ -154,13 +157,14 @@ def gemm_rows(a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, n_out
     """[T, n_out]: expert e's rows of A times its [n_out, K] window of B (see grouped_gemm.py), plus
     ``add_to`` as a separate output of out_dtype would be added to it. ``n_split``: B is the shared
     operand of quantize_expert_pair, whose second weight's outputs start at column n_split."""
-    return library.grouped_gemm_rows(a.data, a.scale, b.data, b.scale, b.tiles, offsets, a.gs, b.gs, n_out,
-                                     row_step, col_step, out_dtype, bias, add_to, n_split)
+    return library.grouped_gemm_rows(a.data, a.scale, b.data, b.scale, offsets, a.gs, b.gs, bias, add_to,
+                                     b_tiles=b.tiles, n_out=n_out, b_row_step=row_step, b_col_step=col_step,
+                                     out_dtype=out_dtype, n_split=n_split)
 
 
 def gemm_tokens(a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """[E, M, N]: expert e's tokens of A [M, T] times those of B [N, T], transposed (wgrad)."""
-    return library.grouped_gemm_tokens(a.data, a.scale, b.data, b.scale, offsets, a.gs, b.gs, out_dtype)
+    return library.grouped_gemm_tokens(a.data, a.scale, b.data, b.scale, offsets, a.gs, b.gs, out_dtype=out_dtype)
 
 
 __all__ = ["GroupedOperand", "GroupedWeight", "block_experts", "expert_amaxes", "expert_bias_grad", "gemm_rows",

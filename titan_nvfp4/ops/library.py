@@ -11,6 +11,11 @@ checks) costs ~100 µs of host time per call, as much as a small kernel takes on
 torch.compile, on fake, meta or subclass tensors (DTensor), or inside a mode, the call goes through
 the registered op, so tracing and dispatch modes see one opaque op as before.
 
+Calling convention: the tensors come first and positionally (an optional one, such as ``signs``, ``seed`` or
+``amaxes``, defaults to None and may be named); every other option is keyword-only, named as the recipe names
+its knob (``four_over_six`` for ``block_scale_rule = "four_over_six"``; ``row_staged`` / ``col_staged`` /
+``staged`` for the staged fp16 form). torch.library does not take keyword-only tensors, hence the split.
+
   titan_nvfp4::amax         the tensor amaxes quantize would reduce (for a cross-rank all-reduce first)
   titan_nvfp4::quantize     1×16 rows and/or RHT'd 16-along-tokens columns of one 2D operand
   titan_nvfp4::quantize_2d  16×16-block weight plus the codes and scales of its transpose
@@ -81,7 +86,7 @@ def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 @_op("amax")
-def amax(x: Tensor, colwise: bool, signs: Optional[Tensor]) -> Tensor:
+def amax(x: Tensor, signs: Optional[Tensor] = None, *, colwise: bool) -> Tensor:
     """fp32 [max|x|, max|rht(xᵀ)|] as ``quantize`` would reduce them (non-finite: +inf)."""
     from ..kernels.quantize import operand_amax_tensors
 
@@ -89,57 +94,61 @@ def amax(x: Tensor, colwise: bool, signs: Optional[Tensor]) -> Tensor:
 
 
 @amax.op.register_fake
-def _amax_fake(x, colwise, signs):
+def _amax_fake(x, signs=None, *, colwise):
     return x.new_empty((2,), dtype=torch.float32)
 
 
 @_op("quantize")
-def quantize(x: Tensor, rowwise: bool, colwise: bool, signs: Optional[Tensor], stochastic_row: bool,
-             stochastic_col: bool, seed: Optional[Tensor], row_fp16: bool = False,
-             col_fp16: bool = False, amaxes: Optional[Tensor] = None,
-             four_six: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def quantize(x: Tensor, signs: Optional[Tensor] = None, seed: Optional[Tensor] = None,
+             amaxes: Optional[Tensor] = None, *, rowwise: bool, colwise: bool, stochastic_row: bool = False,
+             stochastic_col: bool = False, row_staged: bool = False, col_staged: bool = False,
+             four_over_six: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(row codes, row scales, column codes, column scales, [gs_row, gs_col]); an operand not asked
-    for comes back as empty tensors (and its decode scale unset). ``row_fp16`` / ``col_fp16``: that
-    operand as the emulated GEMM's staged fp16 values ([M, K] / [K, M padded]) instead of codes
-    (its scales empty). ``amaxes``: fp32 [row, column] tensor amaxes to use (e.g. all-reduced across
-    ranks) instead of reducing them from x. ``four_six``: Four Over Six block scales (numerics/nvfp4.py)."""
+    for comes back as empty tensors (and its decode scale unset). ``signs``: the RHT of the column
+    operand; ``seed``: int64 [1], for ``stochastic_row`` / ``stochastic_col``. ``row_staged`` /
+    ``col_staged``: that operand as the emulated GEMM's staged fp16 values ([M, K] / [K, M padded])
+    instead of codes (its scales empty). ``amaxes``: fp32 [row, column] tensor amaxes to use (e.g.
+    all-reduced across ranks) instead of reducing them from x. ``four_over_six``: Four Over Six block
+    scales (numerics/nvfp4.py)."""
     from ..kernels.quantize import quantize_operand_tensors
 
     a_row, a_col = (None, None) if amaxes is None else (amaxes[0:1], amaxes[1:2])
     return quantize_operand_tensors(x, rowwise=rowwise, colwise=colwise, signs=signs, stochastic_row=stochastic_row,
-                                    stochastic_col=stochastic_col, seed=seed, row_fp16=row_fp16, col_fp16=col_fp16,
-                                    amax=a_row, amax_col=a_col if colwise else None, four_six=four_six)
+                                    stochastic_col=stochastic_col, seed=seed, row_staged=row_staged,
+                                    col_staged=col_staged, amax=a_row, amax_col=a_col if colwise else None,
+                                    four_over_six=four_over_six)
 
 
 @quantize.op.register_fake
-def _quantize_fake(x, rowwise, colwise, signs, stochastic_row, stochastic_col, seed, row_fp16=False,
-                   col_fp16=False, amaxes=None, four_six=False):
+def _quantize_fake(x, signs=None, seed=None, amaxes=None, *, rowwise, colwise, stochastic_row=False,
+                   stochastic_col=False, row_staged=False, col_staged=False, four_over_six=False):
     m, k = x.shape
     mpad = m + (-m) % 16
     f8 = torch.float8_e4m3fn
     rd = x.new_empty((m, k // 2), dtype=torch.uint8) if rowwise else _empty(x, torch.uint8)
     rs = x.new_empty((m, k // 16), dtype=f8) if rowwise else _empty(x, f8)
-    if rowwise and row_fp16:
+    if rowwise and row_staged:
         rd, rs = x.new_empty((m, k), dtype=torch.float16), _empty(x, f8)
     cd = x.new_empty((k, mpad // 2), dtype=torch.uint8) if colwise else _empty(x, torch.uint8)
     cs = x.new_empty((k, mpad // 16), dtype=f8) if colwise else _empty(x, f8)
-    if colwise and col_fp16:
+    if colwise and col_staged:
         cd, cs = x.new_empty((k, mpad), dtype=torch.float16), _empty(x, f8)
     return rd, rs, cd, cs, x.new_empty((2,), dtype=torch.float32)
 
 
 @_op("quantize_2d")
-def quantize_2d(w: Tensor, staged: bool = False, amax: Optional[Tensor] = None,
-                four_six: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def quantize_2d(w: Tensor, amax: Optional[Tensor] = None, *, staged: bool = False,
+                four_over_six: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(codes of W, 16×16 scales, codes of Wᵀ, scales of Wᵀ, global decode scale [1]); ``amax``: the
-    tensor amax to use instead of max|w| (a sharded weight's, all-reduced)."""
+    tensor amax to use instead of max|w| (a sharded weight's, all-reduced); ``staged``: W as the GEMM's
+    fp16 values (scales empty)."""
     from ..kernels.quantize import quantize_weight_2d_tensors
 
-    return quantize_weight_2d_tensors(w, amax=amax, staged=staged, four_six=four_six)
+    return quantize_weight_2d_tensors(w, amax=amax, staged=staged, four_over_six=four_over_six)
 
 
 @quantize_2d.op.register_fake
-def _quantize_2d_fake(w, staged=False, amax=None, four_six=False):
+def _quantize_2d_fake(w, amax=None, *, staged=False, four_over_six=False):
     n, k = w.shape
     f8 = torch.float8_e4m3fn
     d, s = w.new_empty((n, k // 2), dtype=torch.uint8), w.new_empty((n // 16, k // 16), dtype=f8)
@@ -157,8 +166,8 @@ def _operand(data: Tensor, scale: Tensor, gs: Tensor, tiles: bool) -> NVFP4Tenso
 
 
 @_op("gemm")
-def gemm(a_data: Tensor, a_scale: Tensor, a_gs: Tensor, a_tiles: bool, b_data: Tensor, b_scale: Tensor,
-         b_gs: Tensor, b_tiles: bool, out_dtype: torch.dtype, bias: Optional[Tensor], backend: str,
+def gemm(a_data: Tensor, a_scale: Tensor, a_gs: Tensor, b_data: Tensor, b_scale: Tensor, b_gs: Tensor,
+         bias: Optional[Tensor] = None, *, a_tiles: bool, b_tiles: bool, out_dtype: torch.dtype, backend: str,
          round_to: Optional[torch.dtype] = None) -> Tensor:
     """out [M, N] = (A · Bᵀ)·gs_A·gs_B [+ bias]; ``*_tiles``: the operand has 16×16 scale blocks; ``round_to``:
     a 16-bit dtype the values of a wider ``out_dtype`` are rounded to first."""
@@ -174,12 +183,13 @@ def gemm(a_data: Tensor, a_scale: Tensor, a_gs: Tensor, a_tiles: bool, b_data: T
 
 
 @gemm.op.register_fake
-def _gemm_fake(a_data, a_scale, a_gs, a_tiles, b_data, b_scale, b_gs, b_tiles, out_dtype, bias, backend, round_to=None):
+def _gemm_fake(a_data, a_scale, a_gs, b_data, b_scale, b_gs, bias=None, *, a_tiles, b_tiles, out_dtype, backend,
+               round_to=None):
     return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
 
 
 @_op("stage")
-def stage(data: Tensor, scale: Tensor, tiles: bool) -> Tensor:
+def stage(data: Tensor, scale: Tensor, *, tiles: bool) -> Tensor:
     """fp16 q·e_b [R, C] of an operand's codes [R, C/2] and scales (no global scale: the GEMM applies it),
     exact: what the emulated GEMM stages from codes on each call, as one op, so that the wgrads of sibling
     layers on one X (wq, wk, wv) stage its saved Xᵀ once under torch.compile (CSE) instead of once each."""
@@ -189,12 +199,12 @@ def stage(data: Tensor, scale: Tensor, tiles: bool) -> Tensor:
 
 
 @stage.op.register_fake
-def _stage_fake(data, scale, tiles):
+def _stage_fake(data, scale, *, tiles):
     return data.new_empty((data.shape[0], 2 * data.shape[1]), dtype=torch.float16)
 
 
 @_op("quantize_mxfp8")
-def quantize_mxfp8(x: Tensor, rowwise: bool, colwise: bool,
+def quantize_mxfp8(x: Tensor, *, rowwise: bool, colwise: bool,
                    staged: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """MXFP8 (row elements, row E8M0 scales, column elements, column scales) of a 2D operand; the
     column operand holds xᵀ with tokens zero-padded to a multiple of 32. ``staged``: the elements come
@@ -205,7 +215,7 @@ def quantize_mxfp8(x: Tensor, rowwise: bool, colwise: bool,
 
 
 @quantize_mxfp8.op.register_fake
-def _quantize_mxfp8_fake(x, rowwise, colwise, staged=False):
+def _quantize_mxfp8_fake(x, *, rowwise, colwise, staged=False):
     m, k = x.shape
     mpad = m + (-m) % 32
     f8, e8 = (torch.bfloat16 if staged else torch.float8_e4m3fn), torch.float8_e8m0fnu
@@ -218,31 +228,31 @@ def _quantize_mxfp8_fake(x, rowwise, colwise, staged=False):
 # ----------------------------------------------------------------------------- grouped (MoE experts)
 
 @_op("quantize_grouped")
-def quantize_grouped(x: Tensor, offsets: Tensor, rowwise: bool, colwise: bool, signs: Optional[Tensor],
-                     stochastic_row: bool, stochastic_col: bool, seed: Optional[Tensor], row_fp16: bool,
-                     col_fp16: bool = False, four_six: bool = False,
-                     amaxes: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``quantize`` of routed tokens grouped by expert (``offsets``: cumulative group ends, multiples
-    of 16), each expert with its own tensor scales: decode scales fp32 [2, E + 1] (row, column).
-    ``row_fp16`` / ``col_fp16``: that operand as the GEMM's staged fp16 values (its scales empty).
-    ``amaxes``: amax_grouped's fp32 [2, E + 1] to use (all-reduced across ranks) instead of x's own."""
+def quantize_grouped(x: Tensor, offsets: Tensor, signs: Optional[Tensor] = None, seed: Optional[Tensor] = None,
+                     amaxes: Optional[Tensor] = None, *, rowwise: bool, colwise: bool, stochastic_row: bool = False,
+                     stochastic_col: bool = False, row_staged: bool = False, col_staged: bool = False,
+                     four_over_six: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``quantize`` (same arguments, same order) of routed tokens grouped by expert (``offsets``: cumulative
+    group ends, multiples of 16), each expert with its own tensor scales: decode scales fp32 [2, E + 1]
+    (row, column). ``amaxes``: amax_grouped's fp32 [2, E + 1] to use (all-reduced across ranks) instead
+    of x's own."""
     from ..kernels.quantize import quantize_operand_tensors
 
     return quantize_operand_tensors(x, rowwise=rowwise, colwise=colwise, signs=signs, stochastic_row=stochastic_row,
-                                    stochastic_col=stochastic_col, seed=seed, groups=offsets, row_fp16=row_fp16,
-                                    col_fp16=col_fp16, four_six=four_six, group_amaxes=amaxes)
+                                    stochastic_col=stochastic_col, seed=seed, groups=offsets, row_staged=row_staged,
+                                    col_staged=col_staged, four_over_six=four_over_six, group_amaxes=amaxes)
 
 
 @quantize_grouped.op.register_fake
-def _quantize_grouped_fake(x, offsets, rowwise, colwise, signs, stochastic_row, stochastic_col, seed, row_fp16,
-                           col_fp16=False, four_six=False, amaxes=None):
-    rd, rs, cd, cs, _ = _quantize_fake(x, rowwise, colwise, signs, stochastic_row, stochastic_col, seed, row_fp16,
-                                       col_fp16)
+def _quantize_grouped_fake(x, offsets, signs=None, seed=None, amaxes=None, *, rowwise, colwise, stochastic_row=False,
+                           stochastic_col=False, row_staged=False, col_staged=False, four_over_six=False):
+    rd, rs, cd, cs, _ = _quantize_fake(x, rowwise=rowwise, colwise=colwise, row_staged=row_staged,
+                                       col_staged=col_staged)
     return rd, rs, cd, cs, x.new_empty((2, offsets.shape[0] + 1), dtype=torch.float32)
 
 
 @_op("amax_grouped")
-def amax_grouped(x: Tensor, offsets: Tensor, colwise: bool, signs: Optional[Tensor]) -> Tensor:
+def amax_grouped(x: Tensor, offsets: Tensor, signs: Optional[Tensor] = None, *, colwise: bool) -> Tensor:
     """fp32 [2, E + 1]: the per-expert (row, column) amaxes ``quantize_grouped`` would reduce."""
     from ..kernels.quantize import operand_amax_tensors
 
@@ -250,12 +260,12 @@ def amax_grouped(x: Tensor, offsets: Tensor, colwise: bool, signs: Optional[Tens
 
 
 @amax_grouped.op.register_fake
-def _amax_grouped_fake(x, offsets, colwise, signs):
+def _amax_grouped_fake(x, offsets, signs=None, *, colwise):
     return x.new_empty((2, offsets.shape[0] + 1), dtype=torch.float32)
 
 
 @_op("amax_experts")
-def amax_experts(w: Tensor, experts: int) -> Tensor:
+def amax_experts(w: Tensor, *, experts: int) -> Tensor:
     """fp32 [E]: the tensor amax of each of ``experts`` expert weights stacked along w's rows."""
     from ..kernels.quantize import expert_amax_tensors
 
@@ -263,24 +273,24 @@ def amax_experts(w: Tensor, experts: int) -> Tensor:
 
 
 @amax_experts.op.register_fake
-def _amax_experts_fake(w, experts):
+def _amax_experts_fake(w, *, experts):
     return w.new_empty((experts,), dtype=torch.float32)
 
 
 @_op("quantize_2d_grouped")
-def quantize_2d_grouped(w: Tensor, experts: int, staged: bool, four_six: bool = False,
-                        amax: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def quantize_2d_grouped(w: Tensor, amax: Optional[Tensor] = None, *, experts: int, staged: bool = False,
+                        four_over_six: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``quantize_2d`` of ``experts`` stacked expert weights w [E·N, K], one tensor scale each:
     decode scales [E]; the transpose is that of the stack, [K, E·N]. ``staged``: W as the GEMM's
     fp16 values [E·N, K] (scales empty); Wᵀ stays codes. ``amax``: fp32 [E] expert amaxes to use."""
     from ..kernels.quantize import quantize_weight_2d_tensors
 
-    return quantize_weight_2d_tensors(w, amax, experts=experts, staged=staged, four_six=four_six)
+    return quantize_weight_2d_tensors(w, amax, experts=experts, staged=staged, four_over_six=four_over_six)
 
 
 @quantize_2d_grouped.op.register_fake
-def _quantize_2d_grouped_fake(w, experts, staged, four_six=False, amax=None):
-    d, s, dt, st, _ = _quantize_2d_fake(w, staged)
+def _quantize_2d_grouped_fake(w, amax=None, *, experts, staged=False, four_over_six=False):
+    d, s, dt, st, _ = _quantize_2d_fake(w, staged=staged)
     return d, s, dt, st, w.new_empty((experts,), dtype=torch.float32)
 
 
@@ -288,8 +298,8 @@ _SevenTensors = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
 @_op("quantize_2d_grouped_pair")
-def quantize_2d_grouped_pair(w1: Tensor, w3: Tensor, experts: int, four_six: bool = False,
-                             amax1: Optional[Tensor] = None, amax3: Optional[Tensor] = None) -> _SevenTensors:
+def quantize_2d_grouped_pair(w1: Tensor, w3: Tensor, amax1: Optional[Tensor] = None, amax3: Optional[Tensor] = None,
+                             *, experts: int, four_over_six: bool = False) -> _SevenTensors:
     """``quantize_2d_grouped(staged=True)`` of two stacked expert weights of one shape [E·N, K] (W1 and
     W3 of SwiGLU experts, read by the same tokens), their staged values interleaved in one [E·2N, K]
     buffer, expert e's W1_e rows then its W3_e rows, so one grouped GEMM of 2N outputs
@@ -305,28 +315,29 @@ def quantize_2d_grouped_pair(w1: Tensor, w3: Tensor, experts: int, four_six: boo
     staged = torch.empty((2 * w1.shape[0], k), dtype=torch.float16, device=w1.device)
     out = [staged]
     for i, (w, amax) in enumerate(((w1, amax1), (w3, amax3))):
-        _, _, dt, st, gs = quantize_weight_2d_tensors(w, amax, experts=experts, staged=True, four_six=four_six,
+        _, _, dt, st, gs = quantize_weight_2d_tensors(w, amax, experts=experts, staged=True,
+                                                      four_over_six=four_over_six,
                                                       staged_into=(staged[i * n:], 2 * n))
         out += [dt, st, gs]
     return tuple(out)
 
 
 @quantize_2d_grouped_pair.op.register_fake
-def _quantize_2d_grouped_pair_fake(w1, w3, experts, four_six=False, amax1=None, amax3=None):
+def _quantize_2d_grouped_pair_fake(w1, w3, amax1=None, amax3=None, *, experts, four_over_six=False):
     out = [w1.new_empty((2 * w1.shape[0], w1.shape[1]), dtype=torch.float16)]
     for w in (w1, w3):
-        _, _, dt, st, _ = _quantize_2d_fake(w, True)
+        _, _, dt, st, _ = _quantize_2d_fake(w, staged=True)
         out += [dt, st, w.new_empty((experts,), dtype=torch.float32)]
     return tuple(out)
 
 
 @_op("grouped_gemm_rows")
-def grouped_gemm_rows(a_data: Tensor, a_scale: Tensor, b_data: Tensor, b_scale: Tensor, b_tiles: bool,
-                      offsets: Tensor, gs_a: Tensor, gs_b: Tensor, n_out: int, b_row_step: int, b_col_step: int,
-                      out_dtype: torch.dtype, bias: Optional[Tensor], add_to: Optional[Tensor] = None,
+def grouped_gemm_rows(a_data: Tensor, a_scale: Tensor, b_data: Tensor, b_scale: Tensor, offsets: Tensor,
+                      gs_a: Tensor, gs_b: Tensor, bias: Optional[Tensor] = None, add_to: Optional[Tensor] = None, *,
+                      b_tiles: bool, n_out: int, b_row_step: int, b_col_step: int, out_dtype: torch.dtype,
                       n_split: int = 0) -> Tensor:
     """Tokens grouped along M (fprop, dgrad): see kernels/grouped_gemm.py. An fp16 ``a_data`` is A
-    already staged (``quantize_grouped(row_fp16=True)``). ``add_to``: the result is add_to plus the
+    already staged (``quantize_grouped(row_staged=True)``). ``add_to``: the result is add_to plus the
     product, summed as two outputs would be (a new tensor; add_to is only read). ``n_split``: B holds
     two stacked weights per expert (quantize_2d_grouped_pair), gs_b their decode scales [2, E]."""
     from ..kernels.grouped_gemm import grouped_gemm_rows as run
@@ -338,14 +349,14 @@ def grouped_gemm_rows(a_data: Tensor, a_scale: Tensor, b_data: Tensor, b_scale: 
 
 
 @grouped_gemm_rows.op.register_fake
-def _grouped_gemm_rows_fake(a_data, a_scale, b_data, b_scale, b_tiles, offsets, gs_a, gs_b, n_out, b_row_step,
-                            b_col_step, out_dtype, bias, add_to=None, n_split=0):
+def _grouped_gemm_rows_fake(a_data, a_scale, b_data, b_scale, offsets, gs_a, gs_b, bias=None, add_to=None, *,
+                            b_tiles, n_out, b_row_step, b_col_step, out_dtype, n_split=0):
     return a_data.new_empty((a_data.shape[0], n_out), dtype=out_dtype)
 
 
 @_op("grouped_gemm_tokens")
 def grouped_gemm_tokens(a_data: Tensor, a_scale: Tensor, b_data: Tensor, b_scale: Tensor, offsets: Tensor,
-                        gs_a: Tensor, gs_b: Tensor, out_dtype: torch.dtype) -> Tensor:
+                        gs_a: Tensor, gs_b: Tensor, *, out_dtype: torch.dtype) -> Tensor:
     """Tokens grouped along K (wgrad): out [E, M, N], see kernels/grouped_gemm.py."""
     from ..kernels.grouped_gemm import grouped_gemm_tokens as run
     from ..kernels.grouped_gemm import stage
@@ -355,7 +366,7 @@ def grouped_gemm_tokens(a_data: Tensor, a_scale: Tensor, b_data: Tensor, b_scale
 
 
 @grouped_gemm_tokens.op.register_fake
-def _grouped_gemm_tokens_fake(a_data, a_scale, b_data, b_scale, offsets, gs_a, gs_b, out_dtype):
+def _grouped_gemm_tokens_fake(a_data, a_scale, b_data, b_scale, offsets, gs_a, gs_b, *, out_dtype):
     return a_data.new_empty((offsets.shape[0], a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
 
 
@@ -375,8 +386,8 @@ def _stage_grouped_fake(data, scale):
 
 
 @_op("swiglu_amax")
-def swiglu_amax(h1: Tensor, h3: Tensor, offsets: Tensor, colwise: bool,
-                signs: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+def swiglu_amax(h1: Tensor, h3: Tensor, offsets: Tensor, signs: Optional[Tensor] = None, *,
+                colwise: bool) -> tuple[Tensor, Tensor]:
     """(silu(h1) ⊙ h3, its per-expert (row, column) amaxes fp32 [2, E + 1] as amax_grouped gives them)
     from one pass: the SwiGLU of MoE experts, see kernels/swiglu.py."""
     from ..kernels.swiglu import swiglu_amax_tensors
@@ -385,13 +396,13 @@ def swiglu_amax(h1: Tensor, h3: Tensor, offsets: Tensor, colwise: bool,
 
 
 @swiglu_amax.op.register_fake
-def _swiglu_amax_fake(h1, h3, offsets, colwise, signs):
+def _swiglu_amax_fake(h1, h3, offsets, signs=None, *, colwise):
     return h1.new_empty(h1.shape), h1.new_empty((2, offsets.shape[0] + 1), dtype=torch.float32)
 
 
 @_op("swiglu_backward_amax")
-def swiglu_backward_amax(dh: Tensor, h1: Tensor, h3: Tensor, offsets: Tensor, colwise: bool,
-                         signs: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def swiglu_backward_amax(dh: Tensor, h1: Tensor, h3: Tensor, offsets: Tensor, signs: Optional[Tensor] = None, *,
+                         colwise: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dh1, dh3, amaxes of dh1, amaxes of dh3): swiglu_amax's backward, the amaxes as for h."""
     from ..kernels.swiglu import swiglu_backward_amax_tensors
 
@@ -399,6 +410,6 @@ def swiglu_backward_amax(dh: Tensor, h1: Tensor, h3: Tensor, offsets: Tensor, co
 
 
 @swiglu_backward_amax.op.register_fake
-def _swiglu_backward_amax_fake(dh, h1, h3, offsets, colwise, signs):
+def _swiglu_backward_amax_fake(dh, h1, h3, offsets, signs=None, *, colwise):
     amax = h1.new_empty((2, offsets.shape[0] + 1), dtype=torch.float32)
     return h1.new_empty(h1.shape), h3.new_empty(h3.shape), amax, torch.empty_like(amax)

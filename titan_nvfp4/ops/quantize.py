@@ -17,12 +17,12 @@ from . import library
 
 
 def quantize_rowwise(x2d: torch.Tensor, block_shape=(1, 16), stochastic: bool = False,
-                     generator: torch.Generator | None = None, amax: torch.Tensor | None = None,
-                     four_six: bool = False) -> NVFP4Tensor:
+                     generator: torch.Generator | None = None, amax: torch.Tensor | None = None, *,
+                     four_over_six: bool = False) -> NVFP4Tensor:
     """Reference: NVFP4 of a 2D operand with blocks along its rows' contraction dim (tensor scale
-    from ``amax`` when given, else from max|x2d|; Four Over Six scales with ``four_six``)."""
+    from ``amax`` when given, else from max|x2d|; Four Over Six scales with ``four_over_six``)."""
     return quantize_nvfp4(x2d, block_shape=block_shape, stochastic=stochastic, generator=generator, amax=amax,
-                          four_over_six=four_six)
+                          four_over_six=four_over_six)
 
 
 def _wgrad_values(x2d: torch.Tensor, signs: torch.Tensor | None) -> torch.Tensor:
@@ -35,13 +35,13 @@ def _wgrad_values(x2d: torch.Tensor, signs: torch.Tensor | None) -> torch.Tensor
 
 
 def quantize_wgrad_operand(x2d: torch.Tensor, signs: torch.Tensor | None, stochastic: bool = False,
-                           generator: torch.Generator | None = None, amax: torch.Tensor | None = None,
-                           four_six: bool = False) -> NVFP4Tensor:
+                           generator: torch.Generator | None = None, amax: torch.Tensor | None = None, *,
+                           four_over_six: bool = False) -> NVFP4Tensor:
     """Reference: NVFP4 of x2dᵀ with 16-element blocks along the token dim (dim 0 of x2d), after the
     RHT when ``signs`` is given. Token counts that are not multiples of 16 are zero-padded: zero
     tokens add nothing to dW = dYᵀ X, so the product is unchanged."""
     return quantize_nvfp4(_wgrad_values(x2d, signs).contiguous(), block_shape=(1, 16), stochastic=stochastic,
-                          generator=generator, amax=amax, four_over_six=four_six)
+                          generator=generator, amax=amax, four_over_six=four_over_six)
 
 
 def operand_amax(x2d: torch.Tensor, colwise: bool, signs: torch.Tensor | None, backend: str) -> torch.Tensor:
@@ -49,7 +49,7 @@ def operand_amax(x2d: torch.Tensor, colwise: bool, signs: torch.Tensor | None, b
     reduce them (column: of the RHT'd x2dᵀ; 0 without ``colwise``), non-finite values giving +inf: for
     a caller that all-reduces them across the ranks sharding the operand first."""
     if backend != "reference":
-        return library.amax(x2d, colwise, signs if colwise else None)
+        return library.amax(x2d, signs if colwise else None, colwise=colwise)
     a = x2d.abs().amax().float() if x2d.numel() else x2d.new_zeros((), dtype=torch.float32)
     c = torch.zeros_like(a)
     if colwise:
@@ -67,24 +67,24 @@ def _amaxes(amaxes: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Ten
 
 
 def quantize_activation(x2d: torch.Tensor, need_col: bool, signs: torch.Tensor | None, backend: str,
-                        amaxes: torch.Tensor | None = None,
-                        four_six: bool = False) -> tuple[NVFP4Tensor, NVFP4Tensor | None]:
+                        amaxes: torch.Tensor | None = None, *,
+                        four_over_six: bool = False) -> tuple[NVFP4Tensor, NVFP4Tensor | None]:
     """Forward operand X (1×16, nearest-even) and, when ``need_col``, its wgrad operand Xᵀ. On the
     emulated backend X comes as the GEMM's staged fp16 values (library.StagedOperand): it feeds the
     forward GEMM only, so its codes are never needed. ``amaxes``: operand_amax's [row, column] tensor
-    amaxes to use (all-reduced across ranks) instead of x2d's own. ``four_six``: Four Over Six block scales."""
+    amaxes to use (all-reduced across ranks) instead of x2d's own. ``four_over_six``: Four Over Six block scales."""
     if backend == "reference":
         a_row, a_col = _amaxes(amaxes)
-        return (quantize_rowwise(x2d, amax=a_row, four_six=four_six),
-                quantize_wgrad_operand(x2d, signs, amax=a_col, four_six=four_six) if need_col else None)
-    out = library.quantize(x2d, True, need_col, signs, False, False, None, backend == "emulated", False, amaxes,
-                           four_six)
+        return (quantize_rowwise(x2d, amax=a_row, four_over_six=four_over_six),
+                quantize_wgrad_operand(x2d, signs, amax=a_col, four_over_six=four_over_six) if need_col else None)
+    out = library.quantize(x2d, signs, amaxes=amaxes, rowwise=True, colwise=need_col,
+                           row_staged=backend == "emulated", four_over_six=four_over_six)
     return library.operand_pair(out, x2d.shape, True, need_col)
 
 
 def quantize_gradient(dy2d: torch.Tensor, need_row: bool, need_col: bool, signs: torch.Tensor | None,
-                      seed: torch.Tensor | None, backend: str, amaxes: torch.Tensor | None = None,
-                      four_six: bool = False) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
+                      seed: torch.Tensor | None, backend: str, amaxes: torch.Tensor | None = None, *,
+                      four_over_six: bool = False) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
     """dgrad operand dY (1×16) and wgrad operand dYᵀ (RHT, 16 along tokens); stochastic iff ``seed``
     (an int64 tensor [1]) is given. On the emulated backend both come staged (fp16, as X in
     quantize_activation): each feeds one GEMM at once, so their codes would only be read to be staged.
@@ -93,34 +93,36 @@ def quantize_gradient(dy2d: torch.Tensor, need_row: bool, need_col: bool, signs:
     if backend == "reference":
         a_row, a_col = _amaxes(amaxes)
         gen = _generator(seed, dy2d.device)  # one stream: the row draws, then the column draws
-        row = quantize_rowwise(dy2d, stochastic=sr, generator=gen, amax=a_row, four_six=four_six) if need_row else None
-        col = (quantize_wgrad_operand(dy2d, signs, stochastic=sr, generator=gen, amax=a_col, four_six=four_six)
-               if need_col else None)
+        row = (quantize_rowwise(dy2d, stochastic=sr, generator=gen, amax=a_row, four_over_six=four_over_six)
+               if need_row else None)
+        col = (quantize_wgrad_operand(dy2d, signs, stochastic=sr, generator=gen, amax=a_col,
+                                      four_over_six=four_over_six) if need_col else None)
         return row, col
     staged = backend == "emulated"
-    out = library.quantize(dy2d, need_row, need_col, signs, sr, sr, seed, staged, staged, amaxes, four_six)
+    out = library.quantize(dy2d, signs, seed, amaxes, rowwise=need_row, colwise=need_col, stochastic_row=sr,
+                           stochastic_col=sr, row_staged=staged, col_staged=staged, four_over_six=four_over_six)
     return library.operand_pair(out, dy2d.shape, need_row, need_col)
 
 
-def quantize_weight(w: torch.Tensor, weight_2d: bool, backend: str, amax: torch.Tensor | None = None,
-                    four_six: bool = False) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+def quantize_weight(w: torch.Tensor, weight_2d: bool, backend: str, amax: torch.Tensor | None = None, *,
+                    four_over_six: bool = False) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     """The weight for forward (W, blocks along K) and for dgrad (Wᵀ, blocks along N): with 16×16 blocks
     the same quantization read both ways; with 1×16 blocks two separate quantizations. ``amax``: the
-    tensor amax to use (a sharded weight's, all-reduced) instead of max|w|. ``four_six``: Four Over Six."""
+    tensor amax to use (a sharded weight's, all-reduced) instead of max|w|. ``four_over_six``: Four Over Six."""
     if backend == "reference":
         if weight_2d:
-            wq = quantize_rowwise(w, block_shape=(16, 16), amax=amax, four_six=four_six)
+            wq = quantize_rowwise(w, block_shape=(16, 16), amax=amax, four_over_six=four_over_six)
             return wq, wq.t()
-        return (quantize_rowwise(w, amax=amax, four_six=four_six),
-                quantize_rowwise(w.t().contiguous(), amax=amax, four_six=four_six))
+        return (quantize_rowwise(w, amax=amax, four_over_six=four_over_six),
+                quantize_rowwise(w.t().contiguous(), amax=amax, four_over_six=four_over_six))
     if weight_2d:  # W feeds the forward GEMM only: on the emulated backend it comes staged (fp16)
         a = None if amax is None else amax.reshape(1)
-        return library.weight_pair(library.quantize_2d(w, backend == "emulated", a, four_six), w.shape)
+        return library.weight_pair(library.quantize_2d(w, a, staged=backend == "emulated", four_over_six=four_over_six),
+                                   w.shape)
     a = None if amax is None else amax.reshape(1).expand(2).contiguous()  # [row, column] (only the row is read)
-    wq, _ = library.operand_pair(library.quantize(w, True, False, None, False, False, None, False, False, a, four_six),
-                                 w.shape, True, False)
-    wt, _ = library.operand_pair(library.quantize(w.t(), True, False, None, False, False, None, False, False, a,
-                                                  four_six), w.t().shape, True, False)
+    rows = dict(amaxes=a, rowwise=True, colwise=False, four_over_six=four_over_six)
+    wq, _ = library.operand_pair(library.quantize(w, **rows), w.shape, True, False)
+    wt, _ = library.operand_pair(library.quantize(w.t(), **rows), w.t().shape, True, False)
     return wq, wt
 
 
@@ -133,7 +135,7 @@ def mxfp8_operands(x2d: torch.Tensor, rowwise: bool, colwise: bool, backend: str
     comes dequantized, as the GEMM reads it (BF16 on a GPU: exact, see ops.gemm.mxfp8_gemm; else fp32)."""
     kernel = backend != "reference" and x2d.shape[1] % MX_BLOCK == 0 and 0 < x2d.numel() < 2**31
     if kernel:
-        rd, rs, cd, cs = library.quantize_mxfp8(x2d, rowwise, colwise, staged)
+        rd, rs, cd, cs = library.quantize_mxfp8(x2d, rowwise=rowwise, colwise=colwise, staged=staged)
         if staged:
             return (rd if rowwise else None), (cd if colwise else None)
         return (MXFP8Tensor(rd, rs) if rowwise else None), (MXFP8Tensor(cd, cs) if colwise else None)
