@@ -14,10 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import titan_nvfp4
-from titan_nvfp4 import NVFP4Linear
-from titan_nvfp4.autograd.linear_function import nvfp4_linear
+from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
+from titan_nvfp4.autograd.body_graphs import BodyGraphs
+from titan_nvfp4.autograd.linear_function import nvfp4_linear, sr_counter
 from titan_nvfp4.modules.decomposed_linear import DecomposedLinear
+from titan_nvfp4.numerics.rht import rht_signs
+from titan_nvfp4.ops.backends import interpreting
 from titan_nvfp4.training.schedule import LINEAR_STEPS, PrecisionSchedule
+from test_body_graphs import StandInCapture
 from test_converter import edited_toml, parse, world1
 from test_linear import assert_matches, reference
 from test_train_state import FakeTrainer  # TorchTitan's Trainer checkpoint interface, with our extension
@@ -207,6 +211,41 @@ def test_decomposed_linear_r_and_nvfp4_branch_follow_the_forward_scope():
     assert torch.equal(y, F.linear(x, m.weight, m.bias) + F.linear(h, m.lora_u)), "R and the branch: F.linear"
     y.square().sum().backward()
     assert torch.equal(m.sr_counter[:, 1], calls + 1), "each of the three GEMMs' backward still draws"
+
+
+def test_emulated_backend_and_replayed_graphs_give_the_same_bits():
+    """The forward-high-precision mode on the emulated kernels (the Triton interpreter on a CPU), eagerly and with its
+    bodies replayed as graphs (eager_graphs; a stand-in capture on the CPU, test_body_graphs.py): F.linear's forward,
+    the NVFP4 backward's gradients and SR draws, bit for bit."""
+    if not torch.cuda.is_available() and not interpreting():
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    recipe = NVFP4Recipe(gemm_backend="emulated")
+    g = torch.Generator().manual_seed(0)
+    w0, b0 = torch.randn(32, 16, generator=g).to(dev), torch.randn(32, generator=g).to(dev)
+    calls = [(torch.randn(16, 16, generator=g).to(dev), torch.randn(16, 32, generator=g).to(dev)) for _ in range(2)]
+    runs = []
+    for mode in ("nvfp4", "eager", "graphs"):
+        weight, bias = nn.Parameter(w0.clone()), nn.Parameter(b0.clone())
+        counter, signs = sr_counter(recipe, 3, dev), rht_signs(recipe.rht_seed, dev)
+        graphs = BodyGraphs(StandInCapture([counter]), check_device=False) if mode == "graphs" else None
+        out = []
+        for x, dy in calls:
+            x = x.clone().requires_grad_(True)
+            weight.grad = bias.grad = None
+            y = nvfp4_linear(x, weight, bias, recipe, counter, signs, graphs=graphs,
+                             high_precision_forward=mode != "nvfp4")
+            y.backward(dy)
+            out.append([y.detach(), x.grad, weight.grad, bias.grad, counter.clone()])
+        runs.append(out)
+        if graphs is not None:
+            assert graphs.replays == 1  # the second forward (a backward replays from its third call)
+    for (nv, eager, graphed), (x, _) in zip(zip(*runs), calls):
+        assert torch.equal(eager[0], F.linear(x, w0, b0)) and not torch.equal(nv[0], eager[0])
+        for name, a, b, c in zip(("y", "dX", "dW", "db", "SR counter"), nv, eager, graphed):
+            assert torch.equal(b, c), f"{name}: graphs differ from eager"
+            if name != "y":
+                assert torch.equal(a, b), f"{name}: not the NVFP4 backward's"
 
 
 # ------------------------------------------------------------------------------ 4. resume
