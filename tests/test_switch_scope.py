@@ -120,7 +120,7 @@ def test_the_schedule_flips_each_flag_once_at_the_switch_step():
 
 # ------------------------------------------------------------------------------ 3. the numerics
 
-def _converted(scope: str, caplog=None, **knobs):
+def _converted(scope: str, **knobs):
     """_tiny() through titan_nvfp4.convert, switching after step 2 of 4 with ``scope`` (reference backend, SR and
     RHT on: nvidia_paper)."""
     log = logging.getLogger("test_switch_scope")
