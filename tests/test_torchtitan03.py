@@ -94,6 +94,12 @@ def test_documented_configs_parse():
     (["--quantize.grouped_mm.lora_rank", "24"], ["[quantize.grouped_mm] lora_rank must be 0 (off) or a positive "
                                                   "multiple of 16, got 24"]),
     (["--quantize.grouped_mm.backward", "mxfp8"], ["quantize.grouped_mm", "the experts run an NVFP4 backward only"]),
+    (["--quantize.linear.bf16_after_fraction", "0.5", "--quantize.linear.bf16_after_scope", "fwd"],
+     ["[quantize.linear] bf16_after_scope must be one of ['forward_backward', 'forward'], got 'fwd'"]),
+    (["--quantize.linear.bf16_after_scope", "forward"],
+     ["[quantize.linear] bf16_after_scope = 'forward' needs bf16_after_fraction > 0"]),
+    (["--quantize.grouped_mm.bf16_after_fraction", "0.5", "--quantize.grouped_mm.bf16_after_scope", "forward"],
+     ["[quantize.grouped_mm] bf16_after_scope = 'forward': the routed experts switch forward and backward together"]),
 ])
 def test_bad_knob_stops_the_parse_naming_it(capsys, args, words):
     with pytest.raises(SystemExit) as e:
@@ -809,6 +815,20 @@ def test_late_switch_and_amax_windows_follow_the_optimizer_steps(gloo_rank, monk
         assert [m.high_precision for m in linears] == [i >= 1] * len(linears), i
     assert all(m.x_amax_history[1:3].gt(0).all() and not m.x_amax_history[3].any() for m in linears)
     assert all(m.sr_calls == 2 for m in linears)  # the third backward ran in high precision: no SR call
+
+
+def test_forward_scope_switches_the_forward_alone(gloo_rank, monkeypatch, tmp_path):
+    """bf16_after_scope = "forward" on 0.3, through the same core as 0.2 (no integration code of its own): after step 1
+    of 2 the Linears' forward runs in high precision while their backward keeps drawing its stochastic rounding."""
+    c, model, step = _debug_step_model(monkeypatch, tmp_path, "--quantize.linear.bf16_after_fraction", "0.5",
+                                       "--quantize.linear.bf16_after_scope", "forward")
+    sections = attach_sections([model], c.quantize, total_steps=2)
+    linears = [m for m in model.modules() if isinstance(m, TitanNVFP4Linear)]
+    for i in range(2):
+        step()
+        after_optimizer_step([model], sections)
+    assert all(m.high_precision_forward and not m.high_precision for m in linears)
+    assert all(m.sr_calls == 2 for m in linears)  # the second backward ran after the switch and still drew
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "gpt_oss"])

@@ -210,7 +210,8 @@ def convert(model: nn.Module, recipe: str = "nvidia_paper", *, experts: bool | d
 
     ``recipe``: a preset (nvidia_paper, nvidia_paper_selective, naive_rtn) or a path to a .toml. ``knobs``: any key
     of the TOML section ``[quantize.linear.nvfp4]`` (recipe fields such as stochastic_rounding, and filter_fqns,
-    lora_rank, bf16_after_fraction, activation_amax_history, telemetry_every, ...: docs/configuration.md).
+    lora_rank, bf16_after_fraction, bf16_after_scope, activation_amax_history, telemetry_every, ...:
+    docs/configuration.md).
     ``experts``: also convert registered routed-expert modules (True: with the same recipe and recipe overrides; a
     dict: the keys of ``[quantize.grouped_mm.nvfp4]``). ``total_steps``: the run's optimizer steps, needed by
     bf16_after_fraction. Bad values raise a ValueError naming the key and the value."""
@@ -220,7 +221,8 @@ def convert(model: nn.Module, recipe: str = "nvidia_paper", *, experts: bool | d
     if experts is not False and experts is not None:
         if experts is True:
             recipe_fields = {f.name for f in dataclasses.fields(NVFP4Recipe)} - {"eager_graphs"}
-            experts = {k: v for k, v in knobs.items() if k in recipe_fields or k == "bf16_after_fraction"}
+            experts = {k: v for k, v in knobs.items()
+                       if k in recipe_fields or k in ("bf16_after_fraction", "bf16_after_scope")}
         elif not isinstance(experts, dict):
             raise ValueError(f"titan_nvfp4.convert: experts must be True, False or a dict of "
                              f"[{GroupedKnobs.SECTION}] keys, got {experts!r}")

@@ -9,6 +9,10 @@ Forward saves X only in its wgrad-ready NVFP4 form (plus the quantized weight), 
 ``recipe.backward`` = "mxfp8" or "bf16" keeps the NVFP4 forward and runs dgrad and wgrad in MXFP8
 (ops.gemm.mxfp8_gemm: 1×32 blocks along each contraction dim) or in the compute dtype; forward then
 saves the weight and X (MXFP8 Xᵀ blocked along the tokens, or X in the compute dtype).
+
+``high_precision_forward`` (``bf16_after_scope = "forward"`` after the switch, NVIDIA arXiv 2509.25149) runs the
+forward GEMM as F.linear does, in the compute dtype, while dgrad and wgrad stay as above: forward still quantizes
+W and X (from the high-precision operands, as before the switch) for the backward only.
 """
 
 from __future__ import annotations
@@ -136,6 +140,37 @@ def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, signs, out_dtype, n
     return tensors, ((w_t.shape, w_t.block_shape), (x_col.shape, x_col.block_shape) if x_col is not None else None)
 
 
+def _forward_body_high_precision(x2d, x_amax=None, *, weight, bias, recipe, signs, out_dtype, need_col, backend,
+                                 w_amax, need_w_t, shared_x=None):
+    """_forward_body after a forward-only switch (``high_precision_forward``): Y as F.linear computes it in
+    ``out_dtype``, then, for an NVFP4 backward only, Wᵀ for dgrad (when ``need_w_t``: backward will run) and Xᵀ
+    in its wgrad form (when ``need_col``), quantized from W and X exactly as _forward_body quantizes them, so the
+    backward is unchanged. Returns what _forward_body returns (Y alone when nothing is quantized)."""
+    if isinstance(weight, NVFP4GatheredWeight):
+        raise RuntimeError("NVFP4 linear: a forward in high precision (bf16_after_scope = \"forward\") cannot read "
+                           "a weight all-gathered as NVFP4 codes (fsdp_nvfp4_all_gather)")
+    xc = x2d.to(out_dtype)
+    y = torch.nn.functional.linear(xc, weight.to(out_dtype), None if bias is None else bias.to(out_dtype))
+    if not need_w_t:
+        return (y,), (None, None)
+    x_col = None
+    if need_col:
+        fos = recipe.four_over_six
+
+        def quantize_x():
+            x_signs = signs_for_operand(signs, xc.dtype, recipe.rht_round_to_input_dtype)
+            return quantize_activation(xc, True, x_signs, backend, x_amax, fos)
+
+        if shared_x is None:
+            _, x_col = quantize_x()
+        else:  # the key of _forward_body's: siblings share one quantization of X whichever forward they run
+            key = (x2d.shape, out_dtype, True, backend, fos, recipe.rht_round_to_input_dtype)
+            _, x_col = shared_x_operands(shared_x, signs, key, quantize_x)
+    _, w_t = quantize_weight(weight, recipe.weight_2d, backend, w_amax, recipe.four_over_six)
+    tensors = (y, *nvfp4_parts(w_t)) + (nvfp4_parts(x_col) if x_col is not None else ())
+    return tensors, ((w_t.shape, w_t.block_shape), (x_col.shape, x_col.block_shape) if x_col is not None else None)
+
+
 def _staged_x_col(x_col: NVFP4Tensor, ctx):
     """wgrad's Xᵀ operand, staged by its own op (ops/gemm.py): sibling layers on one X stage it once, under
     compile by CSE and in eager through sibling_x.shared_staging (not inside a body graph, nor under a mode)."""
@@ -184,14 +219,16 @@ class NVFP4LinearFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe,
                 counter: torch.Tensor, signs: torch.Tensor | None, need_wgrad: bool,
                 groups: AmaxGroups | None = None, x_amax: torch.Tensor | None = None,
-                graphs: BodyGraphs | None = None) -> torch.Tensor:
+                graphs: BodyGraphs | None = None, high_precision_forward: bool = False) -> torch.Tensor:
         out_dtype = autocast_out_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             return NVFP4LinearFunction._forward(ctx, x, weight, bias, recipe, counter, signs, out_dtype, need_wgrad,
-                                                groups if groups is not None else AmaxGroups(), x_amax, graphs)
+                                                groups if groups is not None else AmaxGroups(), x_amax, graphs,
+                                                high_precision_forward)
 
     @staticmethod
-    def _forward(ctx, x, weight, bias, recipe, counter, signs, out_dtype, need_wgrad, groups, x_amax, graphs):
+    def _forward(ctx, x, weight, bias, recipe, counter, signs, out_dtype, need_wgrad, groups, x_amax, graphs,
+                 high_precision_forward=False):
         backend = resolve_backend(recipe.gemm_backend, x.device)
         in_features = weight.shape[1]
         # X as F.linear multiplies it under autocast: cast to the autocast dtype (out_dtype), here rather than
@@ -214,10 +251,14 @@ class NVFP4LinearFunction(torch.autograd.Function):
                                  out_dtype=out_dtype, need_col=fp4_wgrad, backend=backend, w_amax=w_amax)
         copied = [x2d] if x_amax is None else [x2d, x_amax]
         saving = any(ctx.needs_input_grad[:3])  # backward will run and read what forward saves
+        if high_precision_forward:  # bf16_after_scope = "forward": Y in the compute dtype, W and X for backward
+            body = functools.partial(_forward_body_high_precision, **body.keywords,
+                                     need_w_t=saving and recipe.backward == "nvfp4")
         ctx.fwd_key = ctx.graphs = None
         if graphs is not None and not groups.sharded and backend == "emulated" and recipe.backward == "nvfp4" \
                 and not isinstance(weight, NVFP4GatheredWeight):
-            key = ("fwd", x2d.shape, x2d.stride(), x2d.dtype, out_dtype, fp4_wgrad, x_amax is not None, saving)
+            key = ("fwd", x2d.shape, x2d.stride(), x2d.dtype, out_dtype, fp4_wgrad, x_amax is not None, saving,
+                   high_precision_forward)
             tensors, meta, replayed = graphs.run(key, body, copied, [weight, bias, signs], ctx if saving else None)
             if replayed:
                 tensors = (tensors[0].clone(),) + tuple(tensors[1:])  # y leaves; the rest stays for backward
@@ -274,7 +315,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
                 dw = (dy2d.t() @ x_a).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(dy.dtype)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -312,7 +353,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
             (dx, dw, db), _ = body(dy2d, dy_amax)
         if dx is not None:  # in X's autocast dtype, widened as the backward of F.linear's input cast widens it
             dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)  # a no-op where the GEMM widened it
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 def _wgrad_first(m: int, k: int, n: int) -> bool:
@@ -365,13 +406,14 @@ def _check_linear_args(x, weight, bias, recipe, counter, signs) -> None:
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe,
                  counter: torch.Tensor | None = None, signs: torch.Tensor | None = None,
                  groups: AmaxGroups | None = None, x_amax: torch.Tensor | None = None,
-                 graphs: BodyGraphs | None = None) -> torch.Tensor:
+                 graphs: BodyGraphs | None = None, *, high_precision_forward: bool = False) -> torch.Tensor:
     """Functional NVFP4 linear (see the module docstring for the recipe). ``counter``: the layer's
     ``sr_counter`` (a fresh layer-0 one if None); ``signs``: the RHT signs (from recipe.rht_seed if None);
     ``groups``: the process groups sharding X, W and dY (tensor parallelism), whose tensor amaxes are
     then all-reduced so that every rank quantizes with the whole operand's tensor scale; ``x_amax``:
     fp32 [row, column] amaxes to quantize X with instead of its own (an amax history: amax_history.py);
-    ``graphs``: the layer's BodyGraphs, to replay its bodies as CUDA graphs in eager mode (body_graphs.py).
+    ``graphs``: the layer's BodyGraphs, to replay its bodies as CUDA graphs in eager mode (body_graphs.py);
+    ``high_precision_forward``: the forward GEMM in the compute dtype, dgrad and wgrad in NVFP4 (bf16_after_scope).
     Under autocast X is quantized in the autocast dtype, as F.linear casts it, and dX leaves in it, widened."""
     _check_linear_args(x, weight, bias, recipe, counter, signs)
     if x.is_meta:
@@ -386,4 +428,4 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if graphs is not None and torch.compiler.is_compiling():  # compiled: inductor's own CUDA graphs, if any
         graphs = None
     return NVFP4LinearFunction.apply(x, weight, bias, recipe, counter, signs if recipe.rht else None, need_wgrad,
-                                     sharding_groups(groups), x_amax, graphs)
+                                     sharding_groups(groups), x_amax, graphs, high_precision_forward)

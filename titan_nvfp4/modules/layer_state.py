@@ -82,9 +82,17 @@ class NVFP4LayerState(nn.Module):
 
     @property
     def high_precision(self) -> bool:
-        """Whether the GEMMs run in the input's dtype instead of NVFP4 now (``bf16_after_fraction``)."""
+        """Whether all the GEMMs, forward and backward, run in the input's dtype instead of NVFP4 now
+        (``bf16_after_fraction``, with ``bf16_after_scope`` "forward_backward")."""
         s = self.precision_schedule
         return s is not None and s.high_precision
+
+    @property
+    def high_precision_forward(self) -> bool:
+        """Whether the forward GEMMs run in the input's dtype now (after the ``bf16_after_fraction`` switch, of
+        either ``bf16_after_scope``); with scope "forward" dgrad and wgrad stay NVFP4."""
+        s = self.precision_schedule
+        return s is not None and s.high_precision_forward
 
     @property
     def sr_calls(self) -> int:

@@ -124,11 +124,13 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         if not isinstance(weight, DTensor) and self.local_tp is None:
             x_amax = self._history_amax(x, weight) if history else None
             return nvfp4_linear(x, weight, bias, self.recipe, counter, signs, x_amax=x_amax,
-                                graphs=self._body_graphs(x, weight, gemm))
+                                graphs=self._body_graphs(x, weight, gemm),
+                                high_precision_forward=self.high_precision_forward)
 
         def on_shards(x_local, w_local, b_local, groups):
             x_amax = self._history_amax(x_local, w_local) if history else None
-            return nvfp4_linear(x_local, w_local, b_local, self.recipe, counter, signs, groups, x_amax)
+            return nvfp4_linear(x_local, w_local, b_local, self.recipe, counter, signs, groups, x_amax,
+                                high_precision_forward=self.high_precision_forward)
 
         if not isinstance(weight, DTensor):
             return local_tp_nvfp4_linear(on_shards, x, weight, bias, *self.local_tp, self.label)
@@ -157,6 +159,7 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         r = self.recipe
         if self.high_precision:
             return f"{super().extra_repr()}, high precision (bf16_after_fraction)"
+        forward = ", forward in high precision (bf16_after_scope)" if self.high_precision_forward else ""
         history = f", amax_history={self.amax_history.length}" if self.amax_history is not None else ""
         return (f"{super().extra_repr()}, nvfp4(weight_2d={r.weight_2d}, sr={r.stochastic_rounding}, "
-                f"rht={r.rht}, backend={r.gemm_backend}{history})")
+                f"rht={r.rht}, backend={r.gemm_backend}{history}){forward}")

@@ -70,6 +70,9 @@ RecipeOverrides = _overrides_class()
 REFRESH_MOMENTS = ("keep", "project")
 #: lora_dtype values
 LORA_DTYPES = ("input", "float32")
+#: bf16_after_scope values: what the bf16_after_fraction switch moves to high precision (NVIDIA, arXiv 2509.25149)
+SWITCH_FORWARD_BACKWARD, SWITCH_FORWARD = "forward_backward", "forward"
+SWITCH_SCOPES = (SWITCH_FORWARD_BACKWARD, SWITCH_FORWARD)
 
 
 def _nonneg_int(value) -> bool:
@@ -84,6 +87,10 @@ class RecipeKnobs(RecipeOverrides):
     """Switch this section's NVFP4 layers to high precision (BF16 under TorchTitan's mixed precision)
     for the last fraction of training.steps (0 = never; 1 = from the start, a control arm with the
     same modules)."""
+    bf16_after_scope: str = SWITCH_FORWARD_BACKWARD
+    """What the bf16_after_fraction switch moves to high precision: "forward_backward", all three GEMMs (the
+    layers then run F.linear); "forward", the forward GEMM only, while dgrad and wgrad keep the NVFP4 recipe
+    (NVIDIA, arXiv 2509.25149). Dense Linears only; needs bf16_after_fraction > 0."""
 
     def _check_fqns(self, key: str) -> None:
         value = getattr(self, key)
@@ -102,6 +109,12 @@ class RecipeKnobs(RecipeOverrides):
         f = self.bf16_after_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
             raise ValueError(f"[{self.SECTION}] bf16_after_fraction must be a number in [0, 1], got {f!r}")
+        if self.bf16_after_scope not in SWITCH_SCOPES:
+            raise ValueError(f"[{self.SECTION}] bf16_after_scope must be one of {list(SWITCH_SCOPES)}, got "
+                             f"{self.bf16_after_scope!r}")
+        if self.bf16_after_scope != SWITCH_FORWARD_BACKWARD and not f:
+            raise ValueError(f"[{self.SECTION}] bf16_after_scope = {self.bf16_after_scope!r} needs "
+                             "bf16_after_fraction > 0 (it sets what that switch moves to high precision)")
         if not isinstance(self.recipe, str) or not self.recipe.strip():
             raise ValueError(f"[{self.SECTION}] recipe must be a preset name or a path to a .toml file, "
                              f"got {self.recipe!r}")
@@ -227,6 +240,11 @@ class GroupedKnobs(RecipeKnobs):
     nvfp4/<experts>/<weight>/<operand>/<stat> (0 = off)."""
 
     def __post_init__(self) -> None:
+        if self.bf16_after_scope == SWITCH_FORWARD:
+            raise ValueError(f"[{self.SECTION}] bf16_after_scope = {self.bf16_after_scope!r}: the routed experts "
+                             "switch forward and backward together (their grouped GEMMs have no forward-only mode): "
+                             f"set {SWITCH_FORWARD_BACKWARD!r} here (titan_nvfp4.convert: pass experts as a dict "
+                             "without it); the dense Linears take 'forward' in [quantize.linear.nvfp4]")
         self._check_fqns("fqns")
         check_rank(self.lora_rank, self.SECTION)
         self._check_count("telemetry_every")

@@ -6,13 +6,17 @@ in a small submodule of the model (``StepCounter``), which holds no tensors: the
 stay TorchTitan's. On resume the count comes from TorchTitan's own checkpointed step
 (integration/train_state.py sets it when the train_state loads), so the switch and the low-rank refresh
 happen at the same optimizer steps in a resumed run as in an uninterrupted one. The NVFP4 modules read
-the switch from a shared ``PrecisionSchedule``, a plain bool that changes once, so a compiled block
-recompiles once at the switch and never guards on the step count.
+the switch from a shared ``PrecisionSchedule``, plain bools that change once, so a compiled block
+recompiles once at the switch and never guards on the step count. ``bf16_after_scope`` says which GEMMs switch:
+all three ("forward_backward"), or the forward GEMM alone ("forward", NVIDIA arXiv 2509.25149), dgrad and wgrad
+staying NVFP4. The scope is the running job's knob: a resumed run switches with its own scope.
 """
 
 from __future__ import annotations
 
 from torch import nn
+
+from ..recipe.knobs import SWITCH_FORWARD_BACKWARD, SWITCH_SCOPES
 
 
 #: the StepCounter submodules of the NVFP4 Linears' and the experts' converters (no tensors, no state-dict keys)
@@ -20,19 +24,24 @@ LINEAR_STEPS, GROUPED_STEPS = "nvfp4_linear_steps", "nvfp4_grouped_steps"
 
 
 class PrecisionSchedule:
-    """Whether the NVFP4 modules sharing it compute in high precision now: from optimizer step
-    ``switch_step`` on (None: never)."""
+    """Which GEMMs of the NVFP4 modules sharing it compute in high precision now: from optimizer step
+    ``switch_step`` on (None: never), the forward GEMM, and the backward's too when ``scope`` is
+    "forward_backward" (bf16_after_scope). ``high_precision``: every GEMM (the modules then run F.linear)."""
 
-    def __init__(self, switch_step: int | None = None) -> None:
-        self.switch_step = switch_step
-        self.high_precision = False
+    def __init__(self, switch_step: int | None = None, scope: str = SWITCH_FORWARD_BACKWARD) -> None:
+        if scope not in SWITCH_SCOPES:
+            raise ValueError(f"PrecisionSchedule: scope must be one of {list(SWITCH_SCOPES)}, got {scope!r}")
+        self.switch_step, self.scope = switch_step, scope
+        self.high_precision_forward = self.high_precision_backward = self.high_precision = False
         self.at_step(0)
 
     def at_step(self, steps: int) -> bool:
         """Set the state after ``steps`` optimizer steps; True when this call switched it on."""
-        before = self.high_precision
-        self.high_precision = self.switch_step is not None and steps >= self.switch_step
-        return self.high_precision and not before
+        before = self.high_precision_forward
+        self.high_precision_forward = self.switch_step is not None and steps >= self.switch_step
+        self.high_precision_backward = self.high_precision_forward and self.scope == SWITCH_FORWARD_BACKWARD
+        self.high_precision = self.high_precision_backward  # the forward and the backward: every GEMM
+        return self.high_precision_forward and not before
 
 
 def switch_step(fraction: float, total_steps: int) -> int | None:
@@ -53,7 +62,7 @@ class StepCounter(nn.Module):
         self.count = 0
 
     def step(self) -> bool:
-        """One more optimizer step; True when the schedule switched to high precision with it."""
+        """One more optimizer step; True when the schedule switched (its scope) to high precision with it."""
         self.count += 1
         return self.schedule.at_step(self.count)
 
@@ -63,7 +72,7 @@ class StepCounter(nn.Module):
         self.schedule.at_step(steps)
 
     def extra_repr(self) -> str:
-        return f"count={self.count}, switch_step={self.schedule.switch_step}"
+        return f"count={self.count}, switch_step={self.schedule.switch_step}, scope={self.schedule.scope}"
 
 
 def attach_step_counter(part: nn.Module, name: str, modules: list[nn.Module], schedule: PrecisionSchedule) -> StepCounter:

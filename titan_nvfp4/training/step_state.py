@@ -19,7 +19,7 @@ from ..distributed.fsdp_all_gather import TRAFFIC, precompute_scales
 from ..modules.amax_history import AmaxHistory, layers_with_history, register_buffers, roll
 from ..modules.decomposed_linear import log_lora_dtype, log_refresh, redecompose, set_lora_dtype
 from ..modules.telemetry import Telemetry, drain_all
-from ..recipe.knobs import LinearKnobs, RecipeKnobs
+from ..recipe.knobs import SWITCH_FORWARD, LinearKnobs, RecipeKnobs
 from .optimizer_states import shared_optimizer_states
 from .schedule import GROUPED_STEPS, LINEAR_STEPS, PrecisionSchedule, StepCounter, attach_step_counter, step_counters
 from .schedule import switch_step
@@ -46,6 +46,7 @@ class SectionSteps:
         self.log = log
         self.total_steps = total_steps
         self.fraction = knobs.bf16_after_fraction
+        self.scope = knobs.bf16_after_scope
         self.telemetry_every = knobs.telemetry_every
         self.amax_history = knobs.activation_amax_history if self.dense else 0
         self.refresh_steps = knobs.lora_refresh_steps if self.dense else 0
@@ -86,12 +87,13 @@ class SectionSteps:
                           f"{self.amax_history} optimizer steps (activation_amax_history)")
         if not self.counted:
             return []
-        schedule = PrecisionSchedule(switch_step(self.fraction, self.total_steps))
+        schedule = PrecisionSchedule(switch_step(self.fraction, self.total_steps), self.scope)
         counters = [attach_step_counter(p, self.counter_name, ms, schedule) for p, ms in zip(parts, modules)]
         self.counters = counters
         if self.fraction:
-            self.log.info(f"NVFP4: {self.what} switch to high precision after optimizer step {schedule.switch_step} "
-                          f"(bf16_after_fraction = {self.fraction} of {self.total_steps} steps)")
+            self.log.info(f"NVFP4: {self.what} switch {self._switched()} after optimizer step {schedule.switch_step} "
+                          f"(bf16_after_fraction = {self.fraction} of {self.total_steps} steps, bf16_after_scope = "
+                          f"{self.scope}{'; dgrad and wgrad stay NVFP4' if self.scope == SWITCH_FORWARD else ''})")
         if self.refresh_steps:
             self.log.info(f"NVFP4: low-rank modules re-decomposed every {self.refresh_steps} optimizer steps "
                           "(lora_refresh_steps; the experts' too)" + (", their factors' Adam moments projected onto "
@@ -108,6 +110,12 @@ class SectionSteps:
                           "metrics)")
         return counters
 
+    def _switched(self) -> str:
+        """What the bf16_after_fraction switch moves, for its log lines (bf16_after_scope)."""
+        if self.scope == SWITCH_FORWARD:
+            return "the forward GEMMs to high precision"
+        return "to high precision"
+
     def after_optimizer_step(self, model: Parts) -> None:
         """After each optimizer step: with the NVFP4 all-gather, log its first step's traffic and reduce the gathered
         weights' tile amaxes for their next all-gathers; push the step's activation amaxes into the windows; count
@@ -118,7 +126,8 @@ class SectionSteps:
             roll(layers_with_history(parts))
         for i, (part, counter) in enumerate(step_counters(parts, self.counter_name)):
             if counter.step() and i == 0:
-                self.log.info(f"NVFP4: {self.what} switched to high precision after optimizer step {counter.count}")
+                self.log.info(f"NVFP4: {self.what} switched {self._switched()} after optimizer step {counter.count} "
+                              f"(bf16_after_scope = {self.scope})")
             if self.refresh_steps and counter.count % self.refresh_steps == 0:
                 done = redecompose(part, self.state_of)
                 if i == 0:
