@@ -141,7 +141,7 @@ def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, signs, out_dtype, n
 
 
 def _forward_body_high_precision(x2d, x_amax=None, *, weight, bias, recipe, signs, out_dtype, need_col, backend,
-                                 w_amax, need_w_t, shared_x=None):
+                                 w_amax, need_w_t, shared_x=None, reader=None):
     """_forward_body after a forward-only switch (``high_precision_forward``): Y as F.linear computes it in
     ``out_dtype``, then, for an NVFP4 backward only, Wᵀ for dgrad (when ``need_w_t``: backward will run) and Xᵀ
     in its wgrad form (when ``need_col``), quantized from W and X exactly as _forward_body quantizes them, so the
@@ -155,18 +155,18 @@ def _forward_body_high_precision(x2d, x_amax=None, *, weight, bias, recipe, sign
         return (y,), (None, None)
     x_col = None
     if need_col:
-        fos = recipe.four_over_six
+        four_over_six = recipe.four_over_six
 
         def quantize_x():
             x_signs = signs_for_operand(signs, xc.dtype, recipe.rht_round_to_input_dtype)
-            return quantize_activation(xc, True, x_signs, backend, x_amax, fos)
+            return quantize_activation(xc, True, x_signs, backend, x_amax, four_over_six=four_over_six)
 
         if shared_x is None:
             _, x_col = quantize_x()
         else:  # the key of _forward_body's: siblings share one quantization of X whichever forward they run
-            key = (x2d.shape, out_dtype, True, backend, fos, recipe.rht_round_to_input_dtype)
-            _, x_col = shared_x_operands(shared_x, signs, key, quantize_x)
-    _, w_t = quantize_weight(weight, recipe.weight_2d, backend, w_amax, recipe.four_over_six)
+            key = (x2d.shape, out_dtype, True, backend, four_over_six, recipe.rht_round_to_input_dtype)
+            _, x_col = shared_x_operands(shared_x, signs, key, quantize_x, reader)
+    _, w_t = quantize_weight(weight, recipe.weight_2d, backend, w_amax, four_over_six=recipe.four_over_six)
     tensors = (y, *nvfp4_parts(w_t)) + (nvfp4_parts(x_col) if x_col is not None else ())
     return tensors, ((w_t.shape, w_t.block_shape), (x_col.shape, x_col.block_shape) if x_col is not None else None)
 
