@@ -404,3 +404,10 @@ def test_torchtitans_checkpoint_manager_resumes_a_window_and_runs_with_or_withou
     c = Job(tmp_path, osci)  # step 5's checkpoint, written without the knob
     c.load()
     assert c.trainer.step == 5 and torch.isfinite(c.step(_tokens(6)))
+
+
+def test_plain_local_tensor_parallel_shards_are_refused_by_name():
+    model, steps = _convert(osci_reset_every=4, osci_reset_window=1)
+    model.lin.local_tp = (0, None)  # as TorchTitan 0.3's spmd_types parallelize sets it
+    with pytest.raises(NotImplementedError, match="NVFP4 Linear 'lin': osci_reset_every is not supported on plain local"):
+        steps.sections[0].attach([model], [[model.lin]])

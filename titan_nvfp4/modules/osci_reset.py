@@ -13,7 +13,9 @@ optimizer step s (k ≥ 1, and kP at or after the first step the knobs allow):
 Q is the forward's weight quantization (ops/quantize.py quantize_weight with the layer's recipe: 16×16 or 1×16
 blocks, the block-scale rule, the whole weight's tensor scale) dequantized in fp32, so a reset element lands on
 the grid point the next forward quantizes it to. The reference quantizer computes it; the kernels equal it bit for
-bit. The authors keep two sums (A_Q = Σ|ΔQ|, A_W = Σ|ΔW|) and test A_Q / A_W ≥ τ, ratio 0 where A_W = 0; one
+bit. With 1×16 weight blocks (weight_2d = false) that is the forward's grid (blocks along K; dgrad quantizes Wᵀ on
+its own). A reset that raises a block's largest magnitude (an element between 4 and 6 reset to 6) can move the
+block's scale, as in the authors' code. The authors keep two sums (A_Q = Σ|ΔQ|, A_W = Σ|ΔW|) and test A_Q / A_W ≥ τ, ratio 0 where A_W = 0; one
 margin M = A_Q − τ·A_W holds the same test (M > 0) in half the memory, except where the master did not move at
 all in the window and its grid point did (only through the scales): the authors skip such an element, M resets it.
 
@@ -99,12 +101,17 @@ def _dequantized(w: torch.Tensor, recipe) -> torch.Tensor:
     return wq.dequantize(torch.float32)
 
 
-def forward_grid(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
-    """Q(weight): fp32, this rank's part (the local shard of a DTensor), each element the value the forward
-    quantizes it to. A DTensor is all-gathered here: every rank of its mesh must call this for it."""
+def check_supported(module: nn.Module) -> None:
+    """Refuse, by the layer's name, a layer whose weight the reset cannot handle: plain local TP shards."""
     if getattr(module, "local_tp", None) is not None:
         raise NotImplementedError(f"NVFP4 Linear {_label(module)!r}: osci_reset_every is not supported on plain local "
                                   "tensor-parallel shards (TorchTitan 0.3's spmd_types backend); set it to 0")
+
+
+def forward_grid(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """Q(weight): fp32, this rank's part (the local shard of a DTensor), each element the value the forward
+    quantizes it to. A DTensor is all-gathered here: every rank of its mesh must call this for it."""
+    check_supported(module)
     if not isinstance(weight, DTensor):
         return _dequantized(weight.detach(), module.recipe)
     q = _dequantized(weight.detach().full_tensor(), module.recipe)
@@ -217,5 +224,5 @@ def resume_windows(layers: dict[str, nn.Module], margins: dict[str, torch.Tensor
     return lost
 
 
-__all__ = ["OPEN", "RESET", "TRACK", "OsciReset", "Reset", "forward_grid", "layers_with_osci_reset", "margin_of",
+__all__ = ["OPEN", "RESET", "TRACK", "OsciReset", "Reset", "check_supported", "forward_grid", "layers_with_osci_reset", "margin_of",
            "osci_reset_step", "resume_windows"]

@@ -18,7 +18,7 @@ from torch import nn
 from ..distributed.fsdp_all_gather import TRAFFIC, precompute_scales
 from ..modules.amax_history import AmaxHistory, layers_with_history, register_buffers, roll
 from ..modules.decomposed_linear import log_lora_dtype, log_refresh, redecompose, set_lora_dtype
-from ..modules.osci_reset import OsciReset, layers_with_osci_reset, osci_reset_step
+from ..modules.osci_reset import OsciReset, check_supported, layers_with_osci_reset, osci_reset_step
 from ..modules.telemetry import Telemetry, drain_all
 from ..recipe.knobs import LinearKnobs, RecipeKnobs
 from .optimizer_states import shared_optimizer_states
@@ -157,6 +157,7 @@ class SectionSteps:
     def _attach_osci_reset(self, modules: list[list[nn.Module]]) -> None:
         o = self.osci_reset
         for m in (m for ms in modules for m in ms):
+            check_supported(m)  # a layer's local_tp is known here when the model was parallelized first (0.3)
             m.osci_reset = o
         first = max(o.every, -(-o.start_step // o.every) * o.every)
         self.log.info(f"NVFP4: OsciReset of {sum(map(len, modules))} Linear layers: a window opens every {o.every} "
@@ -189,8 +190,8 @@ def apply_lora_dtype(model: Parts, lora_dtype: str, log, *, one_dtype: bool = Fa
 class TrainingSteps:
     """The per-step object a training loop drives (``titan_nvfp4.convert`` returns one): call ``step()`` after every
     ``optimizer.step()``. Its ``state_dict`` (torch.distributed.checkpoint's Stateful protocol) holds the optimizer
-    steps taken, the layers' stochastic-rounding call counts and amax windows, so a resumed run continues bit for
-    bit; ``telemetry()`` returns what telemetry_every measured since the last call."""
+    steps taken, the layers' stochastic-rounding call counts, amax windows and OsciReset margins, so a resumed run
+    continues bit for bit; ``telemetry()`` returns what telemetry_every measured since the last call."""
 
     def __init__(self, model: Parts, sections: list[SectionSteps]) -> None:
         self.parts = as_parts(model)
