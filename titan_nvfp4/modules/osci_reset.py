@@ -15,9 +15,11 @@ blocks, the block-scale rule, the whole weight's tensor scale) dequantized in fp
 the grid point the next forward quantizes it to. The reference quantizer computes it; the kernels equal it bit for
 bit. With 1×16 weight blocks (weight_2d = false) that is the forward's grid (blocks along K; dgrad quantizes Wᵀ on
 its own). A reset that raises a block's largest magnitude (an element between 4 and 6 reset to 6) can move the
-block's scale, as in the authors' code. The authors keep two sums (A_Q = Σ|ΔQ|, A_W = Σ|ΔW|) and test A_Q / A_W ≥ τ, ratio 0 where A_W = 0; one
-margin M = A_Q − τ·A_W holds the same test (M > 0) in half the memory, except where the master did not move at
-all in the window and its grid point did (only through the scales): the authors skip such an element, M resets it.
+block's scale, as in the authors' code.
+
+The authors keep two sums (A_Q = Σ|ΔQ|, A_W = Σ|ΔW|) and test A_Q / A_W ≥ τ, ratio 0 where A_W = 0; one margin
+M = A_Q − τ·A_W holds the same test (M > 0) in half the memory, except where the master did not move at all in the
+window and its grid point did (only through the scales): the authors skip such an element, M resets it.
 
 Memory: M, fp32 and shaped like the weight (its local shard), exists from the first window or checkpoint on;
 W_prev, in the weight's dtype, only during a window: 8 bytes per fp32 weight element at the peak, where the
@@ -224,5 +226,6 @@ def resume_windows(layers: dict[str, nn.Module], margins: dict[str, torch.Tensor
     return lost
 
 
-__all__ = ["OPEN", "RESET", "TRACK", "OsciReset", "Reset", "check_supported", "forward_grid", "layers_with_osci_reset", "margin_of",
+__all__ = ["OPEN", "RESET", "TRACK", "OsciReset", "Reset", "check_supported", "forward_grid", "layers_with_osci_reset",
+           "margin_of",
            "osci_reset_step", "resume_windows"]

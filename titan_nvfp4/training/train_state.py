@@ -179,4 +179,5 @@ def install(trainer_cls) -> None:
 
 
 __all__ = ["HISTORY_KEY", "KEY", "OSCI_KEY", "amax_histories", "empty_amax_histories", "install", "load_amax_histories",
-           "load_osci_margins", "load_sr_calls", "load_state_of_layers", "nvfp4_layers", "osci_layers", "osci_margins", "sr_calls", "state_of_layers", "sync_step_counters"]
+           "load_osci_margins", "load_sr_calls", "load_state_of_layers", "nvfp4_layers", "osci_layers", "osci_margins",
+           "sr_calls", "state_of_layers", "sync_step_counters"]
