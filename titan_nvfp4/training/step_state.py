@@ -139,7 +139,6 @@ class SectionSteps:
                 self.log.info(f"NVFP4: after each optimizer step the tile amaxes of {n} NVFP4-gathered weights are "
                               "all-reduced at once (one all-reduce per FSDP group), ahead of their next all-gathers")
 
-
     # -- OsciReset (osci_reset_every; modules/osci_reset.py) -------------------------------------------------------
 
     @staticmethod
