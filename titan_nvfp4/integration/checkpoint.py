@@ -14,7 +14,8 @@ Two patches of torchtitan.components.checkpoint, applied by torchtitan_fixes.app
   - low-rank layers in the checkpoint, plain NVFP4 layers here: a model-only load loads W; a full
     resume is refused by name (its SR counts are per GEMM of the low-rank layer);
   - a checkpoint of a run without NVFP4 layers (or without some of them) resumes with zero SR counts
-    for the layers it lacks; one without activation amax windows resumes with empty windows.
+    for the layers it lacks; one without activation amax windows resumes with empty windows; one without
+    OsciReset margins (a run without osci_reset_every) resumes with none: a window open at its step restarts.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torchtitan.tools.logging import logger
 
 from ..modules.decomposed_linear import RESIDUAL, LowRankState
 from .train_state import HISTORY_KEY, KEY
+from ..training.train_state import OSCI_KEY
 
 _TRAIN_STATE, _OPTIMIZER = "train_state", "optimizer"
 _RES = "lora_" + RESIDUAL
@@ -70,7 +72,7 @@ class _TrainStateRequest:
 
     def state_dict(self):
         out = dict(self.inner.state_dict())
-        for group in (KEY, HISTORY_KEY):
+        for group in (KEY, HISTORY_KEY, OSCI_KEY):
             if group in out:
                 kept = {k: v for k, v in out[group].items() if f"{_TRAIN_STATE}.{group}.{k}" not in self.drop}
                 if kept:
@@ -139,11 +141,13 @@ def adapt_request(state: dict, saved: dict[str, object], checkpoint_id: str) -> 
         logger.info(f"NVFP4: checkpoint {checkpoint_id} has no activation amax windows: they start empty "
                     "(activation_amax_history)")
     drop.update(missing)
-    if drop:
+    # OsciReset margins of a run without osci_reset_every: none (resume_windows logs an open window that restarts)
+    margins = {f"{_TRAIN_STATE}.{OSCI_KEY}.{layer}" for layer in request.get(OSCI_KEY) or {}} - set(saved)
+    if drop or margins:
         if len(drop) > len(missing):
             logger.info(f"NVFP4: checkpoint {checkpoint_id} has no SR counts for {len(drop) - len(missing)} NVFP4 "
                         "layers: their stochastic-rounding streams start at zero")
-        out[_TRAIN_STATE] = _TrainStateRequest(trainer, drop)
+        out[_TRAIN_STATE] = _TrainStateRequest(trainer, drop | margins)
     return out
 
 

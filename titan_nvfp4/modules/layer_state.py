@@ -79,6 +79,8 @@ class NVFP4LayerState(nn.Module):
     telemetry = None
     #: amax_history.AmaxHistory shared by the converter's layers (activation_amax_history); None: off
     amax_history = None
+    #: osci_reset.OsciReset shared by the converter's layers (osci_reset_every); None: off
+    osci_reset = None
 
     @property
     def high_precision(self) -> bool:

@@ -169,6 +169,18 @@ class LinearKnobs(RecipeKnobs):
     """Under FSDP2, all-gather the converted Linears' weights as NVFP4 codes (4 bits per element)
     instead of BF16: each rank quantizes its shard with the whole weight's scales (with tensor
     parallelism, its TP shard's, with the whole weight's tensor amax). Needs 16×16 weight blocks (weight_2d)."""
+    osci_reset_every: int = 0
+    """TetraJet-v2's OsciReset (arXiv 2510.27527): every N optimizer steps a window opens in which each converted
+    Linear's weight elements that oscillate between two FP4 values are found; the step after it, their master
+    weights are set to their current FP4 value (0 = off; the authors ran 200 to 400). N >= osci_reset_window + 2."""
+    osci_reset_window: int = 50
+    """OsciReset: the optimizer steps over which each element's movement is summed (the authors' 50)."""
+    osci_reset_threshold: float = 8.0
+    """OsciReset: an element counts as oscillating when its FP4 value moved more than this many times as far as its
+    master weight over the window, both summed over the steps (the authors' released runs: 8; their code: 16)."""
+    osci_reset_start_fraction: float = 0.0
+    """OsciReset: windows open from this fraction of training.steps on (0 = from step osci_reset_every; the
+    authors' runs started at 0.59 to 0.69, in the learning-rate decay)."""
 
     def __post_init__(self) -> None:
         s = self.SECTION
@@ -200,6 +212,37 @@ class LinearKnobs(RecipeKnobs):
                              f"in [{self.GROUPED_SECTION}]")
         RecipeKnobs.__post_init__(self)  # slots=True: no zero-argument super()
         self._check_all_gather(self.build_recipe())
+        self._check_osci_reset()
+
+    #: the OsciReset keys that need osci_reset_every > 0, with their defaults
+    OSCI_RESET_DEFAULTS: ClassVar[dict] = {"osci_reset_window": 50, "osci_reset_threshold": 8.0,
+                                           "osci_reset_start_fraction": 0.0}
+
+    def _check_osci_reset(self) -> None:
+        s, every = self.SECTION, self.osci_reset_every
+        self._check_count("osci_reset_every", "a non-negative integer (0 = off)")
+        window = self.osci_reset_window
+        if not _nonneg_int(window) or window == 0:
+            raise ValueError(f"[{s}] osci_reset_window must be a positive integer, got {window!r}")
+        t = self.osci_reset_threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"[{s}] osci_reset_threshold must be a positive finite number, got {t!r}")
+        f = self.osci_reset_start_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 1:
+            raise ValueError(f"[{s}] osci_reset_start_fraction must be a number in [0, 1), got {f!r}")
+        if not every:
+            for key, default in self.OSCI_RESET_DEFAULTS.items():
+                if getattr(self, key) != default:
+                    raise ValueError(f"[{s}] {key} = {getattr(self, key)!r} needs osci_reset_every > 0 (it sets "
+                                     "the OsciReset windows)")
+            return
+        if every < window + 2:
+            raise ValueError(f"[{s}] osci_reset_every = {every} needs to be at least osci_reset_window + 2 = "
+                             f"{window + 2}: a window of {window} steps opens every {every} steps and resets the step "
+                             "after it")
+        if self.fsdp_nvfp4_all_gather:
+            raise ValueError(f"[{s}] osci_reset_every = {every} cannot be combined with fsdp_nvfp4_all_gather = true "
+                             "yet (the reset writes the sharded weights whose NVFP4 codes the all-gather keeps)")
 
     def _check_all_gather(self, recipe: NVFP4Recipe) -> None:
         if not self.fsdp_nvfp4_all_gather:
@@ -238,6 +281,8 @@ class GroupedKnobs(RecipeKnobs):
     amax, saturated and underflowed blocks and SNR of the expert weights (per expert: each has its own
     tensor scale; plus the worst expert's SNR), the routed tokens and dY, logged as
     nvfp4/<experts>/<weight>/<operand>/<stat> (0 = off)."""
+    osci_reset_every: int = 0
+    """Not for the routed experts: OsciReset (TetraJet-v2) applies to the dense Linears only; must stay 0."""
 
     def __post_init__(self) -> None:
         if self.bf16_after_scope == SWITCH_FORWARD:
@@ -245,6 +290,10 @@ class GroupedKnobs(RecipeKnobs):
                              "switch forward and backward together (their grouped GEMMs have no forward-only mode): "
                              f"set {SWITCH_FORWARD_BACKWARD!r} here (titan_nvfp4.convert: pass experts as a dict "
                              "without it); the dense Linears take 'forward' in [quantize.linear.nvfp4]")
+        if self.osci_reset_every != 0:
+            raise ValueError(f"[{self.SECTION}] osci_reset_every = {self.osci_reset_every!r}: OsciReset applies to "
+                             "the dense Linears only (set it in [quantize.linear.nvfp4]); the experts' weights keep "
+                             "no oscillation windows")
         self._check_fqns("fqns")
         check_rank(self.lora_rank, self.SECTION)
         self._check_count("telemetry_every")

@@ -18,6 +18,7 @@ from torch import nn
 from ..distributed.fsdp_all_gather import TRAFFIC, precompute_scales
 from ..modules.amax_history import AmaxHistory, layers_with_history, register_buffers, roll
 from ..modules.decomposed_linear import log_lora_dtype, log_refresh, redecompose, set_lora_dtype
+from ..modules.osci_reset import OsciReset, check_supported, layers_with_osci_reset, osci_reset_step
 from ..modules.telemetry import Telemetry, drain_all
 from ..recipe.knobs import SWITCH_FORWARD, LinearKnobs, RecipeKnobs
 from .optimizer_states import shared_optimizer_states
@@ -56,6 +57,7 @@ class SectionSteps:
         self.nvfp4_all_gather = nvfp4_all_gather
         self._gather_logged = False
         self.counters: list[StepCounter] = []
+        self.osci_reset = self._osci_reset(knobs, total_steps) if self.dense else None
         if self.fraction and not total_steps:
             raise ValueError(f"[{knobs.SECTION}] bf16_after_fraction = {self.fraction} needs the run's total number of "
                              "optimizer steps (training.steps; total_steps for titan_nvfp4.convert)")
@@ -63,7 +65,7 @@ class SectionSteps:
     @property
     def counted(self) -> bool:
         """Whether the section's modules need a step counter (a switch, telemetry or a refresh follows it)."""
-        return bool(self.fraction or self.telemetry_every or self.refresh_steps)
+        return bool(self.fraction or self.telemetry_every or self.refresh_steps or self.osci_reset)
 
     @property
     def per_step(self) -> bool:
@@ -98,6 +100,8 @@ class SectionSteps:
             self.log.info(f"NVFP4: low-rank modules re-decomposed every {self.refresh_steps} optimizer steps "
                           "(lora_refresh_steps; the experts' too)" + (", their factors' Adam moments projected onto "
                           "the new split" if self.state_of is not None else ""))
+        if self.osci_reset is not None:
+            self._attach_osci_reset(modules)
         if self.telemetry_every:
             for counter, ms in zip(counters, modules):
                 telemetry = Telemetry(self.telemetry_every, counter)
@@ -132,6 +136,8 @@ class SectionSteps:
                 done = redecompose(part, self.state_of)
                 if i == 0:
                     log_refresh(self.log, done, counter.count, self.state_of is not None)
+        if self.osci_reset is not None:
+            self._osci_reset_step(parts)
         if self.nvfp4_all_gather:
             first = not self._gather_logged
             if first:
@@ -141,6 +147,41 @@ class SectionSteps:
             if first:
                 self.log.info(f"NVFP4: after each optimizer step the tile amaxes of {n} NVFP4-gathered weights are "
                               "all-reduced at once (one all-reduce per FSDP group), ahead of their next all-gathers")
+
+    # -- OsciReset (osci_reset_every; modules/osci_reset.py) -------------------------------------------------------
+
+    @staticmethod
+    def _osci_reset(knobs: LinearKnobs, total_steps: int) -> OsciReset | None:
+        """The section's OsciReset schedule, None when off; a start fraction needs the run's length."""
+        if not knobs.osci_reset_every:
+            return None
+        f = knobs.osci_reset_start_fraction
+        if f and not total_steps:
+            raise ValueError(f"[{knobs.SECTION}] osci_reset_start_fraction = {f} needs the run's total number of "
+                             "optimizer steps (training.steps; total_steps for titan_nvfp4.convert)")
+        return OsciReset(knobs.osci_reset_every, knobs.osci_reset_window, knobs.osci_reset_threshold,
+                         round(f * total_steps))
+
+    def _attach_osci_reset(self, modules: list[list[nn.Module]]) -> None:
+        o = self.osci_reset
+        for m in (m for ms in modules for m in ms):
+            check_supported(m)  # a layer's local_tp is known here when the model was parallelized first (0.3)
+            m.osci_reset = o
+        first = max(o.every, -(-o.start_step // o.every) * o.every)
+        self.log.info(f"NVFP4: OsciReset of {sum(map(len, modules))} Linear layers: a window opens every {o.every} "
+                      f"optimizer steps from step {first}, sums {o.window} steps and resets the weight elements whose "
+                      f"FP4 value moved more than {o.threshold:g}x as far as their master weight (osci_reset_every)")
+
+    def _osci_reset_step(self, parts: list[nn.Module]) -> None:
+        """The windows after this optimizer step (after a low-rank refresh: an open window's W_prev is then the
+        weight a checkpoint of this step holds); logs what a reset step did."""
+        for i, (part, counter) in enumerate(step_counters(parts, self.counter_name)):
+            done = osci_reset_step(layers_with_osci_reset(part), counter.count)
+            if done is not None and i == 0:
+                share = f" ({100 * done.elements / done.total:.3g}%)" if done.total else ""
+                self.log.info(f"NVFP4: OsciReset after optimizer step {counter.count}: {done.elements} of {done.total} "
+                              f"weight elements of {done.layers} Linear layers set to their FP4 value{share} (this "
+                              "rank's shards)")
 
 
 def apply_lora_dtype(model: Parts, lora_dtype: str, log, *, one_dtype: bool = False, scope: str = "") -> int:
@@ -157,8 +198,8 @@ def apply_lora_dtype(model: Parts, lora_dtype: str, log, *, one_dtype: bool = Fa
 class TrainingSteps:
     """The per-step object a training loop drives (``titan_nvfp4.convert`` returns one): call ``step()`` after every
     ``optimizer.step()``. Its ``state_dict`` (torch.distributed.checkpoint's Stateful protocol) holds the optimizer
-    steps taken, the layers' stochastic-rounding call counts and amax windows, so a resumed run continues bit for
-    bit; ``telemetry()`` returns what telemetry_every measured since the last call."""
+    steps taken, the layers' stochastic-rounding call counts, amax windows and OsciReset margins, so a resumed run
+    continues bit for bit; ``telemetry()`` returns what telemetry_every measured since the last call."""
 
     def __init__(self, model: Parts, sections: list[SectionSteps]) -> None:
         self.parts = as_parts(model)

@@ -12,7 +12,10 @@ often), so DCP's deduplication keeps one copy; pipeline stages hold disjoint fqn
 running job's train_state asks for, so an NVFP4 job resumes only from checkpoints that carry the counts
 (those written with this in place); model-only loads (seed checkpoints, BF16 or HF weights) are not
 affected. The activation amax windows of ``activation_amax_history`` (amax_history.py) travel the same
-way as ``nvfp4_amax_history``: {layer fqn: fp32 [N, 2]}, identical on every rank.
+way as ``nvfp4_amax_history``: {layer fqn: fp32 [N, 2]}, identical on every rank. OsciReset's margins
+(osci_reset.py, ``osci_reset_every``) as ``nvfp4_osci_margin``: {layer fqn: fp32 shaped like the weight, a DTensor
+placed like it when it is one}, present whenever the knob is on, so that the job's train_state asks DCP for them
+at every resume; the windows' W_prev is the restored weight itself.
 
 ``install(trainer_cls)`` extends any class with TorchTitan's Trainer checkpoint interface (``state_dict``,
 ``load_state_dict``, ``model_parts``, ``step``): 0.2's Trainer (integration/train_state.py installs it on the
@@ -21,16 +24,20 @@ running one) and 0.3's NVFP4Trainer (integration_v03/trainer.py). Imports no Tor
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from ..modules.amax_history import layers_with_history
+from ..modules.osci_reset import margin_of, resume_windows
 from ..distributed.tensor_parallel import local
 from ..modules.layer_state import NVFP4LayerState
 from .schedule import StepCounter
 
 KEY = "nvfp4_sr_calls"
 HISTORY_KEY = "nvfp4_amax_history"  # activation_amax_history windows, same reasoning
+OSCI_KEY = "nvfp4_osci_margin"  # osci_reset_every margins (the live tensors: DCP loads into them in place)
 _WRAPPERS = ("._checkpoint_wrapped_module", "_checkpoint_wrapped_module.", "._orig_mod", "_orig_mod.")
 
 
@@ -88,6 +95,26 @@ def empty_amax_histories(model_parts: list[nn.Module]) -> None:
             m.amax_history.ready = False
 
 
+def osci_layers(model_parts: list[nn.Module]) -> dict[str, NVFP4LayerState]:
+    """{fqn: layer} of the layers with OsciReset on."""
+    return {fqn: m for fqn, m in nvfp4_layers(model_parts).items() if m.osci_reset is not None}
+
+
+def osci_margins(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """{fqn: the layer's OsciReset margin} (created as zeros where a layer has none yet; on meta, none)."""
+    return {fqn: margin_of(m) for fqn, m in osci_layers(model_parts).items() if not m.weight.is_meta}
+
+
+def load_osci_margins(model_parts: list[nn.Module], margins: dict[str, torch.Tensor], step: int) -> None:
+    """Put saved margins back and reopen the windows open after ``step``; a window whose margin the state lacks
+    restarts from here (logged)."""
+    lost = resume_windows(osci_layers(model_parts), margins, step)
+    if lost:
+        logging.getLogger("titan_nvfp4").warning(
+            f"NVFP4: the checkpoint of step {step} has no OsciReset margin for {len(lost)} layers (e.g. {lost[0]!r}) "
+            "inside an open window: their windows restart, summing the steps from here on (osci_reset_every)")
+
+
 def sync_step_counters(model_parts: list[nn.Module], step: int) -> None:
     """Set the converters' step counters (schedule.py) and amax histories to the restored optimizer step."""
     for part in model_parts:
@@ -100,7 +127,8 @@ def sync_step_counters(model_parts: list[nn.Module], step: int) -> None:
 
 def state_of_layers(model_parts: list[nn.Module]) -> dict:
     """What a checkpoint must carry for the NVFP4 layers beside the model's state dict: the SR call counts (KEY)
-    and, for layers that keep one, the amax windows (HISTORY_KEY); {} for a model without NVFP4 layers."""
+    and, for layers that keep one, the amax windows (HISTORY_KEY) and OsciReset margins (OSCI_KEY); {} for a model
+    without NVFP4 layers."""
     out = {}
     calls = sr_calls(model_parts)
     if calls:
@@ -108,12 +136,16 @@ def state_of_layers(model_parts: list[nn.Module]) -> dict:
     histories = amax_histories(model_parts)
     if histories:
         out[HISTORY_KEY] = histories
+    margins = osci_margins(model_parts)
+    if margins:
+        out[OSCI_KEY] = margins
     return out
 
 
 def load_state_of_layers(model_parts: list[nn.Module], state: dict, step: int) -> None:
     """Restore ``state`` (state_of_layers' dict, entries optional) and set the step counters and amax histories to
-    the restored optimizer ``step``; windows the state does not carry start empty, as at step 0."""
+    the restored optimizer ``step``; windows the state does not carry start empty, as at step 0; OsciReset windows
+    open after ``step`` reopen (osci_reset.py resume_windows)."""
     calls, histories = state.get(KEY), state.get(HISTORY_KEY)
     if calls:
         load_sr_calls(model_parts, calls)
@@ -122,11 +154,12 @@ def load_state_of_layers(model_parts: list[nn.Module], state: dict, step: int) -
     sync_step_counters(model_parts, step)
     if not histories:  # a checkpoint without windows (integration/checkpoint.py)
         empty_amax_histories(model_parts)
+    load_osci_margins(model_parts, state.get(OSCI_KEY) or {}, step)
 
 
 def install(trainer_cls) -> None:
-    """Extend ``trainer_cls.state_dict`` / ``load_state_dict`` (TorchTitan's Trainer) with KEY and HISTORY_KEY
-    (idempotent)."""
+    """Extend ``trainer_cls.state_dict`` / ``load_state_dict`` (TorchTitan's Trainer) with KEY, HISTORY_KEY and
+    OSCI_KEY (idempotent)."""
     if getattr(trainer_cls, "_nvfp4_train_state", False):
         return
     original_state_dict, original_load = trainer_cls.state_dict, trainer_cls.load_state_dict
@@ -137,7 +170,7 @@ def install(trainer_cls) -> None:
         return out
 
     def load_state_dict(self, state_dict):
-        rest = {k: v for k, v in state_dict.items() if k not in (KEY, HISTORY_KEY)}
+        rest = {k: v for k, v in state_dict.items() if k not in (KEY, HISTORY_KEY, OSCI_KEY)}
         original_load(self, rest)
         load_state_of_layers(getattr(self, "model_parts", []), state_dict, int(getattr(self, "step", 0)))
 
@@ -145,5 +178,6 @@ def install(trainer_cls) -> None:
     trainer_cls._nvfp4_train_state = True
 
 
-__all__ = ["HISTORY_KEY", "KEY", "amax_histories", "empty_amax_histories", "install", "load_amax_histories",
-           "load_sr_calls", "load_state_of_layers", "nvfp4_layers", "sr_calls", "state_of_layers", "sync_step_counters"]
+__all__ = ["HISTORY_KEY", "KEY", "OSCI_KEY", "amax_histories", "empty_amax_histories", "install", "load_amax_histories",
+           "load_osci_margins", "load_sr_calls", "load_state_of_layers", "nvfp4_layers", "osci_layers", "osci_margins",
+           "sr_calls", "state_of_layers", "sync_step_counters"]
