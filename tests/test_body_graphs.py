@@ -11,29 +11,11 @@ from titan_nvfp4.autograd.body_graphs import SMALL_ELEMENTS, BodyGraphs, graphab
 from titan_nvfp4.autograd.linear_function import nvfp4_linear, sr_counter
 from titan_nvfp4.numerics.rht import rht_signs
 from titan_nvfp4.ops.backends import interpreting
+from graph_helpers import StandInCapture
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-class StandInCapture:
-    """CUDA-graph semantics without a GPU: capture runs nothing that lasts (``state`` is put back, as a capture
-    would not have advanced it), and each replay reruns the body on the same inputs into the same outputs."""
-
-    def __init__(self, state: list[torch.Tensor]):
-        self.state = state
-
-    def __call__(self, body, inputs):
-        before = [t.clone() for t in self.state]
-        outputs = body(*inputs)
-        for t, b in zip(self.state, before):
-            t.copy_(b)
-
-        def replay():
-            for o, n in zip(outputs, body(*inputs)):
-                if o is not None:
-                    o.copy_(n)
-
-        return replay, outputs
 
 
 def _run(calls, graphs, weight, bias, counter, signs, recipe):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 from types import SimpleNamespace
 
 import pytest
@@ -19,97 +18,19 @@ from titan_nvfp4.autograd.linear_function import sr_counter
 from titan_nvfp4.modules.nvfp4_linear import NVFP4Linear
 from titan_nvfp4.numerics.rht import rht_signs
 from titan_nvfp4.tools.export_dense import main as export_main
-from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_optimizers
 from torchtitan.distributed import ParallelDims
-from torchtitan.models.llama3 import Transformer, TransformerModelArgs
-from torchtitan.protocols.model_converter import build_model_converters
-from job_helpers import parse, world1
-from fake_trainer import FakeTrainer
-
-ARGS = TransformerModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=256, multiple_of=16, max_seq_len=32)
-REF = {"gemm_backend": "reference"}  # stochastic rounding on (the preset), so resumes test the SR counts
-LORA = {**REF, "lora_rank": 16}
-BLOCK = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
-         "feed_forward.w3")
+from checkpoint_helpers import ARGS, BLOCK, Job, LORA, REF, parsed_job, tokens
 
 
-def _tokens(seed: int) -> torch.Tensor:
-    return torch.randint(0, ARGS.vocab_size, (2, 32), generator=torch.Generator().manual_seed(seed))
 
 
-class _Data:
-    """The dataloader's checkpoint entry."""
-
-    def state_dict(self):
-        return {"pos": 0}
-
-    def load_state_dict(self, state_dict):
-        pass
 
 
-@functools.cache
-def _parsed():
-    return parse()  # once: TorchTitan's parser takes about a second
 
 
-def _cfg(keys: dict | None, folder: str, initial: str | None):
-    """The job file's config with a CheckpointManager on ``folder`` (saving every step) and these
-    [quantize.linear.nvfp4] keys (the section rebuilt, so its checks run as at parse time)."""
-    cfg = copy.deepcopy(_parsed())
-    ck = cfg.checkpoint
-    ck.enable, ck.folder, ck.interval, ck.keep_latest_k, ck.initial_load_path = True, folder, 1, 0, initial
-    cfg.quantize.linear.nvfp4 = dataclasses.replace(cfg.quantize.linear.nvfp4, **(keys or {}))
-    return cfg
 
 
-class Job:
-    """A TorchTitan job as far as checkpoints go: the tiny Llama3 (BF16 when ``keys`` is None, else
-    converted with these [quantize.linear.nvfp4] keys), AdamW, LR schedule and train_state, with a
-    CheckpointManager on ``tmp/folder``; ``initial``: checkpoint.initial_load_path (model only); ``args``: the model's."""
 
-    def __init__(self, tmp, keys=LORA, folder="ckpt", initial=None, dims=None, shard=None, seed=0, args=ARGS):
-        cfg = _cfg(keys, folder, initial)
-        dims = dims or world1()
-        with torch.device("meta"):
-            self.model = Transformer(copy.deepcopy(args))
-        self.converters = build_model_converters(cfg, dims) if keys is not None else None
-        if self.converters is not None:
-            self.converters.convert(self.model)
-        if shard is not None:
-            shard(self.model)
-        self.model.to_empty(device="cpu")
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            self.model.init_weights(buffer_device=None)
-        self.opt = build_optimizers([self.model], cfg.optimizer, dims)
-        self.lr = build_lr_schedulers(self.opt, cfg.lr_scheduler, cfg.training.steps)
-        self.trainer = FakeTrainer(self.model)
-        self.ckpt = CheckpointManager(dataloader=_Data(), model_parts=[self.model], optimizers=self.opt,
-                                      lr_schedulers=self.lr, states={"train_state": self.trainer},
-                                      checkpoint_config=cfg.checkpoint, sd_adapter=None, base_folder=str(tmp))
-
-    def step(self, tokens) -> torch.Tensor:
-        loss = self.model(tokens).float().square().mean()
-        loss.backward()
-        self.opt.step()
-        self.lr.step()
-        if self.converters is not None:
-            self.converters.post_optimizer_hook([self.model])
-        self.opt.zero_grad()
-        self.trainer.step += 1
-        return loss.detach()
-
-    def save(self) -> str:
-        self.ckpt.save(self.trainer.step)
-        return str(self.ckpt.folder) + f"/step-{self.trainer.step}"
-
-    def load(self) -> None:
-        assert self.ckpt.load()
-
-    def linear(self, name: str, block: str = "0"):
-        return self.model.layers[block].get_submodule(name)
 
 
 def _dense(job: Job) -> dict[str, torch.Tensor]:
@@ -126,13 +47,13 @@ def lora_run(tmp_path_factory):
     """A lora_rank 16 job: one step, saved (step-1), then a second step; what each test compares with."""
     tmp = tmp_path_factory.mktemp("lora")
     job = Job(tmp)
-    job.step(_tokens(1))  # the saved W must be this step's, not the one TorchTitan cached at start-up
+    job.step(tokens(1))  # the saved W must be this step's, not the one TorchTitan cached at start-up
     path = job.save()
     out = SimpleNamespace(tmp=tmp, path=path, dense=_dense(job), state=copy.deepcopy(job.model.state_dict()),
                           residual={n: job.linear(n).weight.detach().clone() for n in BLOCK},
                           exp_avg={n: job.opt.optimizers[0].state[job.linear(n).weight]["exp_avg"].clone()
                                    for n in BLOCK})
-    out.loss2 = job.step(_tokens(2))
+    out.loss2 = job.step(tokens(2))
     out.params2 = {n: p.detach().clone() for n, p in job.model.named_parameters()}
     return out
 
@@ -207,7 +128,7 @@ def test_bf16_checkpoint_into_a_lowrank_model_is_decomposed_at_load(tmp_path):
     """Model-only: the BF16 weights load as W and are split at load; a full resume is refused naming
     lora_rank (the factors have no optimizer state)."""
     bf16 = Job(tmp_path, None, seed=3)
-    bf16.step(_tokens(1))
+    bf16.step(tokens(1))
     path = bf16.save()
     lora = Job(tmp_path, LORA, folder="lora", initial=path)
     lora.load()
@@ -227,14 +148,14 @@ def test_bf16_and_nvfp4_resume_each_other(tmp_path):
     """Same model keys: a BF16 checkpoint resumes an NVFP4 job (SR streams start at zero) and an NVFP4
     one a BF16 job (its SR counts are not asked for); weights and AdamW state bit-exact."""
     bf16 = Job(tmp_path, None)
-    bf16.step(_tokens(1))
+    bf16.step(tokens(1))
     bf16.save()
     nvfp4 = Job(tmp_path, REF)
     nvfp4.load()
     assert nvfp4.trainer.step == 1 and int(nvfp4.linear("attention.wq").sr_counter[1]) == 0
     for (n, p), q in zip(bf16.model.named_parameters(), nvfp4.model.parameters()):
         assert torch.equal(p, q), n
-    assert torch.isfinite(nvfp4.step(_tokens(2)))
+    assert torch.isfinite(nvfp4.step(tokens(2)))
     nvfp4.save()
     again = Job(tmp_path, None)
     again.load()
@@ -249,7 +170,7 @@ def test_lowrank_resume_through_the_checkpoint_manager_is_bit_exact(lora_run):
     """lora_rank 16 with SR: resumed from step-1, step 2 repeats the uninterrupted run's loss and weights."""
     resumed = Job(lora_run.tmp, LORA)
     resumed.load()
-    assert torch.equal(resumed.step(_tokens(2)), lora_run.loss2)
+    assert torch.equal(resumed.step(tokens(2)), lora_run.loss2)
     for n, p in resumed.model.named_parameters():
         assert torch.equal(p, lora_run.params2[n]), n
 
@@ -263,7 +184,7 @@ def test_resume_with_a_stateless_knob_changed_continues(tmp_path):
     has the checkpoint's weights, optimizer, step and SR call counts, and trains on with the new setting
     (its own sr_seed's streams and rht_seed's signs). gemm_backend: only 'reference' runs on CPU."""
     a = Job(tmp_path, REF)
-    a.step(_tokens(1))
+    a.step(tokens(1))
     a.save()
     for knob in KNOBS:
         b = Job(tmp_path, {**REF, **knob})
@@ -275,17 +196,17 @@ def test_resume_with_a_stateless_knob_changed_continues(tmp_path):
         assert wq.rht_signs is None or torch.equal(wq.rht_signs, rht_signs(wq.recipe.rht_seed)), knob
         for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
             assert torch.equal(p, q), (knob, n)
-        assert torch.isfinite(b.step(_tokens(2))), knob
+        assert torch.isfinite(b.step(tokens(2))), knob
 
 
 def test_resume_with_other_bf16_blocks_and_filter_fqns(tmp_path):
     """bf16_first_blocks and filter_fqns changed on resume (same model keys): a layer that became BF16
     drops its SR counts, a newly converted one starts its streams at zero, the others keep theirs."""
     args = dataclasses.replace(ARGS, n_layers=2)
-    filters = list(_parsed().quantize.linear.nvfp4.filter_fqns)
+    filters = list(parsed_job().quantize.linear.nvfp4.filter_fqns)
     a = Job(tmp_path, {**REF, "filter_fqns": filters + ["layers.1.attention.wq"]}, args=args)
     assert not isinstance(a.linear("attention.wq", "1"), NVFP4Linear)
-    a.step(_tokens(1))
+    a.step(tokens(1))
     a.save()
     b = Job(tmp_path, {**REF, "bf16_first_blocks": 1, "filter_fqns": filters}, args=args)
     b.load()
@@ -301,20 +222,20 @@ def test_resume_with_another_amax_history(tmp_path):
     """activation_amax_history: another length is refused by name; 0 -> N starts empty windows (the
     next step uses X's own amax, as a fresh run's first); N -> 0 drops them."""
     a = Job(tmp_path, {**REF, "activation_amax_history": 4})
-    a.step(_tokens(1))
+    a.step(tokens(1))
     a.save()
     with pytest.raises(ValueError, match="has 4 steps of activation amax window.*activation_amax_history = 2"):
         Job(tmp_path, {**REF, "activation_amax_history": 2}).load()
     none = Job(tmp_path, REF)
     none.load()
-    assert torch.isfinite(none.step(_tokens(2)))
+    assert torch.isfinite(none.step(tokens(2)))
     none.save()
     windows = Job(tmp_path, {**REF, "activation_amax_history": 4})
     windows.load()
     layers = layers_with_history(windows.model)
     assert windows.trainer.step == 2 and layers and not layers[0].amax_history.ready
     assert all(not m.x_amax_history.any() for m in layers)
-    assert torch.isfinite(windows.step(_tokens(3)))
+    assert torch.isfinite(windows.step(tokens(3)))
     assert layers[0].amax_history.ready and layers[0].x_amax_history[0].all()
 
 
@@ -345,7 +266,7 @@ def _fsdp_worker(rank, world, out, tmp, saved_off):
     assert job.trainer.step == 1 and int(job.linear("attention.wq").sr_counter[0, 1]) == 1  # R's stream
     for n, p in job.model.named_parameters():
         assert torch.equal(p.full_tensor(), saved_off[n]), n
-    job.step(_tokens(2))
+    job.step(tokens(2))
     job.save()
     dense = _dense(job)  # gathers: every rank
     params = {n: p.full_tensor().detach().clone() for n, p in job.model.named_parameters()}
@@ -360,7 +281,7 @@ def test_fsdp2_nvfp4_all_gather_off_and_on_resume_each_other(tmp_path):
     from dist_util import run_ranks
 
     first = Job(tmp_path, LORA)
-    first.step(_tokens(1))
+    first.step(tokens(1))
     first.save()
     saved_off = {n: p.detach().clone() for n, p in first.model.named_parameters()}
     out = run_ranks(_fsdp_worker, 2, tmp_path, saved_off)

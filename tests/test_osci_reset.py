@@ -20,7 +20,7 @@ from titan_nvfp4.ops.quantize import quantize_weight
 from titan_nvfp4.training.train_state import OSCI_KEY
 
 from dist_util import run_ranks
-from test_converter import JOB_TOML, edited_toml, parse
+from job_helpers import JOB_TOML, edited_toml, parse
 
 U = 0.875  # the decode scale of every tile below: tensor amax 6U = 5.25 gives S = 2688 / 5.25 = 512, e_b = 448
 N = 32
@@ -359,7 +359,7 @@ def test_the_experts_refuse_it_and_a_start_fraction_needs_the_runs_length(tmp_pa
 def test_torchtitans_checkpoint_manager_resumes_a_window_and_runs_with_or_without_the_knob(tmp_path):
     """The TOML path: the margins ride in train_state, a resume inside a window is bit for bit; a run without the
     knob resumes that checkpoint (its margins unread), and a run with it resumes a checkpoint without them."""
-    from test_checkpoint_interchange import REF, Job, _tokens
+    from checkpoint_helpers import REF, Job, tokens as _tokens
 
     osci = {**REF, "osci_reset_every": 3, "osci_reset_window": 1}  # opens after step 3, sums step 4, resets after 5
     a = Job(tmp_path, osci)

@@ -21,10 +21,10 @@ from titan_nvfp4.modules.decomposed_linear import DecomposedLinear
 from titan_nvfp4.numerics.rht import rht_signs
 from titan_nvfp4.ops.backends import interpreting
 from titan_nvfp4.training.schedule import LINEAR_STEPS, PrecisionSchedule
-from test_body_graphs import StandInCapture
-from test_converter import edited_toml, parse, world1
-from test_linear import assert_matches, reference
-from test_train_state import FakeTrainer  # TorchTitan's Trainer checkpoint interface, with our extension
+from graph_helpers import StandInCapture
+from job_helpers import edited_toml, parse, world1
+from linear_helpers import assert_matches, reference
+from fake_trainer import FakeTrainer  # TorchTitan's Trainer checkpoint interface, with our extension
 
 K, N, STEPS = 64, 48, 4
 REF = 'gemm_backend = "reference"'
