@@ -213,8 +213,8 @@ def test_a_gemm_bias_that_is_not_one_value_per_column_is_refused(backend, bias, 
         nvfp4_gemm(a, b, torch.float32, bias=bias, backend=backend)
     if backend == "emulated" and not bias.is_meta:  # the custom op itself, as torch.compile calls it
         with pytest.raises(exc, match=pattern):
-            library.gemm.op(a.data, a.scale, a.global_scale, False, b.data, b.scale, b.global_scale, False,
-                            torch.float32, bias, "emulated")
+            library.gemm.op(a.data, a.scale, a.global_scale, b.data, b.scale, b.global_scale, bias, a_tiles=False,
+                            b_tiles=False, out_dtype=torch.float32, backend="emulated")
 
 
 def test_a_strided_bias_of_the_right_shape_is_read_as_it_is():

@@ -167,12 +167,12 @@ def test_the_reset_lands_on_the_grid_the_forward_quantizes_to(weight_2d, rule):
     delta = 2e-4
     traj = [w0 + delta * signs * (1 if t % 2 else -1) for t in range(1, 8)]
     after = _drive(traj, osci_reset_every=4, osci_reset_window=2, weight_2d=weight_2d, block_scale_rule=rule)
-    fos = rule == "four_over_six"
-    grid, _ = quantize_weight(traj[6], weight_2d, "reference", None, fos)
+    four_over_six = rule == "four_over_six"
+    grid, _ = quantize_weight(traj[6], weight_2d, "reference", None, four_over_six=four_over_six)
     flagged = after[6] != traj[6]
     assert 0 < int(flagged.sum()) < N * N // 4
     assert torch.equal(after[6][flagged], grid.dequantize()[flagged])
-    again, _ = quantize_weight(after[6], weight_2d, "reference", None, fos)
+    again, _ = quantize_weight(after[6], weight_2d, "reference", None, four_over_six=four_over_six)
     assert torch.equal(again.dequantize()[flagged], after[6][flagged])
 
 

@@ -99,7 +99,7 @@ def _label(m: nn.Module) -> str:
 
 
 def _dequantized(w: torch.Tensor, recipe) -> torch.Tensor:
-    wq, _ = quantize_weight(w, recipe.weight_2d, "reference", None, recipe.four_over_six)
+    wq, _ = quantize_weight(w, recipe.weight_2d, "reference", None, four_over_six=recipe.four_over_six)
     return wq.dequantize(torch.float32)
 
 
