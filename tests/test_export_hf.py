@@ -1,0 +1,221 @@
+"""export_hf: a tiny Llama3 trained a few steps on the CPU (reference backend), saved by TorchTitan's
+CheckpointManager, exported, and loaded with transformers' AutoModelForCausalLM as a user would.
+
+BF16: the logits equal TorchTitan's model with the same (BF16) weights. NVFP4: compressed-tensors' own
+decompressor gives back exactly the codes and scales our forward computed with, and transformers' logits equal
+TorchTitan's with those weights. Bad input ends in one line and leaves no folder behind."""
+
+from __future__ import annotations
+
+import copy
+import json
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+pytest.importorskip("safetensors")
+
+import titan_nvfp4  # noqa: F401  (registers the converters)
+import titan_nvfp4.autograd.linear_function as linear_function
+from titan_nvfp4.modules.nvfp4_linear import NVFP4Linear
+from titan_nvfp4.tools.export_hf import main as export_main
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.models.llama3 import Transformer, TransformerModelArgs, llama3_args
+from torchtitan.protocols.model_converter import build_model_converters
+from torchtitan.protocols.train_spec import get_train_spec
+from test_converter import world1
+from test_train_state import FakeTrainer
+
+FLAVOR = "export_hf_test"
+#: 3 blocks (the last kept BF16 by bf16_last_blocks), GQA (4 heads, 2 KV heads: both q and k rows permuted)
+ARGS = TransformerModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=16,
+                            rope_theta=500000)
+SEQ = 32
+STEPS = 3
+
+
+def _job_toml(tmp: Path, assets: Path, extra: str = "") -> Path:
+    path = tmp / "job.toml"
+    path.write_text(textwrap.dedent(f"""\
+        [job]
+        dump_folder = "{tmp}"
+        custom_config_module = "titan_nvfp4.integration.job_config"
+        [model]
+        name = "llama3"
+        flavor = "{FLAVOR}"
+        hf_assets_path = "{assets}"
+        converters = ["quantize.linear.nvfp4"]
+        [optimizer]
+        name = "AdamW"
+        lr = 1e-2
+        [training]
+        seq_len = {SEQ}
+        steps = 10
+        mixed_precision_param = "bfloat16"
+        [checkpoint]
+        enable = true
+        folder = "checkpoint"
+        interval = 1
+        keep_latest_k = 0
+        [quantize.linear.nvfp4]
+        recipe = "nvidia_paper"
+        filter_fqns = ["output"]
+        bf16_last_blocks = 1
+        gemm_backend = "reference"
+        """) + extra)
+    return path
+
+
+def _tokenizer(folder: Path) -> Path:
+    """A 256-entry word-level tokenizer with Llama 3's BOS and EOS, as TorchTitan's HuggingFaceTokenizer reads it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder.mkdir()
+    vocab = {"<|begin_of_text|>": 0, "<|end_of_text|>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, 256)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>", "unk_token": "<unk>"}))
+    return folder
+
+
+class _Data:
+    def state_dict(self):
+        return {"pos": 0}
+
+    def load_state_dict(self, state_dict):
+        pass
+
+
+def _tokens(seed: int, batch: int = 2) -> torch.Tensor:
+    return torch.randint(0, ARGS.vocab_size, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _train(tmp: Path, job: Path, overrides: tuple[str, ...] = (), steps: int = STEPS):
+    """The job's model trained ``steps`` steps on random tokens and checkpointed after each by TorchTitan's
+    CheckpointManager (tmp/checkpoint/step-N), as the Trainer does; returns the model."""
+    from torchtitan.config import ConfigManager
+
+    cfg = ConfigManager().parse_args(["--job.config_file", str(job), *overrides])
+    args = copy.deepcopy(llama3_args[FLAVOR])
+    args.update_from_config(cfg)
+    with torch.device("meta"):
+        model = Transformer(args)
+    converters = build_model_converters(cfg, world1())
+    converters.convert(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    opt = build_optimizers([model], cfg.optimizer, world1())
+    lr = build_lr_schedulers(opt, cfg.lr_scheduler, cfg.training.steps)
+    trainer = FakeTrainer(model)
+    ckpt = CheckpointManager(dataloader=_Data(), model_parts=[model], optimizers=opt, lr_schedulers=lr,
+                             states={"train_state": trainer}, checkpoint_config=cfg.checkpoint, sd_adapter=None,
+                             base_folder=str(tmp))
+    for step in range(1, steps + 1):
+        tokens = _tokens(step)
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        lr.step()
+        converters.post_optimizer_hook([model])
+        opt.zero_grad()
+        trainer.step = step
+        ckpt.save(step)
+    return model
+
+
+def _forward_weights(model) -> dict:
+    """{NVFP4 layer name: the NVFP4Tensor its forward GEMM multiplies}, caught from a forward of ``model``."""
+    seen = {}
+    quantize = linear_function.quantize_weight
+
+    def spy(w, *args, **kwargs):
+        out = quantize(w, *args, **kwargs)
+        seen[id(w)] = out[0]
+        return out
+
+    linear_function.quantize_weight = spy
+    try:
+        with torch.no_grad():
+            model(_tokens(99))
+    finally:
+        linear_function.quantize_weight = quantize
+    return {n: seen[id(m.weight)] for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+
+
+def _plain(weights: dict[str, torch.Tensor]) -> Transformer:
+    """TorchTitan's llama3 without converters (fp32) holding ``weights``."""
+    args = copy.deepcopy(llama3_args[FLAVOR])
+    args.max_seq_len = SEQ
+    model = Transformer(args)
+    with torch.no_grad():
+        model.init_weights()
+    model.load_state_dict(weights)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    llama3_args.setdefault(FLAVOR, ARGS)
+    tmp = tmp_path_factory.mktemp("export_hf")
+    assets = _tokenizer(tmp / "assets")
+    job = _job_toml(tmp, assets)
+    model = _train(tmp, job)
+    dense = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return SimpleNamespace(tmp=tmp, job=job, assets=assets, model=model, dense=dense,
+                           forward=_forward_weights(model), ckpt=tmp / "checkpoint")
+
+
+def _export(run, out: Path, *flags: str, job: Path | None = None) -> None:
+    export_main([str(run.ckpt), "--job.config_file", str(job or run.job), "--out", str(out), *flags])
+
+
+def _hf(out: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+
+
+def _adapter():
+    return get_train_spec("llama3").state_dict_adapter(llama3_args[FLAVOR], None)
+
+
+# ------------------------------------------------------------------------------------------------- BF16
+
+def test_bf16_export_loads_in_transformers_with_torchtitans_logits(run, capsys):
+    """The latest step (step-3) of the checkpoint folder; transformers' logits in fp32 equal TorchTitan's llama3
+    with the same BF16 weights within 2e-6 (logits up to ~3.5, so 8 fp32 ulps; 1 seen: RoPE as complex products vs
+    cos/sin, torch's RMSNorm vs transformers')."""
+    out = run.tmp / "hf_bf16"
+    _export(run, out, "--format", "bf16", "--max-shard-size", "100KB")
+    assert "step 3 of" in capsys.readouterr().out
+    files = {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "model.safetensors.index.json"} <= files
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1, "100KB shards: several"
+    assert not [p for p in run.tmp.iterdir() if p.name.startswith(".hf_bf16")], "no temporary folder left"
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "llama3" and config["num_key_value_heads"] == 2
+    assert (config["bos_token_id"], config["eos_token_id"]) == (0, 1)
+    hf = _hf(out)
+    ours = _plain({k: v.to(torch.bfloat16).float() for k, v in run.dense.items()})
+    tokens = _tokens(7)
+    with torch.no_grad():
+        want, got = ours(tokens), hf(tokens).logits
+    assert torch.allclose(got, want, rtol=0, atol=2e-6), (got - want).abs().max()
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(str(out))("w5 w9")["input_ids"][-2:] == [5, 9]
