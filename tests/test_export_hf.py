@@ -182,10 +182,10 @@ def _export(run, out: Path, *flags: str, job: Path | None = None) -> None:
     export_main([str(run.ckpt), "--job.config_file", str(job or run.job), "--out", str(out), *flags])
 
 
-def _hf(out: Path):
+def _hf(out: Path, **kwargs):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(out), **{"dtype": torch.float32, **kwargs}).eval()
 
 
 def _adapter():
@@ -219,3 +219,102 @@ def test_bf16_export_loads_in_transformers_with_torchtitans_logits(run, capsys):
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(str(out))("w5 w9")["input_ids"][-2:] == [5, 9]
+
+
+# ------------------------------------------------------------------------------------------------ NVFP4
+
+HF_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+              "mlp.up_proj", "mlp.down_proj")
+PARTS = ("weight_packed", "weight_scale", "weight_global_scale")
+
+
+def _safetensors(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in sorted(out.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+def _hf_value(adapter, key: str, value: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """(Hugging Face name, value) of one entry, through TorchTitan's adapter (q/k rows permuted)."""
+    ((name, out),) = adapter.to_hf({key: value}).items()
+    return name, out
+
+
+@pytest.fixture(scope="module")
+def nvfp4_out(run):
+    out = run.tmp / "hf_nvfp4"
+    _export(run, out, "--format", "nvfp4")
+    return out
+
+
+def test_nvfp4_export_holds_the_forwards_codes_scales_and_tensor_scale(run, nvfp4_out):
+    """compressed-tensors' parser takes the quantization_config (BF16 block 2 and the LM head ignored), and its
+    NVFP4PackedCompressor decompresses each layer to exactly the weight our forward multiplied: with the global
+    scale set to 1, q·e_b bit for bit (codes and 1×16 scales, our 16×16 tile scales repeated per row); with it, the
+    BF16 weight our fp32 q·e_b·(1/S) rounds to. The global scale is S, whose fp32 reciprocal is our decode scale."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    config = json.loads((nvfp4_out / "config.json").read_text())
+    qc = QuantizationConfig.model_validate(config["quantization_config"])
+    assert qc.format == "nvfp4-pack-quantized" and qc.quantization_status == "compressed"
+    assert set(qc.ignore) == {"lm_head", *(f"model.layers.2.{m}" for m in HF_LINEARS)}
+    scheme = qc.config_groups["group_0"]
+    state = _safetensors(nvfp4_out)
+    adapter = _adapter()
+    assert len(run.forward) == 14, "blocks 0 and 1 in NVFP4"
+    for name, wq in run.forward.items():
+        key = f"{name}.weight"
+        hf_key, want_codes = _hf_value(adapter, key, wq.scaled_codes(torch.float32))
+        _, want = _hf_value(adapter, key, wq.dequantize(torch.float32))
+        prefix = hf_key.removesuffix(".weight")
+        parts = {p: state[f"{prefix}.{p}"] for p in PARTS}
+        assert hf_key not in state
+        n, k = wq.shape
+        assert (parts["weight_packed"].dtype, tuple(parts["weight_packed"].shape)) == (torch.uint8, (n, k // 2))
+        assert (parts["weight_scale"].dtype, tuple(parts["weight_scale"].shape)) == (torch.float8_e4m3fn, (n, k // 16))
+        assert (parts["weight_global_scale"].dtype, tuple(parts["weight_global_scale"].shape)) == (torch.float32, (1,))
+        assert torch.equal(torch.reciprocal(parts["weight_global_scale"]), wq.global_scale.reshape(1)), name
+        exact = NVFP4PackedCompressor.decompress({**parts, "weight_global_scale": torch.ones(1)}, scheme)["weight"]
+        assert torch.equal(exact.float(), want_codes), f"{name}: codes or block scales"
+        got = NVFP4PackedCompressor.decompress(parts, scheme)["weight"]
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16)), name
+    for m in HF_LINEARS:  # the BF16 block: dense BF16 weights
+        key = f"model.layers.2.{m}.weight"
+        assert state[key].dtype == torch.bfloat16 and f"model.layers.2.{m}.weight_packed" not in state
+
+
+def test_nvfp4_export_loads_in_transformers_with_the_forwards_weights(run, nvfp4_out):
+    """AutoModelForCausalLM with compressed-tensors installed, as a user loads it (config.json's BF16, the Linears
+    compressed, decompressed by compressed-tensors at the first forward): each NVFP4 Linear then holds our forward's
+    NVFP4 weight in BF16, bit for bit. For an fp32 comparison the folder is loaded with dtype float32 and
+    CompressedTensorsConfig(dequantize=True) (compressed, in float32, compressed-tensors decompresses into BF16 and
+    F.linear refuses the mix): the logits equal TorchTitan's llama3 with those weights (the rest in BF16) within
+    2e-6, as for the BF16 export."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    adapter = _adapter()
+    weights = {k: v.to(torch.bfloat16).float() for k, v in run.dense.items()}
+    for name, wq in run.forward.items():
+        weights[f"{name}.weight"] = wq.dequantize(torch.float32).to(torch.bfloat16).float()
+    hf_weights = dict(_hf_value(adapter, f"{name}.weight", weights[f"{name}.weight"]) for name in run.forward)
+    tokens = _tokens(7)
+
+    user = AutoModelForCausalLM.from_pretrained(str(nvfp4_out)).eval()
+    assert user.dtype == torch.bfloat16
+    assert {n for n, _ in user.get_submodule("model.layers.0.self_attn.q_proj").named_parameters()} == set(PARTS)
+    with torch.no_grad():
+        assert torch.isfinite(user(tokens).logits).all()
+    for hf_key, w in hf_weights.items():
+        assert torch.equal(user.get_parameter(hf_key).float(), w), hf_key
+
+    hf = _hf(nvfp4_out, quantization_config=CompressedTensorsConfig(dequantize=True))
+    for hf_key, w in hf_weights.items():
+        assert torch.equal(hf.get_parameter(hf_key), w), hf_key
+    ours = _plain(weights)
+    with torch.no_grad():
+        want, got = ours(tokens), hf(tokens).logits
+    assert torch.allclose(got, want, rtol=0, atol=2e-6), (got - want).abs().max()
