@@ -318,3 +318,96 @@ def test_nvfp4_export_loads_in_transformers_with_the_forwards_weights(run, nvfp4
     with torch.no_grad():
         want, got = ours(tokens), hf(tokens).logits
     assert torch.allclose(got, want, rtol=0, atol=2e-6), (got - want).abs().max()
+
+
+# ------------------------------------------------------------------------------------------------ low rank
+
+@pytest.fixture(scope="module")
+def lora_run(run):
+    """A lora_rank 16 job (the same model), two steps."""
+    tmp = run.tmp / "lora"
+    tmp.mkdir()
+    job = _job_toml(tmp, run.assets, extra="lora_rank = 16\n")
+    model = _train(tmp, job, steps=2)
+    return SimpleNamespace(tmp=tmp, job=job, model=model, ckpt=tmp / "checkpoint")
+
+
+def test_lowrank_layers_export_the_weight_the_forward_computes_with(lora_run):
+    """BF16: a DecomposedLinear's weight is W = R + U·diag(σ)·V (its dense_weight, summed in fp32), in BF16; NVFP4 is
+    refused by name (compressed-tensors' NVFP4 cannot hold the branch)."""
+    from titan_nvfp4.modules.decomposed_linear import DecomposedLinear
+
+    out = lora_run.tmp / "hf"
+    export_main([str(lora_run.ckpt / "step-2"), "--job.config_file", str(lora_run.job), "--out", str(out),
+                 "--format", "bf16"])
+    state = _safetensors(out)
+    adapter = _adapter()
+    lowrank = {n: m for n, m in lora_run.model.named_modules() if isinstance(m, DecomposedLinear)}
+    assert len(lowrank) == 14
+    for name, m in lowrank.items():
+        hf_key, w = _hf_value(adapter, f"{name}.weight", m.dense_weight().detach())
+        assert torch.equal(state[hf_key], w.to(torch.bfloat16)), name
+        assert not (w - m.weight).abs().max() < 1e-3, f"{name}: W, not the residual R"
+    assert not any("lora" in k for k in state)
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+def _fails(capsys, argv: list[str], out: Path | None = None) -> str:
+    """export_hf's one-line error (exit status 2); ``out`` and any temporary folder beside it absent."""
+    with pytest.raises(SystemExit) as e:
+        export_main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("python -m titan_nvfp4.tools.export_hf: error: "), err
+    if out is not None:
+        assert not out.exists() and not list(out.parent.glob(f".{out.name}.*")), "a half-written folder"
+    return err
+
+
+def test_bad_input_is_one_line_and_writes_nothing(run, lora_run, capsys):
+    out = run.tmp / "bad"
+    base = ["--format", "bf16", "--out", str(out)]
+    job = ["--job.config_file", str(run.job)]
+    ck = str(run.ckpt)
+    assert "no such checkpoint: " in _fails(capsys, [str(run.ckpt / "step-9"), *job, *base], out)
+    assert "holds steps 1, 2, 3" in _fails(capsys, [str(run.ckpt / "step-9"), *job, *base], out)
+    assert "holds no DCP checkpoint" in _fails(capsys, [str(run.assets), *job, *base], out)
+    assert "--job.config_file JOB.toml is required" in _fails(capsys, [ck, *base], out)
+    assert "no such file" in _fails(capsys, [ck, "--job.config_file", str(run.tmp / "none.toml"), *base], out)
+    assert "'no_such_model'" in _fails(capsys, [ck, *job, "--model.name", "no_such_model", *base], out)
+    assert "'qwen3' is not supported by export_hf yet" in _fails(capsys, [ck, *job, "--model.name", "qwen3", *base],
+                                                                out)
+    assert "is inside the checkpoint folder" in _fails(capsys, [ck, *job, "--format", "bf16", "--out",
+                                                                str(run.ckpt / "step-3" / "hf")])
+    nonempty = run.tmp / "nonempty"
+    nonempty.mkdir()
+    (nonempty / "keep.txt").write_text("mine")
+    assert "exists and is not empty" in _fails(capsys, [ck, *job, "--format", "bf16", "--out", str(nonempty)])
+    assert (nonempty / "keep.txt").read_text() == "mine"
+    # a --format the model cannot take
+    lora = [str(lora_run.ckpt), "--job.config_file", str(lora_run.job), "--format", "nvfp4", "--out", str(out)]
+    assert "'layers.0.attention.wq' is low-rank" in _fails(capsys, lora, out)
+    late = [ck, *job, "--quantize.linear.nvfp4.bf16_after_fraction", "0.8", "--format", "nvfp4", "--out", str(out)]
+    assert "computes in BF16 from step 2 on (bf16_after_fraction = 0.8)" in _fails(capsys, late, out)
+    assert "applies to --format nvfp4 only" in _fails(capsys, [ck, *job, *base, "--scheme", "w4a16"], out)
+
+
+def test_a_failed_write_leaves_no_folder(run, capsys, monkeypatch):
+    """The disk fills up at the second shard: one line naming --out, and neither DIR nor its temporary twin."""
+    import safetensors.torch
+
+    save_file = safetensors.torch.save_file
+    written = []
+
+    def fill_up(tensors, filename, metadata=None):
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(filename)
+        save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", fill_up)
+    out = run.tmp / "full"
+    err = _fails(capsys, [str(run.ckpt), "--job.config_file", str(run.job), "--format", "bf16", "--out", str(out),
+                          "--max-shard-size", "64KB"], out)
+    assert written and f"--out {out}: cannot write: No space left on device" in err

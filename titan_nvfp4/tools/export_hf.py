@@ -70,17 +70,17 @@ def _check_paths(args, rest: list[str]):
         fail(PROG, f"--scheme {args.scheme} applies to --format nvfp4 only")
     if args.weight_dtype != "auto" and args.format != "nvfp4":
         fail(PROG, f"--weight-dtype {args.weight_dtype} applies to --format nvfp4 only")
+    try:
+        step = find_step(args.checkpoint)
+        shard_bytes = parse_size(args.max_shard_size)
+        refuse_output_over_input(args.out, [args.checkpoint], "--out")
+    except ValueError as e:
+        fail(PROG, str(e))
     job = _job_file(rest)
     if job is None:
         fail(PROG, "--job.config_file JOB.toml is required: the job file the checkpoint was trained with")
     if not job or not Path(job).is_file():
         fail(PROG, f"--job.config_file {job}: no such file")
-    try:
-        shard_bytes = parse_size(args.max_shard_size)
-        step = find_step(args.checkpoint)
-        refuse_output_over_input(args.out, [args.checkpoint], "--out")
-    except ValueError as e:
-        fail(PROG, str(e))
     if step.path.resolve() in args.out.resolve().parents:
         fail(PROG, f"--out {args.out} is inside the checkpoint folder {step.path}: write it elsewhere")
     if args.out.exists() and not args.out.is_dir():
@@ -165,7 +165,7 @@ def export(args, rest: list[str], step, shard_bytes: int) -> str:
     if layers.other:
         raise ValueError(f"module {layers.other[0]!r} ({type(model.get_submodule(layers.other[0])).__name__}) is not "
                          "supported by export_hf yet (MoE experts)")
-    adapter = spec.state_dict_adapter(model_args, str(assets))
+    adapter = spec.state_dict_adapter(model_args, None)  # names only: no HF index to read
     state = dense_state(model)
     hf_model = HF_MODELS[name]
     config = hf_model.config(model_args, model, tokenizer.bos_id, tokenizer.eos_id)
@@ -174,9 +174,12 @@ def export(args, rest: list[str], step, shard_bytes: int) -> str:
         out = hf_nvfp4(adapter, state, layers, weight_dtype)
         hf_state = out.state
         config["quantization_config"] = quantization_config(out.ignore)
-        for line in fused_mismatches(out.global_scales, out.ignore, hf_model.fused):
-            print(f"export_hf: warning: vLLM and SGLang fuse {line}; they would decode these layers with one "
-                  "scale (docs/export.md)", file=sys.stderr)
+        mismatched = fused_mismatches(out.global_scales, out.ignore, hf_model.fused)
+        if mismatched:
+            print(f"export_hf: warning: vLLM and SGLang load {' / '.join('+'.join(g) for g in hf_model.fused)} as one "
+                  f"GEMM each, with one weight global scale: {len(mismatched)} such groups differ here (e.g. "
+                  f"{mismatched[0]}); served by them, these layers would not decode to the trained weights "
+                  "(docs/export.md, 'Fused layers')", file=sys.stderr)
         what = (f"{len(layers.nvfp4)} NVFP4 Linears (w4a16, quantized in {str(weight_dtype).removeprefix('torch.')}), "
                 f"{len(out.ignore)} BF16 ({', '.join(out.ignore[:3])}{', ...' if len(out.ignore) > 3 else ''})")
     else:

@@ -110,6 +110,18 @@ def build_model(cfg) -> tuple[nn.Module, object, object]:
     return model, spec, args
 
 
+def _unaliased(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with a fresh tensor for each entry sharing storage with an earlier one: an undecomposed low-rank
+    layer (a model just materialized) hands out its parameter as both ``weight`` (W) and ``lora_residual`` (R), and
+    DCP would load both into it; each gets its own buffer, and load_state_dict then takes R for the parameter."""
+    seen, out = set(), {}
+    for key, value in state.items():
+        ptr = value.untyped_storage().data_ptr() if value.numel() else None
+        out[key] = torch.empty_like(value) if ptr is not None and ptr in seen else value
+        seen.add(ptr)
+    return out
+
+
 @dataclass
 class Loaded:
     """What the checkpoint told about its weights: the dtype each model key is stored in, and whether the run
@@ -126,7 +138,7 @@ def load_weights(model: nn.Module, folder: Path) -> Loaded:
     from torch.distributed.checkpoint import FileSystemReader
 
     saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    state = model.state_dict()
+    state = _unaliased(model.state_dict())
     missing = [k for k in state if k not in saved]
     if missing:
         raise ValueError(f"checkpoint {folder} has no {missing[0]!r}, which the job file's model has"
