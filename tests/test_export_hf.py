@@ -411,3 +411,39 @@ def test_a_failed_write_leaves_no_folder(run, capsys, monkeypatch):
     err = _fails(capsys, [str(run.ckpt), "--job.config_file", str(run.job), "--format", "bf16", "--out", str(out),
                           "--max-shard-size", "64KB"], out)
     assert written and f"--out {out}: cannot write: No space left on device" in err
+
+
+def test_weights_stored_narrower_than_the_forward_are_refused_unless_named(run, capsys):
+    """A model-only checkpoint in BF16 (checkpoint.export_dtype) of a run whose forward quantized FP32 weights: the
+    forward's codes cannot be rebuilt, so --format nvfp4 refuses, naming the key and --weight-dtype; with
+    --weight-dtype bfloat16 it exports the stored weights' quantization."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = run.tmp / "bf16_ckpt" / "step-3"
+    dcp.save({k: v.to(torch.bfloat16) for k, v in run.model.state_dict().items()}, checkpoint_id=str(folder))
+    out = run.tmp / "hf_from_bf16"
+    argv = [str(folder), "--job.config_file", str(run.job), "--format", "nvfp4", "--out", str(out)]
+    err = _fails(capsys, argv, out)
+    assert "stores layers.0.attention.wq.weight in torch.bfloat16, but the run's forward quantized torch.float32" in err
+    export_main([*argv, "--weight-dtype", "bfloat16"])
+    state = _safetensors(out)
+    w = run.model.layers["0"].attention.wv.weight.detach().to(torch.bfloat16)
+    s = state["model.layers.0.self_attn.v_proj.weight_global_scale"]
+    assert torch.equal(torch.reciprocal(s), titan_nvfp4.quantize_nvfp4(w, (16, 16)).global_scale.reshape(1))
+
+
+def test_fused_groups_whose_global_scales_differ_are_named():
+    """vLLM and SGLang read one weight global scale per fused q/k/v (gate/up) GEMM: export_hf names the groups where
+    ours differ, and those only partly in NVFP4."""
+    from titan_nvfp4.tools.hf_models import HF_MODELS
+    from titan_nvfp4.tools.hf_weights import fused_mismatches
+
+    fused = HF_MODELS["llama3"].fused
+    attn = "model.layers.{}.self_attn."
+    scales = {attn.format(0) + p: 2.0 for p in ("q_proj", "k_proj", "v_proj")}
+    scales.update({attn.format(1) + "q_proj": 2.0, attn.format(1) + "k_proj": 3.0, attn.format(1) + "v_proj": 2.0})
+    scales[attn.format(2) + "q_proj"] = 2.0
+    got = fused_mismatches(scales, [attn.format(2) + "k_proj", attn.format(2) + "v_proj"], fused)
+    assert len(got) == 2
+    assert got[0].startswith(attn.format(1) + "q_proj") and "global scales 2, 3, 2 differ" in got[0]
+    assert "only model.layers.2.self_attn.q_proj in NVFP4" in got[1]
