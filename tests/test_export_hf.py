@@ -8,6 +8,7 @@ TorchTitan's with those weights. Bad input ends in one line and leaves no folder
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import textwrap
 from pathlib import Path
@@ -16,13 +17,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("compressed_tensors")
-pytest.importorskip("safetensors")
+if not all(importlib.util.find_spec(m) for m in ("transformers", "compressed_tensors", "safetensors")):
+    pytest.skip("the export extra (transformers, compressed-tensors, safetensors) is not installed",
+                allow_module_level=True)  # found, not imported: the FSDP2 ranks import this module
 
 import titan_nvfp4  # noqa: F401  (registers the converters)
 import titan_nvfp4.autograd.linear_function as linear_function
 from titan_nvfp4.modules.nvfp4_linear import NVFP4Linear
+from titan_nvfp4.numerics.formats import pack_nibbles, unpack_nibbles
 from titan_nvfp4.tools.export_hf import main as export_main
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.lr_scheduler import build_lr_schedulers
@@ -100,6 +102,17 @@ def _tokens(seed: int, batch: int = 2) -> torch.Tensor:
     return torch.randint(0, ARGS.vocab_size, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
+def _checkpointer(cfg, model, tmp: Path, dims):
+    """TorchTitan's CheckpointManager over ``model`` with AdamW and its LR schedule, as the Trainer builds it."""
+    opt = build_optimizers([model], cfg.optimizer, dims)
+    lr = build_lr_schedulers(opt, cfg.lr_scheduler, cfg.training.steps)
+    trainer = FakeTrainer(model)
+    ckpt = CheckpointManager(dataloader=_Data(), model_parts=[model], optimizers=opt, lr_schedulers=lr,
+                             states={"train_state": trainer}, checkpoint_config=cfg.checkpoint, sd_adapter=None,
+                             base_folder=str(tmp))
+    return opt, lr, trainer, ckpt
+
+
 def _train(tmp: Path, job: Path, overrides: tuple[str, ...] = (), steps: int = STEPS):
     """The job's model trained ``steps`` steps on random tokens and checkpointed after each by TorchTitan's
     CheckpointManager (tmp/checkpoint/step-N), as the Trainer does; returns the model."""
@@ -116,12 +129,7 @@ def _train(tmp: Path, job: Path, overrides: tuple[str, ...] = (), steps: int = S
     torch.manual_seed(0)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    opt = build_optimizers([model], cfg.optimizer, world1())
-    lr = build_lr_schedulers(opt, cfg.lr_scheduler, cfg.training.steps)
-    trainer = FakeTrainer(model)
-    ckpt = CheckpointManager(dataloader=_Data(), model_parts=[model], optimizers=opt, lr_schedulers=lr,
-                             states={"train_state": trainer}, checkpoint_config=cfg.checkpoint, sd_adapter=None,
-                             base_folder=str(tmp))
+    opt, lr, trainer, ckpt = _checkpointer(cfg, model, tmp, world1())
     for step in range(1, steps + 1):
         tokens = _tokens(step)
         logits = model(tokens[:, :-1])
@@ -137,13 +145,14 @@ def _train(tmp: Path, job: Path, overrides: tuple[str, ...] = (), steps: int = S
 
 
 def _forward_weights(model) -> dict:
-    """{NVFP4 layer name: the NVFP4Tensor its forward GEMM multiplies}, caught from a forward of ``model``."""
-    seen = {}
+    """{NVFP4 layer name: the NVFP4Tensor its forward GEMM multiplies}, caught from a forward of ``model``: each
+    weight the forward quantized is matched to the layer whose (full) weight, in the quantized dtype, it equals."""
+    seen = []
     quantize = linear_function.quantize_weight
 
     def spy(w, *args, **kwargs):
         out = quantize(w, *args, **kwargs)
-        seen[id(w)] = out[0]
+        seen.append((w.detach().clone(), out[0]))
         return out
 
     linear_function.quantize_weight = spy
@@ -152,7 +161,13 @@ def _forward_weights(model) -> dict:
             model(_tokens(99))
     finally:
         linear_function.quantize_weight = quantize
-    return {n: seen[id(m.weight)] for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    found = {}
+    for name, m in model.named_modules():
+        if isinstance(m, NVFP4Linear):
+            full = m.weight.full_tensor() if hasattr(m.weight, "full_tensor") else m.weight
+            (wq,) = [q for w, q in seen if w.shape == full.shape and torch.equal(w, full.detach().to(w.dtype))]
+            found[name] = wq
+    return found
 
 
 def _plain(weights: dict[str, torch.Tensor]) -> Transformer:
@@ -447,3 +462,71 @@ def test_fused_groups_whose_global_scales_differ_are_named():
     assert len(got) == 2
     assert got[0].startswith(attn.format(1) + "q_proj") and "global scales 2, 3, 2 differ" in got[0]
     assert "only model.layers.2.self_attn.q_proj in NVFP4" in got[1]
+
+
+# ------------------------------------------------------------------------------------------------ FSDP2
+
+def _fsdp_worker(rank, world, out, tmp, job, step_dir):
+    """FSDP2 over 2 gloo ranks with TorchTitan's mixed precision (BF16 parameters in forward): load the one-process
+    checkpoint model-only through the CheckpointManager, catch the NVFP4 weights a forward multiplies, and save as
+    a run's last step (last_save_model_only: the model's entries, sharded)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed import ParallelDims
+
+    llama3_args.setdefault(FLAVOR, ARGS)
+    cfg = ConfigManager().parse_args(["--job.config_file", str(job)])
+    cfg.checkpoint.folder, cfg.checkpoint.initial_load_path = "fsdp_checkpoint", str(step_dir)
+    cfg.checkpoint.last_save_model_only = True  # the final save: the model's entries only
+    dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world)
+    args = copy.deepcopy(llama3_args[FLAVOR])
+    args.update_from_config(cfg)
+    with torch.device("meta"):
+        model = Transformer(args)
+    build_model_converters(cfg, dims).convert(model)
+    mesh = init_device_mesh("cpu", (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    _, _, _, ckpt = _checkpointer(cfg, model, tmp, dims)
+    assert ckpt.load()
+    forward = _forward_weights(model)
+    ckpt.save(STEPS, last_step=True)
+    if rank == 0:
+        out["forward"] = {n: (q.data, q.scale, q.global_scale) for n, q in forward.items()}
+
+
+@pytest.mark.long
+def test_a_checkpoint_written_under_fsdp2_exports_as_the_same_weights_from_one_process(run, nvfp4_out, capsys):
+    """The step-3 weights, loaded under FSDP2 (2 ranks) and saved sharded there: exported with the same
+    --weight-dtype, byte for byte the one-process checkpoint's export; with auto, the sharded norm weights say
+    FSDP2, so the weights are quantized in BF16 (mixed_precision_param), the codes and scales the FSDP2 forward
+    multiplied."""
+    from dist_util import run_ranks
+
+    fsdp = run_ranks(_fsdp_worker, 2, run.tmp, run.job, run.ckpt / "step-3")
+    sharded = run.tmp / "fsdp_checkpoint" / "step-3"
+    out = run.tmp / "hf_fsdp_fp32"
+    export_main([str(sharded), "--job.config_file", str(run.job), "--out", str(out), "--format", "nvfp4",
+                 "--weight-dtype", "float32"])
+    for f in sorted(p.name for p in nvfp4_out.iterdir()):
+        assert (out / f).read_bytes() == (nvfp4_out / f).read_bytes(), f
+    out = run.tmp / "hf_fsdp_auto"
+    export_main([str(sharded), "--job.config_file", str(run.job), "--out", str(out), "--format", "nvfp4"])
+    assert "quantized in bfloat16" in capsys.readouterr().out
+    state = _safetensors(out)
+    adapter = _adapter()
+    assert len(fsdp["forward"]) == 14
+    for name, (data, scale, gs) in fsdp["forward"].items():  # to the HF row order through [N, K]-shaped values
+        key = f"{name}.weight"
+        hf_key, codes = _hf_value(adapter, key, unpack_nibbles(data).float())
+        _, scales = _hf_value(adapter, key, scale.float().repeat_interleave(16, dim=0).repeat_interleave(16, dim=1))
+        prefix = hf_key.removesuffix(".weight")
+        assert torch.equal(state[f"{prefix}.weight_packed"], pack_nibbles(codes.to(torch.uint8))), name
+        assert torch.equal(state[f"{prefix}.weight_scale"].float(), scales[:, ::16]), name
+        assert torch.equal(torch.reciprocal(state[f"{prefix}.weight_global_scale"]), gs.reshape(1)), name
