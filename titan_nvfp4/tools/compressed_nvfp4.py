@@ -13,7 +13,8 @@ recipe (weight_2d: one E4M3 scale per 16×16 tile; block_scale_rule). Our layout
 table, nibble order and row-major [N, K] storage); a 16×16 tile's scale is repeated for each of its 16 rows,
 which is exact: every 1×16 block of the tile decodes with the same scale. Our forward decodes with the fp32
 reciprocal 1/S, compressed-tensors divides by S: the products q·e_b are exact in both, the last step rounds
-apart in fp32 (at most one ulp), and in BF16, the dtype its decompressor returns, they agree (docs/export.md).
+apart in fp32 (at most two ulps), and in BF16, the dtype its decompressor returns, they agree but for rare S
+(docs/export.md).
 """
 
 from __future__ import annotations
