@@ -395,6 +395,10 @@ def test_bad_input_is_one_line_and_writes_nothing(run, lora_run, capsys):
                                                                 out)
     assert "is inside the checkpoint folder" in _fails(capsys, [ck, *job, "--format", "bf16", "--out",
                                                                 str(run.ckpt / "step-3" / "hf")])
+    empty = run.tmp / "no_tokenizer"
+    empty.mkdir()
+    assert "has no tokenizer" in _fails(capsys, [ck, *job, "--model.hf_assets_path", str(empty), *base], out)
+    assert "--max-shard-size '0'" in _fails(capsys, [ck, *job, *base, "--max-shard-size", "0"], out)
     nonempty = run.tmp / "nonempty"
     nonempty.mkdir()
     (nonempty / "keep.txt").write_text("mine")

@@ -20,6 +20,7 @@ other weights in BF16 (the BF16 Linears listed in quantization_config.ignore). R
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -93,7 +94,7 @@ def _check_paths(args, rest: list[str]):
 
 
 def _require_packages() -> None:
-    missing = [m for m in ("transformers", "safetensors") if __import__("importlib").util.find_spec(m) is None]
+    missing = [m for m in ("transformers", "safetensors") if importlib.util.find_spec(m) is None]
     if missing:
         fail(PROG, f"needs {' and '.join(missing)}: pip install 'titan-nvfp4[export]'")
 
@@ -138,7 +139,7 @@ def export(args, rest: list[str], step, shard_bytes: int) -> str:
     from torchtitan.protocols.train_spec import get_train_spec
 
     from .compressed_nvfp4 import quantization_config
-    from .hf_folder import copy_tokenizer, write_json, write_shards
+    from .hf_folder import copy_tokenizer, tokenizer_files, write_json, write_shards
     from .hf_models import HF_MODELS
     from .hf_weights import classify, dense_state, fused_mismatches, hf_dense, hf_nvfp4
     from .job_model import build_model, import_custom, load_weights, parse_job
@@ -156,8 +157,7 @@ def export(args, rest: list[str], step, shard_bytes: int) -> str:
     if name not in HF_MODELS:
         raise ValueError(f"model {name!r} is not supported by export_hf yet (supported: {', '.join(HF_MODELS)})")
     assets = Path(cfg.model.hf_assets_path)
-    if not assets.is_dir():
-        raise ValueError(f"[model] hf_assets_path {assets}: no such folder (the run's tokenizer is exported from it)")
+    tokenizer_files(assets)  # a ValueError naming the folder when it has no tokenizer
     tokenizer = HuggingFaceTokenizer(str(assets))
     model, spec, model_args = build_model(cfg)
     loaded = load_weights(model, step.path)
@@ -184,7 +184,7 @@ def export(args, rest: list[str], step, shard_bytes: int) -> str:
                 f"{len(out.ignore)} BF16 ({', '.join(out.ignore[:3])}{', ...' if len(out.ignore) > 3 else ''})")
     else:
         hf_state = hf_dense(adapter, state)
-        what = f"BF16, {len(layers.lowrank)} low-rank layers as W = R + U·diag(σ)·V"
+        what = "BF16" + (f", {len(layers.lowrank)} low-rank layers as W = R + U·diag(σ)·V" if layers.lowrank else "")
     from transformers import GenerationConfig
 
     with writing(PROG, args.out, "--out"), atomic_dir(args.out, "--out") as tmp:

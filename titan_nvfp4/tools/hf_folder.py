@@ -66,14 +66,18 @@ def write_shards(folder: Path, state: dict[str, torch.Tensor], max_shard_bytes: 
     return len(plan)
 
 
-def copy_tokenizer(assets: Path, folder: Path) -> list[str]:
-    """Copy the tokenizer files of ``assets`` (the job's hf_assets_path) into ``folder``; their names. A ValueError
-    when ``assets`` has no tokenizer to load."""
+def tokenizer_files(assets: Path) -> list[str]:
+    """The tokenizer files of ``assets`` (the job's hf_assets_path); a ValueError when it has no tokenizer to load."""
     if not assets.is_dir():
         raise ValueError(f"[model] hf_assets_path {assets}: no such folder (the run's tokenizer is exported from it)")
     if not any((assets / n).is_file() for n in TOKENIZER_MODELS):
         raise ValueError(f"[model] hf_assets_path {assets} has no tokenizer ({', '.join(TOKENIZER_MODELS)})")
-    names = [n for n in TOKENIZER_FILES if (assets / n).is_file()]
+    return [n for n in TOKENIZER_FILES if (assets / n).is_file()]
+
+
+def copy_tokenizer(assets: Path, folder: Path) -> list[str]:
+    """Copy the tokenizer files of ``assets`` into ``folder``; their names."""
+    names = tokenizer_files(assets)
     for n in names:
         shutil.copyfile(assets / n, folder / n)
     return names
@@ -84,4 +88,4 @@ def write_json(path: Path, data: dict) -> None:
 
 
 __all__ = ["INDEX", "TOKENIZER_FILES", "TOKENIZER_MODELS", "copy_tokenizer", "parse_size", "shard_plan",
-           "tensor_bytes", "write_json", "write_shards"]
+           "tensor_bytes", "tokenizer_files", "write_json", "write_shards"]
