@@ -25,7 +25,8 @@ from pathlib import Path
 
 CHECKOUT = Path(__file__).resolve().parent.parent
 CLIS = ["titan_nvfp4.compare", "titan_nvfp4.tools.loss_log", "titan_nvfp4.tools.loss_plot",
-        "titan_nvfp4.tools.e2e_report", "titan_nvfp4.tools.export_dense", "titan_nvfp4.tools.emulated_dp",
+        "titan_nvfp4.tools.e2e_report", "titan_nvfp4.tools.export_dense", "titan_nvfp4.tools.export_hf",
+        "titan_nvfp4.tools.emulated_dp",
         "titan_nvfp4.data.prepare"]
 IMPORT_BUILDS_DATA = {"titan_nvfp4.data.prepare"}  # importing it builds the corpus (TorchTitan's custom_import)
 

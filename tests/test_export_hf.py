@@ -1,0 +1,536 @@
+"""export_hf: a tiny Llama3 trained a few steps on the CPU (reference backend), saved by TorchTitan's
+CheckpointManager, exported, and loaded with transformers' AutoModelForCausalLM as a user would.
+
+BF16: the logits equal TorchTitan's model with the same (BF16) weights. NVFP4: compressed-tensors' own
+decompressor gives back exactly the codes and scales our forward computed with, and transformers' logits equal
+TorchTitan's with those weights. Bad input ends in one line and leaves no folder behind."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if not all(importlib.util.find_spec(m) for m in ("transformers", "compressed_tensors", "safetensors")):
+    pytest.skip("the export extra (transformers, compressed-tensors, safetensors) is not installed",
+                allow_module_level=True)  # found, not imported: the FSDP2 ranks import this module
+
+import titan_nvfp4  # noqa: F401  (registers the converters)
+import titan_nvfp4.autograd.linear_function as linear_function
+from titan_nvfp4.modules.nvfp4_linear import NVFP4Linear
+from titan_nvfp4.numerics.formats import pack_nibbles, unpack_nibbles
+from titan_nvfp4.tools.export_hf import main as export_main
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.models.llama3 import Transformer, TransformerModelArgs, llama3_args
+from torchtitan.protocols.model_converter import build_model_converters
+from torchtitan.protocols.train_spec import get_train_spec
+from test_converter import world1
+from test_train_state import FakeTrainer
+
+FLAVOR = "export_hf_test"
+#: 3 blocks (the last kept BF16 by bf16_last_blocks), GQA (4 heads, 2 KV heads: both q and k rows permuted)
+ARGS = TransformerModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=16,
+                            rope_theta=500000)
+SEQ = 32
+STEPS = 3
+
+
+def _job_toml(tmp: Path, assets: Path, extra: str = "") -> Path:
+    path = tmp / "job.toml"
+    path.write_text(textwrap.dedent(f"""\
+        [job]
+        dump_folder = "{tmp}"
+        custom_config_module = "titan_nvfp4.integration.job_config"
+        [model]
+        name = "llama3"
+        flavor = "{FLAVOR}"
+        hf_assets_path = "{assets}"
+        converters = ["quantize.linear.nvfp4"]
+        [optimizer]
+        name = "AdamW"
+        lr = 1e-2
+        [training]
+        seq_len = {SEQ}
+        steps = 10
+        mixed_precision_param = "bfloat16"
+        [checkpoint]
+        enable = true
+        folder = "checkpoint"
+        interval = 1
+        keep_latest_k = 0
+        [quantize.linear.nvfp4]
+        recipe = "nvidia_paper"
+        filter_fqns = ["output"]
+        bf16_last_blocks = 1
+        gemm_backend = "reference"
+        """) + extra)
+    return path
+
+
+def _tokenizer(folder: Path) -> Path:
+    """A 256-entry word-level tokenizer with Llama 3's BOS and EOS, as TorchTitan's HuggingFaceTokenizer reads it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder.mkdir()
+    vocab = {"<|begin_of_text|>": 0, "<|end_of_text|>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, 256)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>", "unk_token": "<unk>"}))
+    return folder
+
+
+class _Data:
+    def state_dict(self):
+        return {"pos": 0}
+
+    def load_state_dict(self, state_dict):
+        pass
+
+
+def _tokens(seed: int, batch: int = 2) -> torch.Tensor:
+    return torch.randint(0, ARGS.vocab_size, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _checkpointer(cfg, model, tmp: Path, dims):
+    """TorchTitan's CheckpointManager over ``model`` with AdamW and its LR schedule, as the Trainer builds it."""
+    opt = build_optimizers([model], cfg.optimizer, dims)
+    lr = build_lr_schedulers(opt, cfg.lr_scheduler, cfg.training.steps)
+    trainer = FakeTrainer(model)
+    ckpt = CheckpointManager(dataloader=_Data(), model_parts=[model], optimizers=opt, lr_schedulers=lr,
+                             states={"train_state": trainer}, checkpoint_config=cfg.checkpoint, sd_adapter=None,
+                             base_folder=str(tmp))
+    return opt, lr, trainer, ckpt
+
+
+def _train(tmp: Path, job: Path, overrides: tuple[str, ...] = (), steps: int = STEPS):
+    """The job's model trained ``steps`` steps on random tokens and checkpointed after each by TorchTitan's
+    CheckpointManager (tmp/checkpoint/step-N), as the Trainer does; returns the model."""
+    from torchtitan.config import ConfigManager
+
+    cfg = ConfigManager().parse_args(["--job.config_file", str(job), *overrides])
+    args = copy.deepcopy(llama3_args[FLAVOR])
+    args.update_from_config(cfg)
+    with torch.device("meta"):
+        model = Transformer(args)
+    converters = build_model_converters(cfg, world1())
+    converters.convert(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    opt, lr, trainer, ckpt = _checkpointer(cfg, model, tmp, world1())
+    for step in range(1, steps + 1):
+        tokens = _tokens(step)
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        lr.step()
+        converters.post_optimizer_hook([model])
+        opt.zero_grad()
+        trainer.step = step
+        ckpt.save(step)
+    return model
+
+
+def _forward_weights(model) -> dict:
+    """{NVFP4 layer name: the NVFP4Tensor its forward GEMM multiplies}, caught from a forward of ``model``: each
+    weight the forward quantized is matched to the layer whose (full) weight, in the quantized dtype, it equals."""
+    seen = []
+    quantize = linear_function.quantize_weight
+
+    def spy(w, *args, **kwargs):
+        out = quantize(w, *args, **kwargs)
+        seen.append((w.detach().clone(), out[0]))
+        return out
+
+    linear_function.quantize_weight = spy
+    try:
+        with torch.no_grad():
+            model(_tokens(99))
+    finally:
+        linear_function.quantize_weight = quantize
+    found = {}
+    for name, m in model.named_modules():
+        if isinstance(m, NVFP4Linear):
+            full = m.weight.full_tensor() if hasattr(m.weight, "full_tensor") else m.weight
+            (wq,) = [q for w, q in seen if w.shape == full.shape and torch.equal(w, full.detach().to(w.dtype))]
+            found[name] = wq
+    return found
+
+
+def _plain(weights: dict[str, torch.Tensor]) -> Transformer:
+    """TorchTitan's llama3 without converters (fp32) holding ``weights``."""
+    args = copy.deepcopy(llama3_args[FLAVOR])
+    args.max_seq_len = SEQ
+    model = Transformer(args)
+    with torch.no_grad():
+        model.init_weights()
+    model.load_state_dict(weights)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    llama3_args.setdefault(FLAVOR, ARGS)
+    tmp = tmp_path_factory.mktemp("export_hf")
+    assets = _tokenizer(tmp / "assets")
+    job = _job_toml(tmp, assets)
+    model = _train(tmp, job)
+    dense = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return SimpleNamespace(tmp=tmp, job=job, assets=assets, model=model, dense=dense,
+                           forward=_forward_weights(model), ckpt=tmp / "checkpoint")
+
+
+def _export(run, out: Path, *flags: str, job: Path | None = None) -> None:
+    export_main([str(run.ckpt), "--job.config_file", str(job or run.job), "--out", str(out), *flags])
+
+
+def _hf(out: Path, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(out), **{"dtype": torch.float32, **kwargs}).eval()
+
+
+def _adapter():
+    return get_train_spec("llama3").state_dict_adapter(llama3_args[FLAVOR], None)
+
+
+# ------------------------------------------------------------------------------------------------- BF16
+
+def test_bf16_export_loads_in_transformers_with_torchtitans_logits(run, capsys):
+    """The latest step (step-3) of the checkpoint folder; transformers' logits in fp32 equal TorchTitan's llama3
+    with the same BF16 weights within 2e-6 (logits up to ~3.5, so 8 fp32 ulps; 1 seen: RoPE as complex products vs
+    cos/sin, torch's RMSNorm vs transformers')."""
+    out = run.tmp / "hf_bf16"
+    _export(run, out, "--format", "bf16", "--max-shard-size", "100KB")
+    assert "step 3 of" in capsys.readouterr().out
+    files = {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "model.safetensors.index.json"} <= files
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1, "100KB shards: several"
+    assert not [p for p in run.tmp.iterdir() if p.name.startswith(".hf_bf16")], "no temporary folder left"
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "llama3" and config["num_key_value_heads"] == 2
+    assert (config["bos_token_id"], config["eos_token_id"]) == (0, 1)
+    hf = _hf(out)
+    ours = _plain({k: v.to(torch.bfloat16).float() for k, v in run.dense.items()})
+    tokens = _tokens(7)
+    with torch.no_grad():
+        want, got = ours(tokens), hf(tokens).logits
+    assert torch.allclose(got, want, rtol=0, atol=2e-6), (got - want).abs().max()
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(str(out))("w5 w9")["input_ids"][-2:] == [5, 9]
+
+
+# ------------------------------------------------------------------------------------------------ NVFP4
+
+HF_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+              "mlp.up_proj", "mlp.down_proj")
+PARTS = ("weight_packed", "weight_scale", "weight_global_scale")
+
+
+def _safetensors(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in sorted(out.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+def _hf_value(adapter, key: str, value: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """(Hugging Face name, value) of one entry, through TorchTitan's adapter (q/k rows permuted)."""
+    ((name, out),) = adapter.to_hf({key: value}).items()
+    return name, out
+
+
+@pytest.fixture(scope="module")
+def nvfp4_out(run):
+    out = run.tmp / "hf_nvfp4"
+    _export(run, out, "--format", "nvfp4")
+    return out
+
+
+def test_nvfp4_export_holds_the_forwards_codes_scales_and_tensor_scale(run, nvfp4_out):
+    """compressed-tensors' parser takes the quantization_config (BF16 block 2 and the LM head ignored), and its
+    NVFP4PackedCompressor decompresses each layer to exactly the weight our forward multiplied: with the global
+    scale set to 1, q·e_b bit for bit (codes and 1×16 scales, our 16×16 tile scales repeated per row); with it, the
+    BF16 weight our fp32 q·e_b·(1/S) rounds to. The global scale is S, whose fp32 reciprocal is our decode scale."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    config = json.loads((nvfp4_out / "config.json").read_text())
+    qc = QuantizationConfig.model_validate(config["quantization_config"])
+    assert qc.format == "nvfp4-pack-quantized" and qc.quantization_status == "compressed"
+    assert set(qc.ignore) == {"lm_head", *(f"model.layers.2.{m}" for m in HF_LINEARS)}
+    scheme = qc.config_groups["group_0"]
+    state = _safetensors(nvfp4_out)
+    adapter = _adapter()
+    assert len(run.forward) == 14, "blocks 0 and 1 in NVFP4"
+    for name, wq in run.forward.items():
+        key = f"{name}.weight"
+        hf_key, want_codes = _hf_value(adapter, key, wq.scaled_codes(torch.float32))
+        _, want = _hf_value(adapter, key, wq.dequantize(torch.float32))
+        prefix = hf_key.removesuffix(".weight")
+        parts = {p: state[f"{prefix}.{p}"] for p in PARTS}
+        assert hf_key not in state
+        n, k = wq.shape
+        assert (parts["weight_packed"].dtype, tuple(parts["weight_packed"].shape)) == (torch.uint8, (n, k // 2))
+        assert (parts["weight_scale"].dtype, tuple(parts["weight_scale"].shape)) == (torch.float8_e4m3fn, (n, k // 16))
+        assert (parts["weight_global_scale"].dtype, tuple(parts["weight_global_scale"].shape)) == (torch.float32, (1,))
+        assert torch.equal(torch.reciprocal(parts["weight_global_scale"]), wq.global_scale.reshape(1)), name
+        exact = NVFP4PackedCompressor.decompress({**parts, "weight_global_scale": torch.ones(1)}, scheme)["weight"]
+        assert torch.equal(exact.float(), want_codes), f"{name}: codes or block scales"
+        got = NVFP4PackedCompressor.decompress(parts, scheme)["weight"]
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16)), name
+    for m in HF_LINEARS:  # the BF16 block: dense BF16 weights
+        key = f"model.layers.2.{m}.weight"
+        assert state[key].dtype == torch.bfloat16 and f"model.layers.2.{m}.weight_packed" not in state
+
+
+def test_nvfp4_export_loads_in_transformers_with_the_forwards_weights(run, nvfp4_out):
+    """AutoModelForCausalLM with compressed-tensors installed, as a user loads it (config.json's BF16, the Linears
+    compressed, decompressed by compressed-tensors at the first forward): each NVFP4 Linear then holds our forward's
+    NVFP4 weight in BF16, bit for bit. For an fp32 comparison the folder is loaded with dtype float32 and
+    CompressedTensorsConfig(dequantize=True) (compressed, in float32, compressed-tensors decompresses into BF16 and
+    F.linear refuses the mix): the logits equal TorchTitan's llama3 with those weights (the rest in BF16) within
+    2e-6, as for the BF16 export."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    adapter = _adapter()
+    weights = {k: v.to(torch.bfloat16).float() for k, v in run.dense.items()}
+    for name, wq in run.forward.items():
+        weights[f"{name}.weight"] = wq.dequantize(torch.float32).to(torch.bfloat16).float()
+    hf_weights = dict(_hf_value(adapter, f"{name}.weight", weights[f"{name}.weight"]) for name in run.forward)
+    tokens = _tokens(7)
+
+    user = AutoModelForCausalLM.from_pretrained(str(nvfp4_out)).eval()
+    assert user.dtype == torch.bfloat16
+    assert {n for n, _ in user.get_submodule("model.layers.0.self_attn.q_proj").named_parameters()} == set(PARTS)
+    with torch.no_grad():
+        assert torch.isfinite(user(tokens).logits).all()
+    for hf_key, w in hf_weights.items():
+        assert torch.equal(user.get_parameter(hf_key).float(), w), hf_key
+
+    hf = _hf(nvfp4_out, quantization_config=CompressedTensorsConfig(dequantize=True))
+    for hf_key, w in hf_weights.items():
+        assert torch.equal(hf.get_parameter(hf_key), w), hf_key
+    ours = _plain(weights)
+    with torch.no_grad():
+        want, got = ours(tokens), hf(tokens).logits
+    assert torch.allclose(got, want, rtol=0, atol=2e-6), (got - want).abs().max()
+
+
+# ------------------------------------------------------------------------------------------------ low rank
+
+@pytest.fixture(scope="module")
+def lora_run(run):
+    """A lora_rank 16 job (the same model), two steps."""
+    tmp = run.tmp / "lora"
+    tmp.mkdir()
+    job = _job_toml(tmp, run.assets, extra="lora_rank = 16\n")
+    model = _train(tmp, job, steps=2)
+    return SimpleNamespace(tmp=tmp, job=job, model=model, ckpt=tmp / "checkpoint")
+
+
+def test_lowrank_layers_export_the_weight_the_forward_computes_with(lora_run):
+    """BF16: a DecomposedLinear's weight is W = R + U·diag(σ)·V (its dense_weight, summed in fp32), in BF16; NVFP4 is
+    refused by name (compressed-tensors' NVFP4 cannot hold the branch)."""
+    from titan_nvfp4.modules.decomposed_linear import DecomposedLinear
+
+    out = lora_run.tmp / "hf"
+    export_main([str(lora_run.ckpt / "step-2"), "--job.config_file", str(lora_run.job), "--out", str(out),
+                 "--format", "bf16"])
+    state = _safetensors(out)
+    adapter = _adapter()
+    lowrank = {n: m for n, m in lora_run.model.named_modules() if isinstance(m, DecomposedLinear)}
+    assert len(lowrank) == 14
+    for name, m in lowrank.items():
+        hf_key, w = _hf_value(adapter, f"{name}.weight", m.dense_weight().detach())
+        assert torch.equal(state[hf_key], w.to(torch.bfloat16)), name
+        assert not (w - m.weight).abs().max() < 1e-3, f"{name}: W, not the residual R"
+    assert not any("lora" in k for k in state)
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+def _fails(capsys, argv: list[str], out: Path | None = None) -> str:
+    """export_hf's one-line error (exit status 2); ``out`` and any temporary folder beside it absent."""
+    with pytest.raises(SystemExit) as e:
+        export_main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("python -m titan_nvfp4.tools.export_hf: error: "), err
+    if out is not None:
+        assert not out.exists() and not list(out.parent.glob(f".{out.name}.*")), "a half-written folder"
+    return err
+
+
+def test_bad_input_is_one_line_and_writes_nothing(run, lora_run, capsys):
+    out = run.tmp / "bad"
+    base = ["--format", "bf16", "--out", str(out)]
+    job = ["--job.config_file", str(run.job)]
+    ck = str(run.ckpt)
+    assert "no such checkpoint: " in _fails(capsys, [str(run.ckpt / "step-9"), *job, *base], out)
+    assert "holds steps 1, 2, 3" in _fails(capsys, [str(run.ckpt / "step-9"), *job, *base], out)
+    assert "holds no DCP checkpoint" in _fails(capsys, [str(run.assets), *job, *base], out)
+    assert "--job.config_file JOB.toml is required" in _fails(capsys, [ck, *base], out)
+    assert "no such file" in _fails(capsys, [ck, "--job.config_file", str(run.tmp / "none.toml"), *base], out)
+    assert "'no_such_model'" in _fails(capsys, [ck, *job, "--model.name", "no_such_model", *base], out)
+    assert "'qwen3' is not supported by export_hf yet" in _fails(capsys, [ck, *job, "--model.name", "qwen3", *base],
+                                                                out)
+    assert "is inside the checkpoint folder" in _fails(capsys, [ck, *job, "--format", "bf16", "--out",
+                                                                str(run.ckpt / "step-3" / "hf")])
+    empty = run.tmp / "no_tokenizer"
+    empty.mkdir()
+    assert "has no tokenizer" in _fails(capsys, [ck, *job, "--model.hf_assets_path", str(empty), *base], out)
+    assert "--max-shard-size '0'" in _fails(capsys, [ck, *job, *base, "--max-shard-size", "0"], out)
+    nonempty = run.tmp / "nonempty"
+    nonempty.mkdir()
+    (nonempty / "keep.txt").write_text("mine")
+    assert "exists and is not empty" in _fails(capsys, [ck, *job, "--format", "bf16", "--out", str(nonempty)])
+    assert (nonempty / "keep.txt").read_text() == "mine"
+    # a --format the model cannot take
+    lora = [str(lora_run.ckpt), "--job.config_file", str(lora_run.job), "--format", "nvfp4", "--out", str(out)]
+    assert "'layers.0.attention.wq' is low-rank" in _fails(capsys, lora, out)
+    late = [ck, *job, "--quantize.linear.nvfp4.bf16_after_fraction", "0.8", "--format", "nvfp4", "--out", str(out)]
+    assert "computes in BF16 from step 2 on (bf16_after_fraction = 0.8)" in _fails(capsys, late, out)
+    assert "applies to --format nvfp4 only" in _fails(capsys, [ck, *job, *base, "--scheme", "w4a16"], out)
+
+
+def test_a_failed_write_leaves_no_folder(run, capsys, monkeypatch):
+    """The disk fills up at the second shard: one line naming --out, and neither DIR nor its temporary twin."""
+    import safetensors.torch
+
+    save_file = safetensors.torch.save_file
+    written = []
+
+    def fill_up(tensors, filename, metadata=None):
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(filename)
+        save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", fill_up)
+    out = run.tmp / "full"
+    err = _fails(capsys, [str(run.ckpt), "--job.config_file", str(run.job), "--format", "bf16", "--out", str(out),
+                          "--max-shard-size", "64KB"], out)
+    assert written and f"--out {out}: cannot write: No space left on device" in err
+
+
+def test_weights_stored_narrower_than_the_forward_are_refused_unless_named(run, capsys):
+    """A model-only checkpoint in BF16 (checkpoint.export_dtype) of a run whose forward quantized FP32 weights: the
+    forward's codes cannot be rebuilt, so --format nvfp4 refuses, naming the key and --weight-dtype; with
+    --weight-dtype bfloat16 it exports the stored weights' quantization."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = run.tmp / "bf16_ckpt" / "step-3"
+    dcp.save({k: v.to(torch.bfloat16) for k, v in run.model.state_dict().items()}, checkpoint_id=str(folder))
+    out = run.tmp / "hf_from_bf16"
+    argv = [str(folder), "--job.config_file", str(run.job), "--format", "nvfp4", "--out", str(out)]
+    err = _fails(capsys, argv, out)
+    assert "stores layers.0.attention.wq.weight in torch.bfloat16, but the run's forward quantized torch.float32" in err
+    export_main([*argv, "--weight-dtype", "bfloat16"])
+    state = _safetensors(out)
+    w = run.model.layers["0"].attention.wv.weight.detach().to(torch.bfloat16)
+    s = state["model.layers.0.self_attn.v_proj.weight_global_scale"]
+    assert torch.equal(torch.reciprocal(s), titan_nvfp4.quantize_nvfp4(w, (16, 16)).global_scale.reshape(1))
+
+
+def test_fused_groups_whose_global_scales_differ_are_named():
+    """vLLM and SGLang read one weight global scale per fused q/k/v (gate/up) GEMM: export_hf names the groups where
+    ours differ, and those only partly in NVFP4."""
+    from titan_nvfp4.tools.hf_models import HF_MODELS
+    from titan_nvfp4.tools.hf_weights import fused_mismatches
+
+    fused = HF_MODELS["llama3"].fused
+    attn = "model.layers.{}.self_attn."
+    scales = {attn.format(0) + p: 2.0 for p in ("q_proj", "k_proj", "v_proj")}
+    scales.update({attn.format(1) + "q_proj": 2.0, attn.format(1) + "k_proj": 3.0, attn.format(1) + "v_proj": 2.0})
+    scales[attn.format(2) + "q_proj"] = 2.0
+    got = fused_mismatches(scales, [attn.format(2) + "k_proj", attn.format(2) + "v_proj"], fused)
+    assert len(got) == 2
+    assert got[0].startswith(attn.format(1) + "q_proj") and "global scales 2, 3, 2 differ" in got[0]
+    assert "only model.layers.2.self_attn.q_proj in NVFP4" in got[1]
+
+
+# ------------------------------------------------------------------------------------------------ FSDP2
+
+def _fsdp_worker(rank, world, out, tmp, job, step_dir):
+    """FSDP2 over 2 gloo ranks with TorchTitan's mixed precision (BF16 parameters in forward): load the one-process
+    checkpoint model-only through the CheckpointManager, catch the NVFP4 weights a forward multiplies, and save as
+    a run's last step (last_save_model_only: the model's entries, sharded)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed import ParallelDims
+
+    llama3_args.setdefault(FLAVOR, ARGS)
+    cfg = ConfigManager().parse_args(["--job.config_file", str(job)])
+    cfg.checkpoint.folder, cfg.checkpoint.initial_load_path = "fsdp_checkpoint", str(step_dir)
+    cfg.checkpoint.last_save_model_only = True  # the final save: the model's entries only
+    dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world)
+    args = copy.deepcopy(llama3_args[FLAVOR])
+    args.update_from_config(cfg)
+    with torch.device("meta"):
+        model = Transformer(args)
+    build_model_converters(cfg, dims).convert(model)
+    mesh = init_device_mesh("cpu", (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    _, _, _, ckpt = _checkpointer(cfg, model, tmp, dims)
+    assert ckpt.load()
+    forward = _forward_weights(model)
+    ckpt.save(STEPS, last_step=True)
+    if rank == 0:
+        out["forward"] = {n: (q.data, q.scale, q.global_scale) for n, q in forward.items()}
+
+
+@pytest.mark.long
+def test_a_checkpoint_written_under_fsdp2_exports_as_the_same_weights_from_one_process(run, nvfp4_out, capsys):
+    """The step-3 weights, loaded under FSDP2 (2 ranks) and saved sharded there: exported with the same
+    --weight-dtype, byte for byte the one-process checkpoint's export; with auto, the sharded norm weights say
+    FSDP2, so the weights are quantized in BF16 (mixed_precision_param), the codes and scales the FSDP2 forward
+    multiplied."""
+    from dist_util import run_ranks
+
+    fsdp = run_ranks(_fsdp_worker, 2, run.tmp, run.job, run.ckpt / "step-3")
+    sharded = run.tmp / "fsdp_checkpoint" / "step-3"
+    out = run.tmp / "hf_fsdp_fp32"
+    export_main([str(sharded), "--job.config_file", str(run.job), "--out", str(out), "--format", "nvfp4",
+                 "--weight-dtype", "float32"])
+    for f in sorted(p.name for p in nvfp4_out.iterdir()):
+        assert (out / f).read_bytes() == (nvfp4_out / f).read_bytes(), f
+    out = run.tmp / "hf_fsdp_auto"
+    export_main([str(sharded), "--job.config_file", str(run.job), "--out", str(out), "--format", "nvfp4"])
+    assert "quantized in bfloat16" in capsys.readouterr().out
+    state = _safetensors(out)
+    adapter = _adapter()
+    assert len(fsdp["forward"]) == 14
+    for name, (data, scale, gs) in fsdp["forward"].items():  # to the HF row order through [N, K]-shaped values
+        key = f"{name}.weight"
+        hf_key, codes = _hf_value(adapter, key, unpack_nibbles(data).float())
+        _, scales = _hf_value(adapter, key, scale.float().repeat_interleave(16, dim=0).repeat_interleave(16, dim=1))
+        prefix = hf_key.removesuffix(".weight")
+        assert torch.equal(state[f"{prefix}.weight_packed"], pack_nibbles(codes.to(torch.uint8))), name
+        assert torch.equal(state[f"{prefix}.weight_scale"].float(), scales[:, ::16]), name
+        assert torch.equal(torch.reciprocal(state[f"{prefix}.weight_global_scale"]), gs.reshape(1)), name

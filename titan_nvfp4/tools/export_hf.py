@@ -1,0 +1,218 @@
+"""Export a TorchTitan 0.2 checkpoint as a Hugging Face model folder, in BF16 or in compressed-tensors' NVFP4.
+
+    python -m titan_nvfp4.tools.export_hf CHECKPOINT --job.config_file JOB.toml --format bf16 --out DIR
+    python -m titan_nvfp4.tools.export_hf CHECKPOINT --job.config_file JOB.toml --format nvfp4 --out DIR
+
+CHECKPOINT: a DCP checkpoint folder (outputs/<run>/checkpoint/step-N) or the folder holding them (its latest
+step). The job file (and any further TorchTitan flags, e.g. --model.flavor) must be the run's: the model is
+built from it on the CPU and converted with its converters, then the checkpoint's weights are loaded into it.
+DIR, a new or empty folder, receives config.json, model-*.safetensors with model.safetensors.index.json, the
+tokenizer files of the job's [model] hf_assets_path, and generation_config.json; it is written beside DIR and
+moved into place when complete, so a failed export leaves no folder. Weights are renamed by TorchTitan's own
+state-dict adapter of the model (Llama3 here; others are refused by name). docs/export.md has the details.
+
+--format bf16: every weight in BF16; a lora_rank layer exports W = R + U·diag(σ)·V, the checkpoint's `weight`.
+--format nvfp4: each NVFP4 Linear as the forward quantizes it from this checkpoint on (codes, E4M3 scales, FP32
+tensor scale; 16x16 tile scales repeated per row) in compressed-tensors' nvfp4-pack-quantized layout, the
+other weights in BF16 (the BF16 Linears listed in quantization_config.ignore). Refused for lora_rank layers
+(their forward adds a branch the layout cannot hold) and after bf16_after_fraction's switch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+from .atomic import atomic_dir, refuse_output_over_input
+from .checkpoint_integrity import verify_checkpoint
+from .cli import fail, parser, writing
+
+PROG = "python -m titan_nvfp4.tools.export_hf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _args(argv: list[str]):
+    ap = parser("titan_nvfp4.tools.export_hf", __doc__)
+    ap.allow_abbrev = False  # TorchTitan's --job... flags are passed on, not matched to ours
+    ap.add_argument("checkpoint", type=Path, help="a DCP checkpoint folder (step-N) or the checkpoint folder "
+                                                  "holding them (its latest step is exported)")
+    ap.add_argument("--format", required=True, choices=["bf16", "nvfp4"],
+                    help="bf16: dense BF16 weights; nvfp4: the NVFP4 Linears in compressed-tensors' layout")
+    ap.add_argument("--scheme", choices=["w4a16"], default=None,
+                    help="with --format nvfp4: w4a16, NVFP4 weights and 16-bit activations (the default)")
+    ap.add_argument("--out", type=Path, required=True, help="the Hugging Face model folder to write (new or empty)")
+    ap.add_argument("--weight-dtype", choices=["auto", *DTYPES], default="auto",
+                    help="with --format nvfp4: the dtype the forward quantized the weights in; auto: the job's "
+                         "training.mixed_precision_param if the checkpoint was written under FSDP2, else float32")
+    ap.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB; e.g. 500MB)")
+    ap.epilog = "Every other flag (--job.config_file JOB.toml, --model.flavor ...) goes to TorchTitan's job parser."
+    args, rest = ap.parse_known_args(argv)
+    return ap, args, rest
+
+
+def _job_file(rest: list[str]) -> str | None:
+    for i, a in enumerate(rest):
+        if a == "--job.config_file":
+            return rest[i + 1] if i + 1 < len(rest) else ""
+        if a.startswith("--job.config_file="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _check_paths(args, rest: list[str]):
+    """One-line failures for what can be checked before anything loads."""
+    from .hf_folder import parse_size
+    from .job_model import find_step
+
+    if args.scheme is not None and args.format != "nvfp4":
+        fail(PROG, f"--scheme {args.scheme} applies to --format nvfp4 only")
+    if args.weight_dtype != "auto" and args.format != "nvfp4":
+        fail(PROG, f"--weight-dtype {args.weight_dtype} applies to --format nvfp4 only")
+    try:
+        step = find_step(args.checkpoint)
+        shard_bytes = parse_size(args.max_shard_size)
+        refuse_output_over_input(args.out, [args.checkpoint], "--out")
+    except ValueError as e:
+        fail(PROG, str(e))
+    job = _job_file(rest)
+    if job is None:
+        fail(PROG, "--job.config_file JOB.toml is required: the job file the checkpoint was trained with")
+    if not job or not Path(job).is_file():
+        fail(PROG, f"--job.config_file {job}: no such file")
+    if step.path.resolve() in args.out.resolve().parents:
+        fail(PROG, f"--out {args.out} is inside the checkpoint folder {step.path}: write it elsewhere")
+    if args.out.exists() and not args.out.is_dir():
+        fail(PROG, f"--out {args.out} is a file; give a folder path")
+    if args.out.is_dir() and any(args.out.iterdir()):
+        fail(PROG, f"--out {args.out} exists and is not empty; remove it or give another folder")
+    if not args.out.parent.is_dir():
+        fail(PROG, f"--out {args.out}: no such folder {args.out.parent}")
+    return step, shard_bytes
+
+
+def _require_packages() -> None:
+    missing = [m for m in ("transformers", "safetensors") if importlib.util.find_spec(m) is None]
+    if missing:
+        fail(PROG, f"needs {' and '.join(missing)}: pip install 'titan-nvfp4[export]'")
+
+
+def _nvfp4_checks(layers, model, step, loaded, cfg, args) -> torch.dtype:
+    """Refusals of --format nvfp4 (one line each); the dtype the weights are quantized in."""
+    from ..training.schedule import LINEAR_STEPS
+
+    if layers.lowrank:
+        fail(PROG, f"--format nvfp4: layer {layers.lowrank[0]!r} is low-rank ([quantize.linear.nvfp4] lora_rank, "
+                   f"{len(layers.lowrank)} layers): its forward adds U·diag(σ)·V to NVFP4(R), which compressed-tensors' "
+                   "NVFP4 layout cannot hold; export --format bf16 (W = R + U·diag(σ)·V)")
+    if not layers.nvfp4:
+        fail(PROG, f"--format nvfp4: the job file's model has no NVFP4 layers ([model] converters = "
+                   f"{list(cfg.model.converters)}): export --format bf16")
+    counter = getattr(model, LINEAR_STEPS, None)
+    switch = counter.schedule.switch_step if counter is not None else None
+    if switch is not None:
+        fraction = cfg.quantize.linear.nvfp4.bf16_after_fraction
+        if step.step is None:
+            fail(PROG, f"--format nvfp4: the job switches to BF16 at step {switch} (bf16_after_fraction = {fraction}) "
+                       f"and {step.path} is not named step-N: give the step-N folder so its step is known")
+        if step.step >= switch:
+            fail(PROG, f"--format nvfp4: {step.path} is at step {step.step}, and the run computes in BF16 from step "
+                       f"{switch} on (bf16_after_fraction = {fraction}): its forward no longer uses NVFP4 weights; "
+                       "export --format bf16")
+    if args.weight_dtype != "auto":
+        return DTYPES[args.weight_dtype]
+    forward = DTYPES.get(cfg.training.mixed_precision_param, torch.float32) if loaded.fsdp else torch.float32
+    narrower = [n for n in layers.nvfp4 if loaded.dtypes.get(f"{n}.weight", forward).itemsize < forward.itemsize]
+    if narrower:
+        fail(PROG, f"--format nvfp4: {step.path} stores {narrower[0]}.weight in "
+                   f"{loaded.dtypes[narrower[0] + '.weight']}, but the run's forward quantized {forward} weights "
+                   "(checkpoint.export_dtype?): its codes cannot be reproduced; pass --weight-dtype bfloat16 to "
+                   "quantize the stored weights instead")
+    return forward
+
+
+def export(args, rest: list[str], step, shard_bytes: int) -> str:
+    """Build, load, convert and write; returns the summary line. ValueErrors are the user's input."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from .compressed_nvfp4 import quantization_config
+    from .hf_folder import copy_tokenizer, tokenizer_files, write_json, write_shards
+    from .hf_models import HF_MODELS
+    from .hf_weights import classify, dense_state, fused_mismatches, hf_dense, hf_nvfp4
+    from .job_model import build_model, import_custom, load_weights, parse_job
+
+    cfg = parse_job(rest)
+    import_custom(cfg)
+    name = cfg.model.name
+    try:
+        spec = get_train_spec(name)
+    except ValueError as e:
+        raise ValueError(f"[model] name {name!r}: {e}") from None
+    if spec.state_dict_adapter is None:
+        raise ValueError(f"model {name!r} has no state-dict adapter in TorchTitan: its weights have no Hugging Face "
+                         "names to export to")
+    if name not in HF_MODELS:
+        raise ValueError(f"model {name!r} is not supported by export_hf yet (supported: {', '.join(HF_MODELS)})")
+    assets = Path(cfg.model.hf_assets_path)
+    tokenizer_files(assets)  # a ValueError naming the folder when it has no tokenizer
+    tokenizer = HuggingFaceTokenizer(str(assets))
+    model, spec, model_args = build_model(cfg)
+    loaded = load_weights(model, step.path)
+    layers = classify(model)
+    if layers.other:
+        raise ValueError(f"module {layers.other[0]!r} ({type(model.get_submodule(layers.other[0])).__name__}) is not "
+                         "supported by export_hf yet (MoE experts)")
+    adapter = spec.state_dict_adapter(model_args, None)  # names only: no HF index to read
+    state = dense_state(model)
+    hf_model = HF_MODELS[name]
+    config = hf_model.config(model_args, model, tokenizer.bos_id, tokenizer.eos_id)
+    if args.format == "nvfp4":
+        weight_dtype = _nvfp4_checks(layers, model, step, loaded, cfg, args)
+        out = hf_nvfp4(adapter, state, layers, weight_dtype)
+        hf_state = out.state
+        config["quantization_config"] = quantization_config(out.ignore)
+        mismatched = fused_mismatches(out.global_scales, out.ignore, hf_model.fused)
+        if mismatched:
+            print(f"export_hf: warning: vLLM and SGLang load {' / '.join('+'.join(g) for g in hf_model.fused)} as one "
+                  f"GEMM each, with one weight global scale: {len(mismatched)} such groups differ here (e.g. "
+                  f"{mismatched[0]}); served by them, these layers would not decode to the trained weights "
+                  "(docs/export.md, 'Fused layers')", file=sys.stderr)
+        what = (f"{len(layers.nvfp4)} NVFP4 Linears (w4a16, quantized in {str(weight_dtype).removeprefix('torch.')}), "
+                f"{len(out.ignore)} BF16 ({', '.join(out.ignore[:3])}{', ...' if len(out.ignore) > 3 else ''})")
+    else:
+        hf_state = hf_dense(adapter, state)
+        what = "BF16" + (f", {len(layers.lowrank)} low-rank layers as W = R + U·diag(σ)·V" if layers.lowrank else "")
+    from transformers import GenerationConfig
+
+    with writing(PROG, args.out, "--out"), atomic_dir(args.out, "--out") as tmp:
+        shards = write_shards(tmp, hf_state, shard_bytes)
+        write_json(tmp / "config.json", config)
+        GenerationConfig(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id).save_pretrained(str(tmp))
+        copy_tokenizer(assets, tmp)
+    at = f"step {step.step}" if step.step is not None else str(step.path)
+    return f"export_hf: {at} of {step.path.parent if step.step is not None else step.path} -> {args.out}: {what}; " \
+           f"{shards} shard{'s' if shards > 1 else ''}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap, args, rest = _args(argv)
+    step, shard_bytes = _check_paths(args, rest)
+    _require_packages()
+    try:
+        verify_checkpoint(step.path)
+    except ValueError as e:
+        fail(PROG, f"checkpoint {step.path} is damaged: {e}")
+    except OSError as e:
+        fail(PROG, f"cannot read checkpoint {step.path}: {e.strerror or e}")
+    try:
+        print(export(args, rest, step, shard_bytes))
+    except ValueError as e:
+        fail(PROG, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+
+
+if __name__ == "__main__":
+    main()

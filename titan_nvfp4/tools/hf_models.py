@@ -1,0 +1,72 @@
+"""The TorchTitan models export_hf writes as Hugging Face models: their transformers config, from the model args.
+
+Weights are renamed (and q/k rows permuted) by TorchTitan's own state-dict adapter of the model
+(``train_spec.state_dict_adapter``); what transformers needs besides is its config, built here. Llama3 only for
+now: TorchTitan's llama3 always applies Llama 3.1's RoPE scaling (RoPEScalingArgs), so the config says
+``rope_type = "llama3"`` with the same factors, and ``max_position_embeddings`` is the trained context
+(training.seq_len); transformers warns that original_max_position_embeddings (8192) is not below it, which
+changes nothing in the frequencies it computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class HFModel:
+    """How one TorchTitan model becomes a transformers model: ``config(args, model, bos_id, eos_id)`` gives
+    config.json's dict (without quantization_config); ``fused``: the groups of Linears (Hugging Face module name
+    suffixes) that vLLM and SGLang load as one fused GEMM, and so read with one weight global scale."""
+
+    architecture: str
+    config: Callable[[object, nn.Module, int | None, int | None], dict]
+    fused: tuple[tuple[str, ...], ...]
+
+
+def _first_block(model: nn.Module) -> nn.Module:
+    layers = model.layers
+    return next(iter(layers.values())) if isinstance(layers, nn.ModuleDict) else layers[0]
+
+
+def llama_config(args, model: nn.Module, bos_id: int | None, eos_id: int | None) -> dict:
+    """transformers' LlamaConfig of TorchTitan llama3 model args (the FFN width read from the model's w1)."""
+    from transformers import LlamaConfig
+
+    rope = args.rope_scaling_args
+    config = LlamaConfig(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        intermediate_size=_first_block(model).feed_forward.w1.out_features,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads or args.n_heads,
+        head_dim=args.dim // args.n_heads,
+        max_position_embeddings=args.max_seq_len,
+        rms_norm_eps=args.norm_eps,
+        rope_parameters={"rope_type": "llama3", "rope_theta": float(args.rope_theta),
+                         "factor": float(rope.scaling_factor), "low_freq_factor": float(rope.low_freq_factor),
+                         "high_freq_factor": float(rope.high_freq_factor),
+                         "original_max_position_embeddings": int(rope.original_max_position_embeddings)},
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        dtype=torch.bfloat16,
+    )
+    return config.to_dict()
+
+
+#: TorchTitan model name -> its Hugging Face form
+HF_MODELS = {
+    "llama3": HFModel("LlamaForCausalLM", llama_config,
+                      fused=(("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))),
+}
+
+__all__ = ["HFModel", "HF_MODELS", "llama_config"]

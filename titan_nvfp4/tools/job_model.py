@@ -1,0 +1,168 @@
+"""The model a TorchTitan 0.2 job file builds, on the CPU, with the weights of one of its DCP checkpoints.
+
+The job file is parsed by TorchTitan's ConfigManager (with the command line's overrides), the model is built
+from its train spec and flavor as the Trainer builds it (meta device, ``update_from_config``) and converted
+with the job's converters, so NVFP4 and low-rank layers have the modules, recipes and state-dict keys of the
+run. The GEMM backend is set to "reference" (bit-identical to the GPU backends, and the one that runs here).
+The checkpoint is a ``step-N`` folder or the checkpoint folder holding them (its latest step is taken).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+STEP = re.compile(r"step-(\d+)")
+#: the job's [experimental] custom_import is imported as the Trainer does, except our data preparers (they build
+#: corpora, which an export never reads)
+DATA_ONLY = "titan_nvfp4.data"
+
+
+@dataclass
+class StepFolder:
+    """A DCP checkpoint folder and its step (None when its name is not TorchTitan's ``step-N``)."""
+
+    path: Path
+    step: int | None
+
+
+def steps_in(folder: Path) -> dict[int, Path]:
+    """{step: folder} of the ``step-N`` subfolders of ``folder`` holding a DCP checkpoint (a .metadata file)."""
+    out = {}
+    for p in folder.iterdir() if folder.is_dir() else ():
+        m = STEP.fullmatch(p.name)
+        if m and (p / ".metadata").is_file():
+            out[int(m.group(1))] = p
+    return out
+
+
+def find_step(path: Path) -> StepFolder:
+    """The checkpoint ``path`` names: a folder with a .metadata file, or the latest ``step-N`` folder inside it;
+    else a ValueError saying what is there."""
+    if (path / ".metadata").is_file():
+        m = STEP.fullmatch(path.name)
+        return StepFolder(path, int(m.group(1)) if m else None)
+    if not path.exists():
+        siblings = sorted(steps_in(path.parent))
+        have = f" (the checkpoint folder {path.parent} holds steps {', '.join(map(str, siblings))})" if siblings else ""
+        raise ValueError(f"no such checkpoint: {path}{have}")
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {path} is a file; give a DCP checkpoint folder (step-N) or the folder holding them")
+    steps = steps_in(path)
+    if not steps:
+        raise ValueError(f"{path} holds no DCP checkpoint: no .metadata file and no step-N folder with one")
+    last = max(steps)
+    return StepFolder(steps[last], last)
+
+
+def parse_job(overrides: list[str]):
+    """TorchTitan's JobConfig from ``--job.config_file ...`` and further overrides, with the NVFP4 sections' GEMM
+    backend set to "reference" (the CPU's)."""
+    import titan_nvfp4  # noqa: F401  (registers the converters and our flavors)
+    from torchtitan.config import ConfigManager
+
+    cfg = ConfigManager().parse_args(list(overrides))
+    quantize = getattr(cfg, "quantize", None)
+    for section in (getattr(getattr(quantize, "linear", None), "nvfp4", None),
+                    getattr(getattr(quantize, "grouped_mm", None), "nvfp4", None)):
+        if section is not None:
+            section.gemm_backend = "reference"
+    return cfg
+
+
+def import_custom(cfg) -> None:
+    """Import the job's ``[experimental] custom_import`` (it may register the flavor), unless it is one of our data
+    preparers."""
+    name = cfg.experimental.custom_import
+    if name and not (name == DATA_ONLY or name.startswith(DATA_ONLY + ".")):
+        importlib.import_module(name)
+
+
+def one_process_dims():
+    """TorchTitan's ParallelDims of one process (the converters' view of an unsharded model)."""
+    from torchtitan.distributed import ParallelDims
+
+    return ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+
+
+def build_model(cfg) -> tuple[nn.Module, object, object]:
+    """(model on the CPU, uninitialized; its train spec; its model args) as the job builds and converts it."""
+    from torchtitan.protocols.model_converter import build_model_converters
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    import_custom(cfg)
+    spec = get_train_spec(cfg.model.name)
+    if cfg.model.flavor not in spec.model_args:
+        raise ValueError(f"model {cfg.model.name!r} has no flavor {cfg.model.flavor!r} (it has "
+                         f"{', '.join(sorted(spec.model_args))})")
+    args = copy.deepcopy(spec.model_args[cfg.model.flavor])
+    args.update_from_config(cfg)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    build_model_converters(cfg, one_process_dims()).convert(model)
+    model.to_empty(device="cpu")
+    return model, spec, args
+
+
+def _unaliased(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with a fresh tensor for each entry sharing storage with an earlier one: an undecomposed low-rank
+    layer (a model just materialized) hands out its parameter as both ``weight`` (W) and ``lora_residual`` (R), and
+    DCP would load both into it; each gets its own buffer, and load_state_dict then takes R for the parameter."""
+    seen, out = set(), {}
+    for key, value in state.items():
+        ptr = value.untyped_storage().data_ptr() if value.numel() else None
+        out[key] = torch.empty_like(value) if ptr is not None and ptr in seen else value
+        seen.add(ptr)
+    return out
+
+
+@dataclass
+class Loaded:
+    """What the checkpoint told about its weights: the dtype each model key is stored in, and whether the run
+    sharded its norm weights (FSDP2: the forward computed with mixed_precision_param weights)."""
+
+    dtypes: dict[str, torch.dtype]
+    fsdp: bool
+
+
+def load_weights(model: nn.Module, folder: Path) -> Loaded:
+    """Load the model's entries of the DCP checkpoint ``folder`` into ``model`` (ValueErrors name a missing key or a
+    shape that differs from the job's model)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    state = _unaliased(model.state_dict())
+    missing = [k for k in state if k not in saved]
+    if missing:
+        raise ValueError(f"checkpoint {folder} has no {missing[0]!r}, which the job file's model has"
+                         + (f" ({len(missing) - 1} more keys missing)" if len(missing) > 1 else "")
+                         + ": was it written by another job file (model flavor, converters, lora_rank)?")
+    for key, value in state.items():
+        size = getattr(saved[key], "size", None)
+        if size is not None and tuple(size) != tuple(value.shape):
+            raise ValueError(f"checkpoint {folder} stores {key!r} with shape {tuple(size)}, the job file's model has "
+                             f"{tuple(value.shape)}: was it written by another job file (model flavor)?")
+    try:
+        dcp.load(state, checkpoint_id=str(folder))
+    except Exception as e:  # DCP wraps a rank's failure in its CheckpointException
+        failures = getattr(e, "failures", None)
+        inner = next(iter(failures.values()), e) if isinstance(failures, dict) and failures else e
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        text = str(inner).strip().splitlines()
+        raise ValueError(f"cannot read checkpoint {folder}: {type(inner).__name__}"
+                         + (f": {text[0]}" if text else "")) from None
+    model.load_state_dict(state)
+    dtypes = {k: saved[k].properties.dtype for k in state if hasattr(saved[k], "properties")}
+    norms = [k for k in state if k.endswith("norm.weight") and hasattr(saved[k], "chunks")]
+    return Loaded(dtypes, any(len(saved[k].chunks) > 1 for k in norms))
+
+
+__all__ = ["DATA_ONLY", "Loaded", "StepFolder", "build_model", "find_step", "import_custom", "load_weights",
+           "one_process_dims", "parse_job", "steps_in"]
