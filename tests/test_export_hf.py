@@ -32,8 +32,8 @@ from torchtitan.components.optimizer import build_optimizers
 from torchtitan.models.llama3 import Transformer, TransformerModelArgs, llama3_args
 from torchtitan.protocols.model_converter import build_model_converters
 from torchtitan.protocols.train_spec import get_train_spec
-from test_converter import world1
-from test_train_state import FakeTrainer
+from job_helpers import world1
+from fake_trainer import FakeTrainer
 
 FLAVOR = "export_hf_test"
 #: 3 blocks (the last kept BF16 by bf16_last_blocks), GQA (4 heads, 2 KV heads: both q and k rows permuted)

@@ -35,7 +35,8 @@ def forward_nvfp4_weight(weight: torch.Tensor, recipe: NVFP4Recipe) -> NVFP4Tens
     """The NVFP4 weight a layer with ``recipe`` multiplies in its forward GEMM, quantized from ``weight`` (already in
     the forward's dtype): blocks along K, 16×16 tiles under weight_2d."""
     with torch.no_grad():
-        wq, _ = quantize_weight(weight.detach(), recipe.weight_2d, "reference", None, recipe.four_over_six)
+        wq, _ = quantize_weight(weight.detach(), recipe.weight_2d, "reference", None,
+                                four_over_six=recipe.four_over_six)
     return wq
 
 
