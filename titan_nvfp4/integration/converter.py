@@ -50,11 +50,9 @@ def require_lowrank_for_lora_dtype(job_config: JobConfig) -> None:
 def _section(job_config: JobConfig, kind: str):
     """The parsed `[quantize.<kind>.nvfp4]` section; its defaults, with a warning, when the job file
     did not load our config module."""
-    from .job_config import NVFP4GroupedMMConfig, NVFP4LinearConfig
-
     section = getattr(getattr(getattr(job_config, "quantize", None), kind, None), "nvfp4", None)
-    if section is None:
-        section = {"linear": NVFP4LinearConfig, "grouped_mm": NVFP4GroupedMMConfig}[kind]()
+    if section is None:  # the knobs' own defaults (job_config's sections add nothing to them): no import back
+        section = {"linear": LinearKnobs, "grouped_mm": GroupedKnobs}[kind]()
         logger.warning(
             f"[{section.SECTION}] section not available (set [job] custom_config_module = "
             f'"titan_nvfp4.integration.job_config"); using its defaults: {section}'
