@@ -35,6 +35,17 @@ from torchtitan.protocols.train_spec import get_train_spec
 from job_helpers import world1
 from fake_trainer import FakeTrainer
 
+
+@pytest.fixture(scope="module", autouse=True)
+def transformers_logs_through_logging():
+    """transformers binds a stderr handler on its first log record; bound inside a capsys test it would write to
+    that test's closed stream in later tests ('--- Logging error ---'). Its records go to the root logger instead."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
+    yield
+
 FLAVOR = "export_hf_test"
 #: 3 blocks (the last kept BF16 by bf16_last_blocks), GQA (4 heads, 2 KV heads: both q and k rows permuted)
 ARGS = TransformerModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=16,
