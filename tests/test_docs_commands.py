@@ -251,6 +251,8 @@ def test_gpu_command_names_files_that_exist(item):
         overrides = words[words.index(jobs[0]) + 1:]
         overrides = [w for w in overrides if not w.startswith(("2>", "|", "tee")) and "outputs/" not in w]
         ConfigManager().parse_args(["--job.config_file", str(REPO / jobs[0]), *overrides])
+    if "scripts/e2e_bench.sh" in words and not _placeholder(cmd):
+        _e2e_bench_jobs_parse(page, cmd, words)
     if cmd.startswith("python -m titan_nvfp4.compare"):
         from titan_nvfp4.compare import load_spec
 
@@ -261,3 +263,18 @@ def test_gpu_command_names_files_that_exist(item):
             load_spec(Path(spec))
         finally:
             os.chdir(cwd)
+
+
+def _e2e_bench_jobs_parse(page: Path, cmd: str, words: list[str]) -> None:
+    """scripts/e2e_bench.sh runs train_configs/<CONFIG>_<arm>.toml with the command's overrides: those files exist
+    and parse with them (CONFIG defaults to llama3_2b_bench, ARMS to "bf16 nvfp4", as in the script)."""
+    from torchtitan.config import ConfigManager
+
+    env = dict(w.split("=", 1) for w in words[:words.index("bash")] if "=" in w)
+    args = words[words.index("scripts/e2e_bench.sh") + 1:]
+    if args and not args[0].startswith("-"):  # the output folder
+        args = args[1:]
+    for arm in env.get("ARMS", "bf16 nvfp4").split():
+        job = REPO / "train_configs" / f"{env.get('CONFIG', 'llama3_2b_bench')}_{arm}.toml"
+        assert job.is_file(), f"{page.name}: {cmd}: no job file {job.relative_to(REPO)}"
+        ConfigManager().parse_args(["--job.config_file", str(job), *args])
