@@ -62,11 +62,11 @@ def meta_llama(cfg=None) -> Transformer:
         return Transformer(args)
 
 
-def llama_model(tmp_path, *add, steps: int = 4):
+def initialized(model, cfg):
+    """``model`` (on meta) converted by the job's converters, materialized on the CPU and initialized from seed 0, as
+    TorchTitan's trainer does; returns (model, converters)."""
     from torchtitan.protocols.model_converter import build_model_converters
 
-    cfg = parse("--training.steps", str(steps), toml=edited_toml(tmp_path, add=add))
-    model = meta_llama(cfg)
     converters = build_model_converters(cfg, world1())
     converters.convert(model)
     model.to_empty(device="cpu")
@@ -74,3 +74,8 @@ def llama_model(tmp_path, *add, steps: int = 4):
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     return model, converters
+
+
+def llama_model(tmp_path, *add, steps: int = 4):
+    cfg = parse("--training.steps", str(steps), toml=edited_toml(tmp_path, add=add))
+    return initialized(meta_llama(cfg), cfg)

@@ -32,7 +32,7 @@ from torchtitan.components.optimizer import build_optimizers
 from torchtitan.models.llama3 import Transformer, TransformerModelArgs, llama3_args
 from torchtitan.protocols.model_converter import build_model_converters
 from torchtitan.protocols.train_spec import get_train_spec
-from job_helpers import world1
+from job_helpers import initialized, world1
 from fake_trainer import FakeTrainer
 
 
@@ -134,12 +134,7 @@ def _train(tmp: Path, job: Path, overrides: tuple[str, ...] = (), steps: int = S
     args.update_from_config(cfg)
     with torch.device("meta"):
         model = Transformer(args)
-    converters = build_model_converters(cfg, world1())
-    converters.convert(model)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
+    model, converters = initialized(model, cfg)
     opt, lr, trainer, ckpt = _checkpointer(cfg, model, tmp, world1())
     for step in range(1, steps + 1):
         tokens = _tokens(step)
