@@ -70,10 +70,6 @@ def _fsdp_all_gather_applies(parallel_dims: ParallelDims | None) -> bool:
     return True
 
 
-def _on_telemetry(section) -> object:
-    return install_metrics_hook if section.telemetry_every else None
-
-
 class NVFP4LinearConverter(QuantizationConverter):
     """Converts dense Linears to NVFP4 per the `[quantize.linear.nvfp4]` section."""
 
@@ -98,8 +94,7 @@ class NVFP4LinearConverter(QuantizationConverter):
         self.enabled = True
 
     def convert(self, model: nn.Module) -> None:
-        convert_dense(model, self.section, self.steps, logger, one_dtype=self.fsdp,
-                      on_telemetry=_on_telemetry(self.section),
+        convert_dense(model, self.section, self.steps, logger, one_dtype=self.fsdp,  # metrics hook: in __init__
                       drop_hint=f"drop {CONVERTER_NAME!r} from [model] converters")
 
     def post_optimizer_hook(self, model) -> None:
@@ -132,8 +127,7 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
         self.enabled = True
 
     def convert(self, model: nn.Module) -> None:
-        convert_routed_experts(model, self.section, self.steps, logger, lora_dtype=self.lora_dtype, one_dtype=self.fsdp,
-                               on_telemetry=_on_telemetry(self.section))
+        convert_routed_experts(model, self.section, self.steps, logger, lora_dtype=self.lora_dtype, one_dtype=self.fsdp)
 
     def post_optimizer_hook(self, model) -> None:
         """The per-step core: the experts' step count and late switch."""

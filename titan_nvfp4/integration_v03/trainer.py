@@ -15,8 +15,8 @@ from torchtitan.trainer import Trainer
 from ..distributed.fsdp_all_gather import wrap_weight
 from ..integration_common.metrics_hook import install_metrics_hook
 from ..modules.decomposed_linear import lora_dtype_without_rank
+from ..training import step_state
 from ..training.step_state import SectionSteps
-from ..training.step_state import apply_lora_dtype as set_lora_dtype
 from ..training.train_state import install
 from .converter import NVFP4GroupedMMConfigConverter, NVFP4LinearConfigConverter
 from .experts import EXPERT_CLASSES
@@ -136,7 +136,7 @@ def apply_lora_dtype(model_parts: list[torch.nn.Module], section: NVFP4LinearCon
     returns how many it set. A model without low-rank factors is refused: the knob would change nothing."""
     if section.lora_dtype == "input":
         return 0
-    n = set_lora_dtype(model_parts, section.lora_dtype, logger)
+    n = step_state.apply_lora_dtype(model_parts, section.lora_dtype, logger)
     if not n:
         raise lora_dtype_without_rank(section.SECTION, section.lora_dtype, "here or in quantize.grouped_mm")
     return n

@@ -22,8 +22,8 @@ from ..modules.osci_reset import OsciReset, check_supported, layers_with_osci_re
 from ..modules.telemetry import Telemetry, drain_all
 from ..recipe.knobs import SWITCH_FORWARD, LinearKnobs, RecipeKnobs
 from .optimizer_states import shared_optimizer_states
-from .schedule import GROUPED_STEPS, LINEAR_STEPS, PrecisionSchedule, StepCounter, attach_step_counter, step_counters
-from .schedule import switch_step
+from .schedule import (GROUPED_STEPS, LINEAR_STEPS, PrecisionSchedule, StepCounter, attach_step_counter,
+                       step_counters, switch_step)
 from .train_state import load_state_of_layers, state_of_layers
 
 Parts = nn.Module | list[nn.Module]
