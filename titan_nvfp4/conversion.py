@@ -20,7 +20,7 @@ from .modules.nvfp4_linear import NVFP4Linear, check_linear_dims
 from .ops.backends import resolve_backend
 from .recipe.knobs import DEFAULT_FILTER_FQNS, GroupedKnobs, LinearKnobs
 from .recipe.layer_selection import check_block_counts, skip_reason
-from .recipe.nvfp4_recipe import NVFP4Recipe
+from .recipe.nvfp4_recipe import DENSE_ONLY_FIELDS, NVFP4Recipe
 from .training.step_state import SectionSteps, TrainingSteps, apply_lora_dtype
 
 LOG = logging.getLogger("titan_nvfp4")
@@ -220,7 +220,7 @@ def convert(model: nn.Module, recipe: str = "nvidia_paper", *, experts: bool | d
     grouped = None
     if experts is not False and experts is not None:
         if experts is True:
-            recipe_fields = {f.name for f in dataclasses.fields(NVFP4Recipe)} - {"eager_graphs"}
+            recipe_fields = {f.name for f in dataclasses.fields(NVFP4Recipe)} - set(DENSE_ONLY_FIELDS)
             experts = {k: v for k, v in knobs.items()
                        if k in recipe_fields or k in ("bf16_after_fraction", "bf16_after_scope")}
         elif not isinstance(experts, dict):

@@ -105,16 +105,17 @@ def quantize_gradient(dy2d: torch.Tensor, need_row: bool, need_col: bool, signs:
 
 
 def quantize_weight(w: torch.Tensor, weight_2d: bool, backend: str, amax: torch.Tensor | None = None, *,
-                    four_over_six: bool = False) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+                    four_over_six: bool = False, transposed: bool = True) -> tuple[NVFP4Tensor, NVFP4Tensor | None]:
     """The weight for forward (W, blocks along K) and for dgrad (Wᵀ, blocks along N): with 16×16 blocks
-    the same quantization read both ways; with 1×16 blocks two separate quantizations. ``amax``: the
-    tensor amax to use (a sharded weight's, all-reduced) instead of max|w|. ``four_over_six``: Four Over Six."""
+    the same quantization read both ways; with 1×16 blocks two separate quantizations (the second skipped, Wᵀ
+    None, when not ``transposed``). ``amax``: the tensor amax to use (a sharded weight's, all-reduced) instead of
+    max|w|. ``four_over_six``: Four Over Six."""
     if backend == "reference":
         if weight_2d:
             wq = quantize_rowwise(w, block_shape=(16, 16), amax=amax, four_over_six=four_over_six)
             return wq, wq.t()
         return (quantize_rowwise(w, amax=amax, four_over_six=four_over_six),
-                quantize_rowwise(w.t().contiguous(), amax=amax, four_over_six=four_over_six))
+                quantize_rowwise(w.t().contiguous(), amax=amax, four_over_six=four_over_six) if transposed else None)
     if weight_2d:  # W feeds the forward GEMM only: on the emulated backend it comes staged (fp16)
         a = None if amax is None else amax.reshape(1)
         return library.weight_pair(library.quantize_2d(w, a, staged=backend == "emulated", four_over_six=four_over_six),
@@ -122,6 +123,8 @@ def quantize_weight(w: torch.Tensor, weight_2d: bool, backend: str, amax: torch.
     a = None if amax is None else amax.reshape(1).expand(2).contiguous()  # [row, column] (only the row is read)
     rows = dict(amaxes=a, rowwise=True, colwise=False, four_over_six=four_over_six)
     wq, _ = library.operand_pair(library.quantize(w, **rows), w.shape, True, False)
+    if not transposed:
+        return wq, None
     wt, _ = library.operand_pair(library.quantize(w.t(), **rows), w.t().shape, True, False)
     return wq, wt
 

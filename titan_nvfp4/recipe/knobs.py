@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from ..numerics.lowrank import check_rank
-from .nvfp4_recipe import NVFP4Recipe, build_recipe, validate_field
+from .nvfp4_recipe import NVFP4Recipe, build_recipe, dense_only_values, validate_field
 
 DEFAULT_FILTER_FQNS = ("output", "router.gate", "shared_experts")  # TorchTitan 0.2's LM head is `output`
 
@@ -128,7 +128,7 @@ class RecipeKnobs(RecipeOverrides):
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def build_recipe(self) -> NVFP4Recipe:
-        return build_recipe(self.recipe, self.overrides())
+        return build_recipe(self.recipe, self.overrides(), self.SECTION)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -169,19 +169,6 @@ class LinearKnobs(RecipeKnobs):
     """Under FSDP2, all-gather the converted Linears' weights as NVFP4 codes (4 bits per element)
     instead of BF16: each rank quantizes its shard with the whole weight's scales (with tensor
     parallelism, its TP shard's, with the whole weight's tensor amax). Needs 16×16 weight blocks (weight_2d)."""
-    osci_reset_every: int = 0
-    """TetraJet-v2's OsciReset (arXiv 2510.27527): every N optimizer steps a window opens in which each converted
-    Linear's weight elements that oscillate between two FP4 values are found; the step after it, their master
-    weights are set to their current FP4 value (0 = off; the authors ran 200 to 400). N >= osci_reset_window + 2."""
-    osci_reset_window: int = 50
-    """OsciReset: the optimizer steps over which each element's movement is summed (the authors' 50)."""
-    osci_reset_threshold: float = 8.0
-    """OsciReset: an element counts as oscillating when its FP4 value moved more than this many times as far as its
-    master weight over the window, both summed over the steps (the authors' released runs: 8; their code: 16)."""
-    osci_reset_start_fraction: float = 0.0
-    """OsciReset: windows open from this fraction of training.steps on (0 = from step osci_reset_every; the
-    authors' runs started at 0.59 to 0.69, in the learning-rate decay)."""
-
     def __post_init__(self) -> None:
         s = self.SECTION
         self._check_fqns("filter_fqns")
@@ -211,38 +198,16 @@ class LinearKnobs(RecipeKnobs):
             raise ValueError(f"[{s}] staged_expert_activations applies to the routed experts only: set it "
                              f"in [{self.GROUPED_SECTION}]")
         RecipeKnobs.__post_init__(self)  # slots=True: no zero-argument super()
-        self._check_all_gather(self.build_recipe())
-        self._check_osci_reset()
+        recipe = self.build_recipe()
+        self._check_all_gather(recipe)
+        self._check_osci_reset(recipe)
 
-    #: the OsciReset keys that need osci_reset_every > 0, with their defaults
-    OSCI_RESET_DEFAULTS: ClassVar[dict] = {"osci_reset_window": 50, "osci_reset_threshold": 8.0,
-                                           "osci_reset_start_fraction": 0.0}
-
-    def _check_osci_reset(self) -> None:
-        s, every = self.SECTION, self.osci_reset_every
-        self._check_count("osci_reset_every", "a non-negative integer (0 = off)")
-        window = self.osci_reset_window
-        if not _nonneg_int(window) or window == 0:
-            raise ValueError(f"[{s}] osci_reset_window must be a positive integer, got {window!r}")
-        t = self.osci_reset_threshold
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
-            raise ValueError(f"[{s}] osci_reset_threshold must be a positive finite number, got {t!r}")
-        f = self.osci_reset_start_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 1:
-            raise ValueError(f"[{s}] osci_reset_start_fraction must be a number in [0, 1), got {f!r}")
-        if not every:
-            for key, default in self.OSCI_RESET_DEFAULTS.items():
-                if getattr(self, key) != default:
-                    raise ValueError(f"[{s}] {key} = {getattr(self, key)!r} needs osci_reset_every > 0 (it sets "
-                                     "the OsciReset windows)")
-            return
-        if every < window + 2:
-            raise ValueError(f"[{s}] osci_reset_every = {every} needs to be at least osci_reset_window + 2 = "
-                             f"{window + 2}: a window of {window} steps opens every {every} steps and resets the step "
-                             "after it")
-        if self.fsdp_nvfp4_all_gather:
-            raise ValueError(f"[{s}] osci_reset_every = {every} cannot be combined with fsdp_nvfp4_all_gather = true "
-                             "yet (the reset writes the sharded weights whose NVFP4 codes the all-gather keeps)")
+    def _check_osci_reset(self, recipe: NVFP4Recipe) -> None:
+        """OsciReset's own values are recipe fields (nvfp4_recipe.py); here what it cannot be combined with."""
+        if recipe.osci_reset_every and self.fsdp_nvfp4_all_gather:
+            raise ValueError(f"[{self.SECTION}] osci_reset_every = {recipe.osci_reset_every} cannot be combined with "
+                             "fsdp_nvfp4_all_gather = true yet (the reset writes the sharded weights whose NVFP4 codes "
+                             "the all-gather keeps)")
 
     def _check_all_gather(self, recipe: NVFP4Recipe) -> None:
         if not self.fsdp_nvfp4_all_gather:
@@ -264,6 +229,14 @@ class LinearKnobs(RecipeKnobs):
                              f"BF16 backward reads the high-precision weight), got {recipe.backward!r}")
 
 
+#: why each dense-only recipe field stays off for the routed experts
+_DENSE_ONLY_WHY = {
+    "ms_eden": "the grouped GEMMs have no MS-EDEN backward yet",
+    "rht_size": "the grouped GEMMs transform with 16-point RHT kernels",
+    "osci_reset_every": "OsciReset applies to the dense Linears only",
+}
+
+
 @dataclass(kw_only=True, slots=True)
 class GroupedKnobs(RecipeKnobs):
     """Routed MoE experts."""
@@ -281,8 +254,6 @@ class GroupedKnobs(RecipeKnobs):
     amax, saturated and underflowed blocks and SNR of the expert weights (per expert: each has its own
     tensor scale; plus the worst expert's SNR), the routed tokens and dY, logged as
     nvfp4/<experts>/<weight>/<operand>/<stat> (0 = off)."""
-    osci_reset_every: int = 0
-    """Not for the routed experts: OsciReset (TetraJet-v2) applies to the dense Linears only; must stay 0."""
 
     def __post_init__(self) -> None:
         if self.bf16_after_scope == SWITCH_FORWARD:
@@ -290,10 +261,6 @@ class GroupedKnobs(RecipeKnobs):
                              "switch forward and backward together (their grouped GEMMs have no forward-only mode): "
                              f"set {SWITCH_FORWARD_BACKWARD!r} here (titan_nvfp4.convert: pass experts as a dict "
                              "without it); the dense Linears take 'forward' in [quantize.linear.nvfp4]")
-        if self.osci_reset_every != 0:
-            raise ValueError(f"[{self.SECTION}] osci_reset_every = {self.osci_reset_every!r}: OsciReset applies to "
-                             "the dense Linears only (set it in [quantize.linear.nvfp4]); the experts' weights keep "
-                             "no oscillation windows")
         self._check_fqns("fqns")
         check_rank(self.lora_rank, self.SECTION)
         self._check_count("telemetry_every")
@@ -301,7 +268,19 @@ class GroupedKnobs(RecipeKnobs):
             raise ValueError(f"[{self.SECTION}] eager_graphs applies to the dense Linears only (the experts' "
                              "routed token counts change every step): set it in [quantize.linear.nvfp4]")
         RecipeKnobs.__post_init__(self)
+        self._check_dense_only(self.build_recipe())
         backward = self.build_recipe().backward
         if backward != "nvfp4":
             raise ValueError(f"[{self.SECTION}] backward = {backward!r}: the experts run an NVFP4 "
                              "backward only (set it in [quantize.linear.nvfp4] for the dense Linears)")
+
+    def _check_dense_only(self, recipe: NVFP4Recipe) -> None:
+        """Refuse the dense-only recipe fields (DENSE_ONLY_FIELDS) by name, set here or by the preset."""
+        for key, value in dense_only_values(recipe).items():
+            if key == "eager_graphs":
+                continue  # refused above with its own reason
+            origin = "" if getattr(self, key) is not None else f" (from the recipe {self.recipe!r})"
+            why = _DENSE_ONLY_WHY.get(key, "it applies to the dense Linears only")
+            shown = str(value).lower() if isinstance(value, bool) else repr(value)
+            raise ValueError(f"[{self.SECTION}] {key} = {shown}{origin}: {why} (set it in [quantize.linear.nvfp4]); "
+                             "for the experts leave it unset, with a preset without it (e.g. recipe = \"nvidia_paper\")")

@@ -11,7 +11,7 @@ import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -73,6 +73,29 @@ class NVFP4Recipe:
     DeepSeek-V3-16B-like expert block on an H100, ``benchmarks/bench_grouped.py``) at 2 bytes per
     saved element instead of 0.56, what a BF16 block saves of X and h. The same bits either way."""
 
+    ms_eden: bool = False
+    """Quartet II's backward (arXiv 2601.22813): dY, and W and X re-read from their forward quantization, each
+    rotated by a random Hadamard transform of rht_size along its GEMM's inner dim (dgrad and wgrad) with signs
+    redrawn every backward call, then quantized with MS-EDEN (nearest codes, unbiased stochastic scales:
+    numerics/ms_eden.py) instead of stochastic rounding. Dense Linears; needs rht = true, stochastic_rounding = false."""
+    rht_size: int = 16
+    """Size of the backward random Hadamard transform: 16 (the NVIDIA recipe, wgrad only), or 32, 64, 128 with
+    ms_eden (both backward GEMMs; also MS-EDEN's correction group; Quartet II ran 128)."""
+
+    osci_reset_every: int = 0
+    """TetraJet-v2's OsciReset (arXiv 2510.27527): every N optimizer steps a window opens in which each converted
+    Linear's weight elements that oscillate between two FP4 values are found; the step after it, their master
+    weights are set to their current FP4 value (0 = off; the authors ran 200 to 400). N >= osci_reset_window + 2.
+    Dense Linears only."""
+    osci_reset_window: int = 50
+    """OsciReset: the optimizer steps over which each element's movement is summed (the authors' 50)."""
+    osci_reset_threshold: float = 8.0
+    """OsciReset: an element counts as oscillating when its FP4 value moved more than this many times as far as its
+    master weight over the window, both summed over the steps (the authors' released runs: 8; their code: 16)."""
+    osci_reset_start_fraction: float = 0.0
+    """OsciReset: windows open from this fraction of training.steps on (0 = from step osci_reset_every; the
+    authors' runs started at 0.59 to 0.69, in the learning-rate decay)."""
+
     @property
     def four_over_six(self) -> bool:
         return self.block_scale_rule == "four_over_six"
@@ -80,16 +103,30 @@ class NVFP4Recipe:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             validate_field(f.name, getattr(self, f.name))
+        validate_combination(self)
 
 
 #: gemm_backend values (titan_nvfp4.ops.backends resolves them on a device)
 BACKEND_NAMES = ("auto", "reference", "emulated", "native")
-_BOOL_FIELDS = ("weight_2d", "stochastic_rounding", "rht", "rht_round_to_input_dtype", "staged_expert_activations")
+_BOOL_FIELDS = ("weight_2d", "stochastic_rounding", "rht", "rht_round_to_input_dtype", "staged_expert_activations",
+                "ms_eden")
 BACKWARDS = ("nvfp4", "mxfp8", "bf16")
 BLOCK_SCALE_RULES = ("six", "four_over_six")
 EAGER_GRAPHS = ("off", "small")
-_INT_FIELDS = ("rht_seed", "sr_seed", "bf16_first_blocks", "bf16_last_blocks")
+_INT_FIELDS = ("rht_seed", "sr_seed", "bf16_first_blocks", "bf16_last_blocks", "osci_reset_every")
 RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(NVFP4Recipe))
+#: rht_size values (the MS-EDEN kernels' Hadamard sizes)
+RHT_SIZES = (16, 32, 64, 128)
+#: fields that apply to the dense Linears only: the routed experts refuse values other than their defaults
+DENSE_ONLY_FIELDS = ("eager_graphs", "ms_eden", "rht_size", "osci_reset_every", "osci_reset_window",
+                     "osci_reset_threshold", "osci_reset_start_fraction")
+#: the OsciReset keys that need osci_reset_every > 0
+OSCI_RESET_KEYS = ("osci_reset_window", "osci_reset_threshold", "osci_reset_start_fraction")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(NVFP4Recipe)}
+
+
+def _number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
 
 
 def validate_field(name: str, value: Any, where: str = "quantize.linear.nvfp4") -> None:
@@ -99,7 +136,8 @@ def validate_field(name: str, value: Any, where: str = "quantize.linear.nvfp4") 
     if name in _BOOL_FIELDS and not isinstance(value, bool):
         raise ValueError(f"[{where}] {name} must be true or false, got {value!r}")
     if name in _INT_FIELDS and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"[{where}] {name} must be a non-negative integer, got {value!r}")
+        zero = " (0 = off)" if name == "osci_reset_every" else ""
+        raise ValueError(f"[{where}] {name} must be a non-negative integer{zero}, got {value!r}")
     if name in ("rht_seed", "sr_seed") and value >= 2**63:
         raise ValueError(f"[{where}] {name} must be below 2**63 (it seeds an int64 generator), got {value!r}")
     if name == "backward" and value not in BACKWARDS:
@@ -110,6 +148,46 @@ def validate_field(name: str, value: Any, where: str = "quantize.linear.nvfp4") 
         raise ValueError(f"[{where}] eager_graphs must be one of {list(EAGER_GRAPHS)}, got {value!r}")
     if name == "gemm_backend" and value not in BACKEND_NAMES:
         raise ValueError(f"[{where}] gemm_backend must be one of {list(BACKEND_NAMES)}, got {value!r}")
+    if name == "rht_size" and (isinstance(value, bool) or value not in RHT_SIZES):
+        raise ValueError(f"[{where}] rht_size must be one of {list(RHT_SIZES)}, got {value!r}")
+    if name == "osci_reset_window" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"[{where}] osci_reset_window must be a positive integer, got {value!r}")
+    if name == "osci_reset_threshold" and not (_number(value) and 0 < value < float("inf")):
+        raise ValueError(f"[{where}] osci_reset_threshold must be a positive finite number, got {value!r}")
+    if name == "osci_reset_start_fraction" and not (_number(value) and 0 <= value < 1):
+        raise ValueError(f"[{where}] osci_reset_start_fraction must be a number in [0, 1), got {value!r}")
+
+
+def validate_combination(recipe: "NVFP4Recipe | SimpleNamespace", where: str = "quantize.linear.nvfp4") -> None:
+    """Raise a ValueError naming the keys unless the recipe's fields make sense together."""
+    if recipe.ms_eden:
+        if not recipe.rht:
+            raise ValueError(f"[{where}] ms_eden = true needs rht = true (MS-EDEN is unbiased through the random "
+                             "Hadamard rotation of every backward operand)")
+        if recipe.stochastic_rounding:
+            raise ValueError(f"[{where}] ms_eden = true replaces stochastic rounding of the gradients: set "
+                             "stochastic_rounding = false (the preset quartet2 does)")
+        if recipe.backward != "nvfp4":
+            raise ValueError(f"[{where}] ms_eden = true quantizes an NVFP4 backward; backward = {recipe.backward!r} "
+                             "runs it in higher precision: set one of them")
+    elif recipe.rht_size != 16:
+        raise ValueError(f"[{where}] rht_size = {recipe.rht_size} needs ms_eden = true (the stochastic-rounding "
+                         "backward transforms the wgrad operands with 16-point RHT kernels)")
+    every = recipe.osci_reset_every
+    if not every:
+        for key in OSCI_RESET_KEYS:
+            if getattr(recipe, key) != _DEFAULTS[key]:
+                raise ValueError(f"[{where}] {key} = {getattr(recipe, key)!r} needs osci_reset_every > 0 (it sets "
+                                 "the OsciReset windows)")
+    elif every < recipe.osci_reset_window + 2:
+        raise ValueError(f"[{where}] osci_reset_every = {every} needs to be at least osci_reset_window + 2 = "
+                         f"{recipe.osci_reset_window + 2}: a window of {recipe.osci_reset_window} steps opens every "
+                         f"{every} steps and resets the step after it")
+
+
+def dense_only_values(recipe: NVFP4Recipe) -> dict[str, Any]:
+    """The dense-only fields of ``recipe`` set to other than their defaults (DENSE_ONLY_FIELDS)."""
+    return {k: getattr(recipe, k) for k in DENSE_ONLY_FIELDS if getattr(recipe, k) != _DEFAULTS[k]}
 
 
 def _configs_package() -> ModuleType:
@@ -173,10 +251,13 @@ def load_preset(name: str) -> dict[str, Any]:
     return data
 
 
-def build_recipe(preset: str | None, overrides: dict[str, Any]) -> NVFP4Recipe:
-    """A recipe from a preset (or the dataclass defaults) with explicit overrides on top."""
+def build_recipe(preset: str | None, overrides: dict[str, Any], where: str = "quantize.linear.nvfp4") -> NVFP4Recipe:
+    """A recipe from a preset (or the dataclass defaults) with explicit overrides on top; errors name ``where``."""
     if not isinstance(overrides, dict):
         raise TypeError(f"build_recipe: overrides must be a dict of recipe keys, got {type(overrides).__name__}")
     fields = load_preset(preset) if preset else {}
     fields.update({k: v for k, v in overrides.items() if v is not None})
+    for key, value in fields.items():
+        validate_field(key, value, where)
+    validate_combination(SimpleNamespace(**{**_DEFAULTS, **fields}), where)  # before __post_init__: names ``where``
     return NVFP4Recipe(**fields)

@@ -153,13 +153,14 @@ class SectionSteps:
     @staticmethod
     def _osci_reset(knobs: LinearKnobs, total_steps: int) -> OsciReset | None:
         """The section's OsciReset schedule, None when off; a start fraction needs the run's length."""
-        if not knobs.osci_reset_every:
+        recipe = knobs.build_recipe()
+        if not recipe.osci_reset_every:
             return None
-        f = knobs.osci_reset_start_fraction
+        f = recipe.osci_reset_start_fraction
         if f and not total_steps:
             raise ValueError(f"[{knobs.SECTION}] osci_reset_start_fraction = {f} needs the run's total number of "
                              "optimizer steps (training.steps; total_steps for titan_nvfp4.convert)")
-        return OsciReset(knobs.osci_reset_every, knobs.osci_reset_window, knobs.osci_reset_threshold,
+        return OsciReset(recipe.osci_reset_every, recipe.osci_reset_window, recipe.osci_reset_threshold,
                          round(f * total_steps))
 
     def _attach_osci_reset(self, modules: list[list[nn.Module]]) -> None:
