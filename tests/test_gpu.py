@@ -211,3 +211,42 @@ def test_debug_model_trains_eagerly_with_graphed_bodies_as_without(tmp_path):
         assert r.returncode == 0, log[-4000:]
         losses[mode] = re.findall(r"step:\s+\d+\s+loss:\s+([0-9.]+)", log)
     assert len(losses["small"]) == 8 and losses["small"] == losses["off"], losses
+
+
+@pytest.mark.parametrize("size", [16, 32, 64, 128])
+def test_ms_eden_operand_kernel_on_gpu_is_bit_identical_to_cpu_reference(size):
+    """The compiled MS-EDEN kernels (codes, scales, s, staged values, amax) against the reference on the CPU,
+    same Philox streams: a bf16 dY-like operand read through its transpose, columns padded, with a NaN
+    group, subnormal-range block scales and a pre_scale."""
+    from titan_nvfp4.numerics.ms_eden_operand import ms_eden_operand, ms_eden_operand_amax
+    from titan_nvfp4.ops import quantize_ms_eden_operand
+    from titan_nvfp4.ops import ms_eden_operand_amax as op_amax
+
+    g = torch.Generator().manual_seed(size)
+    x = torch.randn(1000, 300, generator=g) * torch.exp2(torch.randint(-8, 8, (1, 300), generator=g).float())
+    x[:, 7] *= 0.002  # rows of xᵀ with subnormal-range block scales
+    x[5, 11] = float("nan")
+    values = x.to(torch.bfloat16).t()  # [300, 1000] strided
+    pre = torch.tensor([0.37], dtype=torch.float32)
+    amax = ms_eden_operand_amax(values, size=size, sign_seed=12, pre_scale=pre)
+    assert bool(amax == float("inf"))
+    finite = torch.tensor(700.0)
+    ref = ms_eden_operand(values, size=size, sign_seed=12, draw_seed=34, pre_scale=pre, amax=finite)
+    seeds = dict(size=size, sign_seed=torch.tensor([12], device="cuda"), draw_seed=torch.tensor([34], device="cuda"),
+                 pre_scale=pre.cuda(), amax=finite.cuda())
+    got = quantize_ms_eden_operand(values.cuda(), backend="emulated", **seeds)
+    staged = quantize_ms_eden_operand(values.cuda(), backend="emulated", staged=True, **seeds)
+    assert torch.equal(got.data.cpu(), ref.data)
+    assert torch.equal(got.scale.view(torch.uint8).cpu(), ref.scale.view(torch.uint8))
+    assert torch.equal(got.global_scale.cpu(), ref.global_scale)
+    want = ref.scaled_codes(torch.float16)
+    nan = want.isnan()
+    assert torch.equal(staged.values.isnan().cpu(), nan) and bool(nan.any())
+    assert torch.equal(staged.values.cpu().view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    clean = values.nan_to_num()
+    a_gpu = op_amax(clean.cuda(), size=size, sign_seed=12, backend="emulated", pre_scale=pre.cuda())
+    assert torch.equal(a_gpu.cpu(), ms_eden_operand_amax(clean, size=size, sign_seed=12, pre_scale=pre))
+    own = ms_eden_operand(clean, size=size, sign_seed=12, draw_seed=34, pre_scale=pre)
+    got = quantize_ms_eden_operand(clean.cuda(), backend="emulated", **{**seeds, "amax": None})
+    assert torch.equal(got.data.cpu(), own.data)
+    assert torch.equal(got.scale.view(torch.uint8).cpu(), own.scale.view(torch.uint8))

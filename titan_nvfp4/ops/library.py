@@ -26,6 +26,7 @@ its knob (``four_over_six`` for ``block_scale_rule = "four_over_six"``; ``row_st
   titan_nvfp4::stage_grouped  a grouped operand's codes as the GEMMs' fp16 values, for one read by several GEMMs
   titan_nvfp4::quantize_2d_grouped_pair  W1 and W3 of SwiGLU experts staged into one buffer, for one GEMM of both
   titan_nvfp4::swiglu_amax, swiglu_backward_amax  the experts' SwiGLU fused with the amaxes of its outputs
+  titan_nvfp4::ms_eden_amax, ms_eden_quantize  MS-EDEN (Quartet II) of a backward operand: RHT'd amax, quantization
 """
 
 from __future__ import annotations
@@ -134,6 +135,42 @@ def _quantize_fake(x, signs=None, seed=None, amaxes=None, *, rowwise, colwise, s
     if colwise and col_staged:
         cd, cs = x.new_empty((k, mpad), dtype=torch.float16), _empty(x, f8)
     return rd, rs, cd, cs, x.new_empty((2,), dtype=torch.float32)
+
+
+@_op("ms_eden_amax")
+def ms_eden_amax(values: Tensor, pre_scale: Optional[Tensor], sign_seed: Tensor, *, size: int) -> Tensor:
+    """fp32 0-d max|RHT of values·pre_scale, zero-padded to a multiple of ``size``| (non-finite: +inf), from
+    the sign stream ``sign_seed`` (int64 [1]): the amax ms_eden_quantize would reduce."""
+    from ..kernels.ms_eden import ms_eden_amax_tensor
+
+    return ms_eden_amax_tensor(values, pre_scale, sign_seed, size=size)
+
+
+@ms_eden_amax.op.register_fake
+def _ms_eden_amax_fake(values, pre_scale, sign_seed, *, size):
+    return values.new_empty((), dtype=torch.float32)
+
+
+@_op("ms_eden_quantize")
+def ms_eden_quantize(values: Tensor, pre_scale: Optional[Tensor], sign_seed: Tensor, draw_seed: Tensor,
+                     amax: Optional[Tensor] = None, *, size: int, staged: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """MS-EDEN of values [R, C] (blocks of 16 along C) after the RHT of ``size``: (codes uint8 [R, Cpad/2],
+    E4M3 scales [R, Cpad/16], s fp32 [1]), or with ``staged`` (fp16 q·ê_b [R, Cpad], empty scales, s).
+    Seeds: int64 [1]; ``amax``: the rotated operand's amax to use (all-reduced) instead of its own."""
+    from ..kernels.ms_eden import ms_eden_quantize_tensors
+
+    return ms_eden_quantize_tensors(values, pre_scale, sign_seed, draw_seed, amax, size=size, staged=staged)
+
+
+@ms_eden_quantize.op.register_fake
+def _ms_eden_quantize_fake(values, pre_scale, sign_seed, draw_seed, amax=None, *, size, staged):
+    r, c = values.shape
+    cpad = c + (-c) % size
+    if staged:
+        return (values.new_empty((r, cpad), dtype=torch.float16), _empty(values, torch.float8_e4m3fn),
+                values.new_empty((1,), dtype=torch.float32))
+    return (values.new_empty((r, cpad // 2), dtype=torch.uint8),
+            values.new_empty((r, cpad // 16), dtype=torch.float8_e4m3fn), values.new_empty((1,), dtype=torch.float32))
 
 
 @_op("quantize_2d")

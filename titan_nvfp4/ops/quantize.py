@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from ..numerics import ms_eden_operand as _ms_eden
 from ..numerics.mxfp8 import MX_BLOCK, MXFP8Tensor, quantize_mxfp8
 from ..numerics.nvfp4 import NVFP4Tensor, quantize_nvfp4
 from ..numerics.rht import rht
+from ..numerics.operands import StagedOperand
 from . import library
 
 
@@ -149,3 +151,43 @@ def mxfp8_operands(x2d: torch.Tensor, rowwise: bool, colwise: bool, backend: str
         dt = torch.bfloat16 if x2d.is_cuda else torch.float32
         return (row.dequantize(dt) if row else None), (col.dequantize(dt) if col else None)
     return row, col
+
+
+def _seed_tensor(seed: torch.Tensor | int, device: torch.device) -> torch.Tensor:
+    """An MS-EDEN stream seed as the kernels take it: int64 [1] on the operand's device."""
+    if isinstance(seed, torch.Tensor):
+        return seed.reshape(1) if seed.device == device else seed.reshape(1).to(device)
+    return torch.tensor([seed], dtype=torch.int64, device=device)
+
+
+def ms_eden_operand_amax(values: torch.Tensor, *, size: int, sign_seed: torch.Tensor | int, backend: str,
+                         pre_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 0-d max|RHT of values·pre_scale, zero-padded along its last dim to a multiple of ``size``|
+    (non-finite: +inf): the amax quantize_ms_eden_operand would use, for a caller that all-reduces it first."""
+    if backend == "reference":
+        return _ms_eden.ms_eden_operand_amax(values, size=size, sign_seed=sign_seed, pre_scale=pre_scale)
+    return library.ms_eden_amax(values, pre_scale, _seed_tensor(sign_seed, values.device), size=size)
+
+
+def quantize_ms_eden_operand(values: torch.Tensor, *, size: int, sign_seed: torch.Tensor | int,
+                             draw_seed: torch.Tensor | int, backend: str, pre_scale: torch.Tensor | None = None,
+                             amax: torch.Tensor | None = None, staged: bool = False) -> NVFP4Tensor | StagedOperand:
+    """MS-EDEN (Quartet II) of a backward GEMM operand values [R, C] (any float dtype and strides; blocks of 16
+    along C, the contraction dim): values·pre_scale, C zero-padded to Cpad (a multiple of ``size``), the RHT
+    of ``size`` with signs from ``sign_seed``, scale draws from ``draw_seed`` (int64 [1] tensors or ints;
+    numerics/ms_eden_operand.py). Returns the rotated operand [R, Cpad] as an NVFP4Tensor (1×16 blocks), or
+    with ``staged`` on the emulated backend as a StagedOperand (the GEMM's fp16 values); two operands rotated
+    with the same sign_seed feed nvfp4_gemm for the product of the originals. ``amax``: the rotated operand's
+    amax (ms_eden_operand_amax, all-reduced) to use instead of its own. Bits are the same on every backend."""
+    if backend == "reference":
+        return _ms_eden.ms_eden_operand(values, size=size, sign_seed=sign_seed, draw_seed=draw_seed,
+                                        pre_scale=pre_scale, amax=amax)
+    dev = values.device
+    staged = staged and backend == "emulated"
+    a = None if amax is None else amax.reshape(1).to(dev, torch.float32)
+    data, scale, gs = library.ms_eden_quantize(values, pre_scale, _seed_tensor(sign_seed, dev),
+                                               _seed_tensor(draw_seed, dev), a, size=size, staged=staged)
+    if staged:
+        return StagedOperand(data, gs.reshape(()))
+    rows = values.shape[0]
+    return NVFP4Tensor(data, scale, gs.reshape(()), torch.Size((rows, data.shape[1] * 2)), (1, 16))

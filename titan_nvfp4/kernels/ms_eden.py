@@ -1,0 +1,247 @@
+"""Triton kernels of the MS-EDEN backward operand quantizer (Quartet II): the twin, bit for bit, of
+numerics/ms_eden_operand.ms_eden_operand under the same Philox streams (tests/test_ms_eden_kernel.py).
+
+Two passes over ``values`` [R, C] (any float dtype, any strides: a transposed view is read as it is):
+``_amax_kernel`` folds max|rotated x| into one fp32 (bits in int32, atomic max; non-finite -> +inf), and
+``_quantize_kernel`` emits the codes and E4M3 scales (or the emulated GEMM's staged fp16 values q·ê_b)
+plus the tensor decode scale s, computed on the device from the amax (no host sync). A program takes a
+tile of BR rows × SIZE columns, one correction group per row: x·pre_scale (fp32), zero padding past C,
+sign flip, log2(SIZE) butterfly stages in the reference's order (rht.rht), × rht_norm(SIZE), then the
+steps of numerics/ms_eden.py. Every division is div_rn and the kernels compile without fp fusion (an fma
+would change bits); the correction's sums are int64, exact in any order. Signs: tl.randint(sign_seed, i),
+-1 where the word's top bit is set; draw of block (r, j): tl.randint(draw_seed, r·Cpad/16 + j) >> 8, × 2⁻²⁴.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..numerics.ms_eden import MIN_TENSOR_SCALE, MS_EDEN_SCALE_MAX, MS_EDEN_SCALE_OVERRIDE, ms_eden_tensor_scale
+from ..numerics.ms_eden_operand import check_operand_args, padded_cols
+from ..numerics.rht import rht_norm
+from .launch import cdiv, launch
+from .nvfp4_jit import e4m3_round
+
+_F32 = lambda v: float(torch.tensor(v, dtype=torch.float32))  # noqa: E731  (v rounded to fp32)
+VMAX = tl.constexpr(_F32(6.0 / MS_EDEN_SCALE_OVERRIDE))
+SCALE_MAX = tl.constexpr(_F32(MS_EDEN_SCALE_MAX))
+MIN_S = tl.constexpr(MIN_TENSOR_SCALE)
+_E4M3_TOP = 0x7E  # 448
+#: elements per program tile (BR rows × SIZE columns): on a GPU, and in the CPU interpreter (few programs)
+TILE_GPU, TILE_CPU = 4096, 8192
+
+
+@triton.jit
+def _rotated_tile(X, PRE, SIGN_SEED, rows, R, C, sxr, sxc, c0, HAS_PRE: tl.constexpr, BR: tl.constexpr,
+                  SIZE: tl.constexpr, NORM: tl.constexpr, LOG2: tl.constexpr):
+    """fp32 [BR, SIZE]: columns c0.. of rows ``rows`` of x, × pre_scale, zero past C (and R), sign flip,
+    butterflies h = 1, 2, 4, ... (i meets i + h: a + b, a - b), × NORM: rht.rht of the padded operand."""
+    cols = c0 + tl.arange(0, SIZE)
+    inside = (rows < R)[:, None] & (cols < C)[None, :]
+    ptr = X + rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc
+    x = tl.load(ptr, mask=inside, other=0.0).to(tl.float32)
+    if HAS_PRE:
+        x = tl.where(inside, x * tl.load(PRE), 0.0)  # the padding is added after the multiply
+    bits = tl.randint(tl.load(SIGN_SEED), tl.arange(0, SIZE))
+    sign = tl.where(bits.to(tl.int32, bitcast=True) < 0, -1.0, 1.0)
+    y = x * sign[None, :]
+    for stage in tl.static_range(LOG2):
+        h: tl.constexpr = 1 << stage
+        y = tl.permute(tl.reshape(y, (BR, SIZE // (2 * h), 2, h)), (0, 1, 3, 2))
+        a, b = tl.split(y)
+        y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BR, SIZE))
+    return y * NORM
+
+
+@triton.jit
+def _amax_kernel(X, PRE, SIGN_SEED, AMAX, R, C, sxr, sxc, HAS_PRE: tl.constexpr, BR: tl.constexpr,
+                 SIZE: tl.constexpr, NORM: tl.constexpr, LOG2: tl.constexpr):
+    """AMAX (fp32 bits in int32) |= max|rotated x| over this program's tile; NaN counts as +inf."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    v = _rotated_tile(X, PRE, SIGN_SEED, rows, R, C, sxr, sxc, tl.program_id(1) * SIZE, HAS_PRE, BR, SIZE, NORM, LOG2)
+    a = tl.where(v == v, tl.abs(v), float("inf"))
+    tl.atomic_max(AMAX, tl.max(tl.max(a, axis=1), axis=0).to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
+def _tensor_scale(amax):
+    """Twin of ms_eden_tensor_scale: max((amax / 255.99) / vmax, 2⁻¹¹⁷); 1 for 0; NaN for non-finite amax."""
+    one = tl.full(amax.shape, 1.0, tl.float32)
+    s = tl.math.div_rn(tl.math.div_rn(amax, one * SCALE_MAX), one * VMAX)
+    s = tl.where(s < MIN_S, MIN_S, s)
+    s = tl.where(amax == 0.0, 1.0, s)
+    return tl.where((amax == amax) & (tl.abs(amax) != float("inf")), s, float("nan"))
+
+
+@triton.jit
+def _e4m3_sat(v):
+    """Non-negative fp32 (inf included) to the nearest-even E4M3 value, saturating at 448; NaN stays NaN
+    (to_e4m3_saturating)."""
+    r = e4m3_round(tl.where(v > 448.0, 448.0, v))
+    return tl.where(v == v, r, float("nan"))
+
+
+@triton.jit
+def _e4m3_byte(v):
+    """The E4M3 byte (int32) of a non-negative fp32 value that is exactly an E4M3 value."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = (((bits >> 23) - 120) << 3) | ((bits >> 20) & 7)
+    return tl.where(v < 0.015625, (v * 512.0).to(tl.int32), normal)
+
+
+@triton.jit
+def _e4m3_from_byte(b):
+    """fp32 value of an E4M3 byte 0..0x7E (int32)."""
+    normal = (((b >> 3) + 120) << 23 | (b & 7) << 20).to(tl.float32, bitcast=True)
+    return tl.where(b < 8, (b & 7).to(tl.float32) * 0.001953125, normal)
+
+
+@triton.jit
+def _quantize_kernel(X, PRE, SIGN_SEED, DRAW_SEED, AMAX, GS, D, S, R, C, sxr, sxc, HAS_PRE: tl.constexpr,
+                     STAGED: tl.constexpr, BR: tl.constexpr, SIZE: tl.constexpr, NORM: tl.constexpr, LOG2: tl.constexpr):
+    """MS-EDEN of a [BR, SIZE] tile (one correction group per row): D uint8 [R, Cpad/2] packed codes and
+    S uint8 [R, Cpad/16] E4M3 scale bytes, or with STAGED D fp16 [R, Cpad] of q·ê_b (S unused); GS [1] = s
+    (program (0, 0)). AMAX: fp32 [1], the rotated operand's amax."""
+    NB: tl.constexpr = SIZE // 16
+    pr, pc = tl.program_id(0), tl.program_id(1)
+    cpad = tl.num_programs(1) * SIZE
+    amax = tl.load(AMAX)
+    s = _tensor_scale(amax)
+    if (pr == 0) & (pc == 0):
+        tl.store(GS, s)
+    rows = pr * BR + tl.arange(0, BR)
+    v = _rotated_tile(X, PRE, SIGN_SEED, rows, R, C, sxr, sxc, pc * SIZE, HAS_PRE, BR, SIZE, NORM, LOG2)
+    vb = tl.reshape(v, (BR, NB, 16))
+    nan = vb != vb
+    bmax = tl.max(tl.where(nan, 0.0, tl.abs(vb)), axis=2)  # exact; NaN put back below (tl.max drops it)
+    bmax = tl.where(tl.max(nan.to(tl.int32), axis=2) > 0, float("nan"), bmax)
+    e = _e4m3_sat(tl.math.div_rn(tl.math.div_rn(bmax, tl.full(bmax.shape, VMAX, tl.float32)), tl.full(bmax.shape, 0.0, tl.float32) + s))
+    e = tl.where(e == 0.0, 1.0, e)
+    y = tl.math.div_rn(vb, (e * s)[:, :, None])
+    a = tl.abs(y)
+    k = ((a >= 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a >= 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
+         + (a >= 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a >= 5.0).to(tl.int32))
+    neg = (y.to(tl.int32, bitcast=True) < 0) & (y == y)
+    mag2 = tl.where(k < 4, k, (4 + 2 * (k & 1)) << tl.maximum((k >> 1) - 2, 0))  # 2|q|
+    finite = (y == y) & (a != float("inf"))
+    t = (tl.where(finite, tl.minimum(a, 16.0), 0.0) * 4194304.0).to(tl.int64)  # × 2²², truncated
+    num = tl.sum(tl.reshape(t * t, (BR, SIZE)), axis=1)
+    den = tl.sum(tl.reshape(t * mag2.to(tl.int64), (BR, SIZE)), axis=1)
+    c = tl.math.div_rn(num.to(tl.float32), den.to(tl.float32)) * 4.76837158203125e-07  # × 2⁻²¹
+    c = tl.where(den == 0, 1.0, c)
+    bad = tl.max(tl.reshape(tl.where(finite, 0, 1), (BR, SIZE)), axis=1) > 0
+    c = tl.where(bad, float("nan"), c)
+    corr = e * c[:, None]  # [BR, NB]
+    ok = (corr == corr) & (corr != float("inf"))
+    cc = tl.where(ok, corr, 0.0)
+    near = _e4m3_sat(cc)
+    lo_b = _e4m3_byte(near) - (near > cc).to(tl.int32)
+    hi_b = tl.minimum(lo_b + 1, 0x7E)
+    lo, hi = _e4m3_from_byte(lo_b), _e4m3_from_byte(hi_b)
+    p = tl.where(hi > lo, tl.math.div_rn(cc - lo, tl.where(hi > lo, hi - lo, 1.0)), 0.0)
+    blk = pc * NB + tl.arange(0, NB)
+    idx = rows[:, None].to(tl.int64) * (cpad // 16) + blk[None, :]
+    u = (tl.randint(tl.load(DRAW_SEED), idx) >> 8).to(tl.float32) * 5.960464477539063e-08  # × 2⁻²⁴
+    up = u < p
+    rmask = (rows < R)[:, None]
+    if STAGED:
+        ev = tl.where(ok, tl.where(up, hi, lo), float("nan"))
+        q = mag2.to(tl.float32) * 0.5
+        q = tl.where(neg, -q, q)
+        out = tl.reshape(q * ev[:, :, None], (BR, SIZE)).to(tl.float16)
+        cols = pc * SIZE + tl.arange(0, SIZE)
+        tl.store(D + rows[:, None].to(tl.int64) * cpad + cols[None, :], out, mask=rmask)
+    else:
+        byte = tl.where(ok, tl.where(up, hi_b, lo_b), 0x7F)
+        tl.store(S + idx, byte.to(tl.uint8), mask=rmask)
+        code = tl.reshape(k | (neg.to(tl.int32) << 3), (BR, SIZE // 2, 2))
+        lo_n, hi_n = tl.split(code)
+        words = (lo_n | (hi_n << 4)).to(tl.uint8)
+        wc = pc * (SIZE // 2) + tl.arange(0, SIZE // 2)
+        tl.store(D + rows[:, None].to(tl.int64) * (cpad // 2) + wc[None, :], words, mask=rmask)
+
+
+def _tile_rows(rows: int, size: int, cuda: bool) -> int:
+    """BR: rows per program (a power of two, at most what the rows need)."""
+    br = max(1, (TILE_GPU if cuda else TILE_CPU) // size)
+    return max(1, min(br, 1 << max(rows - 1, 0).bit_length()))
+
+
+def _pre_arg(pre_scale: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
+    if pre_scale is None:
+        return values.new_empty((1,), dtype=torch.float32)  # unread (HAS_PRE=False)
+    return pre_scale.reshape(1).to(values.device)
+
+
+def _seed_arg(seed: torch.Tensor | int, device: torch.device, what: str) -> torch.Tensor:
+    """int64 [1] on the device (a Python int becomes one; a tensor is used as it is)."""
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64 or seed.numel() != 1:
+            raise ValueError(f"ms_eden kernels: {what} must be an int64 tensor of one element, got {seed.dtype} "
+                             f"{tuple(seed.shape)}")
+        return seed.reshape(1).to(device)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**63:
+        raise ValueError(f"ms_eden kernels: {what} must be an int64 tensor or an integer in [-2**63, 2**63), "
+                         f"got {seed!r}")
+    return torch.tensor([seed], dtype=torch.int64, device=device)
+
+
+def _amax_into(buf: torch.Tensor, values: torch.Tensor, pre: torch.Tensor, sign_seed: torch.Tensor, size: int,
+               has_pre: bool) -> None:
+    R, C = values.shape
+    if R == 0 or C == 0:
+        return
+    br = _tile_rows(R, size, values.is_cuda)
+    launch(_amax_kernel, (cdiv(R, br), padded_cols(C, size) // size), values, pre, sign_seed, buf, R, C,
+           values.stride(0), values.stride(1), HAS_PRE=has_pre, BR=br, SIZE=size, NORM=rht_norm(size), LOG2=size.bit_length() - 1,
+           num_warps=4, enable_fp_fusion=False)
+
+
+def ms_eden_amax_tensor(values: torch.Tensor, pre_scale: torch.Tensor | None, sign_seed: torch.Tensor | int, *,
+                        size: int) -> torch.Tensor:
+    """fp32 0-d max|rotated operand| (twin of numerics ms_eden_operand_amax; non-finite -> +inf)."""
+    check_operand_args(values, size, pre_scale, "ms_eden_amax")
+    buf = torch.zeros(1, dtype=torch.int32, device=values.device)
+    _amax_into(buf, values, _pre_arg(pre_scale, values), _seed_arg(sign_seed, values.device, "sign_seed"), size,
+               pre_scale is not None)
+    return buf.view(torch.float32).reshape(())
+
+
+def ms_eden_quantize_tensors(values: torch.Tensor, pre_scale: torch.Tensor | None, sign_seed: torch.Tensor | int,
+                             draw_seed: torch.Tensor | int, amax: torch.Tensor | None, *, size: int,
+                             staged: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes uint8 [R, Cpad/2], E4M3 scales [R, Cpad/16], s fp32 [1]), or with ``staged`` (fp16 q·ê_b
+    [R, Cpad], empty scales, s): ms_eden_operand's quantization from two kernel passes (one with ``amax``)."""
+    check_operand_args(values, size, pre_scale, "ms_eden_quantize")
+    R, C = values.shape
+    dev = values.device
+    cpad = padded_cols(C, size)
+    pre = _pre_arg(pre_scale, values)
+    sseed, dseed = _seed_arg(sign_seed, dev, "sign_seed"), _seed_arg(draw_seed, dev, "draw_seed")
+    if amax is None:
+        buf = torch.zeros(1, dtype=torch.int32, device=dev)
+        _amax_into(buf, values, pre, sseed, size, pre_scale is not None)
+        amax_t = buf.view(torch.float32)
+    else:
+        amax_t = amax.reshape(1).to(dev, torch.float32)
+    gs = torch.empty(1, dtype=torch.float32, device=dev)
+    if staged:
+        d = torch.empty((R, cpad), dtype=torch.float16, device=dev)
+        sc = torch.empty((0,), dtype=torch.float8_e4m3fn, device=dev)
+    else:
+        d = torch.empty((R, cpad // 2), dtype=torch.uint8, device=dev)
+        sc = torch.empty((R, cpad // 16), dtype=torch.float8_e4m3fn, device=dev)
+    if R == 0 or cpad == 0:  # no program runs: s from the amax on the device
+        gs.copy_(ms_eden_tensor_scale(amax_t))
+        return d, sc, gs
+    br = _tile_rows(R, size, values.is_cuda)
+    launch(_quantize_kernel, (cdiv(R, br), cpad // size), values, pre, sseed, dseed, amax_t, gs, d,
+           sc.view(torch.uint8) if not staged else d, R, C, values.stride(0), values.stride(1),
+           HAS_PRE=pre_scale is not None, STAGED=staged, BR=br, SIZE=size, NORM=rht_norm(size), LOG2=size.bit_length() - 1, num_warps=4,
+           enable_fp_fusion=False)
+    return d, sc, gs
+
+
+__all__ = ["ms_eden_amax_tensor", "ms_eden_quantize_tensors"]
