@@ -48,8 +48,7 @@ def _rotated_tile(X, PRE, SIGN_SEED, rows, R, C, sxr, sxc, c0, HAS_PRE: tl.const
     sign = tl.where(bits.to(tl.int32, bitcast=True) < 0, -1.0, 1.0)
     y = x * sign[None, :]
     for stage in tl.static_range(LOG2):
-        h: tl.constexpr = 1 << stage
-        y = tl.permute(tl.reshape(y, (BR, SIZE // (2 * h), 2, h)), (0, 1, 3, 2))
+        y = tl.permute(tl.reshape(y, (BR, SIZE >> (stage + 1), 2, 1 << stage)), (0, 1, 3, 2))  # h = 2^stage
         a, b = tl.split(y)
         y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BR, SIZE))
     return y * NORM
