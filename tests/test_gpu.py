@@ -232,8 +232,8 @@ def test_ms_eden_operand_kernel_on_gpu_is_bit_identical_to_cpu_reference(size):
     assert bool(amax == float("inf"))
     finite = torch.tensor(700.0)
     ref = ms_eden_operand(values, size=size, sign_seed=12, draw_seed=34, pre_scale=pre, amax=finite)
-    seeds = dict(size=size, sign_seed=torch.tensor([12], device="cuda"), draw_seed=torch.tensor([34], device="cuda"),
-                 pre_scale=pre.cuda(), amax=finite.cuda())
+    seeds = dict(size=size, sign_seed=torch.tensor([12], device="cuda"),
+                 draw_seed=torch.tensor([34], device="cuda"), pre_scale=pre.cuda(), amax=finite.cuda())
     got = quantize_ms_eden_operand(values.cuda(), backend="emulated", **seeds)
     staged = quantize_ms_eden_operand(values.cuda(), backend="emulated", staged=True, **seeds)
     assert torch.equal(got.data.cpu(), ref.data)

@@ -24,11 +24,15 @@ from ..numerics.rht import rht_norm
 from .launch import cdiv, launch
 from .nvfp4_jit import e4m3_round
 
-_F32 = lambda v: float(torch.tensor(v, dtype=torch.float32))  # noqa: E731  (v rounded to fp32)
-VMAX = tl.constexpr(_F32(6.0 / MS_EDEN_SCALE_OVERRIDE))
-SCALE_MAX = tl.constexpr(_F32(MS_EDEN_SCALE_MAX))
+
+def _f32(v: float) -> float:
+    """v rounded to fp32, as a Python float (the reference's constants)."""
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
+VMAX = tl.constexpr(_f32(6.0 / MS_EDEN_SCALE_OVERRIDE))
+SCALE_MAX = tl.constexpr(_f32(MS_EDEN_SCALE_MAX))
 MIN_S = tl.constexpr(MIN_TENSOR_SCALE)
-_E4M3_TOP = 0x7E  # 448
 #: elements per program tile (BR rows × SIZE columns): on a GPU, and in the CPU interpreter (few programs)
 TILE_GPU, TILE_CPU = 4096, 8192
 
@@ -48,8 +52,7 @@ def _rotated_tile(X, PRE, SIGN_SEED, rows, R, C, sxr, sxc, c0, HAS_PRE: tl.const
     sign = tl.where(bits.to(tl.int32, bitcast=True) < 0, -1.0, 1.0)
     y = x * sign[None, :]
     for stage in tl.static_range(LOG2):
-        h: tl.constexpr = 1 << stage
-        y = tl.permute(tl.reshape(y, (BR, SIZE // (2 * h), 2, h)), (0, 1, 3, 2))
+        y = tl.permute(tl.reshape(y, (BR, SIZE >> (stage + 1), 2, 1 << stage)), (0, 1, 3, 2))  # h = 2^stage
         a, b = tl.split(y)
         y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BR, SIZE))
     return y * NORM
@@ -60,7 +63,8 @@ def _amax_kernel(X, PRE, SIGN_SEED, AMAX, R, C, sxr, sxc, HAS_PRE: tl.constexpr,
                  SIZE: tl.constexpr, NORM: tl.constexpr, LOG2: tl.constexpr):
     """AMAX (fp32 bits in int32) |= max|rotated x| over this program's tile; NaN counts as +inf."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    v = _rotated_tile(X, PRE, SIGN_SEED, rows, R, C, sxr, sxc, tl.program_id(1) * SIZE, HAS_PRE, BR, SIZE, NORM, LOG2)
+    v = _rotated_tile(X, PRE, SIGN_SEED, rows, R, C, sxr, sxc, tl.program_id(1) * SIZE, HAS_PRE, BR, SIZE, NORM,
+                      LOG2)
     a = tl.where(v == v, tl.abs(v), float("inf"))
     tl.atomic_max(AMAX, tl.max(tl.max(a, axis=1), axis=0).to(tl.int32, bitcast=True), sem="relaxed")
 
@@ -100,7 +104,8 @@ def _e4m3_from_byte(b):
 
 @triton.jit
 def _quantize_kernel(X, PRE, SIGN_SEED, DRAW_SEED, AMAX, GS, D, S, R, C, sxr, sxc, HAS_PRE: tl.constexpr,
-                     STAGED: tl.constexpr, BR: tl.constexpr, SIZE: tl.constexpr, NORM: tl.constexpr, LOG2: tl.constexpr):
+                     STAGED: tl.constexpr, BR: tl.constexpr, SIZE: tl.constexpr, NORM: tl.constexpr,
+                     LOG2: tl.constexpr):
     """MS-EDEN of a [BR, SIZE] tile (one correction group per row): D uint8 [R, Cpad/2] packed codes and
     S uint8 [R, Cpad/16] E4M3 scale bytes, or with STAGED D fp16 [R, Cpad] of q·ê_b (S unused); GS [1] = s
     (program (0, 0)). AMAX: fp32 [1], the rotated operand's amax."""
@@ -117,7 +122,8 @@ def _quantize_kernel(X, PRE, SIGN_SEED, DRAW_SEED, AMAX, GS, D, S, R, C, sxr, sx
     nan = vb != vb
     bmax = tl.max(tl.where(nan, 0.0, tl.abs(vb)), axis=2)  # exact; NaN put back below (tl.max drops it)
     bmax = tl.where(tl.max(nan.to(tl.int32), axis=2) > 0, float("nan"), bmax)
-    e = _e4m3_sat(tl.math.div_rn(tl.math.div_rn(bmax, tl.full(bmax.shape, VMAX, tl.float32)), tl.full(bmax.shape, 0.0, tl.float32) + s))
+    e = _e4m3_sat(tl.math.div_rn(tl.math.div_rn(bmax, tl.full(bmax.shape, VMAX, tl.float32)),
+                                 tl.broadcast_to(s, bmax.shape)))
     e = tl.where(e == 0.0, 1.0, e)
     y = tl.math.div_rn(vb, (e * s)[:, :, None])
     a = tl.abs(y)
@@ -195,8 +201,8 @@ def _amax_into(buf: torch.Tensor, values: torch.Tensor, pre: torch.Tensor, sign_
         return
     br = _tile_rows(R, size, values.is_cuda)
     launch(_amax_kernel, (cdiv(R, br), padded_cols(C, size) // size), values, pre, sign_seed, buf, R, C,
-           values.stride(0), values.stride(1), HAS_PRE=has_pre, BR=br, SIZE=size, NORM=rht_norm(size), LOG2=size.bit_length() - 1,
-           num_warps=4, enable_fp_fusion=False)
+           values.stride(0), values.stride(1), HAS_PRE=has_pre, BR=br, SIZE=size, NORM=rht_norm(size),
+           LOG2=size.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
 
 
 def ms_eden_amax_tensor(values: torch.Tensor, pre_scale: torch.Tensor | None, sign_seed: torch.Tensor | int, *,
@@ -239,8 +245,8 @@ def ms_eden_quantize_tensors(values: torch.Tensor, pre_scale: torch.Tensor | Non
     br = _tile_rows(R, size, values.is_cuda)
     launch(_quantize_kernel, (cdiv(R, br), cpad // size), values, pre, sseed, dseed, amax_t, gs, d,
            sc.view(torch.uint8) if not staged else d, R, C, values.stride(0), values.stride(1),
-           HAS_PRE=pre_scale is not None, STAGED=staged, BR=br, SIZE=size, NORM=rht_norm(size), LOG2=size.bit_length() - 1, num_warps=4,
-           enable_fp_fusion=False)
+           HAS_PRE=pre_scale is not None, STAGED=staged, BR=br, SIZE=size, NORM=rht_norm(size),
+           LOG2=size.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
     return d, sc, gs
 
 

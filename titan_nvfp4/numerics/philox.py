@@ -29,7 +29,8 @@ def _seed_words(seed: torch.Tensor | int, device: torch.device) -> tuple[torch.T
     """The key (seed_lo, seed_hi) as tl.randint takes it from an int64 seed (two's complement for negatives)."""
     if isinstance(seed, torch.Tensor):
         if seed.dtype != torch.int64 or seed.numel() != 1:
-            raise ValueError(f"philox: seed must be an int64 tensor of one element, got {seed.dtype} {tuple(seed.shape)}")
+            raise ValueError(f"philox: seed must be an int64 tensor of one element, got {seed.dtype} "
+                             f"{tuple(seed.shape)}")
         s = seed.reshape(()).to(device)
         return s & _M32, (s >> 32) & _M32
     if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64:
