@@ -22,6 +22,7 @@ import functools
 import torch
 
 from .body_graphs import BodyGraphs
+from .ms_eden_backward import ms_eden_backward, operand_values, saved_operand
 from ..distributed.amax import AmaxGroups, all_reduce_max, sharding_groups
 from ..distributed.fsdp_all_gather import NVFP4GatheredWeight, gathered_nvfp4
 from ..numerics.mxfp8 import MXFP8Tensor
@@ -171,6 +172,38 @@ def _forward_body_high_precision(x2d, x_amax=None, *, weight, bias, recipe, sign
     return tensors, ((w_t.shape, w_t.block_shape), (x_col.shape, x_col.block_shape) if x_col is not None else None)
 
 
+def _forward_body_ms_eden(x2d, x_amax=None, *, weight, bias, recipe, out_dtype, backend, w_amax, saving,
+                          high_precision_forward, shared_x=None, reader=None):
+    """Forward under ``recipe.ms_eden`` (ms_eden_backward.py): Y from X (1×16 along K) and W quantized as the recipe
+    says, nearest; returns (Y, what backward re-quantizes of X̂ and of Ŵ) as (tensors, metadata): the forward's
+    quantizations themselves (saved_operand), or X and W in the compute dtype after a forward-only switch."""
+    xc = x2d.to(out_dtype)
+    if high_precision_forward:
+        y = torch.nn.functional.linear(xc, weight.to(out_dtype), None if bias is None else bias.to(out_dtype))
+        x_saved, w_saved = saved_operand(xc), saved_operand(weight.to(out_dtype))
+    else:
+        four_over_six = recipe.four_over_six
+
+        def quantize_x():
+            return quantize_activation(xc, False, None, backend, x_amax, four_over_six=four_over_six)
+
+        if shared_x is None:
+            xq, _ = quantize_x()
+        else:
+            key = (x2d.shape, out_dtype, False, backend, four_over_six, recipe.rht_round_to_input_dtype)
+            xq, _ = shared_x_operands(shared_x, None, key, quantize_x, reader)
+        if isinstance(weight, NVFP4GatheredWeight):
+            wq = gathered_nvfp4(weight)
+        else:
+            wq, _ = quantize_weight(weight, recipe.weight_2d, backend, w_amax, four_over_six=four_over_six,
+                                    transposed=False)
+        y = nvfp4_gemm(xq, wq, out_dtype=out_dtype, bias=bias, backend=backend)
+        x_saved, w_saved = saved_operand(xq), saved_operand(wq)
+    if not saving:
+        return (y,), None
+    return (y, *x_saved[0], *w_saved[0]), (len(x_saved[0]), x_saved[1], w_saved[1])
+
+
 def _staged_x_col(x_col: NVFP4Tensor, ctx):
     """wgrad's Xᵀ operand, staged by its own op (ops/gemm.py): sibling layers on one X stage it once, under
     compile by CSE and in eager through sibling_x.shared_staging (not inside a body graph, nor under a mode)."""
@@ -255,6 +288,19 @@ class NVFP4LinearFunction(torch.autograd.Function):
             body = functools.partial(_forward_body_high_precision, **body.keywords,
                                      need_w_t=saving and recipe.backward == "nvfp4")
         ctx.fwd_key = ctx.graphs = None
+        ctx.ms_eden = recipe.ms_eden and recipe.backward == "nvfp4"
+        if ctx.ms_eden:  # Quartet II: forward saves X̂ and Ŵ for a backward that re-quantizes them (no body graphs)
+            reader = counter.data_ptr() if share else None
+            tensors, meta = _forward_body_ms_eden(
+                *copied, weight=weight, bias=bias, recipe=recipe, out_dtype=out_dtype, backend=backend, w_amax=w_amax,
+                saving=saving, high_precision_forward=high_precision_forward, shared_x=x if share else None,
+                reader=reader)
+            ctx.recipe, ctx.backend, ctx.groups, ctx.hp_backward, ctx.has_bias = recipe, backend, groups, False, bias is not None
+            ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.q_dtype = x.shape, x.dtype, weight.dtype, out_dtype
+            ctx.counter, ctx.ms_meta, ctx.need_wgrad = counter, meta, need_wgrad
+            if saving:
+                ctx.save_for_backward(*tensors[1:])
+            return tensors[0].reshape(*x.shape[:-1], weight.shape[0])
         if graphs is not None and not groups.sharded and backend == "emulated" and recipe.backward == "nvfp4" \
                 and not isinstance(weight, NVFP4GatheredWeight):
             key = ("fwd", x2d.shape, x2d.stride(), x2d.dtype, out_dtype, fp4_wgrad, x_amax is not None, saving,
@@ -322,7 +368,29 @@ class NVFP4LinearFunction(torch.autograd.Function):
         with torch.autocast(dy.device.type, enabled=False):
             if ctx.hp_backward:
                 return NVFP4LinearFunction._backward_hp(ctx, dy)
+            if ctx.ms_eden:
+                return NVFP4LinearFunction._backward_ms_eden(ctx, dy)
             return NVFP4LinearFunction._backward(ctx, dy)
+
+    @staticmethod
+    def _backward_ms_eden(ctx, dy: torch.Tensor):
+        """dX and dW by Quartet II's backward (ms_eden_backward.py), db as the sum of dY."""
+        n_x, x_meta, w_meta = ctx.ms_meta
+        saved = ctx.saved_tensors
+        x_saved, w_saved = operand_values(saved[:n_x], x_meta), operand_values(saved[n_x:], w_meta)
+        n_out = w_saved[0].shape[0]
+        dy2d = dy.reshape(-1, n_out).to(ctx.q_dtype)
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and ctx.need_wgrad
+        widen_in_gemm = ctx.q_dtype != ctx.x_dtype and not torch.compiler.is_compiling()
+        dx, dw = ms_eden_backward(dy2d, x_saved, w_saved, call_seed=next_sr_seed(ctx.counter),
+                                  size=ctx.recipe.rht_size, backend=ctx.backend, need_dx=need_dx, need_dw=need_dw,
+                                  out_dtypes=(ctx.x_dtype if widen_in_gemm else ctx.q_dtype, ctx.w_dtype),
+                                  dx_round=ctx.q_dtype if widen_in_gemm else None,
+                                  groups=ctx.groups if ctx.groups.sharded else None)
+        db = dy2d.float().sum(0).to(dy.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if dx is not None:
+            dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
     @staticmethod
     def _backward(ctx, dy: torch.Tensor):
