@@ -220,7 +220,8 @@ def convert(model: nn.Module, recipe: str = "nvidia_paper", *, experts: bool | d
     grouped = None
     if experts is not False and experts is not None:
         if experts is True:
-            recipe_fields = {f.name for f in dataclasses.fields(NVFP4Recipe)} - {"eager_graphs"}
+            recipe_fields = ({f.name for f in dataclasses.fields(NVFP4Recipe)} - {"eager_graphs"}
+                             - {"outcontrol_fraction", "outcontrol_start", "outcontrol_steps"})  # dense only
             experts = {k: v for k, v in knobs.items()
                        if k in recipe_fields or k in ("bf16_after_fraction", "bf16_after_scope")}
         elif not isinstance(experts, dict):

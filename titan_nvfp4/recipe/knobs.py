@@ -213,6 +213,7 @@ class LinearKnobs(RecipeKnobs):
         RecipeKnobs.__post_init__(self)  # slots=True: no zero-argument super()
         self._check_all_gather(self.build_recipe())
         self._check_osci_reset()
+        self._check_outcontrol(self.build_recipe())
 
     #: the OsciReset keys that need osci_reset_every > 0, with their defaults
     OSCI_RESET_DEFAULTS: ClassVar[dict] = {"osci_reset_window": 50, "osci_reset_threshold": 8.0,
@@ -243,6 +244,27 @@ class LinearKnobs(RecipeKnobs):
         if self.fsdp_nvfp4_all_gather:
             raise ValueError(f"[{s}] osci_reset_every = {every} cannot be combined with fsdp_nvfp4_all_gather = true "
                              "yet (the reset writes the sharded weights whose NVFP4 codes the all-gather keeps)")
+
+    def _check_outcontrol(self, recipe: NVFP4Recipe) -> None:
+        """OutControl (outcontrol_fraction, TetraJet-v2) with the keys it cannot run with, refused by name; its window
+        keys set without it, too (they would change nothing)."""
+        s, f = self.SECTION, recipe.outcontrol_fraction
+        if not f:
+            for key in ("outcontrol_start", "outcontrol_steps"):
+                if getattr(self, key) is not None and getattr(self, key) != getattr(NVFP4Recipe, key):
+                    raise ValueError(f"[{s}] {key} = {getattr(self, key)!r} needs outcontrol_fraction > 0 (it sets the "
+                                     "OutControl window)")
+            return
+        clash = [(k, v) for k, v, on in (
+            ("fsdp_nvfp4_all_gather", "true", self.fsdp_nvfp4_all_gather),
+            ("lora_rank", self.lora_rank, self.lora_rank),
+            ("osci_reset_every", self.osci_reset_every, self.osci_reset_every)) if on]
+        if clash:
+            key, value = clash[0]
+            why = {"fsdp_nvfp4_all_gather": "the gathered NVFP4 codes hold every input channel in FP4",
+                   "lora_rank": "the low-rank layers' residual has no channel split",
+                   "osci_reset_every": "OsciReset would also reset the MXFP8 channels, which the authors exclude"}[key]
+            raise ValueError(f"[{s}] outcontrol_fraction = {f} cannot be combined with {key} = {value} yet ({why})")
 
     def _check_all_gather(self, recipe: NVFP4Recipe) -> None:
         if not self.fsdp_nvfp4_all_gather:
@@ -301,6 +323,11 @@ class GroupedKnobs(RecipeKnobs):
             raise ValueError(f"[{self.SECTION}] eager_graphs applies to the dense Linears only (the experts' "
                              "routed token counts change every step): set it in [quantize.linear.nvfp4]")
         RecipeKnobs.__post_init__(self)
+        fraction = self.build_recipe().outcontrol_fraction
+        if fraction:
+            raise ValueError(f"[{self.SECTION}] outcontrol_fraction = {fraction}: OutControl applies to the dense "
+                             "Linears only (set it in [quantize.linear.nvfp4]; here set outcontrol_fraction = 0 where "
+                             "the recipe preset carries it)")
         backward = self.build_recipe().backward
         if backward != "nvfp4":
             raise ValueError(f"[{self.SECTION}] backward = {backward!r}: the experts run an NVFP4 "
