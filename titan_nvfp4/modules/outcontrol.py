@@ -101,8 +101,8 @@ def reset_outcontrol(module: nn.Module) -> None:
 def check_supported(module: nn.Module, weight: torch.Tensor | None = None) -> None:
     """Refuse, by the layer's name, tensor-parallel shards (a DTensor weight in forward, or plain local shards)."""
     if getattr(module, "local_tp", None) is not None or isinstance(weight, DTensor):
-        raise NotImplementedError(f"NVFP4 Linear {layer_label(module)!r}: outcontrol_fraction is not supported with tensor "
-                                  "parallelism yet (the channel split of a sharded weight); set it to 0")
+        raise NotImplementedError(f"NVFP4 Linear {layer_label(module)!r}: outcontrol_fraction is not supported "
+                                  "with tensor parallelism yet (the channel split of a sharded weight); set it to 0")
 
 
 @torch.no_grad()
@@ -168,6 +168,6 @@ def sync_outcontrol(model: nn.Module | list[nn.Module]) -> None:
             adopt_selection(m)
 
 
-__all__ = ["OutControlWindow", "adopt_selection", "check_supported", "has_outcontrol", "layer_label", "layers_with_outcontrol",
-           "outcontrol_channels", "record", "register_outcontrol", "reset_outcontrol", "select_channels",
-           "sync_outcontrol"]
+__all__ = ["OutControlWindow", "adopt_selection", "check_supported", "has_outcontrol", "layer_label",
+           "layers_with_outcontrol", "outcontrol_channels", "record", "register_outcontrol", "reset_outcontrol",
+           "select_channels", "sync_outcontrol"]

@@ -192,9 +192,10 @@ class SectionSteps:
             m.outcontrol = w
         k = sum(m.outcontrol_index.shape[0] for m in layers)
         total = sum(m.in_features for ms in modules for m in ms)
-        self.log.info(f"NVFP4: OutControl of {len(layers)} Linear layers: the forwards of optimizer steps {w.start + 1} "
-                      f"to {w.end} sum each input channel's L2 norm, then {k} of their {total} input channels "
-                      f"(outcontrol_fraction = {self.outcontrol_fraction}, rounded up to 32 per layer) run in MXFP8")
+        self.log.info(f"NVFP4: OutControl of {len(layers)} Linear layers: the forwards of optimizer steps "
+                      f"{w.start + 1} to {w.end} sum each input channel's L2 norm, then {k} of their {total} input "
+                      f"channels (outcontrol_fraction = {self.outcontrol_fraction}, rounded up to 32 per layer) run "
+                      "in MXFP8")
 
     def _outcontrol_step(self, parts: list[nn.Module]) -> None:
         """Open or close the window; after its last step select every layer's channels (one all_reduce of their sums
@@ -211,9 +212,9 @@ class SectionSteps:
         elif count > w.end and not self._outcontrol_checked:
             late = [m for m in oc.layers_with_outcontrol(parts) if not m._outcontrol_on]
             if late:
-                self.log.warning(f"NVFP4: OutControl: {len(late)} Linear layers (e.g. {oc.layer_label(late[0])!r}) have no "
-                                 f"channel selection though the window ended after optimizer step {w.end} (a checkpoint "
-                                 "without one): they stay NVFP4 (outcontrol_fraction)")
+                self.log.warning(f"NVFP4: OutControl: {len(late)} Linear layers (e.g. {oc.layer_label(late[0])!r}) "
+                                 f"have no channel selection though the window ended after optimizer step {w.end} (a "
+                                 "checkpoint without one): they stay NVFP4 (outcontrol_fraction)")
         self._outcontrol_checked = self._outcontrol_checked or count >= w.end
 
     def _osci_reset_step(self, parts: list[nn.Module]) -> None:
