@@ -144,6 +144,36 @@ def test_the_gradients_are_the_mxfp8_ones_of_the_selected_columns_and_the_nvfp4_
     assert torch.equal(lin.weight.grad[:, sel], _mxfp8_product(dy.t().contiguous(), xs.t().contiguous()))
 
 
+@pytest.mark.parametrize("backward", ["mxfp8", "bf16"])
+def test_another_backward_runs_the_rest_and_keeps_the_selected_columns_in_mxfp8(backward):
+    model, steps = _convert(backward=backward)
+    lin = model.lin
+    sel, rest = _selected(model, steps)
+    model.zero_grad(set_to_none=True)
+    x = _x(PLANTED, 13).requires_grad_()
+    dy = torch.randn(M, N, generator=torch.Generator().manual_seed(14))
+    model(x).backward(dy)
+    xr, wr = x.detach()[:, rest].requires_grad_(), lin.weight.detach()[:, rest].requires_grad_()
+    nvfp4_linear(xr, wr, lin.bias.detach(), lin.recipe, None, lin.rht_signs).backward(dy)
+    assert torch.equal(x.grad[:, rest], xr.grad) and torch.equal(lin.weight.grad[:, rest], wr.grad)
+    xs, ws = x.detach()[:, sel], lin.weight.detach()[:, sel]
+    assert torch.equal(x.grad[:, sel], _mxfp8_product(dy, ws.t().contiguous()))
+    assert torch.equal(lin.weight.grad[:, sel], _mxfp8_product(dy.t().contiguous(), xs.t().contiguous()))
+
+
+def test_a_forward_only_switch_runs_both_parts_forward_in_high_precision():
+    model, steps = _convert(bf16_after_fraction=0.5, bf16_after_scope="forward", total_steps=8)  # switch after 4
+    lin = model.lin
+    sel, rest = _selected(model, steps)
+    _train(model, steps, [_x(PLANTED, 4)])
+    assert lin.high_precision_forward and not lin.high_precision
+    x = _x(PLANTED, 15)
+    with torch.no_grad():
+        expected = (torch.nn.functional.linear(x[:, rest], lin.weight[:, rest], lin.bias)
+                    + torch.nn.functional.linear(x[:, sel], lin.weight[:, sel]))
+        assert torch.equal(model(x), expected)
+
+
 def test_the_mxfp8_linear_alone_matches_the_numerics_and_skips_what_is_not_needed():
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(M, 64, generator=g).requires_grad_(), torch.randn(N, 64, generator=g).requires_grad_()
