@@ -224,20 +224,25 @@ def test_a_meta_model_materializes_unselected_and_a_resume_restores_the_window(t
 
 
 def _dp_worker(rank, world, out):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     a, b, common = list(range(0, 32)), list(range(32, 64)), list(range(64, 96))
-    torch.manual_seed(0)
     model, steps = _convert()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     x = torch.ones(M, K)
     x[:, a if rank == 0 else b] = 10.0  # each rank alone would pick its own 32
     x[:, common] = 6.0  # summed over both ranks: 12 > 10
     _train(model, steps, [x, x, x])
-    out[rank] = model.lin.outcontrol_index.tolist()
+    model(x).square().mean().backward()  # the split forward and backward on FSDP2's unsharded weight
+    grad = model.lin.weight.grad.full_tensor()
+    out[rank] = (model.lin.outcontrol_index.tolist(), bool(torch.isfinite(grad).all()), bool(grad[:, common].any()))
 
 
 @pytest.mark.long
-def test_data_parallel_ranks_sum_their_norms_and_select_the_same_channels():
+def test_data_parallel_ranks_sum_their_norms_and_select_the_same_channels_under_fsdp2():
     out = run_ranks(_dp_worker, 2)
-    assert out[0] == list(range(64, 96))
+    assert out[0] == out[1] == (list(range(64, 96)), True, True)
 
 
 # -- refusals --------------------------------------------------------------------------------------------------
