@@ -831,6 +831,22 @@ def test_forward_scope_switches_the_forward_alone(gloo_rank, monkeypatch, tmp_pa
     assert all(m.sr_calls == 2 for m in linears)  # the second backward ran after the switch and still drew
 
 
+def test_outcontrol_selects_each_linears_channels_through_the_core(gloo_rank, monkeypatch, tmp_path):
+    """outcontrol_fraction on 0.3, through the same core as 0.2: the window sums the forward of step 1, every Linear
+    selects after it (replicated buffers, declared for 0.3's sharding configs), and step 2 trains on the split."""
+    c, model, step = _debug_step_model(monkeypatch, tmp_path, "--quantize.linear.outcontrol_fraction", "0.1",
+                                       "--quantize.linear.outcontrol_start", "0", "--quantize.linear.outcontrol_steps",
+                                       "1")
+    sections = attach_sections([model], c.quantize, total_steps=2)
+    linears = [m for m in model.modules() if isinstance(m, TitanNVFP4Linear)]
+    assert linears and all(m.outcontrol.recording and not m._outcontrol_on for m in linears)
+    step()
+    after_optimizer_step([model], sections)
+    assert all(m._outcontrol_on and m.outcontrol_index.shape[0] % 32 == 0 for m in linears)
+    grads = step()
+    assert all(bool(torch.isfinite(g).all()) for g in grads)
+
+
 @pytest.mark.parametrize("kind", ["swiglu", "gpt_oss"])
 def test_experts_switch_to_torchtitans_own_experts_after_the_fraction(kind):
     """The experts' bf16_after_fraction on 0.3: the optimizer step hook switches them after step 1 of 2; then they

@@ -13,6 +13,9 @@ Two patches of torchtitan.components.checkpoint, applied by torchtitan_fixes.app
     a full resume is refused by name (the factors have no optimizer state to resume);
   - low-rank layers in the checkpoint, plain NVFP4 layers here: a model-only load loads W; a full
     resume is refused by name (its SR counts are per GEMM of the low-rank layer);
+  - a checkpoint without OutControl's channel selection (``<layer>.outcontrol_index`` / ``outcontrol_done``:
+    a run without outcontrol_fraction, a BF16 run) loads without it: the layers stay unselected; so does a
+    Hugging Face checkpoint;
   - a checkpoint of a run without NVFP4 layers (or without some of them) resumes with zero SR counts
     for the layers it lacks; one without activation amax windows resumes with empty windows; one without
     OsciReset margins (a run without osci_reset_every) resumes with none: a window open at its step restarts.
@@ -30,6 +33,8 @@ from .train_state import HISTORY_KEY, KEY
 from ..training.train_state import OSCI_KEY
 
 _TRAIN_STATE, _OPTIMIZER = "train_state", "optimizer"
+#: the model state-dict entries of OutControl's selection (modules/outcontrol.py)
+OUTCONTROL_KEYS = (".outcontrol_index", ".outcontrol_done")
 _RES = "lora_" + RESIDUAL
 _LINEAR = "[quantize.linear.nvfp4] lora_rank"
 
@@ -109,6 +114,13 @@ def adapt_request(state: dict, saved: dict[str, object], checkpoint_id: str) -> 
                 out.pop(k, None)
         logger.info(f"NVFP4: checkpoint {checkpoint_id} has no low-rank factors: {len(absent)} loaded weights are "
                     "decomposed at load")
+    # OutControl's selection (model buffers) that the checkpoint lacks: the layers stay unselected
+    unselected = [k for k in state if k.endswith(OUTCONTROL_KEYS) and k not in saved]
+    for k in unselected:
+        out.pop(k)
+    if unselected:
+        logger.info(f"NVFP4: checkpoint {checkpoint_id} has no OutControl channel selection for "
+                    f"{len(unselected) // 2} layers (e.g. {unselected[0]!r}): they load unselected")
     # low-rank layers in the checkpoint, plain here: the model loads W; the SR counts differ per layer
     trainer = state.get(_TRAIN_STATE)
     request = trainer.state_dict() if trainer is not None and hasattr(trainer, "state_dict") else {}
@@ -166,6 +178,8 @@ def install() -> None:
 
     def checked_dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized):
         saved = None if from_hf else saved_keys(checkpoint_id)
+        if from_hf:  # Hugging Face names exist for weights only: OutControl's selection is not asked for
+            state_dict = {k: v for k, v in state_dict.items() if not k.endswith(OUTCONTROL_KEYS)}
         if saved is not None:
             state_dict = adapt_request(state_dict, saved, checkpoint_id)
         return dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
@@ -175,4 +189,4 @@ def install() -> None:
     tt.CheckpointManager._nvfp4_checkpoint = True
 
 
-__all__ = ["adapt_request", "has_lowrank", "install", "saved_keys"]
+__all__ = ["OUTCONTROL_KEYS", "adapt_request", "has_lowrank", "install", "saved_keys"]

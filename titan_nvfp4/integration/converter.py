@@ -70,6 +70,18 @@ def _fsdp_all_gather_applies(parallel_dims: ParallelDims | None) -> bool:
     return True
 
 
+def require_outcontrol_parallelism(fraction: float, parallel_dims) -> None:
+    """Refuse outcontrol_fraction > 0 with tensor or pipeline parallelism (the channel split of a sharded weight; the
+    selection's one all_reduce over every rank needs the same layers on each)."""
+    if not fraction or parallel_dims is None:
+        return
+    for on, what, n in ((parallel_dims.tp_enabled, "tensor", parallel_dims.tp),
+                        (parallel_dims.pp_enabled, "pipeline", parallel_dims.pp)):
+        if on:
+            raise ValueError(f"[{CONVERTER_NAME}] outcontrol_fraction = {fraction} is not supported with {what} "
+                             f"parallelism (parallelism.{what}_parallel_degree = {n}) yet; set it to 0")
+
+
 class NVFP4LinearConverter(QuantizationConverter):
     """Converts dense Linears to NVFP4 per the `[quantize.linear.nvfp4]` section."""
 
@@ -87,6 +99,7 @@ class NVFP4LinearConverter(QuantizationConverter):
                              "not supported with pipeline parallelism (parallelism.pipeline_parallel_degree = "
                              f"{parallel_dims.pp}): its one all-reduce per step needs the same layers on every rank; "
                              "set it to 0")
+        require_outcontrol_parallelism(self.recipe.outcontrol_fraction, parallel_dims)
         gather = self.section.fsdp_nvfp4_all_gather and _fsdp_all_gather_applies(parallel_dims)
         self.steps = SectionSteps(self.section, job_config.training.steps, logger, nvfp4_all_gather=gather)
         if self.section.telemetry_every:

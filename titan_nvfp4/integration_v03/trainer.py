@@ -106,6 +106,11 @@ class NVFP4Trainer(Trainer):
             raise ValueError(f"[{linear.SECTION}] activation_amax_history = {linear.activation_amax_history} is not "
                              "supported with pipeline parallelism: its one all-reduce per step needs the same "
                              "layers on every rank; set it to 0")
+        fraction = linear.build_recipe().outcontrol_fraction if linear.enable else 0
+        for on, what in ((self.parallel_dims.tp_enabled, "tensor"), (self.parallel_dims.pp_enabled, "pipeline")):
+            if fraction and on:  # as 0.2 refuses it
+                raise ValueError(f"[{linear.SECTION}] outcontrol_fraction = {fraction} is not supported with {what} "
+                                 "parallelism yet; set it to 0")
         sections = attach_sections(self.model_parts, config.quantize, config.training.steps)
         apply_lora_dtype(self.model_parts, linear)
         if sections:

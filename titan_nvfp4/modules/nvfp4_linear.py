@@ -17,6 +17,8 @@ from ..autograd.body_graphs import BodyGraphs, graphable
 from ..distributed.tensor_parallel import local, local_tp_nvfp4_linear, tp_nvfp4_linear
 from .layer_state import NVFP4LayerState
 from ..autograd.linear_function import autocast_out_dtype, meta_linear, nvfp4_linear, x_amaxes
+from ..autograd.mxfp8_linear import mxfp8_linear
+from . import outcontrol as oc
 from ..ops import resolve_backend
 from ..recipe.nvfp4_recipe import NVFP4Recipe
 from .telemetry import measure_linear
@@ -56,6 +58,8 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.layer_name = name
         self._init_nvfp4(recipe, layer_id, self.weight.device)
+        if recipe.outcontrol_fraction:
+            oc.register_outcontrol(self, self.weight.device)
 
     @classmethod
     def from_linear(cls, mod: nn.Linear, recipe: NVFP4Recipe, layer_id: int = 0, name: str = "") -> "NVFP4Linear":
@@ -71,6 +75,8 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         new.bias = mod.bias
         new.layer_name = name
         new._init_nvfp4(recipe, layer_id, mod.weight.device)
+        if recipe.outcontrol_fraction:
+            oc.register_outcontrol(new, mod.weight.device)
         return new
 
     def label(self) -> str:
@@ -82,6 +88,11 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
     #: tensor-parallel weight and its input (TorchTitan 0.3's spmd_types backend sets it at parallelize);
     #: None: the weight is whole, or a DTensor that says so itself
     local_tp: tuple[int, object] | None = None
+
+    #: outcontrol.OutControlWindow shared by the converter's layers (outcontrol_fraction); None: never records
+    outcontrol = None
+    #: whether OutControl's channels are selected (the Python twin of the ``outcontrol_done`` buffer)
+    _outcontrol_on = False
 
     def _check_input(self, x) -> None:
         """x must be a tensor of at least 1 dim whose last dim is in_features (its local shard's under
@@ -106,7 +117,13 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
             return meta_linear(x, self.weight, self.bias)
         if self.high_precision:
             return F.linear(x, self.weight, self.bias)
-        y = self._nvfp4_linear(x, self.weight, self.bias)
+        if self._outcontrol_on:
+            y = self._outcontrol_linear(x)
+        else:
+            if self.outcontrol is not None and self.outcontrol.recording and self.training and torch.is_grad_enabled():
+                oc.check_supported(self, self.weight)
+                oc.record(self, x)
+            y = self._nvfp4_linear(x, self.weight, self.bias)
         if self.telemetry is not None:
             measure_linear(self, x, self.weight, y)
         return y
@@ -136,6 +153,41 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
             return local_tp_nvfp4_linear(on_shards, x, weight, bias, *self.local_tp, self.label)
         return tp_nvfp4_linear(on_shards, x, weight, bias, self.label)
 
+    def _outcontrol_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """OutControl after its selection (modules/outcontrol.py): the selected input channels in MXFP8, the rest
+        in NVFP4 with the layer's recipe and bias; autograd sums the two parts' gradients."""
+        oc.check_supported(self, self.weight)
+        sel, rest = local(self.outcontrol_index), local(self.outcontrol_rest)
+        y = mxfp8_linear(x.index_select(-1, sel), self.weight.index_select(1, sel), self.recipe.gemm_backend,
+                         high_precision_forward=self.high_precision_forward)
+        if not rest.numel():  # every channel selected
+            return y if self.bias is None else y + self.bias.to(y.dtype)
+        return self._nvfp4_linear(x.index_select(-1, rest), self.weight.index_select(1, rest), self.bias) + y
+
+    def _apply(self, fn, recurse: bool = True):
+        # to_empty() of a meta module leaves OutControl's buffers uninitialized: the layer starts unselected
+        flag = self._buffers.get("outcontrol_done")
+        was_meta = flag is not None and flag.is_meta
+        super()._apply(fn, recurse)
+        if was_meta and not self.outcontrol_done.is_meta:
+            oc.reset_outcontrol(self)
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """A state dict without OutControl's selection (BF16 or HF weights, a run without the knob) leaves the layer
+        as it is (unselected unless it selected since); one with it sets the selection."""
+        if not oc.has_outcontrol(self):
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                 unexpected_keys, error_msgs)
+        own = [prefix + n for n in ("outcontrol_index", "outcontrol_done")]
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if not any(k in state_dict for k in own):
+            missing_keys[:] = [k for k in missing_keys if k not in own]
+        elif not self.outcontrol_done.is_meta and not error_msgs:
+            oc.adopt_selection(self)
+
     def _body_graphs(self, x: torch.Tensor, weight: torch.Tensor, gemm: int | None) -> BodyGraphs | None:
         """The BodyGraphs of GEMM ``gemm`` of this layer when ``eager_graphs`` graphs this call (eager, on a GPU,
         small enough: body_graphs.py), else None."""
@@ -161,5 +213,8 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
             return f"{super().extra_repr()}, high precision (bf16_after_fraction)"
         forward = ", forward in high precision (bf16_after_scope)" if self.high_precision_forward else ""
         history = f", amax_history={self.amax_history.length}" if self.amax_history is not None else ""
+        if oc.has_outcontrol(self):
+            k = self.outcontrol_index.shape[0]
+            history += f", outcontrol={k} channels in MXFP8{'' if self._outcontrol_on else ' (not selected yet)'}"
         return (f"{super().extra_repr()}, nvfp4(weight_2d={r.weight_2d}, sr={r.stochastic_rounding}, "
                 f"rht={r.rht}, backend={r.gemm_backend}{history}){forward}")

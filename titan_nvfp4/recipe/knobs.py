@@ -201,6 +201,7 @@ class LinearKnobs(RecipeKnobs):
         recipe = self.build_recipe()
         self._check_all_gather(recipe)
         self._check_osci_reset(recipe)
+        self._check_outcontrol(recipe)
 
     def _check_osci_reset(self, recipe: NVFP4Recipe) -> None:
         """OsciReset's own values are recipe fields (nvfp4_recipe.py); here what it cannot be combined with."""
@@ -208,6 +209,27 @@ class LinearKnobs(RecipeKnobs):
             raise ValueError(f"[{self.SECTION}] osci_reset_every = {recipe.osci_reset_every} cannot be combined with "
                              "fsdp_nvfp4_all_gather = true yet (the reset writes the sharded weights whose NVFP4 codes "
                              "the all-gather keeps)")
+
+    def _check_outcontrol(self, recipe: NVFP4Recipe) -> None:
+        """OutControl (outcontrol_fraction, TetraJet-v2) with the keys it cannot run with, refused by name; its window
+        keys set without it, too (they would change nothing)."""
+        s, f = self.SECTION, recipe.outcontrol_fraction
+        if not f:
+            for key in ("outcontrol_start", "outcontrol_steps"):
+                if getattr(self, key) is not None and getattr(self, key) != getattr(NVFP4Recipe, key):
+                    raise ValueError(f"[{s}] {key} = {getattr(self, key)!r} needs outcontrol_fraction > 0 (it sets the "
+                                     "OutControl window)")
+            return
+        clash = [(k, v) for k, v, on in (
+            ("fsdp_nvfp4_all_gather", "true", self.fsdp_nvfp4_all_gather),
+            ("lora_rank", self.lora_rank, self.lora_rank),
+            ("osci_reset_every", recipe.osci_reset_every, recipe.osci_reset_every)) if on]
+        if clash:
+            key, value = clash[0]
+            why = {"fsdp_nvfp4_all_gather": "the gathered NVFP4 codes hold every input channel in FP4",
+                   "lora_rank": "the low-rank layers' residual has no channel split",
+                   "osci_reset_every": "OsciReset would also reset the MXFP8 channels, which the authors exclude"}[key]
+            raise ValueError(f"[{s}] outcontrol_fraction = {f} cannot be combined with {key} = {value} yet ({why})")
 
     def _check_all_gather(self, recipe: NVFP4Recipe) -> None:
         if not self.fsdp_nvfp4_all_gather:
@@ -234,6 +256,7 @@ _DENSE_ONLY_WHY = {
     "ms_eden": "the grouped GEMMs have no MS-EDEN backward yet",
     "rht_size": "the grouped GEMMs transform with 16-point RHT kernels",
     "osci_reset_every": "OsciReset applies to the dense Linears only",
+    "outcontrol_fraction": "OutControl applies to the dense Linears only",
 }
 
 

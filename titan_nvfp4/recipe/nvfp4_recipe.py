@@ -96,6 +96,17 @@ class NVFP4Recipe:
     """OsciReset: windows open from this fraction of training.steps on (0 = from step osci_reset_every; the
     authors' runs started at 0.59 to 0.69, in the learning-rate decay)."""
 
+    outcontrol_fraction: float = 0.0
+    """TetraJet-v2's OutControl (arXiv 2510.27527): this fraction of each dense Linear's input channels, those with the
+    largest ‖X[:, k]‖₂ summed over the window's forwards, run in MXFP8 instead of NVFP4 once selected (after
+    outcontrol_start + outcontrol_steps optimizer steps; static from then on). Rounded to a multiple of 32 channels
+    (upwards), at most in_features. 0 = off; the authors' released runs: 0.1. Dense Linears only."""
+    outcontrol_start: int = 500
+    """OutControl: the window of forwards whose ‖X[:, k]‖₂ is summed opens after this many optimizer steps (the
+    authors' iteration 501 is the forward of step 501, after 500 steps)."""
+    outcontrol_steps: int = 50
+    """OutControl: the window's length in optimizer steps; the channels are selected after its last step."""
+
     @property
     def four_over_six(self) -> bool:
         return self.block_scale_rule == "four_over_six"
@@ -113,13 +124,15 @@ _BOOL_FIELDS = ("weight_2d", "stochastic_rounding", "rht", "rht_round_to_input_d
 BACKWARDS = ("nvfp4", "mxfp8", "bf16")
 BLOCK_SCALE_RULES = ("six", "four_over_six")
 EAGER_GRAPHS = ("off", "small")
-_INT_FIELDS = ("rht_seed", "sr_seed", "bf16_first_blocks", "bf16_last_blocks", "osci_reset_every")
+_INT_FIELDS = ("rht_seed", "sr_seed", "bf16_first_blocks", "bf16_last_blocks", "osci_reset_every",
+               "outcontrol_start")
 RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(NVFP4Recipe))
 #: rht_size values (the MS-EDEN kernels' Hadamard sizes)
 RHT_SIZES = (16, 32, 64, 128)
 #: fields that apply to the dense Linears only: the routed experts refuse values other than their defaults
 DENSE_ONLY_FIELDS = ("eager_graphs", "ms_eden", "rht_size", "osci_reset_every", "osci_reset_window",
-                     "osci_reset_threshold", "osci_reset_start_fraction")
+                     "osci_reset_threshold", "osci_reset_start_fraction", "outcontrol_fraction", "outcontrol_start",
+                     "outcontrol_steps")
 #: the OsciReset keys that need osci_reset_every > 0
 OSCI_RESET_KEYS = ("osci_reset_window", "osci_reset_threshold", "osci_reset_start_fraction")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(NVFP4Recipe)}
@@ -146,6 +159,11 @@ def validate_field(name: str, value: Any, where: str = "quantize.linear.nvfp4") 
         raise ValueError(f"[{where}] block_scale_rule must be one of {list(BLOCK_SCALE_RULES)}, got {value!r}")
     if name == "eager_graphs" and value not in EAGER_GRAPHS:
         raise ValueError(f"[{where}] eager_graphs must be one of {list(EAGER_GRAPHS)}, got {value!r}")
+    if name == "outcontrol_fraction" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                          or not 0 <= value < 1):
+        raise ValueError(f"[{where}] outcontrol_fraction must be a number in [0, 1) (0 = off), got {value!r}")
+    if name == "outcontrol_steps" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise ValueError(f"[{where}] outcontrol_steps must be a positive integer, got {value!r}")
     if name == "gemm_backend" and value not in BACKEND_NAMES:
         raise ValueError(f"[{where}] gemm_backend must be one of {list(BACKEND_NAMES)}, got {value!r}")
     if name == "rht_size" and (isinstance(value, bool) or value not in RHT_SIZES):

@@ -6,9 +6,10 @@ CHECKPOINT: a TorchTitan DCP checkpoint directory (e.g. outputs/<run>/checkpoint
 torch.save'd state dict. A low-rank layer's ``weight`` (expert: ``w1``, ``w2``, ``w3``, ``mlp1_weight``,
 ``mlp2_weight``) is already saved as the full W = R + U·diag(σ)·V next to ``lora_residual`` (R) and the
 factors ``lora_u``, ``lora_sigma``, ``lora_v`` (expert: ``w1_lora_u``, ...); the export keeps W and drops
-the residual, the factors and the ``lora_decomposed`` flags, so its weights are exactly those a BF16 model
-loads from the checkpoint directly. A checkpoint written before the residual was saved apart (``weight`` =
-R) is folded: W = R + U·diag(σ)·V in fp32, stored in R's dtype. All other entries are kept as they are.
+the residual, the factors, the ``lora_decomposed`` flags and OutControl's ``outcontrol_index`` /
+``outcontrol_done``, so its weights are exactly those a BF16 model loads from the checkpoint directly. A
+checkpoint written before the residual was saved apart (``weight`` = R) is folded: W = R + U·diag(σ)·V in fp32,
+stored in R's dtype. All other entries are kept as they are.
 OUT.pt is a torch.save'd state dict, written atomically (a kill mid-write leaves the old file or none); an OUT
 that names the checkpoint, or lies inside its folder, is refused. The checkpoint's bytes are verified first
 (tools/checkpoint_integrity.py: file sizes against .metadata, each entry's CRC-32), and weights with NaN or Inf
@@ -29,6 +30,8 @@ from .checkpoint_integrity import verify_checkpoint
 from .cli import fail, parser, require_inputs, require_output, writing
 
 _FACTORS = ("lora_u", "lora_sigma", "lora_v", "lora_residual")
+#: per-layer state a BF16 model has no place for: the low-rank flags, OutControl's channel selection
+_FLAGS = ("lora_decomposed", ".outcontrol_index", ".outcontrol_done")
 
 
 def weight_key_of(prefix: str) -> str:
@@ -40,7 +43,7 @@ def weight_key_of(prefix: str) -> str:
 def fold_decomposed(state_dict: dict) -> dict:
     """The dense twin of a state dict with low-rank entries (see the module docstring)."""
     prefixes = {k[: -len("lora_u")] for k in state_dict if k.endswith("lora_u")}
-    drop = {p + n for p in prefixes for n in _FACTORS} | {k for k in state_dict if k.endswith("lora_decomposed")}
+    drop = {p + n for p in prefixes for n in _FACTORS} | {k for k in state_dict if k.endswith(_FLAGS)}
     out = {k: v for k, v in state_dict.items() if k not in drop}
     for p in sorted(prefixes):
         w_key = weight_key_of(p)

@@ -19,6 +19,7 @@ from ..distributed.fsdp_all_gather import TRAFFIC, precompute_scales
 from ..modules.amax_history import AmaxHistory, layers_with_history, register_buffers, roll
 from ..modules.decomposed_linear import log_lora_dtype, log_refresh, redecompose, set_lora_dtype
 from ..modules.osci_reset import OsciReset, check_supported, layers_with_osci_reset, osci_reset_step
+from ..modules import outcontrol as oc
 from ..modules.telemetry import Telemetry, drain_all
 from ..recipe.knobs import SWITCH_FORWARD, LinearKnobs, RecipeKnobs
 from .optimizer_states import shared_optimizer_states
@@ -58,6 +59,11 @@ class SectionSteps:
         self._gather_logged = False
         self.counters: list[StepCounter] = []
         self.osci_reset = self._osci_reset(knobs, total_steps) if self.dense else None
+        recipe = knobs.build_recipe()
+        self.outcontrol = (oc.OutControlWindow(recipe.outcontrol_start, recipe.outcontrol_steps)
+                           if self.dense and recipe.outcontrol_fraction else None)
+        self.outcontrol_fraction = recipe.outcontrol_fraction
+        self._outcontrol_checked = False
         if self.fraction and not total_steps:
             raise ValueError(f"[{knobs.SECTION}] bf16_after_fraction = {self.fraction} needs the run's total number of "
                              "optimizer steps (training.steps; total_steps for titan_nvfp4.convert)")
@@ -65,7 +71,7 @@ class SectionSteps:
     @property
     def counted(self) -> bool:
         """Whether the section's modules need a step counter (a switch, telemetry or a refresh follows it)."""
-        return bool(self.fraction or self.telemetry_every or self.refresh_steps or self.osci_reset)
+        return bool(self.fraction or self.telemetry_every or self.refresh_steps or self.osci_reset or self.outcontrol)
 
     @property
     def per_step(self) -> bool:
@@ -102,6 +108,8 @@ class SectionSteps:
                           "the new split" if self.state_of is not None else ""))
         if self.osci_reset is not None:
             self._attach_osci_reset(modules)
+        if self.outcontrol is not None:
+            self._attach_outcontrol(modules)
         if self.telemetry_every:
             for counter, ms in zip(counters, modules):
                 telemetry = Telemetry(self.telemetry_every, counter)
@@ -138,6 +146,8 @@ class SectionSteps:
                     log_refresh(self.log, done, counter.count, self.state_of is not None)
         if self.osci_reset is not None:
             self._osci_reset_step(parts)
+        if self.outcontrol is not None:
+            self._outcontrol_step(parts)
         if self.nvfp4_all_gather:
             first = not self._gather_logged
             if first:
@@ -172,6 +182,41 @@ class SectionSteps:
         self.log.info(f"NVFP4: OsciReset of {sum(map(len, modules))} Linear layers: a window opens every {o.every} "
                       f"optimizer steps from step {first}, sums {o.window} steps and resets the weight elements whose "
                       f"FP4 value moved more than {o.threshold:g}x as far as their master weight (osci_reset_every)")
+
+    # -- OutControl (outcontrol_fraction; modules/outcontrol.py) ----------------------------------------------------
+
+    def _attach_outcontrol(self, modules: list[list[nn.Module]]) -> None:
+        w = self.outcontrol
+        layers = [m for ms in modules for m in ms if oc.has_outcontrol(m)]
+        for m in layers:
+            oc.check_supported(m)  # a layer's local_tp is known here when the model was parallelized first (0.3)
+            m.outcontrol = w
+        k = sum(m.outcontrol_index.shape[0] for m in layers)
+        total = sum(m.in_features for ms in modules for m in ms)
+        self.log.info(f"NVFP4: OutControl of {len(layers)} Linear layers: the forwards of optimizer steps "
+                      f"{w.start + 1} to {w.end} sum each input channel's L2 norm, then {k} of their {total} input "
+                      f"channels (outcontrol_fraction = {self.outcontrol_fraction}, rounded up to 32 per layer) run "
+                      "in MXFP8")
+
+    def _outcontrol_step(self, parts: list[nn.Module]) -> None:
+        """Open or close the window; after its last step select every layer's channels (one all_reduce of their sums
+        over the ranks); a run resumed past the window from a checkpoint without a selection is logged once."""
+        counters = step_counters(parts, self.counter_name)
+        if not counters:
+            return
+        count, w = counters[0][1].count, self.outcontrol
+        w.at_step(count)
+        if count == w.end:
+            for name, k, n in oc.select_channels(oc.layers_with_outcontrol(parts)):
+                self.log.info(f"NVFP4: OutControl of {name}: {k} of {n} input channels in MXFP8 from optimizer step "
+                              f"{count + 1} on (the largest L2 norms over steps {w.start + 1} to {w.end})")
+        elif count > w.end and not self._outcontrol_checked:
+            late = [m for m in oc.layers_with_outcontrol(parts) if not m._outcontrol_on]
+            if late:
+                self.log.warning(f"NVFP4: OutControl: {len(late)} Linear layers (e.g. {oc.layer_label(late[0])!r}) "
+                                 f"have no channel selection though the window ended after optimizer step {w.end} (a "
+                                 "checkpoint without one): they stay NVFP4 (outcontrol_fraction)")
+        self._outcontrol_checked = self._outcontrol_checked or count >= w.end
 
     def _osci_reset_step(self, parts: list[nn.Module]) -> None:
         """The windows after this optimizer step (after a low-rank refresh: an open window's W_prev is then the

@@ -15,7 +15,8 @@ affected. The activation amax windows of ``activation_amax_history`` (amax_histo
 way as ``nvfp4_amax_history``: {layer fqn: fp32 [N, 2]}, identical on every rank. OsciReset's margins
 (osci_reset.py, ``osci_reset_every``) as ``nvfp4_osci_margin``: {layer fqn: fp32 shaped like the weight, a DTensor
 placed like it when it is one}, present whenever the knob is on, so that the job's train_state asks DCP for them
-at every resume; the windows' W_prev is the restored weight itself.
+at every resume; the windows' W_prev is the restored weight itself. OutControl's channel selection
+(outcontrol.py) rides in the model's state dict instead (persistent buffers); a load re-reads it here.
 
 ``install(trainer_cls)`` extends any class with TorchTitan's Trainer checkpoint interface (``state_dict``,
 ``load_state_dict``, ``model_parts``, ``step``): 0.2's Trainer (integration/train_state.py installs it on the
@@ -31,6 +32,7 @@ from torch import nn
 
 from ..modules.amax_history import layers_with_history
 from ..modules.osci_reset import margin_of, resume_windows
+from ..modules.outcontrol import sync_outcontrol
 from ..distributed.tensor_parallel import local
 from ..modules.layer_state import NVFP4LayerState
 from .schedule import StepCounter
@@ -123,6 +125,8 @@ def sync_step_counters(model_parts: list[nn.Module], step: int) -> None:
                 m.sync(step)
             if getattr(m, "amax_history", None) is not None:
                 m.amax_history.at_step(step)
+            if getattr(m, "outcontrol", None) is not None:
+                m.outcontrol.at_step(step)
 
 
 def state_of_layers(model_parts: list[nn.Module]) -> dict:
@@ -155,6 +159,7 @@ def load_state_of_layers(model_parts: list[nn.Module], state: dict, step: int) -
     if not histories:  # a checkpoint without windows (integration/checkpoint.py)
         empty_amax_histories(model_parts)
     load_osci_margins(model_parts, state.get(OSCI_KEY) or {}, step)
+    sync_outcontrol(model_parts)  # a DCP load put the selection into the buffers in place
 
 
 def install(trainer_cls) -> None:

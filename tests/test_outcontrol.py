@@ -1,0 +1,332 @@
+"""TetraJet-v2's OutControl (modules/outcontrol.py, the outcontrol_* recipe keys): how many input channels, which ones
+(the largest ‖X[:, k]‖₂ summed over the window's training forwards, summed over the ranks), when (once, after the
+window's last optimizer step), the forward and gradients after it (the selected channels in MXFP8 beside the NVFP4
+rest, bit for bit against the numerics), the selection in state dicts and checkpoints, and the refusals. Driven
+through the real per-step core (titan_nvfp4.convert's TrainingSteps)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import titan_nvfp4
+from titan_nvfp4.autograd.linear_function import nvfp4_linear
+from titan_nvfp4.autograd.mxfp8_linear import mxfp8_linear
+from titan_nvfp4.modules.outcontrol import outcontrol_channels, select_channels
+from titan_nvfp4.numerics.mxfp8 import quantize_mxfp8
+
+from dist_util import run_ranks
+from job_helpers import JOB_TOML, edited_toml, parse
+
+K, N, M = 128, 32, 64  # in_features, out_features, tokens per forward; 0.1 of K rounds up to 32 channels
+
+
+class _Net(nn.Module):
+    def __init__(self, in_features: int = K, out_features: int = N):
+        super().__init__()
+        self.lin = nn.Linear(in_features, out_features)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _convert(**knobs):
+    knobs = {"filter_fqns": [], "gemm_backend": "reference", "outcontrol_fraction": 0.1, "outcontrol_start": 1,
+             "outcontrol_steps": 2, **knobs}
+    torch.manual_seed(0)
+    return titan_nvfp4.convert(_Net(), **knobs)
+
+
+def _x(big: list[int], seed: int = 0, scale: float = 20.0) -> torch.Tensor:
+    """Activations with the columns ``big`` ``scale`` times larger."""
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed))
+    x[:, big] *= scale
+    return x
+
+
+PLANTED = sorted({(7 * i + 3) % K for i in range(32)})
+
+
+def _train(model, steps, xs) -> None:
+    for x in xs:
+        model(x).square().mean().backward()
+        steps.step()
+
+
+def test_k_is_the_rounded_fraction_rounded_up_to_whole_mxfp8_blocks():
+    assert outcontrol_channels(2048, 0.1) == 224  # round(204.8) = 205 -> 224
+    assert outcontrol_channels(4096, 0.02) == 96  # 82 -> 96
+    assert outcontrol_channels(128, 0.1) == 32  # 13 -> 32
+    assert outcontrol_channels(64, 0.5) == 32
+    assert outcontrol_channels(32, 0.5) == 32  # at most K
+    assert outcontrol_channels(64, 0.001) == 0  # round(0.064) = 0: the layer keeps no channel in MXFP8
+    model, _ = _convert(outcontrol_fraction=0.3)
+    assert model.lin.outcontrol_index.shape == (64,) and model.lin.outcontrol_rest.shape == (64,)
+
+
+def test_the_planted_outlier_channels_are_selected_once_after_the_window(caplog):
+    """start 1, steps 2: the forwards of steps 2 and 3 count; selection after step 3; later outliers change nothing."""
+    model, steps = _convert()
+    lin = model.lin
+    with caplog.at_level(logging.INFO, logger="titan_nvfp4"):
+        _train(model, steps, [_x(list(range(32)), 1, 1e3)])  # step 1: outside the window, not summed
+        assert not bool(lin.outcontrol_norms.any()) and lin.outcontrol.recording
+        with torch.no_grad():
+            model(_x(list(range(32, 64)), 2, 1e3))  # an evaluation forward: not summed
+        assert not bool(lin.outcontrol_norms.any())
+        _train(model, steps, [_x(PLANTED, 3)])
+        expected = torch.linalg.vector_norm(_x(PLANTED, 3), dim=0)
+        assert torch.equal(lin.outcontrol_norms, expected) and not lin._outcontrol_on
+        _train(model, steps, [_x(PLANTED, 4)])
+    assert lin._outcontrol_on and bool(lin.outcontrol_done)
+    assert lin.outcontrol_index.tolist() == PLANTED
+    assert lin.outcontrol_rest.tolist() == sorted(set(range(K)) - set(PLANTED))
+    assert "NVFP4: OutControl of lin: 32 of 128 input channels in MXFP8 from optimizer step 4 on" in caplog.text
+    _train(model, steps, [_x(list(range(32)), 5, 1e3) for _ in range(3)])  # static from here on
+    assert lin.outcontrol_index.tolist() == PLANTED and not lin.outcontrol.recording
+
+
+def test_ties_go_to_the_lower_channel():
+    model, _ = _convert()
+    lin = model.lin
+    with torch.no_grad():
+        lin.outcontrol_norms.fill_(1.0)
+        lin.outcontrol_norms[[5, 9, 100]] = 2.0  # three clear winners, then 29 of the 125 tied channels
+    assert select_channels([lin]) == [("lin", 32, K)]
+    assert lin.outcontrol_index.tolist() == sorted([5, 9, 100] + [c for c in range(K) if c not in (5, 9, 100)][:29])
+
+
+def _mxfp8_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, C] · b [N, C]ᵀ by hand: both quantized to MXFP8 along C, dequantized, multiplied in fp32."""
+    return quantize_mxfp8(a).dequantize() @ quantize_mxfp8(b).dequantize().t()
+
+
+def _selected(model, steps):
+    _train(model, steps, [_x(PLANTED, s) for s in (1, 2, 3)])
+    assert model.lin._outcontrol_on
+    return model.lin.outcontrol_index, model.lin.outcontrol_rest
+
+
+def test_before_the_selection_the_layer_is_plain_nvfp4_after_it_the_split_bit_for_bit():
+    model, steps = _convert()
+    lin, x = model.lin, _x(PLANTED, 9)
+    with torch.no_grad():
+        assert torch.equal(model(x), nvfp4_linear(x, lin.weight, lin.bias, lin.recipe, None, lin.rht_signs))
+    sel, rest = _selected(model, steps)
+    with torch.no_grad():
+        y = model(x)
+        fp4 = nvfp4_linear(x[:, rest], lin.weight[:, rest], lin.bias, lin.recipe, None, lin.rht_signs)
+        assert torch.equal(y, fp4 + _mxfp8_product(x[:, sel], lin.weight[:, sel]))
+        assert not torch.equal(y, nvfp4_linear(x, lin.weight, lin.bias, lin.recipe, None, lin.rht_signs))
+
+
+def test_the_gradients_are_the_mxfp8_ones_of_the_selected_columns_and_the_nvfp4_ones_of_the_rest():
+    model, steps = _convert()
+    lin = model.lin
+    sel, rest = _selected(model, steps)
+    x = _x(PLANTED, 11).requires_grad_()
+    dy = torch.randn(M, N, generator=torch.Generator().manual_seed(12))
+    model.zero_grad(set_to_none=True)
+    counter = lin.sr_counter.clone()  # the NVFP4 part's SR stream, as the layer will draw it
+    model(x).backward(dy)
+    # the NVFP4 part: nvfp4_linear on the rest columns with the layer's stream
+    xr, wr = x.detach()[:, rest].requires_grad_(), lin.weight.detach()[:, rest].requires_grad_()
+    b = lin.bias.detach().clone().requires_grad_()
+    nvfp4_linear(xr, wr, b, lin.recipe, counter, lin.rht_signs).backward(dy)
+    assert torch.equal(x.grad[:, rest], xr.grad) and torch.equal(lin.weight.grad[:, rest], wr.grad)
+    assert torch.equal(lin.bias.grad, b.grad)
+    # the MXFP8 part by hand: dgrad dY·W[:, sel] with blocks along N, wgrad dYᵀ·X[:, sel] with blocks along the tokens
+    xs, ws = x.detach()[:, sel], lin.weight.detach()[:, sel]
+    assert torch.equal(x.grad[:, sel], _mxfp8_product(dy, ws.t().contiguous()))
+    assert torch.equal(lin.weight.grad[:, sel], _mxfp8_product(dy.t().contiguous(), xs.t().contiguous()))
+
+
+@pytest.mark.parametrize("backward", ["mxfp8", "bf16"])
+def test_another_backward_runs_the_rest_and_keeps_the_selected_columns_in_mxfp8(backward):
+    model, steps = _convert(backward=backward)
+    lin = model.lin
+    sel, rest = _selected(model, steps)
+    model.zero_grad(set_to_none=True)
+    x = _x(PLANTED, 13).requires_grad_()
+    dy = torch.randn(M, N, generator=torch.Generator().manual_seed(14))
+    model(x).backward(dy)
+    xr, wr = x.detach()[:, rest].requires_grad_(), lin.weight.detach()[:, rest].requires_grad_()
+    nvfp4_linear(xr, wr, lin.bias.detach(), lin.recipe, None, lin.rht_signs).backward(dy)
+    assert torch.equal(x.grad[:, rest], xr.grad) and torch.equal(lin.weight.grad[:, rest], wr.grad)
+    xs, ws = x.detach()[:, sel], lin.weight.detach()[:, sel]
+    assert torch.equal(x.grad[:, sel], _mxfp8_product(dy, ws.t().contiguous()))
+    assert torch.equal(lin.weight.grad[:, sel], _mxfp8_product(dy.t().contiguous(), xs.t().contiguous()))
+
+
+def test_a_forward_only_switch_runs_both_parts_forward_in_high_precision():
+    model, steps = _convert(bf16_after_fraction=0.5, bf16_after_scope="forward", total_steps=8)  # switch after 4
+    lin = model.lin
+    sel, rest = _selected(model, steps)
+    _train(model, steps, [_x(PLANTED, 4)])
+    assert lin.high_precision_forward and not lin.high_precision
+    x = _x(PLANTED, 15)
+    with torch.no_grad():
+        expected = (torch.nn.functional.linear(x[:, rest], lin.weight[:, rest], lin.bias)
+                    + torch.nn.functional.linear(x[:, sel], lin.weight[:, sel]))
+        assert torch.equal(model(x), expected)
+
+
+def test_the_mxfp8_linear_alone_matches_the_numerics_and_skips_what_is_not_needed():
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(M, 64, generator=g).requires_grad_(), torch.randn(N, 64, generator=g).requires_grad_()
+    y = mxfp8_linear(x, w, "reference")
+    assert torch.equal(y, _mxfp8_product(x.detach(), w.detach()))
+    y.backward(torch.ones_like(y))
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    with torch.no_grad():
+        assert torch.equal(mxfp8_linear(x, w, "reference"), y)
+    with pytest.raises(ValueError, match=r"mxfp8_linear: x \(64, 64\) and weight \(32, 48\) do not fit"):
+        mxfp8_linear(x, torch.zeros(N, 48), "reference")
+
+
+def test_the_selection_survives_a_state_dict_round_trip_and_a_bf16_state_dict_loads_unselected():
+    model, steps = _convert()
+    sel, _ = _selected(model, steps)
+    state = model.state_dict()
+    assert state["lin.outcontrol_done"].item() and torch.equal(state["lin.outcontrol_index"], sel)
+    fresh, _ = _convert()
+    assert not fresh.lin._outcontrol_on
+    fresh.load_state_dict(state)
+    assert fresh.lin._outcontrol_on and torch.equal(fresh.lin.outcontrol_index, sel)
+    x = _x(PLANTED, 20)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), model(x))
+    plain = {k: v for k, v in state.items() if "outcontrol" not in k}  # a BF16 model's keys
+    other, _ = _convert()
+    other.load_state_dict(plain)  # strict: the selection's keys are not required
+    assert not other.lin._outcontrol_on
+    broken = dict(state, **{"lin.outcontrol_index": torch.full_like(sel, 3)})
+    with pytest.raises(ValueError, match="NVFP4 Linear 'lin': outcontrol_index holds a channel twice"):
+        other.load_state_dict(broken)
+
+
+def test_a_meta_model_materializes_unselected_and_a_resume_restores_the_window(tmp_path):
+    with torch.device("meta"):
+        net = _Net()
+    model, steps = titan_nvfp4.convert(net, filter_fqns=[], gemm_backend="reference", outcontrol_fraction=0.1,
+                                       outcontrol_start=1, outcontrol_steps=2)
+    model.to_empty(device="cpu")
+    assert not bool(model.lin.outcontrol_done) and not bool(model.lin.outcontrol_norms.any())
+    # a TrainingSteps resumed after 2 steps: inside the window (the forward of step 3 is summed)
+    model2, steps2 = _convert()
+    steps2.load_state_dict({"steps": 2})
+    assert model2.lin.outcontrol.recording
+    _train(model2, steps2, [_x(PLANTED, 4)])
+    assert model2.lin._outcontrol_on and model2.lin.outcontrol_index.tolist() == PLANTED
+
+
+def _dp_worker(rank, world, out):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    a, b, common = list(range(0, 32)), list(range(32, 64)), list(range(64, 96))
+    model, steps = _convert()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    x = torch.ones(M, K)
+    x[:, a if rank == 0 else b] = 10.0  # each rank alone would pick its own 32
+    x[:, common] = 6.0  # summed over both ranks: 12 > 10
+    _train(model, steps, [x, x, x])
+    model(x).square().mean().backward()  # the split forward and backward on FSDP2's unsharded weight
+    grad = model.lin.weight.grad.full_tensor()
+    out[rank] = (model.lin.outcontrol_index.tolist(), bool(torch.isfinite(grad).all()), bool(grad[:, common].any()))
+
+
+@pytest.mark.long
+def test_data_parallel_ranks_sum_their_norms_and_select_the_same_channels_under_fsdp2():
+    out = run_ranks(_dp_worker, 2)
+    assert out[0] == out[1] == (list(range(64, 96)), True, True)
+
+
+# -- refusals --------------------------------------------------------------------------------------------------
+
+def _toml_error(tmp_path, *lines: str, grouped: bool = False) -> str:
+    if grouped:
+        toml = tmp_path / "job.toml"
+        toml.write_text(JOB_TOML.read_text() + "\n[quantize.grouped_mm.nvfp4]\n" + "".join(f"{x}\n" for x in lines))
+    else:
+        toml = edited_toml(tmp_path, add=lines)
+    with pytest.raises(ValueError) as e:
+        parse(toml=toml)
+    return str(e.value)
+
+
+S = r"\[quantize.linear.nvfp4\] "
+
+
+@pytest.mark.parametrize("knobs, message", [
+    ({"outcontrol_fraction": 1.0}, S + r"outcontrol_fraction must be a number in \[0, 1\) \(0 = off\), got 1.0"),
+    ({"outcontrol_fraction": -0.1}, S + r"outcontrol_fraction must be a number in \[0, 1\) \(0 = off\), got -0.1"),
+    ({"outcontrol_fraction": 0.1, "outcontrol_start": -1}, S + "outcontrol_start must be a non-negative integer, got -1"),
+    ({"outcontrol_fraction": 0.1, "outcontrol_steps": 0}, S + "outcontrol_steps must be a positive integer, got 0"),
+    ({"outcontrol_steps": 10}, S + "outcontrol_steps = 10 needs outcontrol_fraction > 0"),
+    ({"outcontrol_fraction": 0.1, "fsdp_nvfp4_all_gather": True},
+     S + "outcontrol_fraction = 0.1 cannot be combined with fsdp_nvfp4_all_gather = true yet"),
+    ({"outcontrol_fraction": 0.1, "lora_rank": 16}, S + "outcontrol_fraction = 0.1 cannot be combined with lora_rank = 16"),
+    ({"outcontrol_fraction": 0.1, "osci_reset_every": 100},
+     S + "outcontrol_fraction = 0.1 cannot be combined with osci_reset_every = 100"),
+])
+def test_bad_values_are_refused_at_parse_time_by_name(tmp_path, knobs, message):
+    lines = [f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in knobs.items()]
+    assert pytest.raises(ValueError, titan_nvfp4.convert, _Net(), **knobs).match(message)
+    assert str(pytest.raises(ValueError, titan_nvfp4.convert, _Net(), **knobs).value) == _toml_error(tmp_path, *lines)
+
+
+def test_the_experts_refuse_it_and_experts_true_leaves_it_to_the_linears(tmp_path):
+    message = "[quantize.grouped_mm.nvfp4] outcontrol_fraction = 0.1: OutControl applies to the dense Linears only"
+    assert message in _toml_error(tmp_path, "outcontrol_fraction = 0.1", grouped=True)
+    with pytest.raises(ValueError) as e:
+        titan_nvfp4.convert(_Net(), experts={"outcontrol_fraction": 0.1})
+    assert message in str(e.value)
+
+
+def test_tensor_parallel_shards_are_refused_by_name():
+    model, steps = _convert()
+    model.lin.local_tp = (0, None)  # as TorchTitan 0.3's spmd_types parallelize sets it
+    with pytest.raises(NotImplementedError, match="NVFP4 Linear 'lin': outcontrol_fraction is not supported with tensor"):
+        steps.sections[0].attach([model], [[model.lin]])
+    from torchtitan.distributed import ParallelDims
+    from titan_nvfp4.integration.converter import require_outcontrol_parallelism
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=2, ep=1, etp=1, world_size=2)
+    with pytest.raises(ValueError, match=S + r"outcontrol_fraction = 0.1 is not supported with pipeline parallelism "
+                       r"\(parallelism.pipeline_parallel_degree = 2\)"):
+        require_outcontrol_parallelism(0.1, dims)
+
+
+# -- TorchTitan 0.2's CheckpointManager (DCP) ----------------------------------------------------------------------
+
+@pytest.mark.long
+def test_torchtitans_checkpoint_manager_keeps_the_selection_and_loads_checkpoints_without_it(tmp_path):
+    from checkpoint_helpers import REF, Job, tokens as _tokens
+
+    oc = {**REF, "outcontrol_fraction": 0.25, "outcontrol_start": 1, "outcontrol_steps": 1}  # selects after step 2
+    a = Job(tmp_path, oc)
+    for t in range(1, 4):
+        a.step(_tokens(t))
+    a.save()
+    wq = a.linear("attention.wq")
+    assert wq._outcontrol_on and wq.outcontrol_index.shape == (32,)
+    loss = a.step(_tokens(4))
+    b = Job(tmp_path, oc)
+    b.load()
+    assert b.trainer.step == 3
+    for name in ("attention.wq", "feed_forward.w2"):
+        assert b.linear(name)._outcontrol_on
+        assert torch.equal(b.linear(name).outcontrol_index, a.linear(name).outcontrol_index)
+    assert torch.equal(b.step(_tokens(4)), loss)
+    plain = Job(tmp_path, REF, folder="plain")  # a checkpoint without the selection
+    plain.step(_tokens(1))
+    plain.save()
+    c = Job(tmp_path, oc, folder="plain")
+    c.load()
+    assert c.trainer.step == 1 and not c.linear("attention.wq")._outcontrol_on
+    c.step(_tokens(2))
+    assert c.linear("attention.wq")._outcontrol_on  # its window (step 2's forward) still ran
