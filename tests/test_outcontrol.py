@@ -270,8 +270,6 @@ S = r"\[quantize.linear.nvfp4\] "
     ({"outcontrol_fraction": 0.1, "fsdp_nvfp4_all_gather": True},
      S + "outcontrol_fraction = 0.1 cannot be combined with fsdp_nvfp4_all_gather = true yet"),
     ({"outcontrol_fraction": 0.1, "lora_rank": 16}, S + "outcontrol_fraction = 0.1 cannot be combined with lora_rank = 16"),
-    ({"outcontrol_fraction": 0.1, "osci_reset_every": 100},
-     S + "outcontrol_fraction = 0.1 cannot be combined with osci_reset_every = 100"),
 ])
 def test_bad_values_are_refused_at_parse_time_by_name(tmp_path, knobs, message):
     lines = [f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in knobs.items()]
@@ -330,3 +328,25 @@ def test_torchtitans_checkpoint_manager_keeps_the_selection_and_loads_checkpoint
     assert c.trainer.step == 1 and not c.linear("attention.wq")._outcontrol_on
     c.step(_tokens(2))
     assert c.linear("attention.wq")._outcontrol_on  # its window (step 2's forward) still ran
+
+
+def test_osci_reset_beside_it_quantizes_the_rest_on_its_own_and_never_resets_the_selected_channels():
+    """With both (the tetrajet2 preset): OsciReset's grid Q is the forward's, W[:, rest] quantized on its own, and the
+    selected MXFP8 channels keep their master weights (the authors reset FP4 weights only)."""
+    from titan_nvfp4.modules.osci_reset import forward_grid
+    from titan_nvfp4.numerics.nvfp4 import quantize_nvfp4
+
+    model, steps = _convert(osci_reset_every=4, osci_reset_window=1)
+    lin = model.lin
+    sel, rest = _selected(model, steps)
+    q = forward_grid(lin, lin.weight)
+    assert torch.equal(q[:, sel], lin.weight.detach()[:, sel].float())
+    want = quantize_nvfp4(lin.weight.detach()[:, rest], block_shape=(16, 16)).dequantize()
+    assert torch.equal(q[:, rest], want)
+    before = lin.weight.detach()[:, sel].clone()
+    with torch.no_grad():
+        lin.weight[:, sel] += 1e-3  # any movement of the selected channels stays below τ times itself
+    _train(model, steps, [_x(PLANTED, s) for s in range(10, 16)])  # two windows, resets included
+    assert not torch.equal(lin.weight.detach()[:, sel], before)  # trained, not snapped to a grid
+    grid = forward_grid(lin, lin.weight)[:, sel]
+    assert torch.equal(grid, lin.weight.detach()[:, sel].float())

@@ -22,7 +22,9 @@ def test_the_presets_hold_what_their_sources_ran():
     t = build_recipe("tetrajet2", {})
     assert (t.osci_reset_every, t.osci_reset_window, t.osci_reset_threshold, t.osci_reset_start_fraction) == (
         200, 50, 8.0, 0.6)
+    assert (t.outcontrol_fraction, t.outcontrol_start, t.outcontrol_steps) == (0.1, 500, 50)
     assert build_recipe("tetrajet2", {"osci_reset_every": 0, "osci_reset_start_fraction": 0.0}).osci_reset_every == 0
+    assert build_recipe("quartet2", {}).outcontrol_fraction == 0 and build_recipe("quartet2", {}).osci_reset_every == 0
 
 
 @pytest.mark.parametrize("lines, needle", [

@@ -98,9 +98,24 @@ def _label(m: nn.Module) -> str:
     return getattr(m, "layer_name", "") or type(m).__name__
 
 
-def _dequantized(w: torch.Tensor, recipe) -> torch.Tensor:
+def _dequantized(w: torch.Tensor, recipe, split: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Q(w) in fp32. ``split``: OutControl's (selected, rest) input channels: the rest quantized on their own, as the
+    forward quantizes W[:, rest] (its own tensor scale and blocks); the selected channels keep w itself, so their
+    margin never rises (|ΔQ| = |ΔW| ≤ τ·|ΔW|) and the reset leaves them alone, as the authors' FP4-only reset does."""
+    if split is not None:
+        sel, rest = split
+        q = w.float().clone()
+        q[:, rest] = _dequantized(w[:, rest], recipe)
+        return q
     wq, _ = quantize_weight(w, recipe.weight_2d, "reference", None, four_over_six=recipe.four_over_six)
     return wq.dequantize(torch.float32)
+
+
+def _outcontrol_split(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """OutControl's (selected, rest) channel indices once selected (nvfp4_linear.py), else None."""
+    if not getattr(module, "_outcontrol_on", False):
+        return None
+    return local(module.outcontrol_index), local(module.outcontrol_rest)
 
 
 def check_supported(module: nn.Module) -> None:
@@ -114,9 +129,10 @@ def forward_grid(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     """Q(weight): fp32, this rank's part (the local shard of a DTensor), each element the value the forward
     quantizes it to. A DTensor is all-gathered here: every rank of its mesh must call this for it."""
     check_supported(module)
+    split = _outcontrol_split(module)
     if not isinstance(weight, DTensor):
-        return _dequantized(weight.detach(), module.recipe)
-    q = _dequantized(weight.detach().full_tensor(), module.recipe)
+        return _dequantized(weight.detach(), module.recipe, split)
+    q = _dequantized(weight.detach().full_tensor(), module.recipe, split)
     return distribute_tensor(q, weight.device_mesh, weight.placements, src_data_rank=None).to_local()
 
 

@@ -222,13 +222,11 @@ class LinearKnobs(RecipeKnobs):
             return
         clash = [(k, v) for k, v, on in (
             ("fsdp_nvfp4_all_gather", "true", self.fsdp_nvfp4_all_gather),
-            ("lora_rank", self.lora_rank, self.lora_rank),
-            ("osci_reset_every", recipe.osci_reset_every, recipe.osci_reset_every)) if on]
+            ("lora_rank", self.lora_rank, self.lora_rank)) if on]
         if clash:
             key, value = clash[0]
             why = {"fsdp_nvfp4_all_gather": "the gathered NVFP4 codes hold every input channel in FP4",
-                   "lora_rank": "the low-rank layers' residual has no channel split",
-                   "osci_reset_every": "OsciReset would also reset the MXFP8 channels, which the authors exclude"}[key]
+                   "lora_rank": "the low-rank layers' residual has no channel split"}[key]
             raise ValueError(f"[{s}] outcontrol_fraction = {f} cannot be combined with {key} = {value} yet ({why})")
 
     def _check_all_gather(self, recipe: NVFP4Recipe) -> None:
