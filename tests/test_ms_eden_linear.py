@@ -97,6 +97,7 @@ def test_every_call_draws_afresh_and_a_restored_counter_replays_it():
     assert not torch.equal(other_layer[2], first[2])
 
 
+@pytest.mark.long
 def test_the_gradient_is_unbiased_at_the_one_over_root_n_rate():
     """The mean of dW over n calls (fresh signs and draws each) converges to dYᵀ X̂, the exact gradient of the
     quantized forward, with error falling as 1/√n (as test_ms_eden.py measures for one operand)."""

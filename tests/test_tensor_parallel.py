@@ -720,3 +720,36 @@ def test_dcp_checkpoint_resume_reproduces_the_run_bit_for_bit(tmp_path, tp, dp):
     resumed = run_ranks(_train_worker, tp * dp, toml, tp, dp, state, batches, ckpt, "resume")["losses"]
     assert torch.equal(resumed, full[1:]), (full, resumed)
     assert not torch.equal(full[1], full[2])  # the steps did train
+
+
+def _ms_eden_tp_worker(rank, world, out, w, x, recipe):
+    import titan_nvfp4.autograd.ms_eden_backward as meb
+
+    calls = []
+    reduce = meb.all_reduce_max
+    meb.all_reduce_max = lambda a, group: calls.append(a.clone()) or reduce(a, group)
+    model = _tp_mlp(world, recipe, w)
+    xr = x.clone().requires_grad_(True)
+    y = model(xr)
+    y.square().sum().backward()
+    grads = _grads(model)
+    out[f"reduced{rank}"] = len(calls)
+    if rank == 0:
+        out.update(y=y.detach().clone(), dx=xr.grad.clone(), **grads)
+
+
+def test_ms_eden_under_tensor_parallelism_quantizes_with_the_whole_operands_amaxes():
+    """quartet2's backward on sharded layers: the forward equals one process (nearest rounding, the whole operand's
+    tensor amax); each backward operand's MS-EDEN amax is all-reduced over the ranks sharding it; the gradients are
+    one process's up to MS-EDEN's own noise (each rank draws its own streams)."""
+    from titan_nvfp4.recipe.nvfp4_recipe import build_recipe
+
+    recipe = build_recipe("quartet2", {"gemm_backend": "reference", "rht_size": 32})
+    w, x = _weights()
+    ref = _one_process(w, x, recipe)
+    out = run_ranks(_ms_eden_tp_worker, 2, w, x, recipe)
+    assert _rel(out["y"], ref["y"]) < 1e-5
+    assert out["reduced0"] == out["reduced1"] > 0
+    for key in ("dx", "w1.weight", "w2.weight"):
+        assert 0 < _rel(out[key], ref[key]) < 0.35, key
+    assert _rel(out["w2.bias"], ref["w2.bias"]) < 1e-5  # db is the sum of dY, not quantized

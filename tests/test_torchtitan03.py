@@ -100,6 +100,11 @@ def test_documented_configs_parse():
      ["[quantize.linear] bf16_after_scope = 'forward' needs bf16_after_fraction > 0"]),
     (["--quantize.grouped_mm.bf16_after_fraction", "0.5", "--quantize.grouped_mm.bf16_after_scope", "forward"],
      ["[quantize.grouped_mm] bf16_after_scope = 'forward': the routed experts switch forward and backward together"]),
+    (["--quantize.linear.recipe", "quartet2", "--quantize.linear.rht_size", "48"],
+     ["[quantize.linear] rht_size must be one of [16, 32, 64, 128], got 48"]),
+    (["--quantize.linear.ms_eden", "True"], ["[quantize.linear] ms_eden = true replaces stochastic rounding"]),
+    (["--quantize.grouped_mm.recipe", "quartet2"],
+     ["[quantize.grouped_mm] ms_eden = true (from the recipe 'quartet2'): the grouped GEMMs have no MS-EDEN"]),
 ])
 def test_bad_knob_stops_the_parse_naming_it(capsys, args, words):
     with pytest.raises(SystemExit) as e:
@@ -845,6 +850,22 @@ def test_outcontrol_selects_each_linears_channels_through_the_core(gloo_rank, mo
     assert all(m._outcontrol_on and m.outcontrol_index.shape[0] % 32 == 0 for m in linears)
     grads = step()
     assert all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+def test_the_new_presets_run_through_the_03_configs(gloo_rank, monkeypatch, tmp_path):
+    """recipe = quartet2 (MS-EDEN backward) and tetrajet2 (OutControl, OsciReset) on 0.3: the config registry's
+    fields carry the presets to every Linear, which trains a step (bad values: test_bad_knob_stops_the_parse_naming_it)."""
+    for preset, extra in (("quartet2", ("--quantize.linear.rht_size", "32")),
+                          ("tetrajet2", ("--quantize.linear.outcontrol_start", "0"))):
+        c, model, step = _debug_step_model(monkeypatch, tmp_path, "--quantize.linear.recipe", preset, *extra)
+        linears = [m for m in model.modules() if isinstance(m, TitanNVFP4Linear)]
+        if preset == "quartet2":
+            assert linears and all(m.recipe.ms_eden and m.recipe.rht_size == 32 for m in linears)
+        else:
+            assert all(m.recipe.osci_reset_every == 200 and m.recipe.outcontrol_fraction == 0.1 for m in linears)
+        grads = step()
+        assert grads and all(bool(torch.isfinite(g).all()) for g in grads)
+        assert all(m.sr_calls == 1 for m in linears)
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "gpt_oss"])
