@@ -14,6 +14,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from ..numerics.nvfp4 import SR_BLOCK_SCALES
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -73,6 +75,10 @@ class NVFP4Recipe:
     DeepSeek-V3-16B-like expert block on an H100, ``benchmarks/bench_grouped.py``) at 2 bytes per
     saved element instead of 0.56, what a BF16 block saves of X and h. The same bits either way."""
 
+    sr_block_scale: str = "nearest"
+    """Block scales of the stochastically rounded dY (dgrad and wgrad; dense and experts): "nearest" (published), or
+    "up" so no element clips at 6 and SR is unbiased (+13% error per draw; docs/configuration.md). Needs SR on."""
+
     @property
     def four_over_six(self) -> bool:
         return self.block_scale_rule == "four_over_six"
@@ -80,6 +86,10 @@ class NVFP4Recipe:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             validate_field(f.name, getattr(self, f.name))
+        if self.sr_block_scale == "up" and not self.stochastic_rounding:
+            raise ValueError("sr_block_scale = 'up' needs stochastic_rounding = true: it rounds up the block scales "
+                             "of the stochastically rounded gradients, and with stochastic_rounding = false there are "
+                             "none (it would do nothing)")
 
 
 #: gemm_backend values (titan_nvfp4.ops.backends resolves them on a device)
@@ -108,6 +118,8 @@ def validate_field(name: str, value: Any, where: str = "quantize.linear.nvfp4") 
         raise ValueError(f"[{where}] block_scale_rule must be one of {list(BLOCK_SCALE_RULES)}, got {value!r}")
     if name == "eager_graphs" and value not in EAGER_GRAPHS:
         raise ValueError(f"[{where}] eager_graphs must be one of {list(EAGER_GRAPHS)}, got {value!r}")
+    if name == "sr_block_scale" and value not in SR_BLOCK_SCALES:
+        raise ValueError(f"[{where}] sr_block_scale must be one of {list(SR_BLOCK_SCALES)}, got {value!r}")
     if name == "gemm_backend" and value not in BACKEND_NAMES:
         raise ValueError(f"[{where}] gemm_backend must be one of {list(BACKEND_NAMES)}, got {value!r}")
 
