@@ -49,7 +49,7 @@ def reference(x2d, w, b, dy2d, recipe: NVFP4Recipe, layer_id: int, call: int) ->
 
     sr = recipe.stochastic_rounding
     gen = torch.Generator(device=x2d.device).manual_seed(sr_seed(recipe, layer_id, call)) if sr else None
-    dyq = quantize_nvfp4(dy2d, (1, 16), stochastic=sr, generator=gen)
+    dyq = quantize_nvfp4(dy2d, (1, 16), stochastic=sr, generator=gen, sr_block_scale=recipe.sr_block_scale)
     if recipe.weight_2d:
         wt = wq.t()  # the very same 16x16 tiles, transposed
         assert torch.equal(wt.dequantize(), wq.dequantize().t())
@@ -58,7 +58,8 @@ def reference(x2d, w, b, dy2d, recipe: NVFP4Recipe, layer_id: int, call: int) ->
     dx = dyq.dequantize().double() @ wt.dequantize().double().t()
 
     signs = rht_signs(recipe.rht_seed) if recipe.rht else None
-    dy_col = wgrad_operand_ref(dy2d, signs, stochastic=sr, generator=gen)  # same generator, continued
+    dy_col = wgrad_operand_ref(dy2d, signs, stochastic=sr, generator=gen,  # same generator, continued
+                               sr_block_scale=recipe.sr_block_scale)
     x_col = wgrad_operand_ref(x2d, signs)
     dw = dy_col.dequantize().double() @ x_col.dequantize().double().t()
     db = dy2d.double().sum(0) if b is not None else None

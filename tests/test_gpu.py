@@ -110,6 +110,27 @@ def test_grouped_kernels_on_gpu_match_the_reference_loop():
     assert 0 < rel < 0.5
 
 
+def test_sr_block_scale_up_on_gpu_matches_the_reference_scales():
+    """sr_block_scale = "up" through the compiled quantization kernel with autotuned tiles (2^22 elements), as
+    the native backend quantizes dY: the dgrad rows' and the RHT'd wgrad columns' block scales equal the
+    reference's on the same GPU, and every code is one of the two E2M1 grid neighbours of its value."""
+    from titan_nvfp4.numerics.rht import rht_signs
+    from titan_nvfp4.ops.quantize import quantize_gradient, quantize_wgrad_operand
+
+    g = torch.Generator().manual_seed(3)
+    dy = (torch.randn(2048, 2048, generator=g) * torch.exp(torch.randn(2048, 1, generator=g) * 2)).cuda()
+    signs = rht_signs(0, "cuda")
+    row, col = quantize_gradient(dy, True, True, signs, torch.tensor([5], device="cuda"), "native",
+                                 sr_block_scale="up")
+    for got, ref, x in ((row, quantize_nvfp4(dy, stochastic=True, seed=0, sr_block_scale="up"), dy),
+                        (col, quantize_wgrad_operand(dy, signs, stochastic=True, sr_block_scale="up"), None)):
+        assert torch.equal(got.scale.view(torch.uint8), ref.scale.view(torch.uint8))
+        assert torch.equal(got.global_scale, ref.global_scale)
+        if x is not None:
+            gap = 2.0 * ref.row_scales().float().repeat_interleave(16, 1) * ref.global_scale  # the largest E2M1 step
+            assert ((got.dequantize() - x).abs() <= gap * (1 + 1e-6)).all()
+
+
 @pytest.mark.parametrize("m, n", [(1024, 640), (640, 1024)])  # the first runs with its operands swapped
 def test_grouped_wgrad_gemm_on_gpu_is_exact(m, n):
     """The wgrad kernel with autotuned tiles and TMA (BK 64: experts ending 16, 32 and 48 tokens past a

@@ -145,7 +145,7 @@ class NVFP4GroupedMMFunction(torch.autograd.Function):
             want_dw = need_dw and x_col is not None
             dyq, dy_col = quantize_gradient(dy_e, need_dx, want_dw, signs, _expert_seed(seed, e), ctx.backend,
                                             None if dy_amax is None else dy_amax[e],
-                                            four_over_six=ctx.recipe.four_over_six)
+                                            four_over_six=ctx.recipe.four_over_six, sr_block_scale=recipe.sr_block_scale)
             if need_dx:
                 dx[start:end] = nvfp4_gemm(dyq, w_t, out_dtype=ctx.x_dtype, backend=ctx.backend)
             if want_dw:
@@ -264,7 +264,8 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
                         dy_amax = G.token_amaxes(dy2d, offsets, need_dw, dy_signs)
                     dy_amax = all_reduce_max(dy_amax, ctx.groups.grad)
                 dyq, dy_col = G.quantize_tokens(dy2d, offsets, need_dx, need_dw, dy_signs, seed, col_staged=True,
-                                                four_over_six=ctx.recipe.four_over_six, amaxes=dy_amax)
+                                                four_over_six=ctx.recipe.four_over_six, amaxes=dy_amax,
+                                                sr_block_scale=recipe.sr_block_scale)
                 # wgrad first, dY's staged column operand dropped before dgrad allocates its output
                 dws.append(G.gemm_tokens(dy_col, x_col, offsets, ctx.w_dtypes[j]) if need_dw else None)
                 del dy_col

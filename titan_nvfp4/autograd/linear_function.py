@@ -224,7 +224,7 @@ def _backward_body(dy2d, dy_amax=None, *, ctx, saved, need_dx, need_dw, need_db,
     signs = signs_for_operand(signs, dy2d.dtype, recipe.rht_round_to_input_dtype)
     seed = next_sr_seed(ctx.counter) if recipe.stochastic_rounding else None
     dyq, dy_col = quantize_gradient(dy2d, need_dx, need_dw, signs, seed, ctx.backend, dy_amax,
-                                    four_over_six=recipe.four_over_six)
+                                    four_over_six=recipe.four_over_six, sr_block_scale=recipe.sr_block_scale)
 
     # Each dY operand is dropped right after its GEMM, and the GEMM that leaves the lower peak
     # memory runs first (_wgrad_first); the two are independent, so the bits do not depend on it.

@@ -57,14 +57,28 @@ def e4m3_round(v):
 
 
 @triton.jit
-def block_scales(block_amax, s_enc, TO_FOUR: tl.constexpr = False):
+def e4m3_round_up(v):
+    """Twin of formats.to_e4m3_round_up for non-negative fp32 v <= 448: the smallest E4M3 value >= v, as
+    fp32. e4m3_round, then one E4M3 step up where that rounded down: 2⁻⁹ below 2⁻⁶ (0 included), else
+    one unit of the 3-bit mantissa (a carry bumps the exponent). Never past 448: 448 >= v."""
+    r = e4m3_round(v)
+    up = tl.where(r < 0.015625, r + 0.001953125, (r.to(tl.int32, bitcast=True) + 0x100000).to(tl.float32, bitcast=True))
+    return tl.where(r < v, up, r)
+
+
+@triton.jit
+def block_scales(block_amax, s_enc, TO_FOUR: tl.constexpr = False, UP: tl.constexpr = False):
     """Twin of block_decode_scale + block_encode_factor (TO_FOUR: the block max scaled to 4, Four Over
-    Six's second candidate). block_amax uses nan_to_inf_abs; s_enc is the tensor's encode scale (a
-    scalar, so 1/s_enc is one division per program, not per block). Returns (e_b as float8e4nv, r_b fp32)."""
+    Six's second candidate; UP: the scale rounded up, sr_block_scale = "up"). block_amax uses
+    nan_to_inf_abs; s_enc is the tensor's encode scale (a scalar, so 1/s_enc is one division per
+    program, not per block). Returns (e_b as float8e4nv, r_b fp32)."""
     s_dec = tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc)
     mult: tl.constexpr = 0.25 if TO_FOUR else 0.1666666716337204  # fp32(1/6), as the reference uses
     v = block_amax * (s_enc * mult)
-    e = e4m3_round(tl.minimum(v, E4M3_MAX)).to(tl.float8e4nv)  # exact: the value is already E4M3
+    if UP:
+        e = e4m3_round_up(tl.minimum(v, E4M3_MAX)).to(tl.float8e4nv)
+    else:
+        e = e4m3_round(tl.minimum(v, E4M3_MAX)).to(tl.float8e4nv)  # exact: the value is already E4M3
     nan = tl.full(block_amax.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True)  # E4M3 NaN
     e = tl.where(block_amax == float("inf"), nan, e)
     e = tl.where(s_enc != s_enc, nan, e)
@@ -102,11 +116,12 @@ def pick_four_or_six(e6, r6, e4, r4, err6, err4):
 
 
 @triton.jit
-def four_over_six_scales16(xs, block_amax, s_enc):
+def four_over_six_scales16(xs, block_amax, s_enc, UP: tl.constexpr = False):
     """Twin of numerics.nvfp4.four_over_six_scales (plus the encode factor) for 16-element blocks
-    across a 16-tuple of tiles (tile i = element i of each block). Returns (e_b, r_b) as block_scales."""
-    e6, r6 = block_scales(block_amax, s_enc)
-    e4, r4 = block_scales(block_amax, s_enc, TO_FOUR=True)
+    across a 16-tuple of tiles (tile i = element i of each block); UP: both candidates rounded up.
+    Returns (e_b, r_b) as block_scales."""
+    e6, r6 = block_scales(block_amax, s_enc, UP=UP)
+    e4, r4 = block_scales(block_amax, s_enc, TO_FOUR=True, UP=UP)
     p = four_over_six_unit(block_amax, s_enc)
     f6 = e4m3_value(e6)
     f4 = e4m3_value(e4)
@@ -338,19 +353,30 @@ def _mul_wide(c, m: tl.constexpr):
 
 
 @triton.jit
+def _scales16(xs, s_enc, FOUR_OVER_SIX: tl.constexpr, UP: tl.constexpr):
+    """(e_b, r_b) of 16-element blocks across a 16-tuple of tiles: block_scales of their amax, or Four Over Six's."""
+    if FOUR_OVER_SIX:
+        e, r = four_over_six_scales16(xs, amax16(xs).to(tl.float32), s_enc, UP=UP)
+    else:
+        e, r = block_scales(amax16(xs).to(tl.float32), s_enc, UP=UP)
+    return e, r
+
+
+@triton.jit
 def quantize_slices16(xs, s_enc, STOCHASTIC: tl.constexpr, seed, counter, STAGED: tl.constexpr = False,
-                      FOUR_OVER_SIX: tl.constexpr = False):
+                      FOUR_OVER_SIX: tl.constexpr = False, SR_SCALE_UP: tl.constexpr = False):
     """NVFP4 of 16-element blocks laid out across a 16-tuple of tiles (tile i = element i of each
     block): (out, e4m3 scales, one per tile element). out is 2 int32 tiles, the packed codes of
     elements 0-7 and 8-15 of each block (nibble_word), or with STAGED the 16 tiles of the GEMM's fp16
     values q·e_b (the decoded codes times e_b). Stochastic draws: one Philox call per block at
     ``counter`` (unique per block), a byte per element (random8x16). Codes of a non-finite block are
     0 (the reference's NaN·r). FOUR_OVER_SIX: block scales by Four Over Six (s_enc must then be the
-    FOUR_OVER_SIX tensor scale)."""
-    if FOUR_OVER_SIX:
-        e, r = four_over_six_scales16(xs, amax16(xs).to(tl.float32), s_enc)
+    FOUR_OVER_SIX tensor scale). SR_SCALE_UP (sr_block_scale = "up"): with STOCHASTIC, the block scales
+    round up; nearest-even blocks ignore it."""
+    if STOCHASTIC and SR_SCALE_UP:
+        e, r = _scales16(xs, s_enc, FOUR_OVER_SIX, True)
     else:
-        e, r = block_scales(amax16(xs).to(tl.float32), s_enc)
+        e, r = _scales16(xs, s_enc, FOUR_OVER_SIX, False)
     finite = r == r
     # Ties the counters to the data's register layout (NaN blocks, coded 0 anyway, draw at 0): else
     # Triton computes Philox in the counters' own layout and moves all its random bits between threads.

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..numerics.expert_blocks import block_experts
-from ..numerics.nvfp4 import NVFP4Tensor, global_encode_scale
+from ..numerics.nvfp4 import NVFP4Tensor, check_sr_block_scale, global_encode_scale
 from ..numerics.operands import operand_pair, weight_pair
 from .expert_map import block_experts_triton
 from .launch import autotune, cdiv, launch, next_pow2, tune_bucket
@@ -160,7 +160,8 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
                      ROW: tl.constexpr, COL: tl.constexpr, RHT: tl.constexpr, STOCHASTIC_ROW: tl.constexpr,
                      STOCHASTIC_COL: tl.constexpr, GROUPED: tl.constexpr, ROW_STAGED: tl.constexpr, NSP2: tl.constexpr,
                      G: tl.constexpr, BK: tl.constexpr, COL_STAGED: tl.constexpr = False,
-                     FOUR_OVER_SIX: tl.constexpr = False, COLS_FIRST: tl.constexpr = False):
+                     FOUR_OVER_SIX: tl.constexpr = False, COLS_FIRST: tl.constexpr = False,
+                     SR_BLOCK_SCALE_UP: tl.constexpr = False):
     """Row operand: RD [M, K/2], RS [M, K/16]. Column operand of xᵀ (tokens zero-padded to Mpad):
     CD [K, Mpad/2], CS [K, Mpad/16]. GS [2·NSLOT]: the decode scales of the two, from AMAX (row slots,
     then column slots). NSLOT is 1, or with GROUPED one slot per expert: 16-row block b then takes
@@ -172,7 +173,8 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
     (Mpad/16)·K + b·K + k: the two roundings draw independent numbers from one seed. ROW_STAGED: the row
     operand goes out as the GEMM's staged fp16 values q·e_b in RD [M, K] instead of codes and scales;
     COL_STAGED likewise the column operand in CD [K, Mpad]. FOUR_OVER_SIX: Four Over Six block scales (and its
-    tensor scales) for both operands. Programs are ordered by program_tile (COLS_FIRST)."""
+    tensor scales) for both operands. SR_BLOCK_SCALE_UP (sr_block_scale = "up"): the block scales of the
+    stochastically rounded operands round up. Programs are ordered by program_tile (COLS_FIRST)."""
     pr, pc = program_tile(K, BK, COLS_FIRST)
     seed = tl.load(SEED)  # a dummy pointer when neither rounding is stochastic
     _store_decode_scales(GS, AMAX, 2 * NSLOT, NSP2, FOUR_OVER_SIX)
@@ -186,7 +188,7 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
         s = _encode_scale(AMAX + NSLOT, BEXP, blk, nblk, GROUPED, FOUR_OVER_SIX)
         # (not k·Mpad/16 + b: that expression is the CS store's offsets, whose layout it would then share)
         out, e = quantize_slices16(xs, s, STOCHASTIC_COL, seed, (Mpad // 16) * K + blk[:, None] * K + rk[None, :],
-                                   STAGED=COL_STAGED, FOUR_OVER_SIX=FOUR_OVER_SIX)
+                                   STAGED=COL_STAGED, FOUR_OVER_SIX=FOUR_OVER_SIX, SR_SCALE_UP=SR_BLOCK_SCALE_UP)
         kmask = (rk < K)[:, None]
         if COL_STAGED:  # [G, BK, 16] (token 16g + i last) -> [BK, 16G]: rows of xᵀ
             vals = tl.reshape(tl.permute(join_slices16(out, G, BK), (1, 0, 2)), (BK, 16 * G))
@@ -207,7 +209,7 @@ def _quantize_kernel(X, M, K, sxm, sxk, AMAX, GS, RD, RS, CD, CS, SIGNS, SEED, M
         s = _encode_scale(AMAX, BEXP, rows // 16, nblk, GROUPED, FOUR_OVER_SIX)
         # staged rows skip the codes: quantize_slices16 forms q·e_b directly
         out, e = quantize_slices16(xs, s, STOCHASTIC_ROW, seed, rows[:, None] * (K // 16) + kb[None, :],
-                                   STAGED=ROW_STAGED, FOUR_OVER_SIX=FOUR_OVER_SIX)
+                                   STAGED=ROW_STAGED, FOUR_OVER_SIX=FOUR_OVER_SIX, SR_SCALE_UP=SR_BLOCK_SCALE_UP)
         rmask = (rows < M)[:, None]
         kmask = (kb < K // 16)[None, :]
         if ROW_STAGED:
@@ -425,7 +427,7 @@ def _amax_configs():
 _quantize_autotuned = autotune(
     _operand_configs(),
     key=["TUNE_M", "K", "ROW", "COL", "RHT", "STOCHASTIC_ROW", "STOCHASTIC_COL", "GROUPED", "ROW_STAGED", "COL_STAGED",
-         "FOUR_OVER_SIX"])(
+         "FOUR_OVER_SIX", "SR_BLOCK_SCALE_UP"])(
     _quantize_kernel)
 _quantize_2d_autotuned = autotune(_weight_configs(), key=["TUNE_M", "K", "EMIT_T", "EMIT_STAGED", "FOUR_OVER_SIX"])(
     _quantize_2d_kernel)
@@ -529,7 +531,8 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
                              stochastic_col: bool = False, seed: torch.Tensor | None = None,
                              amax: torch.Tensor | None = None, amax_col: torch.Tensor | None = None,
                              groups: torch.Tensor | None = None, row_staged: bool = False, col_staged: bool = False,
-                             four_over_six: bool = False, group_amaxes: torch.Tensor | None = None):
+                             four_over_six: bool = False, group_amaxes: torch.Tensor | None = None,
+                             sr_block_scale: str = "nearest"):
     """``quantize_operand`` as plain tensors: (row codes, row scales, column codes, column scales,
     fp32 [gs_row, gs_col]); an operand not asked for comes back as empty tensors. With ``groups``
     (the cumulative expert offsets, multiples of 16) every expert's rows get a tensor scale of their
@@ -538,8 +541,10 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
     (no global scale; exact) with empty scales, saving the GEMM's own staging pass; ``col_staged`` the
     same for the column operand, [K, M padded to 16]. ``four_over_six``: Four Over Six block and tensor scales.
     ``group_amaxes``: with ``groups``, fp32 [2, E + 1] per-expert (row, column) tensor amaxes to use (all-
-    reduced across the ranks sharding the operand) instead of x2d's own."""
+    reduced across the ranks sharding the operand) instead of x2d's own. ``sr_block_scale``: "up" rounds the
+    block scales of the stochastically rounded operands up (numerics/nvfp4.py), "nearest" to nearest."""
     _check_2d(x2d, "quantize_operand")
+    check_sr_block_scale(sr_block_scale, stochastic_row or stochastic_col, "quantize_operand")
     M, K = x2d.shape
     Mpad = M + (-M) % 16
     dev = x2d.device
@@ -588,7 +593,8 @@ def quantize_operand_tensors(x2d: torch.Tensor, *, rowwise: bool = True, colwise
                 cd if colwise else buf, cs if colwise else buf, signs_t, seed if seed is not None else buf, Mpad,
                 bexp, ns, ROW=rowwise, COL=colwise, RHT=signs is not None, STOCHASTIC_ROW=stochastic_row,
                 STOCHASTIC_COL=stochastic_col, ROW_STAGED=rowwise and row_staged, COL_STAGED=colwise and col_staged,
-                NSP2=next_pow2(2 * ns), FOUR_OVER_SIX=four_over_six, **flags)
+                NSP2=next_pow2(2 * ns), FOUR_OVER_SIX=four_over_six, SR_BLOCK_SCALE_UP=sr_block_scale == "up",
+                **flags)
     else:  # no program ran: the decode scales of an all-zero tensor
         gs.copy_(torch.reciprocal(global_encode_scale(buf.view(torch.float32), four_over_six)))
     return rd, rs, cd, cs, (gs.view(2, ns) if groups is not None else gs)
@@ -618,14 +624,14 @@ def operand_amax_tensors(x2d: torch.Tensor, colwise: bool, signs: torch.Tensor |
 def quantize_operand(x2d: torch.Tensor, *, rowwise: bool = True, colwise: bool = False,
                      signs: torch.Tensor | None = None, stochastic_row: bool = False, stochastic_col: bool = False,
                      seed: torch.Tensor | None = None, amax: torch.Tensor | None = None,
-                     amax_col: torch.Tensor | None = None,
-                     four_over_six: bool = False) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
+                     amax_col: torch.Tensor | None = None, four_over_six: bool = False,
+                     sr_block_scale: str = "nearest") -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
     """NVFP4 of x2d [M, K] with 1×16 blocks along K (``rowwise``) and of x2dᵀ with 16-element blocks
     along the tokens, after the RHT when ``signs`` is given, tokens zero-padded to a multiple of 16
     (``colwise``): both from one read of x2d. ``seed``: an int64 device tensor for Philox."""
     out = quantize_operand_tensors(x2d, rowwise=rowwise, colwise=colwise, signs=signs, stochastic_row=stochastic_row,
                                    stochastic_col=stochastic_col, seed=seed, amax=amax, amax_col=amax_col,
-                                   four_over_six=four_over_six)
+                                   four_over_six=four_over_six, sr_block_scale=sr_block_scale)
     return operand_pair(out, x2d.shape, rowwise, colwise)
 
 

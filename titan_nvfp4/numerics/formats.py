@@ -104,6 +104,16 @@ def to_e4m3_saturating(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-F8_E4M3_MAX, F8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
+def to_e4m3_round_up(x: torch.Tensor) -> torch.Tensor:
+    """Non-negative fp32 to float8_e4m3fn: the smallest E4M3 value >= x (x > 448 gives 448; any x > 0 at
+    least the smallest subnormal 2⁻⁹, so nothing underflows to 0). NaN stays NaN. The block scales of
+    sr_block_scale = "up": a block's max then never maps above 6, so stochastic rounding never clips."""
+    x = x.float().clamp(max=F8_E4M3_MAX)
+    near = to_e4m3_saturating(x)
+    below = near.float() < x  # false for NaN; never at 448 (x <= 448)
+    return torch.where(below, near.view(torch.uint8) + 1, near.view(torch.uint8)).view(torch.float8_e4m3fn)
+
+
 def e8m0_from_exponent(exp: torch.Tensor) -> torch.Tensor:
     """Unbiased int exponents in [-127, 127] (or 128 meaning NaN) to float8_e8m0fnu."""
     return (exp + 127).clamp(0, 255).to(torch.uint8).view(torch.float8_e8m0fnu)

@@ -17,6 +17,10 @@ Edge cases (defined here, tested in tests/test_nvfp4_numerics.py):
   * a passed-in amax smaller than the data's: block scales saturate at 448 and codes at ±6.
   * e_b rounds to nearest, so a block's largest element may map slightly above 6 (by up to half
     an E4M3 step, 6.25%) and saturate; stochastic rounding is unbiased for everything else.
+    ``sr_block_scale="up"`` (stochastic rounding only) rounds e_b up instead, to the smallest E4M3
+    value >= amax_b·(S·fp32(1/6)) (formats.to_e4m3_round_up; the top block's stays 448): nothing
+    saturates, so the mean of many draws converges to x (tests/test_sr_block_scale.py), at ~13% more
+    error per draw. A block below E4M3's range then gets the smallest scale 2⁻⁹ instead of 0.
   * NaN or ±Inf in a block: that block's scale is E4M3 NaN, so it decodes to NaN and any GEMM that
     reads it yields NaN. A non-finite amax makes `global_scale` NaN: the whole tensor decodes to
     NaN. Non-finite inputs never produce finite garbage (Transformer Engine would saturate them).
@@ -34,7 +38,9 @@ squared quantization error in units of 2⁻¹⁰·u, truncated to an integer so 
 exactly, in any order and with or without fused multiply-adds (a float sum would let an FMA or a
 tree reduction flip near-ties between the reference and a kernel). The choice is always made on the
 nearest-even encodings, also when the block is then encoded stochastically, so that stochastic
-rounding stays unbiased given the chosen scale (choosing on a random draw would not be).
+rounding stays unbiased given the chosen scale (choosing on a random draw would not be). With
+``sr_block_scale="up"`` both candidates' scales are rounded up (the "4" one's, at most 384, stays in
+range), and the choice is made between those: neither candidate then clips.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from .formats import (
     e2m1_encode_rne,
     e2m1_encode_stochastic,
     pack_nibbles,
+    to_e4m3_round_up,
     to_e4m3_saturating,
     unpack_nibbles,
 )
@@ -69,6 +76,9 @@ FOS_D_MAX = 2047
 #: Block shapes: (1, 16) rowwise along the last dim; (16, 1) along dim 0 (stored transposed, so the
 #: packed codes run along dim 0 of x); (16, 16) square tiles whose quantization is transpose-symmetric.
 BLOCK_SHAPES = ((1, BLOCK), (BLOCK, 1), (BLOCK, BLOCK))
+#: How the block scales of a stochastically rounded tensor round (recipe key sr_block_scale): to nearest
+#: (the published recipe) or up (no element clips, so the rounding is unbiased; module docstring)
+SR_BLOCK_SCALES = ("nearest", "up")
 
 
 def global_encode_scale(amax: torch.Tensor, four_over_six: bool = False) -> torch.Tensor:
@@ -84,10 +94,13 @@ def global_encode_scale(amax: torch.Tensor, four_over_six: bool = False) -> torc
     return torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
 
 
-def block_decode_scale(block_amax: torch.Tensor, s_enc: torch.Tensor, to_four: bool = False) -> torch.Tensor:
+def block_decode_scale(block_amax: torch.Tensor, s_enc: torch.Tensor, to_four: bool = False,
+                       round_up: bool = False) -> torch.Tensor:
     """e_b = e4m3(amax_b · (S · fp32(1/6))), or with ``to_four`` e4m3(amax_b · (S · 0.25)) (Four Over
-    Six's second candidate); NaN for non-finite blocks; returns float8_e4m3fn."""
-    e = to_e4m3_saturating(block_amax.float() * (s_enc * (0.25 if to_four else _INV6_F32)))
+    Six's second candidate); rounded to nearest, or with ``round_up`` up (sr_block_scale = "up"); NaN for
+    non-finite blocks; returns float8_e4m3fn."""
+    to_e4m3 = to_e4m3_round_up if round_up else to_e4m3_saturating
+    e = to_e4m3(block_amax.float() * (s_enc * (0.25 if to_four else _INV6_F32)))
     bad = ~torch.isfinite(block_amax) | ~torch.isfinite(s_enc)
     nan = torch.full_like(block_amax, float("nan"), dtype=torch.float32).to(torch.float8_e4m3fn)
     return torch.where(bad, nan, e)
@@ -115,13 +128,14 @@ def four_over_six_error(blocks: torch.Tensor, e_b: torch.Tensor, s_enc: torch.Te
     return (dq * dq).sum(dim=-1, dtype=torch.int32)
 
 
-def four_over_six_scales(blocks: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
+def four_over_six_scales(blocks: torch.Tensor, s_enc: torch.Tensor, round_up: bool = False) -> torch.Tensor:
     """Four Over Six's block decode scales (float8_e4m3fn [...]) for ``blocks`` (fp32 [..., n]) under the
     tensor encode scale ``s_enc`` (global_encode_scale(amax, four_over_six=True)): per block the
-    candidate, max to 6 or to 4, with the lower four_over_six_error."""
+    candidate, max to 6 or to 4, with the lower four_over_six_error; ``round_up``: both candidates'
+    scales rounded up (block_decode_scale)."""
     bamax = blocks.abs().amax(dim=-1)
-    e6 = block_decode_scale(bamax, s_enc)
-    e4 = block_decode_scale(bamax, s_enc, to_four=True)
+    e6 = block_decode_scale(bamax, s_enc, round_up=round_up)
+    e4 = block_decode_scale(bamax, s_enc, to_four=True, round_up=round_up)
     err6 = four_over_six_error(blocks, e6, s_enc, bamax)
     err4 = four_over_six_error(blocks, e4, s_enc, bamax)
     return torch.where((e4.float() != 0) & (err4 < err6), e4, e6)
@@ -242,7 +256,8 @@ def _as_storage(x: torch.Tensor, block_shape: tuple[int, int]) -> torch.Tensor:
     return x.float()
 
 
-def _check_quantize_args(x, block_shape, stochastic, seed, generator, four_over_six) -> tuple[int, int]:
+def _check_quantize_args(x, block_shape, stochastic, seed, generator, four_over_six,
+                         sr_block_scale) -> tuple[int, int]:
     """quantize_nvfp4's arguments other than amax checked by type (a clear error, not a deep one); block_shape as a tuple."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize_nvfp4: x must be a torch.Tensor, got {type(x).__name__}")
@@ -251,6 +266,7 @@ def _check_quantize_args(x, block_shape, stochastic, seed, generator, four_over_
     for name, flag in (("stochastic", stochastic), ("four_over_six", four_over_six)):
         if not isinstance(flag, bool):
             raise TypeError(f"quantize_nvfp4: {name} must be True or False, got {flag!r}")
+    check_sr_block_scale(sr_block_scale, stochastic, "quantize_nvfp4")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64):
         raise ValueError(f"quantize_nvfp4: seed must be an integer in [-2**63, 2**64), got {seed!r}")
     if generator is not None:
@@ -262,6 +278,16 @@ def _check_quantize_args(x, block_shape, stochastic, seed, generator, four_over_
             raise ValueError(f"quantize_nvfp4: generator is on {generator.device}, x on {x.device}: "
                              "stochastic rounding draws on x's device")
     return tuple(block_shape)
+
+
+def check_sr_block_scale(sr_block_scale, stochastic: bool, where: str) -> None:
+    """Refuse an sr_block_scale outside SR_BLOCK_SCALES, and "up" without stochastic rounding (it is defined to
+    make stochastic rounding unbiased; for nearest-even the clipping it avoids is a deterministic error anyway)."""
+    if sr_block_scale not in SR_BLOCK_SCALES:
+        raise ValueError(f"{where}: sr_block_scale must be one of {list(SR_BLOCK_SCALES)}, got {sr_block_scale!r}")
+    if sr_block_scale == "up" and not stochastic:
+        raise ValueError(f"{where}: sr_block_scale='up' rounds the block scales of stochastically rounded "
+                         "operands, and nothing here is rounded stochastically (it would do nothing)")
 
 
 def _random_bits_like(a: torch.Tensor, seed: int | None, generator: torch.Generator | None) -> torch.Tensor:
@@ -322,19 +348,22 @@ def quantize_nvfp4(
     amax: torch.Tensor | float | None = None,
     generator: torch.Generator | None = None,
     four_over_six: bool = False,
+    *,
+    sr_block_scale: str = "nearest",
 ) -> NVFP4Tensor:
     """Quantize x to NVFP4 (see the module docstring for the exact arithmetic).
 
     block_shape: (1, 16), (16, 1) or (16, 16). stochastic: stochastic rounding of the elements
-    (scales always round to nearest), reproducible with ``seed`` or a ``generator`` (on the meta device,
-    shape inference, nothing is drawn and the seed is not used). amax: a global amax to use instead of
+    (scales round to nearest unless sr_block_scale="up"), reproducible with ``seed`` or a ``generator``
+    (on the meta device, shape inference, nothing is drawn and the seed is not used). amax: a global amax to use instead of
     max|x| (e.g. one all-reduced across ranks), within float32's range. four_over_six: each block's
-    scale from the Four Over Six rule (module docstring).
+    scale from the Four Over Six rule (module docstring). sr_block_scale: with ``stochastic``, "up" rounds
+    the block scales up instead of to nearest, so that no element clips (module docstring).
 
     Not differentiable: an x (or amax) that requires grad, with grad mode on, is refused (refuse_grad says
     why); quantize ``x.detach()``, or train through nvfp4_linear / NVFP4Linear.
     """
-    block_shape = _check_quantize_args(x, block_shape, stochastic, seed, generator, four_over_six)
+    block_shape = _check_quantize_args(x, block_shape, stochastic, seed, generator, four_over_six, sr_block_scale)
     refuse_grad("quantize_nvfp4", x=x, amax=amax)
     eager = not torch.compiler.is_compiling()  # checks with data-dependent branches stay out of graphs
     if eager and x.dtype == torch.float64 and x.numel():
@@ -349,20 +378,22 @@ def quantize_nvfp4(
     else:
         amax_t = _given_amax(amax, a, eager)
     s_enc = global_encode_scale(amax_t, four_over_six)
+    up = sr_block_scale == "up"
 
     if block_shape == (BLOCK, BLOCK):
         tiles = a.view(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
         if four_over_six:
-            e_b = four_over_six_scales(tiles.permute(0, 2, 1, 3).reshape(rows // BLOCK, cols // BLOCK, -1), s_enc)
+            e_b = four_over_six_scales(tiles.permute(0, 2, 1, 3).reshape(rows // BLOCK, cols // BLOCK, -1), s_enc,
+                                       round_up=up)
         else:
-            e_b = block_decode_scale(tiles.abs().amax(dim=(1, 3)), s_enc)  # (rows/16, cols/16)
+            e_b = block_decode_scale(tiles.abs().amax(dim=(1, 3)), s_enc, round_up=up)  # (rows/16, cols/16)
         factor = block_encode_factor(e_b, s_enc).repeat_interleave(BLOCK, dim=0)
     else:
         blocks = a.view(rows, cols // BLOCK, BLOCK)
         if four_over_six:
-            e_b = four_over_six_scales(blocks, s_enc)
+            e_b = four_over_six_scales(blocks, s_enc, round_up=up)
         else:
-            e_b = block_decode_scale(blocks.abs().amax(dim=-1), s_enc)
+            e_b = block_decode_scale(blocks.abs().amax(dim=-1), s_enc, round_up=up)
         factor = block_encode_factor(e_b, s_enc)
     v = (a.view(rows, cols // BLOCK, BLOCK) * factor.unsqueeze(-1)).view(rows, cols)
     if stochastic:

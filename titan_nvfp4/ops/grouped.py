@@ -66,17 +66,19 @@ def _stack_offsets(experts: int, rows: int, device: torch.device) -> torch.Tenso
 def quantize_tokens(x2d: torch.Tensor, offsets: torch.Tensor, rowwise: bool, colwise: bool,
                     signs: torch.Tensor | None, seed: torch.Tensor | None,
                     amaxes: torch.Tensor | None = None, *, row_staged: bool = True, col_staged: bool = False,
-                    four_over_six: bool = False) -> tuple[GroupedOperand | None, GroupedOperand | None]:
+                    four_over_six: bool = False,
+                    sr_block_scale: str = "nearest") -> tuple[GroupedOperand | None, GroupedOperand | None]:
     """Routed tokens x2d [T, K]: the 1×16 row operand and the wgrad operand xᵀ [K, T padded to 16]
     (RHT when ``signs``), each expert with its own tensor scales; stochastic iff ``seed``.
     ``row_staged`` / ``col_staged``: that operand, when it only feeds a GEMM at once (X's rows; dY's
     rows and columns), comes as the GEMM's fp16 values (``data`` fp16, no scales) rather than codes.
-    ``amaxes``: token_amaxes' fp32 [2, E + 1] to use (all-reduced across ranks) instead of x2d's own."""
+    ``amaxes``: token_amaxes' fp32 [2, E + 1] to use (all-reduced across ranks) instead of x2d's own.
+    ``sr_block_scale``: the recipe's ("up": the stochastic operands' block scales rounded up; only with a seed)."""
     sr = seed is not None
     rd, rs, cd, cs, gs = library.quantize_grouped(x2d, offsets, signs, seed, amaxes, rowwise=rowwise, colwise=colwise,
                                                   stochastic_row=sr, stochastic_col=sr,
                                                   row_staged=rowwise and row_staged, col_staged=colwise and col_staged,
-                                                  four_over_six=four_over_six)
+                                                  four_over_six=four_over_six, sr_block_scale=sr_block_scale)
     row = GroupedOperand(rd, rs, gs[0]) if rowwise else None
     col = GroupedOperand(cd, cs, gs[1]) if colwise else None
     return row, col

@@ -13,8 +13,9 @@ the registered op, so tracing and dispatch modes see one opaque op as before.
 
 Calling convention: the tensors come first and positionally (an optional one, such as ``signs``, ``seed`` or
 ``amaxes``, defaults to None and may be named); every other option is keyword-only, named as the recipe names
-its knob (``four_over_six`` for ``block_scale_rule = "four_over_six"``; ``row_staged`` / ``col_staged`` /
-``staged`` for the staged fp16 form). torch.library does not take keyword-only tensors, hence the split.
+its knob (``four_over_six`` for ``block_scale_rule = "four_over_six"``; ``sr_block_scale`` as the recipe's;
+``row_staged`` / ``col_staged`` / ``staged`` for the staged fp16 form).
+torch.library does not take keyword-only tensors, hence the split.
 
   titan_nvfp4::amax         the tensor amaxes quantize would reduce (for a cross-rank all-reduce first)
   titan_nvfp4::quantize     1×16 rows and/or RHT'd 16-along-tokens columns of one 2D operand
@@ -103,26 +104,28 @@ def _amax_fake(x, signs=None, *, colwise):
 def quantize(x: Tensor, signs: Optional[Tensor] = None, seed: Optional[Tensor] = None,
              amaxes: Optional[Tensor] = None, *, rowwise: bool, colwise: bool, stochastic_row: bool = False,
              stochastic_col: bool = False, row_staged: bool = False, col_staged: bool = False,
-             four_over_six: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+             four_over_six: bool = False,
+             sr_block_scale: str = "nearest") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(row codes, row scales, column codes, column scales, [gs_row, gs_col]); an operand not asked
     for comes back as empty tensors (and its decode scale unset). ``signs``: the RHT of the column
     operand; ``seed``: int64 [1], for ``stochastic_row`` / ``stochastic_col``. ``row_staged`` /
     ``col_staged``: that operand as the emulated GEMM's staged fp16 values ([M, K] / [K, M padded])
     instead of codes (its scales empty). ``amaxes``: fp32 [row, column] tensor amaxes to use (e.g.
     all-reduced across ranks) instead of reducing them from x. ``four_over_six``: Four Over Six block
-    scales (numerics/nvfp4.py)."""
+    scales (numerics/nvfp4.py). ``sr_block_scale``: "up" rounds the stochastic operands' block scales up."""
     from ..kernels.quantize import quantize_operand_tensors
 
     a_row, a_col = (None, None) if amaxes is None else (amaxes[0:1], amaxes[1:2])
     return quantize_operand_tensors(x, rowwise=rowwise, colwise=colwise, signs=signs, stochastic_row=stochastic_row,
                                     stochastic_col=stochastic_col, seed=seed, row_staged=row_staged,
                                     col_staged=col_staged, amax=a_row, amax_col=a_col if colwise else None,
-                                    four_over_six=four_over_six)
+                                    four_over_six=four_over_six, sr_block_scale=sr_block_scale)
 
 
 @quantize.op.register_fake
 def _quantize_fake(x, signs=None, seed=None, amaxes=None, *, rowwise, colwise, stochastic_row=False,
-                   stochastic_col=False, row_staged=False, col_staged=False, four_over_six=False):
+                   stochastic_col=False, row_staged=False, col_staged=False, four_over_six=False,
+                   sr_block_scale="nearest"):
     m, k = x.shape
     mpad = m + (-m) % 16
     f8 = torch.float8_e4m3fn
@@ -268,7 +271,8 @@ def _quantize_mxfp8_fake(x, *, rowwise, colwise, staged=False):
 def quantize_grouped(x: Tensor, offsets: Tensor, signs: Optional[Tensor] = None, seed: Optional[Tensor] = None,
                      amaxes: Optional[Tensor] = None, *, rowwise: bool, colwise: bool, stochastic_row: bool = False,
                      stochastic_col: bool = False, row_staged: bool = False, col_staged: bool = False,
-                     four_over_six: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     four_over_six: bool = False,
+                     sr_block_scale: str = "nearest") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``quantize`` (same arguments, same order) of routed tokens grouped by expert (``offsets``: cumulative
     group ends, multiples of 16), each expert with its own tensor scales: decode scales fp32 [2, E + 1]
     (row, column). ``amaxes``: amax_grouped's fp32 [2, E + 1] to use (all-reduced across ranks) instead
@@ -277,12 +281,14 @@ def quantize_grouped(x: Tensor, offsets: Tensor, signs: Optional[Tensor] = None,
 
     return quantize_operand_tensors(x, rowwise=rowwise, colwise=colwise, signs=signs, stochastic_row=stochastic_row,
                                     stochastic_col=stochastic_col, seed=seed, groups=offsets, row_staged=row_staged,
-                                    col_staged=col_staged, four_over_six=four_over_six, group_amaxes=amaxes)
+                                    col_staged=col_staged, four_over_six=four_over_six, group_amaxes=amaxes,
+                                    sr_block_scale=sr_block_scale)
 
 
 @quantize_grouped.op.register_fake
 def _quantize_grouped_fake(x, offsets, signs=None, seed=None, amaxes=None, *, rowwise, colwise, stochastic_row=False,
-                           stochastic_col=False, row_staged=False, col_staged=False, four_over_six=False):
+                           stochastic_col=False, row_staged=False, col_staged=False, four_over_six=False,
+                           sr_block_scale="nearest"):
     rd, rs, cd, cs, _ = _quantize_fake(x, rowwise=rowwise, colwise=colwise, row_staged=row_staged,
                                        col_staged=col_staged)
     return rd, rs, cd, cs, x.new_empty((2, offsets.shape[0] + 1), dtype=torch.float32)

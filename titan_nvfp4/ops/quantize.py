@@ -20,11 +20,12 @@ from . import library
 
 def quantize_rowwise(x2d: torch.Tensor, block_shape=(1, 16), stochastic: bool = False,
                      generator: torch.Generator | None = None, amax: torch.Tensor | None = None, *,
-                     four_over_six: bool = False) -> NVFP4Tensor:
+                     four_over_six: bool = False, sr_block_scale: str = "nearest") -> NVFP4Tensor:
     """Reference: NVFP4 of a 2D operand with blocks along its rows' contraction dim (tensor scale
-    from ``amax`` when given, else from max|x2d|; Four Over Six scales with ``four_over_six``)."""
+    from ``amax`` when given, else from max|x2d|; Four Over Six scales with ``four_over_six``; block
+    scales of a stochastic operand rounded up with ``sr_block_scale="up"``)."""
     return quantize_nvfp4(x2d, block_shape=block_shape, stochastic=stochastic, generator=generator, amax=amax,
-                          four_over_six=four_over_six)
+                          four_over_six=four_over_six, sr_block_scale=sr_block_scale)
 
 
 def _wgrad_values(x2d: torch.Tensor, signs: torch.Tensor | None) -> torch.Tensor:
@@ -38,12 +39,12 @@ def _wgrad_values(x2d: torch.Tensor, signs: torch.Tensor | None) -> torch.Tensor
 
 def quantize_wgrad_operand(x2d: torch.Tensor, signs: torch.Tensor | None, stochastic: bool = False,
                            generator: torch.Generator | None = None, amax: torch.Tensor | None = None, *,
-                           four_over_six: bool = False) -> NVFP4Tensor:
+                           four_over_six: bool = False, sr_block_scale: str = "nearest") -> NVFP4Tensor:
     """Reference: NVFP4 of x2dᵀ with 16-element blocks along the token dim (dim 0 of x2d), after the
     RHT when ``signs`` is given. Token counts that are not multiples of 16 are zero-padded: zero
     tokens add nothing to dW = dYᵀ X, so the product is unchanged."""
     return quantize_nvfp4(_wgrad_values(x2d, signs).contiguous(), block_shape=(1, 16), stochastic=stochastic,
-                          generator=generator, amax=amax, four_over_six=four_over_six)
+                          generator=generator, amax=amax, four_over_six=four_over_six, sr_block_scale=sr_block_scale)
 
 
 def operand_amax(x2d: torch.Tensor, colwise: bool, signs: torch.Tensor | None, backend: str) -> torch.Tensor:
@@ -86,23 +87,25 @@ def quantize_activation(x2d: torch.Tensor, need_col: bool, signs: torch.Tensor |
 
 def quantize_gradient(dy2d: torch.Tensor, need_row: bool, need_col: bool, signs: torch.Tensor | None,
                       seed: torch.Tensor | None, backend: str, amaxes: torch.Tensor | None = None, *,
-                      four_over_six: bool = False) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
+                      four_over_six: bool = False,
+                      sr_block_scale: str = "nearest") -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
     """dgrad operand dY (1×16) and wgrad operand dYᵀ (RHT, 16 along tokens); stochastic iff ``seed``
     (an int64 tensor [1]) is given. On the emulated backend both come staged (fp16, as X in
     quantize_activation): each feeds one GEMM at once, so their codes would only be read to be staged.
-    ``amaxes`` as in quantize_activation."""
+    ``amaxes`` as in quantize_activation. ``sr_block_scale``: the recipe's ("up": block scales rounded up;
+    only with a seed). The native backend quantizes through the same kernel, so it honours it too."""
     sr = seed is not None
     if backend == "reference":
         a_row, a_col = _amaxes(amaxes)
         gen = _generator(seed, dy2d.device)  # one stream: the row draws, then the column draws
-        row = (quantize_rowwise(dy2d, stochastic=sr, generator=gen, amax=a_row, four_over_six=four_over_six)
-               if need_row else None)
-        col = (quantize_wgrad_operand(dy2d, signs, stochastic=sr, generator=gen, amax=a_col,
-                                      four_over_six=four_over_six) if need_col else None)
+        kw = dict(stochastic=sr, generator=gen, four_over_six=four_over_six, sr_block_scale=sr_block_scale)
+        row = quantize_rowwise(dy2d, amax=a_row, **kw) if need_row else None
+        col = quantize_wgrad_operand(dy2d, signs, amax=a_col, **kw) if need_col else None
         return row, col
     staged = backend == "emulated"
     out = library.quantize(dy2d, signs, seed, amaxes, rowwise=need_row, colwise=need_col, stochastic_row=sr,
-                           stochastic_col=sr, row_staged=staged, col_staged=staged, four_over_six=four_over_six)
+                           stochastic_col=sr, row_staged=staged, col_staged=staged, four_over_six=four_over_six,
+                           sr_block_scale=sr_block_scale)
     return library.operand_pair(out, dy2d.shape, need_row, need_col)
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from ..numerics.nvfp4 import SR_BLOCK_SCALES
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -107,6 +109,10 @@ class NVFP4Recipe:
     outcontrol_steps: int = 50
     """OutControl: the window's length in optimizer steps; the channels are selected after its last step."""
 
+    sr_block_scale: str = "nearest"
+    """Block scales of the stochastically rounded dY (dgrad and wgrad; dense and experts): "nearest" (published), or
+    "up" so no element clips at 6 and SR is unbiased (≈20% more error per draw; docs/configuration.md). Needs SR on."""
+
     @property
     def four_over_six(self) -> bool:
         return self.block_scale_rule == "four_over_six"
@@ -164,6 +170,8 @@ def validate_field(name: str, value: Any, where: str = "quantize.linear.nvfp4") 
         raise ValueError(f"[{where}] outcontrol_fraction must be a number in [0, 1) (0 = off), got {value!r}")
     if name == "outcontrol_steps" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
         raise ValueError(f"[{where}] outcontrol_steps must be a positive integer, got {value!r}")
+    if name == "sr_block_scale" and value not in SR_BLOCK_SCALES:
+        raise ValueError(f"[{where}] sr_block_scale must be one of {list(SR_BLOCK_SCALES)}, got {value!r}")
     if name == "gemm_backend" and value not in BACKEND_NAMES:
         raise ValueError(f"[{where}] gemm_backend must be one of {list(BACKEND_NAMES)}, got {value!r}")
     if name == "rht_size" and (isinstance(value, bool) or value not in RHT_SIZES):
@@ -191,6 +199,10 @@ def validate_combination(recipe: "NVFP4Recipe | SimpleNamespace", where: str = "
     elif recipe.rht_size != 16:
         raise ValueError(f"[{where}] rht_size = {recipe.rht_size} needs ms_eden = true (the stochastic-rounding "
                          "backward transforms the wgrad operands with 16-point RHT kernels)")
+    if recipe.sr_block_scale == "up" and not recipe.stochastic_rounding:
+        raise ValueError(f"[{where}] sr_block_scale = 'up' needs stochastic_rounding = true: it rounds up the block "
+                         "scales of the stochastically rounded gradients, and with stochastic_rounding = false there "
+                         "are none (it would do nothing)")
     every = recipe.osci_reset_every
     if not every:
         for key in OSCI_RESET_KEYS:
