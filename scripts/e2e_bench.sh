@@ -15,7 +15,9 @@
 #                       run_train.sh)
 #              ARM_TIMEOUT  seconds per training run before it is stopped (default 240; the report
 #                       still uses the steps logged so far)
-#              ARMS     the arms to run, in order (default "bf16 nvfp4"); the report covers the logs present
+#              ARMS     the arms to run, in order (default "bf16 nvfp4"); an arm "nvfp4:PRESET" runs the NVFP4 job
+#                       file with --quantize.linear.nvfp4.recipe PRESET (e.g. "bf16 nvfp4 nvfp4:quartet2"); the report
+#                       covers the arms in this order, the first as its baseline
 set -uo pipefail
 out=${OUT:-./outputs/e2e_bench}
 if [[ $# -gt 0 && $1 != -* ]]; then out=$1; shift; fi
@@ -38,12 +40,14 @@ for bs in $batches; do
   bs_arg=(--training.local_batch_size "$bs")
   if [[ $bs == config ]]; then bs_arg=(); fi
   for arm in ${ARMS:-bf16 nvfp4}; do
-    log="$out/${config}_${arm}_bs${bs}.log"
+    log="$out/${config}_${arm/:/-}_bs${bs}.log"
+    preset=()
+    if [[ $arm == *:* ]]; then preset=(--quantize.linear.nvfp4.recipe "${arm#*:}"); fi
     start=$(date +%s)
     timeout --kill-after=30 "${ARM_TIMEOUT:-240}" \
       torchrun --standalone --nproc_per_node=1 -m torchtitan.train \
-        --job.config_file "train_configs/${config}_${arm}.toml" \
-        "${bs_arg[@]}" "${extra[@]}" 2>&1 \
+        --job.config_file "train_configs/${config}_${arm%%:*}.toml" \
+        "${bs_arg[@]}" "${preset[@]}" "${extra[@]}" 2>&1 \
       | tee "$log" | grep --line-buffered -E "NVFP4: converted|size: .* parameters|step: +(1|2|5|10|20|30|40) |Error"
     rc=${PIPESTATUS[0]}
     echo "== $arm, local batch $bs: exit $rc in $(( $(date +%s) - start )) s, log $log"
@@ -60,6 +64,7 @@ done
        "$(python -c 'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}")' 2>&1 | tail -1);" \
        "extra args: ${extra[*]:-none}; PYTORCH_ALLOC_CONF=$PYTORCH_ALLOC_CONF"
   echo
-  python -m titan_nvfp4.tools.e2e_report "$out/${config}_bf16_bs${bs}.log" \
-      "$out/${config}_nvfp4_bs${bs}.log" --skip "${SKIP:-5}" --json "$out/e2e_bench.json"
+  logs=()
+  for arm in ${ARMS:-bf16 nvfp4}; do logs+=("$out/${config}_${arm/:/-}_bs${bs}.log"); done
+  python -m titan_nvfp4.tools.e2e_report "${logs[@]}" --skip "${SKIP:-5}" --json "$out/e2e_bench.json"
 } | tee "$out/e2e_bench.md"
