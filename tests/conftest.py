@@ -40,3 +40,13 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked ``long`` (10 s or more on a 2-core CPU) run first: started last, one of them would keep
     one xdist worker busy after the other has run out of tests."""
     items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: otherwise collection order
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of small batched ops, which only lose time to thread hand-offs on a shared CPU
+    (``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

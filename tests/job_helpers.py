@@ -50,6 +50,19 @@ def edited_toml(tmp_path: Path, replace: dict[str, str] | None = None, add: tupl
     return path
 
 
+def toml_error(tmp_path: Path, *lines: str, grouped: bool = False) -> str:
+    """The error of parsing the real job file with ``lines`` added to its [quantize.linear.nvfp4] section, or with
+    ``grouped`` to a [quantize.grouped_mm.nvfp4] section appended after it."""
+    if grouped:
+        toml = tmp_path / "job.toml"
+        toml.write_text(JOB_TOML.read_text() + "\n[quantize.grouped_mm.nvfp4]\n" + "".join(f"{x}\n" for x in lines))
+    else:
+        toml = edited_toml(tmp_path, add=lines)
+    with pytest.raises(ValueError) as e:
+        parse(toml=toml)
+    return str(e.value)
+
+
 def world1() -> ParallelDims:
     return ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
 

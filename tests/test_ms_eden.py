@@ -18,13 +18,7 @@ from titan_nvfp4.numerics.rht import hadamard_matrix, rht, rht_matrix
 FIXTURE = Path(__file__).parent / "data" / "quartet2_ms_eden.pt"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: these small batched ops only lose time to thread hand-offs on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _gaussian(rows, cols, seed):

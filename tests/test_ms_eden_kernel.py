@@ -18,13 +18,7 @@ from titan_nvfp4.ops.library import StagedOperand
 from kernel_helpers import DEV, same_bits
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: small ops only lose time to thread hand-offs on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @triton.jit

@@ -20,7 +20,7 @@ from titan_nvfp4.ops.quantize import quantize_weight
 from titan_nvfp4.training.train_state import OSCI_KEY
 
 from dist_util import run_ranks
-from job_helpers import JOB_TOML, edited_toml, parse
+from job_helpers import toml_error
 
 U = 0.875  # the decode scale of every tile below: tensor amax 6U = 5.25 gives S = 2688 / 5.25 = 512, e_b = 448
 N = 32
@@ -309,17 +309,6 @@ def test_fsdp2_shards_reset_as_the_whole_weight_does():
 
 # -- refusals --------------------------------------------------------------------------------------------------
 
-def _toml_error(tmp_path, *lines: str, grouped: bool = False) -> str:
-    if grouped:
-        toml = tmp_path / "job.toml"
-        toml.write_text(JOB_TOML.read_text() + "\n[quantize.grouped_mm.nvfp4]\n" + "".join(f"{x}\n" for x in lines))
-    else:
-        toml = edited_toml(tmp_path, add=lines)
-    with pytest.raises(ValueError) as e:
-        parse(toml=toml)
-    return str(e.value)
-
-
 S = r"\[quantize.linear.nvfp4\] "
 
 
@@ -339,13 +328,13 @@ S = r"\[quantize.linear.nvfp4\] "
 def test_bad_values_are_refused_at_parse_time_by_name(tmp_path, knobs, message):
     lines = [f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in knobs.items()]
     assert pytest.raises(ValueError, _convert, **knobs).match(message)
-    assert str(pytest.raises(ValueError, _convert, **knobs).value) == _toml_error(tmp_path, *lines)
+    assert str(pytest.raises(ValueError, _convert, **knobs).value) == toml_error(tmp_path, *lines)
 
 
 def test_the_experts_refuse_it_and_a_start_fraction_needs_the_runs_length(tmp_path):
     message = ("[quantize.grouped_mm.nvfp4] osci_reset_every = 100: OsciReset applies to the dense Linears only (set "
                "it in [quantize.linear.nvfp4])")
-    assert message in _toml_error(tmp_path, "osci_reset_every = 100", grouped=True)
+    assert message in toml_error(tmp_path, "osci_reset_every = 100", grouped=True)
     with pytest.raises(ValueError) as e:
         _convert(experts={"osci_reset_every": 100})
     assert message in str(e.value)

@@ -19,7 +19,7 @@ from titan_nvfp4.modules.outcontrol import outcontrol_channels, select_channels
 from titan_nvfp4.numerics.mxfp8 import quantize_mxfp8
 
 from dist_util import run_ranks
-from job_helpers import JOB_TOML, edited_toml, parse
+from job_helpers import toml_error
 
 K, N, M = 128, 32, 64  # in_features, out_features, tokens per forward; 0.1 of K rounds up to 32 channels
 
@@ -247,17 +247,6 @@ def test_data_parallel_ranks_sum_their_norms_and_select_the_same_channels_under_
 
 # -- refusals --------------------------------------------------------------------------------------------------
 
-def _toml_error(tmp_path, *lines: str, grouped: bool = False) -> str:
-    if grouped:
-        toml = tmp_path / "job.toml"
-        toml.write_text(JOB_TOML.read_text() + "\n[quantize.grouped_mm.nvfp4]\n" + "".join(f"{x}\n" for x in lines))
-    else:
-        toml = edited_toml(tmp_path, add=lines)
-    with pytest.raises(ValueError) as e:
-        parse(toml=toml)
-    return str(e.value)
-
-
 S = r"\[quantize.linear.nvfp4\] "
 
 
@@ -274,12 +263,12 @@ S = r"\[quantize.linear.nvfp4\] "
 def test_bad_values_are_refused_at_parse_time_by_name(tmp_path, knobs, message):
     lines = [f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in knobs.items()]
     assert pytest.raises(ValueError, titan_nvfp4.convert, _Net(), **knobs).match(message)
-    assert str(pytest.raises(ValueError, titan_nvfp4.convert, _Net(), **knobs).value) == _toml_error(tmp_path, *lines)
+    assert str(pytest.raises(ValueError, titan_nvfp4.convert, _Net(), **knobs).value) == toml_error(tmp_path, *lines)
 
 
 def test_the_experts_refuse_it_and_experts_true_leaves_it_to_the_linears(tmp_path):
     message = "[quantize.grouped_mm.nvfp4] outcontrol_fraction = 0.1: OutControl applies to the dense Linears only"
-    assert message in _toml_error(tmp_path, "outcontrol_fraction = 0.1", grouped=True)
+    assert message in toml_error(tmp_path, "outcontrol_fraction = 0.1", grouped=True)
     with pytest.raises(ValueError) as e:
         titan_nvfp4.convert(_Net(), experts={"outcontrol_fraction": 0.1})
     assert message in str(e.value)

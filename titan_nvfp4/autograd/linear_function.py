@@ -112,6 +112,23 @@ def nvfp4_from_parts(data, scale, gs, like_shape, block_shape) -> NVFP4Tensor:
     return NVFP4Tensor(data=data, scale=scale, global_scale=gs, shape=like_shape, block_shape=block_shape)
 
 
+def _quantized_x(x2d, x_amax, *, recipe, signs, out_dtype, need_col, backend, shared_x, reader):
+    """X's forward operand and, when ``need_col``, its wgrad operand Xᵀ: X cast to ``out_dtype`` (the autocast cast,
+    see _forward) and quantized, once per ``shared_x`` for sibling Linears (sibling_x.py; ``reader`` names the
+    layer), whichever forward body asks."""
+    four_over_six = recipe.four_over_six
+
+    def quantize_x():
+        xc = x2d.to(out_dtype)
+        x_signs = signs_for_operand(signs, xc.dtype, recipe.rht_round_to_input_dtype)
+        return quantize_activation(xc, need_col, x_signs, backend, x_amax, four_over_six=four_over_six)
+
+    if shared_x is None:
+        return quantize_x()
+    key = (x2d.shape, out_dtype, need_col, backend, four_over_six, recipe.rht_round_to_input_dtype)
+    return shared_x_operands(shared_x, signs, key, quantize_x, reader)
+
+
 def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, signs, out_dtype, need_col, backend, w_amax,
                   shared_x=None, reader=None):
     """Forward's GPU work as tensors: (Y, Wᵀ's codes, scales and decode scale, then Xᵀ's when ``need_col``)
@@ -120,17 +137,8 @@ def _forward_body(x2d, x_amax=None, *, weight, bias, recipe, signs, out_dtype, n
     made outside the body would be freed after the capture. ``shared_x``: the eager X that x2d views, whose
     quantization sibling Linears share (sibling_x.py), read by the layer ``reader`` identifies."""
     four_over_six = recipe.four_over_six
-
-    def quantize_x():
-        xc = x2d.to(out_dtype)  # the autocast cast (see _forward), once per shared X
-        x_signs = signs_for_operand(signs, xc.dtype, recipe.rht_round_to_input_dtype)
-        return quantize_activation(xc, need_col, x_signs, backend, x_amax, four_over_six=four_over_six)
-
-    if shared_x is None:
-        xq, x_col = quantize_x()
-    else:
-        key = (x2d.shape, out_dtype, need_col, backend, four_over_six, recipe.rht_round_to_input_dtype)
-        xq, x_col = shared_x_operands(shared_x, signs, key, quantize_x, reader)
+    xq, x_col = _quantized_x(x2d, x_amax, recipe=recipe, signs=signs, out_dtype=out_dtype, need_col=need_col,
+                             backend=backend, shared_x=shared_x, reader=reader)
     if isinstance(weight, NVFP4GatheredWeight):  # FSDP2 gathered it as NVFP4: distributed/fsdp_all_gather.py
         wq = gathered_nvfp4(weight)
         w_t = wq.t()
@@ -155,18 +163,9 @@ def _forward_body_high_precision(x2d, x_amax=None, *, weight, bias, recipe, sign
     if not need_w_t:
         return (y,), (None, None)
     x_col = None
-    if need_col:
-        four_over_six = recipe.four_over_six
-
-        def quantize_x():
-            x_signs = signs_for_operand(signs, xc.dtype, recipe.rht_round_to_input_dtype)
-            return quantize_activation(xc, True, x_signs, backend, x_amax, four_over_six=four_over_six)
-
-        if shared_x is None:
-            _, x_col = quantize_x()
-        else:  # the key of _forward_body's: siblings share one quantization of X whichever forward they run
-            key = (x2d.shape, out_dtype, True, backend, four_over_six, recipe.rht_round_to_input_dtype)
-            _, x_col = shared_x_operands(shared_x, signs, key, quantize_x, reader)
+    if need_col:  # siblings share one quantization of X whichever forward they run
+        _, x_col = _quantized_x(x2d, x_amax, recipe=recipe, signs=signs, out_dtype=out_dtype, need_col=True,
+                                backend=backend, shared_x=shared_x, reader=reader)
     _, w_t = quantize_weight(weight, recipe.weight_2d, backend, w_amax, four_over_six=recipe.four_over_six)
     tensors = (y, *nvfp4_parts(w_t)) + (nvfp4_parts(x_col) if x_col is not None else ())
     return tensors, ((w_t.shape, w_t.block_shape), (x_col.shape, x_col.block_shape) if x_col is not None else None)
@@ -182,20 +181,12 @@ def _forward_body_ms_eden(x2d, x_amax=None, *, weight, bias, recipe, out_dtype, 
         y = torch.nn.functional.linear(xc, weight.to(out_dtype), None if bias is None else bias.to(out_dtype))
         x_saved, w_saved = saved_operand(xc), saved_operand(weight.to(out_dtype))
     else:
-        four_over_six = recipe.four_over_six
-
-        def quantize_x():
-            return quantize_activation(xc, False, None, backend, x_amax, four_over_six=four_over_six)
-
-        if shared_x is None:
-            xq, _ = quantize_x()
-        else:
-            key = (x2d.shape, out_dtype, False, backend, four_over_six, recipe.rht_round_to_input_dtype)
-            xq, _ = shared_x_operands(shared_x, None, key, quantize_x, reader)
+        xq, _ = _quantized_x(x2d, x_amax, recipe=recipe, signs=None, out_dtype=out_dtype, need_col=False,
+                             backend=backend, shared_x=shared_x, reader=reader)
         if isinstance(weight, NVFP4GatheredWeight):
             wq = gathered_nvfp4(weight)
         else:
-            wq, _ = quantize_weight(weight, recipe.weight_2d, backend, w_amax, four_over_six=four_over_six,
+            wq, _ = quantize_weight(weight, recipe.weight_2d, backend, w_amax, four_over_six=recipe.four_over_six,
                                     transposed=False)
         y = nvfp4_gemm(xq, wq, out_dtype=out_dtype, bias=bias, backend=backend)
         x_saved, w_saved = saved_operand(xq), saved_operand(wq)
@@ -245,6 +236,22 @@ def _backward_body(dy2d, dy_amax=None, *, ctx, saved, need_dx, need_dw, need_db,
     if need_db:
         db = dy2d.float().sum(0).to(dy2d.dtype)
     return (dx, dw, db), None
+
+
+def mxfp8_backward(dy2d: torch.Tensor, x_col: MXFP8Tensor | None, weight: torch.Tensor, backend: str, *,
+                   need_dx: bool, w_dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """An MXFP8 backward: dX [M, K] = dY·W in dY's dtype (blocks along N) when ``need_dx``, and dW = dYᵀ·X (blocks
+    along the tokens) in ``w_dtype`` when ``x_col`` (Xᵀ in MXFP8, saved by forward) is given; fp32 accumulation.
+    dY and Wᵀ feed one GEMM each at once: staged (dequantized by the kernel), not codes."""
+    dt = dy2d.dtype
+    dy_row, dy_col = mxfp8_operands(dy2d, need_dx, x_col is not None, backend, staged=True)
+    dx = dw = None
+    if need_dx:
+        _, w_col = mxfp8_operands(weight.to(dt), False, True, backend, staged=True)
+        dx = mxfp8_gemm(dy_row, w_col, dt)
+    if x_col is not None:
+        dw = mxfp8_gemm(dy_col, x_col, w_dtype)
+    return dx, dw
 
 
 class NVFP4LinearFunction(torch.autograd.Function):
@@ -347,13 +354,10 @@ class NVFP4LinearFunction(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and x_a is not None
         dx = dw = db = None
         if ctx.recipe.backward == "mxfp8":
-            # dY and Wᵀ feed one GEMM each at once: staged (dequantized by the kernel), not codes
-            dy_row, dy_col = mxfp8_operands(dy2d, need_dx, need_dw, ctx.backend, staged=True)
-            if need_dx:
-                _, w_col = mxfp8_operands(weight.to(dt), False, True, ctx.backend, staged=True)
-                dx = mxfp8_gemm(dy_row, w_col, dt).to(ctx.x_dtype).reshape(ctx.x_shape)
-            if need_dw:
-                dw = mxfp8_gemm(dy_col, MXFP8Tensor(x_a, x_b), ctx.w_dtype)
+            dx, dw = mxfp8_backward(dy2d, MXFP8Tensor(x_a, x_b) if need_dw else None, weight, ctx.backend,
+                                    need_dx=need_dx, w_dtype=ctx.w_dtype)
+            if dx is not None:
+                dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
         else:
             if need_dx:
                 dx = (dy2d @ weight.to(dt)).to(ctx.x_dtype).reshape(ctx.x_shape)

@@ -17,7 +17,7 @@ import torch
 
 from ..numerics.mxfp8 import MXFP8Tensor
 from ..ops import mxfp8_gemm, mxfp8_operands, resolve_backend
-from .linear_function import autocast_out_dtype
+from .linear_function import autocast_out_dtype, mxfp8_backward
 
 
 class MXFP8LinearFunction(torch.autograd.Function):
@@ -51,12 +51,10 @@ class MXFP8LinearFunction(torch.autograd.Function):
         dx = dw = None
         with torch.autocast(dy.device.type, enabled=False):
             dy2d = dy.reshape(-1, weight.shape[0]).to(dt)
-            dy_row, dy_col = mxfp8_operands(dy2d, need_dx, need_dw, ctx.backend, staged=True)
-            if need_dx:
-                _, w_col = mxfp8_operands(weight.to(dt), False, True, ctx.backend, staged=True)
-                dx = mxfp8_gemm(dy_row, w_col, dt).to(ctx.x_dtype).reshape(ctx.x_shape)
-            if need_dw:
-                dw = mxfp8_gemm(dy_col, MXFP8Tensor(x_data, x_scale), ctx.w_dtype)
+            dx, dw = mxfp8_backward(dy2d, MXFP8Tensor(x_data, x_scale) if need_dw else None, weight, ctx.backend,
+                                    need_dx=need_dx, w_dtype=ctx.w_dtype)
+            if dx is not None:
+                dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
         return dx, dw, None, None, None
 
 
