@@ -16,6 +16,10 @@ state-dict adapter of the model (Llama3 here; others are refused by name). docs/
 tensor scale; 16x16 tile scales repeated per row) in compressed-tensors' nvfp4-pack-quantized layout, the
 other weights in BF16 (the BF16 Linears listed in quantization_config.ignore). Refused for lora_rank layers
 (their forward adds a branch the layout cannot hold) and after bf16_after_fraction's switch.
+--scheme w4a16 (default): NVFP4 weights, 16-bit activations. --scheme w4a4: compressed-tensors' NVFP4 scheme,
+NVFP4 weights and inputs; each Linear's input_global_scale S = 6·448/amax with the amax of the run's activation
+amax history (activation_amax_history) in the checkpoint, or, with --calibration-batches N (required when the
+checkpoint has none), the largest input seen over the first N batches of the job's dataset.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from .cli import fail, parser, writing
 
 PROG = "python -m titan_nvfp4.tools.export_hf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SCHEMES = ["w4a16", "w4a4"]
 
 
 def _args(argv: list[str]):
@@ -41,8 +46,12 @@ def _args(argv: list[str]):
                                                   "holding them (its latest step is exported)")
     ap.add_argument("--format", required=True, choices=["bf16", "nvfp4"],
                     help="bf16: dense BF16 weights; nvfp4: the NVFP4 Linears in compressed-tensors' layout")
-    ap.add_argument("--scheme", choices=["w4a16"], default=None,
-                    help="with --format nvfp4: w4a16, NVFP4 weights and 16-bit activations (the default)")
+    ap.add_argument("--scheme", choices=SCHEMES, default=None,
+                    help="with --format nvfp4: w4a16, NVFP4 weights and 16-bit activations (the default); w4a4, "
+                         "NVFP4 weights and input activations (compressed-tensors' NVFP4 scheme)")
+    ap.add_argument("--calibration-batches", type=int, default=None, metavar="N",
+                    help="with --scheme w4a4: the input tensor scales from the largest input each Linear sees over "
+                         "the first N batches of the job's dataset (default: the run's amax history)")
     ap.add_argument("--out", type=Path, required=True, help="the Hugging Face model folder to write (new or empty)")
     ap.add_argument("--weight-dtype", choices=["auto", *DTYPES], default="auto",
                     help="with --format nvfp4: the dtype the forward quantized the weights in; auto: the job's "
@@ -69,6 +78,10 @@ def _check_paths(args, rest: list[str]):
 
     if args.scheme is not None and args.format != "nvfp4":
         fail(PROG, f"--scheme {args.scheme} applies to --format nvfp4 only")
+    if args.calibration_batches is not None and args.scheme != "w4a4":
+        fail(PROG, f"--calibration-batches {args.calibration_batches} applies to --scheme w4a4 only")
+    if args.calibration_batches is not None and args.calibration_batches < 1:
+        fail(PROG, f"--calibration-batches {args.calibration_batches}: give a positive number of batches")
     if args.weight_dtype != "auto" and args.format != "nvfp4":
         fail(PROG, f"--weight-dtype {args.weight_dtype} applies to --format nvfp4 only")
     try:
@@ -107,6 +120,12 @@ def _nvfp4_checks(layers, model, step, loaded, cfg, args) -> torch.dtype:
         fail(PROG, f"--format nvfp4: layer {layers.lowrank[0]!r} is low-rank ([quantize.linear.nvfp4] lora_rank, "
                    f"{len(layers.lowrank)} layers): its forward adds U·diag(σ)·V to NVFP4(R), which compressed-tensors' "
                    "NVFP4 layout cannot hold; export --format bf16 (W = R + U·diag(σ)·V)")
+    if args.scheme == "w4a4":
+        fos = [n for n, m in layers.nvfp4.items() if m.recipe.four_over_six]
+        if fos:
+            fail(PROG, f"--scheme w4a4: layer {fos[0]!r} quantizes its input with block_scale_rule = four_over_six "
+                       "(each block's scale max to 6 or 4), which compressed-tensors' NVFP4 activations (max to 6) "
+                       "cannot express; export --scheme w4a16")
     if not layers.nvfp4:
         fail(PROG, f"--format nvfp4: the job file's model has no NVFP4 layers ([model] converters = "
                    f"{list(cfg.model.converters)}): export --format bf16")
@@ -131,6 +150,25 @@ def _nvfp4_checks(layers, model, step, loaded, cfg, args) -> torch.dtype:
                    "(checkpoint.export_dtype?): its codes cannot be reproduced; pass --weight-dtype bfloat16 to "
                    "quantize the stored weights instead")
     return forward
+
+
+def input_amaxes(args, cfg, spec, tokenizer, model, layers, step) -> tuple[dict[str, torch.Tensor], str]:
+    """({NVFP4 layer: input amax}, where it came from) for --scheme w4a4: calibration when asked, else the amax
+    history the checkpoint carries; a ValueError when it carries none."""
+    from .activation_scales import calibrated_amaxes, history_amaxes
+    from .job_model import calibration_batches
+
+    if args.calibration_batches is not None:
+        n = args.calibration_batches
+        batches = calibration_batches(cfg, spec, tokenizer, n)
+        return calibrated_amaxes(model, layers.nvfp4, batches), f"calibrated on {n} batch{'es' if n > 1 else ''}"
+    found = history_amaxes(step.path, list(layers.nvfp4))
+    if found is None:
+        knob = cfg.quantize.linear.nvfp4.activation_amax_history
+        raise ValueError(f"--scheme w4a4: checkpoint {step.path} carries no activation amax history "
+                         f"([quantize.linear.nvfp4] activation_amax_history = {knob}): pass --calibration-batches N "
+                         "to take the input scales from N batches of the job's dataset")
+    return found, "from the run's amax history"
 
 
 def export(args, rest: list[str], step, shard_bytes: int) -> str:
@@ -171,16 +209,21 @@ def export(args, rest: list[str], step, shard_bytes: int) -> str:
     config = hf_model.config(model_args, model, tokenizer.bos_id, tokenizer.eos_id)
     if args.format == "nvfp4":
         weight_dtype = _nvfp4_checks(layers, model, step, loaded, cfg, args)
-        out = hf_nvfp4(adapter, state, layers, weight_dtype)
+        scheme = args.scheme or "w4a16"
+        amaxes, source = (input_amaxes(args, cfg, spec, tokenizer, model, layers, step) if scheme == "w4a4"
+                          else (None, ""))
+        out = hf_nvfp4(adapter, state, layers, weight_dtype, input_amax=amaxes)
         hf_state = out.state
-        config["quantization_config"] = quantization_config(out.ignore)
+        config["quantization_config"] = quantization_config(out.ignore, activations=amaxes is not None)
         mismatched = fused_mismatches(out.global_scales, out.ignore, hf_model.fused)
         if mismatched:
             print(f"export_hf: warning: vLLM and SGLang load {' / '.join('+'.join(g) for g in hf_model.fused)} as one "
                   f"GEMM each, with one weight global scale: {len(mismatched)} such groups differ here (e.g. "
                   f"{mismatched[0]}); served by them, these layers would not decode to the trained weights "
                   "(docs/export.md, 'Fused layers')", file=sys.stderr)
-        what = (f"{len(layers.nvfp4)} NVFP4 Linears (w4a16, quantized in {str(weight_dtype).removeprefix('torch.')}), "
+        inputs = f", input scales {source}" if source else ""
+        what = (f"{len(layers.nvfp4)} NVFP4 Linears ({scheme}{inputs}, quantized in "
+                f"{str(weight_dtype).removeprefix('torch.')}), "
                 f"{len(out.ignore)} BF16 ({', '.join(out.ignore[:3])}{', ...' if len(out.ignore) > 3 else ''})")
     else:
         hf_state = hf_dense(adapter, state)

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..modules.decomposed_linear import DecomposedLinear, LowRankState
 from ..modules.nvfp4_linear import NVFP4Linear
-from .compressed_nvfp4 import compressed_parts
+from .compressed_nvfp4 import compressed_parts, input_global_scale
 from .export_dense import fold_decomposed, non_finite
 
 
@@ -107,9 +107,11 @@ class NVFP4Export:
 
 
 def hf_nvfp4(adapter, state: dict[str, torch.Tensor], layers: Layers, weight_dtype: torch.dtype,
-             dense_dtype: torch.dtype = torch.bfloat16) -> NVFP4Export:
+             dense_dtype: torch.dtype = torch.bfloat16,
+             input_amax: dict[str, torch.Tensor] | None = None) -> NVFP4Export:
     """The NVFP4 layers of ``layers`` as compressed-tensors entries (their weights quantized in ``weight_dtype``, as
-    the forward quantizes them), everything else dense in ``dense_dtype``."""
+    the forward quantizes them; with ``input_amax`` {layer: amax}, each one's ``input_global_scale`` too: w4a4),
+    everything else dense in ``dense_dtype``."""
     quantized = {}
     scales = {}
     for name, m in layers.nvfp4.items():
@@ -120,6 +122,8 @@ def hf_nvfp4(adapter, state: dict[str, torch.Tensor], layers: Layers, weight_dty
         quantized[f"{prefix}.weight_packed"] = parts["weight_packed"][perm].contiguous()
         quantized[f"{prefix}.weight_scale"] = parts["weight_scale"][perm].contiguous()
         quantized[f"{prefix}.weight_global_scale"] = parts["weight_global_scale"]
+        if input_amax is not None:
+            quantized[f"{prefix}.input_global_scale"] = input_global_scale(input_amax[name])
         scales[prefix] = float(parts["weight_global_scale"])
     rest = {k: v for k, v in state.items() if not (k.endswith(".weight") and k[: -len(".weight")] in layers.nvfp4)}
     dense = hf_dense(adapter, rest, dense_dtype)

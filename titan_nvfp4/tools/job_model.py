@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import importlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +108,8 @@ def build_model(cfg) -> tuple[nn.Module, object, object]:
         model = spec.model_cls(args)
     build_model_converters(cfg, one_process_dims()).convert(model)
     model.to_empty(device="cpu")
+    with torch.no_grad():  # buffers the checkpoint does not hold (RoPE tables) as the Trainer makes them
+        model.init_weights(buffer_device=None)
     return model, spec, args
 
 
@@ -164,5 +167,29 @@ def load_weights(model: nn.Module, folder: Path) -> Loaded:
     return Loaded(dtypes, any(len(saved[k].chunks) > 1 for k in norms))
 
 
-__all__ = ["DATA_ONLY", "Loaded", "StepFolder", "build_model", "find_step", "import_custom", "load_weights",
-           "one_process_dims", "parse_job", "steps_in"]
+def calibration_batches(cfg, spec, tokenizer, count: int) -> Iterator[torch.Tensor]:
+    """The token ids of the first ``count`` batches of the job's dataloader (one process: rank 0 of 1), as the
+    Trainer builds it from the train spec; the job's [experimental] custom_import is imported in full first (a
+    data preparer registers, or builds, the run's dataset). A ValueError naming the dataset when it cannot be read."""
+    name, path = cfg.training.dataset, cfg.training.dataset_path
+    what = f"the job's dataset {name!r}" + (f" ({path})" if path else "")
+    try:
+        if cfg.experimental.custom_import:
+            importlib.import_module(cfg.experimental.custom_import)
+        if spec.build_dataloader_fn is None:
+            raise ValueError(f"model {cfg.model.name!r} has no dataloader in its train spec")
+        loader = spec.build_dataloader_fn(dp_world_size=1, dp_rank=0, tokenizer=tokenizer, job_config=cfg)
+        batches = iter(loader)
+        first = [next(batches) for _ in range(count)]
+    except StopIteration:
+        raise ValueError(f"calibration: {what} has fewer than {count} batches") from None
+    except Exception as e:  # datasets' and TorchTitan's own errors: one line naming the data
+        text = str(e).strip().splitlines()
+        raise ValueError(f"calibration: cannot read {what}: {type(e).__name__}"
+                         + (f": {text[0]}" if text else "")) from None
+    for inputs, _labels in first:
+        yield inputs["input"] if isinstance(inputs, dict) else inputs
+
+
+__all__ = ["DATA_ONLY", "Loaded", "StepFolder", "build_model", "calibration_batches", "find_step", "import_custom",
+           "load_weights", "one_process_dims", "parse_job", "steps_in"]
