@@ -200,9 +200,17 @@ def export(args, rest: list[str], step, shard_bytes: int) -> str:
     model, spec, model_args = build_model(cfg)
     loaded = load_weights(model, step.path)
     layers = classify(model)
-    if layers.other:
-        raise ValueError(f"module {layers.other[0]!r} ({type(model.get_submodule(layers.other[0])).__name__}) is not "
-                         "supported by export_hf yet (MoE experts)")
+    for other in layers.other:
+        module = model.get_submodule(other)
+        if args.format == "nvfp4":
+            raise ValueError(f"--format nvfp4: {other!r} ({type(module).__name__}) holds MoE experts: transformers "
+                             "holds them as fused 3-D parameters (gate_up_proj, down_proj), not Linear modules, so "
+                             "compressed-tensors' NVFP4 Linear layout cannot describe them; export --format bf16")
+        if getattr(module, "lora_rank", 0):
+            raise ValueError(f"{other!r} ({type(module).__name__}) holds low-rank experts ([quantize.grouped_mm.nvfp4] "
+                             "lora_rank): export_hf does not fold their branch yet")
+        if not all(k.startswith(("w1", "w2", "w3")) for k in module.state_dict()):
+            raise ValueError(f"module {other!r} ({type(module).__name__}) is not supported by export_hf yet")
     adapter = spec.state_dict_adapter(model_args, None)  # names only: no HF index to read
     state = dense_state(model)
     hf_model = HF_MODELS[name]
