@@ -220,7 +220,7 @@ def export(args, rest: list[str], step, shard_bytes: int) -> str:
         scheme = args.scheme or "w4a16"
         amaxes, source = (input_amaxes(args, cfg, spec, tokenizer, model, layers, step) if scheme == "w4a4"
                           else (None, ""))
-        out = hf_nvfp4(adapter, state, layers, weight_dtype, input_amax=amaxes)
+        out = hf_nvfp4(adapter, model, state, layers, weight_dtype, input_amax=amaxes)
         hf_state = out.state
         config["quantization_config"] = quantization_config(out.ignore, activations=amaxes is not None)
         mismatched = fused_mismatches(out.global_scales, out.ignore, hf_model.fused)
