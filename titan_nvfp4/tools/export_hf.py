@@ -62,13 +62,16 @@ def _args(argv: list[str]):
     return ap, args, rest
 
 
-def _job_file(rest: list[str]) -> str | None:
-    for i, a in enumerate(rest):
-        if a == "--job.config_file":
-            return rest[i + 1] if i + 1 < len(rest) else ""
-        if a.startswith("--job.config_file="):
-            return a.split("=", 1)[1]
-    return None
+def _generation():
+    """The job adapter of the installed TorchTitan generation: job_model (0.2 job files) or job_model_v03 (0.3's
+    config registry)."""
+    from ..integration_common.torchtitan_version import installed_generation
+
+    if installed_generation() == "0.3":
+        from . import job_model_v03 as generation
+    else:
+        from . import job_model as generation
+    return generation
 
 
 def _check_paths(args, rest: list[str]):
@@ -90,11 +93,9 @@ def _check_paths(args, rest: list[str]):
         refuse_output_over_input(args.out, [args.checkpoint], "--out")
     except ValueError as e:
         fail(PROG, str(e))
-    job = _job_file(rest)
-    if job is None:
-        fail(PROG, "--job.config_file JOB.toml is required: the job file the checkpoint was trained with")
-    if not job or not Path(job).is_file():
-        fail(PROG, f"--job.config_file {job}: no such file")
+    problem = _generation().check_flags(rest)
+    if problem:
+        fail(PROG, problem)
     if step.path.resolve() in args.out.resolve().parents:
         fail(PROG, f"--out {args.out} is inside the checkpoint folder {step.path}: write it elsewhere")
     if args.out.exists() and not args.out.is_dir():
@@ -112,12 +113,12 @@ def _require_packages() -> None:
         fail(PROG, f"needs {' and '.join(missing)}: pip install 'titan-nvfp4[export]'")
 
 
-def _nvfp4_checks(layers, model, step, loaded, cfg, args) -> torch.dtype:
+def _nvfp4_checks(layers, job, step, args) -> torch.dtype:
     """Refusals of --format nvfp4 (one line each); the dtype the weights are quantized in."""
     from ..training.schedule import LINEAR_STEPS
 
     if layers.lowrank:
-        fail(PROG, f"--format nvfp4: layer {layers.lowrank[0]!r} is low-rank ([quantize.linear.nvfp4] lora_rank, "
+        fail(PROG, f"--format nvfp4: layer {layers.lowrank[0]!r} is low-rank ({job.knob} lora_rank, "
                    f"{len(layers.lowrank)} layers): its forward adds U·diag(σ)·V to NVFP4(R), which compressed-tensors' "
                    "NVFP4 layout cannot hold; export --format bf16 (W = R + U·diag(σ)·V)")
     if args.scheme == "w4a4":
@@ -127,12 +128,11 @@ def _nvfp4_checks(layers, model, step, loaded, cfg, args) -> torch.dtype:
                        "(each block's scale max to 6 or 4), which compressed-tensors' NVFP4 activations (max to 6) "
                        "cannot express; export --scheme w4a16")
     if not layers.nvfp4:
-        fail(PROG, f"--format nvfp4: the job file's model has no NVFP4 layers ([model] converters = "
-                   f"{list(cfg.model.converters)}): export --format bf16")
-    counter = getattr(model, LINEAR_STEPS, None)
+        fail(PROG, f"--format nvfp4: the job's model has no NVFP4 layers ({job.converters}): export --format bf16")
+    counter = getattr(job.model, LINEAR_STEPS, None)
     switch = counter.schedule.switch_step if counter is not None else None
     if switch is not None:
-        fraction = cfg.quantize.linear.nvfp4.bf16_after_fraction
+        fraction = job.bf16_after_fraction
         if step.step is None:
             fail(PROG, f"--format nvfp4: the job switches to BF16 at step {switch} (bf16_after_fraction = {fraction}) "
                        f"and {step.path} is not named step-N: give the step-N folder so its step is known")
@@ -142,63 +142,42 @@ def _nvfp4_checks(layers, model, step, loaded, cfg, args) -> torch.dtype:
                        "export --format bf16")
     if args.weight_dtype != "auto":
         return DTYPES[args.weight_dtype]
-    forward = DTYPES.get(cfg.training.mixed_precision_param, torch.float32) if loaded.fsdp else torch.float32
-    narrower = [n for n in layers.nvfp4 if loaded.dtypes.get(f"{n}.weight", forward).itemsize < forward.itemsize]
+    forward = DTYPES.get(job.mixed_precision_param, torch.float32) if job.fsdp else torch.float32
+    narrower = [n for n in layers.nvfp4 if job.dtypes.get(f"{n}.weight", forward).itemsize < forward.itemsize]
     if narrower:
         fail(PROG, f"--format nvfp4: {step.path} stores {narrower[0]}.weight in "
-                   f"{loaded.dtypes[narrower[0] + '.weight']}, but the run's forward quantized {forward} weights "
+                   f"{job.dtypes[narrower[0] + '.weight']}, but the run's forward quantized {forward} weights "
                    "(checkpoint.export_dtype?): its codes cannot be reproduced; pass --weight-dtype bfloat16 to "
                    "quantize the stored weights instead")
     return forward
 
 
-def input_amaxes(args, cfg, spec, tokenizer, model, layers, step) -> tuple[dict[str, torch.Tensor], str]:
+def input_amaxes(args, job, layers, step) -> tuple[dict[str, torch.Tensor], str]:
     """({NVFP4 layer: input amax}, where it came from) for --scheme w4a4: calibration when asked, else the amax
     history the checkpoint carries; a ValueError when it carries none."""
     from .activation_scales import calibrated_amaxes, history_amaxes
-    from .job_model import calibration_batches
 
     if args.calibration_batches is not None:
         n = args.calibration_batches
-        batches = calibration_batches(cfg, spec, tokenizer, n)
-        return calibrated_amaxes(model, layers.nvfp4, batches), f"calibrated on {n} batch{'es' if n > 1 else ''}"
+        batches = job.calibration(n)
+        return calibrated_amaxes(job.model, layers.nvfp4, batches), f"calibrated on {n} batch{'es' if n > 1 else ''}"
     found = history_amaxes(step.path, list(layers.nvfp4))
     if found is None:
-        knob = cfg.quantize.linear.nvfp4.activation_amax_history
         raise ValueError(f"--scheme w4a4: checkpoint {step.path} carries no activation amax history "
-                         f"([quantize.linear.nvfp4] activation_amax_history = {knob}): pass --calibration-batches N "
-                         "to take the input scales from N batches of the job's dataset")
+                         f"({job.knob} activation_amax_history = {job.activation_amax_history}): pass "
+                         "--calibration-batches N to take the input scales from N batches of the job's dataset")
     return found, "from the run's amax history"
 
 
 def export(args, rest: list[str], step, shard_bytes: int) -> str:
     """Build, load, convert and write; returns the summary line. ValueErrors are the user's input."""
-    from torchtitan.components.tokenizer import HuggingFaceTokenizer
-    from torchtitan.protocols.train_spec import get_train_spec
-
     from .compressed_nvfp4 import quantization_config
-    from .hf_folder import copy_tokenizer, tokenizer_files, write_json, write_shards
+    from .hf_folder import copy_tokenizer, write_json, write_shards
     from .hf_models import HF_MODELS
     from .hf_weights import classify, dense_state, fused_mismatches, hf_dense, hf_nvfp4
-    from .job_model import build_model, import_custom, load_weights, parse_job
 
-    cfg = parse_job(rest)
-    import_custom(cfg)
-    name = cfg.model.name
-    try:
-        spec = get_train_spec(name)
-    except ValueError as e:
-        raise ValueError(f"[model] name {name!r}: {e}") from None
-    if spec.state_dict_adapter is None:
-        raise ValueError(f"model {name!r} has no state-dict adapter in TorchTitan: its weights have no Hugging Face "
-                         "names to export to")
-    if name not in HF_MODELS:
-        raise ValueError(f"model {name!r} is not supported by export_hf yet (supported: {', '.join(HF_MODELS)})")
-    assets = Path(cfg.model.hf_assets_path)
-    tokenizer_files(assets)  # a ValueError naming the folder when it has no tokenizer
-    tokenizer = HuggingFaceTokenizer(str(assets))
-    model, spec, model_args = build_model(cfg)
-    loaded = load_weights(model, step.path)
+    job = _generation().open_job(rest, step.path)
+    model = job.model
     layers = classify(model)
     for other in layers.other:
         module = model.get_submodule(other)
@@ -211,15 +190,14 @@ def export(args, rest: list[str], step, shard_bytes: int) -> str:
                              "lora_rank): export_hf does not fold their branch yet")
         if not all(k.startswith(("w1", "w2", "w3")) for k in module.state_dict()):
             raise ValueError(f"module {other!r} ({type(module).__name__}) is not supported by export_hf yet")
-    adapter = spec.state_dict_adapter(model_args, None)  # names only: no HF index to read
+    adapter = job.adapter
     state = dense_state(model)
-    hf_model = HF_MODELS[name]
-    config = hf_model.config(model_args, model, tokenizer.bos_id, tokenizer.eos_id)
+    hf_model = HF_MODELS[job.name]
+    config = dict(job.hf_config)
     if args.format == "nvfp4":
-        weight_dtype = _nvfp4_checks(layers, model, step, loaded, cfg, args)
+        weight_dtype = _nvfp4_checks(layers, job, step, args)
         scheme = args.scheme or "w4a16"
-        amaxes, source = (input_amaxes(args, cfg, spec, tokenizer, model, layers, step) if scheme == "w4a4"
-                          else (None, ""))
+        amaxes, source = input_amaxes(args, job, layers, step) if scheme == "w4a4" else (None, "")
         out = hf_nvfp4(adapter, model, state, layers, weight_dtype, input_amax=amaxes)
         hf_state = out.state
         config["quantization_config"] = quantization_config(out.ignore, activations=amaxes is not None)
@@ -241,8 +219,8 @@ def export(args, rest: list[str], step, shard_bytes: int) -> str:
     with writing(PROG, args.out, "--out"), atomic_dir(args.out, "--out") as tmp:
         shards = write_shards(tmp, hf_state, shard_bytes)
         write_json(tmp / "config.json", config)
-        GenerationConfig(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id).save_pretrained(str(tmp))
-        copy_tokenizer(assets, tmp)
+        GenerationConfig(bos_token_id=job.bos_id, eos_token_id=job.eos_id).save_pretrained(str(tmp))
+        copy_tokenizer(job.assets, tmp)
     at = f"step {step.step}" if step.step is not None else str(step.path)
     return f"export_hf: {at} of {step.path.parent if step.step is not None else step.path} -> {args.out}: {what}; " \
            f"{shards} shard{'s' if shards > 1 else ''}"

@@ -191,5 +191,62 @@ def calibration_batches(cfg, spec, tokenizer, count: int) -> Iterator[torch.Tens
         yield inputs["input"] if isinstance(inputs, dict) else inputs
 
 
+def _flag(rest: list[str], flag: str) -> str | None:
+    for i, a in enumerate(rest):
+        if a == flag:
+            return rest[i + 1] if i + 1 < len(rest) else ""
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def check_flags(rest: list[str]) -> str | None:
+    """What is wrong with the job flags export_hf passes on (None: nothing): the job file must be named and exist."""
+    job = _flag(rest, "--job.config_file")
+    if job is None:
+        return "--job.config_file JOB.toml is required: the job file the checkpoint was trained with"
+    if not job or not Path(job).is_file():
+        return f"--job.config_file {job}: no such file"
+    return None
+
+
+def open_job(overrides: list[str], folder: Path):
+    """export_hf's Job (export_job.py) of a 0.2 job file (``--job.config_file JOB.toml`` and further overrides) and
+    the DCP checkpoint ``folder``; ValueErrors name the model, flavor, tokenizer folder or key at fault."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from .export_job import Job
+    from .hf_folder import tokenizer_files
+    from .hf_models import HF_MODELS
+
+    cfg = parse_job(overrides)
+    import_custom(cfg)
+    name = cfg.model.name
+    try:
+        spec = get_train_spec(name)
+    except ValueError as e:
+        raise ValueError(f"[model] name {name!r}: {e}") from None
+    if spec.state_dict_adapter is None:
+        raise ValueError(f"model {name!r} has no state-dict adapter in TorchTitan: its weights have no Hugging Face "
+                         "names to export to")
+    if name not in HF_MODELS:
+        raise ValueError(f"model {name!r} is not supported by export_hf yet (supported: {', '.join(HF_MODELS)})")
+    assets = Path(cfg.model.hf_assets_path)
+    tokenizer_files(assets)  # a ValueError naming the folder when it has no tokenizer
+    tokenizer = HuggingFaceTokenizer(str(assets))
+    model, spec, model_args = build_model(cfg)
+    loaded = load_weights(model, folder)
+    section = cfg.quantize.linear.nvfp4
+    return Job(
+        name=name, model=model, adapter=spec.state_dict_adapter(model_args, None),  # names only: no HF index
+        hf_config=HF_MODELS[name].config(model_args, model, tokenizer.bos_id, tokenizer.eos_id), assets=assets,
+        bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, fsdp=loaded.fsdp, dtypes=loaded.dtypes,
+        mixed_precision_param=cfg.training.mixed_precision_param,
+        converters=f"[model] converters = {list(cfg.model.converters)}",
+        bf16_after_fraction=section.bf16_after_fraction, activation_amax_history=section.activation_amax_history,
+        knob="[quantize.linear.nvfp4]", calibration=lambda n: calibration_batches(cfg, spec, tokenizer, n))
+
+
 __all__ = ["DATA_ONLY", "Loaded", "StepFolder", "build_model", "calibration_batches", "find_step", "import_custom",
-           "load_weights", "one_process_dims", "parse_job", "steps_in"]
+           "check_flags", "load_weights", "one_process_dims", "open_job", "parse_job", "steps_in"]
