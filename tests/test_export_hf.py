@@ -33,6 +33,7 @@ from torchtitan.components.optimizer import build_optimizers
 from torchtitan.models.llama3 import Transformer, TransformerModelArgs, llama3_args
 from torchtitan.protocols.model_converter import build_model_converters
 from torchtitan.protocols.train_spec import get_train_spec
+from export_helpers import fails as _fails, tokenizer as _tokenizer
 from job_helpers import initialized, world1
 from fake_trainer import FakeTrainer
 
@@ -85,21 +86,6 @@ def _job_toml(tmp: Path, assets: Path, extra: str = "") -> Path:
         gemm_backend = "reference"
         """) + extra)
     return path
-
-
-def _tokenizer(folder: Path) -> Path:
-    """A 256-entry word-level tokenizer with Llama 3's BOS and EOS, as TorchTitan's HuggingFaceTokenizer reads it."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    folder.mkdir()
-    vocab = {"<|begin_of_text|>": 0, "<|end_of_text|>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, 256)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
-        "eos_token": "<|end_of_text|>", "unk_token": "<unk>"}))
-    return folder
 
 
 class _Data:
@@ -374,18 +360,6 @@ def test_lowrank_layers_export_the_weight_the_forward_computes_with(lora_run):
 
 
 # ------------------------------------------------------------------------------------------------ bad input
-
-def _fails(capsys, argv: list[str], out: Path | None = None) -> str:
-    """export_hf's one-line error (exit status 2); ``out`` and any temporary folder beside it absent."""
-    with pytest.raises(SystemExit) as e:
-        export_main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("python -m titan_nvfp4.tools.export_hf: error: "), err
-    if out is not None:
-        assert not out.exists() and not list(out.parent.glob(f".{out.name}.*")), "a half-written folder"
-    return err
-
 
 def test_bad_input_is_one_line_and_writes_nothing(run, lora_run, capsys):
     out = run.tmp / "bad"

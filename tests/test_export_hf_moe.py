@@ -24,7 +24,7 @@ from titan_nvfp4.tools.export_hf import main as export_main
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs, deepseekv3_args
 from torchtitan.models.moe import MoEArgs
 from job_helpers import initialized
-from test_export_hf import _fails, _tokenizer
+from export_helpers import fails as _fails, tokenizer as _tokenizer
 
 FLAVOR = "export_hf_moe_test"
 #: the debug flavor's shape, smaller, with the router transformers' DeepseekV3 computes (sigmoid, scores applied

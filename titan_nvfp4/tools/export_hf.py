@@ -1,7 +1,8 @@
-"""Export a TorchTitan 0.2 checkpoint as a Hugging Face model folder, in BF16 or in compressed-tensors' NVFP4.
+"""Export a TorchTitan checkpoint as a Hugging Face model folder, in BF16 or in compressed-tensors' NVFP4.
 
     python -m titan_nvfp4.tools.export_hf CHECKPOINT --job.config_file JOB.toml --format bf16 --out DIR
     python -m titan_nvfp4.tools.export_hf CHECKPOINT --job.config_file JOB.toml --format nvfp4 --out DIR
+    python -m titan_nvfp4.tools.export_hf CHECKPOINT --module MODULE --config NAME --format nvfp4 --out DIR  (0.3)
 
 CHECKPOINT: a DCP checkpoint folder (outputs/<run>/checkpoint/step-N) or the folder holding them (its latest
 step). The job file (and any further TorchTitan flags, e.g. --model.flavor) must be the run's: the model is

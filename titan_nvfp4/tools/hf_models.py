@@ -114,6 +114,46 @@ def deepseek_v3_config(args, model: nn.Module, bos_id: int | None, eos_id: int |
     return config.to_dict()
 
 
+def llama_config_v03(mc, model: nn.Module, bos_id: int | None, eos_id: int | None) -> dict:
+    """transformers' LlamaConfig of a TorchTitan 0.3 llama3 model config (Llama3Model.Config: the attention, RoPE and
+    norm configs of its blocks); a ValueError for a RoPE scaling other than Llama 3's."""
+    from transformers import LlamaConfig
+
+    attn = mc.layers[0].attention
+    rope = attn.rope
+    if rope.scaling not in ("llama", "none"):
+        raise ValueError(f"llama3 with RoPE scaling {rope.scaling!r}: not mapped to transformers here")
+    rope_parameters = {"rope_type": "default", "rope_theta": float(rope.theta)}
+    if rope.scaling == "llama":
+        rope_parameters = {"rope_type": "llama3", "rope_theta": float(rope.theta),
+                           "factor": float(rope.scaling_factor), "low_freq_factor": float(rope.low_freq_factor),
+                           "high_freq_factor": float(rope.high_freq_factor),
+                           "original_max_position_embeddings": int(rope.original_max_position_embeddings)}
+    config = LlamaConfig(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=mc.vocab_size,
+        hidden_size=mc.dim,
+        intermediate_size=_first_block(model).feed_forward.w1.out_features,
+        num_hidden_layers=len(mc.layers),
+        num_attention_heads=attn.n_heads,
+        num_key_value_heads=attn.n_kv_heads or attn.n_heads,
+        head_dim=attn.head_dim or mc.dim // attn.n_heads,
+        max_position_embeddings=rope.max_seq_len,
+        rms_norm_eps=mc.norm.eps,
+        rope_parameters=rope_parameters,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        tie_word_embeddings=bool(mc.enable_weight_tying),
+        attention_bias=False,
+        mlp_bias=False,
+        dtype=torch.bfloat16,
+    )
+    return config.to_dict()
+
+
+#: TorchTitan 0.3 model name -> its config.json builder (the model config tree's field names differ from 0.2's)
+HF_CONFIGS_V03 = {"llama3": llama_config_v03}
+
 #: TorchTitan model name -> its Hugging Face form
 HF_MODELS = {
     "llama3": HFModel("LlamaForCausalLM", llama_config,
@@ -121,4 +161,4 @@ HF_MODELS = {
     "deepseek_v3": HFModel("DeepseekV3ForCausalLM", deepseek_v3_config, fused=(("gate_proj", "up_proj"),)),
 }
 
-__all__ = ["HFModel", "HF_MODELS", "deepseek_v3_config", "llama_config"]
+__all__ = ["HFModel", "HF_CONFIGS_V03", "HF_MODELS", "deepseek_v3_config", "llama_config", "llama_config_v03"]

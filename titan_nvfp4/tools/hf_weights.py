@@ -152,7 +152,7 @@ def hf_nvfp4(adapter, model: nn.Module, state: dict[str, torch.Tensor], layers: 
             prefix = module_name(hf_key)
             quantized[f"{prefix}.weight_packed"] = parts["weight_packed"][r].contiguous()
             quantized[f"{prefix}.weight_scale"] = parts["weight_scale"][r].contiguous()
-            quantized[f"{prefix}.weight_global_scale"] = parts["weight_global_scale"]
+            quantized[f"{prefix}.weight_global_scale"] = parts["weight_global_scale"].clone()  # own storage each
             if input_amax is not None:
                 quantized[f"{prefix}.input_global_scale"] = input_global_scale(input_amax[name])
             scales[prefix] = float(parts["weight_global_scale"])
