@@ -26,12 +26,14 @@ import titan_nvfp4.autograd.linear_function as linear_function
 from titan_nvfp4.modules.nvfp4_linear import NVFP4Linear
 from titan_nvfp4.numerics.formats import pack_nibbles, unpack_nibbles
 from titan_nvfp4.tools.export_hf import main as export_main
+from titan_nvfp4.training.train_state import load_amax_histories
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.models.llama3 import Transformer, TransformerModelArgs, llama3_args
 from torchtitan.protocols.model_converter import build_model_converters
 from torchtitan.protocols.train_spec import get_train_spec
+from export_helpers import fails as _fails, tokenizer as _tokenizer
 from job_helpers import initialized, world1
 from fake_trainer import FakeTrainer
 
@@ -84,21 +86,6 @@ def _job_toml(tmp: Path, assets: Path, extra: str = "") -> Path:
         gemm_backend = "reference"
         """) + extra)
     return path
-
-
-def _tokenizer(folder: Path) -> Path:
-    """A 256-entry word-level tokenizer with Llama 3's BOS and EOS, as TorchTitan's HuggingFaceTokenizer reads it."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    folder.mkdir()
-    vocab = {"<|begin_of_text|>": 0, "<|end_of_text|>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, 256)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
-        "eos_token": "<|end_of_text|>", "unk_token": "<unk>"}))
-    return folder
 
 
 class _Data:
@@ -192,7 +179,7 @@ def run(tmp_path_factory):
     llama3_args.setdefault(FLAVOR, ARGS)
     tmp = tmp_path_factory.mktemp("export_hf")
     assets = _tokenizer(tmp / "assets")
-    job = _job_toml(tmp, assets)
+    job = _job_toml(tmp, assets, extra="activation_amax_history = 2\n")  # the w4a4 export's input scales
     model = _train(tmp, job)
     dense = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return SimpleNamespace(tmp=tmp, job=job, assets=assets, model=model, dense=dense,
@@ -374,18 +361,6 @@ def test_lowrank_layers_export_the_weight_the_forward_computes_with(lora_run):
 
 # ------------------------------------------------------------------------------------------------ bad input
 
-def _fails(capsys, argv: list[str], out: Path | None = None) -> str:
-    """export_hf's one-line error (exit status 2); ``out`` and any temporary folder beside it absent."""
-    with pytest.raises(SystemExit) as e:
-        export_main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("python -m titan_nvfp4.tools.export_hf: error: "), err
-    if out is not None:
-        assert not out.exists() and not list(out.parent.glob(f".{out.name}.*")), "a half-written folder"
-    return err
-
-
 def test_bad_input_is_one_line_and_writes_nothing(run, lora_run, capsys):
     out = run.tmp / "bad"
     base = ["--format", "bf16", "--out", str(out)]
@@ -540,3 +515,210 @@ def test_a_checkpoint_written_under_fsdp2_exports_as_the_same_weights_from_one_p
         assert torch.equal(state[f"{prefix}.weight_packed"], pack_nibbles(codes.to(torch.uint8))), name
         assert torch.equal(state[f"{prefix}.weight_scale"].float(), scales[:, ::16]), name
         assert torch.equal(torch.reciprocal(state[f"{prefix}.weight_global_scale"]), gs.reshape(1)), name
+
+
+# ------------------------------------------------------------------------------------------------ w4a4
+
+def _corpus(folder: Path) -> Path:
+    """A tiny text corpus in the test tokenizer's words, read by TorchTitan's c4_test dataset (load_dataset of a
+    folder of JSON lines)."""
+    folder.mkdir()
+    g = torch.Generator().manual_seed(5)
+    lines = [json.dumps({"text": " ".join(f"w{int(i)}" for i in torch.randint(3, 256, (40,), generator=g))})
+             for _ in range(24)]
+    (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def _amax_windows(run) -> dict[str, torch.Tensor]:
+    """{layer: fp32 [2, 2]} the activation amax windows TorchTitan's CheckpointManager saved in the train_state of
+    step-3."""
+    import torch.distributed.checkpoint as dcp
+
+    names = [n for n, m in run.model.named_modules() if isinstance(m, NVFP4Linear)]
+    state = {f"train_state.nvfp4_amax_history.{n}": torch.zeros(2, 2) for n in names}
+    dcp.load(state, checkpoint_id=str(run.ckpt / "step-3"))
+    return {n: state[f"train_state.nvfp4_amax_history.{n}"] for n in names}
+
+
+def _user_w4a4(out: Path, tokens: torch.Tensor):
+    """The folder loaded as a user loads it (BF16, compressed Linears), decompressed by a first forward, then cast to
+    float32 (by nn.Module's own cast: transformers refuses .float() on a quantized model) so that the activation
+    fake-quantization and the matmuls run in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        assert torch.isfinite(hf(tokens).logits).all()
+    return torch.nn.Module.float(hf)
+
+
+def test_w4a4_export_takes_the_input_scales_from_the_amax_history(run, capsys):
+    """compressed-tensors' NVFP4 scheme: input_activations (dynamic "local" 1×16 E4M3 block scales under the static
+    input_global_scale). Each input_global_scale is S = 6·448/amax with amax the max of the layer's window (row
+    amax), the scale our forward quantizes X with from this checkpoint on. compressed-tensors' activation
+    fake-quantization in transformers gives the codes and block scales of our quantize_nvfp4 of the same X with
+    that amax, bit for bit. The logits of the exported model (loaded as a user does, decompressed, then cast to
+    fp32) equal, within 2e-6 (5e-7 seen), TorchTitan's llama3 holding the exported weights with our quantizer on
+    each NVFP4 layer's input; and within 3e-2 (1.2e-2 seen; logits up to 3.5) our NVFP4 forward itself, which
+    computes with the fp32 master weights where the folder holds BF16 ones (the NVFP4 weights decoded to BF16 by
+    compressed-tensors, the rest stored in BF16): those ≤ 2⁻⁹ relative differences move a few activations across
+    E2M1 rounding boundaries, each such element then moving by a whole code step."""
+    from compressed_tensors.quantization import QuantizationConfig
+    from titan_nvfp4.numerics.nvfp4 import global_encode_scale
+
+    out = run.tmp / "hf_w4a4"
+    _export(run, out, "--format", "nvfp4", "--scheme", "w4a4")
+    assert "w4a4, input scales from the run's amax history" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    qc = QuantizationConfig.model_validate(config["quantization_config"])
+    act = qc.config_groups["group_0"].input_activations
+    assert (act.num_bits, act.strategy, act.dynamic, act.group_size) == (4, "tensor_group", "local", 16)
+    state = _safetensors(out)
+    adapter = _adapter()
+    windows = _amax_windows(run)
+    amaxes = {}
+    for name, m in run.model.named_modules():
+        if isinstance(m, NVFP4Linear):
+            amaxes[name] = windows[name][:, 0].amax()
+            hf_key = _hf_value(adapter, f"{name}.weight", m.weight.detach())[0].removesuffix(".weight")
+            s = state[f"{hf_key}.input_global_scale"]
+            assert s.dtype == torch.float32 and s.shape == (1,)
+            assert torch.equal(s, torch.tensor([2688.0]) / amaxes[name]), name
+            assert torch.equal(s, global_encode_scale(amaxes[name]).reshape(1)), name
+    assert len(amaxes) == 14 and not any("layers.2" in k and "input_global_scale" in k for k in state)
+
+    load_amax_histories([run.model], windows)  # as a resumed run restores them (they are so already)
+    tokens = _tokens(7)
+    hf = _user_w4a4(out, tokens)
+    seen = {}
+
+    def catch(module, args):
+        seen["x"] = args[0].detach().reshape(-1, args[0].shape[-1]).clone()
+
+    hook = hf.get_submodule("model.layers.1.mlp.down_proj").register_forward_pre_hook(catch)
+    with torch.no_grad():
+        want = run.model(tokens)  # eval: X quantized with the window's amax
+        got = hf(tokens).logits
+    hook.remove()
+    _same_activation_quantization(hf.get_submodule("model.layers.1.mlp.down_proj"), seen["x"],
+                                  amaxes["layers.1.feed_forward.w2"])
+    with torch.no_grad():
+        exact = _plain_w4a4(run, amaxes)(tokens)
+    assert torch.allclose(got, exact, rtol=0, atol=2e-6), (got - exact).abs().max()
+    assert torch.allclose(got, want, rtol=0, atol=3e-2), (got - want).abs().max()
+
+
+def _plain_w4a4(run, amaxes: dict[str, torch.Tensor]):
+    """TorchTitan's llama3 without converters (fp32) holding the exported weights (BF16; each NVFP4 layer's weight
+    our forward's NVFP4 weight rounded to BF16, as transformers decompresses it), each NVFP4 layer's input
+    quantized by our quantize_nvfp4 with the layer's amax (a forward pre-hook)."""
+    from titan_nvfp4.numerics.nvfp4 import quantize_nvfp4
+
+    forward = _forward_weights(run.model)
+    weights = {k: v.detach().to(torch.bfloat16).float() for k, v in run.model.state_dict().items()}
+    for name, wq in forward.items():
+        weights[f"{name}.weight"] = wq.dequantize(torch.float32).to(torch.bfloat16).float()
+    model = _plain(weights)
+    for name, amax in amaxes.items():
+        def quantize_input(module, args, amax=amax):
+            x = args[0]
+            x2 = x.reshape(-1, x.shape[-1])
+            return (quantize_nvfp4(x2, amax=amax).dequantize(torch.float32).reshape(x.shape),)
+        model.get_submodule(name).register_forward_pre_hook(quantize_input)
+    return model
+
+
+def _same_activation_quantization(module, x: torch.Tensor, amax: torch.Tensor) -> None:
+    """compressed-tensors' quantization of ``x`` as ``module`` (a loaded Linear of the w4a4 folder) quantizes its
+    input: the same E4M3 block scales and E2M1 codes as our quantize_nvfp4(x, amax=amax), bit for bit; decoded, its
+    q·(e_b/S) and our q·e_b·(1/S) differ by at most 2 fp32 ulps (a division by S against a product with 1/S)."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize, quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+    from titan_nvfp4.numerics.formats import e2m1_decode, unpack_nibbles
+    from titan_nvfp4.numerics.nvfp4 import quantize_nvfp4
+
+    args = module.quantization_scheme.input_activations
+    s = module.input_global_scale
+    scale, zp = compute_dynamic_scales_and_zp(x, args, module, global_scale=s)
+    ours = quantize_nvfp4(x, amax=amax)
+    assert torch.equal(scale.float().reshape(ours.scale.shape), ours.scale.float())
+    assert torch.equal(quantize(x, scale, zp, args, global_scale=s).float(),
+                       e2m1_decode(unpack_nibbles(ours.data)).float())
+    want = ours.dequantize(torch.float32)
+    assert torch.allclose(fake_quantize(x, scale, zp, args, global_scale=s), want, rtol=2.4e-7, atol=0)
+
+
+@pytest.fixture(scope="module")
+def corpus(run):
+    """The tiny corpus, and datasets' cache kept in the test's folder."""
+    import datasets
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(datasets.config, "HF_DATASETS_CACHE", str(run.tmp / "hf_cache"))
+    yield _corpus(run.tmp / "corpus")
+    mp.undo()
+
+
+def test_w4a4_export_calibrates_on_the_jobs_dataset(run, corpus, capsys):
+    """--calibration-batches 2 (the checkpoint's amax history is then not read): each input_global_scale is
+    6·448/amax with amax the largest |X| the layer's input held in our model's NVFP4 forward (each X quantized with
+    its own amax, the windows not loaded) over the first 2 batches of the job's dataloader (TorchTitan's, built from
+    the job file)."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.config import ConfigManager
+    from torchtitan.hf_datasets.text_datasets import build_text_dataloader
+
+    data = ["--training.dataset", "c4_test", "--training.dataset_path", str(corpus)]
+    out = run.tmp / "hf_w4a4_calibrated"
+    _export(run, out, "--format", "nvfp4", "--scheme", "w4a4", "--calibration-batches", "2", *data)
+    assert "w4a4, input scales calibrated on 2 batches" in capsys.readouterr().out
+    cfg = ConfigManager().parse_args(["--job.config_file", str(run.job), *data])
+    loader = iter(build_text_dataloader(1, 0, HuggingFaceTokenizer(str(run.assets)), cfg))
+    amax = {}
+    hooks = [m.register_forward_pre_hook(lambda m, a, n=n: amax.__setitem__(n, max(amax.get(n, 0.0),
+                                                                                     float(a[0].abs().amax()))))
+             for n, m in run.model.named_modules() if isinstance(m, NVFP4Linear)]
+    history = run.model.layers["0"].attention.wq.amax_history
+    history.ready = False  # the export's model does not load the windows: each X with its own amax
+    try:
+        with torch.no_grad():
+            for _ in range(2):
+                run.model(next(loader)[0]["input"])
+    finally:
+        history.ready = True
+        for h in hooks:
+            h.remove()
+    state = _safetensors(out)
+    adapter = _adapter()
+    assert len(amax) == 14
+    for name, a in amax.items():
+        hf_key = _hf_value(adapter, f"{name}.weight", run.dense[f"{name}.weight"])[0].removesuffix(".weight")
+        assert torch.equal(state[f"{hf_key}.input_global_scale"], torch.tensor([2688.0]) / torch.tensor(a)), name
+
+
+def test_w4a4_bad_input_is_one_line_and_writes_nothing(run, corpus, capsys):
+    """A model-only checkpoint (no train_state, so no amax windows) without --calibration-batches; a dataset that is
+    not there; the options where they do not apply; a recipe compressed-tensors cannot express; an unknown scheme."""
+    import torch.distributed.checkpoint as dcp
+
+    out = run.tmp / "bad_w4a4"
+    model_only = run.tmp / "model_only" / "step-3"
+    dcp.save({k: v for k, v in run.model.state_dict().items()}, checkpoint_id=str(model_only))
+    base = [str(run.ckpt), "--job.config_file", str(run.job), "--format", "nvfp4", "--out", str(out)]
+    w4a4 = [*base, "--scheme", "w4a4"]
+    assert "carries no activation amax history ([quantize.linear.nvfp4] activation_amax_history = 2): pass " \
+           "--calibration-batches N" in _fails(capsys, [str(model_only), *w4a4[1:]], out)
+    missing = run.tmp / "no_corpus"
+    err = _fails(capsys, [*w4a4, "--calibration-batches", "2", "--training.dataset", "c4_test",
+                          "--training.dataset_path", str(missing)], out)
+    assert f"calibration: cannot read the job's dataset 'c4_test' ({missing})" in err
+    assert "--calibration-batches 2 applies to --scheme w4a4 only" in _fails(capsys, [*base, "--calibration-batches",
+                                                                                       "2"], out)
+    assert "--calibration-batches 0: give a positive" in _fails(capsys, [*w4a4, "--calibration-batches", "0"], out)
+    assert "block_scale_rule = four_over_six" in _fails(
+        capsys, [*w4a4, "--quantize.linear.nvfp4.block_scale_rule", "four_over_six"], out)
+    with pytest.raises(SystemExit) as e:
+        export_main([*base, "--scheme", "w8a8"])
+    assert e.value.code == 2 and "argument --scheme: invalid choice: 'w8a8'" in capsys.readouterr().err
+    assert not out.exists()

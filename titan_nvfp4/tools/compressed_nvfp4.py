@@ -75,14 +75,30 @@ def weight_args() -> dict:
             "actorder": None, "block_structure": None}
 
 
-def quantization_config(ignore: list[str]) -> dict:
-    """config.json's ``quantization_config``: one group of NVFP4 weights, 16-bit activations (w4a16), on every
-    Linear but those in ``ignore`` (Hugging Face module names of the layers kept in BF16)."""
+def input_args() -> dict:
+    """The ``input_activations`` quantization args of compressed-tensors' NVFP4 scheme (w4a4): 1×16 E4M3 block
+    scales computed per input on the fly (dynamic "local"), under the static tensor scale ``input_global_scale``."""
+    return {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
+            "dynamic": "local", "scale_dtype": "torch.float8_e4m3fn", "observer": "static_minmax",
+            "observer_kwargs": {}, "actorder": None, "block_structure": None}
+
+
+def input_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``input_global_scale`` fp32 [1] for an input amax: S = 6·448/amax, the encode scale our forward quantizes X
+    with under that amax (numerics.nvfp4.global_encode_scale; the same convention as weight_global_scale)."""
+    return global_encode_scale(amax.float()).reshape(1).to(torch.float32)
+
+
+def quantization_config(ignore: list[str], activations: bool = False) -> dict:
+    """config.json's ``quantization_config``: one group of NVFP4 weights, with 16-bit activations (w4a16) or, with
+    ``activations``, NVFP4 input activations (w4a4), on every Linear but those in ``ignore`` (Hugging Face module
+    names of the layers kept in BF16)."""
     return {
         "quant_method": "compressed-tensors",
         "format": FORMAT,
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weight_args(), "input_activations": None,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weight_args(),
+                                      "input_activations": input_args() if activations else None,
                                       "output_activations": None, "format": FORMAT}},
         "ignore": sorted(ignore),
         "kv_cache_scheme": None,
@@ -90,5 +106,5 @@ def quantization_config(ignore: list[str]) -> dict:
     }
 
 
-__all__ = ["FORMAT", "PARTS", "compressed_parts", "encode_scale", "forward_nvfp4_weight", "quantization_config",
-           "weight_args"]
+__all__ = ["FORMAT", "PARTS", "compressed_parts", "encode_scale", "forward_nvfp4_weight", "input_args",
+           "input_global_scale", "quantization_config", "weight_args"]

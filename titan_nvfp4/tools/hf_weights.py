@@ -19,7 +19,7 @@ from torch import nn
 
 from ..modules.decomposed_linear import DecomposedLinear, LowRankState
 from ..modules.nvfp4_linear import NVFP4Linear
-from .compressed_nvfp4 import compressed_parts
+from .compressed_nvfp4 import compressed_parts, input_global_scale
 from .export_dense import fold_decomposed, non_finite
 
 
@@ -106,24 +106,60 @@ class NVFP4Export:
     global_scales: dict[str, float]
 
 
-def hf_nvfp4(adapter, state: dict[str, torch.Tensor], layers: Layers, weight_dtype: torch.dtype,
-             dense_dtype: torch.dtype = torch.bfloat16) -> NVFP4Export:
+def state_rows(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
+    """{state-dict key: the rows of Linear ``name``'s weight that entry holds, in its order}: the weight as the
+    model's state dict hands it out, its own ``weight`` entry or split by a parent's state-dict hook (TorchTitan
+    0.3's fused QKV Linear saves wq, wk and wv). Traced by putting the negated row numbers in the weight for one
+    call of the parent's state_dict."""
+    module = model.get_submodule(name)
+    n, k = module.weight.shape
+    marker = -(torch.arange(n, dtype=torch.float32) + 1)[:, None].expand(n, k).contiguous()
+    parent_name = name.rpartition(".")[0]
+    parent = model.get_submodule(parent_name) if parent_name else model
+    weight = module._parameters["weight"]
+    module._parameters["weight"] = nn.Parameter(marker, requires_grad=False)
+    try:
+        entries = parent.state_dict(prefix=f"{parent_name}." if parent_name else "")
+    finally:
+        module._parameters["weight"] = weight
+    out = {}
+    for key, v in entries.items():
+        if (v.dim() == 2 and v.shape[1] == k and v.dtype == torch.float32 and bool((v < 0).all())
+                and torch.equal(v, v[:, :1].expand_as(v)) and torch.equal(v, v.round())):
+            out[key] = (-v[:, 0] - 1).long()
+    rows = torch.cat(list(out.values())) if out else torch.empty(0, dtype=torch.long)
+    if not torch.equal(rows.sort().values, torch.arange(n)):
+        raise ValueError(f"{name}: its weight's rows do not come out of the state dict whole (entries "
+                         f"{', '.join(out) or 'none'}): its NVFP4 blocks cannot follow")
+    return out
+
+
+def hf_nvfp4(adapter, model: nn.Module, state: dict[str, torch.Tensor], layers: Layers, weight_dtype: torch.dtype,
+             dense_dtype: torch.dtype = torch.bfloat16,
+             input_amax: dict[str, torch.Tensor] | None = None) -> NVFP4Export:
     """The NVFP4 layers of ``layers`` as compressed-tensors entries (their weights quantized in ``weight_dtype``, as
-    the forward quantizes them), everything else dense in ``dense_dtype``."""
+    the forward quantizes them; with ``input_amax`` {layer: amax}, each one's ``input_global_scale`` too: w4a4),
+    everything else dense in ``dense_dtype``. A layer whose weight the state dict splits (0.3's fused QKV) becomes
+    one Hugging Face module per entry, each with its rows of the codes and scales and the layer's tensor scales."""
     quantized = {}
     scales = {}
+    used = set()
     for name, m in layers.nvfp4.items():
-        key = f"{name}.weight"
-        hf_key, perm = hf_row_order(adapter, key, state[key].shape)
-        parts = compressed_parts(state[key].to(weight_dtype), m.recipe, name)
-        prefix = module_name(hf_key)
-        quantized[f"{prefix}.weight_packed"] = parts["weight_packed"][perm].contiguous()
-        quantized[f"{prefix}.weight_scale"] = parts["weight_scale"][perm].contiguous()
-        quantized[f"{prefix}.weight_global_scale"] = parts["weight_global_scale"]
-        scales[prefix] = float(parts["weight_global_scale"])
-    rest = {k: v for k, v in state.items() if not (k.endswith(".weight") and k[: -len(".weight")] in layers.nvfp4)}
+        parts = compressed_parts(m.weight.detach().to(weight_dtype), m.recipe, name)
+        for key, rows in state_rows(model, name).items():
+            hf_key, perm = hf_row_order(adapter, key, torch.Size((len(rows), m.weight.shape[1])))
+            r = rows[perm]
+            prefix = module_name(hf_key)
+            quantized[f"{prefix}.weight_packed"] = parts["weight_packed"][r].contiguous()
+            quantized[f"{prefix}.weight_scale"] = parts["weight_scale"][r].contiguous()
+            quantized[f"{prefix}.weight_global_scale"] = parts["weight_global_scale"].clone()  # own storage each
+            if input_amax is not None:
+                quantized[f"{prefix}.input_global_scale"] = input_global_scale(input_amax[name])
+            scales[prefix] = float(parts["weight_global_scale"])
+            used.add(key)
+    rest = {k: v for k, v in state.items() if k not in used}
     dense = hf_dense(adapter, rest, dense_dtype)
-    ignore = [module_name(hf_name(adapter, f"{n}.weight", state[f"{n}.weight"])) for n in layers.plain]
+    ignore = [module_name(hf_name(adapter, key, state[key])) for n in layers.plain for key in state_rows(model, n)]
     return NVFP4Export(sorted_state({**dense, **quantized}), ignore, scales)
 
 
@@ -155,4 +191,4 @@ def fused_mismatches(global_scales: dict[str, float], ignore: list[str], fused: 
 
 
 __all__ = ["Layers", "NVFP4Export", "classify", "dense_state", "fused_mismatches", "hf_dense", "hf_nvfp4",
-           "hf_name", "hf_row_order", "module_name", "sorted_state", "to_hf"]
+           "hf_name", "hf_row_order", "module_name", "sorted_state", "state_rows", "to_hf"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import importlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +108,8 @@ def build_model(cfg) -> tuple[nn.Module, object, object]:
         model = spec.model_cls(args)
     build_model_converters(cfg, one_process_dims()).convert(model)
     model.to_empty(device="cpu")
+    with torch.no_grad():  # buffers the checkpoint does not hold (RoPE tables) as the Trainer makes them
+        model.init_weights(buffer_device=None)
     return model, spec, args
 
 
@@ -164,5 +167,86 @@ def load_weights(model: nn.Module, folder: Path) -> Loaded:
     return Loaded(dtypes, any(len(saved[k].chunks) > 1 for k in norms))
 
 
-__all__ = ["DATA_ONLY", "Loaded", "StepFolder", "build_model", "find_step", "import_custom", "load_weights",
-           "one_process_dims", "parse_job", "steps_in"]
+def calibration_batches(cfg, spec, tokenizer, count: int) -> Iterator[torch.Tensor]:
+    """The token ids of the first ``count`` batches of the job's dataloader (one process: rank 0 of 1), as the
+    Trainer builds it from the train spec; the job's [experimental] custom_import is imported in full first (a
+    data preparer registers, or builds, the run's dataset). A ValueError naming the dataset when it cannot be read."""
+    name, path = cfg.training.dataset, cfg.training.dataset_path
+    what = f"the job's dataset {name!r}" + (f" ({path})" if path else "")
+    try:
+        if cfg.experimental.custom_import:
+            importlib.import_module(cfg.experimental.custom_import)
+        if spec.build_dataloader_fn is None:
+            raise ValueError(f"model {cfg.model.name!r} has no dataloader in its train spec")
+        loader = spec.build_dataloader_fn(dp_world_size=1, dp_rank=0, tokenizer=tokenizer, job_config=cfg)
+        batches = iter(loader)
+        first = [next(batches) for _ in range(count)]
+    except StopIteration:
+        raise ValueError(f"calibration: {what} has fewer than {count} batches") from None
+    except Exception as e:  # datasets' and TorchTitan's own errors: one line naming the data
+        text = str(e).strip().splitlines()
+        raise ValueError(f"calibration: cannot read {what}: {type(e).__name__}"
+                         + (f": {text[0]}" if text else "")) from None
+    for inputs, _labels in first:
+        yield inputs["input"] if isinstance(inputs, dict) else inputs
+
+
+def _flag(rest: list[str], flag: str) -> str | None:
+    for i, a in enumerate(rest):
+        if a == flag:
+            return rest[i + 1] if i + 1 < len(rest) else ""
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def check_flags(rest: list[str]) -> str | None:
+    """What is wrong with the job flags export_hf passes on (None: nothing): the job file must be named and exist."""
+    job = _flag(rest, "--job.config_file")
+    if job is None:
+        return "--job.config_file JOB.toml is required: the job file the checkpoint was trained with"
+    if not job or not Path(job).is_file():
+        return f"--job.config_file {job}: no such file"
+    return None
+
+
+def open_job(overrides: list[str], folder: Path):
+    """export_hf's Job (export_job.py) of a 0.2 job file (``--job.config_file JOB.toml`` and further overrides) and
+    the DCP checkpoint ``folder``; ValueErrors name the model, flavor, tokenizer folder or key at fault."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from .export_job import Job
+    from .hf_folder import tokenizer_files
+    from .hf_models import HF_MODELS
+
+    cfg = parse_job(overrides)
+    import_custom(cfg)
+    name = cfg.model.name
+    try:
+        spec = get_train_spec(name)
+    except ValueError as e:
+        raise ValueError(f"[model] name {name!r}: {e}") from None
+    if spec.state_dict_adapter is None:
+        raise ValueError(f"model {name!r} has no state-dict adapter in TorchTitan: its weights have no Hugging Face "
+                         "names to export to")
+    if name not in HF_MODELS:
+        raise ValueError(f"model {name!r} is not supported by export_hf yet (supported: {', '.join(HF_MODELS)})")
+    assets = Path(cfg.model.hf_assets_path)
+    tokenizer_files(assets)  # a ValueError naming the folder when it has no tokenizer
+    tokenizer = HuggingFaceTokenizer(str(assets))
+    model, spec, model_args = build_model(cfg)
+    loaded = load_weights(model, folder)
+    section = cfg.quantize.linear.nvfp4
+    return Job(
+        name=name, model=model, adapter=spec.state_dict_adapter(model_args, None),  # names only: no HF index
+        hf_config=HF_MODELS[name].config(model_args, model, tokenizer.bos_id, tokenizer.eos_id), assets=assets,
+        bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, fsdp=loaded.fsdp, dtypes=loaded.dtypes,
+        mixed_precision_param=cfg.training.mixed_precision_param,
+        converters=f"[model] converters = {list(cfg.model.converters)}",
+        bf16_after_fraction=section.bf16_after_fraction, activation_amax_history=section.activation_amax_history,
+        knob="[quantize.linear.nvfp4]", calibration=lambda n: calibration_batches(cfg, spec, tokenizer, n))
+
+
+__all__ = ["DATA_ONLY", "Loaded", "StepFolder", "build_model", "calibration_batches", "find_step", "import_custom",
+           "check_flags", "load_weights", "one_process_dims", "open_job", "parse_job", "steps_in"]
