@@ -22,6 +22,7 @@ The spec (TOML):
     parallel = 1                               # arms at once, each on its own GPU (arm slot i on GPU i % GPUs)
     checkpoint_interval = 0                    # > 0: checkpoint every N steps; running the spec again resumes
     module = ""                                # TorchTitan 0.3: the config registry; base names are its configs
+    paired_validations = 1                     # the paired table's statistic: the mean of each run's last K validations
 
     [[arm]]
     name = "bf16"
@@ -31,6 +32,10 @@ The spec (TOML):
     [[arm]]
     name = "no_rht"
     overrides = ["--quantize.linear.nvfp4.rht", "False"]
+    [[arm]]
+    name = "quartet2"                          # seed replicates: arms quartet2, quartet2_seed2, quartet2_seed3
+    overrides = ["--quantize.linear.nvfp4.recipe", "quartet2"]
+    seeds = [42, 43, 44]                       # each adds --debug.seed S (none for the job file's own seed)
 
 Modes: ``compile+cudagraphs`` (the fastest on a GPU) runs each arm with ``--compile.enable`` and
 TORCHINDUCTOR_CUDAGRAPHS=1 (Inductor's CUDA graph trees, which remove the host time of the NVFP4 launches);
@@ -45,6 +50,15 @@ its log continued; later log lines for a step win. ``timeout_s`` stops all of an
 
 TorchTitan 0.3 (a config registry instead of job files): ``module = "titan_nvfp4.integration_v03.configs"``, and
 each ``base`` names a config of it (``base = "llama3_debug_nvfp4"``); an arm runs ``--module M --config BASE``.
+
+Seed replicates: an arm with ``seeds = [s1, s2, ...]`` stands for arms "<name>", "<name>_seed2", ..., one per seed,
+each with ``--debug.seed s`` after its overrides (left out where s is the job file's ``[debug] seed``, so that the
+first replicate is the plain arm). Arms named that way by hand count alike; an arm's seed is its last
+``--debug.seed``, else its job file's. When a recipe besides the baseline's has two seeds paired with it, the table
+adds a paired one (docs/results.md, "Ranking protocol"): per recipe, over the seeds it shares with the baseline's
+recipe, the mean of the per-seed gaps in % of the baseline ± s.d./√n, and the share of the reference recipe's gap it
+closes, the ratio of the mean paired differences ± its delta-method standard error; each run's statistic is the mean
+of its last ``paired_validations`` validation losses, and a run below ``steps`` waits out of it.
 
 Each arm's log starts with its variables and full command, then a line with the arm's spec hash (its command
 with the dump folder aside, its mode's variables and its job file's sha256). An arm whose log is a run of this

@@ -9,9 +9,12 @@ except ImportError:  # Python 3.10
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .paired import recipe_of, replicate_name
+
 DEFAULT_LAUNCHER = ("torchrun", "--standalone", "--nproc_per_node=1", "-m", "torchtitan.train")
 _KEYS = {"base", "steps", "out", "last", "baseline", "reference", "common", "launcher", "timeout_s", "wandb_offline",
-         "mode", "parallel", "checkpoint_interval", "module"}
+         "mode", "parallel", "checkpoint_interval", "module", "paired_validations"}
+_SEED_FLAG = "--debug.seed"
 # mode -> (TorchTitan flags, TORCHINDUCTOR_CUDAGRAPHS)
 MODES = {"compile+cudagraphs": (("--compile.enable",), "1"), "compile": (("--compile.enable",), "0"), "eager": ((), "0")}
 DEFAULT_MODE = "compile+cudagraphs"
@@ -44,6 +47,7 @@ class Spec:
     parallel: int = 1
     checkpoint_interval: int = 0
     module: str = ""
+    paired_validations: int = 1  # the paired table's statistic: the mean of each run's last K validation losses
 
     def arm_mode(self, arm: Arm) -> str:
         """The mode asked for (the arm's, else the spec's), else DEFAULT_MODE."""
@@ -63,6 +67,21 @@ class Spec:
         """The arm's dump folder: TensorBoard events, checkpoints, whatever else its trainer writes."""
         return self.out / arm.name
 
+    def seed(self, arm: Arm) -> int | None:
+        """The arm's ``--debug.seed``: the last one in its flags, else its job file's ``[debug] seed`` (None when
+        neither says, e.g. under a config registry)."""
+        words = [*self.common, *arm.overrides]
+        for i in range(len(words) - 1, -1, -1):
+            w = words[i]
+            value = w.partition("=")[2] if w.startswith(_SEED_FLAG + "=") else \
+                words[i + 1] if w == _SEED_FLAG and i + 1 < len(words) else None
+            if value is not None:
+                try:
+                    return int(value)
+                except ValueError:
+                    return None
+        return _job_seed(self.job_file(arm))
+
     def job_file(self, arm: Arm) -> Path | None:
         """The job file the arm starts from; None under a config registry (``module``: its base is a name)."""
         return None if self.module else (arm.base or self.base)
@@ -75,6 +94,34 @@ class Spec:
         dump = "--dump_folder" if self.module else "--job.dump_folder"  # 0.3 moved it to the top level
         return [*self.launcher, *job, "--training.steps", str(self.steps), dump, str(self.dump(arm)),
                 *MODES[self.arm_mode(arm)][0], *ckpt, *self.common, *arm.overrides]
+
+
+def _job_seed(job: Path | None) -> int | None:
+    """A job file's ``[debug] seed`` (None without a job file, a readable one, or the key)."""
+    if job is None:
+        return None
+    try:
+        with open(job, "rb") as f:
+            seed = tomllib.load(f).get("debug", {}).get("seed")
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError, AttributeError):
+        return None
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
+
+
+def _replicates(arm: Arm, seeds, job: Path | None, where: str) -> list[Arm]:
+    """An arm with ``seeds = [s1, s2, ...]``: one arm per seed, named "<name>", "<name>_seed2", ... (replicate i of
+    the recipe, paired with every other recipe's replicate of the same seed), each with ``--debug.seed s`` after its
+    overrides unless s is its job file's own seed (then its command is the plain arm's, whose finished log counts)."""
+    if (not isinstance(seeds, list) or not seeds or len(set(map(repr, seeds))) != len(seeds)
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in seeds)):
+        raise ValueError(f"{where}: arm {arm.name!r} seeds must be a non-empty list of distinct integers >= 0, "
+                         f"got {seeds!r}")
+    if recipe_of(arm.name) != arm.name:
+        raise ValueError(f"{where}: arm {arm.name!r} has seeds, so its name may not end in _seedN (its replicates "
+                         "take those names)")
+    own = _job_seed(job)
+    return [Arm(replicate_name(arm.name, i), arm.overrides + ([] if s == own else [_SEED_FLAG, str(s)]), arm.base,
+                arm.mode) for i, s in enumerate(seeds)]
 
 
 def _str_list(value, where: str) -> list[str]:
@@ -128,7 +175,7 @@ def load_spec(path: Path) -> Spec:
     for i, a in enumerate(raw.get("arm", [])):
         if not isinstance(a, dict) or not isinstance(a.get("name"), str) or not a["name"]:
             raise ValueError(f"{where}: [[arm]] number {i + 1} needs a name")
-        bad = set(a) - {"name", "overrides", "base", "mode"}
+        bad = set(a) - {"name", "overrides", "base", "mode", "seeds"}
         if bad:
             raise ValueError(f"{where}: arm {a['name']!r} has unknown keys {sorted(bad)}")
         if "/" in a["name"] or "\\" in a["name"] or a["name"].startswith(".") or a["name"] in [x.name for x in arms]:
@@ -141,8 +188,17 @@ def load_spec(path: Path) -> Spec:
         arm_base = Path(a["base"]) if "base" in a else None
         if arm_base is not None and not top.get("module") and not arm_base.is_file():
             raise ValueError(f"{where}: arm {a['name']!r} base = {str(arm_base)!r}: no such job file (paths are relative to the current directory)")
-        arms.append(Arm(a["name"], _str_list(a.get("overrides", []), f"{where}: arm {a['name']!r} overrides"), arm_base,
-                        _mode(a.get("mode"), f"{where}: arm {a['name']!r} mode") if "mode" in a else None))
+        arm = Arm(a["name"], _str_list(a.get("overrides", []), f"{where}: arm {a['name']!r} overrides"), arm_base,
+                  _mode(a.get("mode"), f"{where}: arm {a['name']!r} mode") if "mode" in a else None)
+        if "seeds" not in a:
+            arms.append(arm)
+            continue
+        job = None if top.get("module") else arm_base or Path(top["base"])
+        for rep in _replicates(arm, a["seeds"], job, where):
+            if rep.name in [x.name for x in arms] or rep.name in OUTPUTS:
+                raise ValueError(f"{where}: arm {a['name']!r} seeds: its replicate {rep.name!r} takes the name of "
+                                 "another arm")
+            arms.append(rep)
     if len(arms) < 2:
         raise ValueError(f"{where}: a comparison needs at least two [[arm]] tables, got {len(arms)}")
     names = [a.name for a in arms]
@@ -169,7 +225,8 @@ def load_spec(path: Path) -> Spec:
                 timeout_s=timeout, wandb_offline=top.get("wandb_offline", False),
                 mode=_mode(top["mode"], f"{where}: [compare] mode") if "mode" in top else None,
                 parallel=_count(top, "parallel", 1, 1, where),
-                checkpoint_interval=_count(top, "checkpoint_interval", 0, 0, where), module=top.get("module", ""))
+                checkpoint_interval=_count(top, "checkpoint_interval", 0, 0, where), module=top.get("module", ""),
+                paired_validations=_count(top, "paired_validations", 1, 1, where))
     return spec
 
 

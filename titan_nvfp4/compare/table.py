@@ -10,6 +10,7 @@ from ..tools.atomic import atomic_file, write_text
 from ..tools.loss_log import parse_validation, summarize, to_markdown, validation_markdown, write_csv
 from .armlog import ArmLog, read_arm_log
 from .lock import holder
+from .paired import final_validations, paired_markdown, paired_rows, recipe_of
 from .spec import Spec
 
 
@@ -37,6 +38,29 @@ def _notes(spec: Spec, states: dict[str, ArmLog]) -> str:
     return "".join(f"\n{line}\n" for line in lines)
 
 
+def paired_table(spec: Spec, runs: dict, validation: dict[str, dict[int, float]]) -> str:
+    """The paired table of the arms' seed replicates ("" unless a recipe besides the baseline's has two seeds paired
+    with it): each finished arm's statistic, the mean of its last ``paired_validations`` validation losses, keyed by
+    recipe and seed (``paired.paired_rows``); a partial arm waits (its last validations are earlier steps)."""
+    k = spec.paired_validations
+    stats: dict[str, dict[int, float]] = {}
+    for arm in spec.arms:
+        if arm.name not in runs or runs[arm.name][-1].step < spec.steps:
+            continue
+        value = final_validations(validation.get(arm.name, {}), k)
+        seed = spec.seed(arm)
+        if value is not None and seed is not None:
+            stats.setdefault(recipe_of(arm.name), {})[seed] = value
+    baseline, reference = recipe_of(spec.baseline), recipe_of(spec.reference) if spec.reference else ""
+    if baseline not in stats:
+        return ""
+    rows = paired_rows(stats, baseline, reference if reference in stats else "")
+    if not any(r["n"] > 1 for r in rows):
+        return ""
+    what = "the last validation loss" if k == 1 else f"the mean of the last {k} validation losses"
+    return paired_markdown(rows, baseline, reference if reference in stats else "", what)
+
+
 def report(spec: Spec) -> str:
     """Write <out>/compare.md, compare.csv and compare.png from the arms whose logs may be tabled; return the table."""
     order = [a for a in spec.arms if a.name == spec.baseline] + [a for a in spec.arms if a.name != spec.baseline]
@@ -56,6 +80,8 @@ def report(spec: Spec) -> str:
     table = to_markdown(rows, spec.last)
     if validation:
         table += "\n" + validation_markdown(validation)
+        paired = paired_table(spec, runs, validation)
+        table += "\n" + paired if paired else ""
     table += _notes(spec, states)
     write_text(spec.out / "compare.md", table, "table")
     with atomic_file(spec.out / "compare.csv", "CSV") as tmp:

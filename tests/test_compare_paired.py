@@ -1,0 +1,196 @@
+"""Seed replicates in the comparison runner (an arm's ``seeds``) and its paired table, against a hand computation in
+numpy float64; the ranking spec's table from the kept 386M logs, which docs/results.md shows; tools/seed_spread."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from titan_nvfp4 import compare
+from titan_nvfp4.compare.paired import final_validations, paired_rows, recipe_of
+from titan_nvfp4.tools import seed_spread
+
+REPO = Path(__file__).resolve().parents[1]
+KEPT = REPO / "docs/results/pysources_2b"
+BF16_JOB = REPO / "train_configs/llama3_2b_pysources_bf16.toml"  # [debug] seed = 42
+NVFP4_JOB = REPO / "train_configs/llama3_2b_pysources_nvfp4.toml"
+
+# the statistic (last validation) of each recipe at seeds 42, 43, 44, 45
+STATS = {"bf16": [1.470, 1.465, 1.474, 1.468], "nvfp4": [1.487, 1.507, 1.521, 1.495],
+         "better": [1.480, 1.490, 1.500, 1.483]}
+SEEDS = [42, 43, 44, 45]
+
+
+def _hand(r, base, ref):
+    r, base, ref = (np.asarray(x, dtype=np.float64) for x in (r, base, ref))
+    g = 100 * (r - base) / base
+    a, b = ref - r, ref - base
+    share = a.mean() / b.mean()
+    se = np.std(a - share * b, ddof=1) / (np.sqrt(len(a)) * abs(b.mean()))
+    return g.mean(), np.std(g, ddof=1), np.std(g, ddof=1) / np.sqrt(len(g)), 100 * share, 100 * se
+
+
+def test_paired_rows_match_a_hand_computation():
+    stats = {k: dict(zip(SEEDS, v)) for k, v in STATS.items()}
+    rows = {r["recipe"]: r for r in paired_rows(stats, "bf16", "nvfp4")}
+    mean, sd, se, share, share_se = _hand(STATS["better"], STATS["bf16"], STATS["nvfp4"])
+    row = rows["better"]
+    assert row["n"] == 4 and row["closed_n"] == 4
+    assert row["gap_pct"] == pytest.approx(mean, rel=1e-12) and row["gap_sd_pct"] == pytest.approx(sd, rel=1e-12)
+    assert row["gap_se_pct"] == pytest.approx(se, rel=1e-12)
+    assert row["closed_pct"] == pytest.approx(share, rel=1e-12)
+    assert row["closed_se_pct"] == pytest.approx(share_se, rel=1e-12)
+    assert "closed_pct" not in rows["nvfp4"]  # the reference closes none of its own gap by definition
+    # seeds are paired by value: a recipe missing seed 43 is compared on the other three only
+    del stats["better"][43]
+    row = {r["recipe"]: r for r in paired_rows(stats, "bf16", "nvfp4")}["better"]
+    keep = [0, 2, 3]
+    mean, sd, se, share, share_se = _hand(*([STATS[k][i] for i in keep] for k in ("better", "bf16", "nvfp4")))
+    assert row["seeds"] == [42, 44, 45] and row["gap_pct"] == pytest.approx(mean, rel=1e-12)
+    assert row["closed_se_pct"] == pytest.approx(share_se, rel=1e-12)
+
+
+def test_final_validations_and_replicate_names():
+    assert final_validations({250: 2.0, 500: 1.5, 750: 1.0}, 2) == pytest.approx(1.25)
+    assert final_validations({250: 2.0}, 2) is None
+    assert [recipe_of(n) for n in ("bf16", "bf16_seed2", "nvfp4_fwd_bf16_0.18_seed17", "seedless")] == \
+        ["bf16", "bf16", "nvfp4_fwd_bf16_0.18", "seedless"]
+
+
+def _log(path: Path, val: dict[int, float], offset: float) -> None:
+    """A TorchTitan-like log: training steps every 10 steps up to 100, and validation lines."""
+    lines = [f"step: {s}  loss: {3.0 - s / 100 + offset:.4f}  grad_norm: 1.0000  memory: 1.00GiB(1.00%)  tps: 1,000"
+             for s in range(10, 101, 10)]
+    lines += [f"validate step: {s}  loss: {v:.4f}" for s, v in val.items()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _spec(tmp_path: Path, extra: str = "", arm_extra: str = "") -> Path:
+    p = tmp_path / "spec.toml"
+    p.write_text(f"""
+[compare]
+base = "{NVFP4_JOB}"
+steps = 100
+out = "{tmp_path / 'out'}"
+baseline = "bf16"
+reference = "nvfp4"
+{extra}
+[[arm]]
+name = "bf16"
+base = "{BF16_JOB}"
+seeds = {SEEDS}
+[[arm]]
+name = "nvfp4"
+seeds = {SEEDS}
+[[arm]]
+name = "better"
+overrides = ["--quantize.linear.nvfp4.bf16_last_blocks", "1"]
+seeds = {SEEDS}
+{arm_extra}""")
+    return p
+
+
+def test_seeds_expand_into_paired_arms_and_the_table_pairs_them(tmp_path):
+    spec = compare.load_spec(_spec(tmp_path, "paired_validations = 2"))
+    assert [a.name for a in spec.arms[:4]] == ["bf16", "bf16_seed2", "bf16_seed3", "bf16_seed4"]
+    assert [spec.seed(a) for a in spec.arms] == SEEDS * 3
+    assert spec.arms[0].overrides == []  # seed 42 is the job file's own: the plain arm's command
+    assert spec.arms[10].overrides == ["--quantize.linear.nvfp4.bf16_last_blocks", "1", "--debug.seed", "44"]
+    assert spec.command(spec.arms[5])[-2:] == ["--debug.seed", "43"]
+    (tmp_path / "out").mkdir()
+    earlier = {"bf16": 1.60, "nvfp4": 1.63, "better": 1.61}  # validation at step 50; the statistic averages 50, 100
+    for recipe, values in STATS.items():
+        for i, v in enumerate(values):
+            _log(tmp_path / "out" / f"{recipe}{'' if i == 0 else f'_seed{i + 1}'}.log",
+                 {50: earlier[recipe] + 0.001 * i, 100: v}, 0.01 * i)
+    table = compare.report(spec)
+    stat = {k: [(earlier[k] + 0.001 * i + v) / 2 for i, v in enumerate(vals)] for k, vals in STATS.items()}
+    mean, sd, se, share, share_se = _hand(stat["better"], stat["bf16"], stat["nvfp4"])
+    assert "the mean of the last 2 validation losses" in table
+    assert f"| better | 4 | {mean:+.2f} ± {se:.2f} | {sd:.2f} | {share:.0f} ± {share_se:.0f} |" in table, table
+    n_mean, n_sd, n_se, *_ = _hand(stat["nvfp4"], stat["bf16"], stat["nvfp4"])
+    assert f"| nvfp4 | 4 | {n_mean:+.2f} ± {n_se:.2f} | {n_sd:.2f} | (reference) |" in table
+
+
+def test_a_partial_replicate_waits_out_of_the_paired_table(tmp_path):
+    spec = compare.load_spec(_spec(tmp_path))
+    (tmp_path / "out").mkdir()
+    for recipe, values in STATS.items():
+        for i, v in enumerate(values):
+            _log(tmp_path / "out" / f"{recipe}{'' if i == 0 else f'_seed{i + 1}'}.log", {100: v}, 0.0)
+    log = tmp_path / "out/better_seed4.log"
+    log.write_text("\n".join(line for line in log.read_text().splitlines() if "step: 100 " not in line) + "\n")
+    table = compare.report(spec)
+    assert "| better | 3 |" in table and "Partial (below step 100): better_seed4 at step 90" in table
+
+
+@pytest.mark.parametrize("arm_extra,needles", [
+    ('[[arm]]\nname = "x"\nseeds = []', ["arm 'x' seeds", "non-empty list"]),
+    ('[[arm]]\nname = "x"\nseeds = [1, 1]', ["arm 'x' seeds", "distinct"]),
+    ('[[arm]]\nname = "x"\nseeds = [1, "2"]', ["arm 'x' seeds", "integers"]),
+    ('[[arm]]\nname = "x_seed2"\nseeds = [1, 2]', ["'x_seed2'", "may not end in _seedN"]),
+    ('[[arm]]\nname = "bf16_seed3"', ["'bf16_seed3'", "unique"]),
+    ('[[arm]]\nname = "nvfp4_fwd"\n[[arm]]\nname = "nvfp4_fwd_seed2"\nseeds = [5]', ["may not end in _seedN"]),
+], ids=["empty", "duplicate", "not_int", "suffix", "taken_name", "suffix_plain"])
+def test_bad_seeds_are_refused_by_arm(tmp_path, arm_extra, needles):
+    with pytest.raises(ValueError) as e:
+        compare.load_spec(_spec(tmp_path, arm_extra=arm_extra))
+    for needle in needles:
+        assert needle in str(e.value), (needle, str(e.value))
+
+
+def test_ranking_spec_tables_the_kept_386m_logs_as_the_results_page_shows(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    spec = compare.load_spec(REPO / "configs/compare/recipe_ranking_386m.toml")
+    names = [a.name for a in spec.arms]
+    assert len(names) == 85 and names[:3] == ["bf16", "bf16_seed2", "bf16_seed3"] and "tetrajet2_seed17" in names
+    assert [spec.seed(a) for a in spec.arms if a.name.startswith("quartet2")] == list(range(42, 59))
+    spec.out = tmp_path / "kept"
+    spec.out.mkdir()
+    for name in ("bf16", "bf16_seed2", "bf16_seed3", "nvfp4", "nvfp4_seed2", "nvfp4_seed3"):
+        shutil.copy(KEPT / f"{name}.log", spec.out)
+    row = "| nvfp4 | 3 | +2.34 ± 0.71 | 1.22 | (reference) |"
+    assert row in compare.table.paired_table(spec, *_kept_runs(spec))
+    assert row in (REPO / "docs/results.md").read_text()
+
+
+def _kept_runs(spec):
+    from titan_nvfp4.tools.loss_log import read_run
+
+    runs, val = {}, {}
+    for arm in spec.arms:
+        if spec.log(arm).is_file():
+            runs[arm.name], val[arm.name] = read_run(spec.log(arm))
+    return runs, val
+
+
+def test_seed_spread_on_the_kept_logs_gives_the_results_pages_numbers(capsys):
+    logs = [str(KEPT / f"{n}.log") for n in ("bf16", "bf16_seed2", "bf16_seed3", "nvfp4", "nvfp4_seed2", "nvfp4_seed3")]
+    seed_spread.main([*logs, "--baseline", "bf16", "--recipe", "nvfp4"])
+    out = capsys.readouterr().out
+    page = (REPO / "docs/results.md").read_text()
+    for line in ("| validation loss at step 3000 | 0.0049 | 0.0173 | +2.34 ± 0.71 | 1.22 | 17 |",
+                 "| 1250 | 0.0888 | 0.1695 | +2.82 | 11.94 | -0.99 | -7.36, -0.14, +15.96 |",
+                 "| 1251–1500 | -6.33 | +0.27 | +13.52 | 10.11 |"):
+        assert line in out and line in page, line
+
+
+def test_seed_spread_finds_an_injected_spike_and_needs_two_seeds(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    batch = rng.normal(0, 0.05, 200)  # every run's batch difficulty, shared
+    for name, shift in (("a", 0.0), ("a_seed2", 0.01), ("b", 0.02), ("b_seed2", 0.03)):
+        loss = 3 - np.arange(200) / 100 + batch + shift + rng.normal(0, 0.002, 200)
+        if name == "b_seed2":
+            loss[120] += 0.1
+        lines = [f"step: {10 * (i + 1)}  loss: {x:.5f}  grad_norm: 1.0  memory: 1.00GiB(1%)  tps: 1,000"
+                 for i, x in enumerate(loss)]
+        (tmp_path / f"{name}.log").write_text("\n".join(lines + ["validate step: 2000  loss: 1.5"]) + "\n")
+    logs = [str(tmp_path / f"{n}.log") for n in ("a", "a_seed2", "b", "b_seed2")]
+    found = seed_spread.spikes({Path(p).stem: seed_spread.read_runs("t", [Path(p)])[0][Path(p).stem] for p in logs}, 5)
+    assert [t for t, _ in found["b_seed2"]] == [1210] and found["a"] == []
+    with pytest.raises(SystemExit):
+        seed_spread.main([*logs[:3], "--baseline", "a", "--recipe", "b"])
+    assert "needs at least two seeds" in capsys.readouterr().err

@@ -1,0 +1,104 @@
+"""Seed replicates paired across recipes (the ranking protocol, docs/results.md): per recipe, its gap to the baseline
+recipe in % of the baseline, the mean of the per-seed paired gaps ± s.d./√n, and the share of the reference recipe's
+gap it closes, the ratio of the mean paired differences ± its delta-method standard error. Runs of the same seed share
+initialisation and data order, so each difference is taken within a seed before averaging over seeds."""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+
+#: an arm named "<recipe>_seed<N>" is replicate N of <recipe> (the first replicate has the bare name)
+_REPLICATE = re.compile(r"^(?P<recipe>.+)_seed(?P<n>[0-9]+)$")
+
+
+def recipe_of(name: str) -> str:
+    """The recipe an arm is a replicate of: its name without a "_seedN" suffix."""
+    m = _REPLICATE.match(name)
+    return m["recipe"] if m else name
+
+
+def replicate_name(recipe: str, index: int) -> str:
+    """The arm name of replicate ``index`` (0-based) of ``recipe``: the bare name, then "_seed2", "_seed3", ..."""
+    return recipe if index == 0 else f"{recipe}_seed{index + 1}"
+
+
+def final_validations(validation: dict[int, float], k: int) -> float | None:
+    """The statistic of one run: the mean of its last ``k`` validation losses (by step), None with fewer than k."""
+    if len(validation) < k:
+        return None
+    steps = sorted(validation)[-k:]
+    return statistics.fmean(validation[s] for s in steps)
+
+
+def _mean_sd_se(values: list[float]) -> tuple[float, float, float]:
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, float("nan"), float("nan")
+    sd = statistics.stdev(values)
+    return mean, sd, sd / math.sqrt(len(values))
+
+
+def paired_rows(stats: dict[str, dict[int, float]], baseline: str, reference: str = "") -> list[dict]:
+    """One row per recipe but the baseline, from ``stats`` = {recipe: {seed: statistic}}:
+
+    - ``gap_pct`` ± ``gap_se_pct`` (s.d. ``gap_sd_pct``) over the ``n`` seeds it shares with the baseline: the mean of
+      100·(R_s − B_s)/B_s, with standard error s.d./√n;
+    - with a ``reference`` recipe P, for the other recipes, over the ``closed_n`` seeds all three share:
+      ``closed_pct`` = 100·ā/b̄ with a_s = P_s − R_s, b_s = P_s − B_s (the share of P's gap that R closes: 0 = no
+      better than P, 100 = as good as the baseline), ± ``closed_se_pct`` = 100·s.d.(a_s − r·b_s)/(√n·|b̄|), the
+      delta-method standard error of a ratio of paired means (NaN with fewer than two seeds or b̄ = 0)."""
+    base = stats[baseline]
+    rows = []
+    for recipe, by_seed in stats.items():
+        if recipe == baseline:
+            continue
+        seeds = sorted(s for s in by_seed if s in base)
+        row: dict = {"recipe": recipe, "n": len(seeds), "seeds": seeds}
+        if seeds:
+            row["gap_pct"], row["gap_sd_pct"], row["gap_se_pct"] = _mean_sd_se(
+                [100.0 * (by_seed[s] - base[s]) / base[s] for s in seeds])
+        ref = stats.get(reference, {}) if reference else {}
+        shared = sorted(s for s in seeds if s in ref)
+        if reference and recipe != reference and shared:
+            a = [ref[s] - by_seed[s] for s in shared]
+            b = [ref[s] - base[s] for s in shared]
+            b_mean = statistics.fmean(b)
+            r = statistics.fmean(a) / b_mean if b_mean else float("nan")
+            se = (statistics.stdev([x - r * y for x, y in zip(a, b)]) / (math.sqrt(len(shared)) * abs(b_mean))
+                  if len(shared) > 1 and b_mean else float("nan"))
+            row.update(closed_n=len(shared), closed_pct=100.0 * r, closed_se_pct=100.0 * se)
+        rows.append(row)
+    return rows
+
+
+def _pm(value: float, se: float, fmt: str, se_fmt: str) -> str:
+    return f"{value:{fmt}}" + ("" if se != se else f" ± {se:{se_fmt}}")
+
+
+def paired_markdown(rows: list[dict], baseline: str, reference: str, statistic: str) -> str:
+    """The paired table: recipe, seeds, gap to the baseline in % ± s.e. (and its s.d.), share of the reference's gap
+    closed ± s.e."""
+    head = (f"Paired by seed against {baseline} ({statistic}; per seed the gap in % of {baseline}, then the mean ± "
+            "s.d./√n over seeds" + (f"; the share of {reference}'s gap closed, paired on the same seeds" if reference
+                                    else "") + "):\n\n"
+            f"| recipe | seeds | gap to {baseline}, % ± s.e. | s.d. of the per-seed gaps, % |"
+            + (f" share of {reference}'s gap closed, % ± s.e. |" if reference else "")
+            + "\n| --- | ---: | ---: | ---: |" + (" ---: |" if reference else "") + "\n")
+    body = ""
+    for r in rows:
+        if not r["n"]:
+            gap, sd = "(no seed shared)", ""
+        else:
+            gap, sd = _pm(r["gap_pct"], r["gap_se_pct"], "+.2f", ".2f"), ("" if r["gap_sd_pct"] != r["gap_sd_pct"]
+                                                                    else f"{r['gap_sd_pct']:.2f}")
+        closed = ""
+        if reference:
+            closed = ("(reference)" if r["recipe"] == reference else
+                      _pm(r["closed_pct"], r["closed_se_pct"], ".0f", ".0f") + (f" (n={r['closed_n']})"
+                                                                          if r["closed_n"] != r["n"] else "")
+                      if "closed_pct" in r else "")
+            closed = f" {closed} |"
+        body += f"| {r['recipe']} | {r['n']} | {gap} | {sd} |{closed}\n"
+    return head + body
