@@ -165,3 +165,86 @@ def test_the_gpu_class_of_a_hopper_is_sm90(monkeypatch):
     assert st.table_path(None) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (12, 0))
     assert st.table_path(0) is None  # no table for that class: autotune
+
+
+# ---------------------------------------------------- every candidate config gives the same bits (CPU interpreter)
+# A shipped choice is one of the kernel's candidates, so it changes results only if two candidates differ. The
+# amax, 16×16 weight, operand and MXFP8 columns kernels are pinned in test_kernels.py / test_kernels_mxfp8.py;
+# here the SwiGLU pair, the dequantization and the MXFP8 row+column kernel. The GEMMs' tiles change the fp32
+# sums' blocking, which the interpreter's numpy dot does not share with the tensor cores: on a GPU below.
+
+class _Always(dict):
+    """An autotuner cache that answers one config for every key (each candidate in turn, no benchmark)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+
+    def __contains__(self, key):
+        return True
+
+    def __getitem__(self, key):
+        return self.config
+
+
+def _per_config(monkeypatch, tuner, run):
+    """run() once per config of ``tuner``, every autotuned launch of it taking that config."""
+    outs = []
+    for config in tuner.configs:
+        monkeypatch.setattr(tuner, "cache", _Always(config))
+        outs.append((config, [t.clone() for t in run()]))
+    return outs
+
+
+def _same(outs, want):
+    for config, got in outs:
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), config
+
+
+def test_swiglu_kernels_every_config_same_bits(monkeypatch):
+    from titan_nvfp4.kernels import quantize as q
+    from titan_nvfp4.kernels import swiglu as sw
+    from titan_nvfp4.numerics.rht import rht_signs
+
+    gen = torch.Generator().manual_seed(7)
+    M, N = 48, 128  # a partial row tile (G 2: 32 rows), the largest BK
+    h1, h3, dh = (torch.randn(M, N, generator=gen).bfloat16() * 3 for _ in range(3))
+    h1[5, 7] = float("inf")
+    offsets = torch.tensor([16, 16, 48], dtype=torch.int32)
+    signs = rht_signs(0, "cpu")
+    fwd = lambda: sw.swiglu_amax_tensors(h1, h3, offsets, True, signs)  # noqa: E731
+    bwd = lambda: sw.swiglu_backward_amax_tensors(dh, h1, h3, offsets, True, signs)  # noqa: E731
+    want_f, want_b = [t.clone() for t in fwd()], [t.clone() for t in bwd()]  # the interpreter's fixed tiles
+    monkeypatch.setattr(q, "_tuned", lambda x: True)  # the autotuned launch, as on a GPU
+    _same(_per_config(monkeypatch, sw._fwd_autotuned, fwd), want_f)
+    _same(_per_config(monkeypatch, sw._bwd_autotuned, bwd), want_b)
+
+
+def test_dequant_kernel_every_config_same_bits():
+    args, kw, out, want = _dequant_call()
+    for config in g._dequant_autotuned.configs:
+        out.zero_()
+        br, bc = config.kwargs["BR"], config.kwargs["BC"]
+        g._dequant_kernel[(L.cdiv(args[3], br), L.cdiv(args[4] // 2, bc))](*args, **kw, **config.all_kwargs())
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16)), config
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_mxfp8_kernel_every_config_same_bits(staged):
+    from titan_nvfp4.kernels import mxfp8 as k
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(72, 256, generator=gen) * torch.exp(torch.randn(72, 1, generator=gen) * 3)
+    x[3, 9] = float("nan")
+    M, K, Mpad = 72, 256, 96
+    want = k.quantize_mxfp8_tensors(x, True, True, staged)
+    for config in k._mxfp8_autotuned.configs:
+        got = [torch.full_like(t.view(torch.uint8), 0x55).view(t.dtype) for t in want]
+        rd, rs, cd, cs = got[0], got[1].view(torch.uint8), got[2], got[3].view(torch.uint8)
+        bm, bk = config.kwargs["BM"], config.kwargs["BK"]
+        k._mxfp8_kernel[(L.cdiv(Mpad, bm), L.cdiv(K, bk))](
+            x, M, K, x.stride(0), x.stride(1), rd, rs, cd, cs, Mpad, ROW=True, COL=True, STAGED=staged, HW=False,
+            **config.all_kwargs())
+        for a, b in zip(got, want):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), config
