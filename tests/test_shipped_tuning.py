@@ -248,3 +248,37 @@ def test_mxfp8_kernel_every_config_same_bits(staged):
             **config.all_kwargs())
         for a, b in zip(got, want):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), config
+
+
+@pytest.mark.skipif(not GPU, reason="the GEMMs' tiles run on tensor cores")
+def test_gemm_kernels_every_config_same_bits_on_gpu(monkeypatch):
+    """Each config of every GEMM autotuner gives the bits of the others on random (inexact) operands: the tiles
+    split M, N and K differently, the tensor cores sum each output's K steps in the same order."""
+    from titan_nvfp4.kernels import grouped_gemm as gg
+
+    gen = torch.Generator().manual_seed(5)
+    a = quantize_nvfp4(torch.randn(2048 + 48, 2048, generator=gen).cuda().bfloat16())
+    b = quantize_nvfp4(torch.randn(1536 + 16, 2048, generator=gen).cuda().bfloat16(), block_shape=(16, 16))
+    T, K, N, E = 4096, 1024, 1408, 8
+    ends = torch.tensor([0, 512, 1040, 1040, 2048, 2064, 3200, 4000], dtype=torch.int32).cuda()
+    a16 = torch.randn(T, K, generator=gen).half().cuda()
+    w16 = torch.randn(E * N, K, generator=gen).half().cuda()
+    gs = torch.rand(E + 1, generator=gen).cuda() + 0.5
+    x_t, dy_t = torch.randn(K, T, generator=gen).half().cuda(), torch.randn(N, T, generator=gen).half().cuda()
+
+    def run():
+        outs = [g.nvfp4_gemm_triton(a, b, torch.float32, autotune=True, use_tma=tma, stage_a=sa)
+                for tma in (False, True) for sa in (False, True)]
+        for kind in ("persistent", "tiles"):
+            monkeypatch.setattr(gg, "ROWS_KERNEL", kind)
+            outs.append(gg.grouped_gemm_rows(a16, w16, ends, gs, gs, N, N, 0, torch.bfloat16))
+        outs.append(gg.grouped_gemm_tokens(x_t, dy_t, ends, gs, gs, torch.float32))
+        outs.append(gg.grouped_gemm_tokens(dy_t, x_t, ends, gs, gs, torch.float32))  # swapped operands
+        return outs
+
+    want = [t.clone() for t in run()]
+    for tuner in (g._nvfp4_gemm_autotuned, g._nvfp4_gemm_persistent_autotuned, gg._rows_autotuned,
+                  gg._rows_persistent_autotuned, gg._tokens_autotuned):
+        saved = tuner.cache
+        _same(_per_config(monkeypatch, tuner, run), want)
+        monkeypatch.setattr(tuner, "cache", saved)
