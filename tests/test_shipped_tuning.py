@@ -19,6 +19,7 @@ from titan_nvfp4.numerics.nvfp4 import quantize_nvfp4  # noqa: E402
 
 REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
 GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
 
 
 @pytest.fixture
@@ -33,6 +34,8 @@ def table(tmp_path, monkeypatch):
         return path
     monkeypatch.setenv(st.ENV, str(path))
     monkeypatch.setattr(g._dequant_autotuned, "cache", {})
+    if GPU:  # no compiled launch kept from an earlier test (the interpreter has no launch cache)
+        monkeypatch.setattr(L.launcher(g._dequant_autotuned), "cache", {})
     st.clear()
     yield write
     st.clear()
@@ -48,15 +51,16 @@ def benchmarks(monkeypatch):
         runs.append(1)
         return [1.0 + (len(runs) - 1 != 3)] * 3
     monkeypatch.setitem(tuner.__dict__, "do_bench", bench)
+    monkeypatch.setattr(tuner, "cache_results", False)  # no choice read from Triton's cache folder (GPU)
     return runs
 
 
 def _dequant_call():
     """(args, kwargs, expected fp16) of a dequantization launch through the autotuner on the CPU."""
-    x = torch.randn(48, 64)
+    x = torch.randn(48, 64).to(DEV)
     t = quantize_nvfp4(x)
     R, C = t.storage_shape
-    out = torch.empty((R, C), dtype=torch.float16)
+    out = torch.empty((R, C), dtype=torch.float16, device=DEV)
     words = out.view(torch.int32)
     args = (t.data, t.scale, words, R, C, t.data.stride(0), t.scale.stride(0), t.scale.stride(1), words.stride(0),
             L.tune_bucket(R), L.tune_bucket(C))
@@ -209,10 +213,10 @@ def test_swiglu_kernels_every_config_same_bits(monkeypatch):
 
     gen = torch.Generator().manual_seed(7)
     M, N = 48, 128  # a partial row tile (G 2: 32 rows), the largest BK
-    h1, h3, dh = (torch.randn(M, N, generator=gen).bfloat16() * 3 for _ in range(3))
+    h1, h3, dh = (torch.randn(M, N, generator=gen).bfloat16().to(DEV) * 3 for _ in range(3))
     h1[5, 7] = float("inf")
-    offsets = torch.tensor([16, 16, 48], dtype=torch.int32)
-    signs = rht_signs(0, "cpu")
+    offsets = torch.tensor([16, 16, 48], dtype=torch.int32, device=DEV)
+    signs = rht_signs(0, DEV)
     fwd = lambda: sw.swiglu_amax_tensors(h1, h3, offsets, True, signs)  # noqa: E731
     bwd = lambda: sw.swiglu_backward_amax_tensors(dh, h1, h3, offsets, True, signs)  # noqa: E731
     want_f, want_b = [t.clone() for t in fwd()], [t.clone() for t in bwd()]  # the interpreter's fixed tiles
@@ -237,6 +241,7 @@ def test_mxfp8_kernel_every_config_same_bits(staged):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(72, 256, generator=gen) * torch.exp(torch.randn(72, 1, generator=gen) * 3)
     x[3, 9] = float("nan")
+    x = x.to(DEV)
     M, K, Mpad = 72, 256, 96
     want = k.quantize_mxfp8_tensors(x, True, True, staged)
     for config in k._mxfp8_autotuned.configs:
@@ -244,7 +249,7 @@ def test_mxfp8_kernel_every_config_same_bits(staged):
         rd, rs, cd, cs = got[0], got[1].view(torch.uint8), got[2], got[3].view(torch.uint8)
         bm, bk = config.kwargs["BM"], config.kwargs["BK"]
         k._mxfp8_kernel[(L.cdiv(Mpad, bm), L.cdiv(K, bk))](
-            x, M, K, x.stride(0), x.stride(1), rd, rs, cd, cs, Mpad, ROW=True, COL=True, STAGED=staged, HW=False,
+            x, M, K, x.stride(0), x.stride(1), rd, rs, cd, cs, Mpad, ROW=True, COL=True, STAGED=staged, HW=k.hardware_e4m3(x.device),
             **config.all_kwargs())
         for a, b in zip(got, want):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), config
