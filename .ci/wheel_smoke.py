@@ -56,6 +56,8 @@ def resources_only() -> None:
     check("llama3_debug" in specs, f"comparison specs found: {sorted(specs)}")
     for f in [*presets.values(), *specs.values()]:
         check(len(f.read_bytes()) > 0, f"{f.name} is empty")
+    tables = sorted(p.name for p in (pkg / "kernels" / "tuned").glob("*.json"))
+    check("sm90.json" in tables, f"shipped autotuning tables in the wheel: {tables}")
     print(f"wheel_smoke --resources: Python {sys.version.split()[0]}: presets {sorted(presets)}, specs {sorted(specs)}")
 
 

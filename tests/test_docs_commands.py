@@ -94,7 +94,7 @@ def kind(cmd: str) -> str:
         return "cpu"
     if cmd.startswith("python docs/"):  # the docs' runnable examples: on the CPU they run here
         return "cpu" if "--device cpu" in cmd else "gpu_script"
-    if cmd.startswith(("bash scripts/", "source scripts/", "python benchmarks/", "cd benchmarks")):
+    if cmd.startswith(("bash scripts/", "source scripts/", "python scripts/", "python benchmarks/", "cd benchmarks")):
         return "gpu_script"
     if re.match(r"torchrun (--\S+ )*benchmarks/", cmd):
         return "gpu_script"

@@ -29,6 +29,8 @@ import triton
 from triton import knobs as _knobs  # the launch hooks (profilers such as proton), passed on as Triton does
 from triton.runtime.autotuner import Autotuner
 
+from . import shipped_tuning
+
 #: Set TITAN_NVFP4_TRITON_LAUNCH=1 to launch every kernel through Triton (to compare or to debug).
 ENABLED = os.environ.get("TITAN_NVFP4_TRITON_LAUNCH", "0") in ("", "0")
 #: Set TITAN_NVFP4_LAUNCH_CHECK=1 (the test suite does) to verify every cached launch: Triton is asked,
@@ -230,13 +232,61 @@ TUNE_ON_DISK = os.environ.get("TITAN_NVFP4_AUTOTUNE_CACHE", "1") not in ("", "0"
     "cache_results" in inspect.signature(triton.autotune).parameters
 
 
+class ShippedAutotuner(Autotuner):
+    """An autotuner that first looks the key up in the package's table of choices for this GPU class
+    (shipped_tuning): a hit is placed in the autotuner's own cache, so Triton launches that config without
+    benchmarking; a miss autotunes as Triton does."""
+
+    shipped_hits = 0  # keys served from a table (per autotuner once set; tests and tune_kernels count them)
+
+    def run(self, *args, **kwargs):
+        if len(self.configs) > 1:
+            key = tuning_key(self, args, kwargs)
+            if key not in self.cache:
+                path = shipped_tuning.table_path(_cuda_index(args[0] if args else None))
+                if path is not None:
+                    config = shipped_tuning.choices(path, self.base_fn.__name__, self.configs).get(key)
+                    if config is not None:
+                        self.cache[key] = config
+                        self.shipped_hits += 1
+        return super().run(*args, **kwargs)
+
+
+def _cuda_index(t) -> int | None:
+    """The CUDA device index of a launch's first tensor; None for a CPU tensor (the interpreter) or no tensor."""
+    if type(t) not in _TENSORS or not t.is_cuda:
+        return None
+    return t.device.index if t.device.index is not None else _current_device()
+
+
+def tuning_key(tuner: Autotuner, args: tuple, kwargs: dict) -> tuple:
+    """The key ``tuner`` caches a launch's choice under, built as Triton's Autotuner.run builds it: the values of
+    its key arguments, then the dtype of every argument that has one (tests pin the two alike)."""
+    named = {**dict(zip(tuner.arg_names, args)), **kwargs}
+    named = {k: v for k, v in named.items() if k in tuner.arg_names}
+    key = [named[k] for k in tuner.keys if k in named]
+    key += [str(v.dtype) for v in named.values() if hasattr(v, "dtype")]
+    return tuple(key)
+
+
+#: every autotuner made by ``autotune`` (scripts/tune_kernels.py reads their choices)
+TUNERS: list[ShippedAutotuner] = []
+
+
 def autotune(configs, key, **kwargs):
     """``triton.autotune`` whose choices persist in Triton's cache folder (``cache_results``): a later process
     with the same kernel source, key values, configs and GPU reads the choice instead of benchmarking every
-    config again, which was most of an NVFP4 debug run's first step (about 40 s on an H100)."""
+    config again, which was most of an NVFP4 debug run's first step (about 40 s on an H100). Before that, a
+    key is looked up in the choices shipped for this GPU class (ShippedAutotuner)."""
     if TUNE_ON_DISK:
         kwargs.setdefault("cache_results", True)
-    return triton.autotune(configs, key, **kwargs)
+
+    def wrap(fn):
+        tuner = triton.autotune(configs, key, **kwargs)(fn)
+        tuner.__class__ = ShippedAutotuner  # Triton's own constructor: its arguments differ between versions
+        TUNERS.append(tuner)
+        return tuner
+    return wrap
 
 
 def tune_bucket(n: int) -> int:

@@ -1,0 +1,160 @@
+"""Regenerate the autotuning choices shipped for this GPU's class (titan_nvfp4/kernels/tuned/<class>.json).
+
+Run on the GPU machine from the repo root, after `source scripts/device_setup.sh` and
+`python -m titan_nvfp4.data.prepare`:
+
+    python scripts/tune_kernels.py                      # the default jobs, eager and compiled, into the package
+    python scripts/tune_kernels.py --jobs train_configs/llama3_nvfp4.toml --out "$OUT/sm90.json" \
+        --base titan_nvfp4/kernels/tuned/sm90.json       # one job per device call (10 minutes), merged
+
+Each (job, mode) trains a few steps under torchrun in a fresh process with the shipped choices off
+(TITAN_NVFP4_SHIPPED_TUNING=0), Triton's on-disk choices off (TITAN_NVFP4_AUTOTUNE_CACHE=0) and empty Triton and
+inductor caches, so every kernel benchmarks every config for every key it meets; the worker then writes what each
+autotuner chose. The choices of all runs are merged (a key tuned twice keeps its first run's choice; the count of
+disagreements is printed) and written atomically; the keys and benchmark runs per kernel of each run are printed
+(the inventory of docs/performance.md's cold-start section).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+JOBS = ["train_configs/llama3_nvfp4.toml", "train_configs/deepseek_v3_nvfp4.toml",
+        "train_configs/deepseek_v3_16b_4blocks_nvfp4.toml", "train_configs/gpt_oss_nvfp4.toml",
+        "train_configs/qwen3_30b_a3b_4blocks_nvfp4.toml", "train_configs/gpt_oss_20b_4blocks_nvfp4.toml"]
+MODES = {"eager": [], "compiled": ["--compile.enable"]}
+
+
+def worker(out: Path, train_args: list[str]) -> None:
+    """Inside torchrun: train with ``train_args``, then write every autotuner's choices to ``out``."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+    from torchtitan.train import Trainer, main
+
+    from titan_nvfp4.kernels import launch, shipped_tuning
+    from titan_nvfp4.tools.atomic import write_text
+
+    sys.argv = ["torchtitan.train", *train_args]
+    main(Trainer)
+    kernels = {}
+    for tuner in launch.TUNERS:
+        if tuner.cache:
+            kernels[tuner.base_fn.__name__] = {
+                "configs": len(tuner.configs),
+                "choices": {shipped_tuning.key_text(k): shipped_tuning.config_entry(c) for k, c in tuner.cache.items()}}
+    if int(os.environ.get("RANK", "0")) == 0:
+        write_text(out, json.dumps({"gpu_class": shipped_tuning.gpu_class(torch.cuda.current_device()),
+                                    "gpu": torch.cuda.get_device_name(), "kernels": kernels}))
+
+
+def run_job(job: str, mode: str, steps: int, extra: list[str], scratch: Path, timeout: int) -> dict:
+    """One (job, mode) in a fresh torchrun process with empty caches and no stored choices; its dump."""
+    name = f"{Path(job).stem}_{mode}"
+    dump, log = scratch / f"{name}.json", scratch / f"{name}.log"
+    env = {**os.environ, "TITAN_NVFP4_SHIPPED_TUNING": "0", "TITAN_NVFP4_AUTOTUNE_CACHE": "0",
+           "TRITON_CACHE_DIR": str(scratch / f"{name}.triton"), "TORCHINDUCTOR_CACHE_DIR": str(scratch / f"{name}.inductor")}
+    cmd = ["torchrun", "--standalone", "--nproc_per_node=1", str(Path(__file__).resolve()), "--worker", str(dump), "--",
+           "--job.config_file", job, "--training.steps", str(steps), *MODES[mode], *extra]
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    if rc != 0 or not dump.is_file():
+        tail = log.read_text().splitlines()[-15:]
+        raise SystemExit(f"tune_kernels: {job} ({mode}) failed with exit {rc}; log {log}:\n" + "\n".join(tail))
+    return json.loads(dump.read_text())
+
+
+def merge(dumps: list[tuple[str, dict]], base: dict | None) -> tuple[dict, int]:
+    """(kernels {name: {key: config}}, disagreements) over the runs' dumps, on top of ``base`` (the existing
+    table's kernels, with --merge): a key tuned by two runs keeps the first run's choice."""
+    fresh: dict[str, dict] = {}
+    disagree = 0
+    for _, dump in dumps:
+        for name, got in dump["kernels"].items():
+            mine = fresh.setdefault(name, {})
+            for key, config in got["choices"].items():
+                if key in mine:
+                    disagree += mine[key] != config
+                else:
+                    mine[key] = config
+    kernels = {k: dict(v) for k, v in (base or {}).items()}
+    for name, mine in fresh.items():
+        kernels.setdefault(name, {}).update(mine)
+    return kernels, disagree
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python scripts/tune_kernels.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--jobs", nargs="+", default=JOBS, help="job files (default: the README quick start, the MoE jobs)")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--steps", type=int, default=2, help="training steps per run (default 2)")
+    p.add_argument("--out", type=Path, help="table file (default titan_nvfp4/kernels/tuned/<this GPU's class>.json)")
+    p.add_argument("--base", type=Path, help="a table whose keys that these runs do not meet are kept (several calls "
+                                             "of one job each build one table)")
+    p.add_argument("--timeout", type=int, default=540, help="seconds per run (default 540)")
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more TorchTitan arguments, for every run")
+    args = p.parse_args()
+    for job in args.jobs:
+        if not (ROOT / job).is_file():
+            raise SystemExit(f"tune_kernels: --jobs {job}: no such job file under {ROOT}")
+
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import triton
+
+    from titan_nvfp4.kernels import gemm, grouped_gemm, launch, mxfp8, quantize, shipped_tuning, swiglu  # noqa: F401
+    from titan_nvfp4.tools.atomic import write_text
+
+    cls = shipped_tuning.gpu_class(torch.cuda.current_device())
+    out = args.out or shipped_tuning.TABLE_DIR / f"{cls}.json"
+    base = None
+    if args.base is not None:
+        if not args.base.is_file():
+            raise SystemExit(f"tune_kernels: --base {args.base}: no such table file")
+        base = {k: {shipped_tuning.key_text(key): e for key, e in v.items()}
+                for k, v in shipped_tuning.load(args.base.resolve()).items()}
+    dumps = []
+    with tempfile.TemporaryDirectory(prefix="tune_kernels_") as tmp:
+        for job in args.jobs:
+            for mode in args.modes:
+                dump = run_job(job, mode, args.steps, args.extra, Path(tmp), args.timeout)
+                if dump["gpu_class"] != cls:
+                    raise SystemExit(f"tune_kernels: {job} ran on {dump['gpu_class']}, this machine is {cls}")
+                n = sum(len(k["choices"]) for k in dump["kernels"].values())
+                runs = sum(len(k["choices"]) * k["configs"] for k in dump["kernels"].values())
+                print(f"{job} ({mode}): {n} keys, {runs} benchmark runs", flush=True)
+                for name, k in sorted(dump["kernels"].items()):
+                    print(f"    {name}: {len(k['choices'])} keys x {k['configs']} configs", flush=True)
+                dumps.append((f"{job} ({mode})", dump))
+    kernels, disagree = merge(dumps, base)
+    doc = {"format": shipped_tuning.FORMAT, "gpu_class": cls, "gpu": dumps[0][1]["gpu"] if dumps else None,
+           "generated": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "torch": torch.__version__, "triton": triton.__version__,
+           "command": "python scripts/tune_kernels.py " + " ".join(sys.argv[1:]),
+           "runs": [name for name, _ in dumps] + ([f"keys kept from {args.base}"] if base else []),
+           "kernels": {k: dict(sorted(v.items())) for k, v in sorted(kernels.items())}}
+    write_text(out, json.dumps(doc, indent=1) + "\n", option="--out")
+    shipped_tuning.clear()
+    tuners = {t.base_fn.__name__: t for t in launch.TUNERS}
+    for name in kernels:  # every entry is one of its kernel's configs, as a launch will check
+        if name not in tuners:
+            raise SystemExit(f"tune_kernels: {out}: kernel {name!r} is no autotuned kernel of this package")
+        shipped_tuning.choices(out, name, tuners[name].configs)
+    total = sum(len(v) for v in kernels.values())
+    print(f"tune_kernels: wrote {out}: {total} keys over {len(kernels)} kernels ({disagree} keys chosen differently "
+          f"by two runs: the first run's choice kept)")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        rest = sys.argv[3:]
+        worker(Path(sys.argv[2]), rest[1:] if rest[:1] == ["--"] else rest)
+    else:
+        main()
