@@ -17,7 +17,7 @@
 #                       still uses the steps logged so far)
 #              ARMS     the arms to run, in order (default "bf16 nvfp4"); an arm "nvfp4:PRESET" runs the NVFP4 job
 #                       file with --quantize.linear.nvfp4.recipe PRESET (e.g. "bf16 nvfp4 nvfp4:quartet2"); the report
-#                       covers the arms in this order, the first as its baseline
+#                       covers BF16 (its baseline) and the other arms in this order
 set -uo pipefail
 out=${OUT:-./outputs/e2e_bench}
 if [[ $# -gt 0 && $1 != -* ]]; then out=$1; shift; fi
@@ -64,7 +64,7 @@ done
        "$(python -c 'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}")' 2>&1 | tail -1);" \
        "extra args: ${extra[*]:-none}; PYTORCH_ALLOC_CONF=$PYTORCH_ALLOC_CONF"
   echo
-  logs=()
-  for arm in ${ARMS:-bf16 nvfp4}; do logs+=("$out/${config}_${arm/:/-}_bs${bs}.log"); done
+  logs=("$out/${config}_bf16_bs${bs}.log")  # the baseline, run here or by an earlier call into this folder
+  for arm in ${ARMS:-bf16 nvfp4}; do [[ $arm == bf16 ]] || logs+=("$out/${config}_${arm/:/-}_bs${bs}.log"); done
   python -m titan_nvfp4.tools.e2e_report "${logs[@]}" --skip "${SKIP:-5}" --json "$out/e2e_bench.json"
 } | tee "$out/e2e_bench.md"

@@ -208,13 +208,13 @@ def convert(model: nn.Module, recipe: str = "nvidia_paper", *, experts: bool | d
     """Convert ``model`` in place for NVFP4 training; returns ``(model, steps)``: call ``steps.step()`` after every
     ``optimizer.step()``, and checkpoint ``steps`` beside the model and optimizer (a Stateful).
 
-    ``recipe``: a preset (nvidia_paper, nvidia_paper_selective, naive_rtn) or a path to a .toml. ``knobs``: any key
-    of the TOML section ``[quantize.linear.nvfp4]`` (recipe fields such as stochastic_rounding, and filter_fqns,
-    lora_rank, bf16_after_fraction, bf16_after_scope, activation_amax_history, telemetry_every, ...:
-    docs/configuration.md).
+    ``recipe``: a preset (nvidia_paper, quartet2, tetrajet2, nvidia_paper_selective, naive_rtn) or a path to a .toml.
+    ``knobs``: any key of the TOML section ``[quantize.linear.nvfp4]`` (recipe fields such as stochastic_rounding,
+    ms_eden, osci_reset_every, and filter_fqns, lora_rank, bf16_after_fraction, bf16_after_scope,
+    activation_amax_history, telemetry_every, ...: docs/configuration.md).
     ``experts``: also convert registered routed-expert modules (True: with the same recipe and recipe overrides; a
     dict: the keys of ``[quantize.grouped_mm.nvfp4]``). ``total_steps``: the run's optimizer steps, needed by
-    bf16_after_fraction. Bad values raise a ValueError naming the key and the value."""
+    bf16_after_fraction and osci_reset_start_fraction. Bad values raise a ValueError naming the key and the value."""
     log = logger or LOG
     linear = _knobs(LinearKnobs, "titan_nvfp4.convert keyword", {"recipe": recipe, **knobs})
     grouped = None

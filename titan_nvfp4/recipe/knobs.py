@@ -42,7 +42,8 @@ class _Preset:
     SECTION: ClassVar[str] = "quantize.linear.nvfp4"
 
     recipe: str = "nvidia_paper"
-    """Preset from configs/ (nvidia_paper, nvidia_paper_selective, naive_rtn) or a path to a .toml."""
+    """Preset from configs/ (nvidia_paper, quartet2, tetrajet2, nvidia_paper_selective, naive_rtn) or a path to a
+    .toml."""
 
 
 def _overrides_class() -> type:
