@@ -126,3 +126,13 @@ def test_v03_needs_the_registry_entry(v03, capsys):
     err = _fails(capsys, [str(tmp / "checkpoint"), "--module", "titan_nvfp4.integration_v03.configs", "--config",
                           "no_such_config", "--format", "bf16", "--out", str(out)], out)
     assert "--config no_such_config: titan_nvfp4.integration_v03.configs has no such config" in err
+
+
+def test_v03_missing_transformers_names_the_export03_extra(v03, capsys, monkeypatch):
+    """Without transformers (hidden from the import system), export_hf names the extra that installs beside
+    TorchTitan 0.3 (export03: export's transformers needs a huggingface-hub torchtitan 0.3 refuses)."""
+    tmp, flags, *_ = v03
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    out = tmp / "no_transformers"
+    err = _fails(capsys, [str(tmp / "checkpoint"), *flags, "--format", "bf16", "--out", str(out)], out)
+    assert err.endswith("needs transformers: pip install 'titan-nvfp4[export03]'"), err
