@@ -1,4 +1,4 @@
-"""export_hf's TorchTitan 0.3 form (skipped unless torchtitan 0.3 and the export extra are installed): a run named by
+"""export_hf's TorchTitan 0.3 form (skipped unless torchtitan 0.3 and the export03 extra are installed): a run named by
 its config registry entry (--module titan_nvfp4.integration_v03.configs --config llama3_debug_nvfp4), its model-only
 DCP checkpoint exported through TorchTitan 0.3's Llama3StateDictAdapter and loaded with transformers. The fused QKV
 Linear (one NVFP4 weight, one tensor scale) becomes q/k/v_proj, each with its rows of the codes and scales."""
@@ -17,7 +17,7 @@ from titan_nvfp4.integration_common.torchtitan_version import installed_generati
 if installed_generation() != "0.3":
     pytest.skip("needs torchtitan 0.3 (.ci/torchtitan03)", allow_module_level=True)
 if not all(importlib.util.find_spec(m) for m in ("transformers", "compressed_tensors", "safetensors")):
-    pytest.skip("the export extra (transformers, compressed-tensors, safetensors) is not installed",
+    pytest.skip("the export03 extra (transformers, compressed-tensors, safetensors; in test03) is not installed",
                 allow_module_level=True)
 
 import torch  # noqa: E402
@@ -58,6 +58,7 @@ def v03(tmp_path_factory):
     return tmp, flags, model, state, config.model_spec.state_dict_adapter(mc, None)
 
 
+@pytest.mark.long
 def test_v03_bf16_and_nvfp4_exports_load_in_transformers(v03, capsys):
     """BF16: transformers' LlamaForCausalLM (config.json from the 0.3 model config tree) holds the checkpoint's weights
     in BF16 (wv split from the fused wqkv by the state dict) and computes finite logits. NVFP4: q/k/v_proj of a block
@@ -125,3 +126,13 @@ def test_v03_needs_the_registry_entry(v03, capsys):
     err = _fails(capsys, [str(tmp / "checkpoint"), "--module", "titan_nvfp4.integration_v03.configs", "--config",
                           "no_such_config", "--format", "bf16", "--out", str(out)], out)
     assert "--config no_such_config: titan_nvfp4.integration_v03.configs has no such config" in err
+
+
+def test_v03_missing_transformers_names_the_export03_extra(v03, capsys, monkeypatch):
+    """Without transformers (hidden from the import system), export_hf names the extra that installs beside
+    TorchTitan 0.3 (export03: export's transformers needs a huggingface-hub torchtitan 0.3 refuses)."""
+    tmp, flags, *_ = v03
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    out = tmp / "no_transformers"
+    err = _fails(capsys, [str(tmp / "checkpoint"), *flags, "--format", "bf16", "--out", str(out)], out)
+    assert err.endswith("needs transformers: pip install 'titan-nvfp4[export03]'"), err

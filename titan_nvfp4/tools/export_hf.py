@@ -109,9 +109,14 @@ def _check_paths(args, rest: list[str]):
 
 
 def _require_packages() -> None:
+    """One line naming what is missing and the extra that brings it: export (TorchTitan 0.2) or export03 (0.3:
+    transformers pinned to a release that accepts huggingface-hub 1.x, as torchtitan 0.3 does)."""
+    from ..integration_common.torchtitan_version import installed_generation
+
     missing = [m for m in ("transformers", "safetensors") if importlib.util.find_spec(m) is None]
     if missing:
-        fail(PROG, f"needs {' and '.join(missing)}: pip install 'titan-nvfp4[export]'")
+        extra = "export03" if installed_generation() == "0.3" else "export"
+        fail(PROG, f"needs {' and '.join(missing)}: pip install 'titan-nvfp4[{extra}]'")
 
 
 def _nvfp4_checks(layers, job, step, args) -> torch.dtype:
