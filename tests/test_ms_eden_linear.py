@@ -165,8 +165,8 @@ def test_the_preset_through_toml_and_the_plain_api(tmp_path):
 @pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(), reason="kernels need TRITON_INTERPRET=1 or a GPU")
 def test_forward_saves_x_hat_as_nvfp4_codes_on_the_emulated_backend():
     """X̂ is saved as its forward quantization's packed codes (uint8 [M, K/2]) and E4M3 scales ([M, K/16]) plus
-    its decode scale, ~0.56 bytes per element of X (BF16 would save 2), and Ŵ likewise; the backward reads them
-    in place."""
+    its decode scale, ~0.56 bytes per element of X (BF16 would save 2), and Ŵ likewise (also in 16x16 tiles); the
+    backward reads them in place."""
     recipe = _recipe("emulated", rht_size=32)
     x, w, dy = _inputs(3, torch.bfloat16)
     saved = []
@@ -185,6 +185,12 @@ def test_forward_saves_x_hat_as_nvfp4_codes_on_the_emulated_backend():
     assert x_bytes / x.numel() == 0.5625
     y.backward(dy)
     assert torch.isfinite(xx.grad).all() and torch.isfinite(ww.grad).all()
+    recipe = _recipe("emulated", rht_size=32, weight_2d=True)  # Ŵ in 16x16 tiles: its codes and tile scales
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        nvfp4_linear(x.clone().requires_grad_(), w.clone().requires_grad_(), None, recipe, sr_counter(recipe, 0))
+    assert [(t.dtype, tuple(t.shape)) for t in saved[3:5]] == [(torch.uint8, (N, K // 2)),
+                                                               (torch.float8_e4m3fn, (N // 16, K // 16))]
 
 
 @pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(), reason="kernels need TRITON_INTERPRET=1 or a GPU")

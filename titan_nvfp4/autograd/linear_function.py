@@ -190,9 +190,11 @@ def _forward_body_ms_eden(x2d, x_amax=None, *, weight, bias, recipe, out_dtype, 
             wq = gathered_nvfp4(weight)
         else:
             wq, _ = quantize_weight(weight, recipe.weight_2d, backend, w_amax, four_over_six=recipe.four_over_six,
-                                    transposed=False)
-        # X̂ as codes (saved: 0.56 bytes per element), staged for the GEMM on the emulated backend (the same values)
-        y = nvfp4_gemm(staged_for_gemms(xq, backend), wq, out_dtype=out_dtype, bias=bias, backend=backend)
+                                    transposed=False, staged=False)
+        # X̂ and Ŵ as codes (saved: 0.56 bytes per element), staged for the GEMM on the emulated backend as their
+        # quantizers would have staged them (the same values); a 1×16 Ŵ the GEMM stages itself, as it always did
+        w_gemm = staged_for_gemms(wq, backend) if recipe.weight_2d else wq
+        y = nvfp4_gemm(staged_for_gemms(xq, backend), w_gemm, out_dtype=out_dtype, bias=bias, backend=backend)
         x_saved, w_saved = saved_operand(xq), saved_operand(wq)
     if not saving:
         return (y,), None

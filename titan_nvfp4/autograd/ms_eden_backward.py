@@ -5,7 +5,7 @@
 | wgrad | dYᵀ [N, M] and X̂ᵀ [K, M]: RHT of rht_size along the tokens M     |
 
 Ŵ and X̂ are the forward's quantized W and X (q·e_b times their decode scale; saved as NVFP4 codes, which the
-kernels read in place, or on the emulated backend a 16×16-tile Ŵ as its staged values), so the backward is an
+kernels read in place), so the backward is an
 unbiased estimate of the gradient of the quantized forward; after a forward-only precision switch they are W and X
 themselves. Both operands of a GEMM share one sign vector (the rotation cancels in the product); every operand
 draws its own scale stream. The signs and draws of a backward call come from the layer's stochastic-rounding

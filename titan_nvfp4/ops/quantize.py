@@ -112,11 +112,13 @@ def quantize_gradient(dy2d: torch.Tensor, need_row: bool, need_col: bool, signs:
 
 
 def quantize_weight(w: torch.Tensor, weight_2d: bool, backend: str, amax: torch.Tensor | None = None, *,
-                    four_over_six: bool = False, transposed: bool = True) -> tuple[NVFP4Tensor, NVFP4Tensor | None]:
+                    four_over_six: bool = False, transposed: bool = True,
+                    staged: bool = True) -> tuple[NVFP4Tensor, NVFP4Tensor | None]:
     """The weight for forward (W, blocks along K) and for dgrad (Wᵀ, blocks along N): with 16×16 blocks
     the same quantization read both ways; with 1×16 blocks two separate quantizations (the second skipped, Wᵀ
     None, when not ``transposed``). ``amax``: the tensor amax to use (a sharded weight's, all-reduced) instead of
-    max|w|. ``four_over_six``: Four Over Six."""
+    max|w|. ``four_over_six``: Four Over Six. ``staged``: a 16×16-block W comes as the emulated GEMM's staged fp16
+    values (False: its codes, for a caller that saves them)."""
     if backend == "reference":
         if weight_2d:
             wq = quantize_rowwise(w, block_shape=(16, 16), amax=amax, four_over_six=four_over_six)
@@ -125,7 +127,8 @@ def quantize_weight(w: torch.Tensor, weight_2d: bool, backend: str, amax: torch.
                 quantize_rowwise(w.t().contiguous(), amax=amax, four_over_six=four_over_six) if transposed else None)
     if weight_2d:  # W feeds the forward GEMM only: on the emulated backend it comes staged (fp16)
         a = None if amax is None else amax.reshape(1)
-        return library.weight_pair(library.quantize_2d(w, a, staged=backend == "emulated", four_over_six=four_over_six),
+        return library.weight_pair(library.quantize_2d(w, a, staged=staged and backend == "emulated",
+                                                       four_over_six=four_over_six),
                                    w.shape)
     a = None if amax is None else amax.reshape(1).expand(2).contiguous()  # [row, column] (only the row is read)
     rows = dict(amaxes=a, rowwise=True, colwise=False, four_over_six=four_over_six)
