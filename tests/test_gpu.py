@@ -271,3 +271,28 @@ def test_ms_eden_operand_kernel_on_gpu_is_bit_identical_to_cpu_reference(size):
     got = quantize_ms_eden_operand(clean.cuda(), backend="emulated", **{**seeds, "amax": None})
     assert torch.equal(got.data.cpu(), own.data)
     assert torch.equal(got.scale.view(torch.uint8).cpu(), own.scale.view(torch.uint8))
+
+
+
+@pytest.mark.parametrize("tiles", [False, True])
+def test_ms_eden_codes_operand_on_gpu_is_bit_identical_to_cpu_reference(tiles):
+    """The compiled kernels reading a saved X̂ / Ŵ as NVFP4 codes in place (1x16 blocks or 16x16 tiles), transposed
+    as the backward reads X̂ᵀ and Ŵᵀ, against the reference on the CPU: codes, scales, s and amax."""
+    from titan_nvfp4.numerics.ms_eden_operand import ms_eden_operand, ms_eden_operand_amax
+    from titan_nvfp4.ops import quantize_ms_eden_operand
+    from titan_nvfp4.ops import ms_eden_operand_amax as op_amax
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1000, 304, generator=g) * torch.exp2(torch.randint(-8, 8, (1000, 1), generator=g).float())
+    q = quantize_nvfp4(x[:992] if tiles else x, block_shape=(16, 16) if tiles else (1, 16), four_over_six=True)
+    pre = q.global_scale.reshape(1).float()
+    qg = type(q)(q.data.cuda(), q.scale.cuda(), q.global_scale.cuda(), q.shape, q.block_shape)
+    for size in (16, 128):
+        ref = ms_eden_operand(q, size=size, sign_seed=12, draw_seed=34, pre_scale=pre, transposed=True)
+        got = quantize_ms_eden_operand(qg, size=size, sign_seed=12, draw_seed=34, backend="emulated",
+                                       pre_scale=pre.cuda(), transposed=True)
+        assert torch.equal(got.data.cpu(), ref.data)
+        assert torch.equal(got.scale.view(torch.uint8).cpu(), ref.scale.view(torch.uint8))
+        assert torch.equal(got.global_scale.cpu(), ref.global_scale)
+        a = op_amax(qg, size=size, sign_seed=12, backend="emulated", pre_scale=pre.cuda(), transposed=True)
+        assert torch.equal(a.cpu(), ms_eden_operand_amax(q, size=size, sign_seed=12, pre_scale=pre, transposed=True))

@@ -206,3 +206,76 @@ def test_fake_impls_give_the_kernels_shapes():
     for r, f in zip((*real, *staged), (*fake, *fake_staged)):
         assert r.shape == f.shape and r.dtype == f.dtype
     assert fake_amax.shape == () and fake_amax.dtype == torch.float32
+
+
+def _storage(rows, cols, tiles, seed):
+    """An NVFP4 storage [rows, cols] as a forward quantizes it (Four Over Six, heavy-tailed rows), with a zero block,
+    an underflowing block (scale 0, signed codes: -0 values) and blocks with subnormal scales."""
+    from titan_nvfp4.numerics.nvfp4 import quantize_nvfp4
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.exp2(torch.randint(-5, 6, (rows, 1), generator=g).float())
+    x[0, :16] = 0.0
+    x[1, 16:32] = -1e-30
+    x[2, 32:48] = torch.linspace(-1, 1, 16) * x.abs().max() * 2.0**-15  # an E4M3 subnormal block scale
+    q = quantize_nvfp4(x.to(DEV), block_shape=(16, 16) if tiles else (1, 16), four_over_six=True)
+    return q
+
+
+@pytest.mark.parametrize("size,transposed,tiles", [(16, False, False), (32, True, False), (64, True, True),
+                                                   (128, False, True), (128, True, False)])
+def test_codes_mode_equals_the_staged_values_bit_for_bit(size, transposed, tiles):
+    """An NVFP4 storage read as codes (1x16 blocks or 16x16 tiles, transposed or not: X̂ᵀ reads a storage column
+    across the tokens) gives the codes, scales, s and amax of its staged values q·e_b (fp16, times the decode scale
+    as pre_scale), with padding; the reference twin on the NVFP4Tensor gives the same bits."""
+    q = _storage(48 if tiles else 40, 80 if tiles else 48, tiles, size)
+    pre = q.global_scale.reshape(1).float()
+    staged = q.scaled_codes(torch.float16)
+    vals = staged.t() if transposed else staged
+    tiles_kw = dict(block_scales=q.scale, transposed=transposed, tiles=tiles)
+    from_codes = ms_eden_quantize_tensors(q.data, pre, 5, 6, None, size=size, staged=False, **tiles_kw)
+    from_vals = ms_eden_quantize_tensors(vals, pre, 5, 6, None, size=size, staged=False)
+    for a, b in zip(from_codes, from_vals):
+        assert torch.equal(a.view(torch.uint8).cpu(), b.view(torch.uint8).cpu())
+    amax = ms_eden_amax_tensor(q.data, pre, 5, size=size, **tiles_kw)
+    assert torch.equal(amax.cpu(), ms_eden_amax_tensor(vals, pre, 5, size=size).cpu())
+    ref = ms_eden_operand(q, size=size, sign_seed=5, draw_seed=6, pre_scale=pre, transposed=transposed)
+    same_bits(ref, ms_eden_operand(vals, size=size, sign_seed=5, draw_seed=6, pre_scale=pre), "reference")
+    rows = vals.shape[0]
+    from titan_nvfp4.numerics.nvfp4 import NVFP4Tensor
+    got = NVFP4Tensor(from_codes[0], from_codes[1], from_codes[2].reshape(()),
+                      torch.Size((rows, from_codes[0].shape[1] * 2)), (1, 16))
+    same_bits(got, ref, "kernel vs reference")
+    assert torch.equal(ms_eden_operand_amax(q, size=size, sign_seed=5, pre_scale=pre, transposed=transposed).cpu(),
+                       amax.cpu())
+    if size == 128 and transposed:  # a given amax, staged output, through the op dispatch
+        given = amax * 0.5
+        a = quantize_ms_eden_operand(q, size=size, sign_seed=5, draw_seed=6, backend="emulated", pre_scale=pre,
+                                     amax=given, staged=True, transposed=True)
+        b = quantize_ms_eden_operand(vals, size=size, sign_seed=5, draw_seed=6, backend="emulated", pre_scale=pre,
+                                     amax=given, staged=True)
+        assert isinstance(a, StagedOperand) and _same_half_bits(a.values, b.values)
+        assert torch.equal(a.global_scale.cpu(), b.global_scale.cpu())
+
+
+def test_codes_mode_refuses_mismatched_scales_and_has_fake_shapes():
+    """Block scales of the wrong shape or dtype for the codes are refused in one line; the fake implementations
+    give the codes form's (transposed) output shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from titan_nvfp4.ops import library
+
+    q = _storage(32, 48, False, 0)
+    seed = torch.tensor([1])
+    for bad, tiles in ((q.scale[:, :2], False), (q.scale.view(torch.uint8), False), (q.scale, True)):
+        with pytest.raises(ValueError, match="block scales of NVFP4 codes"):
+            library.ms_eden_quantize(q.data, None, seed, seed, None, bad, size=16, staged=False, tiles=tiles)
+    with pytest.raises(ValueError, match="NVFP4 codes must be a 2D uint8"):
+        library.ms_eden_amax(q.data.float(), None, seed, q.scale, size=16)
+    real = library.ms_eden_quantize(q.data, None, seed, seed, None, q.scale, size=32, staged=False, transposed=True)
+    with FakeTensorMode() as mode:
+        fd, fsc, fs = mode.from_tensor(q.data), mode.from_tensor(q.scale), mode.from_tensor(seed)
+        fake = library.ms_eden_quantize(fd, None, fs, fs, None, fsc, size=32, staged=False, transposed=True)
+        fake_staged = library.ms_eden_quantize(fd, None, fs, fs, None, fsc, size=32, staged=True)
+    assert [tuple(t.shape) for t in real] == [tuple(t.shape) for t in fake] == [(48, 16), (48, 2), (1,)]
+    assert tuple(fake_staged[0].shape) == (32, 64)

@@ -160,3 +160,60 @@ def test_the_preset_through_toml_and_the_plain_api(tmp_path):
     out = model(torch.randn(8, 64, requires_grad=True))
     out.sum().backward()
     assert model[0].weight.grad is not None and torch.isfinite(model[0].weight.grad).all()
+
+
+@pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(), reason="kernels need TRITON_INTERPRET=1 or a GPU")
+def test_forward_saves_x_hat_as_nvfp4_codes_on_the_emulated_backend():
+    """X̂ is saved as its forward quantization's packed codes (uint8 [M, K/2]) and E4M3 scales ([M, K/16]) plus
+    its decode scale, ~0.56 bytes per element of X (BF16 would save 2), and Ŵ likewise (also in 16x16 tiles); the
+    backward reads them in place."""
+    recipe = _recipe("emulated", rht_size=32)
+    x, w, dy = _inputs(3, torch.bfloat16)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = nvfp4_linear(xx, ww, None, recipe, sr_counter(recipe, 0))
+    shapes = [(t.dtype, tuple(t.shape)) for t in saved]
+    assert shapes == [(torch.uint8, (M, K // 2)), (torch.float8_e4m3fn, (M, K // 16)), (torch.float32, ()),
+                      (torch.uint8, (N, K // 2)), (torch.float8_e4m3fn, (N, K // 16)), (torch.float32, ())], shapes
+    x_bytes = sum(t.numel() * t.element_size() for t in saved[:2])
+    assert x_bytes / x.numel() == 0.5625
+    y.backward(dy)
+    assert torch.isfinite(xx.grad).all() and torch.isfinite(ww.grad).all()
+    recipe = _recipe("emulated", rht_size=32, weight_2d=True)  # Ŵ in 16x16 tiles: its codes and tile scales
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        nvfp4_linear(x.clone().requires_grad_(), w.clone().requires_grad_(), None, recipe, sr_counter(recipe, 0))
+    assert [(t.dtype, tuple(t.shape)) for t in saved[3:5]] == [(torch.uint8, (N, K // 2)),
+                                                               (torch.float8_e4m3fn, (N // 16, K // 16))]
+
+
+@pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(), reason="kernels need TRITON_INTERPRET=1 or a GPU")
+def test_eager_siblings_share_x_hat_codes_apart_from_a_staged_x():
+    """Eager siblings on one X share one quantization (sibling_x.py): two ms_eden layers save the same X̂ codes,
+    while a layer that quantized that X staged for its GEMM alone (same settings otherwise) is not reused by them."""
+    from titan_nvfp4.autograd.sibling_x import forget_shared_x
+
+    forget_shared_x()
+    staged_recipe = _recipe("emulated", ms_eden=False, rht=False, rht_size=16)
+    recipe = _recipe("emulated", rht_size=32)
+    x0, w, _ = _inputs(4, torch.bfloat16)
+    x = x0.clone().requires_grad_() * 1  # an activation made this forward
+    nvfp4_linear(x, w, None, staged_recipe, sr_counter(staged_recipe, 0))  # frozen W: X staged, no wgrad operand
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for layer in (1, 2):
+            nvfp4_linear(x, w.clone().requires_grad_(), None, recipe, sr_counter(recipe, layer))
+    assert saved[0].dtype == torch.uint8 and saved[0].shape == (M, K // 2)
+    assert saved[6] is saved[0] and saved[7] is saved[1]  # the second sibling reused the first's X̂
+    forget_shared_x()

@@ -112,20 +112,22 @@ def nvfp4_from_parts(data, scale, gs, like_shape, block_shape) -> NVFP4Tensor:
     return NVFP4Tensor(data=data, scale=scale, global_scale=gs, shape=like_shape, block_shape=block_shape)
 
 
-def _quantized_x(x2d, x_amax, *, recipe, signs, out_dtype, need_col, backend, shared_x, reader):
+def _quantized_x(x2d, x_amax, *, recipe, signs, out_dtype, need_col, backend, shared_x, reader, row_staged=True):
     """X's forward operand and, when ``need_col``, its wgrad operand Xᵀ: X cast to ``out_dtype`` (the autocast cast,
     see _forward) and quantized, once per ``shared_x`` for sibling Linears (sibling_x.py; ``reader`` names the
-    layer), whichever forward body asks."""
+    layer), whichever forward body asks. ``row_staged``: X staged on the emulated backend, else its codes
+    (quantize_activation)."""
     four_over_six = recipe.four_over_six
 
     def quantize_x():
         xc = x2d.to(out_dtype)
         x_signs = signs_for_operand(signs, xc.dtype, recipe.rht_round_to_input_dtype)
-        return quantize_activation(xc, need_col, x_signs, backend, x_amax, four_over_six=four_over_six)
+        return quantize_activation(xc, need_col, x_signs, backend, x_amax, four_over_six=four_over_six,
+                                   row_staged=row_staged)
 
     if shared_x is None:
         return quantize_x()
-    key = (x2d.shape, out_dtype, need_col, backend, four_over_six, recipe.rht_round_to_input_dtype)
+    key = (x2d.shape, out_dtype, need_col, backend, four_over_six, recipe.rht_round_to_input_dtype, row_staged)
     return shared_x_operands(shared_x, signs, key, quantize_x, reader)
 
 
@@ -175,20 +177,24 @@ def _forward_body_ms_eden(x2d, x_amax=None, *, weight, bias, recipe, out_dtype, 
                           high_precision_forward, shared_x=None, reader=None):
     """Forward under ``recipe.ms_eden`` (ms_eden_backward.py): Y from X (1×16 along K) and W quantized as the recipe
     says, nearest; returns (Y, what backward re-quantizes of X̂ and of Ŵ) as (tensors, metadata): the forward's
-    quantizations themselves (saved_operand), or X and W in the compute dtype after a forward-only switch."""
+    quantizations themselves (saved_operand: X̂ as NVFP4 codes on every backend), or X and W in the compute dtype
+    after a forward-only switch."""
     xc = x2d.to(out_dtype)
     if high_precision_forward:
         y = torch.nn.functional.linear(xc, weight.to(out_dtype), None if bias is None else bias.to(out_dtype))
         x_saved, w_saved = saved_operand(xc), saved_operand(weight.to(out_dtype))
     else:
         xq, _ = _quantized_x(x2d, x_amax, recipe=recipe, signs=None, out_dtype=out_dtype, need_col=False,
-                             backend=backend, shared_x=shared_x, reader=reader)
+                             backend=backend, shared_x=shared_x, reader=reader, row_staged=False)
         if isinstance(weight, NVFP4GatheredWeight):
             wq = gathered_nvfp4(weight)
         else:
             wq, _ = quantize_weight(weight, recipe.weight_2d, backend, w_amax, four_over_six=recipe.four_over_six,
-                                    transposed=False)
-        y = nvfp4_gemm(xq, wq, out_dtype=out_dtype, bias=bias, backend=backend)
+                                    transposed=False, staged=False)
+        # X̂ and Ŵ as codes (saved: 0.56 bytes per element), staged for the GEMM on the emulated backend as their
+        # quantizers would have staged them (the same values); a 1×16 Ŵ the GEMM stages itself, as it always did
+        w_gemm = staged_for_gemms(wq, backend) if recipe.weight_2d else wq
+        y = nvfp4_gemm(staged_for_gemms(xq, backend), w_gemm, out_dtype=out_dtype, bias=bias, backend=backend)
         x_saved, w_saved = saved_operand(xq), saved_operand(wq)
     if not saving:
         return (y,), None

@@ -1,7 +1,10 @@
 """Triton kernels of the MS-EDEN backward operand quantizer (Quartet II): the twin, bit for bit, of
 numerics/ms_eden_operand.ms_eden_operand under the same Philox streams (tests/test_ms_eden_kernel.py).
 
-Two passes over ``values`` [R, C] (any float dtype, any strides: a transposed view is read as it is):
+Two passes over ``values`` [R, C] (any float dtype, any strides: a transposed view is read as it is), or
+over an NVFP4 storage's codes read in place (CODES: packed uint8 codes, E4M3 block scales, 1×16 or 16×16
+tiles, the operand its q·e_b or, with TRANS, their transpose; each element decoded exactly in fp32, so the
+bits are those of the same values given staged):
 ``_amax_kernel`` folds max|rotated x| into one fp32 (bits in int32, atomic max; non-finite -> +inf), and
 ``_quantize_kernel`` emits the codes and E4M3 scales (or the emulated GEMM's staged fp16 values q·ê_b)
 plus the tensor decode scale s, computed on the device from the amax (no host sync). A program takes a
@@ -13,6 +16,8 @@ would change bits); the correction's sums are int64, exact in any order. Signs: 
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -38,14 +43,53 @@ TILE_GPU, TILE_CPU = 4096, 8192
 
 
 @triton.jit
-def _rotated_tile(X, PRE, SIGN_SEED, rows, R, C, sxr, sxc, c0, HAS_PRE: tl.constexpr, BR: tl.constexpr,
+def _e2m1_value(nib):
+    """fp32 value (exact, -0 kept) of E2M1 codes (int32 nibbles: sign bit 3, magnitude 0..7)."""
+    m = nib & 7
+    bits = tl.where(m >= 2, (((m >> 1) + 126) << 23) | ((m & 1) << 22), tl.where(m == 1, 0x3F000000, 0))
+    return (bits | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_value_of_byte(b):
+    """fp32 value of any E4M3 byte (int32 0..255): signed, subnormals exact, 0x7F / 0xFF NaN."""
+    mag = b & 0x7F
+    v = _e4m3_from_byte(tl.minimum(mag, 0x7E))
+    v = tl.where(mag == 0x7F, float("nan"), v)
+    return tl.where((b & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def _operand_tile(X, S, rows, cols, inside, sxr, sxc, ssr, ssc, CODES: tl.constexpr, TRANS: tl.constexpr,
+                  TILE_DIV: tl.constexpr):
+    """fp32 [BR, SIZE] of the operand at (rows, cols), 0 outside: X read as values, or (CODES) e2m1(q)·e_b of
+    packed codes X and E4M3 scale bytes S at storage (i, j) = (rows, cols), or (cols, rows) with TRANS; scale
+    row i // TILE_DIV (16: 16×16 tiles)."""
+    if CODES:
+        if TRANS:
+            i = cols[None, :].to(tl.int64)
+            j = rows[:, None].to(tl.int64)
+        else:
+            i = rows[:, None].to(tl.int64)
+            j = cols[None, :].to(tl.int64)
+        byte = tl.load(X + i * sxr + (j >> 1) * sxc, mask=inside, other=0).to(tl.int32)
+        nib = (byte >> ((j & 1) * 4).to(tl.int32)) & 0xF
+        sb = tl.load(S + (i // TILE_DIV) * ssr + (j >> 4) * ssc, mask=inside, other=0).to(tl.int32)
+        return tl.where(inside, _e2m1_value(nib) * _e4m3_value_of_byte(sb), 0.0)
+    ptr = X + rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc
+    return tl.load(ptr, mask=inside, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rotated_tile(X, S, PRE, SIGN_SEED, rows, R, C, sxr, sxc, ssr, ssc, c0, HAS_PRE: tl.constexpr,
+                  CODES: tl.constexpr, TRANS: tl.constexpr, TILE_DIV: tl.constexpr, BR: tl.constexpr,
                   SIZE: tl.constexpr, NORM: tl.constexpr, LOG2: tl.constexpr):
-    """fp32 [BR, SIZE]: columns c0.. of rows ``rows`` of x, × pre_scale, zero past C (and R), sign flip,
-    butterflies h = 1, 2, 4, ... (i meets i + h: a + b, a - b), × NORM: rht.rht of the padded operand."""
+    """fp32 [BR, SIZE]: columns c0.. of rows ``rows`` of x (_operand_tile), × pre_scale, zero past C (and R),
+    sign flip, butterflies h = 1, 2, 4, ... (i meets i + h: a + b, a - b), × NORM: rht.rht of the padded
+    operand."""
     cols = c0 + tl.arange(0, SIZE)
     inside = (rows < R)[:, None] & (cols < C)[None, :]
-    ptr = X + rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc
-    x = tl.load(ptr, mask=inside, other=0.0).to(tl.float32)
+    x = _operand_tile(X, S, rows, cols, inside, sxr, sxc, ssr, ssc, CODES, TRANS, TILE_DIV)
     if HAS_PRE:
         x = tl.where(inside, x * tl.load(PRE), 0.0)  # the padding is added after the multiply
     bits = tl.randint(tl.load(SIGN_SEED), tl.arange(0, SIZE))
@@ -59,12 +103,13 @@ def _rotated_tile(X, PRE, SIGN_SEED, rows, R, C, sxr, sxc, c0, HAS_PRE: tl.const
 
 
 @triton.jit
-def _amax_kernel(X, PRE, SIGN_SEED, AMAX, R, C, sxr, sxc, HAS_PRE: tl.constexpr, BR: tl.constexpr,
-                 SIZE: tl.constexpr, NORM: tl.constexpr, LOG2: tl.constexpr):
+def _amax_kernel(X, S, PRE, SIGN_SEED, AMAX, R, C, sxr, sxc, ssr, ssc, HAS_PRE: tl.constexpr, CODES: tl.constexpr,
+                 TRANS: tl.constexpr, TILE_DIV: tl.constexpr, BR: tl.constexpr, SIZE: tl.constexpr,
+                 NORM: tl.constexpr, LOG2: tl.constexpr):
     """AMAX (fp32 bits in int32) |= max|rotated x| over this program's tile; NaN counts as +inf."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    v = _rotated_tile(X, PRE, SIGN_SEED, rows, R, C, sxr, sxc, tl.program_id(1) * SIZE, HAS_PRE, BR, SIZE, NORM,
-                      LOG2)
+    v = _rotated_tile(X, S, PRE, SIGN_SEED, rows, R, C, sxr, sxc, ssr, ssc, tl.program_id(1) * SIZE, HAS_PRE, CODES,
+                      TRANS, TILE_DIV, BR, SIZE, NORM, LOG2)
     a = tl.where(v == v, tl.abs(v), float("inf"))
     tl.atomic_max(AMAX, tl.max(tl.max(a, axis=1), axis=0).to(tl.int32, bitcast=True), sem="relaxed")
 
@@ -103,12 +148,13 @@ def _e4m3_from_byte(b):
 
 
 @triton.jit
-def _quantize_kernel(X, PRE, SIGN_SEED, DRAW_SEED, AMAX, GS, D, S, R, C, sxr, sxc, HAS_PRE: tl.constexpr,
+def _quantize_kernel(X, XS, PRE, SIGN_SEED, DRAW_SEED, AMAX, GS, D, S, R, C, sxr, sxc, ssr, ssc,
+                     HAS_PRE: tl.constexpr, CODES: tl.constexpr, TRANS: tl.constexpr, TILE_DIV: tl.constexpr,
                      STAGED: tl.constexpr, BR: tl.constexpr, SIZE: tl.constexpr, NORM: tl.constexpr,
                      LOG2: tl.constexpr):
     """MS-EDEN of a [BR, SIZE] tile (one correction group per row): D uint8 [R, Cpad/2] packed codes and
     S uint8 [R, Cpad/16] E4M3 scale bytes, or with STAGED D fp16 [R, Cpad] of q·ê_b (S unused); GS [1] = s
-    (program (0, 0)). AMAX: fp32 [1], the rotated operand's amax."""
+    (program (0, 0)). AMAX: fp32 [1], the rotated operand's amax. X (and XS with CODES): as _operand_tile."""
     NB: tl.constexpr = SIZE // 16
     pr, pc = tl.program_id(0), tl.program_id(1)
     cpad = tl.num_programs(1) * SIZE
@@ -117,7 +163,8 @@ def _quantize_kernel(X, PRE, SIGN_SEED, DRAW_SEED, AMAX, GS, D, S, R, C, sxr, sx
     if (pr == 0) & (pc == 0):
         tl.store(GS, s)
     rows = pr * BR + tl.arange(0, BR)
-    v = _rotated_tile(X, PRE, SIGN_SEED, rows, R, C, sxr, sxc, pc * SIZE, HAS_PRE, BR, SIZE, NORM, LOG2)
+    v = _rotated_tile(X, XS, PRE, SIGN_SEED, rows, R, C, sxr, sxc, ssr, ssc, pc * SIZE, HAS_PRE, CODES, TRANS,
+                      TILE_DIV, BR, SIZE, NORM, LOG2)
     vb = tl.reshape(v, (BR, NB, 16))
     nan = vb != vb
     bmax = tl.max(tl.where(nan, 0.0, tl.abs(vb)), axis=2)  # exact; NaN put back below (tl.max drops it)
@@ -175,6 +222,31 @@ def _tile_rows(rows: int, size: int, cuda: bool) -> int:
     return max(1, min(br, 1 << max(rows - 1, 0).bit_length()))
 
 
+class _Source(NamedTuple):
+    """The operand as the kernels read it: X (values, or packed codes) and S (scale bytes, or X again, unread),
+    the logical [R, C], X's and S's strides and the constexprs CODES, TRANS, TILE_DIV."""
+    x: torch.Tensor
+    s: torch.Tensor
+    rows: int
+    cols: int
+    strides: tuple[int, int, int, int]
+    consts: dict
+
+
+def _source(values: torch.Tensor, block_scales: torch.Tensor | None, transposed: bool, tiles: bool) -> _Source:
+    """values [R, C] (values.t() with ``transposed``), or with ``block_scales`` the q·e_b of the NVFP4 storage of
+    codes ``values`` [rows, cols/2] (or its transpose), read in place."""
+    if block_scales is None:
+        v = values.t() if transposed else values
+        return _Source(v, v, v.shape[0], v.shape[1], (v.stride(0), v.stride(1), 0, 0),
+                       dict(CODES=False, TRANS=False, TILE_DIV=1))
+    sb = block_scales.view(torch.uint8)
+    rows, cols = values.shape[0], values.shape[1] * 2
+    r, c = (cols, rows) if transposed else (rows, cols)
+    return _Source(values, sb, r, c, (values.stride(0), values.stride(1), sb.stride(0), sb.stride(1)),
+                   dict(CODES=True, TRANS=bool(transposed), TILE_DIV=16 if tiles else 1))
+
+
 def _pre_arg(pre_scale: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
     if pre_scale is None:
         return values.new_empty((1,), dtype=torch.float32)  # unread (HAS_PRE=False)
@@ -194,41 +266,47 @@ def _seed_arg(seed: torch.Tensor | int, device: torch.device, what: str) -> torc
     return torch.tensor([seed], dtype=torch.int64, device=device)
 
 
-def _amax_into(buf: torch.Tensor, values: torch.Tensor, pre: torch.Tensor, sign_seed: torch.Tensor, size: int,
+def _amax_into(buf: torch.Tensor, src: _Source, pre: torch.Tensor, sign_seed: torch.Tensor, size: int,
                has_pre: bool) -> None:
-    R, C = values.shape
+    R, C = src.rows, src.cols
     if R == 0 or C == 0:
         return
-    br = _tile_rows(R, size, values.is_cuda)
-    launch(_amax_kernel, (cdiv(R, br), padded_cols(C, size) // size), values, pre, sign_seed, buf, R, C,
-           values.stride(0), values.stride(1), HAS_PRE=has_pre, BR=br, SIZE=size, NORM=rht_norm(size),
+    br = _tile_rows(R, size, src.x.is_cuda)
+    launch(_amax_kernel, (cdiv(R, br), padded_cols(C, size) // size), src.x, src.s, pre, sign_seed, buf, R, C,
+           *src.strides, HAS_PRE=has_pre, **src.consts, BR=br, SIZE=size, NORM=rht_norm(size),
            LOG2=size.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
 
 
 def ms_eden_amax_tensor(values: torch.Tensor, pre_scale: torch.Tensor | None, sign_seed: torch.Tensor | int, *,
-                        size: int) -> torch.Tensor:
-    """fp32 0-d max|rotated operand| (twin of numerics ms_eden_operand_amax; non-finite -> +inf)."""
-    check_operand_args(values, size, pre_scale, "ms_eden_amax")
+                        size: int, block_scales: torch.Tensor | None = None, transposed: bool = False,
+                        tiles: bool = False) -> torch.Tensor:
+    """fp32 0-d max|rotated operand| (twin of numerics ms_eden_operand_amax; non-finite -> +inf). The operand:
+    values [R, C], or with ``block_scales`` an NVFP4 storage's q·e_b read from its codes ``values`` (``tiles``:
+    16×16 scale tiles); ``transposed``: its transpose."""
+    check_operand_args(values, size, pre_scale, "ms_eden_amax", block_scales=block_scales, tiles=tiles)
     buf = torch.zeros(1, dtype=torch.int32, device=values.device)
-    _amax_into(buf, values, _pre_arg(pre_scale, values), _seed_arg(sign_seed, values.device, "sign_seed"), size,
-               pre_scale is not None)
+    _amax_into(buf, _source(values, block_scales, transposed, tiles), _pre_arg(pre_scale, values),
+               _seed_arg(sign_seed, values.device, "sign_seed"), size, pre_scale is not None)
     return buf.view(torch.float32).reshape(())
 
 
 def ms_eden_quantize_tensors(values: torch.Tensor, pre_scale: torch.Tensor | None, sign_seed: torch.Tensor | int,
                              draw_seed: torch.Tensor | int, amax: torch.Tensor | None, *, size: int,
-                             staged: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             staged: bool, block_scales: torch.Tensor | None = None, transposed: bool = False,
+                             tiles: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes uint8 [R, Cpad/2], E4M3 scales [R, Cpad/16], s fp32 [1]), or with ``staged`` (fp16 q·ê_b
-    [R, Cpad], empty scales, s): ms_eden_operand's quantization from two kernel passes (one with ``amax``)."""
-    check_operand_args(values, size, pre_scale, "ms_eden_quantize")
-    R, C = values.shape
+    [R, Cpad], empty scales, s): ms_eden_operand's quantization from two kernel passes (one with ``amax``).
+    The operand as in ms_eden_amax_tensor: values, or an NVFP4 storage's codes with ``block_scales``."""
+    check_operand_args(values, size, pre_scale, "ms_eden_quantize", block_scales=block_scales, tiles=tiles)
+    src = _source(values, block_scales, transposed, tiles)
+    R, C = src.rows, src.cols
     dev = values.device
     cpad = padded_cols(C, size)
     pre = _pre_arg(pre_scale, values)
     sseed, dseed = _seed_arg(sign_seed, dev, "sign_seed"), _seed_arg(draw_seed, dev, "draw_seed")
     if amax is None:
         buf = torch.zeros(1, dtype=torch.int32, device=dev)
-        _amax_into(buf, values, pre, sseed, size, pre_scale is not None)
+        _amax_into(buf, src, pre, sseed, size, pre_scale is not None)
         amax_t = buf.view(torch.float32)
     else:
         amax_t = amax.reshape(1).to(dev, torch.float32)
@@ -243,10 +321,10 @@ def ms_eden_quantize_tensors(values: torch.Tensor, pre_scale: torch.Tensor | Non
         gs.copy_(ms_eden_tensor_scale(amax_t))
         return d, sc, gs
     br = _tile_rows(R, size, values.is_cuda)
-    launch(_quantize_kernel, (cdiv(R, br), cpad // size), values, pre, sseed, dseed, amax_t, gs, d,
-           sc.view(torch.uint8) if not staged else d, R, C, values.stride(0), values.stride(1),
-           HAS_PRE=pre_scale is not None, STAGED=staged, BR=br, SIZE=size, NORM=rht_norm(size),
-           LOG2=size.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
+    launch(_quantize_kernel, (cdiv(R, br), cpad // size), src.x, src.s, pre, sseed, dseed, amax_t, gs, d,
+           sc.view(torch.uint8) if not staged else d, R, C, *src.strides, HAS_PRE=pre_scale is not None,
+           **src.consts, STAGED=staged, BR=br, SIZE=size, NORM=rht_norm(size), LOG2=size.bit_length() - 1,
+           num_warps=4, enable_fp_fusion=False)
     return d, sc, gs
 
 

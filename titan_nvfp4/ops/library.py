@@ -141,33 +141,47 @@ def _quantize_fake(x, signs=None, seed=None, amaxes=None, *, rowwise, colwise, s
 
 
 @_op("ms_eden_amax")
-def ms_eden_amax(values: Tensor, pre_scale: Optional[Tensor], sign_seed: Tensor, *, size: int) -> Tensor:
+def ms_eden_amax(values: Tensor, pre_scale: Optional[Tensor], sign_seed: Tensor, block_scales: Optional[Tensor] = None,
+                 *, size: int, transposed: bool = False, tiles: bool = False) -> Tensor:
     """fp32 0-d max|RHT of values·pre_scale, zero-padded to a multiple of ``size``| (non-finite: +inf), from
-    the sign stream ``sign_seed`` (int64 [1]): the amax ms_eden_quantize would reduce."""
+    the sign stream ``sign_seed`` (int64 [1]): the amax ms_eden_quantize would reduce. The operand as there."""
     from ..kernels.ms_eden import ms_eden_amax_tensor
 
-    return ms_eden_amax_tensor(values, pre_scale, sign_seed, size=size)
+    return ms_eden_amax_tensor(values, pre_scale, sign_seed, size=size, block_scales=block_scales,
+                               transposed=transposed, tiles=tiles)
+
+
+def _ms_eden_dims(values: Tensor, block_scales: Optional[Tensor], transposed: bool) -> tuple:
+    """The operand's [R, C]: values', or with ``block_scales`` its NVFP4 storage's [rows, 2·values.shape[1]]
+    (either transposed with ``transposed``)."""
+    r, c = (values.shape[0], 2 * values.shape[1]) if block_scales is not None else tuple(values.shape)
+    return (c, r) if transposed else (r, c)
 
 
 @ms_eden_amax.op.register_fake
-def _ms_eden_amax_fake(values, pre_scale, sign_seed, *, size):
+def _ms_eden_amax_fake(values, pre_scale, sign_seed, block_scales=None, *, size, transposed=False, tiles=False):
     return values.new_empty((), dtype=torch.float32)
 
 
 @_op("ms_eden_quantize")
 def ms_eden_quantize(values: Tensor, pre_scale: Optional[Tensor], sign_seed: Tensor, draw_seed: Tensor,
-                     amax: Optional[Tensor] = None, *, size: int, staged: bool) -> tuple[Tensor, Tensor, Tensor]:
+                     amax: Optional[Tensor] = None, block_scales: Optional[Tensor] = None, *, size: int, staged: bool,
+                     transposed: bool = False, tiles: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """MS-EDEN of values [R, C] (blocks of 16 along C) after the RHT of ``size``: (codes uint8 [R, Cpad/2],
     E4M3 scales [R, Cpad/16], s fp32 [1]), or with ``staged`` (fp16 q·ê_b [R, Cpad], empty scales, s).
-    Seeds: int64 [1]; ``amax``: the rotated operand's amax to use (all-reduced) instead of its own."""
+    Seeds: int64 [1]; ``amax``: the rotated operand's amax to use (all-reduced) instead of its own. With
+    ``block_scales`` the operand is an NVFP4 storage's q·e_b read from its packed codes ``values`` [rows, cols/2]
+    and E4M3 ``block_scales`` (``tiles``: 16×16 tiles); ``transposed``: the operand's transpose is quantized."""
     from ..kernels.ms_eden import ms_eden_quantize_tensors
 
-    return ms_eden_quantize_tensors(values, pre_scale, sign_seed, draw_seed, amax, size=size, staged=staged)
+    return ms_eden_quantize_tensors(values, pre_scale, sign_seed, draw_seed, amax, size=size, staged=staged,
+                                    block_scales=block_scales, transposed=transposed, tiles=tiles)
 
 
 @ms_eden_quantize.op.register_fake
-def _ms_eden_quantize_fake(values, pre_scale, sign_seed, draw_seed, amax=None, *, size, staged):
-    r, c = values.shape
+def _ms_eden_quantize_fake(values, pre_scale, sign_seed, draw_seed, amax=None, block_scales=None, *, size, staged,
+                           transposed=False, tiles=False):
+    r, c = _ms_eden_dims(values, block_scales, transposed)
     cpad = c + (-c) % size
     if staged:
         return (values.new_empty((r, cpad), dtype=torch.float16), _empty(values, torch.float8_e4m3fn),

@@ -70,18 +70,20 @@ def _amaxes(amaxes: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Ten
 
 
 def quantize_activation(x2d: torch.Tensor, need_col: bool, signs: torch.Tensor | None, backend: str,
-                        amaxes: torch.Tensor | None = None, *,
-                        four_over_six: bool = False) -> tuple[NVFP4Tensor, NVFP4Tensor | None]:
+                        amaxes: torch.Tensor | None = None, *, four_over_six: bool = False,
+                        row_staged: bool = True) -> tuple[NVFP4Tensor, NVFP4Tensor | None]:
     """Forward operand X (1×16, nearest-even) and, when ``need_col``, its wgrad operand Xᵀ. On the
     emulated backend X comes as the GEMM's staged fp16 values (library.StagedOperand): it feeds the
-    forward GEMM only, so its codes are never needed. ``amaxes``: operand_amax's [row, column] tensor
-    amaxes to use (all-reduced across ranks) instead of x2d's own. ``four_over_six``: Four Over Six block scales."""
+    forward GEMM only, so its codes are never needed; ``row_staged=False`` gives its codes there too (a caller
+    that saves X̂, staged_for_gemms stages them for the GEMM, the same values). ``amaxes``: operand_amax's
+    [row, column] tensor amaxes to use (all-reduced across ranks) instead of x2d's own. ``four_over_six``: Four
+    Over Six block scales."""
     if backend == "reference":
         a_row, a_col = _amaxes(amaxes)
         return (quantize_rowwise(x2d, amax=a_row, four_over_six=four_over_six),
                 quantize_wgrad_operand(x2d, signs, amax=a_col, four_over_six=four_over_six) if need_col else None)
     out = library.quantize(x2d, signs, amaxes=amaxes, rowwise=True, colwise=need_col,
-                           row_staged=backend == "emulated", four_over_six=four_over_six)
+                           row_staged=row_staged and backend == "emulated", four_over_six=four_over_six)
     return library.operand_pair(out, x2d.shape, True, need_col)
 
 
@@ -110,11 +112,13 @@ def quantize_gradient(dy2d: torch.Tensor, need_row: bool, need_col: bool, signs:
 
 
 def quantize_weight(w: torch.Tensor, weight_2d: bool, backend: str, amax: torch.Tensor | None = None, *,
-                    four_over_six: bool = False, transposed: bool = True) -> tuple[NVFP4Tensor, NVFP4Tensor | None]:
+                    four_over_six: bool = False, transposed: bool = True,
+                    staged: bool = True) -> tuple[NVFP4Tensor, NVFP4Tensor | None]:
     """The weight for forward (W, blocks along K) and for dgrad (Wᵀ, blocks along N): with 16×16 blocks
     the same quantization read both ways; with 1×16 blocks two separate quantizations (the second skipped, Wᵀ
     None, when not ``transposed``). ``amax``: the tensor amax to use (a sharded weight's, all-reduced) instead of
-    max|w|. ``four_over_six``: Four Over Six."""
+    max|w|. ``four_over_six``: Four Over Six. ``staged``: a 16×16-block W comes as the emulated GEMM's staged fp16
+    values (False: its codes, for a caller that saves them)."""
     if backend == "reference":
         if weight_2d:
             wq = quantize_rowwise(w, block_shape=(16, 16), amax=amax, four_over_six=four_over_six)
@@ -123,7 +127,8 @@ def quantize_weight(w: torch.Tensor, weight_2d: bool, backend: str, amax: torch.
                 quantize_rowwise(w.t().contiguous(), amax=amax, four_over_six=four_over_six) if transposed else None)
     if weight_2d:  # W feeds the forward GEMM only: on the emulated backend it comes staged (fp16)
         a = None if amax is None else amax.reshape(1)
-        return library.weight_pair(library.quantize_2d(w, a, staged=backend == "emulated", four_over_six=four_over_six),
+        return library.weight_pair(library.quantize_2d(w, a, staged=staged and backend == "emulated",
+                                                       four_over_six=four_over_six),
                                    w.shape)
     a = None if amax is None else amax.reshape(1).expand(2).contiguous()  # [row, column] (only the row is read)
     rows = dict(amaxes=a, rowwise=True, colwise=False, four_over_six=four_over_six)
@@ -163,34 +168,49 @@ def _seed_tensor(seed: torch.Tensor | int, device: torch.device) -> torch.Tensor
     return torch.tensor([seed], dtype=torch.int64, device=device)
 
 
-def ms_eden_operand_amax(values: torch.Tensor, *, size: int, sign_seed: torch.Tensor | int, backend: str,
-                         pre_scale: torch.Tensor | None = None) -> torch.Tensor:
+def _ms_eden_source(values: torch.Tensor | NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """(values or codes, block scales or None, 16×16 tiles) of an MS-EDEN operand, as the custom ops take it."""
+    if isinstance(values, NVFP4Tensor):
+        return values.data, values.scale, tuple(values.block_shape) == (16, 16)
+    return values, None, False
+
+
+def ms_eden_operand_amax(values: torch.Tensor | NVFP4Tensor, *, size: int, sign_seed: torch.Tensor | int,
+                         backend: str, pre_scale: torch.Tensor | None = None, transposed: bool = False) -> torch.Tensor:
     """fp32 0-d max|RHT of values·pre_scale, zero-padded along its last dim to a multiple of ``size``|
     (non-finite: +inf): the amax quantize_ms_eden_operand would use, for a caller that all-reduces it first."""
     if backend == "reference":
-        return _ms_eden.ms_eden_operand_amax(values, size=size, sign_seed=sign_seed, pre_scale=pre_scale)
-    return library.ms_eden_amax(values, pre_scale, _seed_tensor(sign_seed, values.device), size=size)
+        return _ms_eden.ms_eden_operand_amax(values, size=size, sign_seed=sign_seed, pre_scale=pre_scale,
+                                             transposed=transposed)
+    v, scales, tiles = _ms_eden_source(values)
+    return library.ms_eden_amax(v, pre_scale, _seed_tensor(sign_seed, v.device), scales, size=size,
+                                transposed=transposed, tiles=tiles)
 
 
-def quantize_ms_eden_operand(values: torch.Tensor, *, size: int, sign_seed: torch.Tensor | int,
+def quantize_ms_eden_operand(values: torch.Tensor | NVFP4Tensor, *, size: int, sign_seed: torch.Tensor | int,
                              draw_seed: torch.Tensor | int, backend: str, pre_scale: torch.Tensor | None = None,
-                             amax: torch.Tensor | None = None, staged: bool = False) -> NVFP4Tensor | StagedOperand:
+                             amax: torch.Tensor | None = None, staged: bool = False,
+                             transposed: bool = False) -> NVFP4Tensor | StagedOperand:
     """MS-EDEN (Quartet II) of a backward GEMM operand values [R, C] (any float dtype and strides; blocks of 16
     along C, the contraction dim): values·pre_scale, C zero-padded to Cpad (a multiple of ``size``), the RHT
     of ``size`` with signs from ``sign_seed``, scale draws from ``draw_seed`` (int64 [1] tensors or ints;
     numerics/ms_eden_operand.py). Returns the rotated operand [R, Cpad] as an NVFP4Tensor (1×16 blocks), or
     with ``staged`` on the emulated backend as a StagedOperand (the GEMM's fp16 values); two operands rotated
     with the same sign_seed feed nvfp4_gemm for the product of the originals. ``amax``: the rotated operand's
-    amax (ms_eden_operand_amax, all-reduced) to use instead of its own. Bits are the same on every backend."""
+    amax (ms_eden_operand_amax, all-reduced) to use instead of its own. ``values`` may be an NVFP4Tensor (its
+    storage's q·e_b, read from the codes in place: bit for bit the same as those values given staged);
+    ``transposed``: the transpose of ``values`` is the operand. Bits are the same on every backend."""
     if backend == "reference":
         return _ms_eden.ms_eden_operand(values, size=size, sign_seed=sign_seed, draw_seed=draw_seed,
-                                        pre_scale=pre_scale, amax=amax)
-    dev = values.device
+                                        pre_scale=pre_scale, amax=amax, transposed=transposed)
+    v, scales, tiles = _ms_eden_source(values)
+    dev = v.device
     staged = staged and backend == "emulated"
     a = None if amax is None else amax.reshape(1).to(dev, torch.float32)
-    data, scale, gs = library.ms_eden_quantize(values, pre_scale, _seed_tensor(sign_seed, dev),
-                                               _seed_tensor(draw_seed, dev), a, size=size, staged=staged)
+    data, scale, gs = library.ms_eden_quantize(v, pre_scale, _seed_tensor(sign_seed, dev),
+                                               _seed_tensor(draw_seed, dev), a, scales, size=size, staged=staged,
+                                               transposed=transposed, tiles=tiles)
     if staged:
         return StagedOperand(data, gs.reshape(()))
-    rows = values.shape[0]
+    rows = data.shape[0]
     return NVFP4Tensor(data, scale, gs.reshape(()), torch.Size((rows, data.shape[1] * 2)), (1, 16))
