@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .export_job import first_batches
+
 STEP = re.compile(r"step-(\d+)")
 #: the job's [experimental] custom_import is imported as the Trainer does, except our data preparers (they build
 #: corpora, which an export never reads)
@@ -172,23 +174,15 @@ def calibration_batches(cfg, spec, tokenizer, count: int) -> Iterator[torch.Tens
     Trainer builds it from the train spec; the job's [experimental] custom_import is imported in full first (a
     data preparer registers, or builds, the run's dataset). A ValueError naming the dataset when it cannot be read."""
     name, path = cfg.training.dataset, cfg.training.dataset_path
-    what = f"the job's dataset {name!r}" + (f" ({path})" if path else "")
-    try:
+
+    def build():
         if cfg.experimental.custom_import:
             importlib.import_module(cfg.experimental.custom_import)
         if spec.build_dataloader_fn is None:
             raise ValueError(f"model {cfg.model.name!r} has no dataloader in its train spec")
-        loader = spec.build_dataloader_fn(dp_world_size=1, dp_rank=0, tokenizer=tokenizer, job_config=cfg)
-        batches = iter(loader)
-        first = [next(batches) for _ in range(count)]
-    except StopIteration:
-        raise ValueError(f"calibration: {what} has fewer than {count} batches") from None
-    except Exception as e:  # datasets' and TorchTitan's own errors: one line naming the data
-        text = str(e).strip().splitlines()
-        raise ValueError(f"calibration: cannot read {what}: {type(e).__name__}"
-                         + (f": {text[0]}" if text else "")) from None
-    for inputs, _labels in first:
-        yield inputs["input"] if isinstance(inputs, dict) else inputs
+        return spec.build_dataloader_fn(dp_world_size=1, dp_rank=0, tokenizer=tokenizer, job_config=cfg)
+
+    return first_batches(build, f"the job's dataset {name!r}" + (f" ({path})" if path else ""), count)
 
 
 def _flag(rest: list[str], flag: str) -> str | None:

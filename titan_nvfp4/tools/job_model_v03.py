@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from .export_job import first_batches
 from .job_model import load_weights
 
 
@@ -66,24 +67,15 @@ def calibration_batches(config, tokenizer, count: int) -> Iterator[torch.Tensor]
     """The token ids of the first ``count`` batches of the config's dataloader (one process), as the Trainer builds
     it; a ValueError naming the dataset when it cannot be read."""
     loader_config = config.dataloader
-    what = f"the config's dataset {getattr(loader_config, 'dataset', '?')!r}"
-    try:
+
+    def build():
         from ..integration_v03.trainer import prepare_offline_data
 
         prepare_offline_data(config)
-        loader = loader_config.build(dp_world_size=1, dp_rank=0, tokenizer=tokenizer,
-                                     seq_len=config.training.seq_len,
-                                     local_batch_size=config.training.local_batch_size, snapshot_every_n_steps=None)
-        batches = iter(loader)
-        first = [next(batches) for _ in range(count)]
-    except StopIteration:
-        raise ValueError(f"calibration: {what} has fewer than {count} batches") from None
-    except Exception as e:  # datasets' and TorchTitan's own errors: one line naming the data
-        text = str(e).strip().splitlines()
-        raise ValueError(f"calibration: cannot read {what}: {type(e).__name__}"
-                         + (f": {text[0]}" if text else "")) from None
-    for inputs, _labels in first:
-        yield inputs["input"] if isinstance(inputs, dict) else inputs
+        return loader_config.build(dp_world_size=1, dp_rank=0, tokenizer=tokenizer, seq_len=config.training.seq_len,
+                                   local_batch_size=config.training.local_batch_size, snapshot_every_n_steps=None)
+
+    return first_batches(build, f"the config's dataset {getattr(loader_config, 'dataset', '?')!r}", count)
 
 
 def open_job(overrides: list[str], folder: Path):
