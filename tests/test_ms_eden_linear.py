@@ -211,9 +211,12 @@ def test_eager_siblings_share_x_hat_codes_apart_from_a_staged_x():
         saved.append(t)
         return t
 
+    # the layers' counters stay alive: a sibling is told apart by its counter's address (sibling_x's reader), which
+    # a freed counter's successor could take
+    counters = [sr_counter(recipe, layer) for layer in (1, 2)]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        for layer in (1, 2):
-            nvfp4_linear(x, w.clone().requires_grad_(), None, recipe, sr_counter(recipe, layer))
+        outs = [nvfp4_linear(x, w.clone().requires_grad_(), None, recipe, c) for c in counters]
     assert saved[0].dtype == torch.uint8 and saved[0].shape == (M, K // 2)
     assert saved[6] is saved[0] and saved[7] is saved[1]  # the second sibling reused the first's X̂
+    assert len(outs) == 2
     forget_shared_x()
