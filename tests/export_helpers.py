@@ -36,3 +36,11 @@ def fails(capsys, argv: list[str], out: Path | None = None) -> str:
     if out is not None:
         assert not out.exists() and not list(out.parent.glob(f".{out.name}.*")), "a half-written folder"
     return err
+
+
+def job_head(tmp: Path, assets: Path, model: str, flavor: str, converters: list[str]) -> str:
+    """The [job] and [model] tables of an export test's TorchTitan 0.2 job file (dump folder ``tmp``, tokenizer
+    ``assets``); each test appends the tables of its run."""
+    return (f'[job]\ndump_folder = "{tmp}"\ncustom_config_module = "titan_nvfp4.integration.job_config"\n'
+            f'[model]\nname = "{model}"\nflavor = "{flavor}"\nhf_assets_path = "{assets}"\n'
+            f"converters = {converters!r}\n".replace("'", '"'))

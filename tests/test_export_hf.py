@@ -33,7 +33,7 @@ from torchtitan.components.optimizer import build_optimizers
 from torchtitan.models.llama3 import Transformer, TransformerModelArgs, llama3_args
 from torchtitan.protocols.model_converter import build_model_converters
 from torchtitan.protocols.train_spec import get_train_spec
-from export_helpers import fails as _fails, tokenizer as _tokenizer
+from export_helpers import fails as _fails, job_head, tokenizer as _tokenizer
 from job_helpers import initialized, world1
 from fake_trainer import FakeTrainer
 
@@ -58,15 +58,7 @@ STEPS = 3
 
 def _job_toml(tmp: Path, assets: Path, extra: str = "") -> Path:
     path = tmp / "job.toml"
-    path.write_text(textwrap.dedent(f"""\
-        [job]
-        dump_folder = "{tmp}"
-        custom_config_module = "titan_nvfp4.integration.job_config"
-        [model]
-        name = "llama3"
-        flavor = "{FLAVOR}"
-        hf_assets_path = "{assets}"
-        converters = ["quantize.linear.nvfp4"]
+    path.write_text(job_head(tmp, assets, "llama3", FLAVOR, ["quantize.linear.nvfp4"]) + textwrap.dedent(f"""\
         [optimizer]
         name = "AdamW"
         lr = 1e-2

@@ -24,7 +24,7 @@ from titan_nvfp4.tools.export_hf import main as export_main
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs, deepseekv3_args
 from torchtitan.models.moe import MoEArgs
 from job_helpers import initialized
-from export_helpers import fails as _fails, tokenizer as _tokenizer
+from export_helpers import fails as _fails, job_head, tokenizer as _tokenizer
 
 FLAVOR = "export_hf_moe_test"
 #: the debug flavor's shape, smaller, with the router transformers' DeepseekV3 computes (sigmoid, scores applied
@@ -48,15 +48,8 @@ def transformers_logs_through_logging():
 
 def _job(tmp: Path, assets: Path) -> Path:
     path = tmp / "job.toml"
-    path.write_text(textwrap.dedent(f"""\
-        [job]
-        dump_folder = "{tmp}"
-        custom_config_module = "titan_nvfp4.integration.job_config"
-        [model]
-        name = "deepseek_v3"
-        flavor = "{FLAVOR}"
-        hf_assets_path = "{assets}"
-        converters = ["quantize.linear.nvfp4", "quantize.grouped_mm.nvfp4"]
+    converters = ["quantize.linear.nvfp4", "quantize.grouped_mm.nvfp4"]
+    path.write_text(job_head(tmp, assets, "deepseek_v3", FLAVOR, converters) + textwrap.dedent(f"""\
         [training]
         seq_len = {SEQ}
         [quantize.linear.nvfp4]

@@ -97,7 +97,8 @@ def x_amaxes(x: torch.Tensor, out_dtype: torch.dtype, signs: torch.Tensor | None
     reads X in NVFP4, else 0. The one computation of X's amax for both of its users, which must agree bit for
     bit: the cross-rank all-reduce of tensor parallelism (_forward) and the amax history (NVFP4Linear)."""
     x2d = x.detach().reshape(-1, x.shape[-1]).to(out_dtype)
-    fp4_wgrad = need_wgrad and recipe.backward == "nvfp4"  # else backward reads X itself (MXFP8 / BF16)
+    # else backward reads X itself (MXFP8 / BF16) or re-quantizes X̂ (ms_eden): no Xᵀ operand from forward
+    fp4_wgrad = need_wgrad and recipe.backward == "nvfp4" and not recipe.ms_eden
     x_signs = signs_for_operand(signs, x2d.dtype, recipe.rht_round_to_input_dtype) if fp4_wgrad else None
     return operand_amax(x2d, fp4_wgrad, x_signs, backend)
 

@@ -104,7 +104,7 @@ def _dequantized(w: torch.Tensor, recipe, split: tuple[torch.Tensor, torch.Tenso
     margin never rises (|ΔQ| = |ΔW| ≤ τ·|ΔW|) and the reset leaves them alone, as the authors' FP4-only reset does."""
     if split is not None:
         sel, rest = split
-        q = w.float().clone()
+        q = w.to(torch.float32, copy=True)
         q[:, rest] = _dequantized(w[:, rest], recipe)
         return q
     wq, _ = quantize_weight(w, recipe.weight_2d, "reference", None, four_over_six=recipe.four_over_six)

@@ -57,3 +57,14 @@ def first_batches(build_loader: Callable[[], Iterable], what: str, count: int) -
                          + (f": {text[0]}" if text else "")) from None
     for inputs, _labels in first:
         yield inputs["input"] if isinstance(inputs, dict) else inputs
+
+
+def flag_value(rest: list[str], flag: str) -> str | None:
+    """The value of ``flag`` in the command-line flags ``rest`` ("--flag value" or "--flag=value"; "" when it ends the
+    list), None when absent: each generation's adapter reads its run's naming flags with it."""
+    for i, a in enumerate(rest):
+        if a == flag:
+            return rest[i + 1] if i + 1 < len(rest) else ""
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None

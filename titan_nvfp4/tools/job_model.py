@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .export_job import first_batches
+from .export_job import first_batches, flag_value
 
 STEP = re.compile(r"step-(\d+)")
 #: the job's [experimental] custom_import is imported as the Trainer does, except our data preparers (they build
@@ -185,18 +185,9 @@ def calibration_batches(cfg, spec, tokenizer, count: int) -> Iterator[torch.Tens
     return first_batches(build, f"the job's dataset {name!r}" + (f" ({path})" if path else ""), count)
 
 
-def _flag(rest: list[str], flag: str) -> str | None:
-    for i, a in enumerate(rest):
-        if a == flag:
-            return rest[i + 1] if i + 1 < len(rest) else ""
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
 def check_flags(rest: list[str]) -> str | None:
     """What is wrong with the job flags export_hf passes on (None: nothing): the job file must be named and exist."""
-    job = _flag(rest, "--job.config_file")
+    job = flag_value(rest, "--job.config_file")
     if job is None:
         return "--job.config_file JOB.toml is required: the job file the checkpoint was trained with"
     if not job or not Path(job).is_file():

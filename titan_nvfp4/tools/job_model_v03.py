@@ -17,22 +17,13 @@ from pathlib import Path
 
 import torch
 
-from .export_job import first_batches
+from .export_job import first_batches, flag_value
 from .job_model import load_weights
-
-
-def _flag(rest: list[str], flag: str) -> str | None:
-    for i, a in enumerate(rest):
-        if a == flag:
-            return rest[i + 1] if i + 1 < len(rest) else ""
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
 
 
 def check_flags(rest: list[str]) -> str | None:
     """What is wrong with the flags export_hf passes on (None: nothing): 0.3 names its run by --module and --config."""
-    module, name = _flag(rest, "--module"), _flag(rest, "--config")
+    module, name = flag_value(rest, "--module"), flag_value(rest, "--config")
     if module is None or name is None:
         return ("--module MODULE --config NAME are required (TorchTitan 0.3): the config registry entry the "
                 "checkpoint was trained with, e.g. --module titan_nvfp4.integration_v03.configs --config "
