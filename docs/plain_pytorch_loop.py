@@ -76,7 +76,9 @@ def train(model: torch.nn.Module, nvfp4_steps, *, steps: int, batch: int = 8, se
     if compile:
         for name, block in model.layers.named_children():  # per block, as TorchTitan's --compile.enable does
             model.layers.register_module(name, torch.compile(block, fullgraph=True))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-8, weight_decay=0.1)
+    # fused on the GPU, as TorchTitan's default optimizer.implementation = "fused"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-8, weight_decay=0.1,
+                                  fused=torch.device(device).type == "cuda" or None)
     state = TrainState(model, optimizer, nvfp4_steps)
     start = 0
     if resume:
