@@ -21,6 +21,12 @@ through `custom_config_module`), so both arms of a comparison run the same model
     ("accessing tensor output of CUDAGraphs that has been overwritten"). Every validation forward now
     starts a new graph step (``torch.compiler.cudagraph_mark_step_begin``), as PyTorch asks of such loops.
 
+  * The same validation batches every round (TorchTitan PR #2791, after 0.2.2; issue #2636): the validator's
+    dataloader keeps its place between rounds, so each validation read the split from where the last one
+    stopped (one batch past it, which the last round fetched and dropped) and, with ``steps = -1``, found it
+    empty after the first round. Each round now starts the loader from its state before the first round, as
+    upstream rebuilds it, so every validation loss of a run is over the same held-out batches.
+
   * Attention masks under CUDA-graph trees: TorchTitan compiles ``create_block_mask`` once for all masks,
     with Inductor's global options, so under ``TORCHINDUCTOR_CUDAGRAPHS=1`` the masks are outputs of graph
     replays. gpt_oss (sliding window and causal) and llama4 (rope and nope) build two masks per step, and the
@@ -106,8 +112,23 @@ def _cudagraph_trees_on() -> bool:
         bool(inductor_config.triton.cudagraph_trees)
 
 
+def _rewind(validator) -> None:
+    """Start the validator's dataloader where it stood before its first round (a stateful loader: its state
+    then, kept on the validator; a loader without state is left as it is)."""
+    loader = getattr(validator, "validation_dataloader", None)
+    if loader is None or not hasattr(loader, "state_dict") or not hasattr(loader, "load_state_dict"):
+        return
+    start = getattr(validator, "_nvfp4_validation_start", None)
+    if start is None:
+        validator._nvfp4_validation_start = loader.state_dict()
+    else:
+        loader.load_state_dict(start)
+
+
 def _validate_in_graph_steps(self, model_parts, *args, **kwargs):
-    """Validator.validate with each model part's forward starting a new CUDA-graph step."""
+    """Validator.validate over the same batches every round, each model part's forward starting a new
+    CUDA-graph step."""
+    _rewind(self)
     handles = [m.register_forward_pre_hook(_graph_step) for m in model_parts]
     try:
         return _original_validate(self, model_parts, *args, **kwargs)

@@ -1,0 +1,103 @@
+"""TorchTitan 0.2.2's validator kept its dataloader's place between rounds: each validation read the held-out split
+from where the last one stopped (one batch past it), and with ``steps = -1`` found it empty after the first round.
+torchtitan_fixes rewinds the loader before every round (as TorchTitan PR #2791 rebuilds it upstream): every round
+is over the same batches, the ones a fresh loader gives first."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import titan_nvfp4.integration  # noqa: F401  (applies the fixes)
+from torchtitan.components.loss import cross_entropy_loss
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+from torchtitan.components.validate import Validator
+from torchtitan.config import JobConfig
+from torchtitan.hf_datasets import DatasetConfig
+from torchtitan.hf_datasets.text_datasets import DATASETS, build_text_validation_dataloader
+from export_helpers import tokenizer as make_tokenizer
+
+WORDS = "the of and a to in is you that it he was for on are as with his they at be this have from".split()
+NAME = "validation_rounds_test"
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    """A 40-document held-out split registered as a TorchTitan dataset, and its tokenizer."""
+    from datasets import load_dataset
+
+    tmp = tmp_path_factory.mktemp("validation_rounds")
+    rng = random.Random(0)
+    path = tmp / "validation.jsonl"
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40)))}) + "\n"
+                            for _ in range(40)))
+    DATASETS[NAME] = DatasetConfig(path=str(path), loader=lambda p: load_dataset("json", data_files=p, split="train"),
+                                   sample_processor=lambda s: s["text"])
+    yield HuggingFaceTokenizer(str(make_tokenizer(tmp / "assets")))
+    DATASETS.pop(NAME, None)
+
+
+class _Model(torch.nn.Module):
+    """Logits from a fixed embedding and projection: a deterministic function of the batch."""
+
+    def __init__(self, vocab: int = 256):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Parameter(torch.randn(vocab, 8, generator=g))
+        self.out = torch.nn.Parameter(torch.randn(vocab, 8, generator=g))
+
+    def forward(self, tokens):
+        return self.emb[tokens] @ self.out.T
+
+    def get_attention_masks(self, *args, **kwargs):  # as an SDPA model: the validator then builds none
+        raise TypeError("SDPA attention takes no attention masks")
+
+
+def _job(steps: int) -> JobConfig:
+    cfg = JobConfig()
+    cfg.validation.dataset, cfg.validation.local_batch_size, cfg.validation.seq_len = NAME, 2, 16
+    cfg.validation.steps = steps
+    return cfg
+
+
+def _validator(cfg, tokenizer):
+    logged = []
+    metrics = SimpleNamespace(ntokens_since_last_log=0, log_validation=lambda loss, step: logged.append(loss))
+    dims = SimpleNamespace(dp_enabled=False, cp_enabled=False, pp_enabled=False, dp_cp_enabled=False)
+    v = Validator(job_config=cfg, dp_world_size=1, dp_rank=0, tokenizer=tokenizer, parallel_dims=dims,
+                  loss_fn=cross_entropy_loss, validation_context=contextlib.nullcontext,
+                  maybe_enable_amp=contextlib.nullcontext(), metrics_processor=metrics)
+    return v, logged
+
+
+def _expected(cfg, tokenizer, model, steps: int | None) -> float:
+    """The validator's loss over the first ``steps`` batches (None: all) of a fresh loader, computed here."""
+    loader = build_text_validation_dataloader(dp_world_size=1, dp_rank=0, tokenizer=tokenizer, job_config=cfg,
+                                              infinite=False)
+    losses = []
+    with torch.no_grad():
+        for i, (inputs, labels) in enumerate(loader):
+            if steps is not None and i == steps:
+                break
+            losses.append(cross_entropy_loss(model(inputs["input"]), labels) / labels.numel())
+    return (torch.stack(losses).sum() / len(losses)).item()
+
+
+@pytest.mark.parametrize("steps", [3, -1])
+def test_every_validation_round_reads_the_same_batches(split, steps, monkeypatch):
+    from torchtitan.tools import utils
+
+    monkeypatch.setattr(utils, "device_type", "cpu")  # TorchTitan's validator moves batches to its device type
+    cfg = _job(steps)
+    model = _Model()
+    validator, logged = _validator(cfg, split)
+    for step in (1, 250, 500):
+        validator.validate([model], step)
+    want = _expected(cfg, split, model, None if steps == -1 else steps)
+    assert logged == [want] * 3  # unpatched: three different losses (steps 3), a failure in round 2 (steps -1)
