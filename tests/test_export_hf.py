@@ -714,3 +714,79 @@ def test_w4a4_bad_input_is_one_line_and_writes_nothing(run, corpus, capsys):
         export_main([*base, "--scheme", "w8a8"])
     assert e.value.code == 2 and "argument --scheme: invalid choice: 'w8a8'" in capsys.readouterr().err
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------------ eval_hf
+
+def _validation_flags(corpus: Path) -> list[str]:
+    return ["--validation.enable", "--validation.dataset", "c4_test", "--validation.dataset_path", str(corpus),
+            "--validation.local_batch_size", "2", "--validation.seq_len", str(SEQ), "--validation.steps", "3"]
+
+
+def _validator_loss(run, flags: list[str], model) -> float:
+    """TorchTitan's own Validator (one CPU process) on ``model`` with the job's [validation] data: its logged loss."""
+    import contextlib
+
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.components.validate import Validator
+    from torchtitan.config import ConfigManager
+    from torchtitan.tools import utils
+
+    cfg = ConfigManager().parse_args(["--job.config_file", str(run.job), *flags])
+    logged = []
+    metrics = SimpleNamespace(ntokens_since_last_log=0, log_validation=lambda loss, step: logged.append(loss))
+    dims = SimpleNamespace(dp_enabled=False, cp_enabled=False, pp_enabled=False, dp_cp_enabled=False)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(utils, "device_type", "cpu")
+    try:
+        Validator(job_config=cfg, dp_world_size=1, dp_rank=0, tokenizer=HuggingFaceTokenizer(str(run.assets)),
+                  parallel_dims=dims, loss_fn=cross_entropy_loss, validation_context=contextlib.nullcontext,
+                  maybe_enable_amp=contextlib.nullcontext(), metrics_processor=metrics).validate([model], 3)
+    finally:
+        mp.undo()
+    return logged[0]
+
+
+def test_eval_hf_gives_the_validators_loss_of_the_exported_weights(run, corpus, nvfp4_out, capsys):
+    """eval_hf reads the job's validation batches with TorchTitan's loader and computes the validator's loss: on the
+    BF16 export (and on the NVFP4 one, in fp32) it equals TorchTitan's Validator run on TorchTitan's llama3 holding
+    the same weights within 1e-6 relative (the logits agree within 2e-6: see the tests above)."""
+    from titan_nvfp4.tools.eval_hf import main as eval_main
+
+    flags = _validation_flags(corpus)
+    bf16_out = run.tmp / "hf_bf16_eval"
+    _export(run, bf16_out, "--format", "bf16")
+    bf16 = {k: v.to(torch.bfloat16).float() for k, v in run.dense.items()}
+    nvfp4 = dict(bf16)
+    for name, wq in run.forward.items():
+        nvfp4[f"{name}.weight"] = wq.dequantize(torch.float32).to(torch.bfloat16).float()
+    capsys.readouterr()
+    for out, weights in ((bf16_out, bf16), (nvfp4_out, nvfp4)):
+        report = run.tmp / f"{out.name}_eval.json"
+        eval_main([str(out), "--job.config_file", str(run.job), *flags, "--device", "cpu", "--json", str(report)])
+        got = json.loads(report.read_text())
+        assert (got["batches"], got["tokens"], got["dtype"]) == (3, 3 * 2 * SEQ, "float32")
+        assert f"validation loss {got['loss']:.5f} over 3 batches" in capsys.readouterr().out
+        want = _validator_loss(run, flags, _plain(weights))
+        assert abs(got["loss"] - want) <= 1e-6 * want, (out.name, got["loss"], want)
+
+
+def test_eval_hf_bad_input_is_one_line(run, corpus, capsys):
+    from titan_nvfp4.tools.eval_hf import main as eval_main
+
+    flags = _validation_flags(corpus)
+    cases = [
+        ([str(run.tmp / "nowhere"), "--job.config_file", str(run.job), *flags], "is not a Hugging Face model folder"),
+        ([str(run.assets), "--job.config_file", str(run.job), *flags], "is not a Hugging Face model folder"),
+        ([str(run.tmp / "hf_nvfp4"), *flags], "--job.config_file JOB.toml is required"),
+        ([str(run.tmp / "hf_nvfp4"), "--job.config_file", str(run.job)], "the job has no validation"),
+        ([str(run.tmp / "hf_nvfp4"), "--job.config_file", str(run.job), *flags, "--steps", "0"], "--steps 0"),
+        ([str(run.tmp / "hf_nvfp4"), "--job.config_file", str(run.job), *flags[:3], "--validation.dataset_path",
+          str(run.tmp / "no_corpus")], "c4_test"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            eval_main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, (argv, err)

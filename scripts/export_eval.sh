@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Issue 65's GPU figure in one device call: a run's own validation loss against its exported models' (transformers).
+# From the repo root of a device machine (".whl" carried):
+#
+#   [CONFIG=llama3_2b_pysources] [STEPS=1000] [ARM_TIMEOUT=420] bash scripts/export_eval.sh OUT_DIR
+#
+# Trains train_configs/${CONFIG}_nvfp4.toml for STEPS steps (compiled with CUDA graphs, validation at step 1 and at
+# STEPS, a full checkpoint at STEPS), exports that checkpoint with titan_nvfp4.tools.export_hf as bf16, nvfp4 (w4a16)
+# and nvfp4 w4a4 (input scales from 1 calibration batch), and evaluates each with titan_nvfp4.tools.eval_hf on the
+# GPU in bf16 (the job's 20 validation batches, read as the run's validator reads them). OUT_DIR gets the logs, the
+# JSON of each evaluation and export_eval.md; the exported folders stay in OUT_DIR/work (not copied back: large).
+set -uo pipefail
+out=${1:?OUT_DIR}
+config=${CONFIG:-llama3_2b_pysources}; steps=${STEPS:-1000}
+job=train_configs/${config}_nvfp4.toml
+mkdir -p "$out"
+work=${WORK:-/tmp/export_eval}; rm -rf "$work"; mkdir -p "$work"
+source scripts/device_setup.sh > "$out/device_setup.log" 2>&1 || { cat "$out/device_setup.log"; exit 1; }
+export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True} TORCHINDUCTOR_CUDAGRAPHS=1
+start=$(date +%s)
+timeout --kill-after=30 "${ARM_TIMEOUT:-420}" torchrun --standalone --nproc_per_node=1 -m torchtitan.train \
+  --job.config_file "$job" --job.dump_folder "$work/run" --training.steps "$steps" --validation.freq "$steps" \
+  --checkpoint.enable --checkpoint.interval "$steps" --checkpoint.no_last_save_model_only \
+  --metrics.log_freq 50 --compile.enable > "$out/train.log" 2>&1
+echo "== training: exit $? in $(( $(date +%s) - start )) s"
+run_loss=$(grep -oE "validate step: *$steps +loss: *[0-9.]+" "$out/train.log" | tail -1 | awk '{print $NF}')
+[[ -n $run_loss ]] || { echo "no validation at step $steps in train.log"; tail -20 "$out/train.log"; exit 1; }
+declare -A flags=([bf16]="--format bf16" [nvfp4_w4a16]="--format nvfp4" \
+                  [nvfp4_w4a4]="--format nvfp4 --scheme w4a4 --calibration-batches 1")
+for name in bf16 nvfp4_w4a16 nvfp4_w4a4; do
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  python -m titan_nvfp4.tools.export_hf "$work/run/checkpoint" --job.config_file "$job" ${flags[$name]} \
+    --out "$work/hf_$name" > "$out/export_$name.log" 2>&1
+  echo "== export $name: exit $? in $(( $(date +%s) - start )) s"
+  python -m titan_nvfp4.tools.eval_hf "$work/hf_$name" --job.config_file "$job" --json "$out/eval_$name.json" \
+    > "$out/eval_$name.log" 2>&1
+  echo "== eval $name: exit $?"; tail -1 "$out/eval_$name.log"
+done
+{
+  echo "# Exported models' validation loss against the run's: $config, $steps steps, $(date -u '+%F %H:%M UTC')"
+  echo
+  echo "GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo
+  echo "| model | validation loss | minus the run's |"
+  echo "| --- | ---: | ---: |"
+  echo "| the run itself (TorchTitan's validator, NVFP4 forward) | $run_loss | |"
+  for name in bf16 nvfp4_w4a16 nvfp4_w4a4; do
+    python - "$out/eval_$name.json" "$name" "$run_loss" <<'PY'
+import json, sys
+path, name, run = sys.argv[1], sys.argv[2], float(sys.argv[3])
+try:
+    loss = json.load(open(path))["loss"]
+    print(f"| export {name} (transformers, bf16) | {loss:.4f} | {loss - run:+.4f} |")
+except (OSError, ValueError, KeyError):
+    print(f"| export {name} (transformers, bf16) | failed | |")
+PY
+  done
+} > "$out/export_eval.md"
+cat "$out/export_eval.md"
