@@ -2,24 +2,32 @@
 # Issue 65's GPU figure in one device call: a run's own validation loss against its exported models' (transformers).
 # From the repo root of a device machine (".whl" carried):
 #
-#   [CONFIG=llama3_2b_pysources] [STEPS=1000] [ARM_TIMEOUT=420] bash scripts/export_eval.sh OUT_DIR
+#   [CONFIG=llama3_2b_bench] [STEPS=600] [BATCH=16] [ARM_TIMEOUT=330] [VALIDATION="..."] bash scripts/export_eval.sh OUT_DIR
 #
-# Trains train_configs/${CONFIG}_nvfp4.toml for STEPS steps (compiled with CUDA graphs, validation at step 1 and at
-# STEPS, a full checkpoint at STEPS), exports that checkpoint with titan_nvfp4.tools.export_hf as bf16, nvfp4 (w4a16)
-# and nvfp4 w4a4 (input scales from 1 calibration batch), and evaluates each with titan_nvfp4.tools.eval_hf on the
-# GPU in bf16 (the job's 20 validation batches, read as the run's validator reads them). OUT_DIR gets the logs, the
-# JSON of each evaluation and export_eval.md; the exported folders stay in OUT_DIR/work (not copied back: large).
+# Trains train_configs/${CONFIG}_nvfp4.toml for STEPS steps at local batch BATCH (compiled with CUDA graphs,
+# validation at step 1 and at STEPS, a full checkpoint at STEPS), exports that checkpoint with
+# titan_nvfp4.tools.export_hf as bf16, nvfp4 (w4a16) and nvfp4 w4a4 (input scales from 1 calibration batch), and
+# evaluates each with titan_nvfp4.tools.eval_hf on the GPU in bf16 (the run's validation batches, read as its
+# validator reads them). VALIDATION: the [validation] flags of all three steps; the default is the pystdlib held-out
+# split (18 files, ~150k tokens: 4 batches of 16 x 2048), which builds in seconds on a fresh machine (the pysources
+# corpus of CONFIG=llama3_2b_pysources, with its own [validation], takes minutes: pass VALIDATION="" for it). OUT_DIR
+# gets the logs, the JSON of each evaluation and export_eval.md; the run and the exported folders stay in WORK
+# (/tmp/export_eval; large).
 set -uo pipefail
 out=${1:?OUT_DIR}
-config=${CONFIG:-llama3_2b_pysources}; steps=${STEPS:-1000}
+config=${CONFIG:-llama3_2b_bench}; steps=${STEPS:-600}; batch=${BATCH:-16}
+default_validation="--validation.enable --validation.dataset pystdlib_validation --validation.local_batch_size 16 \
+--validation.seq_len 2048 --validation.steps 4"
+read -r -a validation <<< "${VALIDATION-$default_validation}"
 job=train_configs/${config}_nvfp4.toml
 mkdir -p "$out"
 work=${WORK:-/tmp/export_eval}; rm -rf "$work"; mkdir -p "$work"
 source scripts/device_setup.sh > "$out/device_setup.log" 2>&1 || { cat "$out/device_setup.log"; exit 1; }
 export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True} TORCHINDUCTOR_CUDAGRAPHS=1
 start=$(date +%s)
-timeout --kill-after=30 "${ARM_TIMEOUT:-420}" torchrun --standalone --nproc_per_node=1 -m torchtitan.train \
-  --job.config_file "$job" --job.dump_folder "$work/run" --training.steps "$steps" --validation.freq "$steps" \
+timeout --kill-after=30 "${ARM_TIMEOUT:-330}" torchrun --standalone --nproc_per_node=1 -m torchtitan.train \
+  --job.config_file "$job" --job.dump_folder "$work/run" --training.steps "$steps" --training.local_batch_size "$batch" \
+  "${validation[@]}" --validation.freq "$steps" \
   --checkpoint.enable --checkpoint.interval "$steps" --checkpoint.no_last_save_model_only \
   --metrics.log_freq 50 --compile.enable > "$out/train.log" 2>&1
 echo "== training: exit $? in $(( $(date +%s) - start )) s"
@@ -30,15 +38,17 @@ declare -A flags=([bf16]="--format bf16" [nvfp4_w4a16]="--format nvfp4" \
 for name in bf16 nvfp4_w4a16 nvfp4_w4a4; do
   start=$(date +%s)
   # shellcheck disable=SC2086
-  python -m titan_nvfp4.tools.export_hf "$work/run/checkpoint" --job.config_file "$job" ${flags[$name]} \
+  python -m titan_nvfp4.tools.export_hf "$work/run/checkpoint" --job.config_file "$job" "${validation[@]}" ${flags[$name]} \
     --out "$work/hf_$name" > "$out/export_$name.log" 2>&1
   echo "== export $name: exit $? in $(( $(date +%s) - start )) s"
-  python -m titan_nvfp4.tools.eval_hf "$work/hf_$name" --job.config_file "$job" --json "$out/eval_$name.json" \
+  python -m titan_nvfp4.tools.eval_hf "$work/hf_$name" --job.config_file "$job" "${validation[@]}" --json "$out/eval_$name.json" \
     > "$out/eval_$name.log" 2>&1
   echo "== eval $name: exit $?"; tail -1 "$out/eval_$name.log"
 done
 {
-  echo "# Exported models' validation loss against the run's: $config, $steps steps, $(date -u '+%F %H:%M UTC')"
+  echo "# Exported models' validation loss against the run's: $config, $steps steps of batch $batch, $(date -u '+%F %H:%M UTC')"
+  echo
+  echo "Validation flags: ${validation[*]:-none (the job file sets them)}"
   echo
   echo "GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
   echo
