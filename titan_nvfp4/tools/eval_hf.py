@@ -49,6 +49,11 @@ def _args(argv: list[str]):
 
 
 def _check(args, rest: list[str]) -> None:
+    from ..integration_common.torchtitan_version import installed_generation, version_string
+
+    if installed_generation() != "0.2":
+        fail(PROG, f"eval_hf reads TorchTitan 0.2 job files and validation data; torchtitan {version_string()} is "
+                   "installed (0.3's config registry is not supported by eval_hf yet)")
     if not args.hf_dir.is_dir() or not (args.hf_dir / "config.json").is_file():
         fail(PROG, f"{args.hf_dir} is not a Hugging Face model folder (no config.json): give the folder export_hf wrote")
     job = flag_value(rest, "--job.config_file")
