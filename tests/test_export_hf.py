@@ -36,6 +36,7 @@ from torchtitan.protocols.train_spec import get_train_spec
 from export_helpers import fails as _fails, job_head, tokenizer as _tokenizer
 from job_helpers import initialized, world1
 from fake_trainer import FakeTrainer
+from validator_helpers import cpu_validator, validate_on_cpu
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -725,26 +726,12 @@ def _validation_flags(corpus: Path) -> list[str]:
 
 def _validator_loss(run, flags: list[str], model) -> float:
     """TorchTitan's own Validator (one CPU process) on ``model`` with the job's [validation] data: its logged loss."""
-    import contextlib
-
-    from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
-    from torchtitan.components.validate import Validator
     from torchtitan.config import ConfigManager
-    from torchtitan.tools import utils
 
     cfg = ConfigManager().parse_args(["--job.config_file", str(run.job), *flags])
-    logged = []
-    metrics = SimpleNamespace(ntokens_since_last_log=0, log_validation=lambda loss, step: logged.append(loss))
-    dims = SimpleNamespace(dp_enabled=False, cp_enabled=False, pp_enabled=False, dp_cp_enabled=False)
-    mp = pytest.MonkeyPatch()
-    mp.setattr(utils, "device_type", "cpu")
-    try:
-        Validator(job_config=cfg, dp_world_size=1, dp_rank=0, tokenizer=HuggingFaceTokenizer(str(run.assets)),
-                  parallel_dims=dims, loss_fn=cross_entropy_loss, validation_context=contextlib.nullcontext,
-                  maybe_enable_amp=contextlib.nullcontext(), metrics_processor=metrics).validate([model], 3)
-    finally:
-        mp.undo()
+    validator, logged = cpu_validator(cfg, HuggingFaceTokenizer(str(run.assets)))
+    validate_on_cpu(validator, model, 3)
     return logged[0]
 
 

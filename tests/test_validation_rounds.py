@@ -5,11 +5,8 @@ is over the same batches, the ones a fresh loader gives first."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,11 +14,11 @@ import torch
 import titan_nvfp4.integration  # noqa: F401  (applies the fixes)
 from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
-from torchtitan.components.validate import Validator
 from torchtitan.config import JobConfig
 from torchtitan.hf_datasets import DatasetConfig
 from torchtitan.hf_datasets.text_datasets import DATASETS, build_text_validation_dataloader
 from export_helpers import tokenizer as make_tokenizer
+from validator_helpers import cpu_validator, validate_on_cpu
 
 WORDS = "the of and a to in is you that it he was for on are as with his they at be this have from".split()
 NAME = "validation_rounds_test"
@@ -66,16 +63,6 @@ def _job(steps: int) -> JobConfig:
     return cfg
 
 
-def _validator(cfg, tokenizer):
-    logged = []
-    metrics = SimpleNamespace(ntokens_since_last_log=0, log_validation=lambda loss, step: logged.append(loss))
-    dims = SimpleNamespace(dp_enabled=False, cp_enabled=False, pp_enabled=False, dp_cp_enabled=False)
-    v = Validator(job_config=cfg, dp_world_size=1, dp_rank=0, tokenizer=tokenizer, parallel_dims=dims,
-                  loss_fn=cross_entropy_loss, validation_context=contextlib.nullcontext,
-                  maybe_enable_amp=contextlib.nullcontext(), metrics_processor=metrics)
-    return v, logged
-
-
 def _expected(cfg, tokenizer, model, steps: int | None) -> float:
     """The validator's loss over the first ``steps`` batches (None: all) of a fresh loader, computed here."""
     loader = build_text_validation_dataloader(dp_world_size=1, dp_rank=0, tokenizer=tokenizer, job_config=cfg,
@@ -90,14 +77,11 @@ def _expected(cfg, tokenizer, model, steps: int | None) -> float:
 
 
 @pytest.mark.parametrize("steps", [3, -1])
-def test_every_validation_round_reads_the_same_batches(split, steps, monkeypatch):
-    from torchtitan.tools import utils
-
-    monkeypatch.setattr(utils, "device_type", "cpu")  # TorchTitan's validator moves batches to its device type
+def test_every_validation_round_reads_the_same_batches(split, steps):
     cfg = _job(steps)
     model = _Model()
-    validator, logged = _validator(cfg, split)
+    validator, logged = cpu_validator(cfg, split)
     for step in (1, 250, 500):
-        validator.validate([model], step)
+        validate_on_cpu(validator, model, step)
     want = _expected(cfg, split, model, None if steps == -1 else steps)
     assert logged == [want] * 3  # unpatched: three different losses (steps 3), a failure in round 2 (steps -1)

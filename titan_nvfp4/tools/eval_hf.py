@@ -25,13 +25,12 @@ import torch
 
 from .atomic import write_text
 from .cli import fail, parser, require_output, writing
-from .export_job import flag_value
+from .export_job import first_batches
+from .job_model import check_flags, parse_job
 
 PROG = "python -m titan_nvfp4.tools.eval_hf"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 IGNORE_INDEX = -100  # TorchTitan's (torchtitan.components.loss.IGNORE_INDEX)
-NO_BATCH = ("the validation split gave no batch: it is shorter than one batch of the job's [validation] "
-            "local_batch_size x seq_len")
 
 
 def _args(argv: list[str]):
@@ -56,11 +55,9 @@ def _check(args, rest: list[str]) -> None:
                    "installed (0.3's config registry is not supported by eval_hf yet)")
     if not args.hf_dir.is_dir() or not (args.hf_dir / "config.json").is_file():
         fail(PROG, f"{args.hf_dir} is not a Hugging Face model folder (no config.json): give the folder export_hf wrote")
-    job = flag_value(rest, "--job.config_file")
-    if job is None:
-        fail(PROG, "--job.config_file JOB.toml is required: the run's job file names its validation data")
-    if not job or not Path(job).is_file():
-        fail(PROG, f"--job.config_file {job}: no such file")
+    problem = check_flags(rest)
+    if problem:
+        fail(PROG, problem)
     unknown = [a for a in rest if a.startswith("-") and not a.startswith("--")]
     if unknown:
         fail(PROG, f"unrecognized argument {unknown[0]!r}")
@@ -75,14 +72,12 @@ def _job(rest: list[str]):
     registers or builds the run's datasets), and TorchTitan's tokenizer of its hf_assets_path."""
     import importlib
 
-    import titan_nvfp4  # noqa: F401  (registers the converters, our flavors and the validation fixes)
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
-    from torchtitan.config import ConfigManager
 
     from .hf_folder import tokenizer_files
 
     try:
-        cfg = ConfigManager().parse_args(list(rest))
+        cfg = parse_job(rest)
     except SystemExit:
         fail(PROG, f"TorchTitan refused the job flags {' '.join(rest)}")
     if not cfg.validation.enable:
@@ -98,30 +93,23 @@ def _job(rest: list[str]):
 
 def _batches(cfg, tokenizer, steps: int):
     """TorchTitan's validation dataloader of the job (one process), from the start of the split."""
-    from torchtitan.hf_datasets.text_datasets import DATASETS, build_text_validation_dataloader
+    from torchtitan.hf_datasets.text_datasets import build_text_validation_dataloader
 
-    name = cfg.validation.dataset
-    if name not in DATASETS and not cfg.validation.dataset_path:
-        raise ValueError(f"[validation] dataset {name!r} is not registered with TorchTitan (known: "
-                         f"{', '.join(sorted(DATASETS))}); the job's [experimental] custom_import registers its own")
     return build_text_validation_dataloader(dp_world_size=1, dp_rank=0, tokenizer=tokenizer, job_config=cfg,
                                             infinite=steps != -1)
 
 
 def _first_batch(cfg, tokenizer, steps: int) -> torch.Tensor:
     """The token ids of the split's first batch; a ValueError naming the dataset when it cannot be read."""
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    name = cfg.validation.dataset
+    if name not in DATASETS and not cfg.validation.dataset_path:
+        raise ValueError(f"[validation] dataset {name!r} is not registered with TorchTitan (known: "
+                         f"{', '.join(sorted(DATASETS))}); the job's [experimental] custom_import registers its own")
     what = f"[validation] dataset {cfg.validation.dataset!r}" + (
         f" ({cfg.validation.dataset_path})" if cfg.validation.dataset_path else "")
-    try:
-        first = next(iter(_batches(cfg, tokenizer, steps)), None)
-    except ValueError:
-        raise
-    except Exception as e:  # datasets' and TorchTitan's own errors: one line naming the data
-        text = str(e).strip().splitlines()
-        raise ValueError(f"{what}: cannot read it: {type(e).__name__}" + (f": {text[0]}" if text else "")) from None
-    if first is None:
-        raise ValueError(NO_BATCH)
-    return first[0]["input"]
+    return next(first_batches(lambda: _batches(cfg, tokenizer, steps), what, 1, purpose="validation"))
 
 
 def _model(hf_dir: Path, device: torch.device, dtype: torch.dtype, first: torch.Tensor):
@@ -157,7 +145,7 @@ def evaluate(model, batches, steps: int, device: torch.device) -> dict:
         tokens += int(valid)
         n += 1
     if not n:
-        raise ValueError(NO_BATCH)
+        raise ValueError("the validation split gave no batch")
     return {"loss": (torch.stack(losses).sum() / n).item(), "batches": n, "tokens": tokens}
 
 

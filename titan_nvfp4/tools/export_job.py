@@ -43,17 +43,19 @@ class Job:
 __all__ = ["Job"]
 
 
-def first_batches(build_loader: Callable[[], Iterable], what: str, count: int) -> Iterator[torch.Tensor]:
+def first_batches(build_loader: Callable[[], Iterable], what: str, count: int,
+                  purpose: str = "calibration") -> Iterator[torch.Tensor]:
     """The token ids of the first ``count`` batches of the loader ``build_loader`` makes (each generation's adapter
-    builds it as its trainer does); a ValueError naming ``what`` (the data) when it cannot be read or runs short."""
+    builds it as its trainer does); a ValueError naming ``purpose`` and ``what`` (the data) when it cannot be read
+    or runs short."""
     try:
         batches = iter(build_loader())
         first = [next(batches) for _ in range(count)]
     except StopIteration:
-        raise ValueError(f"calibration: {what} has fewer than {count} batches") from None
+        raise ValueError(f"{purpose}: {what} has fewer than {count} batches") from None
     except Exception as e:  # datasets' and TorchTitan's own errors: one line naming the data
         text = str(e).strip().splitlines()
-        raise ValueError(f"calibration: cannot read {what}: {type(e).__name__}"
+        raise ValueError(f"{purpose}: cannot read {what}: {type(e).__name__}"
                          + (f": {text[0]}" if text else "")) from None
     for inputs, _labels in first:
         yield inputs["input"] if isinstance(inputs, dict) else inputs
