@@ -13,6 +13,10 @@ inductor caches, so every kernel benchmarks every config for every key it meets;
 autotuner chose. The choices of all runs are merged (a key tuned twice keeps its first run's choice; the count of
 disagreements is printed) and written atomically; the keys and benchmark runs per kernel of each run are printed
 (the inventory of docs/performance.md's cold-start section).
+
+Then each (job, mode) runs again with the new table in place, recording every kernel specialization it compiles:
+the manifest of the background precompile (kernels/precompile.py) goes beside the table as <class>.kernels.json
+(with --base, merged with the base table's manifest).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,16 +38,23 @@ JOBS = ["train_configs/llama3_nvfp4.toml", "train_configs/deepseek_v3_nvfp4.toml
 MODES = {"eager": [], "compiled": ["--compile.enable"]}
 
 
-def worker(out: Path, train_args: list[str]) -> None:
-    """Inside torchrun: train with ``train_args``, then write every autotuner's choices to ``out``."""
+def worker(out: Path, train_args: list[str], record: bool = False) -> None:
+    """Inside torchrun: train with ``train_args``, then write every autotuner's choices to ``out`` (``record``: the
+    kernel specializations compiled instead, as a precompile manifest)."""
     sys.path.insert(0, str(ROOT))
     import torch
     from torchtitan.train import Trainer, main
 
-    from titan_nvfp4.kernels import launch, shipped_tuning
+    from titan_nvfp4.kernels import launch, precompile, shipped_tuning
     from titan_nvfp4.tools.atomic import write_text
 
     sys.argv = ["torchtitan.train", *train_args]
+    if record:
+        with precompile.recording() as rec:
+            main(Trainer)
+        if int(os.environ.get("RANK", "0")) == 0:
+            write_text(out, json.dumps(rec.manifest()))
+        return
     main(Trainer)
     kernels = {}
     for tuner in launch.TUNERS:
@@ -55,13 +67,17 @@ def worker(out: Path, train_args: list[str]) -> None:
                                     "gpu": torch.cuda.get_device_name(), "kernels": kernels}))
 
 
-def run_job(job: str, mode: str, steps: int, extra: list[str], scratch: Path, timeout: int) -> dict:
-    """One (job, mode) in a fresh torchrun process with empty caches and no stored choices; its dump."""
+def run_job(job: str, mode: str, steps: int, extra: list[str], scratch: Path, timeout: int,
+            table: Path | None = None) -> dict:
+    """One (job, mode) in a fresh torchrun process with empty caches and no stored choices; its dump. With ``table``:
+    again with that table's choices (and the caches the first run filled), recording the kernels it compiles."""
     name = f"{Path(job).stem}_{mode}"
-    dump, log = scratch / f"{name}.json", scratch / f"{name}.log"
-    env = {**os.environ, "TITAN_NVFP4_SHIPPED_TUNING": "0", "TITAN_NVFP4_AUTOTUNE_CACHE": "0",
+    dump, log = scratch / f"{name}{'.kernels' if table else ''}.json", scratch / f"{name}{'.kernels' if table else ''}.log"
+    env = {**os.environ, "TITAN_NVFP4_SHIPPED_TUNING": str(table) if table else "0", "TITAN_NVFP4_AUTOTUNE_CACHE": "0",
+           "TITAN_NVFP4_PRECOMPILE": "0",
            "TRITON_CACHE_DIR": str(scratch / f"{name}.triton"), "TORCHINDUCTOR_CACHE_DIR": str(scratch / f"{name}.inductor")}
-    cmd = ["torchrun", "--standalone", "--nproc_per_node=1", str(Path(__file__).resolve()), "--worker", str(dump), "--",
+    cmd = ["torchrun", "--standalone", "--nproc_per_node=1", str(Path(__file__).resolve()),
+           "--record" if table else "--worker", str(dump), "--",
            "--job.config_file", job, "--training.steps", str(steps), *MODES[mode], *extra]
     with open(log, "w") as f:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
@@ -107,10 +123,8 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT))
     import torch
-    import triton
 
     from titan_nvfp4.kernels import gemm, grouped_gemm, launch, mxfp8, quantize, shipped_tuning, swiglu  # noqa: F401
-    from titan_nvfp4.tools.atomic import write_text
 
     cls = shipped_tuning.gpu_class(torch.cuda.current_device())
     out = args.out or shipped_tuning.TABLE_DIR / f"{cls}.json"
@@ -121,18 +135,32 @@ def main() -> None:
         base = {k: {shipped_tuning.key_text(key): e for key, e in v.items()}
                 for k, v in shipped_tuning.load(args.base.resolve()).items()}
     dumps = []
-    with tempfile.TemporaryDirectory(prefix="tune_kernels_") as tmp:
-        for job in args.jobs:
-            for mode in args.modes:
-                dump = run_job(job, mode, args.steps, args.extra, Path(tmp), args.timeout)
-                if dump["gpu_class"] != cls:
-                    raise SystemExit(f"tune_kernels: {job} ran on {dump['gpu_class']}, this machine is {cls}")
-                n = sum(len(k["choices"]) for k in dump["kernels"].values())
-                runs = sum(len(k["choices"]) * k["configs"] for k in dump["kernels"].values())
-                print(f"{job} ({mode}): {n} keys, {runs} benchmark runs", flush=True)
-                for name, k in sorted(dump["kernels"].items()):
-                    print(f"    {name}: {len(k['choices'])} keys x {k['configs']} configs", flush=True)
-                dumps.append((f"{job} ({mode})", dump))
+    scratch = Path(tempfile.mkdtemp(prefix="tune_kernels_"))  # the runs' caches, kept for the recording runs
+    try:
+        tune_and_record(args, cls, out, base, dumps, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def tune_and_record(args, cls: str, out: Path, base, dumps: list, scratch: Path) -> None:
+    """Tune every (job, mode), write the table at ``out``, then record the kernels each compiles with it."""
+    import torch
+    import triton
+
+    from titan_nvfp4.kernels import launch, shipped_tuning
+    from titan_nvfp4.tools.atomic import write_text
+
+    for job in args.jobs:
+        for mode in args.modes:
+            dump = run_job(job, mode, args.steps, args.extra, scratch, args.timeout)
+            if dump["gpu_class"] != cls:
+                raise SystemExit(f"tune_kernels: {job} ran on {dump['gpu_class']}, this machine is {cls}")
+            n = sum(len(k["choices"]) for k in dump["kernels"].values())
+            runs = sum(len(k["choices"]) * k["configs"] for k in dump["kernels"].values())
+            print(f"{job} ({mode}): {n} keys, {runs} benchmark runs", flush=True)
+            for name, k in sorted(dump["kernels"].items()):
+                print(f"    {name}: {len(k['choices'])} keys x {k['configs']} configs", flush=True)
+            dumps.append((f"{job} ({mode})", dump))
     kernels, disagree = merge(dumps, base)
     doc = {"format": shipped_tuning.FORMAT, "gpu_class": cls, "gpu": dumps[0][1]["gpu"] if dumps else None,
            "generated": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -150,11 +178,46 @@ def main() -> None:
     total = sum(len(v) for v in kernels.values())
     print(f"tune_kernels: wrote {out}: {total} keys over {len(kernels)} kernels ({disagree} keys chosen differently "
           f"by two runs: the first run's choice kept)")
+    record_kernels(args, out, [(job, mode) for job in args.jobs for mode in args.modes], scratch)
+
+
+def record_kernels(args, table: Path, runs: list[tuple[str, str]], scratch: Path) -> None:
+    """Each (job, mode) again with ``table`` in place and the caches its tuning run filled, recording the kernel
+    specializations compiled; the merged manifest (on top of --base's, if it has one) is written beside ``table`` as
+    <name>.kernels.json."""
+    import triton
+
+    from titan_nvfp4.kernels import precompile
+    from titan_nvfp4.tools.atomic import write_text
+
+    manifests = []
+    if args.base is not None and kernels_path(args.base).is_file():
+        manifests.append(precompile.load(kernels_path(args.base)))
+    for job, mode in runs:
+        got = run_job(job, mode, args.steps, args.extra, scratch, args.timeout, table=table.resolve())
+        print(f"{job} ({mode}): {len(got['kernels'])} kernel specializations compiled", flush=True)
+        manifests.append(got)
+    doc = precompile.merge(manifests)
+    if doc["triton"] != triton.__version__:
+        raise SystemExit(f"tune_kernels: the runs used Triton {doc['triton']}, this process has {triton.__version__}")
+    doc.update(generated=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               command="python scripts/tune_kernels.py " + " ".join(sys.argv[1:]),
+               runs=[f"{j} ({m})" for j, m in runs] + ([f"kernels kept from {kernels_path(args.base)}"]
+                                                     if len(manifests) > len(runs) else []))
+    out = kernels_path(table)
+    write_text(out, json.dumps(doc, indent=1) + "\n", option="--out")
+    precompile.load(out)
+    print(f"tune_kernels: wrote {out}: {len(doc['kernels'])} kernel specializations", flush=True)
+
+
+def kernels_path(table: Path) -> Path:
+    """The precompile manifest beside a tuning table: sm90.json → sm90.kernels.json."""
+    return table.with_name(table.stem + ".kernels.json")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+    if len(sys.argv) > 2 and sys.argv[1] in ("--worker", "--record"):
         rest = sys.argv[3:]
-        worker(Path(sys.argv[2]), rest[1:] if rest[:1] == ["--"] else rest)
+        worker(Path(sys.argv[2]), rest[1:] if rest[:1] == ["--"] else rest, record=sys.argv[1] == "--record")
     else:
         main()

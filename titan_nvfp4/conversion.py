@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .distributed.fsdp_all_gather import wrap_weight
+from .kernels import precompile
 from .modules.decomposed_linear import DecomposedLinear, check_lowrank_args, lora_dtype_without_rank, redecompose
 from .modules.expert_groups import experts_layer_id
 from .modules.nvfp4_linear import NVFP4Linear, check_linear_dims
@@ -51,6 +52,13 @@ def require_backend_runs_here(recipe: NVFP4Recipe, section: str) -> None:
         resolve_backend(recipe.gemm_backend, device)
     except RuntimeError as e:
         raise ValueError(f"[{section}] gemm_backend = {recipe.gemm_backend!r} cannot run here: {e}") from None
+
+
+def start_precompile(recipe: NVFP4Recipe, log=LOG) -> None:
+    """Compile the shipped kernel specializations for this GPU in the background while the model is built
+    (kernels/precompile.py), when this run launches Triton kernels on a CUDA GPU."""
+    if recipe.gemm_backend != "reference" and torch.cuda.is_available() and torch.version.hip is None:
+        precompile.start(torch.cuda.current_device(), log)
 
 
 def warn_unmatched(log, section: str, key: str, patterns: list[str], fqns: list[str], what: str,
@@ -142,6 +150,8 @@ def convert_dense(model: nn.Module, knobs: LinearKnobs, steps: SectionSteps, log
     if not report["converted"] and any(isinstance(m, NVFP4Linear) for m in model.modules()):
         log.info(f"NVFP4: [{section}] the model is already converted: nothing to do")
         return []
+    if report["converted"]:
+        start_precompile(recipe, log)
     linears = report["converted"] + [fqn for fqn, _ in report["skipped"]]
     warn_unmatched(log, section, "filter_fqns", knobs.filter_fqns, linears, "Linear", DEFAULT_FILTER_FQNS)
     if not report["converted"]:
@@ -174,6 +184,8 @@ def convert_routed_experts(model: nn.Module, knobs: GroupedKnobs, steps: Section
     if not report["converted"] and any(isinstance(m, tuple(EXPERT_CLASSES.values())) for m in model.modules()):
         log.info(f"NVFP4: {section}: the experts are already converted: nothing to do")
         return []
+    if report["converted"]:
+        start_precompile(recipe, log)
     if report["converted"]:
         experts = report["converted"] + [fqn for fqn, _ in report["skipped"]]
         warn_unmatched(log, section, "fqns", knobs.fqns, experts, "routed-expert module")
@@ -242,4 +254,5 @@ def convert(model: nn.Module, recipe: str = "nvidia_paper", *, experts: bool | d
 
 
 __all__ = ["EXPERT_CLASSES", "convert", "convert_dense", "convert_experts", "convert_linears", "convert_routed_experts",
-           "decompose_after_init", "n_blocks", "register_experts", "require_backend_runs_here", "warn_unmatched"]
+           "decompose_after_init", "n_blocks", "register_experts", "require_backend_runs_here",
+           "start_precompile", "warn_unmatched"]

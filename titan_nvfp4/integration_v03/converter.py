@@ -11,6 +11,7 @@ from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.protocols.model import ModelConfigConverter
 from torchtitan.tools.logging import logger
 
+from ..conversion import start_precompile
 from ..modules.decomposed_linear import check_lowrank_args
 from ..modules.expert_groups import check_expert_dims, experts_layer_id
 from ..recipe.knobs import GroupedKnobs, LinearKnobs
@@ -87,6 +88,8 @@ class NVFP4LinearConfigConverter(ModelConfigConverter):
             new = self._config_for(fqn, cfg, len(converted))
             model_config = _replace(model_config, parent, attr, new)
             converted.append(fqn)
+        if converted:
+            start_precompile(r, logger)
         lora = f" (DecomposedLinear rank {self.config.lora_rank})" if self.config.lora_rank else ""
         logger.info(f"[{self.config.SECTION}] {len(converted)} Linears to NVFP4{lora}, {len(skipped)} kept BF16 "
                     f"({', '.join(f for f, _ in skipped) or 'none'})")
@@ -165,6 +168,8 @@ class NVFP4GroupedMMConfigConverter(ModelConfigConverter):
             raise ValueError(f"[{s}] no routed-expert config matched fqns {fqns} (skipped: "
                              f"{skipped or 'the model has no GroupedExperts / GptOssGroupedExperts'}); set "
                              f"--{s}.no-enable for a model without experts")
+        if converted:
+            start_precompile(r, logger)
         lora = f", per-expert low-rank branch rank {self.config.lora_rank}" if self.config.lora_rank else ""
         logger.info(f"[{s}] {len(converted)} expert modules to NVFP4 (token groups padded to 16{lora}), {len(skipped)} "
                     f"kept BF16 ({', '.join(f for f, _ in skipped) or 'none'})")

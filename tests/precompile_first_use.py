@@ -1,0 +1,62 @@
+"""A stand-in training process for tests/test_precompile.py: with Triton's driver presenting an sm_90 GPU (compile
+only: nothing launches), specialize and compile two of the package's kernels as their launchers call them, into the
+Triton cache folder of the environment; with --record PATH, write what compiled as a precompile manifest.
+
+    python tests/precompile_first_use.py [--block 128] [--record MANIFEST]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+
+
+class Sm90Driver:
+    """Triton's active driver as a Hopper GPU presents it, enough to specialize and compile."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+def first_use(block: int) -> None:
+    """A small kernel, and the amax kernel with its helper functions and flags."""
+    from titan_nvfp4.kernels import expert_map, quantize
+    offsets, out = torch.zeros(8, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
+    expert_map._block_experts_kernel.warmup(offsets, 8, out, 64, EP2=8, BLOCK=block, grid=(1,))
+    x, buf = torch.zeros(64, 256, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int32)
+    quantize._amax_kernel.warmup(x, 64, 256, 256, 1, buf, buf, None, 1, 64, ROW=True, COL=False, RHT=True,
+                                 GROUPED=False, G=4, BK=64, grid=(1,))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--block", type=int, default=128)
+    p.add_argument("--record", type=Path)
+    args = p.parse_args()
+    driver.set_active(Sm90Driver())
+    from titan_nvfp4.kernels import precompile
+    with precompile.recording() as rec:
+        first_use(args.block)
+        first_use(args.block)  # met twice: recorded once
+    if args.record:
+        args.record.write_text(json.dumps(rec.manifest(job="tests/precompile_first_use.py")))
+
+
+if __name__ == "__main__":
+    main()

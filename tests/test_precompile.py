@@ -1,0 +1,202 @@
+"""The background precompile (titan_nvfp4/kernels/precompile.py), on the CPU: Triton compiles for an sm_90 target
+without a GPU (its wheel carries ptxas), so a stand-in driver lets the real JIT path specialize, compile and record
+two of the package's kernels. What is checked: the specializations the background process compiles are the ones
+the first use then asks for (it adds nothing to Triton's cache; a changed constant would), the manifest is
+recorded in first-use order once each, start() runs it in the background and is off where it should be, and a bad
+manifest is refused naming the file. The GPU twin (tests/test_gpu.py) does the same for a real NVFP4 step."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from titan_nvfp4.kernels import precompile  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _can_compile_sm90() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("triton.backends.nvidia") is not None
+
+
+needs_ptxas = pytest.mark.skipif(not _can_compile_sm90(), reason="this Triton has no NVIDIA backend to compile with")
+
+
+def _first_use(cache: Path, block: int = 128, record: Path | None = None) -> set[str]:
+    """A new training process on Triton cache folder ``cache`` meets two package kernels
+    (tests/precompile_first_use.py; ``record``: write the manifest of what compiled); the entries it added there."""
+    cache.mkdir(exist_ok=True)
+    before = _entries(cache)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(ROOT / "tests" / "precompile_first_use.py"), "--block", str(block)]
+    r = subprocess.run(cmd + (["--record", str(record)] if record else []), env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return _entries(cache) - before
+
+
+def _entries(cache: Path) -> set[str]:
+    return set(os.listdir(cache))
+
+
+def _precompile_cli(manifest: Path, cache: Path, workers: int = 2) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "0"}
+    return subprocess.run([sys.executable, "-m", "titan_nvfp4.tools.precompile_kernels", str(manifest), "--workers",
+                           str(workers)], env=env, capture_output=True, text=True, timeout=300)
+
+
+@needs_ptxas
+def test_precompiled_kernels_are_the_ones_the_first_use_asks_for(tmp_path):
+    manifest = tmp_path / "sm90.kernels.json"
+    assert len(_first_use(tmp_path / "recorded", record=manifest)) == 2
+    doc = precompile.load(manifest)
+    assert [e["name"] for e in doc["kernels"]] == ["_block_experts_kernel", "_amax_kernel"]  # first-use order, once
+    assert doc["target"] == {"backend": "cuda", "arch": 90, "warp_size": 32} and doc["triton"] == triton.__version__
+
+    cache = tmp_path / "precompiled"
+    cache.mkdir()
+    r = _precompile_cli(manifest, cache)
+    assert r.returncode == 0, r.stderr
+    assert "2 of 2 kernel specializations in Triton's cache" in r.stderr
+    filled = _entries(cache)
+    assert len(filled) == 2 and filled == _entries(tmp_path / "recorded")  # the same cache keys
+    assert _first_use(cache) == set()  # a new training process finds every kernel: nothing compiled
+
+    # The check can fail: a specialization the manifest lacks (another BLOCK) compiles on first use.
+    assert len(_first_use(cache, block=64)) == 1
+
+
+@needs_ptxas
+def test_a_changed_constant_precompiles_another_kernel(tmp_path):
+    """The manifest's constants reach the compile: the entry with BLOCK 64 fills the cache entry that a first use
+    with BLOCK 64 asks for, and not BLOCK 128's."""
+    manifest = tmp_path / "m.json"
+    _first_use(tmp_path / "recorded", record=manifest)
+    doc = precompile.load(manifest)
+    entry = doc["kernels"][0]
+    changed = {**entry, "constants": [[p, {"v": 64} if v == {"v": 128} else v] for p, v in entry["constants"]]}
+    assert changed != entry
+    manifest.write_text(json.dumps({**doc, "kernels": [changed]}))
+    cache = tmp_path / "other"
+    cache.mkdir()
+    assert _precompile_cli(manifest, cache, workers=1).returncode == 0
+    assert len(_first_use(cache, block=128)) == 2  # neither kernel was precompiled
+    assert len(_first_use(cache, block=64)) == 0  # the block-64 one was
+
+
+@needs_ptxas
+def test_start_compiles_in_the_background_once(tmp_path, monkeypatch, caplog):
+    manifest = tmp_path / "sm90.kernels.json"
+    _first_use(tmp_path / "recorded", record=manifest)
+    cache = tmp_path / "bg"
+    cache.mkdir()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    monkeypatch.setenv("TITAN_NVFP4_PRECOMPILE", str(manifest))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a GPU (the suite interprets kernels on the CPU)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(precompile, "_started", {})
+    monkeypatch.setattr("titan_nvfp4.kernels.shipped_tuning.gpu_class", lambda device_index: "sm90")
+    with caplog.at_level(logging.INFO, logger="titan_nvfp4"):
+        proc = precompile.start(0)
+    assert proc is not None and precompile.start(0) is proc  # once per process
+    assert proc.wait(timeout=300) == 0
+    assert "precompiling 2 Triton kernel specializations" in caplog.text
+    assert len(_entries(cache)) == 2
+    assert _first_use(cache) == set()
+
+
+def test_start_is_off_on_the_cpu_when_switched_off_and_off_rank_zero(monkeypatch, tmp_path):
+    manifest = tmp_path / "m.json"
+    manifest.write_text(json.dumps({"format": 1, "triton": triton.__version__, "target": None, "kernels": []}))
+    monkeypatch.setattr("titan_nvfp4.kernels.shipped_tuning.gpu_class", lambda device_index: "sm90")
+    cases = [({"TITAN_NVFP4_PRECOMPILE": str(manifest)}, None),  # a CPU run
+             ({"TITAN_NVFP4_PRECOMPILE": "0"}, 0),
+             ({"TITAN_NVFP4_PRECOMPILE": str(manifest), "LOCAL_RANK": "1"}, 0),
+             ({"TITAN_NVFP4_PRECOMPILE": str(manifest), "TRITON_INTERPRET": "1"}, 0),  # nothing compiles
+             ({"TITAN_NVFP4_PRECOMPILE": str(manifest)}, 0)]  # an empty manifest: nothing to do
+    for env, device in cases:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        monkeypatch.setattr(precompile, "_started", {})
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert precompile.start(device) is None, env
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("TITAN_NVFP4_PRECOMPILE", "1")
+    assert precompile.manifest_path("sm12345") is None  # no manifest shipped for that class
+
+
+def test_another_triton_versions_manifest_is_skipped_with_a_log_line(monkeypatch, tmp_path, caplog):
+    manifest = tmp_path / "m.json"
+    entry = {"module": "titan_nvfp4.kernels.expert_map", "name": "_block_experts_kernel", "signature": {},
+             "constants": [], "attrs": [], "options": {}}
+    manifest.write_text(json.dumps({"format": 1, "triton": "0.0.1", "target": {"backend": "cuda", "arch": 90,
+                                                                                 "warp_size": 32}, "kernels": [entry]}))
+    monkeypatch.setenv("TITAN_NVFP4_PRECOMPILE", str(manifest))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(precompile, "_started", {})
+    monkeypatch.setattr("titan_nvfp4.kernels.shipped_tuning.gpu_class", lambda device_index: "sm90")
+    with caplog.at_level(logging.INFO, logger="titan_nvfp4"):
+        assert precompile.start(0) is None
+    assert "lists Triton 0.0.1's specializations" in caplog.text and "compile on first use" in caplog.text
+    r = _precompile_cli(manifest, tmp_path / "cache")
+    assert r.returncode == 2 and "is for Triton 0.0.1" in r.stderr
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{", "not readable JSON"),
+    (json.dumps({"format": 2, "kernels": []}), "expected an object with \"format\": 1"),
+    (json.dumps({"format": 1, "triton": "x", "target": {"arch": 90}, "kernels": [{}]}), "expected \"target\""),
+    (json.dumps({"format": 1, "triton": "x", "target": {"backend": "cuda", "arch": 90, "warp_size": 32},
+                 "kernels": [{"module": "m"}]}), "kernel 0: expected the keys"),
+])
+def test_a_bad_manifest_is_refused_naming_the_file(tmp_path, text, match):
+    path = tmp_path / "bad.kernels.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=f"kernel manifest {path}: {match}"):
+        precompile.load(path)
+
+
+def test_the_tool_refuses_a_bad_manifest_in_one_line(tmp_path):
+    path = tmp_path / "bad.kernels.json"
+    path.write_text("{")
+    r = _precompile_cli(path, tmp_path / "cache")
+    assert r.returncode == 2 and str(path) in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "cache").exists()
+
+
+def test_merge_keeps_first_use_order_once_and_refuses_mixed_targets():
+    t = {"backend": "cuda", "arch": 90, "warp_size": 32}
+    a, b, c = ({"module": "m", "name": n, "signature": {}, "constants": [], "attrs": [], "options": {}} for n in "abc")
+    m = precompile.merge([{"format": 1, "triton": "3", "target": t, "kernels": [a, b]},
+                          {"format": 1, "triton": "3", "target": t, "kernels": [b, c]}])
+    assert [e["name"] for e in m["kernels"]] == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="among ones for Triton 3"):
+        precompile.merge([m, {**m, "target": {**t, "arch": 100}}])
+
+
+def test_conversion_starts_it_on_a_cuda_gpu_unless_the_backend_is_the_reference(monkeypatch):
+    """titan_nvfp4.convert (and TorchTitan's converters, through convert_dense / the 0.3 converter) call start with
+    the current CUDA device, after converting something."""
+    import titan_nvfp4
+    from titan_nvfp4 import conversion
+    calls = []
+    monkeypatch.setattr(conversion.precompile, "start", lambda device, log=None: calls.append(device))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(conversion, "require_backend_runs_here", lambda recipe, section: None)
+    titan_nvfp4.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), filter_fqns=[])
+    assert calls == [3]
+    titan_nvfp4.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), filter_fqns=[], gemm_backend="reference")
+    assert calls == [3]

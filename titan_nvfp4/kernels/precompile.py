@@ -1,0 +1,292 @@
+"""Compile this package's Triton kernels ahead of the first step, on several CPU cores at once.
+
+A cold start otherwise compiles each kernel specialization when the first step meets it, one after another on the
+training process. The package ships, per GPU class, a manifest of the specializations its job files compile
+(titan_nvfp4/kernels/tuned/<class>.kernels.json, recorded by scripts/tune_kernels.py with the shipped autotuning
+choices in place). At conversion ``start`` launches a background process that compiles them on a pool of
+processes into Triton's on-disk cache while the model is built; the first step then loads each kernel from that
+cache. A specialization the manifest lacks compiles on first use, as before.
+
+Precompiling changes no result: it is Triton's own compile of the same source, signature, constants and options,
+and the training process computes every cache key itself (a precompiled kernel it does not ask for is unused work).
+
+The background process is ``python -m titan_nvfp4.tools.precompile_kernels MANIFEST`` (usable by hand too).
+TITAN_NVFP4_PRECOMPILE: unset or 1, the package's manifest for this GPU's class (none: nothing to do); 0, off; any
+other value, the path of a manifest to use on every device.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import triton
+
+ENV = "TITAN_NVFP4_PRECOMPILE"
+FORMAT = 1
+#: the kernels recorded: those defined in this package's modules
+PACKAGE = "titan_nvfp4."
+LOG = logging.getLogger("titan_nvfp4")
+_MAX_WORKERS = 16
+
+
+# ---- encoding a specialization (JSON round trip that rebuilds the objects Triton hashes) ----------------------------
+
+def _encode_constant(value):
+    """A constexpr argument's value as JSON that ``_decode_constant`` turns back into an equal object of the same
+    type (the cache key hashes ``str`` of it); None for a value that cannot be written."""
+    import triton.language as tl
+    if value is None or type(value) in (bool, int, float, str):
+        return {"v": value}
+    if isinstance(value, tl.dtype):
+        return {"tl.dtype": str(value)}
+    if isinstance(value, tl.constexpr) and (value.value is None or type(value.value) in (bool, int, float, str)):
+        return {"constexpr": value.value}
+    return None
+
+
+def _decode_constant(doc):
+    import triton.language as tl
+    if "v" in doc:
+        return doc["v"]
+    if "tl.dtype" in doc:
+        return tl.dtype(doc["tl.dtype"])
+    return tl.constexpr(doc["constexpr"])
+
+
+def _tuples(x):
+    """JSON lists back to the tuples Triton built (options, signatures hold tuples, never lists)."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def entry_from_hook(fn, compile: dict) -> dict | None:
+    """A manifest entry from the arguments of Triton's ``jit_post_compile_hook``; None for a kernel outside this
+    package, one not reachable by module and name, or one with a constant that cannot be written."""
+    if not fn.module.startswith(PACKAGE) or "<locals>" in fn.name:
+        return None
+    constants = []
+    for path, value in compile["constants"].items():
+        enc = _encode_constant(value)
+        if enc is None:
+            return None
+        constants.append([list(path), enc])
+    attrs = [[list(path), value] for path, value in compile["configs"][0].items()]
+    options = json.loads(compile["specialization_data"])["options"]
+    return {"module": fn.module, "name": fn.name, "signature": compile["signature"], "constants": constants,
+            "attrs": attrs, "options": options}
+
+
+def source_and_options(entry: dict):
+    """(ASTSource, options dict) of a manifest entry, as the training process would build them."""
+    from triton.compiler import ASTSource
+    fn = kernel_function(entry["module"], entry["name"])
+    signature = {k: _tuples(v) for k, v in entry["signature"].items()}
+    constants = {tuple(path): _decode_constant(v) for path, v in entry["constants"]}
+    attrs = {tuple(path): value for path, value in entry["attrs"]}
+    options = {k: _tuples(v) for k, v in entry["options"].items()}
+    return ASTSource(fn, signature, constants, attrs), options
+
+
+def kernel_function(module: str, name: str):
+    """The ``triton.jit`` function named ``name`` in ``module`` (through an autotuner or heuristics over it)."""
+    from triton.runtime.jit import JITFunction
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    while not isinstance(obj, JITFunction) and hasattr(obj, "fn"):
+        obj = obj.fn
+    if not isinstance(obj, JITFunction):
+        raise TypeError(f"{module}.{name} is no triton.jit function")
+    return obj
+
+
+# ---- recording ----------------------------------------------------------------------------------------------------
+
+class Recording:
+    """The specializations of this package's kernels that Triton compiled (or loaded from its cache) while active,
+    in first-use order, each once."""
+
+    def __init__(self):
+        self.entries: list[dict] = []
+        self.skipped: set[str] = set()
+        self.target: dict | None = None
+        self._seen: set[str] = set()
+
+    def __call__(self, *, fn, compile, **_):
+        entry = entry_from_hook(fn, compile)
+        if entry is None:
+            if fn.module.startswith(PACKAGE):
+                self.skipped.add(f"{fn.module}.{fn.name}")
+            return None
+        if self.target is None:
+            from triton.runtime.driver import driver
+            t = driver.active.get_current_target()
+            self.target = {"backend": t.backend, "arch": t.arch, "warp_size": t.warp_size}
+        text = json.dumps(entry, sort_keys=True)
+        if text not in self._seen:
+            self._seen.add(text)
+            self.entries.append(entry)
+        return None
+
+    def manifest(self, **about) -> dict:
+        """The manifest document of what was recorded (``about``: what to note in it: job, command, date)."""
+        return {"format": FORMAT, "triton": triton.__version__, "target": self.target, **about,
+                "kernels": self.entries}
+
+
+@contextlib.contextmanager
+def recording():
+    """``with recording() as rec:`` run kernels; ``rec.manifest()`` lists what they compiled. Chains a hook that was
+    set before."""
+    from triton import knobs
+    rec = Recording()
+    before = knobs.runtime.jit_post_compile_hook
+
+    def hook(**kwargs):
+        rec(**kwargs)
+        return before(**kwargs) if before is not None else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield rec
+    finally:
+        knobs.runtime.jit_post_compile_hook = before
+
+
+def merge(manifests: list[dict]) -> dict:
+    """One manifest of several recordings of one target and Triton version (first-use order, each entry once)."""
+    if not manifests:
+        raise ValueError("merge: no manifest")
+    first = manifests[0]
+    seen, kernels = set(), []
+    for m in manifests:
+        if (m["triton"], m["target"]) != (first["triton"], first["target"]):
+            raise ValueError(f"merge: a manifest for Triton {m['triton']} on {m['target']} among ones for Triton "
+                             f"{first['triton']} on {first['target']}")
+        for entry in m["kernels"]:
+            text = json.dumps(entry, sort_keys=True)
+            if text not in seen:
+                seen.add(text)
+                kernels.append(entry)
+    return {**first, "kernels": kernels}
+
+
+# ---- reading and compiling ------------------------------------------------------------------------------------------
+
+def load(path: Path) -> dict:
+    """A manifest file, its layout checked (ValueError naming the file and what is wrong)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"kernel manifest {path}: not readable JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("kernels"), list):
+        raise ValueError(f"kernel manifest {path}: expected an object with \"format\": {FORMAT} and a \"kernels\" list")
+    if doc["kernels"] and not (isinstance(doc.get("target"), dict)
+                               and set(doc["target"]) == {"backend", "arch", "warp_size"}):
+        raise ValueError(f"kernel manifest {path}: expected \"target\": {{\"backend\", \"arch\", \"warp_size\"}}, "
+                         f"got {doc.get('target')!r}")
+    need = {"module", "name", "signature", "constants", "attrs", "options"}
+    for i, entry in enumerate(doc["kernels"]):
+        if not isinstance(entry, dict) or set(entry) != need:
+            raise ValueError(f"kernel manifest {path}: kernel {i}: expected the keys {sorted(need)}, got "
+                             f"{sorted(entry) if isinstance(entry, dict) else entry!r}")
+    return doc
+
+
+def manifest_path(gpu_class: str | None) -> Path | None:
+    """The manifest serving a GPU class (None: switched off, or none shipped for the class)."""
+    setting = os.environ.get(ENV, "1")
+    if setting in ("", "0"):
+        return None
+    if setting != "1":
+        return Path(setting)
+    from .shipped_tuning import TABLE_DIR
+    path = TABLE_DIR / f"{gpu_class}.kernels.json" if gpu_class else None
+    return path if path is not None and path.is_file() else None
+
+
+def _compile_one(args: tuple[dict, dict]) -> str | None:
+    """Compile one entry for ``target`` into Triton's cache (a pool task); None, or why it failed."""
+    entry, target = args
+    from triton.backends.compiler import GPUTarget
+    try:
+        src, options = source_and_options(entry)
+        triton.compile(src, target=GPUTarget(target["backend"], target["arch"], target["warp_size"]), options=options)
+        return None
+    except Exception as e:  # noqa: BLE001 (reported; the kernel then compiles on first use)
+        return f"{entry['module']}.{entry['name']}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def compile_all(doc: dict, workers: int) -> tuple[int, list[str]]:
+    """Compile every entry of a manifest on ``workers`` processes (forked after importing the kernels' modules, so
+    each starts warm); (kernels compiled, failures)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    for module in dict.fromkeys(e["module"] for e in doc["kernels"]):
+        importlib.import_module(module)
+    tasks = [(e, doc["target"]) for e in doc["kernels"]]
+    if workers <= 1 or len(tasks) <= 1:
+        results = [_compile_one(t) for t in tasks]
+    else:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            results = list(pool.map(_compile_one, tasks))  # in first-use order: the first step's kernels first
+    failures = [r for r in results if r is not None]
+    return len(tasks) - len(failures), failures
+
+
+def default_workers() -> int:
+    """All but one of this process's CPUs, at most 16."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(_MAX_WORKERS, n - 1))
+
+
+# ---- starting it from a training process ----------------------------------------------------------------------------
+
+_started: dict = {}
+
+
+def start(device_index: int | None, log=LOG) -> subprocess.Popen | None:
+    """Launch the background compile of the manifest for ``device_index``'s GPU class, once per process and only on
+    local rank 0 (the node's other ranks find the kernels in the same cache); None when there is nothing to do
+    (a CPU run, switched off, no manifest for this class, another Triton version: said in one log line)."""
+    if "proc" in _started:
+        return _started["proc"]
+    _started["proc"] = None
+    if device_index is None or int(os.environ.get("LOCAL_RANK", "0") or 0) != 0 or \
+            os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return None
+    from .shipped_tuning import gpu_class
+    path = manifest_path(gpu_class(device_index))
+    if path is None:
+        return None
+    doc = load(path)
+    if not doc["kernels"]:
+        return None
+    if doc["triton"] != triton.__version__:
+        log.info(f"NVFP4: kernels not precompiled: {path} lists Triton {doc['triton']}'s specializations, this is "
+                 f"Triton {triton.__version__} (they compile on first use)")
+        return None
+    workers = min(default_workers(), len(doc["kernels"]))
+    proc = subprocess.Popen([sys.executable, "-m", "titan_nvfp4.tools.precompile_kernels", str(path), "--workers",
+                             str(workers)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+    atexit.register(_stop, proc)
+    _started["proc"] = proc
+    log.info(f"NVFP4: precompiling {len(doc['kernels'])} Triton kernel specializations on {workers} processes in "
+             f"the background ({path.name}; {ENV}=0 turns it off)")
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """At exit: end a background compile still running (its pool too)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
