@@ -1,8 +1,10 @@
 """A stand-in training process for tests/test_precompile.py: with Triton's driver presenting an sm_90 GPU (compile
 only: nothing launches), specialize and compile two of the package's kernels as their launchers call them, into the
-Triton cache folder of the environment; with --record PATH, write what compiled as a precompile manifest.
+Triton cache folder of the environment; with --record PATH, write what compiled as a precompile manifest. With
+--gpu (tests/test_gpu.py): on the real GPU, a training step of two NVFP4Linears (bf16 autocast, M 4096, autotuned
+tiles and the shipped choices as training gets them) instead.
 
-    python tests/precompile_first_use.py [--block 128] [--record MANIFEST]
+    python tests/precompile_first_use.py [--block 128 | --gpu] [--record MANIFEST]
 """
 
 from __future__ import annotations
@@ -44,16 +46,34 @@ def first_use(block: int) -> None:
                                  GROUPED=False, G=4, BK=64, grid=(1,))
 
 
+def gpu_step() -> None:
+    """Forward and backward of two NVFP4Linears (1024 → 2048 → 1024) over 4096 bf16 tokens, then a second step."""
+    from titan_nvfp4 import NVFP4Linear
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(NVFP4Linear(1024, 2048, layer_id=0), torch.nn.GELU(),
+                                NVFP4Linear(2048, 1024, layer_id=1)).cuda()
+    x = torch.randn(4096, 1024, device="cuda")
+    for _ in range(2):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            model(x).float().square().mean().backward()
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--block", type=int, default=128)
+    p.add_argument("--gpu", action="store_true")
     p.add_argument("--record", type=Path)
     args = p.parse_args()
-    driver.set_active(Sm90Driver())
+    if not args.gpu:
+        driver.set_active(Sm90Driver())
     from titan_nvfp4.kernels import precompile
     with precompile.recording() as rec:
-        first_use(args.block)
-        first_use(args.block)  # met twice: recorded once
+        if args.gpu:
+            gpu_step()
+        else:
+            first_use(args.block)
+            first_use(args.block)  # met twice: recorded once
     if args.record:
         args.record.write_text(json.dumps(rec.manifest(job="tests/precompile_first_use.py")))
 

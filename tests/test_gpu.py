@@ -296,3 +296,34 @@ def test_ms_eden_codes_operand_on_gpu_is_bit_identical_to_cpu_reference(tiles):
         assert torch.equal(got.global_scale.cpu(), ref.global_scale)
         a = op_amax(qg, size=size, sign_seed=12, backend="emulated", pre_scale=pre.cuda(), transposed=True)
         assert torch.equal(a.cpu(), ms_eden_operand_amax(q, size=size, sign_seed=12, pre_scale=pre, transposed=True))
+
+@pytest.mark.skipif(torch.version.hip is not None, reason="precompile manifests are for CUDA GPUs")
+def test_precompiled_kernels_serve_a_real_step_without_compiling(tmp_path):
+    """Record the kernels of an NVFP4 training step, precompile them into an empty Triton cache on a process pool
+    (titan_nvfp4.tools.precompile_kernels), then run the step in a new process on that cache: it adds no entry,
+    so every specialization it met was precompiled under the key it asked for."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    base = {**os.environ, "PYTHONPATH": str(root), "TRITON_INTERPRET": "0", "TITAN_NVFP4_PRECOMPILE": "0"}
+    step = [sys.executable, str(root / "tests" / "precompile_first_use.py"), "--gpu"]
+    manifest, recorded, cache = tmp_path / "m.json", tmp_path / "recorded", tmp_path / "pre"
+    r = subprocess.run(step + ["--record", str(manifest)], env={**base, "TRITON_CACHE_DIR": str(recorded)},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from titan_nvfp4.kernels import precompile
+    n = len(precompile.load(manifest)["kernels"])
+    assert n >= 4
+    r = subprocess.run([sys.executable, "-m", "titan_nvfp4.tools.precompile_kernels", str(manifest)],
+                       env={**base, "TRITON_CACHE_DIR": str(cache)}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and f"{n} of {n} kernel specializations" in r.stderr, r.stderr[-3000:]
+    def kernels(folder):  # compiled kernels (autotuning choices are cached in the same folder)
+        return {d for d in os.listdir(folder) if any(f.endswith(".cubin") for f in os.listdir(folder / d))}
+    filled = kernels(cache)
+    assert len(filled) == n
+    r = subprocess.run(step, env={**base, "TRITON_CACHE_DIR": str(cache)}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    added = kernels(cache) - filled
+    assert not added, f"{len(added)} kernels compiled on first use despite the precompile: {sorted(added)[:5]}"
