@@ -5,7 +5,9 @@
 For each config C (train_configs/C_bf16.toml and C_nvfp4.toml) and mode (eager; compiled: --compile.enable), each
 arm runs `torchrun --standalone --nproc_per_node=1 -m torchtitan.train --job.config_file ... --training.steps N`
 twice: cold, with fresh empty TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR, then warm, with the caches the cold
-run filled. The NVFP4 arms use the shipped autotuning choices unless --shipped 0 (or both: --shipped 1 0).
+run filled. The NVFP4 arms use what the package ships for the GPU (--shipped 1: the autotuning choices and the
+background precompile of the kernel manifest); --shipped table: the choices only; --shipped 0: neither (several:
+one arm each, e.g. --shipped 1 table 0).
 Writes OUT_DIR/cold_start.md (the table; atomically), each run's log, and prints the table. Run it after
 `source scripts/device_setup.sh` and `python -m titan_nvfp4.data.prepare` (scripts/cold_start.sh does both).
 """
@@ -26,6 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"\bstep:\s*\d+")
 MODES = {"eager": [], "compiled": ["--compile.enable"]}
+#: --shipped value: (TITAN_NVFP4_SHIPPED_TUNING, TITAN_NVFP4_PRECOMPILE, the arm's name suffix, its label suffix)
+SHIPPED = {"1": ("1", "1", "", ""), "table": ("1", "0", "_noprecompile", " (shipped choices, no precompile)"),
+           "0": ("0", "0", "_noship", " (nothing shipped)")}
 
 
 def timed_run(cmd: list[str], env: dict, log: Path, timeout: float) -> tuple[float | None, float, int]:
@@ -53,8 +58,8 @@ def main() -> None:
     p.add_argument("out", type=Path, help="output folder (logs, cold_start.md)")
     p.add_argument("--configs", nargs="+", default=["llama3"], help="C of train_configs/C_{bf16,nvfp4}.toml")
     p.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=list(MODES))
-    p.add_argument("--shipped", nargs="+", default=["1"], choices=["1", "0"],
-                   help="NVFP4 arms with the shipped autotuning choices (1) and/or without (0)")
+    p.add_argument("--shipped", nargs="+", default=["1"], choices=list(SHIPPED),
+                   help="NVFP4 arms with the shipped choices and precompile (1), the choices only (table), neither (0)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--timeout", type=float, default=240, help="seconds per run before it is stopped (default 240)")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more TorchTitan arguments for every run")
@@ -72,11 +77,13 @@ def main() -> None:
         for mode in args.modes:
             arms = [("bf16", "1")] + [("nvfp4", s) for s in args.shipped]
             for arm, shipped in arms:
-                name = f"{c}_{arm}_{mode}" + ("" if arm == "bf16" or shipped == "1" else "_noship")
+                table, pre, suffix, label = SHIPPED[shipped]
+                name = f"{c}_{arm}_{mode}{suffix}"
                 caches = args.out / f"{name}.caches"
                 shutil.rmtree(caches, ignore_errors=True)
                 env = {**os.environ, "TRITON_CACHE_DIR": str(caches / "triton"),
-                       "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "TITAN_NVFP4_SHIPPED_TUNING": shipped}
+                       "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "TITAN_NVFP4_SHIPPED_TUNING": table,
+                       "TITAN_NVFP4_PRECOMPILE": pre}
                 cmd = ["torchrun", "--standalone", "--nproc_per_node=1", "-m", "torchtitan.train", "--job.config_file",
                        f"train_configs/{c}_{arm}.toml", "--training.steps", str(args.steps), *MODES[mode], *args.extra]
                 got = []
@@ -86,7 +93,7 @@ def main() -> None:
                           f"after {total:.1f} s", flush=True)
                     got.append((first, total, rc))
                 shutil.rmtree(caches, ignore_errors=True)
-                rows.append((c, mode, arm + ("" if arm == "bf16" or shipped == "1" else " (no shipped choices)"), got))
+                rows.append((c, mode, arm + label, got))
 
     def s(x):
         return "—" if x is None else f"{x:.1f}"
