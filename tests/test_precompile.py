@@ -135,6 +135,9 @@ def test_start_is_off_on_the_cpu_when_switched_off_and_off_rank_zero(monkeypatch
         monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setenv("TITAN_NVFP4_PRECOMPILE", "1")
     assert precompile.manifest_path("sm12345") is None  # no manifest shipped for that class
+    monkeypatch.setenv("TITAN_NVFP4_PRECOMPILE", str(tmp_path / "nope.json"))
+    with pytest.raises(ValueError, match=r"TITAN_NVFP4_PRECOMPILE=.*nope\.json: no such manifest file"):
+        precompile.manifest_path("sm90")
 
 
 def test_another_triton_versions_manifest_is_skipped_with_a_log_line(monkeypatch, tmp_path, caplog):

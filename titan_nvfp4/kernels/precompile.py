@@ -207,6 +207,8 @@ def manifest_path(gpu_class: str | None) -> Path | None:
     if setting in ("", "0"):
         return None
     if setting != "1":
+        if not Path(setting).is_file():
+            raise ValueError(f"{ENV}={setting}: no such manifest file (0 turns the precompile off)")
         return Path(setting)
     from .shipped_tuning import TABLE_DIR
     path = TABLE_DIR / f"{gpu_class}.kernels.json" if gpu_class else None
