@@ -194,3 +194,23 @@ def test_seed_spread_finds_an_injected_spike_and_needs_two_seeds(tmp_path, capsy
     with pytest.raises(SystemExit):
         seed_spread.main([*logs[:3], "--baseline", "a", "--recipe", "b"])
     assert "needs at least two seeds" in capsys.readouterr().err
+
+
+def test_sr_versus_init_spec_crosses_two_initialisations_with_four_rounding_streams(tmp_path, monkeypatch):
+    """configs/compare/sr_vs_init_386m.toml (issue 68's first question): sr_seed 0-3 at --debug.seed 42 and 44, its
+    sr_seed-0 pair being the kept nvfp4 and nvfp4_seed3 runs copied under the spec's names, as its comment says."""
+    monkeypatch.chdir(REPO)
+    spec = compare.load_spec(REPO / "configs/compare/sr_vs_init_386m.toml")
+
+    def sr_seed(arm):
+        o = list(arm.overrides)
+        return int(o[o.index("--quantize.linear.nvfp4.sr_seed") + 1]) if "--quantize.linear.nvfp4.sr_seed" in o else 0
+    got = {a.name: (spec.seed(a), sr_seed(a)) for a in spec.arms}
+    assert got == {f"nvfp4_sr{k}{suffix}": (seed, k) for k in range(4) for suffix, seed in (("", 42), ("_seed2", 44))}
+    spec.out = tmp_path / "kept"
+    spec.out.mkdir()
+    shutil.copy(KEPT / "nvfp4.log", spec.out / "nvfp4_sr0.log")
+    shutil.copy(KEPT / "nvfp4_seed3.log", spec.out / "nvfp4_sr0_seed2.log")
+    runs, val = _kept_runs(spec)
+    assert set(runs) == set(val) == {"nvfp4_sr0", "nvfp4_sr0_seed2"}  # the kept pair, read under the spec's names
+    assert max(val["nvfp4_sr0"]) == max(val["nvfp4_sr0_seed2"]) == 3000  # the protocol's statistic is there
