@@ -307,7 +307,8 @@ def test_precompiled_kernels_serve_a_real_step_without_compiling(tmp_path):
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
-    base = {**os.environ, "PYTHONPATH": str(root), "TRITON_INTERPRET": "0", "TITAN_NVFP4_PRECOMPILE": "0"}
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))  # the device's wheels too
+    base = {**os.environ, "PYTHONPATH": path, "TRITON_INTERPRET": "0", "TITAN_NVFP4_PRECOMPILE": "0"}
     step = [sys.executable, str(root / "tests" / "precompile_first_use.py"), "--gpu"]
     manifest, recorded, cache = tmp_path / "m.json", tmp_path / "recorded", tmp_path / "pre"
     r = subprocess.run(step + ["--record", str(manifest)], env={**base, "TRITON_CACHE_DIR": str(recorded)},

@@ -25,6 +25,11 @@ from titan_nvfp4.kernels import precompile  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _pythonpath() -> str:
+    """The checkout first, then the caller's PYTHONPATH (a device machine's wheel folder)."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
 def _can_compile_sm90() -> bool:
     import importlib.util
     return importlib.util.find_spec("triton.backends.nvidia") is not None
@@ -38,7 +43,7 @@ def _first_use(cache: Path, block: int = 128, record: Path | None = None) -> set
     (tests/precompile_first_use.py; ``record``: write the manifest of what compiled); the entries it added there."""
     cache.mkdir(exist_ok=True)
     before = _entries(cache)
-    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONPATH": _pythonpath()}
     cmd = [sys.executable, str(ROOT / "tests" / "precompile_first_use.py"), "--block", str(block)]
     r = subprocess.run(cmd + (["--record", str(record)] if record else []), env=env, capture_output=True, text=True,
                        timeout=300)
@@ -51,7 +56,7 @@ def _entries(cache: Path) -> set[str]:
 
 
 def _precompile_cli(manifest: Path, cache: Path, workers: int = 2) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "0"}
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONPATH": _pythonpath(), "TRITON_INTERPRET": "0"}
     return subprocess.run([sys.executable, "-m", "titan_nvfp4.tools.precompile_kernels", str(manifest), "--workers",
                            str(workers)], env=env, capture_output=True, text=True, timeout=300)
 
@@ -103,7 +108,7 @@ def test_start_compiles_in_the_background_once(tmp_path, monkeypatch, caplog):
     cache.mkdir()
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
     monkeypatch.setenv("TITAN_NVFP4_PRECOMPILE", str(manifest))
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("PYTHONPATH", _pythonpath())
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a GPU (the suite interprets kernels on the CPU)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setattr(precompile, "_started", {})
