@@ -53,6 +53,37 @@ def timed_run(cmd: list[str], env: dict, log: Path, timeout: float) -> tuple[flo
     return first, time.monotonic() - start, rc
 
 
+def report(out: Path, rows: list) -> str:
+    """The table of the arms run so far, written to OUT/cold_start.md (atomically: after every arm, so a call that
+    runs out of time keeps what it measured)."""
+    from titan_nvfp4.tools.atomic import write_text
+
+    import torch
+    import triton
+
+    def s(x):
+        return "—" if x is None else f"{x:.1f}"
+
+    gpu = [torch.cuda.get_device_name()] if torch.cuda.is_available() else []
+    lines = [f"# Cold and warm start, launch to the first step ({datetime.datetime.now(datetime.timezone.utc):%F %H:%M} UTC)",
+             "", f"GPU: {gpu[0] if gpu else '?'}; torch {torch.__version__}, triton {triton.__version__}; "
+             f"`python scripts/cold_start.py {' '.join(sys.argv[1:])}`", "",
+             "| job | mode | arm | cold: first step (s) | warm: first step (s) | cold: exit (s) | warm: exit (s) | "
+             "cold / BF16 | warm / BF16 |", "|---|---|---|---|---|---|---|---|---|"]
+    base = {}
+    for c, mode, arm, ((f1, t1, r1), (f2, t2, r2)) in rows:
+        if arm == "bf16":
+            base[(c, mode)] = (f1, f2)
+        b1, b2 = base.get((c, mode), (None, None))
+        ratio = lambda a, b: "—" if a is None or not b else f"{a / b:.2f}×"  # noqa: E731
+        bad = "" if r1 == r2 == 0 else f" (exit {r1}/{r2})"
+        lines.append(f"| {c} | {mode} | {arm}{bad} | {s(f1)} | {s(f2)} | {t1:.1f} | {t2:.1f} | {ratio(f1, b1)} | "
+                     f"{ratio(f2, b2)} |")
+    text = "\n".join(lines) + "\n"
+    write_text(out / "cold_start.md", text)
+    return text
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python scripts/cold_start.py", description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="output folder (logs, cold_start.md)")
@@ -70,7 +101,6 @@ def main() -> None:
                 raise SystemExit(f"cold_start: --configs {c}: no train_configs/{c}_{arm}.toml")
     args.out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))
-    from titan_nvfp4.tools.atomic import write_text
 
     rows = []
     for c in args.configs:
@@ -94,31 +124,8 @@ def main() -> None:
                     got.append((first, total, rc))
                 shutil.rmtree(caches, ignore_errors=True)
                 rows.append((c, mode, arm + label, got))
-
-    def s(x):
-        return "—" if x is None else f"{x:.1f}"
-
-    import torch
-    import triton
-    gpu = [torch.cuda.get_device_name()] if torch.cuda.is_available() else []
-    lines = [f"# Cold and warm start, launch to the first step ({datetime.datetime.now(datetime.timezone.utc):%F %H:%M} UTC)",
-             "", f"GPU: {gpu[0] if gpu else '?'}; torch {torch.__version__}, triton {triton.__version__}; "
-             f"`python scripts/cold_start.py {' '.join(sys.argv[1:])}`", "",
-             "| job | mode | arm | cold: first step (s) | warm: first step (s) | cold: exit (s) | warm: exit (s) | "
-             "cold / BF16 | warm / BF16 |", "|---|---|---|---|---|---|---|---|---|"]
-    base = {}
-    for c, mode, arm, ((f1, t1, r1), (f2, t2, r2)) in rows:
-        if arm == "bf16":
-            base[(c, mode)] = (f1, f2)
-        b1, b2 = base.get((c, mode), (None, None))
-        ratio = lambda a, b: "—" if a is None or not b else f"{a / b:.2f}×"  # noqa: E731
-        bad = "" if r1 == r2 == 0 else f" (exit {r1}/{r2})"
-        lines.append(f"| {c} | {mode} | {arm}{bad} | {s(f1)} | {s(f2)} | {t1:.1f} | {t2:.1f} | {ratio(f1, b1)} | "
-                     f"{ratio(f2, b2)} |")
-    text = "\n".join(lines) + "\n"
-    write_text(args.out / "cold_start.md", text)
+                text = report(args.out, rows)
     print(text)
-
 
 if __name__ == "__main__":
     main()
