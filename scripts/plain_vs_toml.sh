@@ -3,8 +3,10 @@
 # torchtitan.train) on one GPU: the same Llama3 flavor, recipe, local batch, sequence and mode, NVFP4 both.
 # From the repo root of a device machine (".whl" carried):
 #
-#   [CONFIG=llama3_2b_bench] [BATCH=16] [STEPS=60] [SKIP=10] bash scripts/plain_vs_toml.sh OUT_DIR [--compile]
+#   [CONFIG=llama3_2b_bench] [BATCH=16] [STEPS=60] [SKIP=10] [TOML_EXTRA="..."] bash scripts/plain_vs_toml.sh OUT_DIR [--compile]
 #
+# TOML_EXTRA: more torchtitan.train arguments (e.g. "--training.dataloader.num_workers 1": the data loader off the
+# training process, as the loop's host-made batches are).
 # --compile: TorchTitan's --compile.enable and the loop's per-block torch.compile, both with
 # TORCHINDUCTOR_CUDAGRAPHS=1. OUT_DIR gets both logs and plain_vs_toml.md: TorchTitan's tokens/s logged every 10
 # steps (its job files' cadence: no step waits for the GPU but the logged ones), the median of the intervals after
@@ -25,7 +27,7 @@ if (( compile )); then export TORCHINDUCTOR_CUDAGRAPHS=1; tt=(--compile.enable);
 start=$(date +%s)
 timeout --kill-after=30 "${ARM_TIMEOUT:-240}" torchrun --standalone --nproc_per_node=1 -m torchtitan.train \
   --job.config_file "$toml" --training.local_batch_size "$batch" --training.steps "$steps" --metrics.log_freq 10 \
-  "${tt[@]}" > "$out/toml.log" 2>&1
+  "${tt[@]}" ${TOML_EXTRA:-} > "$out/toml.log" 2>&1
 echo "== TOML path: exit $? in $(( $(date +%s) - start )) s"
 start=$(date +%s)
 timeout --kill-after=30 "${ARM_TIMEOUT:-240}" python docs/plain_pytorch_loop.py --flavor "$flavor" --seq "$seq" \
@@ -38,6 +40,7 @@ toml_tps=$(grep -oE "step: +[0-9]+ .*tps: +[0-9,]+" "$out/toml.log" | awk -v s="
 plain_tps=$(grep -oE "tokens/s [0-9.]+" "$out/plain.log" | awk '{print $2}')
 {
   echo "# Plain-PyTorch loop vs TOML path: $config ($flavor), batch $batch, seq $seq, $steps steps, compile=$compile, $(date -u '+%F %H:%M UTC')"
+  [[ -n ${TOML_EXTRA:-} ]] && echo && echo "TorchTitan arguments added: \`${TOML_EXTRA}\`"
   echo
   echo "GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
   echo
