@@ -192,11 +192,24 @@ def record_kernels(args, table: Path, runs: list[tuple[str, str]], scratch: Path
 
     manifests = []
     if args.base is not None and kernels_path(args.base).is_file():
-        manifests.append(precompile.load(kernels_path(args.base)))
-    for job, mode in runs:
-        got = run_job(job, mode, args.steps, args.extra, scratch, args.timeout, table=table.resolve())
-        print(f"{job} ({mode}): {len(got['kernels'])} kernel specializations compiled", flush=True)
-        manifests.append(got)
+        kept = precompile.load(kernels_path(args.base))
+        if kept["triton"] == triton.__version__:
+            manifests.append(kept)
+        else:
+            print(f"tune_kernels: {kernels_path(args.base)} is for Triton {kept['triton']}: not merged", flush=True)
+    try:
+        for job, mode in runs:
+            got = run_job(job, mode, args.steps, args.extra, scratch, args.timeout, table=table.resolve())
+            print(f"{job} ({mode}): {len(got['kernels'])} kernel specializations compiled"
+                  + (f"; not recordable: {', '.join(got['not_recorded'])}" if got.get("not_recorded") else ""),
+                  flush=True)
+            manifests.append(got)
+    except (SystemExit, subprocess.TimeoutExpired):
+        stale = kernels_path(table)
+        if stale.is_file():  # it lists the old table's choices
+            stale.unlink()
+            print(f"tune_kernels: removed {stale}, which listed the kernels of the table before this one", flush=True)
+        raise
     doc = precompile.merge(manifests)
     if doc["triton"] != triton.__version__:
         raise SystemExit(f"tune_kernels: the runs used Triton {doc['triton']}, this process has {triton.__version__}")

@@ -321,7 +321,8 @@ def test_precompiled_kernels_serve_a_real_step_without_compiling(tmp_path):
                        env={**base, "TRITON_CACHE_DIR": str(cache)}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and f"{n} of {n} kernel specializations" in r.stderr, r.stderr[-3000:]
     def kernels(folder):  # compiled kernels (autotuning choices are cached in the same folder)
-        return {d for d in os.listdir(folder) if any(f.endswith(".cubin") for f in os.listdir(folder / d))}
+        return {d for d in os.listdir(folder) if (folder / d).is_dir()
+                and any(f.endswith(".cubin") for f in os.listdir(folder / d))}
     filled = kernels(cache)
     assert len(filled) == n
     r = subprocess.run(step, env={**base, "TRITON_CACHE_DIR": str(cache)}, capture_output=True, text=True, timeout=600)

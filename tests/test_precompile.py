@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,51 +62,64 @@ def _precompile_cli(manifest: Path, cache: Path, workers: int = 2) -> subprocess
                            str(workers)], env=env, capture_output=True, text=True, timeout=300)
 
 
+def _tool(manifest: Path, cache: Path, monkeypatch, capsys) -> tuple[int, str]:
+    """The precompile tool run in this process (its checks and messages; no compile forks here): (exit, stderr)."""
+    from titan_nvfp4.tools import precompile_kernels
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    capsys.readouterr()
+    rc = precompile_kernels.main([str(manifest), "--workers", "1"])
+    return rc, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """(manifest, cache folder) of one stand-in training process's first use, recorded."""
+    tmp = tmp_path_factory.mktemp("recorded")
+    manifest = tmp / "sm90.kernels.json"
+    assert len(_first_use(tmp / "cache", record=manifest)) == 2
+    return manifest, tmp / "cache"
+
+
 @needs_ptxas
-def test_precompiled_kernels_are_the_ones_the_first_use_asks_for(tmp_path):
-    manifest = tmp_path / "sm90.kernels.json"
-    assert len(_first_use(tmp_path / "recorded", record=manifest)) == 2
+def test_precompiled_kernels_are_the_ones_the_first_use_asks_for(recorded, tmp_path):
+    manifest, first = recorded
     doc = precompile.load(manifest)
     assert [e["name"] for e in doc["kernels"]] == ["_block_experts_kernel", "_amax_kernel"]  # first-use order, once
     assert doc["target"] == {"backend": "cuda", "arch": 90, "warp_size": 32} and doc["triton"] == triton.__version__
+    install = str(Path(triton.__file__).resolve().parent)
+    assert install not in manifest.read_text()  # no path of this install (libdevice's): usable by any other
 
     cache = tmp_path / "precompiled"
-    cache.mkdir()
     r = _precompile_cli(manifest, cache)
     assert r.returncode == 0, r.stderr
     assert "2 of 2 kernel specializations in Triton's cache" in r.stderr
-    filled = _entries(cache)
-    assert len(filled) == 2 and filled == _entries(tmp_path / "recorded")  # the same cache keys
+    filled = _entries(cache) - {"titan_nvfp4_precompile.lock"}
+    assert len(filled) == 2 and filled == _entries(first)  # the cache keys the first use made
     assert _first_use(cache) == set()  # a new training process finds every kernel: nothing compiled
-
-    # The check can fail: a specialization the manifest lacks (another BLOCK) compiles on first use.
-    assert len(_first_use(cache, block=64)) == 1
 
 
 @needs_ptxas
-def test_a_changed_constant_precompiles_another_kernel(tmp_path):
-    """The manifest's constants reach the compile: the entry with BLOCK 64 fills the cache entry that a first use
-    with BLOCK 64 asks for, and not BLOCK 128's."""
-    manifest = tmp_path / "m.json"
-    _first_use(tmp_path / "recorded", record=manifest)
+def test_a_changed_constant_precompiles_that_kernel_and_a_missing_one_compiles_on_first_use(recorded, tmp_path):
+    """The manifest's constants reach the compile: an entry changed to BLOCK 64 serves a first use with BLOCK 64;
+    the amax kernel, left out of that manifest, is compiled by the first use itself."""
+    manifest, _ = recorded
     doc = precompile.load(manifest)
     entry = doc["kernels"][0]
     changed = {**entry, "constants": [[p, {"v": 64} if v == {"v": 128} else v] for p, v in entry["constants"]]}
     assert changed != entry
-    manifest.write_text(json.dumps({**doc, "kernels": [changed]}))
+    other = tmp_path / "m.json"
+    other.write_text(json.dumps({**doc, "kernels": [changed]}))
     cache = tmp_path / "other"
-    cache.mkdir()
-    assert _precompile_cli(manifest, cache, workers=1).returncode == 0
-    assert len(_first_use(cache, block=128)) == 2  # neither kernel was precompiled
-    assert len(_first_use(cache, block=64)) == 0  # the block-64 one was
+    assert _precompile_cli(other, cache, workers=1).returncode == 0
+    added = _first_use(cache, block=64)
+    assert len(added) == 1  # the amax kernel; the block-64 one was there
 
 
 @needs_ptxas
-def test_start_compiles_in_the_background_once(tmp_path, monkeypatch, caplog):
-    manifest = tmp_path / "sm90.kernels.json"
-    _first_use(tmp_path / "recorded", record=manifest)
+def test_start_compiles_in_the_background_once(recorded, tmp_path, monkeypatch, caplog):
+    manifest, first = recorded
     cache = tmp_path / "bg"
-    cache.mkdir()
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
     monkeypatch.setenv("TITAN_NVFP4_PRECOMPILE", str(manifest))
     monkeypatch.setenv("PYTHONPATH", _pythonpath())
@@ -117,9 +131,80 @@ def test_start_compiles_in_the_background_once(tmp_path, monkeypatch, caplog):
         proc = precompile.start(0)
     assert proc is not None and precompile.start(0) is proc  # once per process
     assert proc.wait(timeout=300) == 0
-    assert "precompiling 2 Triton kernel specializations" in caplog.text
-    assert len(_entries(cache)) == 2
-    assert _first_use(cache) == set()
+    assert "precompiling 2 Triton kernel specializations" in caplog.text and f"into {cache}" in caplog.text
+    assert _entries(cache) - {"titan_nvfp4_precompile.lock"} == _entries(first)
+
+
+def test_start_points_every_rank_at_one_cache_folder(monkeypatch, tmp_path):
+    """Where TRITON_CACHE_DIR is unset, start sets it to Triton's default on every rank (inductor would otherwise
+    move the training process to a per-device folder of its own); a set one is kept."""
+    from triton import knobs
+    manifest = tmp_path / "m.json"
+    entry = {"module": "titan_nvfp4.kernels.expert_map", "name": "_block_experts_kernel", "signature": {},
+             "constants": [], "attrs": [], "options": {}}
+    manifest.write_text(json.dumps({"format": 1, "triton": triton.__version__, "kernels": [entry],
+                                    "target": {"backend": "cuda", "arch": 90, "warp_size": 32}}))
+    monkeypatch.setenv("TITAN_NVFP4_PRECOMPILE", str(manifest))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("LOCAL_RANK", "1")  # not the node's first rank: nothing launched
+    monkeypatch.setattr("titan_nvfp4.kernels.shipped_tuning.gpu_class", lambda device_index: "sm90")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    default = knobs.cache.dir
+    monkeypatch.setattr(precompile, "_started", {})
+    assert precompile.start(0) is None and os.environ["TRITON_CACHE_DIR"] == default
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setattr(precompile, "_started", {})
+    assert precompile.start(0) is None and os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_the_compile_ends_with_the_process_that_started_it(tmp_path):
+    """A training process killed (torchrun ends its process group; the compile runs in its own session) takes its
+    background compile with it: --stop-with watches the parent."""
+    pid_file = tmp_path / "pid"
+    child = ("import os, sys, time; from titan_nvfp4.tools.precompile_kernels import _stop_with; "
+             f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); _stop_with(os.getppid()); time.sleep(120)")
+    parent = ("import subprocess, sys, time; "
+              f"subprocess.Popen([sys.executable, '-c', {child!r}], start_new_session=True); time.sleep(120)")
+    env = {**os.environ, "PYTHONPATH": _pythonpath()}
+    p = subprocess.Popen([sys.executable, "-c", parent], env=env)
+    deadline = time.monotonic() + 120
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.2)
+    pid = int(pid_file.read_text())
+    os.kill(pid, 0)  # running
+    p.kill()  # SIGKILL: no atexit, no cleanup in the parent
+    p.wait()
+    while _alive(pid):
+        assert time.monotonic() < deadline, "the compile outlived its training process"
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped by init) is gone
+        return f.read().split(") ")[-1][0] != "Z"
+
+
+def test_one_compile_per_cache_folder_and_a_missing_module_is_a_failure_line(tmp_path, monkeypatch, capsys):
+    import fcntl
+    manifest = tmp_path / "m.json"
+    entry = {"module": "titan_nvfp4.kernels.no_such_module", "name": "k", "signature": {}, "constants": [],
+             "attrs": [], "options": {}}
+    manifest.write_text(json.dumps({"format": 1, "triton": triton.__version__, "kernels": [entry],
+                                    "target": {"backend": "cuda", "arch": 90, "warp_size": 32}}))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with open(cache / "titan_nvfp4_precompile.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        rc, err = _tool(manifest, cache, monkeypatch, capsys)
+    assert rc == 0 and "another precompile is filling" in err
+    rc, err = _tool(manifest, cache, monkeypatch, capsys)
+    assert rc == 0 and "failed: titan_nvfp4.kernels.no_such_module: ModuleNotFoundError" in err
+    assert "0 of 1 kernel specializations" in err
 
 
 def test_start_is_off_on_the_cpu_when_switched_off_and_off_rank_zero(monkeypatch, tmp_path):
@@ -145,7 +230,7 @@ def test_start_is_off_on_the_cpu_when_switched_off_and_off_rank_zero(monkeypatch
         precompile.manifest_path("sm90")
 
 
-def test_another_triton_versions_manifest_is_skipped_with_a_log_line(monkeypatch, tmp_path, caplog):
+def test_another_triton_versions_manifest_is_skipped_with_a_log_line(monkeypatch, tmp_path, caplog, capsys):
     manifest = tmp_path / "m.json"
     entry = {"module": "titan_nvfp4.kernels.expert_map", "name": "_block_experts_kernel", "signature": {},
              "constants": [], "attrs": [], "options": {}}
@@ -158,8 +243,8 @@ def test_another_triton_versions_manifest_is_skipped_with_a_log_line(monkeypatch
     with caplog.at_level(logging.INFO, logger="titan_nvfp4"):
         assert precompile.start(0) is None
     assert "lists Triton 0.0.1's specializations" in caplog.text and "compile on first use" in caplog.text
-    r = _precompile_cli(manifest, tmp_path / "cache")
-    assert r.returncode == 2 and "is for Triton 0.0.1" in r.stderr
+    rc, err = _tool(manifest, tmp_path / "cache", monkeypatch, capsys)
+    assert rc == 2 and "is for Triton 0.0.1" in err
 
 
 @pytest.mark.parametrize("text, match", [
@@ -176,11 +261,11 @@ def test_a_bad_manifest_is_refused_naming_the_file(tmp_path, text, match):
         precompile.load(path)
 
 
-def test_the_tool_refuses_a_bad_manifest_in_one_line(tmp_path):
+def test_the_tool_refuses_a_bad_manifest_in_one_line(tmp_path, monkeypatch, capsys):
     path = tmp_path / "bad.kernels.json"
     path.write_text("{")
-    r = _precompile_cli(path, tmp_path / "cache")
-    assert r.returncode == 2 and str(path) in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    rc, err = _tool(path, tmp_path / "cache", monkeypatch, capsys)
+    assert rc == 2 and str(path) in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "cache").exists()
 
 
@@ -200,6 +285,8 @@ def test_conversion_starts_it_on_a_cuda_gpu_unless_the_backend_is_the_reference(
     import titan_nvfp4
     from titan_nvfp4 import conversion
     calls = []
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(conversion.precompile, "_started", {})
     monkeypatch.setattr(conversion.precompile, "start", lambda device, log=None: calls.append(device))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)

@@ -57,7 +57,8 @@ def require_backend_runs_here(recipe: NVFP4Recipe, section: str) -> None:
 def start_precompile(recipe: NVFP4Recipe, log=LOG) -> None:
     """Compile the shipped kernel specializations for this GPU in the background while the model is built
     (kernels/precompile.py), when this run launches Triton kernels on a CUDA GPU."""
-    if recipe.gemm_backend != "reference" and torch.cuda.is_available() and torch.version.hip is None:
+    if recipe.gemm_backend != "reference" and precompile.wanted() and torch.cuda.is_available() \
+            and torch.version.hip is None:
         precompile.start(torch.cuda.current_device(), log)
 
 

@@ -80,6 +80,8 @@ def entry_from_hook(fn, compile: dict) -> dict | None:
         constants.append([list(path), enc])
     attrs = [[list(path), value] for path, value in compile["configs"][0].items()]
     options = json.loads(compile["specialization_data"])["options"]
+    # libdevice's path is this install's; the compiling process fills in its own (the key hashes the file's bytes)
+    options.pop("extern_libs", None)
     return {"module": fn.module, "name": fn.name, "signature": compile["signature"], "constants": constants,
             "attrs": attrs, "options": options}
 
@@ -112,7 +114,8 @@ def kernel_function(module: str, name: str):
 
 class Recording:
     """The specializations of this package's kernels that Triton compiled (or loaded from its cache) while active,
-    in first-use order, each once."""
+    in first-use order, each once; ``skipped``: this package's kernels that could not be written (a constant of
+    another type, a kernel made inside a function), which then compile on first use."""
 
     def __init__(self):
         self.entries: list[dict] = []
@@ -139,7 +142,7 @@ class Recording:
     def manifest(self, **about) -> dict:
         """The manifest document of what was recorded (``about``: what to note in it: job, command, date)."""
         return {"format": FORMAT, "triton": triton.__version__, "target": self.target, **about,
-                "kernels": self.entries}
+                "not_recorded": sorted(self.skipped), "kernels": self.entries}
 
 
 @contextlib.contextmanager
@@ -176,7 +179,8 @@ def merge(manifests: list[dict]) -> dict:
             if text not in seen:
                 seen.add(text)
                 kernels.append(entry)
-    return {**first, "kernels": kernels}
+    not_recorded = sorted({k for m in manifests for k in m.get("not_recorded", [])})
+    return {**first, "not_recorded": not_recorded, "kernels": kernels}
 
 
 # ---- reading and compiling ------------------------------------------------------------------------------------------
@@ -187,8 +191,10 @@ def load(path: Path) -> dict:
         doc = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"kernel manifest {path}: not readable JSON ({e})") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("kernels"), list):
-        raise ValueError(f"kernel manifest {path}: expected an object with \"format\": {FORMAT} and a \"kernels\" list")
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("kernels"), list) \
+            or not isinstance(doc.get("triton"), str):
+        raise ValueError(f"kernel manifest {path}: expected an object with \"format\": {FORMAT}, \"triton\" (the "
+                         f"version) and a \"kernels\" list")
     if doc["kernels"] and not (isinstance(doc.get("target"), dict)
                                and set(doc["target"]) == {"backend", "arch", "warp_size"}):
         raise ValueError(f"kernel manifest {path}: expected \"target\": {{\"backend\", \"arch\", \"warp_size\"}}, "
@@ -229,19 +235,29 @@ def _compile_one(args: tuple[dict, dict]) -> str | None:
 
 def compile_all(doc: dict, workers: int) -> tuple[int, list[str]]:
     """Compile every entry of a manifest on ``workers`` processes (forked after importing the kernels' modules, so
-    each starts warm); (kernels compiled, failures)."""
+    each starts warm); (kernels compiled, failures). A module that does not import (its entries are skipped) or a
+    worker that dies (the pool's remaining work is lost) is a failure line, not an exception."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    failures, missing = [], set()
     for module in dict.fromkeys(e["module"] for e in doc["kernels"]):
-        importlib.import_module(module)
-    tasks = [(e, doc["target"]) for e in doc["kernels"]]
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 (a manifest naming a module this install lacks)
+            missing.add(module)
+            failures.append(f"{module}: {type(e).__name__}: {e} (its kernels skipped)")
+    tasks = [(e, doc["target"]) for e in doc["kernels"] if e["module"] not in missing]
     if workers <= 1 or len(tasks) <= 1:
         results = [_compile_one(t) for t in tasks]
     else:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            results = list(pool.map(_compile_one, tasks))  # in first-use order: the first step's kernels first
-    failures = [r for r in results if r is not None]
-    return len(tasks) - len(failures), failures
+        try:
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+                results = list(pool.map(_compile_one, tasks))  # in first-use order: the first step's kernels first
+        except BrokenProcessPool as e:
+            return 0, failures + [f"a compile process died ({e}): the kernels compile on first use"]
+    errors = [r for r in results if r is not None]
+    return len(tasks) - len(errors), failures + errors
 
 
 def default_workers() -> int:
@@ -255,14 +271,24 @@ def default_workers() -> int:
 _started: dict = {}
 
 
+def wanted() -> bool:
+    """Whether ``start`` may have work: not switched off, not interpreting, not started yet (checks that need no GPU,
+    so that a caller asks for the device, which initializes CUDA, only then)."""
+    return ("proc" not in _started and os.environ.get(ENV, "1") not in ("", "0")
+            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+
+
 def start(device_index: int | None, log=LOG) -> subprocess.Popen | None:
     """Launch the background compile of the manifest for ``device_index``'s GPU class, once per process and only on
-    local rank 0 (the node's other ranks find the kernels in the same cache); None when there is nothing to do
-    (a CPU run, switched off, no manifest for this class, another Triton version: said in one log line)."""
+    a node's first rank (the others find the kernels in the same cache); None when there is nothing to do (a CPU
+    run, switched off, the interpreter, no manifest for this class, another Triton version: said in one log line).
+
+    Where TRITON_CACHE_DIR is unset, it is set (on every rank) to Triton's default folder: otherwise inductor, on its
+    first compile, points this process at a per-device folder of its own, where the precompiled kernels are not."""
     if "proc" in _started:
         return _started["proc"]
     _started["proc"] = None
-    if device_index is None or int(os.environ.get("LOCAL_RANK", "0") or 0) != 0 or \
+    if device_index is None or os.environ.get(ENV, "1") in ("", "0") or \
             os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return None
     from .shipped_tuning import gpu_class
@@ -276,14 +302,21 @@ def start(device_index: int | None, log=LOG) -> subprocess.Popen | None:
         log.info(f"NVFP4: kernels not precompiled: {path} lists Triton {doc['triton']}'s specializations, this is "
                  f"Triton {triton.__version__} (they compile on first use)")
         return None
+    if os.environ.get("TRITON_CACHE_DIR") is None:
+        from triton import knobs
+        os.environ["TRITON_CACHE_DIR"] = knobs.cache.dir
+    if int(os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or 0) != 0:
+        return None
     workers = min(default_workers(), len(doc["kernels"]))
+    root = str(Path(__file__).resolve().parents[2])  # the titan_nvfp4 this process runs, not another on sys.path
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "titan_nvfp4.tools.precompile_kernels", str(path), "--workers",
-                             str(workers)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+                             str(workers), "--stop-with", str(os.getpid())],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env, start_new_session=True)
     atexit.register(_stop, proc)
     _started["proc"] = proc
     log.info(f"NVFP4: precompiling {len(doc['kernels'])} Triton kernel specializations on {workers} processes in "
-             f"the background ({path.name}; {ENV}=0 turns it off)")
+             f"the background into {os.environ['TRITON_CACHE_DIR']} ({path.name}; {ENV}=0 turns it off)")
     return proc
 
 
