@@ -6,36 +6,21 @@ keeps the setting it started with)."""
 
 from __future__ import annotations
 
-import json
-import random
-
 import pytest
 import torch
 
 import titan_nvfp4.integration  # noqa: F401
-from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.config import JobConfig
-from torchtitan.hf_datasets import DatasetConfig
-from torchtitan.hf_datasets.text_datasets import DATASETS, build_text_dataloader
-from export_helpers import tokenizer as make_tokenizer
+from torchtitan.hf_datasets.text_datasets import build_text_dataloader
+from text_corpus_helpers import register_corpus, unregister
 
-WORDS = "the of and a to in is you that it he was for on are as with his they at be this have from".split()
 NAME = "dataloader_worker_test"
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    from datasets import load_dataset
-
-    tmp = tmp_path_factory.mktemp("dataloader_worker")
-    rng = random.Random(0)
-    path = tmp / "train.jsonl"
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 80)))}) + "\n"
-                            for _ in range(300)))
-    DATASETS[NAME] = DatasetConfig(path=str(path), loader=lambda p: load_dataset("json", data_files=p, split="train"),
-                                   sample_processor=lambda s: s["text"])
-    yield HuggingFaceTokenizer(str(make_tokenizer(tmp / "assets")))
-    DATASETS.pop(NAME, None)
+    yield register_corpus(tmp_path_factory.mktemp("dataloader_worker"), NAME, docs=300, max_words=80)
+    unregister(NAME)
 
 
 def _loader(tok, workers: int):

@@ -5,39 +5,25 @@ is over the same batches, the ones a fresh loader gives first."""
 
 from __future__ import annotations
 
-import json
-import random
 
 import pytest
 import torch
 
 import titan_nvfp4.integration  # noqa: F401  (applies the fixes)
 from torchtitan.components.loss import cross_entropy_loss
-from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.config import JobConfig
-from torchtitan.hf_datasets import DatasetConfig
-from torchtitan.hf_datasets.text_datasets import DATASETS, build_text_validation_dataloader
-from export_helpers import tokenizer as make_tokenizer
+from torchtitan.hf_datasets.text_datasets import build_text_validation_dataloader
+from text_corpus_helpers import register_corpus, unregister
 from validator_helpers import cpu_validator, validate_on_cpu
 
-WORDS = "the of and a to in is you that it he was for on are as with his they at be this have from".split()
 NAME = "validation_rounds_test"
 
 
 @pytest.fixture(scope="module")
 def split(tmp_path_factory):
     """A 40-document held-out split registered as a TorchTitan dataset, and its tokenizer."""
-    from datasets import load_dataset
-
-    tmp = tmp_path_factory.mktemp("validation_rounds")
-    rng = random.Random(0)
-    path = tmp / "validation.jsonl"
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40)))}) + "\n"
-                            for _ in range(40)))
-    DATASETS[NAME] = DatasetConfig(path=str(path), loader=lambda p: load_dataset("json", data_files=p, split="train"),
-                                   sample_processor=lambda s: s["text"])
-    yield HuggingFaceTokenizer(str(make_tokenizer(tmp / "assets")))
-    DATASETS.pop(NAME, None)
+    yield register_corpus(tmp_path_factory.mktemp("validation_rounds"), NAME, docs=40, max_words=40)
+    unregister(NAME)
 
 
 class _Model(torch.nn.Module):
