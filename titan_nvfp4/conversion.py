@@ -187,7 +187,6 @@ def convert_routed_experts(model: nn.Module, knobs: GroupedKnobs, steps: Section
         return []
     if report["converted"]:
         start_precompile(recipe, log)
-    if report["converted"]:
         experts = report["converted"] + [fqn for fqn, _ in report["skipped"]]
         warn_unmatched(log, section, "fqns", knobs.fqns, experts, "routed-expert module")
     if not report["converted"]:

@@ -285,11 +285,10 @@ def start(device_index: int | None, log=LOG) -> subprocess.Popen | None:
 
     Where TRITON_CACHE_DIR is unset, it is set (on every rank) to Triton's default folder: otherwise inductor, on its
     first compile, points this process at a per-device folder of its own, where the precompiled kernels are not."""
-    if "proc" in _started:
-        return _started["proc"]
+    if not wanted():
+        return _started.get("proc")
     _started["proc"] = None
-    if device_index is None or os.environ.get(ENV, "1") in ("", "0") or \
-            os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if device_index is None:
         return None
     from .shipped_tuning import gpu_class
     path = manifest_path(gpu_class(device_index))
