@@ -120,7 +120,7 @@ except Exception as e:  # reported again by the import check
 required = ["torch", "triton", "numpy", "torchtitan.train", "datasets", "torchdata", "tyro", "tomli",
             "pyarrow", "pandas", "xxhash", "fsspec", "requests", "tqdm", "filelock", "huggingface_hub",
             "dill", "multiprocess", "yaml", "tokenizers", "einops", "PIL", "tensorboard"]
-optional = ["torchao", "pytest", "titan_nvfp4"]
+optional = ["torchao", "pytest", "titan_nvfp4", "transformers", "compressed_tensors"]
 failed = []
 for mod in required + optional:
     try:
