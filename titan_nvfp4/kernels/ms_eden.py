@@ -56,7 +56,13 @@ def _e4m3_value_of_byte(b):
     mag = b & 0x7F
     v = _e4m3_from_byte(tl.minimum(mag, 0x7E))
     v = tl.where(mag == 0x7F, float("nan"), v)
-    return tl.where((b & 0x80) != 0, -v, v)
+    return _signed(v, (b & 0x80) != 0)
+
+
+@triton.jit
+def _signed(v, neg):
+    """v with its sign bit set where ``neg``: keeps −0 (Triton 3.6 lowers unary minus as 0 − v, which gives +0)."""
+    return (v.to(tl.int32, bitcast=True) | (neg.to(tl.int32) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -201,8 +207,7 @@ def _quantize_kernel(X, XS, PRE, SIGN_SEED, DRAW_SEED, AMAX, GS, D, S, R, C, sxr
     rmask = (rows < R)[:, None]
     if STAGED:
         ev = tl.where(ok, tl.where(up, hi, lo), float("nan"))
-        q = mag2.to(tl.float32) * 0.5
-        q = tl.where(neg, -q, q)
+        q = _signed(mag2.to(tl.float32) * 0.5, neg)
         out = tl.reshape(q * ev[:, :, None], (BR, SIZE)).to(tl.float16)
         cols = pc * SIZE + tl.arange(0, SIZE)
         tl.store(D + rows[:, None].to(tl.int64) * cpad + cols[None, :], out, mask=rmask)
