@@ -204,6 +204,9 @@ def record_kernels(args, table: Path, runs: list[tuple[str, str]], scratch: Path
             print(f"{job} ({mode}): {len(got['kernels'])} kernel specializations compiled"
                   + (f"; not recordable: {', '.join(got['not_recorded'])}" if got.get("not_recorded") else ""),
                   flush=True)
+            for u in got.get("unfaithful", []):
+                print(f"  left out, its manifest entry would compile another kernel: {u['kernel']}: "
+                      + "; ".join(u["differs"]), flush=True)
             manifests.append(got)
     except (SystemExit, subprocess.TimeoutExpired):
         stale = kernels_path(table)

@@ -77,7 +77,7 @@ def recorded(tmp_path_factory):
     """(manifest, cache folder) of one stand-in training process's first use, recorded."""
     tmp = tmp_path_factory.mktemp("recorded")
     manifest = tmp / "sm90.kernels.json"
-    assert len(_first_use(tmp / "cache", record=manifest)) == 2
+    assert len(_first_use(tmp / "cache", record=manifest)) == 3
     return manifest, tmp / "cache"
 
 
@@ -85,7 +85,8 @@ def recorded(tmp_path_factory):
 def test_precompiled_kernels_are_the_ones_the_first_use_asks_for(recorded, tmp_path):
     manifest, first = recorded
     doc = precompile.load(manifest)
-    assert [e["name"] for e in doc["kernels"]] == ["_block_experts_kernel", "_amax_kernel"]  # first-use order, once
+    assert [e["name"] for e in doc["kernels"]] == ["_block_experts_kernel", "_amax_kernel", "_dequant_kernel"]
+    assert doc["unfaithful"] == [] and doc["not_recorded"] == []
     assert doc["target"] == {"backend": "cuda", "arch": 90, "warp_size": 32} and doc["triton"] == triton.__version__
     install = str(Path(triton.__file__).resolve().parent)
     assert install not in manifest.read_text()  # no path of this install (libdevice's): usable by any other
@@ -93,16 +94,16 @@ def test_precompiled_kernels_are_the_ones_the_first_use_asks_for(recorded, tmp_p
     cache = tmp_path / "precompiled"
     r = _precompile_cli(manifest, cache)
     assert r.returncode == 0, r.stderr
-    assert "2 of 2 kernel specializations in Triton's cache" in r.stderr
+    assert "3 of 3 kernel specializations in Triton's cache" in r.stderr
     filled = _entries(cache) - {"titan_nvfp4_precompile.lock"}
-    assert len(filled) == 2 and filled == _entries(first)  # the cache keys the first use made
+    assert len(filled) == 3 and filled == _entries(first)  # the cache keys the first use made
     assert _first_use(cache) == set()  # a new training process finds every kernel: nothing compiled
 
 
 @needs_ptxas
 def test_a_changed_constant_precompiles_that_kernel_and_a_missing_one_compiles_on_first_use(recorded, tmp_path):
     """The manifest's constants reach the compile: an entry changed to BLOCK 64 serves a first use with BLOCK 64;
-    the amax kernel, left out of that manifest, is compiled by the first use itself."""
+    the amax and dequantization kernels, left out of that manifest, are compiled by the first use itself."""
     manifest, _ = recorded
     doc = precompile.load(manifest)
     entry = doc["kernels"][0]
@@ -113,7 +114,51 @@ def test_a_changed_constant_precompiles_that_kernel_and_a_missing_one_compiles_o
     cache = tmp_path / "other"
     assert _precompile_cli(other, cache, workers=1).returncode == 0
     added = _first_use(cache, block=64)
-    assert len(added) == 1  # the amax kernel; the block-64 one was there
+    assert len(added) == 2  # the amax and dequantization kernels; the block-64 one was there
+
+
+_FIDELITY = """
+import json, sys
+from titan_nvfp4.kernels import precompile
+entry = precompile.load(sys.argv[1])["kernels"][2]
+src, options = precompile.source_and_options(entry)
+target = {"backend": "cuda", "arch": 90, "warp_size": 32}
+compiled = precompile.cache_hash(src, options, target)
+hook = {"signature": src.signature, "constants": src.constants, "configs": [src.attrs]}
+changed = {**entry, "constants": [[p, {"v": 512} if v == {"v": 256} else v] for p, v in entry["constants"]]}
+print(json.dumps([precompile.unfaithful(e, src.fn, hook, compiled, target) for e in (entry, changed)]))
+"""
+
+
+@needs_ptxas
+def test_an_entry_that_would_compile_another_kernel_is_named_with_what_differs(recorded):
+    """The recorder checks each entry against the kernel Triton compiled: the entry as recorded rebuilds its cache
+    hash; one whose constant changed does not, and the difference is named (compiled kernels: no interpreter)."""
+    manifest, _ = recorded
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "TRITON_INTERPRET": "0"}
+    r = subprocess.run([sys.executable, "-c", _FIDELITY, str(manifest)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    same, changed = json.loads(r.stdout)
+    assert same is None
+    assert len(changed) == 1 and changed[0].startswith("constants: ") and "512" in changed[0]
+
+
+@needs_ptxas
+def test_a_kernel_whose_source_changed_since_the_recording_is_skipped_by_name(recorded, tmp_path):
+    """An edited kernel would compile under another key than the training process asks for: its entries are skipped
+    (a failure line naming it), the others compile."""
+    manifest, _ = recorded
+    doc = precompile.load(manifest)
+    assert set(doc["sources"]) == {"titan_nvfp4.kernels.expert_map:_block_experts_kernel",
+                                   "titan_nvfp4.kernels.quantize:_amax_kernel", "titan_nvfp4.kernels.gemm:_dequant_kernel"}
+    doc["sources"]["titan_nvfp4.kernels.quantize:_amax_kernel"] = "0" * 64
+    stale = tmp_path / "stale.json"
+    stale.write_text(json.dumps(doc))
+    r = _precompile_cli(stale, tmp_path / "cache")
+    assert r.returncode == 0, r.stderr
+    assert "titan_nvfp4.kernels.quantize._amax_kernel: its source" in r.stderr
+    assert "2 of 3 kernel specializations in Triton's cache" in r.stderr and "(1 failed" in r.stderr
 
 
 @needs_ptxas
@@ -131,7 +176,7 @@ def test_start_compiles_in_the_background_once(recorded, tmp_path, monkeypatch, 
         proc = precompile.start(0)
     assert proc is not None and precompile.start(0) is proc  # once per process
     assert proc.wait(timeout=300) == 0
-    assert "precompiling 2 Triton kernel specializations" in caplog.text and f"into {cache}" in caplog.text
+    assert "precompiling 3 Triton kernel specializations" in caplog.text and f"into {cache}" in caplog.text
     assert _entries(cache) - {"titan_nvfp4_precompile.lock"} == _entries(first)
 
 
@@ -253,6 +298,7 @@ def test_another_triton_versions_manifest_is_skipped_with_a_log_line(monkeypatch
     (json.dumps({"format": 1, "triton": "x", "target": {"arch": 90}, "kernels": [{}]}), "expected \"target\""),
     (json.dumps({"format": 1, "triton": "x", "target": {"backend": "cuda", "arch": 90, "warp_size": 32},
                  "kernels": [{"module": "m"}]}), "kernel 0: expected the keys"),
+    (json.dumps({"format": 1, "triton": "x", "sources": {"m.k": "h"}, "kernels": []}), "\"sources\" must map"),
 ])
 def test_a_bad_manifest_is_refused_naming_the_file(tmp_path, text, match):
     path = tmp_path / "bad.kernels.json"

@@ -9,6 +9,9 @@ cache. A specialization the manifest lacks compiles on first use, as before.
 
 Precompiling changes no result: it is Triton's own compile of the same source, signature, constants and options,
 and the training process computes every cache key itself (a precompiled kernel it does not ask for is unused work).
+To keep that work useful the recorder checks that each entry rebuilds the cache hash of the kernel Triton compiled
+(an entry that does not is left out and listed, with what differs, under "unfaithful"), and notes each kernel's
+source hash ("sources"): the compile skips, by name, the entries of a kernel edited since the recording.
 
 The background process is ``python -m titan_nvfp4.tools.precompile_kernels MANIFEST`` (usable by hand too).
 TITAN_NVFP4_PRECOMPILE: unset or 1, the package's manifest for this GPU's class (none: nothing to do); 0, off; any
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import importlib
 import json
 import logging
@@ -97,6 +101,35 @@ def source_and_options(entry: dict):
     return ASTSource(fn, signature, constants, attrs), options
 
 
+def cache_hash(src, options: dict, target: dict) -> str:
+    """The hash that names ``triton.compile(src, target, options)``'s folder in Triton's cache, in this process."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import get_cache_invalidating_env_vars, get_cache_key, make_backend
+    backend = make_backend(GPUTarget(target["backend"], target["arch"], target["warp_size"]))
+    key = get_cache_key(src, backend, backend.parse_options(dict(options)), get_cache_invalidating_env_vars())
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def unfaithful(entry: dict, jit_fn, compile: dict, compiled: str, target: dict) -> list[str] | None:
+    """None when compiling the manifest entry gives the kernel this process compiled (cache hash ``compiled``);
+    else what differs between the entry and the compile Triton reported to the hook, for the manifest to show."""
+    from triton.compiler import ASTSource
+    src, options = source_and_options(entry)
+    if cache_hash(src, options, target) == compiled:
+        return None
+    real = ASTSource(jit_fn, compile["signature"], compile["constants"], compile["configs"][0])
+    def parts(s):
+        return {"function": s.fn.cache_key, "attrs": str(s.attrs), "signature": str(sorted(s.signature.items())),
+                "constants": str(sorted((k, str(v), type(v).__name__) for k, v in s.constants.items()))}
+    a, b = parts(real), parts(src)
+    why = [f"{k}: {a[k][:400]} (compiled) != {b[k][:400]} (manifest)" for k in a if a[k] != b[k]]
+    if cache_hash(real, options, target) != compiled:
+        from triton.compiler.compiler import get_cache_invalidating_env_vars
+        why.append(f"the compile Triton reported with the manifest's options does not give its cache hash (options "
+                   f"or environment; cache-invalidating variables now: {get_cache_invalidating_env_vars()})")
+    return why
+
+
 def kernel_function(module: str, name: str):
     """The ``triton.jit`` function named ``name`` in ``module`` (through an autotuner or heuristics over it)."""
     from triton.runtime.jit import JITFunction
@@ -121,6 +154,8 @@ class Recording:
         self.entries: list[dict] = []
         self.skipped: set[str] = set()
         self.target: dict | None = None
+        self.unfaithful: list[dict] = []
+        self.sources: dict[str, str] = {}
         self._seen: set[str] = set()
 
     def __call__(self, *, fn, compile, **_):
@@ -134,15 +169,23 @@ class Recording:
             t = driver.active.get_current_target()
             self.target = {"backend": t.backend, "arch": t.arch, "warp_size": t.warp_size}
         text = json.dumps(entry, sort_keys=True)
-        if text not in self._seen:
-            self._seen.add(text)
+        if text in self._seen:
+            return None
+        self._seen.add(text)
+        kernel = fn.jit_function.device_caches[compile["device"]][0].get(compile["key"])
+        why = unfaithful(entry, fn.jit_function, compile, kernel.hash, self.target) if kernel is not None else None
+        if why is None:
             self.entries.append(entry)
+            self.sources[f"{fn.module}:{fn.name}"] = fn.jit_function.cache_key
+        else:
+            self.unfaithful.append({"kernel": f"{fn.module}.{fn.name}", "differs": why})
         return None
 
     def manifest(self, **about) -> dict:
         """The manifest document of what was recorded (``about``: what to note in it: job, command, date)."""
         return {"format": FORMAT, "triton": triton.__version__, "target": self.target, **about,
-                "not_recorded": sorted(self.skipped), "kernels": self.entries}
+                "not_recorded": sorted(self.skipped), "unfaithful": self.unfaithful, "sources": self.sources,
+                "kernels": self.entries}
 
 
 @contextlib.contextmanager
@@ -180,7 +223,13 @@ def merge(manifests: list[dict]) -> dict:
                 seen.add(text)
                 kernels.append(entry)
     not_recorded = sorted({k for m in manifests for k in m.get("not_recorded", [])})
-    return {**first, "not_recorded": not_recorded, "kernels": kernels}
+    bad = [u for m in manifests for u in m.get("unfaithful", [])]
+    sources = {}
+    for m in manifests:
+        for k, v in m.get("sources", {}).items():
+            if sources.setdefault(k, v) != v:
+                raise ValueError(f"merge: {k} was recorded from two versions of its source")
+    return {**first, "not_recorded": not_recorded, "unfaithful": bad, "sources": sources, "kernels": kernels}
 
 
 # ---- reading and compiling ------------------------------------------------------------------------------------------
@@ -199,6 +248,10 @@ def load(path: Path) -> dict:
                                and set(doc["target"]) == {"backend", "arch", "warp_size"}):
         raise ValueError(f"kernel manifest {path}: expected \"target\": {{\"backend\", \"arch\", \"warp_size\"}}, "
                          f"got {doc.get('target')!r}")
+    sources = doc.get("sources", {})
+    if not (isinstance(sources, dict) and all(isinstance(k, str) and ":" in k and isinstance(v, str)
+                                              for k, v in sources.items())):
+        raise ValueError(f"kernel manifest {path}: \"sources\" must map \"module:kernel\" to a source hash")
     need = {"module", "name", "signature", "constants", "attrs", "options"}
     for i, entry in enumerate(doc["kernels"]):
         if not isinstance(entry, dict) or set(entry) != need:
@@ -247,7 +300,19 @@ def compile_all(doc: dict, workers: int) -> tuple[int, list[str]]:
         except Exception as e:  # noqa: BLE001 (a manifest naming a module this install lacks)
             missing.add(module)
             failures.append(f"{module}: {type(e).__name__}: {e} (its kernels skipped)")
-    tasks = [(e, doc["target"]) for e in doc["kernels"] if e["module"] not in missing]
+    changed = set()
+    for kernel, key in doc.get("sources", {}).items():  # "module:name" → the recording's source hash
+        module, name = kernel.split(":", 1)
+        try:
+            now = kernel_function(module, name).cache_key if module not in missing else key
+        except (AttributeError, TypeError):  # the kernel is gone from its module
+            now = None
+        if now != key:
+            changed.add((module, name))
+            failures.append(f"{module}.{name}: its source (with what it calls) is not the one the manifest was "
+                            f"recorded from (its entries skipped)")
+    tasks = [(e, doc["target"]) for e in doc["kernels"] if e["module"] not in missing
+             and (e["module"], e["name"]) not in changed]
     if workers <= 1 or len(tasks) <= 1:
         results = [_compile_one(t) for t in tasks]
     else:
