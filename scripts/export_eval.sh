@@ -2,23 +2,23 @@
 # Issue 65's GPU figure in one device call: a run's own validation loss against its exported models' (transformers).
 # From the repo root of a device machine (".whl" carried):
 #
-#   [CONFIG=llama3_2b_bench] [STEPS=600] [BATCH=16] [ARM_TIMEOUT=330] [VALIDATION="..."] bash scripts/export_eval.sh OUT_DIR
+#   [CONFIG=llama3_2b_pysources] [STEPS=600] [BATCH=16] [ARM_TIMEOUT=330] [VALIDATION="..."] bash scripts/export_eval.sh OUT_DIR
 #
 # Trains train_configs/${CONFIG}_nvfp4.toml for STEPS steps at local batch BATCH (compiled with CUDA graphs,
 # validation at step 1 and at STEPS, a full checkpoint at STEPS), exports that checkpoint with
 # titan_nvfp4.tools.export_hf as bf16, nvfp4 (w4a16) and nvfp4 w4a4 (input scales from 1 calibration batch), and
 # evaluates each with titan_nvfp4.tools.eval_hf on the GPU in bf16 (the run's validation batches, read as its
-# validator reads them). VALIDATION: the [validation] flags of all three steps; the default is the pystdlib held-out
-# split (18 files, ~150k tokens: 4 batches of 16 x 2048), which builds in seconds on a fresh machine (the pysources
-# corpus of CONFIG=llama3_2b_pysources, with its own [validation], takes minutes: pass VALIDATION="" for it). OUT_DIR
-# gets the logs, the JSON of each evaluation and export_eval.md; the run and the exported folders stay in WORK
-# (/tmp/export_eval; large).
+# validator reads them). The default is the 386M runs' setup: the pysources corpus (built on first use, about 20 s
+# on an H200 machine) and the job's own held-out validation (20 batches of 16 x 2048). VALIDATION: [validation]
+# flags for all three steps instead, e.g. the pystdlib held-out split with CONFIG=llama3_2b_bench:
+#   VALIDATION="--validation.enable --validation.dataset pystdlib_validation --validation.local_batch_size 16
+#   --validation.seq_len 2048 --validation.steps 4"
+# OUT_DIR gets the logs, the JSON of each evaluation and export_eval.md; the run and the exported folders stay in
+# WORK (/tmp/export_eval; large).
 set -uo pipefail
 out=${1:?OUT_DIR}
-config=${CONFIG:-llama3_2b_bench}; steps=${STEPS:-600}; batch=${BATCH:-16}
-default_validation="--validation.enable --validation.dataset pystdlib_validation --validation.local_batch_size 16 \
---validation.seq_len 2048 --validation.steps 4"
-read -r -a validation <<< "${VALIDATION-$default_validation}"
+config=${CONFIG:-llama3_2b_pysources}; steps=${STEPS:-600}; batch=${BATCH:-16}
+read -r -a validation <<< "${VALIDATION-}"
 job=train_configs/${config}_nvfp4.toml
 mkdir -p "$out"
 work=${WORK:-/tmp/export_eval}; rm -rf "$work"; mkdir -p "$work"
