@@ -322,6 +322,7 @@ def test_precompiled_kernels_serve_a_real_step_without_compiling(tmp_path):
     r = subprocess.run([sys.executable, "-m", "titan_nvfp4.tools.precompile_kernels", str(manifest)],
                        env={**base, "TRITON_CACHE_DIR": str(cache)}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and f"{n} of {n} kernel specializations" in r.stderr, r.stderr[-3000:]
+    precompiled = r.stderr
     def kernels(folder):  # compiled kernels (autotuning choices are cached in the same folder)
         return {d for d in os.listdir(folder) if (folder / d).is_dir()
                 and any(f.endswith(".cubin") for f in os.listdir(folder / d))}
@@ -330,4 +331,9 @@ def test_precompiled_kernels_serve_a_real_step_without_compiling(tmp_path):
     r = subprocess.run(step, env={**base, "TRITON_CACHE_DIR": str(cache)}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     added = kernels(cache) - filled
-    assert not added, f"{len(added)} kernels compiled on first use despite the precompile: {sorted(added)[:5]}"
+    def names(folders):  # the kernel each cache folder holds, from its metadata file
+        import json
+        return sorted(json.loads(next(f for f in (cache / d).iterdir() if f.suffix == ".json"
+                                      and not f.name.startswith("__grp")).read_text())["name"] for d in folders)
+    assert not added, (f"{len(added)} kernels compiled on first use despite the precompile: {names(added)}; "
+                       f"precompile stderr: {precompiled[-1500:]}")
