@@ -144,6 +144,40 @@ def test_an_entry_that_would_compile_another_kernel_is_named_with_what_differs(r
     assert len(changed) == 1 and changed[0].startswith("constants: ") and "512" in changed[0]
 
 
+_ENV_MIDWAY = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from triton.runtime.driver import driver
+from tests.precompile_first_use import Sm90Driver
+driver.set_active(Sm90Driver())
+from titan_nvfp4.kernels import expert_map, precompile
+offsets, out = torch.zeros(8, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
+with precompile.recording() as rec:
+    expert_map._block_experts_kernel.warmup(offsets, 8, out, 64, EP2=8, BLOCK=128, grid=(1,))
+    os.environ["TRITON_DEFAULT_FP_FUSION"] = "0"  # a cache-invalidating variable, set by the process midway
+    expert_map._block_experts_kernel.warmup(offsets, 8, out, 64, EP2=8, BLOCK=64, grid=(1,))
+print(json.dumps(rec.manifest()))
+"""
+
+
+@needs_ptxas
+def test_a_compile_under_another_environment_than_the_recordings_start_is_left_out(tmp_path):
+    """A precompile process has the environment the training process started with: a kernel compiled after the
+    process changed a cache-invalidating variable would be precompiled under another key, so it is listed, not
+    kept."""
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    env.pop("TRITON_DEFAULT_FP_FUSION", None)
+    r = subprocess.run([sys.executable, "-c", _ENV_MIDWAY, str(ROOT)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert len(doc["kernels"]) == 1 and len(doc["unfaithful"]) == 1  # BLOCK 128 kept, BLOCK 64 left out
+    assert doc["unfaithful"][0]["kernel"] == "titan_nvfp4.kernels.expert_map._block_experts_kernel"
+    assert any(d.startswith("environment: ") and "TRITON_DEFAULT_FP_FUSION" in d
+               for d in doc["unfaithful"][0]["differs"])
+
+
 @needs_ptxas
 def test_a_kernel_whose_source_changed_since_the_recording_is_skipped_by_name(recorded, tmp_path):
     """An edited kernel would compile under another key than the training process asks for: its entries are skipped

@@ -101,12 +101,18 @@ def source_and_options(entry: dict):
     return ASTSource(fn, signature, constants, attrs), options
 
 
+def _environment() -> dict:
+    """The environment variables Triton's cache keys include, as they are now."""
+    from triton.compiler.compiler import get_cache_invalidating_env_vars
+    return dict(get_cache_invalidating_env_vars())
+
+
 def cache_hash(src, options: dict, target: dict) -> str:
     """The hash that names ``triton.compile(src, target, options)``'s folder in Triton's cache, in this process."""
     from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import get_cache_invalidating_env_vars, get_cache_key, make_backend
+    from triton.compiler.compiler import get_cache_key, make_backend
     backend = make_backend(GPUTarget(target["backend"], target["arch"], target["warp_size"]))
-    key = get_cache_key(src, backend, backend.parse_options(dict(options)), get_cache_invalidating_env_vars())
+    key = get_cache_key(src, backend, backend.parse_options(dict(options)), _environment())
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
@@ -124,9 +130,8 @@ def unfaithful(entry: dict, jit_fn, compile: dict, compiled: str, target: dict) 
     a, b = parts(real), parts(src)
     why = [f"{k}: {a[k][:400]} (compiled) != {b[k][:400]} (manifest)" for k in a if a[k] != b[k]]
     if cache_hash(real, options, target) != compiled:
-        from triton.compiler.compiler import get_cache_invalidating_env_vars
         why.append(f"the compile Triton reported with the manifest's options does not give its cache hash (options "
-                   f"or environment; cache-invalidating variables now: {get_cache_invalidating_env_vars()})")
+                   f"or environment; cache-invalidating variables now: {_environment()})")
     return why
 
 
@@ -156,6 +161,7 @@ class Recording:
         self.target: dict | None = None
         self.unfaithful: list[dict] = []
         self.sources: dict[str, str] = {}
+        self.environment = _environment()
         self._seen: set[str] = set()
 
     def __call__(self, *, fn, compile, **_):
@@ -173,12 +179,19 @@ class Recording:
             return None
         self._seen.add(text)
         kernel = fn.jit_function.device_caches[compile["device"]][0].get(compile["key"])
-        why = unfaithful(entry, fn.jit_function, compile, kernel.hash, self.target) if kernel is not None else None
-        if why is None:
-            self.entries.append(entry)
-            self.sources[f"{fn.module}:{fn.name}"] = fn.jit_function.cache_key
-        else:
+        why = unfaithful(entry, fn.jit_function, compile, kernel.hash, self.target) if kernel is not None else []
+        why = why or []
+        name, source = f"{fn.module}:{fn.name}", fn.jit_function.cache_key
+        if self.sources.setdefault(name, source) != source:
+            why.append(f"function: its hash changed during the recording ({self.sources[name]} then {source})")
+        env = _environment()
+        if env != self.environment:
+            why.append(f"environment: cache-invalidating variables {env} at this compile, {self.environment} when "
+                       "the recording started (a precompile process has the latter)")
+        if why:
             self.unfaithful.append({"kernel": f"{fn.module}.{fn.name}", "differs": why})
+        else:
+            self.entries.append(entry)
         return None
 
     def manifest(self, **about) -> dict:
