@@ -1,7 +1,9 @@
 """Seed replicates paired across recipes (the ranking protocol, docs/results.md): per recipe, its gap to the baseline
-recipe in % of the baseline, the mean of the per-seed paired gaps ± s.d./√n, and the share of the reference recipe's
-gap it closes, the ratio of the mean paired differences ± its delta-method standard error. Runs of the same seed share
-initialisation and data order, so each difference is taken within a seed before averaging over seeds."""
+recipe in % of the baseline, the mean of the per-seed paired gaps ± s.d./√n; the share of the reference recipe's
+gap it closes, the ratio of the mean paired differences ± its delta-method standard error; and its gap estimated
+through the reference (the reference's gap over all its seeds plus the recipe's difference to it over the recipe's
+seeds), which needs fewer seeds of the recipe where it moves with the reference seed by seed. Runs of the same seed
+share initialisation and data order, so each difference is taken within a seed before averaging over seeds."""
 
 from __future__ import annotations
 
@@ -48,7 +50,9 @@ def paired_rows(stats: dict[str, dict[int, float]], baseline: str, reference: st
     - with a ``reference`` recipe P, for the other recipes, over the ``closed_n`` seeds all three share:
       ``closed_pct`` = 100·ā/b̄ with a_s = P_s − R_s, b_s = P_s − B_s (the share of P's gap that R closes: 0 = no
       better than P, 100 = as good as the baseline), ± ``closed_se_pct`` = 100·s.d.(a_s − r·b_s)/(√n·|b̄|), the
-      delta-method standard error of a ratio of paired means (NaN with fewer than two seeds or b̄ = 0)."""
+      delta-method standard error of a ratio of paired means (NaN with fewer than two seeds or b̄ = 0);
+    - with a reference, for the other recipes, ``via_gap_pct`` ± ``via_se_pct``: the gap through the reference
+      (``_through_reference``) over ``via_n`` of the recipe's seeds and ``via_ref_n`` of the reference's."""
     base = stats[baseline]
     rows = []
     for recipe, by_seed in stats.items():
@@ -62,6 +66,8 @@ def paired_rows(stats: dict[str, dict[int, float]], baseline: str, reference: st
         ref = stats.get(reference, {}) if reference else {}
         shared = sorted(s for s in seeds if s in ref)
         if reference and recipe != reference and shared:
+            row.update(_through_reference(by_seed, ref, base, shared))
+        if reference and recipe != reference and shared:
             a = [ref[s] - by_seed[s] for s in shared]
             b = [ref[s] - base[s] for s in shared]
             b_mean = statistics.fmean(b)
@@ -73,19 +79,41 @@ def paired_rows(stats: dict[str, dict[int, float]], baseline: str, reference: st
     return rows
 
 
+def _through_reference(r: dict, p: dict, b: dict, shared: list) -> dict:
+    """R's gap to B through P: ĝ = mean of g_P over P's seeds with B (n_P) + mean of d = g_R − g_P over R's seeds
+    shared with both (n_R, a subset), g = 100·(x_s − B_s)/B_s. Seeds are independent, so
+    Var(ĝ) = Var(g_P)/n_P + Var(d)/n_R + 2·Cov(g_P, d)/n_P, each term estimated from the seeds that carry it (the
+    covariance over the n_R shared seeds), floored at Var(d)/n_R; with n_R = n_P it is the direct paired gap."""
+    p_seeds = sorted(s for s in p if s in b)
+    g_p = {s: 100.0 * (p[s] - b[s]) / b[s] for s in p_seeds}
+    d = [100.0 * (r[s] - b[s]) / b[s] - g_p[s] for s in shared]
+    n_p, n_r = len(p_seeds), len(shared)
+    out = {"via_n": n_r, "via_ref_n": n_p, "via_gap_pct": statistics.fmean(g_p.values()) + statistics.fmean(d)}
+    if n_r < 2:
+        out["via_se_pct"] = float("nan")
+        return out
+    var_p = statistics.variance(g_p.values())
+    var_d = statistics.variance(d)
+    cov = statistics.covariance([g_p[s] for s in shared], d)
+    out["via_se_pct"] = math.sqrt(max(var_p / n_p + var_d / n_r + 2.0 * cov / n_p, var_d / n_r))
+    return out
+
+
 def _pm(value: float, se: float, fmt: str, se_fmt: str) -> str:
     return f"{value:{fmt}}" + ("" if se != se else f" ± {se:{se_fmt}}")
 
 
 def paired_markdown(rows: list[dict], baseline: str, reference: str, statistic: str) -> str:
     """The paired table: recipe, seeds, gap to the baseline in % ± s.e. (and its s.d.), share of the reference's gap
-    closed ± s.e."""
+    closed ± s.e., and the gap through the reference ± s.e. (seeds of the recipe / of the reference)."""
     head = (f"Paired by seed against {baseline} ({statistic}; per seed the gap in % of {baseline}, then the mean ± "
-            "s.d./√n over seeds" + (f"; the share of {reference}'s gap closed, paired on the same seeds" if reference
-                                    else "") + "):\n\n"
+            "s.d./√n over seeds" + (f"; the share of {reference}'s gap closed, paired on the same seeds; the gap "
+                                    f"through {reference}: its gap over all its seeds plus the recipe's difference to "
+                                    "it over the recipe's" if reference else "") + "):\n\n"
             f"| recipe | seeds | gap to {baseline}, % ± s.e. | s.d. of the per-seed gaps, % |"
-            + (f" share of {reference}'s gap closed, % ± s.e. |" if reference else "")
-            + "\n| --- | ---: | ---: | ---: |" + (" ---: |" if reference else "") + "\n")
+            + (f" share of {reference}'s gap closed, % ± s.e. | gap through {reference}, % ± s.e. (seeds) |"
+               if reference else "")
+            + "\n| --- | ---: | ---: | ---: |" + (" ---: | ---: |" if reference else "") + "\n")
     body = ""
     for r in rows:
         if not r["n"]:
@@ -93,12 +121,14 @@ def paired_markdown(rows: list[dict], baseline: str, reference: str, statistic: 
         else:
             gap, sd = _pm(r["gap_pct"], r["gap_se_pct"], "+.2f", ".2f"), ("" if r["gap_sd_pct"] != r["gap_sd_pct"]
                                                                     else f"{r['gap_sd_pct']:.2f}")
-        closed = ""
+        extra = ""
         if reference:
             closed = ("(reference)" if r["recipe"] == reference else
                       _pm(r["closed_pct"], r["closed_se_pct"], ".0f", ".0f") + (f" (n={r['closed_n']})"
                                                                           if r["closed_n"] != r["n"] else "")
                       if "closed_pct" in r else "")
-            closed = f" {closed} |"
-        body += f"| {r['recipe']} | {r['n']} | {gap} | {sd} |{closed}\n"
+            via = ("" if "via_gap_pct" not in r else _pm(r["via_gap_pct"], r["via_se_pct"], "+.2f", ".2f")
+                   + f" ({r['via_n']} / {r['via_ref_n']})")
+            extra = f" {closed} | {via} |"
+        body += f"| {r['recipe']} | {r['n']} | {gap} | {sd} |{extra}\n"
     return head + body
