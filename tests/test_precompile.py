@@ -144,7 +144,7 @@ def test_an_entry_that_would_compile_another_kernel_is_named_with_what_differs(r
     assert len(changed) == 1 and changed[0].startswith("constants: ") and "512" in changed[0]
 
 
-_ENV_MIDWAY = """
+_MIDWAY = """
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
 import torch
@@ -152,30 +152,41 @@ from triton.runtime.driver import driver
 from tests.precompile_first_use import Sm90Driver
 driver.set_active(Sm90Driver())
 from titan_nvfp4.kernels import expert_map, precompile
+kernel = expert_map._block_experts_kernel
 offsets, out = torch.zeros(8, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
 with precompile.recording() as rec:
-    expert_map._block_experts_kernel.warmup(offsets, 8, out, 64, EP2=8, BLOCK=128, grid=(1,))
-    os.environ["TRITON_DEFAULT_FP_FUSION"] = "0"  # a cache-invalidating variable, set by the process midway
-    expert_map._block_experts_kernel.warmup(offsets, 8, out, 64, EP2=8, BLOCK=64, grid=(1,))
+    kernel.warmup(offsets, 8, out, 64, EP2=8, BLOCK=128, grid=(1,))
+    if sys.argv[2] == "env":  # a cache-invalidating variable, set by the process midway
+        os.environ["TRITON_DEFAULT_FP_FUSION"] = "0"
+    else:  # the kernel's source replaced midway (what Triton allows through this method)
+        kernel._unsafe_update_src(kernel.src + "\\n")
+    kernel.warmup(offsets, 8, out, 64, EP2=8, BLOCK=64, grid=(1,))
 print(json.dumps(rec.manifest()))
 """
 
 
-@needs_ptxas
-def test_a_compile_under_another_environment_than_the_recordings_start_is_left_out(tmp_path):
-    """A precompile process has the environment the training process started with: a kernel compiled after the
-    process changed a cache-invalidating variable would be precompiled under another key, so it is listed, not
-    kept."""
+def _record_midway(tmp_path, change: str) -> dict:
     env = {**os.environ, "PYTHONPATH": _pythonpath(), "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
     env.pop("TRITON_DEFAULT_FP_FUSION", None)
-    r = subprocess.run([sys.executable, "-c", _ENV_MIDWAY, str(ROOT)], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", _MIDWAY, str(ROOT), change], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout)
     assert len(doc["kernels"]) == 1 and len(doc["unfaithful"]) == 1  # BLOCK 128 kept, BLOCK 64 left out
     assert doc["unfaithful"][0]["kernel"] == "titan_nvfp4.kernels.expert_map._block_experts_kernel"
-    assert any(d.startswith("environment: ") and "TRITON_DEFAULT_FP_FUSION" in d
-               for d in doc["unfaithful"][0]["differs"])
+    return doc
+
+
+@needs_ptxas
+@pytest.mark.parametrize("change, needle", [("env", "environment: "), ("source", "function: its hash changed")])
+def test_a_compile_after_the_process_changed_its_key_inputs_is_left_out(tmp_path, change, needle):
+    """A precompile process has the environment and the kernel sources the training process started with: a kernel
+    compiled after the process changed a cache-invalidating variable, or the kernel's source, would be precompiled
+    under another key, so it is listed with the reason, not kept."""
+    doc = _record_midway(tmp_path, change)
+    assert any(d.startswith(needle) for d in doc["unfaithful"][0]["differs"]), doc["unfaithful"]
+    if change == "env":
+        assert any("TRITON_DEFAULT_FP_FUSION" in d for d in doc["unfaithful"][0]["differs"])
 
 
 @needs_ptxas
