@@ -179,7 +179,10 @@ class Recording:
             return None
         self._seen.add(text)
         kernel = fn.jit_function.device_caches[compile["device"]][0].get(compile["key"])
-        why = unfaithful(entry, fn.jit_function, compile, kernel.hash, self.target) if kernel is not None else []
+        try:
+            why = unfaithful(entry, fn.jit_function, compile, kernel.hash, self.target) if kernel is not None else []
+        except Exception as e:  # noqa: BLE001 (the recording must not stop the run it watches)
+            why = [f"the entry does not rebuild: {type(e).__name__}: {e}"]
         why = why or []
         name, source = f"{fn.module}:{fn.name}", fn.jit_function.cache_key
         if self.sources.setdefault(name, source) != source:
