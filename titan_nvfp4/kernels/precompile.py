@@ -153,7 +153,9 @@ def kernel_function(module: str, name: str):
 class Recording:
     """The specializations of this package's kernels that Triton compiled (or loaded from its cache) while active,
     in first-use order, each once; ``skipped``: this package's kernels that could not be written (a constant of
-    another type, a kernel made inside a function), which then compile on first use."""
+    another type, a kernel made inside a function), which then compile on first use; ``unfaithful``: entries left
+    out because compiling them elsewhere would not give the kernel compiled here (with what differs); ``sources``:
+    each kernel's source hash ("module:name"), for the compile to skip a kernel edited since."""
 
     def __init__(self):
         self.entries: list[dict] = []
