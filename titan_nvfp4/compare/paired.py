@@ -34,6 +34,11 @@ def final_validations(validation: dict[int, float], k: int) -> float | None:
     return statistics.fmean(validation[s] for s in steps)
 
 
+def _gap_pct(run: dict, base: dict, seed: int) -> float:
+    """A run's gap to the baseline at one seed, in % of the baseline."""
+    return 100.0 * (run[seed] - base[seed]) / base[seed]
+
+
 def _mean_sd_se(values: list[float]) -> tuple[float, float, float]:
     mean = statistics.fmean(values)
     if len(values) < 2:
@@ -62,12 +67,11 @@ def paired_rows(stats: dict[str, dict[int, float]], baseline: str, reference: st
         row: dict = {"recipe": recipe, "n": len(seeds), "seeds": seeds}
         if seeds:
             row["gap_pct"], row["gap_sd_pct"], row["gap_se_pct"] = _mean_sd_se(
-                [100.0 * (by_seed[s] - base[s]) / base[s] for s in seeds])
+                [_gap_pct(by_seed, base, s) for s in seeds])
         ref = stats.get(reference, {}) if reference else {}
         shared = sorted(s for s in seeds if s in ref)
         if reference and recipe != reference and shared:
             row.update(_through_reference(by_seed, ref, base, shared))
-        if reference and recipe != reference and shared:
             a = [ref[s] - by_seed[s] for s in shared]
             b = [ref[s] - base[s] for s in shared]
             b_mean = statistics.fmean(b)
@@ -85,8 +89,8 @@ def _through_reference(r: dict, p: dict, b: dict, shared: list) -> dict:
     Var(ĝ) = Var(g_P)/n_P + Var(d)/n_R + 2·Cov(g_P, d)/n_P, each term estimated from the seeds that carry it (the
     covariance over the n_R shared seeds), floored at Var(d)/n_R; with n_R = n_P it is the direct paired gap."""
     p_seeds = sorted(s for s in p if s in b)
-    g_p = {s: 100.0 * (p[s] - b[s]) / b[s] for s in p_seeds}
-    d = [100.0 * (r[s] - b[s]) / b[s] - g_p[s] for s in shared]
+    g_p = {s: _gap_pct(p, b, s) for s in p_seeds}
+    d = [_gap_pct(r, b, s) - g_p[s] for s in shared]
     n_p, n_r = len(p_seeds), len(shared)
     out = {"via_n": n_r, "via_ref_n": n_p, "via_gap_pct": statistics.fmean(g_p.values()) + statistics.fmean(d)}
     if n_r < 2:

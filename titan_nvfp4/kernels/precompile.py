@@ -182,10 +182,10 @@ class Recording:
         self._seen.add(text)
         kernel = fn.jit_function.device_caches[compile["device"]][0].get(compile["key"])
         try:
-            why = unfaithful(entry, fn.jit_function, compile, kernel.hash, self.target) if kernel is not None else []
+            why = (unfaithful(entry, fn.jit_function, compile, kernel.hash, self.target) if kernel is not None
+                   else None) or []
         except Exception as e:  # noqa: BLE001 (the recording must not stop the run it watches)
             why = [f"the entry does not rebuild: {type(e).__name__}: {e}"]
-        why = why or []
         name, source = f"{fn.module}:{fn.name}", fn.jit_function.cache_key
         if self.sources.setdefault(name, source) != source:
             why.append(f"function: its hash changed during the recording ({self.sources[name]} then {source})")
