@@ -41,6 +41,8 @@ MODES = {"eager": [], "compiled": ["--compile.enable"]}
 def worker(out: Path, train_args: list[str], record: bool = False) -> None:
     """Inside torchrun: train with ``train_args``, then write every autotuner's choices to ``out`` (``record``: the
     kernel specializations compiled instead, as a precompile manifest)."""
+    # Before TorchTitan's import: its ConfigManager.parse_args binds sys.argv[1:] as a default when first imported.
+    sys.argv = ["torchtitan.train", *train_args]
     sys.path.insert(0, str(ROOT))
     import torch
     from torchtitan.train import Trainer, main
@@ -48,7 +50,6 @@ def worker(out: Path, train_args: list[str], record: bool = False) -> None:
     from titan_nvfp4.kernels import launch, precompile, shipped_tuning
     from titan_nvfp4.tools.atomic import write_text
 
-    sys.argv = ["torchtitan.train", *train_args]
     if record:
         with precompile.recording() as rec:
             main(Trainer)
