@@ -3,10 +3,12 @@ bundled ptxas, disassemble it (nvdisasm) and count SASS instructions per input e
 
     python benchmarks/sass_stats.py [--variant NAME ...] [--config G BK WARPS] [--ops 12] [--dump DIR]
     python benchmarks/sass_stats.py --ceilings
+    python benchmarks/sass_stats.py --ms-eden
 
 ``--ceilings``: for each operand kernel as bench_kernels.py times it (codes out, amaxes given), the
 fewest instructions per element over the autotuner's tile configs and the share of the copy ceiling
-that count allows at the full issue rate, against the count that 85% of copy allows.
+that count allows at the full issue rate, against the count that 85% of copy allows. ``--ms-eden``: the
+MS-EDEN backward kernels (kernels/ms_eden.py) at each Hadamard size, at the tile their launcher picks on a GPU.
 
 The quantization kernel has no loops (every tile is unrolled), so the static count per program is its
 dynamic count up to predication; divided by the elements one thread handles it is the issue cost per
@@ -34,6 +36,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler import compile as triton_compile  # noqa: E402
 
+from titan_nvfp4.kernels import ms_eden as me  # noqa: E402
 from titan_nvfp4.kernels import quantize as q  # noqa: E402
 from titan_nvfp4.kernels import swiglu as sw  # noqa: E402
 
@@ -74,7 +77,7 @@ OTHER = {
 VARIANTS.update({name: None for name in OTHER})
 
 
-def _compile(fn, pointers: dict, const: dict, warps: int, arch: int):
+def _compile(fn, pointers: dict, const: dict, warps: int, arch: int, **options):
     sig = {n: pointers.get(n, "i32") for n in fn.arg_names}
     for n in const:
         sig[n] = "constexpr"
@@ -82,7 +85,7 @@ def _compile(fn, pointers: dict, const: dict, warps: int, arch: int):
                if n in pointers or n in _ALIGNED_INTS or n in ("N", "swn", "D_ROWS", "D_EXPERT")]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     return triton_compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": warps})
+                          options={"num_warps": warps, **options})
 
 
 def compile_variant(name: str, g=2, bk=128, warps=4, arch=90):
@@ -153,6 +156,31 @@ def ceilings() -> None:
             print(f"| {label} | {nbytes:.3f} | {budget:.1f} | {best[0]:.1f} ({best[1]}) | {ceiling:.0%} |", flush=True)
 
 
+def ms_eden() -> None:
+    """SASS per element of the MS-EDEN amax and quantize kernels (a bf16 dY read as values), sizes 16..128, at the
+    launcher's GPU tile (me.TILE_GPU elements, 4 warps): the issue cost that bounds them below copy bandwidth."""
+    from titan_nvfp4.numerics.rht import rht_norm
+    warps = 4
+    print(f"triton {triton.__version__}, sm_90, {me.TILE_GPU} elements per program, {warps} warps")
+    print("| kernel | size | SASS per element | regs | stack B | top opcodes per element |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    src = dict(sxc=1, HAS_PRE=False, CODES=False, TRANS=False, TILE_DIV=1)
+    for size in (16, 32, 64, 128):
+        shape = dict(BR=me.TILE_GPU // size, SIZE=size, NORM=rht_norm(size), LOG2=size.bit_length() - 1)
+        cases = [("amax", me._amax_kernel, dict(X="*bf16", S="*bf16", PRE="*fp32", SIGN_SEED="*i64", AMAX="*i32"), {})]
+        for staged in (False, True):
+            cases.append(("quantize, " + ("staged fp16" if staged else "codes + scales"), me._quantize_kernel,
+                          dict(X="*bf16", XS="*bf16", PRE="*fp32", SIGN_SEED="*i64", DRAW_SEED="*i64", AMAX="*fp32",
+                               GS="*fp32", D="*fp16" if staged else "*u8", S="*u8"), dict(STAGED=staged)))
+        for name, fn, pointers, extra in cases:
+            kernel = _compile(fn, pointers, dict(src, **shape, **extra), warps, 90, enable_fp_fusion=False)
+            lines, regs, stack = sass_and_registers(kernel)
+            per_thread = me.TILE_GPU / (32 * warps)
+            ops = collections.Counter(opcode(ln) for ln in lines)
+            top = ", ".join(f"{o} {c / per_thread:.1f}" for o, c in ops.most_common(6))
+            print(f"| {name} | {size} | {len(lines) / per_thread:.1f} | {regs} | {stack} | {top} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--variant", action="append", choices=list(VARIANTS) + list(OTHER))
@@ -160,7 +188,11 @@ def main() -> None:
     p.add_argument("--ops", type=int, default=10, help="most frequent opcodes to list")
     p.add_argument("--dump", help="folder for each variant's SASS")
     p.add_argument("--ceilings", action="store_true", help="issue-rate ceilings of bench_kernels.py's operand kernels")
+    p.add_argument("--ms-eden", action="store_true", help="SASS per element of the MS-EDEN kernels")
     args = p.parse_args()
+    if args.ms_eden:
+        ms_eden()
+        return
     if args.ceilings:
         ceilings()
         return

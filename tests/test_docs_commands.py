@@ -275,6 +275,8 @@ def _e2e_bench_jobs_parse(page: Path, cmd: str, words: list[str]) -> None:
     if args and not args[0].startswith("-"):  # the output folder
         args = args[1:]
     for arm in env.get("ARMS", "bf16 nvfp4").split():
-        job = REPO / "train_configs" / f"{env.get('CONFIG', 'llama3_2b_bench')}_{arm}.toml"
+        base, _, preset = arm.partition(":")  # "nvfp4:PRESET": the nvfp4 job with that recipe preset
+        job = REPO / "train_configs" / f"{env.get('CONFIG', 'llama3_2b_bench')}_{base}.toml"
         assert job.is_file(), f"{page.name}: {cmd}: no job file {job.relative_to(REPO)}"
-        ConfigManager().parse_args(["--job.config_file", str(job), *args])
+        preset_args = ["--quantize.linear.nvfp4.recipe", preset] if preset else []
+        ConfigManager().parse_args(["--job.config_file", str(job), *preset_args, *args])
