@@ -50,3 +50,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def transformers_logs_through_logging():
+    """transformers binds a stderr handler on its first log record; bound inside a capsys test it would write to
+    that test's closed stream in later tests ('--- Logging error ---'). Its records go to the root logger instead
+    (``pytestmark = pytest.mark.usefixtures("transformers_logs_through_logging")``)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
+    yield

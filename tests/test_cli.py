@@ -15,6 +15,8 @@ TOOLS = {
     "titan_nvfp4.tools.export_dense": ["no_such_checkpoint", "out.pt"],
     "titan_nvfp4.tools.export_hf": ["no_such_checkpoint", "--job.config_file", "job.toml", "--format", "bf16", "--out",
                                     "hf"],
+    "titan_nvfp4.tools.eval_hf": ["no_such_folder", "--job.config_file", "job.toml"],
+    "titan_nvfp4.tools.eval_run": ["no_such_checkpoint", "--job.config_file", "job.toml", "--forward", "bf16"],
 }
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,107 +26,14 @@ from titan_nvfp4.modules.nvfp4_linear import NVFP4Linear
 from titan_nvfp4.numerics.formats import pack_nibbles, unpack_nibbles
 from titan_nvfp4.tools.export_hf import main as export_main
 from titan_nvfp4.training.train_state import load_amax_histories
-from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_optimizers
-from torchtitan.models.llama3 import Transformer, TransformerModelArgs, llama3_args
+from torchtitan.models.llama3 import Transformer, llama3_args
 from torchtitan.protocols.model_converter import build_model_converters
 from torchtitan.protocols.train_spec import get_train_spec
-from export_helpers import fails as _fails, job_head, tokenizer as _tokenizer
-from job_helpers import initialized, world1
-from fake_trainer import FakeTrainer
-from validator_helpers import cpu_validator, validate_on_cpu
+from export_helpers import fails as _fails, tokenizer as _tokenizer
+from export_run_helpers import (FLAVOR, SEQ, STEPS, checkpointer, corpus_in, job_toml, plain_llama, random_tokens,
+                                register_flavor, train, validation_flags, validator_loss)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def transformers_logs_through_logging():
-    """transformers binds a stderr handler on its first log record; bound inside a capsys test it would write to
-    that test's closed stream in later tests ('--- Logging error ---'). Its records go to the root logger instead."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_default_handler()
-    hf_logging.enable_propagation()
-    yield
-
-FLAVOR = "export_hf_test"
-#: 3 blocks (the last kept BF16 by bf16_last_blocks), GQA (4 heads, 2 KV heads: both q and k rows permuted)
-ARGS = TransformerModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=16,
-                            rope_theta=500000)
-SEQ = 32
-STEPS = 3
-
-
-def _job_toml(tmp: Path, assets: Path, extra: str = "") -> Path:
-    path = tmp / "job.toml"
-    path.write_text(job_head(tmp, assets, "llama3", FLAVOR, ["quantize.linear.nvfp4"]) + textwrap.dedent(f"""\
-        [optimizer]
-        name = "AdamW"
-        lr = 1e-2
-        [training]
-        seq_len = {SEQ}
-        steps = 10
-        mixed_precision_param = "bfloat16"
-        [checkpoint]
-        enable = true
-        folder = "checkpoint"
-        interval = 1
-        keep_latest_k = 0
-        [quantize.linear.nvfp4]
-        recipe = "nvidia_paper"
-        filter_fqns = ["output"]
-        bf16_last_blocks = 1
-        gemm_backend = "reference"
-        """) + extra)
-    return path
-
-
-class _Data:
-    def state_dict(self):
-        return {"pos": 0}
-
-    def load_state_dict(self, state_dict):
-        pass
-
-
-def _tokens(seed: int, batch: int = 2) -> torch.Tensor:
-    return torch.randint(0, ARGS.vocab_size, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
-
-
-def _checkpointer(cfg, model, tmp: Path, dims):
-    """TorchTitan's CheckpointManager over ``model`` with AdamW and its LR schedule, as the Trainer builds it."""
-    opt = build_optimizers([model], cfg.optimizer, dims)
-    lr = build_lr_schedulers(opt, cfg.lr_scheduler, cfg.training.steps)
-    trainer = FakeTrainer(model)
-    ckpt = CheckpointManager(dataloader=_Data(), model_parts=[model], optimizers=opt, lr_schedulers=lr,
-                             states={"train_state": trainer}, checkpoint_config=cfg.checkpoint, sd_adapter=None,
-                             base_folder=str(tmp))
-    return opt, lr, trainer, ckpt
-
-
-def _train(tmp: Path, job: Path, overrides: tuple[str, ...] = (), steps: int = STEPS):
-    """The job's model trained ``steps`` steps on random tokens and checkpointed after each by TorchTitan's
-    CheckpointManager (tmp/checkpoint/step-N), as the Trainer does; returns the model."""
-    from torchtitan.config import ConfigManager
-
-    cfg = ConfigManager().parse_args(["--job.config_file", str(job), *overrides])
-    args = copy.deepcopy(llama3_args[FLAVOR])
-    args.update_from_config(cfg)
-    with torch.device("meta"):
-        model = Transformer(args)
-    model, converters = initialized(model, cfg)
-    opt, lr, trainer, ckpt = _checkpointer(cfg, model, tmp, world1())
-    for step in range(1, steps + 1):
-        tokens = _tokens(step)
-        logits = model(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        lr.step()
-        converters.post_optimizer_hook([model])
-        opt.zero_grad()
-        trainer.step = step
-        ckpt.save(step)
-    return model
+pytestmark = pytest.mark.usefixtures("transformers_logs_through_logging")
 
 
 def _forward_weights(model) -> dict:
@@ -144,7 +50,7 @@ def _forward_weights(model) -> dict:
     linear_function.quantize_weight = spy
     try:
         with torch.no_grad():
-            model(_tokens(99))
+            model(random_tokens(99))
     finally:
         linear_function.quantize_weight = quantize
     found = {}
@@ -156,24 +62,13 @@ def _forward_weights(model) -> dict:
     return found
 
 
-def _plain(weights: dict[str, torch.Tensor]) -> Transformer:
-    """TorchTitan's llama3 without converters (fp32) holding ``weights``."""
-    args = copy.deepcopy(llama3_args[FLAVOR])
-    args.max_seq_len = SEQ
-    model = Transformer(args)
-    with torch.no_grad():
-        model.init_weights()
-    model.load_state_dict(weights)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    llama3_args.setdefault(FLAVOR, ARGS)
+    register_flavor()
     tmp = tmp_path_factory.mktemp("export_hf")
     assets = _tokenizer(tmp / "assets")
-    job = _job_toml(tmp, assets, extra="activation_amax_history = 2\n")  # the w4a4 export's input scales
-    model = _train(tmp, job)
+    job = job_toml(tmp, assets, extra="activation_amax_history = 2\n")  # the w4a4 export's input scales
+    model = train(tmp, job)
     dense = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return SimpleNamespace(tmp=tmp, job=job, assets=assets, model=model, dense=dense,
                            forward=_forward_weights(model), ckpt=tmp / "checkpoint")
@@ -212,8 +107,8 @@ def test_bf16_export_loads_in_transformers_with_torchtitans_logits(run, capsys):
     assert config["rope_parameters"]["rope_type"] == "llama3" and config["num_key_value_heads"] == 2
     assert (config["bos_token_id"], config["eos_token_id"]) == (0, 1)
     hf = _hf(out)
-    ours = _plain({k: v.to(torch.bfloat16).float() for k, v in run.dense.items()})
-    tokens = _tokens(7)
+    ours = plain_llama({k: v.to(torch.bfloat16).float() for k, v in run.dense.items()})
+    tokens = random_tokens(7)
     with torch.no_grad():
         want, got = ours(tokens), hf(tokens).logits
     assert torch.allclose(got, want, rtol=0, atol=2e-6), (got - want).abs().max()
@@ -302,7 +197,7 @@ def test_nvfp4_export_loads_in_transformers_with_the_forwards_weights(run, nvfp4
     for name, wq in run.forward.items():
         weights[f"{name}.weight"] = wq.dequantize(torch.float32).to(torch.bfloat16).float()
     hf_weights = dict(_hf_value(adapter, f"{name}.weight", weights[f"{name}.weight"]) for name in run.forward)
-    tokens = _tokens(7)
+    tokens = random_tokens(7)
 
     user = AutoModelForCausalLM.from_pretrained(str(nvfp4_out)).eval()
     assert user.dtype == torch.bfloat16
@@ -315,7 +210,7 @@ def test_nvfp4_export_loads_in_transformers_with_the_forwards_weights(run, nvfp4
     hf = _hf(nvfp4_out, quantization_config=CompressedTensorsConfig(dequantize=True))
     for hf_key, w in hf_weights.items():
         assert torch.equal(hf.get_parameter(hf_key), w), hf_key
-    ours = _plain(weights)
+    ours = plain_llama(weights)
     with torch.no_grad():
         want, got = ours(tokens), hf(tokens).logits
     assert torch.allclose(got, want, rtol=0, atol=2e-6), (got - want).abs().max()
@@ -328,8 +223,8 @@ def lora_run(run):
     """A lora_rank 16 job (the same model), two steps."""
     tmp = run.tmp / "lora"
     tmp.mkdir()
-    job = _job_toml(tmp, run.assets, extra="lora_rank = 16\n")
-    model = _train(tmp, job, steps=2)
+    job = job_toml(tmp, run.assets, extra="lora_rank = 16\n")
+    model = train(tmp, job, steps=2)
     return SimpleNamespace(tmp=tmp, job=job, model=model, ckpt=tmp / "checkpoint")
 
 
@@ -453,7 +348,7 @@ def _fsdp_worker(rank, world, out, tmp, job, step_dir):
     from torchtitan.config import ConfigManager
     from torchtitan.distributed import ParallelDims
 
-    llama3_args.setdefault(FLAVOR, ARGS)
+    register_flavor()
     cfg = ConfigManager().parse_args(["--job.config_file", str(job)])
     cfg.checkpoint.folder, cfg.checkpoint.initial_load_path = "fsdp_checkpoint", str(step_dir)
     cfg.checkpoint.last_save_model_only = True  # the final save: the model's entries only
@@ -471,7 +366,7 @@ def _fsdp_worker(rank, world, out, tmp, job, step_dir):
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    _, _, _, ckpt = _checkpointer(cfg, model, tmp, dims)
+    _, _, _, ckpt = checkpointer(cfg, model, tmp, dims)
     assert ckpt.load()
     forward = _forward_weights(model)
     ckpt.save(STEPS, last_step=True)
@@ -511,17 +406,6 @@ def test_a_checkpoint_written_under_fsdp2_exports_as_the_same_weights_from_one_p
 
 
 # ------------------------------------------------------------------------------------------------ w4a4
-
-def _corpus(folder: Path) -> Path:
-    """A tiny text corpus in the test tokenizer's words, read by TorchTitan's c4_test dataset (load_dataset of a
-    folder of JSON lines)."""
-    folder.mkdir()
-    g = torch.Generator().manual_seed(5)
-    lines = [json.dumps({"text": " ".join(f"w{int(i)}" for i in torch.randint(3, 256, (40,), generator=g))})
-             for _ in range(24)]
-    (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
-    return folder
-
 
 def _amax_windows(run) -> dict[str, torch.Tensor]:
     """{layer: fp32 [2, 2]} the activation amax windows TorchTitan's CheckpointManager saved in the train_state of
@@ -582,7 +466,7 @@ def test_w4a4_export_takes_the_input_scales_from_the_amax_history(run, capsys):
     assert len(amaxes) == 14 and not any("layers.2" in k and "input_global_scale" in k for k in state)
 
     load_amax_histories([run.model], windows)  # as a resumed run restores them (they are so already)
-    tokens = _tokens(7)
+    tokens = random_tokens(7)
     hf = _user_w4a4(out, tokens)
     seen = {}
 
@@ -612,7 +496,7 @@ def _plain_w4a4(run, amaxes: dict[str, torch.Tensor]):
     weights = {k: v.detach().to(torch.bfloat16).float() for k, v in run.model.state_dict().items()}
     for name, wq in forward.items():
         weights[f"{name}.weight"] = wq.dequantize(torch.float32).to(torch.bfloat16).float()
-    model = _plain(weights)
+    model = plain_llama(weights)
     for name, amax in amaxes.items():
         def quantize_input(module, args, amax=amax):
             x = args[0]
@@ -645,12 +529,8 @@ def _same_activation_quantization(module, x: torch.Tensor, amax: torch.Tensor) -
 @pytest.fixture(scope="module")
 def corpus(run):
     """The tiny corpus, and datasets' cache kept in the test's folder."""
-    import datasets
-
-    mp = pytest.MonkeyPatch()
-    mp.setattr(datasets.config, "HF_DATASETS_CACHE", str(run.tmp / "hf_cache"))
-    yield _corpus(run.tmp / "corpus")
-    mp.undo()
+    with corpus_in(run.tmp) as folder:
+        yield folder
 
 
 def test_w4a4_export_calibrates_on_the_jobs_dataset(run, corpus, capsys):
@@ -719,29 +599,13 @@ def test_w4a4_bad_input_is_one_line_and_writes_nothing(run, corpus, capsys):
 
 # ------------------------------------------------------------------------------------------------ eval_hf
 
-def _validation_flags(corpus: Path) -> list[str]:
-    return ["--validation.enable", "--validation.dataset", "c4_test", "--validation.dataset_path", str(corpus),
-            "--validation.local_batch_size", "2", "--validation.seq_len", str(SEQ), "--validation.steps", "3"]
-
-
-def _validator_loss(run, flags: list[str], model) -> float:
-    """TorchTitan's own Validator (one CPU process) on ``model`` with the job's [validation] data: its logged loss."""
-    from torchtitan.components.tokenizer import HuggingFaceTokenizer
-    from torchtitan.config import ConfigManager
-
-    cfg = ConfigManager().parse_args(["--job.config_file", str(run.job), *flags])
-    validator, logged = cpu_validator(cfg, HuggingFaceTokenizer(str(run.assets)))
-    validate_on_cpu(validator, model, 3)
-    return logged[0]
-
-
 def test_eval_hf_gives_the_validators_loss_of_the_exported_weights(run, corpus, nvfp4_out, capsys):
     """eval_hf reads the job's validation batches with TorchTitan's loader and computes the validator's loss: on the
     BF16 export (and on the NVFP4 one, in fp32) it equals TorchTitan's Validator run on TorchTitan's llama3 holding
     the same weights within 1e-6 relative (the logits agree within 2e-6: see the tests above)."""
     from titan_nvfp4.tools.eval_hf import main as eval_main
 
-    flags = _validation_flags(corpus)
+    flags = validation_flags(corpus)
     bf16_out = run.tmp / "hf_bf16_eval"
     _export(run, bf16_out, "--format", "bf16")
     bf16 = {k: v.to(torch.bfloat16).float() for k, v in run.dense.items()}
@@ -755,14 +619,14 @@ def test_eval_hf_gives_the_validators_loss_of_the_exported_weights(run, corpus, 
         got = json.loads(report.read_text())
         assert (got["batches"], got["tokens"], got["dtype"]) == (3, 3 * 2 * SEQ, "float32")
         assert f"validation loss {got['loss']:.5f} over 3 batches" in capsys.readouterr().out
-        want = _validator_loss(run, flags, _plain(weights))
+        want = validator_loss(run.job, run.assets, flags, plain_llama(weights))
         assert abs(got["loss"] - want) <= 1e-6 * want, (out.name, got["loss"], want)
 
 
 def test_eval_hf_bad_input_is_one_line(run, corpus, capsys):
     from titan_nvfp4.tools.eval_hf import main as eval_main
 
-    flags = _validation_flags(corpus)
+    flags = validation_flags(corpus)
     cases = [
         ([str(run.tmp / "nowhere"), "--job.config_file", str(run.job), *flags], "is not a Hugging Face model folder"),
         ([str(run.assets), "--job.config_file", str(run.job), *flags], "is not a Hugging Face model folder"),

@@ -68,6 +68,15 @@ def compressed_parts(weight: torch.Tensor, recipe: NVFP4Recipe, name: str = "wei
     }
 
 
+def decoded_weight(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The fp32 weight [N, K] ``compressed_parts``' entries hold, decoded as our forward decodes it: q · e_b · (1/S),
+    the weight its GEMM multiplies (compressed-tensors divides by S instead: the module docstring)."""
+    packed, scale = parts["weight_packed"], parts["weight_scale"]
+    wq = NVFP4Tensor(data=packed, scale=scale, global_scale=torch.reciprocal(parts["weight_global_scale"].reshape(())),
+                     shape=torch.Size((packed.shape[0], packed.shape[1] * 2)), block_shape=(1, BLOCK))
+    return wq.dequantize(torch.float32)
+
+
 def weight_args() -> dict:
     """The ``weights`` quantization args of compressed-tensors' NVFP4A16 scheme, as its config.json spells them."""
     return {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
@@ -106,5 +115,5 @@ def quantization_config(ignore: list[str], activations: bool = False) -> dict:
     }
 
 
-__all__ = ["FORMAT", "PARTS", "compressed_parts", "encode_scale", "forward_nvfp4_weight", "input_args",
-           "input_global_scale", "quantization_config", "weight_args"]
+__all__ = ["FORMAT", "PARTS", "compressed_parts", "decoded_weight", "encode_scale", "forward_nvfp4_weight",
+           "input_args", "input_global_scale", "quantization_config", "weight_args"]

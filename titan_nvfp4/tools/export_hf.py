@@ -122,6 +122,7 @@ def _require_packages() -> None:
 def _nvfp4_checks(layers, job, step, args) -> torch.dtype:
     """Refusals of --format nvfp4 (one line each); the dtype the weights are quantized in."""
     from ..training.schedule import LINEAR_STEPS
+    from .hf_weights import forward_weight_dtype
 
     if layers.lowrank:
         fail(PROG, f"--format nvfp4: layer {layers.lowrank[0]!r} is low-rank ({job.knob} lora_rank, "
@@ -148,8 +149,7 @@ def _nvfp4_checks(layers, job, step, args) -> torch.dtype:
                        "export --format bf16")
     if args.weight_dtype != "auto":
         return DTYPES[args.weight_dtype]
-    forward = DTYPES.get(job.mixed_precision_param, torch.float32) if job.fsdp else torch.float32
-    narrower = [n for n in layers.nvfp4 if job.dtypes.get(f"{n}.weight", forward).itemsize < forward.itemsize]
+    forward, narrower = forward_weight_dtype(layers, job.fsdp, job.mixed_precision_param, job.dtypes)
     if narrower:
         fail(PROG, f"--format nvfp4: {step.path} stores {narrower[0]}.weight in "
                    f"{job.dtypes[narrower[0] + '.weight']}, but the run's forward quantized {forward} weights "

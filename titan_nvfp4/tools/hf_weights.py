@@ -19,7 +19,7 @@ from torch import nn
 
 from ..modules.decomposed_linear import DecomposedLinear, LowRankState
 from ..modules.nvfp4_linear import NVFP4Linear
-from .compressed_nvfp4 import compressed_parts, input_global_scale
+from .compressed_nvfp4 import compressed_parts, decoded_weight, input_global_scale
 from .export_dense import fold_decomposed, non_finite
 
 
@@ -96,6 +96,18 @@ def hf_dense(adapter, state: dict[str, torch.Tensor], dtype: torch.dtype = torch
     return sorted_state({k: v.to(dtype).contiguous() for k, v in to_hf(adapter, state).items()})
 
 
+def forward_weight_dtype(layers: Layers, fsdp: bool, mixed_precision_param: str,
+                         stored: dict[str, torch.dtype]) -> tuple[torch.dtype, list[str]]:
+    """(the dtype the run's forward quantized its NVFP4 weights in, the NVFP4 layers whose weight the checkpoint
+    stores narrower than that): ``mixed_precision_param`` when the checkpoint was written under FSDP2 (``fsdp``: its
+    forward multiplied those), else float32 (the master weights, under one GPU's autocast). ``stored``: the dtype of
+    each checkpoint key. A narrower layer's forward codes cannot be rebuilt from the checkpoint."""
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    forward = dtypes.get(mixed_precision_param, torch.float32) if fsdp else torch.float32
+    narrower = [n for n in layers.nvfp4 if stored.get(f"{n}.weight", forward).itemsize < forward.itemsize]
+    return forward, narrower
+
+
 @dataclass
 class NVFP4Export:
     """The Hugging Face state dict of an NVFP4 export, the ignored (BF16) Linears' module names, and each
@@ -134,6 +146,19 @@ def state_rows(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def layer_parts(name: str, module: NVFP4Linear, weight_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The compressed-tensors entries (codes, block scales, S) of NVFP4 layer ``name``: its weight quantized in
+    ``weight_dtype`` as its forward quantizes it."""
+    return compressed_parts(module.weight.detach().to(weight_dtype), module.recipe, name)
+
+
+def forward_weights(layers: Layers, weight_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """{NVFP4 layer: the fp32 weight its forward multiplies}, decoded from the entries an NVFP4 export writes
+    (``layer_parts``) as the forward decodes them: a model holding these in plain Linears computes the run's forward
+    with unquantized activations (w4a16)."""
+    return {name: decoded_weight(layer_parts(name, m, weight_dtype)) for name, m in layers.nvfp4.items()}
+
+
 def hf_nvfp4(adapter, model: nn.Module, state: dict[str, torch.Tensor], layers: Layers, weight_dtype: torch.dtype,
              dense_dtype: torch.dtype = torch.bfloat16,
              input_amax: dict[str, torch.Tensor] | None = None) -> NVFP4Export:
@@ -145,7 +170,7 @@ def hf_nvfp4(adapter, model: nn.Module, state: dict[str, torch.Tensor], layers: 
     scales = {}
     used = set()
     for name, m in layers.nvfp4.items():
-        parts = compressed_parts(m.weight.detach().to(weight_dtype), m.recipe, name)
+        parts = layer_parts(name, m, weight_dtype)
         for key, rows in state_rows(model, name).items():
             hf_key, perm = hf_row_order(adapter, key, torch.Size((len(rows), m.weight.shape[1])))
             r = rows[perm]
@@ -190,5 +215,6 @@ def fused_mismatches(global_scales: dict[str, float], ignore: list[str], fused: 
     return out
 
 
-__all__ = ["Layers", "NVFP4Export", "classify", "dense_state", "fused_mismatches", "hf_dense", "hf_nvfp4",
-           "hf_name", "hf_row_order", "module_name", "sorted_state", "state_rows", "to_hf"]
+__all__ = ["Layers", "NVFP4Export", "classify", "dense_state", "forward_weight_dtype", "forward_weights",
+           "fused_mismatches", "hf_dense", "hf_name", "hf_nvfp4", "hf_row_order", "layer_parts", "module_name",
+           "sorted_state", "state_rows", "to_hf"]

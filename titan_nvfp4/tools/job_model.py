@@ -64,18 +64,20 @@ def find_step(path: Path) -> StepFolder:
     return StepFolder(steps[last], last)
 
 
-def parse_job(overrides: list[str]):
+def parse_job(overrides: list[str], backend: str | None = "reference"):
     """TorchTitan's JobConfig from ``--job.config_file ...`` and further overrides, with the NVFP4 sections' GEMM
-    backend set to "reference" (the CPU's)."""
+    backend set to ``backend`` ("reference", the CPU's, by default; None: the job's own)."""
     import titan_nvfp4  # noqa: F401  (registers the converters and our flavors)
     from torchtitan.config import ConfigManager
 
     cfg = ConfigManager().parse_args(list(overrides))
+    if backend is None:
+        return cfg
     quantize = getattr(cfg, "quantize", None)
     for section in (getattr(getattr(quantize, "linear", None), "nvfp4", None),
                     getattr(getattr(quantize, "grouped_mm", None), "nvfp4", None)):
         if section is not None:
-            section.gemm_backend = "reference"
+            section.gemm_backend = backend
     return cfg
 
 
@@ -169,6 +171,33 @@ def load_weights(model: nn.Module, folder: Path) -> Loaded:
     return Loaded(dtypes, any(len(saved[k].chunks) > 1 for k in norms))
 
 
+def load_layer_state(model: nn.Module, folder: Path, step: int | None) -> tuple[int | None, list[str]]:
+    """Restore what the DCP checkpoint ``folder``'s train_state carries for the NVFP4 layers beside the weights (their
+    activation amax windows, OsciReset margins, SR call counts) and set the converters' step counters to its step, as
+    a resumed run's Trainer does (training/train_state.load_state_of_layers): the forward then quantizes X with the
+    run's windows and follows its bf16_after_fraction switch. ``step``: the folder's, for a checkpoint without a
+    train_state step. Returns (the step used, the train_state sections the model wanted and the checkpoint lacks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ..training.train_state import load_state_of_layers, state_of_layers
+
+    saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    wanted = state_of_layers([model])
+    flat = {f"train_state.{section}.{fqn}": value for section, entries in wanted.items()
+            for fqn, value in entries.items() if f"train_state.{section}.{fqn}" in saved}
+    if "train_state.step" in saved:
+        flat["train_state.step"] = 0
+    if flat:
+        dcp.load(flat, checkpoint_id=str(folder))
+    if "train_state.step" in flat:
+        step = int(flat.pop("train_state.step"))
+    state = {section: {fqn: flat[f"train_state.{section}.{fqn}"] for fqn in entries
+                       if f"train_state.{section}.{fqn}" in flat} for section, entries in wanted.items()}
+    load_state_of_layers([model], {k: v for k, v in state.items() if v}, step or 0)
+    return step, [section for section, entries in state.items() if not entries]
+
+
 def calibration_batches(cfg, spec, tokenizer, count: int) -> Iterator[torch.Tensor]:
     """The token ids of the first ``count`` batches of the job's dataloader (one process: rank 0 of 1), as the
     Trainer builds it from the train spec; the job's [experimental] custom_import is imported in full first (a
@@ -234,4 +263,4 @@ def open_job(overrides: list[str], folder: Path):
 
 
 __all__ = ["DATA_ONLY", "Loaded", "StepFolder", "build_model", "calibration_batches", "find_step", "import_custom",
-           "check_flags", "load_weights", "one_process_dims", "open_job", "parse_job", "steps_in"]
+           "check_flags", "load_layer_state", "load_weights", "one_process_dims", "open_job", "parse_job", "steps_in"]
