@@ -93,3 +93,15 @@ def verify_checkpoint(path: Path) -> int:
     if zipfile.is_zipfile(path):
         return int(_check_archive(Path(path), str(path)))
     return 0
+
+
+def verified_or_fail(prog: str, path: Path) -> None:
+    """verify_checkpoint for a command line tool: a damaged or unreadable checkpoint ends ``prog`` with one line."""
+    from .cli import fail
+
+    try:
+        verify_checkpoint(path)
+    except ValueError as e:
+        fail(prog, f"checkpoint {path} is damaged: {e}")
+    except OSError as e:
+        fail(prog, f"cannot read checkpoint {path}: {e.strerror or e}")

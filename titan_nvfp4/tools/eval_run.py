@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint_integrity import verify_checkpoint
+from .checkpoint_integrity import verified_or_fail
 from .cli import fail, parser
 from .validation_loss import (add_flags, check_args, describe, device_and_dtype, first_line, first_validation_batch,
                               refuse_torchtitan03, steps_of, validation_batches, validation_job, validation_loss,
@@ -72,12 +72,7 @@ def _check(args, rest: list[str]):
     except ValueError as e:
         fail(PROG, str(e))
     check_args(PROG, args, rest, [args.checkpoint])
-    try:
-        verify_checkpoint(step.path)
-    except ValueError as e:
-        fail(PROG, f"checkpoint {step.path} is damaged: {e}")
-    except OSError as e:
-        fail(PROG, f"cannot read checkpoint {step.path}: {e.strerror or e}")
+    verified_or_fail(PROG, step.path)
     return step
 
 

@@ -26,7 +26,7 @@ import torch
 
 from ..numerics.lowrank import lowrank_merge
 from .atomic import atomic_file
-from .checkpoint_integrity import verify_checkpoint
+from .checkpoint_integrity import verified_or_fail
 from .cli import fail, parser, require_inputs, require_output, writing
 
 _FACTORS = ("lora_u", "lora_sigma", "lora_v", "lora_residual")
@@ -102,12 +102,7 @@ def main(argv=None) -> None:
         fail(ap.prog, f"output file {args.out} is inside the checkpoint folder {args.checkpoint}: write it elsewhere")
     if args.checkpoint.is_dir() and not (args.checkpoint / ".metadata").is_file():
         fail(ap.prog, f"{args.checkpoint} is a folder without a DCP checkpoint (no .metadata file)")
-    try:
-        verify_checkpoint(args.checkpoint)
-    except ValueError as e:
-        fail(ap.prog, f"checkpoint {args.checkpoint} is damaged: {e}")
-    except OSError as e:
-        fail(ap.prog, f"cannot read checkpoint {args.checkpoint}: {e.strerror or e}")
+    verified_or_fail(ap.prog, args.checkpoint)
     try:
         state = load_checkpoint(args.checkpoint)
     except (Exception, CheckpointException) as e:  # torch raises pickle, zip and runtime errors alike; DCP its own

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from .atomic import atomic_dir, refuse_output_over_input
-from .checkpoint_integrity import verify_checkpoint
+from .checkpoint_integrity import verified_or_fail
 from .cli import fail, parser, writing
 
 PROG = "python -m titan_nvfp4.tools.export_hf"
@@ -237,12 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     ap, args, rest = _args(argv)
     step, shard_bytes = _check_paths(args, rest)
     _require_packages()
-    try:
-        verify_checkpoint(step.path)
-    except ValueError as e:
-        fail(PROG, f"checkpoint {step.path} is damaged: {e}")
-    except OSError as e:
-        fail(PROG, f"cannot read checkpoint {step.path}: {e.strerror or e}")
+    verified_or_fail(PROG, step.path)
     try:
         print(export(args, rest, step, shard_bytes))
     except ValueError as e:
