@@ -36,19 +36,20 @@ class Sm90Driver:
         return 0
 
 
-def first_use(block: int) -> None:
+def first_use(block: int) -> list:
     """A small kernel, the amax kernel with its helper functions and flags, and the dequantization kernel (an fp8
-    scale pointer, a stride specialized to 1)."""
+    scale pointer, a stride specialized to 1); their compiled kernels."""
     from titan_nvfp4.kernels import expert_map, gemm, quantize
     offsets, out = torch.zeros(8, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
-    expert_map._block_experts_kernel.warmup(offsets, 8, out, 64, EP2=8, BLOCK=block, grid=(1,))
+    kernels = [expert_map._block_experts_kernel.warmup(offsets, 8, out, 64, EP2=8, BLOCK=block, grid=(1,))]
     x, buf = torch.zeros(64, 256, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int32)
-    quantize._amax_kernel.warmup(x, 64, 256, 256, 1, buf, buf, None, 1, 64, ROW=True, COL=False, RHT=True,
-                                 GROUPED=False, G=4, BK=64, grid=(1,))
+    kernels.append(quantize._amax_kernel.warmup(x, 64, 256, 256, 1, buf, buf, None, 1, 64, ROW=True, COL=False,
+                                                RHT=True, GROUPED=False, G=4, BK=64, grid=(1,)))
     data, words = torch.zeros(64, 128, dtype=torch.uint8), torch.zeros(64, 128, dtype=torch.int32)
     scale = torch.zeros(64, 16, dtype=torch.float8_e4m3fn)
-    gemm._dequant_kernel.warmup(data, scale, words, 64, 256, 128, 16, 1, 128, 64, 256, SCALE_DIV=1, BR=16, BC=256,
-                                num_warps=4, grid=(1,))
+    kernels.append(gemm._dequant_kernel.warmup(data, scale, words, 64, 256, 128, 16, 1, 128, 64, 256, SCALE_DIV=1,
+                                               BR=16, BC=256, num_warps=4, grid=(1,)))
+    return kernels
 
 
 def gpu_step() -> None:

@@ -301,7 +301,7 @@ def test_ms_eden_codes_operand_on_gpu_is_bit_identical_to_cpu_reference(tiles):
 def test_precompiled_kernels_serve_a_real_step_without_compiling(tmp_path):
     """Record the kernels of an NVFP4 training step, precompile them into an empty Triton cache on a process pool
     (titan_nvfp4.tools.precompile_kernels), then run the step in a new process on that cache: it adds no entry,
-    so every specialization it met was precompiled under the key it asked for."""
+    so every specialization it met was precompiled under the key it asked for, its C launcher included."""
     import os
     import subprocess
     import sys
@@ -328,6 +328,8 @@ def test_precompiled_kernels_serve_a_real_step_without_compiling(tmp_path):
                 and any(f.endswith(".cubin") for f in os.listdir(folder / d))}
     filled = kernels(cache)
     assert len(filled) == n
+    launchers_before = {d for d in os.listdir(cache) if (cache / d).is_dir()
+                        and any(f.startswith("__triton_launcher") for f in os.listdir(cache / d))}
     r = subprocess.run(step, env={**base, "TRITON_CACHE_DIR": str(cache)}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     added = kernels(cache) - filled
@@ -337,3 +339,6 @@ def test_precompiled_kernels_serve_a_real_step_without_compiling(tmp_path):
                                       and not f.name.startswith("__grp")).read_text())["name"] for d in folders)
     assert not added, (f"{len(added)} kernels compiled on first use despite the precompile: {names(added)}; "
                        f"precompile stderr: {precompiled[-1500:]}")
+    launchers = {d for d in os.listdir(cache) if (cache / d).is_dir()
+                 and any(f.startswith("__triton_launcher") for f in os.listdir(cache / d))}
+    assert launchers == launchers_before, "the first use built C launchers (gcc) the precompile had not built"

@@ -210,6 +210,67 @@ def test_a_kernel_whose_source_changed_since_the_recording_is_skipped_by_name(re
     assert "2 of 3 kernel specializations in Triton's cache" in r.stderr and "(1 failed" in r.stderr
 
 
+_LAUNCHERS = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from triton.runtime.driver import driver
+from tests.precompile_first_use import Sm90Driver, first_use
+seen = []
+class Recording(Sm90Driver):
+    def launcher_cls(self, src, metadata):  # what a launcher's C source is generated from
+        seen.append([src.fn.__name__, [[str(k), str(v)] for k, v in src.signature.items()],
+                     [[str(k), str(v)] for k, v in src.constants.items()], metadata.name])
+driver.set_active(Recording())
+from titan_nvfp4.kernels import precompile
+with precompile.recording() as rec:
+    for k in first_use(128):
+        driver.active.launcher_cls(k.src, k.metadata)  # what the first launch does (CompiledKernel._init_handles)
+first = list(seen)
+done, failures = precompile.compile_all(json.loads(json.dumps(rec.manifest())), 1)
+print(json.dumps([first, seen[len(first):], done, failures]))
+"""
+
+
+@needs_ptxas
+def test_the_precompile_builds_the_launchers_the_first_launches_build(tmp_path):
+    """Each kernel's C launcher (a gcc compile per signature on a GPU, about a second each) is built by the precompile
+    from the same source and metadata a first launch builds it from, so the training process finds it cached."""
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", _LAUNCHERS, str(ROOT)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    first, precompiled, done, failures = json.loads(r.stdout)
+    assert done == 3 and failures == []
+    assert len(first) == 3 and sorted(precompiled) == sorted(first)
+
+
+def test_no_gpu_driver_leaves_the_launcher_to_the_first_launch():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine has an active driver")
+    assert precompile.build_launcher(object()) is False
+
+
+def test_the_first_compile_waits_for_the_background_precompile_once(monkeypatch, caplog):
+    """A training process about to compile its first kernel lets its running background precompile finish (its
+    kernels then come from the cache), once; a finished or absent one costs nothing."""
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    monkeypatch.setattr(precompile, "_started", {"proc": slow})
+    with caplog.at_level(logging.INFO, logger="titan_nvfp4"):
+        precompile.wait()
+    assert slow.poll() == 0 and "waited" in caplog.text and "for the background precompile" in caplog.text
+    again = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        monkeypatch.setattr(precompile, "_started", {**precompile._started, "proc": again})
+        t0 = time.monotonic()
+        precompile.wait()  # once per process
+        assert time.monotonic() - t0 < 1 and again.poll() is None
+    finally:
+        again.kill()
+        again.wait()
+    monkeypatch.setattr(precompile, "_started", {"proc": None})
+    precompile.wait()  # none started (a CPU run, switched off): nothing to wait for
+
+
 @needs_ptxas
 def test_start_compiles_in_the_background_once(recorded, tmp_path, monkeypatch, caplog):
     manifest, first = recorded

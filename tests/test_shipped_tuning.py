@@ -145,7 +145,7 @@ def test_shipped_tables_name_configs_of_their_kernels():
     tuners = {t.base_fn.__name__: t for t in _autotuners().values()}
     assert len(tuners) == len(_autotuners()) == 13
     assert all(isinstance(t, L.ShippedAutotuner) for t in tuners.values())
-    tables = sorted(st.TABLE_DIR.glob("*.json"))
+    tables = sorted(p for p in st.TABLE_DIR.glob("*.json") if not p.name.endswith(".kernels.json"))  # not manifests
     assert [p.name for p in tables] >= ["sm90.json"]
     for path in tables:
         for kernel in st.load(path):

@@ -29,7 +29,7 @@ import triton
 from triton import knobs as _knobs  # the launch hooks (profilers such as proton), passed on as Triton does
 from triton.runtime.autotuner import Autotuner
 
-from . import shipped_tuning
+from . import precompile, shipped_tuning
 
 #: Set TITAN_NVFP4_TRITON_LAUNCH=1 to launch every kernel through Triton (to compare or to debug).
 ENABLED = os.environ.get("TITAN_NVFP4_TRITON_LAUNCH", "0") in ("", "0")
@@ -114,6 +114,7 @@ class Launcher:
             return self.fn[grid](*args, **kwargs)
         entry = self.cache.get(key)
         if entry is None:
+            precompile.wait()  # a kernel the background precompile may be compiling comes from the cache
             built = self._built()
             kernel = self.fn[grid](*args, **kwargs)
             if self._built() != built:

@@ -30,6 +30,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import triton
@@ -298,10 +299,28 @@ def _compile_one(args: tuple[dict, dict]) -> str | None:
     from triton.backends.compiler import GPUTarget
     try:
         src, options = source_and_options(entry)
-        triton.compile(src, target=GPUTarget(target["backend"], target["arch"], target["warp_size"]), options=options)
-        return None
+        kernel = triton.compile(src, target=GPUTarget(target["backend"], target["arch"], target["warp_size"]),
+                                options=options)
     except Exception as e:  # noqa: BLE001 (reported; the kernel then compiles on first use)
         return f"{entry['module']}.{entry['name']}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    try:
+        build_launcher(kernel)
+    except Exception as e:  # noqa: BLE001 (reported; the first launch builds it)
+        return f"{entry['module']}.{entry['name']}: its launcher: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def build_launcher(kernel) -> bool:
+    """Build ``kernel``'s C launcher into Triton's cache, the call its first launch makes (``_init_handles``): a gcc
+    compile per signature, about a second each on the training process otherwise. False where no GPU driver is
+    active (a CPU machine: the first launch builds it)."""
+    from triton.runtime.driver import driver
+    try:
+        make = driver.active.launcher_cls
+    except RuntimeError:  # "0 active drivers"
+        return False
+    make(kernel.src, kernel.metadata)
+    return True
 
 
 def compile_all(doc: dict, workers: int) -> tuple[int, list[str]]:
@@ -400,6 +419,24 @@ def start(device_index: int | None, log=LOG) -> subprocess.Popen | None:
     log.info(f"NVFP4: precompiling {len(doc['kernels'])} Triton kernel specializations on {workers} processes in "
              f"the background into {os.environ['TRITON_CACHE_DIR']} ({path.name}; {ENV}=0 turns it off)")
     return proc
+
+
+def wait(log=LOG, timeout: float = 300.0) -> None:
+    """Called before this process compiles its first kernel: let the background precompile it started finish (once),
+    so that kernels come from the cache rather than from compiles of its own racing the pool for the CPUs."""
+    proc = _started.get("proc")
+    if proc is None or _started.get("waited"):
+        return
+    _started["waited"] = True
+    if proc.poll() is not None:
+        return
+    t0 = time.monotonic()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        log.warning(f"NVFP4: the background precompile still runs after {timeout:.0f} s: kernels compile on first use")
+        return
+    log.info(f"NVFP4: the first kernel launch waited {time.monotonic() - t0:.1f} s for the background precompile")
 
 
 def _stop(proc: subprocess.Popen) -> None:
