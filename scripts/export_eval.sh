@@ -98,3 +98,5 @@ for model, name, (other, reference) in rows:
 PY
 } > "$out/export_eval.md"
 cat "$out/export_eval.md"
+# the device tool brings back a few files per call: the logs travel as one archive
+(cd "$out" && tar -czf logs.tgz ./*.log && rm -f ./*.log)
