@@ -237,6 +237,30 @@ def _e4m3_from_byte(b):
 
 
 @triton.jit
+def e2m1_of_quotient(v, r):
+    """MS-EDEN's per-element quantities of y = v / d, given fp32 v and r = RN64(1/d) (fp64; d > 0, or NaN): with
+    a = min(|y|, 16) (0 for NaN; the bound of the correction's sums), (t, k, mag2, neg) int32: t = trunc(a·2²²),
+    k the E2M1 magnitude code of y (nearest, ties away from zero, saturating at 6), mag2 = 2|q| and neg the sign of
+    a number (numerics/ms_eden.py: e2m1_encode_away, correction).
+
+    y is v · r computed in fp64 and rounded once to fp32: that product is within 2⁻⁵² of v / d, and a quotient of
+    two fp32 numbers is never within 2⁻⁴⁹ (relative) of a point where the fp32 rounding changes, so y is the
+    correctly rounded division; below 2⁻¹²⁶, where it need not be, t and k are 0 either way and the sign is v's.
+    One multiply instead of a division per element."""
+    y = (v.to(tl.float64) * r).to(tl.float32)
+    isnum = y == y
+    a = tl.where(isnum, tl.minimum(tl.abs(y), 16.0), 0.0)
+    t = (a * 4194304.0).to(tl.int32)  # × 2²², truncated: <= 2²⁶
+    ab = a.to(tl.int32, bitcast=True)
+    # below 1, 2|y| rounded half up (t / 2²¹); from 1, the fp32 bits rounded to one mantissa bit (a carry moves the
+    # exponent up), at most 7
+    k = tl.where(ab < 0x3F800000, (t + 0x100000) >> 21, tl.minimum(((ab + 0x200000) >> 22) - 252, 7))
+    mag2 = (-932957680 >> (k * 4)) & 0xF  # 0, 1, 2, 3, 4, 6, 8, 12: the nibbles of 0xC8643210
+    neg = ((y.to(tl.int32, bitcast=True) < 0) & isnum).to(tl.int32)
+    return t, k, mag2, neg
+
+
+@triton.jit
 def _quantize_kernel(X, XS, PRE, SIGN_SEED, DRAW_SEED, AMAX, GS, D, S, R, C, sxr, sxc, ssr, ssc,
                      HAS_PRE: tl.constexpr, CODES: tl.constexpr, TRANS: tl.constexpr, TILE_DIV: tl.constexpr,
                      VEC: tl.constexpr, STAGED: tl.constexpr, BR: tl.constexpr, SIZE: tl.constexpr,
@@ -260,7 +284,7 @@ def _quantize_kernel(X, XS, PRE, SIGN_SEED, DRAW_SEED, AMAX, GS, D, S, R, C, sxr
     sv = tl.broadcast_to(s, [BR])
     num = tl.zeros([BR], tl.int64)  # the correction's exact sums over the row's group
     den = tl.zeros([BR], tl.int64)
-    bad = tl.zeros([BR], tl.int32)  # a non-finite y in the group
+    bad = rows < 0  # a non-finite y in the group
     es = ()
     qs = ()
     for b in tl.static_range(NB):
@@ -268,27 +292,22 @@ def _quantize_kernel(X, XS, PRE, SIGN_SEED, DRAW_SEED, AMAX, GS, D, S, R, C, sxr
         e = _e4m3_sat(tl.math.div_rn(tl.math.div_rn(bmax, tl.full([BR], VMAX, tl.float32)), sv))
         e = tl.where(e == 0.0, 1.0, e)
         es = es + (e,)
-        y = tl.math.div_rn(v[b], (e * sv)[:, None])
-        a = tl.abs(y)
-        k = ((a >= 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a >= 1.25).to(tl.int32)
-             + (a >= 1.75).to(tl.int32) + (a >= 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a >= 5.0).to(tl.int32))
-        neg = (y.to(tl.int32, bitcast=True) < 0) & (y == y)
-        mag2 = tl.where(k < 4, k, (4 + 2 * (k & 1)) << tl.maximum((k >> 1) - 2, 0))  # 2|q|
-        finite = (y == y) & (a != float("inf"))
-        t = (tl.where(finite, tl.minimum(a, 16.0), 0.0) * 4194304.0).to(tl.int32)  # × 2²², truncated: <= 2²⁶
-        num += tl.sum(t.to(tl.int64) * t.to(tl.int64), axis=1)
-        den += tl.sum((t * mag2).to(tl.int64), axis=1)
-        bad = bad | tl.max(tl.where(finite, 0, 1), axis=1)
+        d = e * sv
+        ym = tl.math.div_rn(bmax, d)  # the block's largest |y| (division is monotonic): every y is finite iff ym is
+        bad = bad | (ym != ym) | (ym == float("inf"))
+        t, k, mag2, neg = e2m1_of_quotient(v[b], 1.0 / d[:, None].to(tl.float64))  # fp64: correctly rounded
+        num += tl.sum(t.to(tl.int64) * t.to(tl.int64), axis=1)  # (a group with a non-finite y: c is NaN)
+        den += tl.sum(t.to(tl.int64) * mag2.to(tl.int64), axis=1)
         if STAGED:
             qs = qs + (_signed(mag2.to(tl.float32) * 0.5, neg),)
         else:
-            lo_n, hi_n = tl.split(tl.reshape(k | (neg.to(tl.int32) << 3), (BR, 8, 2)))
+            lo_n, hi_n = tl.split(tl.reshape(k | (neg << 3), (BR, 8, 2)))
             wc = pc * (SIZE // 2) + b * 8 + tl.arange(0, 8)
             tl.store(D + r64[:, None] * (cpad // 2) + wc[None, :], (lo_n | (hi_n << 4)).to(tl.uint8),
                      mask=rmask[:, None])
     c = tl.math.div_rn(num.to(tl.float32), den.to(tl.float32)) * 4.76837158203125e-07  # × 2⁻²¹
     c = tl.where(den == 0, 1.0, c)
-    c = tl.where(bad != 0, float("nan"), c)
+    c = tl.where(bad, float("nan"), c)
     seed = tl.load(DRAW_SEED)
     scales = ()
     for b in tl.static_range(NB):
