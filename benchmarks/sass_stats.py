@@ -173,7 +173,7 @@ def ms_eden() -> None:
         for staged in (False, True):
             cases.append(("quantize, " + ("staged fp16" if staged else "codes + scales"), me._quantize_kernel,
                           dict(X="*bf16", XS="*bf16", PRE="*fp32", SIGN_SEED="*i64", DRAW_SEED="*i64", AMAX="*fp32",
-                               GS="*fp32", D="*fp16" if staged else "*u8", S="*u8"), dict(STAGED=staged)))
+                               GS="*fp32", D="*fp16" if staged else "*u8", S="*u8"), dict(STAGED=staged, ASM=True)))
         for name, fn, pointers, extra in cases:
             kernel = _compile(fn, pointers, dict(src, **shape, **extra), warps, 90, aligned, enable_fp_fusion=False)
             lines, regs, stack = sass_and_registers(kernel)

@@ -28,6 +28,7 @@ from ..numerics.ms_eden_operand import check_operand_args, padded_cols
 from ..numerics.rht import rht_norm
 from .launch import cdiv, launch
 from .nvfp4_jit import e4m3_round
+from .platform import interpreting
 
 
 def _f32(v: float) -> float:
@@ -237,6 +238,16 @@ def _e4m3_from_byte(b):
 
 
 @triton.jit
+def _opaque(x, ASM: tl.constexpr):
+    """int64 x unchanged; with ASM (a CUDA GPU) through an empty PTX move, which LLVM cannot see through: the
+    adds of one block's sums are not reassociated with the next block's (that keeps every product of a group
+    live for one balanced tree at the end, and spills at 64 and 128)."""
+    if ASM:
+        x = tl.inline_asm_elementwise("mov.b64 $0, $1;", "=l,l", [x], dtype=tl.int64, is_pure=True, pack=1)
+    return x
+
+
+@triton.jit
 def e2m1_of_quotient(v, r):
     """MS-EDEN's per-element quantities of y = v / d, given fp32 v and r = RN64(1/d) (fp64; d > 0, or NaN): with
     a = min(|y|, 16) (0 for NaN; the bound of the correction's sums), (t, k, mag2, neg) int32: t = trunc(a·2²²),
@@ -264,7 +275,7 @@ def e2m1_of_quotient(v, r):
 def _quantize_kernel(X, XS, PRE, SIGN_SEED, DRAW_SEED, AMAX, GS, D, S, R, C, sxr, sxc, ssr, ssc,
                      HAS_PRE: tl.constexpr, CODES: tl.constexpr, TRANS: tl.constexpr, TILE_DIV: tl.constexpr,
                      VEC: tl.constexpr, STAGED: tl.constexpr, BR: tl.constexpr, SIZE: tl.constexpr,
-                     NORM: tl.constexpr, LOG2: tl.constexpr):
+                     NORM: tl.constexpr, LOG2: tl.constexpr, ASM: tl.constexpr):
     """MS-EDEN of a [BR, SIZE] tile (one correction group per row): D uint8 [R, Cpad/2] packed codes and
     S uint8 [R, Cpad/16] E4M3 scale bytes, or with STAGED D fp16 [R, Cpad] of q·ê_b (S unused); GS [1] = s
     (program (0, 0)). AMAX: fp32 [1], the rotated operand's amax. X (and XS with CODES): as _operand_blocks.
@@ -296,8 +307,10 @@ def _quantize_kernel(X, XS, PRE, SIGN_SEED, DRAW_SEED, AMAX, GS, D, S, R, C, sxr
         ym = tl.math.div_rn(bmax, d)  # the block's largest |y| (division is monotonic): every y is finite iff ym is
         bad = bad | (ym != ym) | (ym == float("inf"))
         t, k, mag2, neg = e2m1_of_quotient(v[b], 1.0 / d[:, None].to(tl.float64))  # fp64: correctly rounded
-        num += tl.sum(t.to(tl.int64) * t.to(tl.int64), axis=1)  # (a group with a non-finite y: c is NaN)
-        den += tl.sum(t.to(tl.int64) * mag2.to(tl.int64), axis=1)
+        tu = t.to(tl.uint32).to(tl.int64)  # (non-negative: zero-extended, one wide multiply)
+        num += tl.sum(tu * tu, axis=1)  # (a group with a non-finite y: c is NaN)
+        den += tl.sum((t * mag2).to(tl.uint32).to(tl.int64), axis=1)  # < 2³⁰
+        num, den = _opaque(num, ASM), _opaque(den, ASM)
         if STAGED:
             qs = qs + (_signed(mag2.to(tl.float32) * 0.5, neg),)
         else:
@@ -446,6 +459,7 @@ def ms_eden_quantize_tensors(values: torch.Tensor, pre_scale: torch.Tensor | Non
     launch(_quantize_kernel, (cdiv(R, br), cpad // size), src.x, src.s, pre, sseed, dseed, amax_t, gs, d,
            sc.view(torch.uint8) if not staged else d, R, C, *src.strides, HAS_PRE=pre_scale is not None,
            **src.consts, STAGED=staged, BR=br, SIZE=size, NORM=rht_norm(size), LOG2=size.bit_length() - 1,
+           ASM=values.is_cuda and torch.version.hip is None and not interpreting(),
            num_warps=WARPS, enable_fp_fusion=False)
     return d, sc, gs
 
