@@ -45,19 +45,25 @@ WARPS, TILE_CPU = 4, 8192
 
 @triton.jit
 def _e2m1_value(nib):
-    """fp32 value (exact, -0 kept) of E2M1 codes (int32 nibbles: sign bit 3, magnitude 0..7)."""
-    m = nib & 7
-    bits = tl.where(m >= 2, (((m >> 1) + 126) << 23) | ((m & 1) << 22), tl.where(m == 1, 0x3F000000, 0))
-    return (bits | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
+    """fp32 value (exact, -0 kept) of the E2M1 codes in the low 4 bits of int32 ``nib`` (sign bit 3): the code's
+    bits placed as an fp32's exponent and mantissa make the value times 2⁻¹²⁶ (bias 1 against 127; 0.5 becomes a
+    subnormal, exact), one multiply undoes it."""
+    return (((nib & 7) << 22) | ((nib & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2¹²⁶
 
 
 @triton.jit
-def _e4m3_value_of_byte(b):
-    """fp32 value of any E4M3 byte (int32 0..255): signed, subnormals exact, 0x7F / 0xFF NaN."""
-    mag = b & 0x7F
-    v = _e4m3_from_byte(tl.minimum(mag, 0x7E))
-    v = tl.where(mag == 0x7F, float("nan"), v)
-    return _signed(v, (b & 0x80) != 0)
+def _e2m1_half(code):
+    """fp16 value (exact, -0 kept) of E2M1 codes (int32, sign bit 3): the bits placed in an fp16 make the value
+    times 2⁻¹⁴ (bias 1 against 15; 0.5 becomes a subnormal, exact), one multiply undoes it."""
+    return (((code & 7) << 9) | ((code & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True) * 16384.0
+
+
+@triton.jit
+def _e4m3_value(b):
+    """fp32 value of any E4M3 byte (int32 0..255): signed, subnormals exact, 0x7F / 0xFF NaN; as _e2m1_value, the
+    byte's bits placed in an fp32 make the value times 2⁻¹²⁰."""
+    v = (((b & 0x7F) << 20) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2¹²⁰
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
 
 
 @triton.jit
@@ -121,21 +127,26 @@ def _operand_blocks(X, S, PRE, rows, R, C, sxr, sxc, ssr, ssc, c0, HAS_PRE: tl.c
             if TRANS:  # element (r, c) at storage (c, r): loaded as [16, BR], a row per thread
                 offs = tl.max_contiguous(cols[:, None] * sxr + (r64 >> 1)[None, :] * sxc, [1, 1])
                 byte = tl.trans(tl.load(X + offs, mask=tl.trans(inside), other=0)).to(tl.int32)
-                nib = (byte >> ((rows & 1) * 4)[:, None]) & 0xF
+                nib = byte >> ((rows & 1) * 4)[:, None]
                 if TILE_DIV == 16:
                     sb = tl.load(S + (cb // 16) * ssr + (r64 >> 4) * ssc, mask=rin & (tl.broadcast_to(cb, [BR]) < C),
                                  other=0).to(tl.int32)[:, None]
                 else:  # 1×16 blocks along the storage rows: a scale per column
                     offs = tl.max_contiguous(cols[:, None] * ssr + (r64 >> 4)[None, :] * ssc, [1, 1])
                     sb = tl.trans(tl.load(S + offs, mask=tl.trans(inside), other=0)).to(tl.int32)
-            else:  # a block's 8 code bytes, and its scale byte
+            else:  # a block's 8 code bytes (VEC > 1: one 8-byte load), and its scale byte
                 wc = (cb >> 1) + tl.arange(0, 8)
-                m8 = rin[:, None] & (wc * 2 < C)[None, :]
-                byte = tl.load(X + r64[:, None] * sxr + wc[None, :] * sxc, mask=m8, other=0).to(tl.int32)
-                nib = tl.reshape(tl.join(byte & 0xF, byte >> 4), (BR, 16))  # column 2i in the low nibble
+                if VEC > 1:
+                    byte = tl.load(X + r64[:, None] * sxr + wc[None, :] * sxc,
+                                   mask=rin[:, None] & (wc * 2 < C)[None, :], other=0)
+                else:
+                    offs = tl.max_contiguous(wc[:, None] * sxc + r64[None, :] * sxr, [1, 1])
+                    byte = tl.trans(tl.load(X + offs, mask=(wc * 2 < C)[:, None] & rin[None, :], other=0))
+                byte = byte.to(tl.int32)
+                nib = tl.reshape(tl.join(byte, byte >> 4), (BR, 16))  # column 2i in the low nibble
                 sb = tl.load(S + (r64 // TILE_DIV) * ssr + (cb >> 4) * ssc, mask=rin & (tl.broadcast_to(cb, [BR]) < C),
                              other=0).to(tl.int32)[:, None]
-            x = tl.where(inside, _e2m1_value(nib) * _e4m3_value_of_byte(sb), 0.0)
+            x = tl.where(inside, _e2m1_value(nib) * _e4m3_value(sb), 0.0)
         elif VEC > 1:
             chunks = ()
             for q in tl.static_range(16 // VEC):
@@ -312,7 +323,7 @@ def _quantize_kernel(X, XS, PRE, SIGN_SEED, DRAW_SEED, AMAX, GS, D, S, R, C, sxr
         den += tl.sum((t * mag2).to(tl.uint32).to(tl.int64), axis=1)  # < 2³⁰
         num, den = _opaque(num, ASM), _opaque(den, ASM)
         if STAGED:
-            qs = qs + (_signed(mag2.to(tl.float32) * 0.5, neg),)
+            qs = qs + (_e2m1_half(k | (neg << 3)),)
         else:
             lo_n, hi_n = tl.split(tl.reshape(k | (neg << 3), (BR, 8, 2)))
             wc = pc * (SIZE // 2) + b * 8 + tl.arange(0, 8)
@@ -337,7 +348,8 @@ def _quantize_kernel(X, XS, PRE, SIGN_SEED, DRAW_SEED, AMAX, GS, D, S, R, C, sxr
         if STAGED:
             ev = tl.where(ok, tl.where(up, hi, lo), float("nan"))
             cols = pc * SIZE + b * 16 + tl.arange(0, 16)
-            tl.store(D + r64[:, None] * cpad + cols[None, :], (qs[b] * ev[:, None]).to(tl.float16),
+            # q·ê_b in fp16: exact (at most 6 significant bits, from 2⁻¹⁰ to 2688), the bits of the fp32 product
+            tl.store(D + r64[:, None] * cpad + cols[None, :], qs[b] * ev.to(tl.float16)[:, None],
                      mask=rmask[:, None])
         else:
             scales = scales + (tl.where(ok, tl.where(up, hi_b, lo_b), 0x7F).to(tl.uint8),)
@@ -367,19 +379,24 @@ class _Source(NamedTuple):
     consts: dict
 
 
+def _vec(t: torch.Tensor, vec: int) -> int:
+    """VEC: ``vec`` where rows of contiguous elements start 16-byte aligned as Triton sees it (the row stride and
+    the address specialized as multiples of 16), so that 16-byte loads keep a row in its thread; else 1."""
+    return vec if t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 else 1
+
+
 def _source(values: torch.Tensor, block_scales: torch.Tensor | None, transposed: bool, tiles: bool) -> _Source:
     """values [R, C] (values.t() with ``transposed``), or with ``block_scales`` the q·e_b of the NVFP4 storage of
     codes ``values`` [rows, cols/2] (or its transpose), read in place."""
     if block_scales is None:
         v = values.t() if transposed else values
-        vec = 16 // v.element_size() if v.stride(1) == 1 and v.shape[1] > 1 else 1  # 16-byte loads along rows
         return _Source(v, v, v.shape[0], v.shape[1], (v.stride(0), v.stride(1), 0, 0),
-                       dict(CODES=False, TRANS=False, TILE_DIV=1, VEC=vec))
+                       dict(CODES=False, TRANS=False, TILE_DIV=1, VEC=_vec(v, 16 // v.element_size())))
     sb = block_scales.view(torch.uint8)
     rows, cols = values.shape[0], values.shape[1] * 2
     r, c = (cols, rows) if transposed else (rows, cols)
     return _Source(values, sb, r, c, (values.stride(0), values.stride(1), sb.stride(0), sb.stride(1)),
-                   dict(CODES=True, TRANS=bool(transposed), TILE_DIV=16 if tiles else 1, VEC=1))
+                   dict(CODES=True, TRANS=bool(transposed), TILE_DIV=16 if tiles else 1, VEC=_vec(values, 8)))
 
 
 def _pre_arg(pre_scale: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
