@@ -158,25 +158,26 @@ def ceilings() -> None:
 
 def ms_eden() -> None:
     """SASS per element of the MS-EDEN amax and quantize kernels (a bf16 dY read as values), sizes 16..128, at the
-    launcher's GPU tile (me.TILE_GPU elements, 4 warps): the issue cost that bounds them below copy bandwidth."""
+    launcher's GPU tile (me.tile_rows rows, me.WARPS warps): the issue cost that bounds them below copy bandwidth."""
     from titan_nvfp4.numerics.rht import rht_norm
-    warps = 4
-    print(f"triton {triton.__version__}, sm_90, {me.TILE_GPU} elements per program, {warps} warps")
+    warps = me.WARPS
+    print(f"triton {triton.__version__}, sm_90, {warps} warps, each thread holding whole rows of a program's tile")
     print("| kernel | size | SASS per element | regs | stack B | top opcodes per element |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
-    src = dict(sxc=1, HAS_PRE=False, CODES=False, TRANS=False, TILE_DIV=1)
+    src = dict(sxc=1, HAS_PRE=False, CODES=False, TRANS=False, TILE_DIV=1, VEC=8)
     aligned = ("R", "C", "sxr", "ssr", "ssc")  # a contiguous dY with 16 | rows, cols: what Triton's specialization sees
     for size in (16, 32, 64, 128):
-        shape = dict(BR=me.TILE_GPU // size, SIZE=size, NORM=rht_norm(size), LOG2=size.bit_length() - 1)
+        br = me.tile_rows(1 << 20, size, cuda=True)
+        shape = dict(BR=br, SIZE=size, NORM=rht_norm(size), LOG2=size.bit_length() - 1)
         cases = [("amax", me._amax_kernel, dict(X="*bf16", S="*bf16", PRE="*fp32", SIGN_SEED="*i64", AMAX="*i32"), {})]
         for staged in (False, True):
             cases.append(("quantize, " + ("staged fp16" if staged else "codes + scales"), me._quantize_kernel,
                           dict(X="*bf16", XS="*bf16", PRE="*fp32", SIGN_SEED="*i64", DRAW_SEED="*i64", AMAX="*fp32",
-                               GS="*fp32", D="*fp16" if staged else "*u8", S="*u8"), dict(STAGED=staged)))
+                               GS="*fp32", D="*fp16" if staged else "*u8", S="*u8"), dict(STAGED=staged, ASM=True)))
         for name, fn, pointers, extra in cases:
             kernel = _compile(fn, pointers, dict(src, **shape, **extra), warps, 90, aligned, enable_fp_fusion=False)
             lines, regs, stack = sass_and_registers(kernel)
-            per_thread = me.TILE_GPU / (32 * warps)
+            per_thread = br * size / (32 * warps)
             ops = collections.Counter(opcode(ln) for ln in lines)
             top = ", ".join(f"{o} {c / per_thread:.1f}" for o, c in ops.most_common(6))
             print(f"| {name} | {size} | {len(lines) / per_thread:.1f} | {regs} | {stack} | {top} |", flush=True)

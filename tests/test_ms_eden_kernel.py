@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_nvfp4.kernels.ms_eden import ms_eden_amax_tensor, ms_eden_quantize_tensors
+from titan_nvfp4.kernels.ms_eden import e2m1_of_quotient, ms_eden_amax_tensor, ms_eden_quantize_tensors
 from titan_nvfp4.numerics.ms_eden_operand import ms_eden_operand, ms_eden_operand_amax
 from titan_nvfp4.numerics.philox import philox_bits, philox_signs, uniform24
 from titan_nvfp4.ops import ms_eden_operand_amax as op_amax
@@ -52,6 +52,56 @@ def test_uniforms_and_signs_from_the_words():
     w = philox_bits(99, torch.arange(256))
     s = philox_signs(99, 256)
     assert torch.equal(s, torch.where(w >= 2**31, -1.0, 1.0)) and 90 < int((s < 0).sum()) < 166
+
+
+@triton.jit
+def _quotient_probe(V, D, OUT, N: tl.constexpr):
+    i = tl.arange(0, N)
+    t, k, mag2, neg = e2m1_of_quotient(tl.load(V + i), 1.0 / tl.load(D + i).to(tl.float64))
+    tl.store(OUT + i, t)
+    tl.store(OUT + N + i, k)
+    tl.store(OUT + 2 * N + i, mag2)
+    tl.store(OUT + 3 * N + i, neg)
+
+
+def test_quotient_codes_equal_the_division_at_every_threshold():
+    """e2m1_of_quotient (y = v / d as v · RN64(1/d), the E2M1 code by bit arithmetic) gives the reference's t, code
+    and 2|q| of the correctly rounded fp32 division, for v at and one or two ulps around d times each rounding
+    threshold and each power of two t steps at, for block scales d from E4M3 subnormal times the floor of s to
+    large, and for ±0, ±inf, NaN (v or d), subnormal v and random v."""
+    from titan_nvfp4.numerics.ms_eden import e2m1_encode_away
+
+    g = torch.Generator().manual_seed(12)
+    e = torch.tensor([2.0**-9, 0.0546875, 1.0, 1.125, 13.0, 240.0, 448.0])
+    s = torch.cat([torch.tensor([2.0**-117, 1e-30, 3.3e-7, 1.0, 0.37, 7.7e20]), torch.rand(4, generator=g) * 1e-3])
+    d = (e[:, None] * s[None, :]).flatten()
+    thresholds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 2.0, 4.0, 6.0, 16.0, 2.0**-22,
+                               2.0**-21, 3 * 2.0**-22, 0.3, 1.3, 5.9])
+    v = (thresholds[:, None] * d[None, :]).flatten()  # rounded to fp32: v / d lands on or next to the threshold
+    steps = [v]
+    for _ in range(2):
+        steps = [torch.nextafter(steps[0], torch.tensor(0.0)), *steps, torch.nextafter(steps[-1], torch.tensor(1e38))]
+    v = torch.cat(steps)
+    dd = d.repeat(len(v) // len(d))
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, -3e-42, 1e-38, 3e38, -3e38])
+    v = torch.cat([v, -v[:500], special, torch.randn(2000, generator=g) * torch.exp2(torch.randint(-60, 60, (2000,),
+                                                                                                   generator=g))])
+    dd = torch.cat([dd, dd[:500], torch.full((10,), 0.37), d[torch.randint(0, len(d), (2000,), generator=g)]])
+    v, dd = torch.cat([v, torch.ones(2)]), torch.cat([dd, torch.tensor([float("nan"), 2.0**-126])])
+    n = 1 << (len(v) - 1).bit_length()
+    v = torch.cat([v, torch.zeros(n - len(v))]).float()
+    dd = torch.cat([dd, torch.ones(n - len(dd))]).float()
+    out = torch.empty(4 * n, dtype=torch.int32, device=DEV)
+    _quotient_probe[(1,)](v.to(DEV), dd.to(DEV), out, N=n)
+    t, k, mag2, neg = out.cpu().view(4, n).long()
+    y = v / dd  # correctly rounded fp32 division
+    a = torch.where(y.isnan(), torch.zeros_like(y), y.abs().clamp(max=16.0))
+    assert torch.equal(t, (a * 2.0**22).long())
+    code = e2m1_encode_away(y).long()
+    assert torch.equal(k | (neg << 3), code)
+    k_ref = code & 7
+    assert torch.equal(mag2, torch.where(k_ref < 4, k_ref, (4 + 2 * (k_ref & 1)) << ((k_ref >> 1) - 2).clamp(min=0)))
+    assert int((t > 0).sum()) > n // 2 and int((k == 7).sum()) > 100
 
 
 def _same_half_bits(a, b):

@@ -28,6 +28,7 @@ from ..numerics.ms_eden_operand import check_operand_args, padded_cols
 from ..numerics.rht import rht_norm
 from .launch import cdiv, launch
 from .nvfp4_jit import e4m3_round
+from .platform import interpreting
 
 
 def _f32(v: float) -> float:
@@ -38,25 +39,31 @@ def _f32(v: float) -> float:
 VMAX = tl.constexpr(_f32(6.0 / MS_EDEN_SCALE_OVERRIDE))
 SCALE_MAX = tl.constexpr(_f32(MS_EDEN_SCALE_MAX))
 MIN_S = tl.constexpr(MIN_TENSOR_SCALE)
-#: elements per program tile (BR rows × SIZE columns): on a GPU, and in the CPU interpreter (few programs)
-TILE_GPU, TILE_CPU = 4096, 8192
+#: warps per program on a GPU; elements per program tile in the CPU interpreter (few programs)
+WARPS, TILE_CPU = 4, 8192
 
 
 @triton.jit
 def _e2m1_value(nib):
-    """fp32 value (exact, -0 kept) of E2M1 codes (int32 nibbles: sign bit 3, magnitude 0..7)."""
-    m = nib & 7
-    bits = tl.where(m >= 2, (((m >> 1) + 126) << 23) | ((m & 1) << 22), tl.where(m == 1, 0x3F000000, 0))
-    return (bits | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
+    """fp32 value (exact, -0 kept) of the E2M1 codes in the low 4 bits of int32 ``nib`` (sign bit 3): the code's
+    bits placed as an fp32's exponent and mantissa make the value times 2⁻¹²⁶ (bias 1 against 127; 0.5 becomes a
+    subnormal, exact), one multiply undoes it."""
+    return (((nib & 7) << 22) | ((nib & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2¹²⁶
 
 
 @triton.jit
-def _e4m3_value_of_byte(b):
-    """fp32 value of any E4M3 byte (int32 0..255): signed, subnormals exact, 0x7F / 0xFF NaN."""
-    mag = b & 0x7F
-    v = _e4m3_from_byte(tl.minimum(mag, 0x7E))
-    v = tl.where(mag == 0x7F, float("nan"), v)
-    return _signed(v, (b & 0x80) != 0)
+def _e2m1_half(code):
+    """fp16 value (exact, -0 kept) of E2M1 codes (int32, sign bit 3): the bits placed in an fp16 make the value
+    times 2⁻¹⁴ (bias 1 against 15; 0.5 becomes a subnormal, exact), one multiply undoes it."""
+    return (((code & 7) << 9) | ((code & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True) * 16384.0
+
+
+@triton.jit
+def _e4m3_value(b):
+    """fp32 value of any E4M3 byte (int32 0..255): signed, subnormals exact, 0x7F / 0xFF NaN; as _e2m1_value, the
+    byte's bits placed in an fp32 make the value times 2⁻¹²⁰."""
+    v = (((b & 0x7F) << 20) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2¹²⁰
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
 
 
 @triton.jit
@@ -66,58 +73,146 @@ def _signed(v, neg):
 
 
 @triton.jit
-def _operand_tile(X, S, rows, cols, inside, sxr, sxc, ssr, ssc, CODES: tl.constexpr, TRANS: tl.constexpr,
-                  TILE_DIV: tl.constexpr):
-    """fp32 [BR, SIZE] of the operand at (rows, cols), 0 outside: X read as values, or (CODES) e2m1(q)·e_b of
-    packed codes X and E4M3 scale bytes S at storage (i, j) = (rows, cols), or (cols, rows) with TRANS; scale
-    row i // TILE_DIV (16: 16×16 tiles)."""
-    if CODES:
-        if TRANS:
-            i = cols[None, :].to(tl.int64)
-            j = rows[:, None].to(tl.int64)
-        else:
-            i = rows[:, None].to(tl.int64)
-            j = cols[None, :].to(tl.int64)
-        byte = tl.load(X + i * sxr + (j >> 1) * sxc, mask=inside, other=0).to(tl.int32)
-        nib = (byte >> ((j & 1) * 4).to(tl.int32)) & 0xF
-        sb = tl.load(S + (i // TILE_DIV) * ssr + (j >> 4) * ssc, mask=inside, other=0).to(tl.int32)
-        return tl.where(inside, _e2m1_value(nib) * _e4m3_value_of_byte(sb), 0.0)
-    ptr = X + rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc
-    return tl.load(ptr, mask=inside, other=0.0).to(tl.float32)
+def _zip(parts, BR: tl.constexpr, W: tl.constexpr):
+    """[BR, W] whose column j is parts[j] (a tuple of W [BR] tensors, W a power of two): in-thread joins."""
+    for lv in tl.static_range(W.bit_length() - 1):
+        nxt = ()
+        for m in tl.static_range(W >> (lv + 1)):
+            j = tl.join(parts[m], parts[m + (W >> (lv + 1))])  # [.., x, 2]: column 2x + (0, 1) of the next level
+            nxt = nxt + (j if lv == 0 else tl.reshape(j, (BR, 2 << lv)),)
+        parts = nxt
+    return parts[0]
 
 
 @triton.jit
-def _rotated_tile(X, S, PRE, SIGN_SEED, rows, R, C, sxr, sxc, ssr, ssc, c0, HAS_PRE: tl.constexpr,
-                  CODES: tl.constexpr, TRANS: tl.constexpr, TILE_DIV: tl.constexpr, BR: tl.constexpr,
-                  SIZE: tl.constexpr, NORM: tl.constexpr, LOG2: tl.constexpr):
-    """fp32 [BR, SIZE]: columns c0.. of rows ``rows`` of x (_operand_tile), × pre_scale, zero past C (and R),
-    sign flip, butterflies h = 1, 2, 4, ... (i meets i + h: a + b, a - b), × NORM: rht.rht of the padded
-    operand."""
-    cols = c0 + tl.arange(0, SIZE)
-    inside = (rows < R)[:, None] & (cols < C)[None, :]
-    x = _operand_tile(X, S, rows, cols, inside, sxr, sxc, ssr, ssc, CODES, TRANS, TILE_DIV)
-    if HAS_PRE:
-        x = tl.where(inside, x * tl.load(PRE), 0.0)  # the padding is added after the multiply
-    bits = tl.randint(tl.load(SIGN_SEED), tl.arange(0, SIZE))
-    sign = tl.where(bits.to(tl.int32, bitcast=True) < 0, -1.0, 1.0)
-    y = x * sign[None, :]
-    for stage in tl.static_range(LOG2):
-        y = tl.permute(tl.reshape(y, (BR, SIZE >> (stage + 1), 2, 1 << stage)), (0, 1, 3, 2))  # h = 2^stage
-        a, b = tl.split(y)
-        y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BR, SIZE))
-    return y * NORM
+def _cat(parts, BR: tl.constexpr, N: tl.constexpr):
+    """[BR, N · n]: the N tensors [BR, n] of ``parts`` side by side (N a power of two): in-thread joins."""
+    for lv in tl.static_range(N.bit_length() - 1):
+        nxt = ()
+        for m in tl.static_range(N >> (lv + 1)):
+            a = parts[2 * m]
+            nxt = nxt + (tl.reshape(tl.permute(tl.join(a, parts[2 * m + 1]), (0, 2, 1)), (BR, 2 * a.shape[1])),)
+        parts = nxt
+    return parts[0]
+
+
+@triton.jit
+def _block_max(a, BR: tl.constexpr):
+    """[BR] max over the 16 columns of a [BR, 16] (exact; NaN if the row holds one): in-thread halvings."""
+    for lv in tl.static_range(4):
+        if lv < 3:
+            lo, hi = tl.split(tl.reshape(a, (BR, 8 >> lv, 2)))
+        else:
+            lo, hi = tl.split(a)
+        a = tl.maximum(lo, hi, propagate_nan=tl.PropagateNan.ALL)
+    return a
+
+
+@triton.jit
+def _operand_blocks(X, S, PRE, rows, R, C, sxr, sxc, ssr, ssc, c0, HAS_PRE: tl.constexpr, CODES: tl.constexpr,
+                    TRANS: tl.constexpr, TILE_DIV: tl.constexpr, VEC: tl.constexpr, BR: tl.constexpr,
+                    SIZE: tl.constexpr):
+    """Columns c0 .. c0 + SIZE - 1 of rows ``rows`` of the operand, × pre_scale, 0 outside [R, C]: a tuple of
+    SIZE / 16 fp32 blocks [BR, 16], each row of a block in one thread. X read as values (VEC > 1: rows of
+    contiguous columns, VEC at a time), or (CODES) e2m1(q)·e_b of packed codes X and E4M3 scale bytes S at storage
+    (i, j) = (row, col), or (col, row) with TRANS; scale row i // TILE_DIV (16: 16×16 tiles)."""
+    rin = rows < R
+    r64 = rows.to(tl.int64)
+    out = ()
+    for b in tl.static_range(SIZE // 16):
+        cb = c0 + b * 16  # a multiple of 16
+        cols = cb + tl.arange(0, 16)
+        inside = rin[:, None] & (cols < C)[None, :]
+        if CODES:
+            if TRANS:  # element (r, c) at storage (c, r): loaded as [16, BR], a row per thread
+                offs = tl.max_contiguous(cols[:, None] * sxr + (r64 >> 1)[None, :] * sxc, [1, 1])
+                byte = tl.trans(tl.load(X + offs, mask=tl.trans(inside), other=0)).to(tl.int32)
+                nib = byte >> ((rows & 1) * 4)[:, None]
+                if TILE_DIV == 16:
+                    sb = tl.load(S + (cb // 16) * ssr + (r64 >> 4) * ssc, mask=rin & (tl.broadcast_to(cb, [BR]) < C),
+                                 other=0).to(tl.int32)[:, None]
+                else:  # 1×16 blocks along the storage rows: a scale per column
+                    offs = tl.max_contiguous(cols[:, None] * ssr + (r64 >> 4)[None, :] * ssc, [1, 1])
+                    sb = tl.trans(tl.load(S + offs, mask=tl.trans(inside), other=0)).to(tl.int32)
+            else:  # a block's 8 code bytes (VEC > 1: one 8-byte load), and its scale byte
+                wc = (cb >> 1) + tl.arange(0, 8)
+                if VEC > 1:
+                    byte = tl.load(X + r64[:, None] * sxr + wc[None, :] * sxc,
+                                   mask=rin[:, None] & (wc * 2 < C)[None, :], other=0)
+                else:
+                    offs = tl.max_contiguous(wc[:, None] * sxc + r64[None, :] * sxr, [1, 1])
+                    byte = tl.trans(tl.load(X + offs, mask=(wc * 2 < C)[:, None] & rin[None, :], other=0))
+                byte = byte.to(tl.int32)
+                nib = tl.reshape(tl.join(byte, byte >> 4), (BR, 16))  # column 2i in the low nibble
+                sb = tl.load(S + (r64 // TILE_DIV) * ssr + (cb >> 4) * ssc, mask=rin & (tl.broadcast_to(cb, [BR]) < C),
+                             other=0).to(tl.int32)[:, None]
+            x = tl.where(inside, _e2m1_value(nib) * _e4m3_value(sb), 0.0)
+        elif VEC > 1:
+            chunks = ()
+            for q in tl.static_range(16 // VEC):
+                cq = cb + q * VEC + tl.arange(0, VEC)
+                mq = rin[:, None] & (cq < C)[None, :]
+                chunks = chunks + (tl.load(X + r64[:, None] * sxr + cq[None, :] * sxc, mask=mq, other=0.0),)
+            x = _cat(chunks, BR, 16 // VEC).to(tl.float32)
+        else:  # any strides (a transposed view: the rows contiguous): loaded as [16, BR], a row per thread
+            offs = tl.max_contiguous(cols[:, None] * sxc + r64[None, :] * sxr, [1, 1])
+            x = tl.trans(tl.load(X + offs, mask=tl.trans(inside), other=0.0)).to(tl.float32)
+        if HAS_PRE:
+            x = tl.where(inside, x * tl.load(PRE), 0.0)  # the padding is added after the multiply
+        out = out + (x,)
+    return out
+
+
+@triton.jit
+def _rotated_blocks(X, S, PRE, SIGN_SEED, rows, R, C, sxr, sxc, ssr, ssc, c0, HAS_PRE: tl.constexpr,
+                    CODES: tl.constexpr, TRANS: tl.constexpr, TILE_DIV: tl.constexpr, VEC: tl.constexpr,
+                    BR: tl.constexpr, SIZE: tl.constexpr, NORM: tl.constexpr, LOG2: tl.constexpr):
+    """The rotated tile as a tuple of SIZE / 16 fp32 blocks [BR, 16] (_operand_blocks): sign flip, butterflies
+    h = 1, 2, 4, ... (i meets i + h: a + b at i, a - b at i + h), × NORM: rht.rht of the padded operand. Stages
+    h < 16 act within a block, the others between blocks: all in the thread that holds the row."""
+    x = _operand_blocks(X, S, PRE, rows, R, C, sxr, sxc, ssr, ssc, c0, HAS_PRE, CODES, TRANS, TILE_DIV, VEC, BR,
+                        SIZE)
+    i = tl.arange(0, SIZE)
+    neg = (tl.randint(tl.load(SIGN_SEED), i).to(tl.int32, bitcast=True) < 0).to(tl.int32)
+    k16 = tl.arange(0, 16)
+    v = ()
+    for b in tl.static_range(SIZE // 16):  # signs of a block: bits of a word reduced from the [SIZE] draws
+        word = tl.sum(tl.where((i >> 4) == b, neg << (i & 15), 0), axis=0)  # distinct bits: the sum is their OR
+        sign = tl.where(((word >> k16) & 1) != 0, -1.0, 1.0)
+        y = x[b] * sign[None, :]
+        for stage in tl.static_range(4):  # h = 2^stage < 16
+            y = tl.permute(tl.reshape(y, (BR, 16 >> (stage + 1), 2, 1 << stage)), (0, 1, 3, 2))
+            lo, hi = tl.split(y)
+            y = tl.reshape(tl.permute(tl.join(lo + hi, lo - hi), (0, 1, 3, 2)), (BR, 16))
+        v = v + (y,)
+    for stage in tl.static_range(LOG2 - 4):  # h = 16·2^stage: block j meets block j + 2^stage
+        w = ()
+        for b in tl.static_range(SIZE // 16):
+            if (b >> stage) % 2 == 0:
+                w = w + (v[b] + v[b + (1 << stage)],)
+            else:
+                w = w + (v[b - (1 << stage)] - v[b],)
+        v = w
+    out = ()
+    for b in tl.static_range(SIZE // 16):
+        out = out + (v[b] * NORM,)
+    return out
 
 
 @triton.jit
 def _amax_kernel(X, S, PRE, SIGN_SEED, AMAX, R, C, sxr, sxc, ssr, ssc, HAS_PRE: tl.constexpr, CODES: tl.constexpr,
-                 TRANS: tl.constexpr, TILE_DIV: tl.constexpr, BR: tl.constexpr, SIZE: tl.constexpr,
-                 NORM: tl.constexpr, LOG2: tl.constexpr):
+                 TRANS: tl.constexpr, TILE_DIV: tl.constexpr, VEC: tl.constexpr, BR: tl.constexpr,
+                 SIZE: tl.constexpr, NORM: tl.constexpr, LOG2: tl.constexpr):
     """AMAX (fp32 bits in int32) |= max|rotated x| over this program's tile; NaN counts as +inf."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    v = _rotated_tile(X, S, PRE, SIGN_SEED, rows, R, C, sxr, sxc, ssr, ssc, tl.program_id(1) * SIZE, HAS_PRE, CODES,
-                      TRANS, TILE_DIV, BR, SIZE, NORM, LOG2)
-    a = tl.where(v == v, tl.abs(v), float("inf"))
-    tl.atomic_max(AMAX, tl.max(tl.max(a, axis=1), axis=0).to(tl.int32, bitcast=True), sem="relaxed")
+    v = _rotated_blocks(X, S, PRE, SIGN_SEED, rows, R, C, sxr, sxc, ssr, ssc, tl.program_id(1) * SIZE, HAS_PRE,
+                        CODES, TRANS, TILE_DIV, VEC, BR, SIZE, NORM, LOG2)
+    m = tl.abs(v[0])
+    for b in tl.static_range(1, SIZE // 16):
+        m = tl.maximum(m, tl.abs(v[b]), propagate_nan=tl.PropagateNan.ALL)  # exact; NaN kept
+    m = _block_max(m, BR)
+    m = tl.where(m == m, m, float("inf"))
+    tl.atomic_max(AMAX, tl.max(m, axis=0).to(tl.int32, bitcast=True), sem="relaxed")
 
 
 @triton.jit
@@ -154,13 +249,48 @@ def _e4m3_from_byte(b):
 
 
 @triton.jit
+def _opaque(x, ASM: tl.constexpr):
+    """int64 x unchanged; with ASM (a CUDA GPU) through an empty PTX move, which LLVM cannot see through: the
+    adds of one block's sums are not reassociated with the next block's (that keeps every product of a group
+    live for one balanced tree at the end, and spills at 64 and 128)."""
+    if ASM:
+        x = tl.inline_asm_elementwise("mov.b64 $0, $1;", "=l,l", [x], dtype=tl.int64, is_pure=True, pack=1)
+    return x
+
+
+@triton.jit
+def e2m1_of_quotient(v, r):
+    """MS-EDEN's per-element quantities of y = v / d, given fp32 v and r = RN64(1/d) (fp64; d > 0, or NaN): with
+    a = min(|y|, 16) (0 for NaN; the bound of the correction's sums), (t, k, mag2, neg) int32: t = trunc(a·2²²),
+    k the E2M1 magnitude code of y (nearest, ties away from zero, saturating at 6), mag2 = 2|q| and neg the sign of
+    a number (numerics/ms_eden.py: e2m1_encode_away, correction).
+
+    y is v · r computed in fp64 and rounded once to fp32: that product is within 2⁻⁵² of v / d, and a quotient of
+    two fp32 numbers is never within 2⁻⁴⁹ (relative) of a point where the fp32 rounding changes, so y is the
+    correctly rounded division; below 2⁻¹²⁶, where it need not be, t and k are 0 either way and the sign is v's.
+    One multiply instead of a division per element."""
+    y = (v.to(tl.float64) * r).to(tl.float32)
+    isnum = y == y
+    a = tl.where(isnum, tl.minimum(tl.abs(y), 16.0), 0.0)
+    t = (a * 4194304.0).to(tl.int32)  # × 2²², truncated: <= 2²⁶
+    ab = a.to(tl.int32, bitcast=True)
+    # below 1, 2|y| rounded half up (t / 2²¹); from 1, the fp32 bits rounded to one mantissa bit (a carry moves the
+    # exponent up), at most 7
+    k = tl.where(ab < 0x3F800000, (t + 0x100000) >> 21, tl.minimum(((ab + 0x200000) >> 22) - 252, 7))
+    mag2 = (-932957680 >> (k * 4)) & 0xF  # 0, 1, 2, 3, 4, 6, 8, 12: the nibbles of 0xC8643210
+    neg = ((y.to(tl.int32, bitcast=True) < 0) & isnum).to(tl.int32)
+    return t, k, mag2, neg
+
+
+@triton.jit
 def _quantize_kernel(X, XS, PRE, SIGN_SEED, DRAW_SEED, AMAX, GS, D, S, R, C, sxr, sxc, ssr, ssc,
                      HAS_PRE: tl.constexpr, CODES: tl.constexpr, TRANS: tl.constexpr, TILE_DIV: tl.constexpr,
-                     STAGED: tl.constexpr, BR: tl.constexpr, SIZE: tl.constexpr, NORM: tl.constexpr,
-                     LOG2: tl.constexpr):
+                     VEC: tl.constexpr, STAGED: tl.constexpr, BR: tl.constexpr, SIZE: tl.constexpr,
+                     NORM: tl.constexpr, LOG2: tl.constexpr, ASM: tl.constexpr):
     """MS-EDEN of a [BR, SIZE] tile (one correction group per row): D uint8 [R, Cpad/2] packed codes and
     S uint8 [R, Cpad/16] E4M3 scale bytes, or with STAGED D fp16 [R, Cpad] of q·ê_b (S unused); GS [1] = s
-    (program (0, 0)). AMAX: fp32 [1], the rotated operand's amax. X (and XS with CODES): as _operand_tile."""
+    (program (0, 0)). AMAX: fp32 [1], the rotated operand's amax. X (and XS with CODES): as _operand_blocks.
+    A thread holds whole rows: each block's quantities are computed once, in that thread."""
     NB: tl.constexpr = SIZE // 16
     pr, pc = tl.program_id(0), tl.program_id(1)
     cpad = tl.num_programs(1) * SIZE
@@ -169,67 +299,78 @@ def _quantize_kernel(X, XS, PRE, SIGN_SEED, DRAW_SEED, AMAX, GS, D, S, R, C, sxr
     if (pr == 0) & (pc == 0):
         tl.store(GS, s)
     rows = pr * BR + tl.arange(0, BR)
-    v = _rotated_tile(X, XS, PRE, SIGN_SEED, rows, R, C, sxr, sxc, ssr, ssc, pc * SIZE, HAS_PRE, CODES, TRANS,
-                      TILE_DIV, BR, SIZE, NORM, LOG2)
-    vb = tl.reshape(v, (BR, NB, 16))
-    nan = vb != vb
-    bmax = tl.max(tl.where(nan, 0.0, tl.abs(vb)), axis=2)  # exact; NaN put back below (tl.max drops it)
-    bmax = tl.where(tl.max(nan.to(tl.int32), axis=2) > 0, float("nan"), bmax)
-    e = _e4m3_sat(tl.math.div_rn(tl.math.div_rn(bmax, tl.full(bmax.shape, VMAX, tl.float32)),
-                                 tl.broadcast_to(s, bmax.shape)))
-    e = tl.where(e == 0.0, 1.0, e)
-    y = tl.math.div_rn(vb, (e * s)[:, :, None])
-    a = tl.abs(y)
-    k = ((a >= 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a >= 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
-         + (a >= 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a >= 5.0).to(tl.int32))
-    neg = (y.to(tl.int32, bitcast=True) < 0) & (y == y)
-    mag2 = tl.where(k < 4, k, (4 + 2 * (k & 1)) << tl.maximum((k >> 1) - 2, 0))  # 2|q|
-    finite = (y == y) & (a != float("inf"))
-    t = (tl.where(finite, tl.minimum(a, 16.0), 0.0) * 4194304.0).to(tl.int64)  # × 2²², truncated
-    num = tl.sum(tl.reshape(t * t, (BR, SIZE)), axis=1)
-    den = tl.sum(tl.reshape(t * mag2.to(tl.int64), (BR, SIZE)), axis=1)
+    rmask = rows < R
+    r64 = rows.to(tl.int64)
+    v = _rotated_blocks(X, XS, PRE, SIGN_SEED, rows, R, C, sxr, sxc, ssr, ssc, pc * SIZE, HAS_PRE, CODES, TRANS,
+                        TILE_DIV, VEC, BR, SIZE, NORM, LOG2)
+    sv = tl.broadcast_to(s, [BR])
+    num = tl.zeros([BR], tl.int64)  # the correction's exact sums over the row's group
+    den = tl.zeros([BR], tl.int64)
+    bad = rows < 0  # a non-finite y in the group
+    es = ()
+    qs = ()
+    for b in tl.static_range(NB):
+        bmax = _block_max(tl.abs(v[b]), BR)
+        e = _e4m3_sat(tl.math.div_rn(tl.math.div_rn(bmax, tl.full([BR], VMAX, tl.float32)), sv))
+        e = tl.where(e == 0.0, 1.0, e)
+        es = es + (e,)
+        d = e * sv
+        ym = tl.math.div_rn(bmax, d)  # the block's largest |y| (division is monotonic): every y is finite iff ym is
+        bad = bad | (ym != ym) | (ym == float("inf"))
+        t, k, mag2, neg = e2m1_of_quotient(v[b], 1.0 / d[:, None].to(tl.float64))  # fp64: correctly rounded
+        tu = t.to(tl.uint32).to(tl.int64)  # (non-negative: zero-extended, one wide multiply)
+        num += tl.sum(tu * tu, axis=1)  # (a group with a non-finite y: c is NaN)
+        den += tl.sum((t * mag2).to(tl.uint32).to(tl.int64), axis=1)  # < 2³⁰
+        num, den = _opaque(num, ASM), _opaque(den, ASM)
+        if STAGED:
+            qs = qs + (_e2m1_half(k | (neg << 3)),)
+        else:
+            lo_n, hi_n = tl.split(tl.reshape(k | (neg << 3), (BR, 8, 2)))
+            wc = pc * (SIZE // 2) + b * 8 + tl.arange(0, 8)
+            tl.store(D + r64[:, None] * (cpad // 2) + wc[None, :], (lo_n | (hi_n << 4)).to(tl.uint8),
+                     mask=rmask[:, None])
     c = tl.math.div_rn(num.to(tl.float32), den.to(tl.float32)) * 4.76837158203125e-07  # × 2⁻²¹
     c = tl.where(den == 0, 1.0, c)
-    bad = tl.max(tl.reshape(tl.where(finite, 0, 1), (BR, SIZE)), axis=1) > 0
     c = tl.where(bad, float("nan"), c)
-    corr = e * c[:, None]  # [BR, NB]
-    ok = (corr == corr) & (corr != float("inf"))
-    cc = tl.where(ok, corr, 0.0)
-    near = _e4m3_sat(cc)
-    lo_b = _e4m3_byte(near) - (near > cc).to(tl.int32)
-    hi_b = tl.minimum(lo_b + 1, 0x7E)
-    lo, hi = _e4m3_from_byte(lo_b), _e4m3_from_byte(hi_b)
-    p = tl.where(hi > lo, tl.math.div_rn(cc - lo, tl.where(hi > lo, hi - lo, 1.0)), 0.0)
-    blk = pc * NB + tl.arange(0, NB)
-    idx = rows[:, None].to(tl.int64) * (cpad // 16) + blk[None, :]
-    u = (tl.randint(tl.load(DRAW_SEED), idx) >> 8).to(tl.float32) * 5.960464477539063e-08  # × 2⁻²⁴
-    up = u < p
-    rmask = (rows < R)[:, None]
-    if STAGED:
-        ev = tl.where(ok, tl.where(up, hi, lo), float("nan"))
-        q = _signed(mag2.to(tl.float32) * 0.5, neg)
-        out = tl.reshape(q * ev[:, :, None], (BR, SIZE)).to(tl.float16)
-        cols = pc * SIZE + tl.arange(0, SIZE)
-        tl.store(D + rows[:, None].to(tl.int64) * cpad + cols[None, :], out, mask=rmask)
-    else:
-        byte = tl.where(ok, tl.where(up, hi_b, lo_b), 0x7F)
-        tl.store(S + idx, byte.to(tl.uint8), mask=rmask)
-        code = tl.reshape(k | (neg.to(tl.int32) << 3), (BR, SIZE // 2, 2))
-        lo_n, hi_n = tl.split(code)
-        words = (lo_n | (hi_n << 4)).to(tl.uint8)
-        wc = pc * (SIZE // 2) + tl.arange(0, SIZE // 2)
-        tl.store(D + rows[:, None].to(tl.int64) * (cpad // 2) + wc[None, :], words, mask=rmask)
+    seed = tl.load(DRAW_SEED)
+    scales = ()
+    for b in tl.static_range(NB):
+        corr = es[b] * c
+        ok = (corr == corr) & (corr != float("inf"))
+        cc = tl.where(ok, corr, 0.0)
+        near = _e4m3_sat(cc)
+        lo_b = _e4m3_byte(near) - (near > cc).to(tl.int32)
+        hi_b = tl.minimum(lo_b + 1, 0x7E)
+        lo, hi = _e4m3_from_byte(lo_b), _e4m3_from_byte(hi_b)
+        p = tl.where(hi > lo, tl.math.div_rn(cc - lo, tl.where(hi > lo, hi - lo, 1.0)), 0.0)
+        u = (tl.randint(seed, r64 * (cpad // 16) + (pc * NB + b)) >> 8).to(tl.float32) * 5.960464477539063e-08
+        up = u < p  # u: × 2⁻²⁴
+        if STAGED:
+            ev = tl.where(ok, tl.where(up, hi, lo), float("nan"))
+            cols = pc * SIZE + b * 16 + tl.arange(0, 16)
+            # q·ê_b in fp16: exact (at most 6 significant bits, from 2⁻¹⁰ to 2688), the bits of the fp32 product
+            tl.store(D + r64[:, None] * cpad + cols[None, :], qs[b] * ev.to(tl.float16)[:, None],
+                     mask=rmask[:, None])
+        else:
+            scales = scales + (tl.where(ok, tl.where(up, hi_b, lo_b), 0x7F).to(tl.uint8),)
+    if not STAGED:
+        if NB == 1:
+            tl.store(S + r64 * (cpad // 16) + pc, scales[0], mask=rmask)
+        else:
+            blk = pc * NB + tl.arange(0, NB)
+            tl.store(S + r64[:, None] * (cpad // 16) + blk[None, :], _zip(scales, BR, NB), mask=rmask[:, None])
 
 
-def _tile_rows(rows: int, size: int, cuda: bool) -> int:
-    """BR: rows per program (a power of two, at most what the rows need)."""
-    br = max(1, (TILE_GPU if cuda else TILE_CPU) // size)
+def tile_rows(rows: int, size: int, cuda: bool) -> int:
+    """BR: rows per program (a power of two, at most what the rows need). On a GPU each of the program's threads
+    holds max(1, 32 / size) whole rows of the tile; the CPU interpreter takes TILE_CPU elements at a time."""
+    br = 32 * WARPS * max(1, 32 // size) if cuda else max(1, TILE_CPU // size)
     return max(1, min(br, 1 << max(rows - 1, 0).bit_length()))
 
 
 class _Source(NamedTuple):
     """The operand as the kernels read it: X (values, or packed codes) and S (scale bytes, or X again, unread),
-    the logical [R, C], X's and S's strides and the constexprs CODES, TRANS, TILE_DIV."""
+    the logical [R, C], X's and S's strides and the constexprs CODES, TRANS, TILE_DIV, VEC."""
     x: torch.Tensor
     s: torch.Tensor
     rows: int
@@ -238,18 +379,24 @@ class _Source(NamedTuple):
     consts: dict
 
 
+def _vec(t: torch.Tensor, vec: int) -> int:
+    """VEC: ``vec`` where rows of contiguous elements start 16-byte aligned as Triton sees it (the row stride and
+    the address specialized as multiples of 16), so that 16-byte loads keep a row in its thread; else 1."""
+    return vec if t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 else 1
+
+
 def _source(values: torch.Tensor, block_scales: torch.Tensor | None, transposed: bool, tiles: bool) -> _Source:
     """values [R, C] (values.t() with ``transposed``), or with ``block_scales`` the q·e_b of the NVFP4 storage of
     codes ``values`` [rows, cols/2] (or its transpose), read in place."""
     if block_scales is None:
         v = values.t() if transposed else values
         return _Source(v, v, v.shape[0], v.shape[1], (v.stride(0), v.stride(1), 0, 0),
-                       dict(CODES=False, TRANS=False, TILE_DIV=1))
+                       dict(CODES=False, TRANS=False, TILE_DIV=1, VEC=_vec(v, 16 // v.element_size())))
     sb = block_scales.view(torch.uint8)
     rows, cols = values.shape[0], values.shape[1] * 2
     r, c = (cols, rows) if transposed else (rows, cols)
     return _Source(values, sb, r, c, (values.stride(0), values.stride(1), sb.stride(0), sb.stride(1)),
-                   dict(CODES=True, TRANS=bool(transposed), TILE_DIV=16 if tiles else 1))
+                   dict(CODES=True, TRANS=bool(transposed), TILE_DIV=16 if tiles else 1, VEC=_vec(values, 8)))
 
 
 def _pre_arg(pre_scale: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
@@ -276,10 +423,10 @@ def _amax_into(buf: torch.Tensor, src: _Source, pre: torch.Tensor, sign_seed: to
     R, C = src.rows, src.cols
     if R == 0 or C == 0:
         return
-    br = _tile_rows(R, size, src.x.is_cuda)
+    br = tile_rows(R, size, src.x.is_cuda)
     launch(_amax_kernel, (cdiv(R, br), padded_cols(C, size) // size), src.x, src.s, pre, sign_seed, buf, R, C,
            *src.strides, HAS_PRE=has_pre, **src.consts, BR=br, SIZE=size, NORM=rht_norm(size),
-           LOG2=size.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
+           LOG2=size.bit_length() - 1, num_warps=WARPS, enable_fp_fusion=False)
 
 
 def ms_eden_amax_tensor(values: torch.Tensor, pre_scale: torch.Tensor | None, sign_seed: torch.Tensor | int, *,
@@ -325,11 +472,12 @@ def ms_eden_quantize_tensors(values: torch.Tensor, pre_scale: torch.Tensor | Non
     if R == 0 or cpad == 0:  # no program runs: s from the amax on the device
         gs.copy_(ms_eden_tensor_scale(amax_t))
         return d, sc, gs
-    br = _tile_rows(R, size, values.is_cuda)
+    br = tile_rows(R, size, values.is_cuda)
     launch(_quantize_kernel, (cdiv(R, br), cpad // size), src.x, src.s, pre, sseed, dseed, amax_t, gs, d,
            sc.view(torch.uint8) if not staged else d, R, C, *src.strides, HAS_PRE=pre_scale is not None,
            **src.consts, STAGED=staged, BR=br, SIZE=size, NORM=rht_norm(size), LOG2=size.bit_length() - 1,
-           num_warps=4, enable_fp_fusion=False)
+           ASM=values.is_cuda and torch.version.hip is None and not interpreting(),
+           num_warps=WARPS, enable_fp_fusion=False)
     return d, sc, gs
 
 
