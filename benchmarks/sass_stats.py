@@ -164,17 +164,21 @@ def ms_eden() -> None:
     print(f"triton {triton.__version__}, sm_90, {warps} warps, each thread holding whole rows of a program's tile")
     print("| kernel | size | SASS per element | regs | stack B | top opcodes per element |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
-    src = dict(sxc=1, HAS_PRE=False, CODES=False, TRANS=False, TILE_DIV=1, VEC=8)
-    aligned = ("R", "C", "sxr", "ssr", "ssc")  # a contiguous dY with 16 | rows, cols: what Triton's specialization sees
+    # a contiguous dY with 16 | rows, cols, as Triton's specialization sees it (sxc == 1), and its transpose as the
+    # wgrad reads it: a strided view (sxr == 1), the form of three of the four operands of an emulated backward
+    rows = (dict(sxc=1, HAS_PRE=False, CODES=False, TRANS=False, TILE_DIV=1, VEC=8), ("R", "C", "sxr", "ssr", "ssc"))
+    view = (dict(sxr=1, HAS_PRE=False, CODES=False, TRANS=False, TILE_DIV=1, VEC=1), ("R", "C", "sxc", "ssr", "ssc"))
     for size in (16, 32, 64, 128):
         br = me.tile_rows(1 << 20, size, cuda=True)
         shape = dict(BR=br, SIZE=size, NORM=rht_norm(size), LOG2=size.bit_length() - 1)
-        cases = [("amax", me._amax_kernel, dict(X="*bf16", S="*bf16", PRE="*fp32", SIGN_SEED="*i64", AMAX="*i32"), {})]
-        for staged in (False, True):
-            cases.append(("quantize, " + ("staged fp16" if staged else "codes + scales"), me._quantize_kernel,
+        cases = [("amax", me._amax_kernel, dict(X="*bf16", S="*bf16", PRE="*fp32", SIGN_SEED="*i64", AMAX="*i32"),
+                  {}, rows)]
+        for staged, src in ((False, rows), (True, rows), (True, view)):
+            name = "quantize, " + ("staged fp16" if staged else "codes + scales") + (", dYᵀ view" if src is view else "")
+            cases.append((name, me._quantize_kernel,
                           dict(X="*bf16", XS="*bf16", PRE="*fp32", SIGN_SEED="*i64", DRAW_SEED="*i64", AMAX="*fp32",
-                               GS="*fp32", D="*fp16" if staged else "*u8", S="*u8"), dict(STAGED=staged, ASM=True)))
-        for name, fn, pointers, extra in cases:
+                               GS="*fp32", D="*fp16" if staged else "*u8", S="*u8"), dict(STAGED=staged, ASM=True), src))
+        for name, fn, pointers, extra, (src, aligned) in cases:
             kernel = _compile(fn, pointers, dict(src, **shape, **extra), warps, 90, aligned, enable_fp_fusion=False)
             lines, regs, stack = sass_and_registers(kernel)
             per_thread = br * size / (32 * warps)

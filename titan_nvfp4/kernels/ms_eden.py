@@ -10,9 +10,20 @@ bits are those of the same values given staged):
 plus the tensor decode scale s, computed on the device from the amax (no host sync). A program takes a
 tile of BR rows × SIZE columns, one correction group per row: x·pre_scale (fp32), zero padding past C,
 sign flip, log2(SIZE) butterfly stages in the reference's order (rht.rht), × rht_norm(SIZE), then the
-steps of numerics/ms_eden.py. Every division is div_rn and the kernels compile without fp fusion (an fma
-would change bits); the correction's sums are int64, exact in any order. Signs: tl.randint(sign_seed, i),
--1 where the word's top bit is set; draw of block (r, j): tl.randint(draw_seed, r·Cpad/16 + j) >> 8, × 2⁻²⁴.
+steps of numerics/ms_eden.py.
+
+Layout: each thread holds whole rows of its tile, as SIZE/16 blocks [BR, 16] whose 16 columns are in the
+thread (loaded 16 bytes at a time along a row, or as [16, BR] a row per thread from a transposed view), so
+the butterflies are in-thread adds (stages h < 16 within a block, the others between blocks), and every
+per-block quantity (block max, scales, correction, Philox draw) is computed once, by the thread that needs
+it. (Reshaping a loaded [BR, SIZE] tile instead let Triton spread a block over 16 lanes: every per-block
+step ran 16 times and the butterflies were shuffles, 265-294 SASS instructions per element against ~60.)
+
+Bits: the kernels compile without fp fusion (an fma would change bits); the divisions of the reference are
+div_rn, except y = v / (e_b·s) per element, taken as v times the fp64 reciprocal rounded once to fp32, the
+same fp32 wherever t and the code depend on it (e2m1_of_quotient). The correction's sums are int64, exact in
+any order. Signs: tl.randint(sign_seed, i), -1 where the word's top bit is set; draw of block (r, j):
+tl.randint(draw_seed, r·Cpad/16 + j) >> 8, × 2⁻²⁴.
 """
 
 from __future__ import annotations
@@ -67,12 +78,6 @@ def _e4m3_value(b):
 
 
 @triton.jit
-def _signed(v, neg):
-    """v with its sign bit set where ``neg``: keeps −0 (Triton 3.6 lowers unary minus as 0 − v, which gives +0)."""
-    return (v.to(tl.int32, bitcast=True) | (neg.to(tl.int32) << 31)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _zip(parts, BR: tl.constexpr, W: tl.constexpr):
     """[BR, W] whose column j is parts[j] (a tuple of W [BR] tensors, W a power of two): in-thread joins."""
     for lv in tl.static_range(W.bit_length() - 1):
@@ -108,14 +113,32 @@ def _block_max(a, BR: tl.constexpr):
     return a
 
 
+#: Triton's coalescing lays out a tile whose dimensions are equally contiguous with the first one fastest up to
+#: 3.6 and the last one fastest in 3.9 (getOrderFromContiguity's ties); _tile_load puts the rows there
+_ROWS_FIRST = tl.constexpr(tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7))
+
+
+@triton.jit
+def _tile_load(P, row_offs, col_offs, mask):
+    """[BR, W] of P at row_offs[:, None] + col_offs[None, :] under ``mask`` (0 elsewhere), each row in one thread
+    whatever the strides: the offsets are declared without contiguity and the rows laid out fastest, so a thread
+    loads its row's elements one by one (a row spread over lanes would turn every later step into shuffles)."""
+    if _ROWS_FIRST:
+        offs = tl.max_contiguous(row_offs[:, None] + col_offs[None, :], [1, 1])
+        return tl.load(P + offs, mask=mask, other=0)
+    else:
+        offs = tl.max_contiguous(col_offs[:, None] + row_offs[None, :], [1, 1])
+        return tl.trans(tl.load(P + offs, mask=tl.trans(mask), other=0))
+
+
 @triton.jit
 def _operand_blocks(X, S, PRE, rows, R, C, sxr, sxc, ssr, ssc, c0, HAS_PRE: tl.constexpr, CODES: tl.constexpr,
                     TRANS: tl.constexpr, TILE_DIV: tl.constexpr, VEC: tl.constexpr, BR: tl.constexpr,
                     SIZE: tl.constexpr):
     """Columns c0 .. c0 + SIZE - 1 of rows ``rows`` of the operand, × pre_scale, 0 outside [R, C]: a tuple of
     SIZE / 16 fp32 blocks [BR, 16], each row of a block in one thread. X read as values (VEC > 1: rows of
-    contiguous columns, VEC at a time), or (CODES) e2m1(q)·e_b of packed codes X and E4M3 scale bytes S at storage
-    (i, j) = (row, col), or (col, row) with TRANS; scale row i // TILE_DIV (16: 16×16 tiles)."""
+    contiguous columns, VEC at a time; else _tile_load), or (CODES) e2m1(q)·e_b of packed codes X and E4M3 scale
+    bytes S at storage (i, j) = (row, col), or (col, row) with TRANS; scale row i // TILE_DIV (16: 16×16 tiles)."""
     rin = rows < R
     r64 = rows.to(tl.int64)
     out = ()
@@ -124,24 +147,21 @@ def _operand_blocks(X, S, PRE, rows, R, C, sxr, sxc, ssr, ssc, c0, HAS_PRE: tl.c
         cols = cb + tl.arange(0, 16)
         inside = rin[:, None] & (cols < C)[None, :]
         if CODES:
-            if TRANS:  # element (r, c) at storage (c, r): loaded as [16, BR], a row per thread
-                offs = tl.max_contiguous(cols[:, None] * sxr + (r64 >> 1)[None, :] * sxc, [1, 1])
-                byte = tl.trans(tl.load(X + offs, mask=tl.trans(inside), other=0)).to(tl.int32)
+            if TRANS:  # element (r, c) at storage (c, r)
+                byte = _tile_load(X, (r64 >> 1) * sxc, cols * sxr, inside).to(tl.int32)
                 nib = byte >> ((rows & 1) * 4)[:, None]
                 if TILE_DIV == 16:
                     sb = tl.load(S + (cb // 16) * ssr + (r64 >> 4) * ssc, mask=rin & (tl.broadcast_to(cb, [BR]) < C),
                                  other=0).to(tl.int32)[:, None]
                 else:  # 1×16 blocks along the storage rows: a scale per column
-                    offs = tl.max_contiguous(cols[:, None] * ssr + (r64 >> 4)[None, :] * ssc, [1, 1])
-                    sb = tl.trans(tl.load(S + offs, mask=tl.trans(inside), other=0)).to(tl.int32)
+                    sb = _tile_load(S, (r64 >> 4) * ssc, cols * ssr, inside).to(tl.int32)
             else:  # a block's 8 code bytes (VEC > 1: one 8-byte load), and its scale byte
                 wc = (cb >> 1) + tl.arange(0, 8)
                 if VEC > 1:
                     byte = tl.load(X + r64[:, None] * sxr + wc[None, :] * sxc,
                                    mask=rin[:, None] & (wc * 2 < C)[None, :], other=0)
                 else:
-                    offs = tl.max_contiguous(wc[:, None] * sxc + r64[None, :] * sxr, [1, 1])
-                    byte = tl.trans(tl.load(X + offs, mask=(wc * 2 < C)[:, None] & rin[None, :], other=0))
+                    byte = _tile_load(X, r64 * sxr, wc * sxc, rin[:, None] & (wc * 2 < C)[None, :])
                 byte = byte.to(tl.int32)
                 nib = tl.reshape(tl.join(byte, byte >> 4), (BR, 16))  # column 2i in the low nibble
                 sb = tl.load(S + (r64 // TILE_DIV) * ssr + (cb >> 4) * ssc, mask=rin & (tl.broadcast_to(cb, [BR]) < C),
@@ -154,9 +174,8 @@ def _operand_blocks(X, S, PRE, rows, R, C, sxr, sxc, ssr, ssc, c0, HAS_PRE: tl.c
                 mq = rin[:, None] & (cq < C)[None, :]
                 chunks = chunks + (tl.load(X + r64[:, None] * sxr + cq[None, :] * sxc, mask=mq, other=0.0),)
             x = _cat(chunks, BR, 16 // VEC).to(tl.float32)
-        else:  # any strides (a transposed view: the rows contiguous): loaded as [16, BR], a row per thread
-            offs = tl.max_contiguous(cols[:, None] * sxc + r64[None, :] * sxr, [1, 1])
-            x = tl.trans(tl.load(X + offs, mask=tl.trans(inside), other=0.0)).to(tl.float32)
+        else:  # any strides (a transposed view: the rows contiguous)
+            x = _tile_load(X, r64 * sxr, cols * sxc, inside).to(tl.float32)
         if HAS_PRE:
             x = tl.where(inside, x * tl.load(PRE), 0.0)  # the padding is added after the multiply
         out = out + (x,)
@@ -178,8 +197,8 @@ def _rotated_blocks(X, S, PRE, SIGN_SEED, rows, R, C, sxr, sxc, ssr, ssc, c0, HA
     v = ()
     for b in tl.static_range(SIZE // 16):  # signs of a block: bits of a word reduced from the [SIZE] draws
         word = tl.sum(tl.where((i >> 4) == b, neg << (i & 15), 0), axis=0)  # distinct bits: the sum is their OR
-        sign = tl.where(((word >> k16) & 1) != 0, -1.0, 1.0)
-        y = x[b] * sign[None, :]
+        flip = ((word >> k16) & 1) << 31  # x · ±1 as its sign bit flipped (the same bits; NaN stays NaN)
+        y = (x[b].to(tl.int32, bitcast=True) + flip[None, :]).to(tl.float32, bitcast=True)
         for stage in tl.static_range(4):  # h = 2^stage < 16
             y = tl.permute(tl.reshape(y, (BR, 16 >> (stage + 1), 2, 1 << stage)), (0, 1, 3, 2))
             lo, hi = tl.split(y)
@@ -315,9 +334,12 @@ def _quantize_kernel(X, XS, PRE, SIGN_SEED, DRAW_SEED, AMAX, GS, D, S, R, C, sxr
         e = tl.where(e == 0.0, 1.0, e)
         es = es + (e,)
         d = e * sv
-        ym = tl.math.div_rn(bmax, d)  # the block's largest |y| (division is monotonic): every y is finite iff ym is
+        r = 1.0 / d.to(tl.float64)  # fp64 division: correctly rounded
+        # the block's largest |y| (y is monotonic in v): every y is finite iff ym is (as e2m1_of_quotient's y, the
+        # division's own fp32 where that is normal or overflows, which is all the finiteness test sees)
+        ym = (bmax.to(tl.float64) * r).to(tl.float32)
         bad = bad | (ym != ym) | (ym == float("inf"))
-        t, k, mag2, neg = e2m1_of_quotient(v[b], 1.0 / d[:, None].to(tl.float64))  # fp64: correctly rounded
+        t, k, mag2, neg = e2m1_of_quotient(v[b], r[:, None])
         tu = t.to(tl.uint32).to(tl.int64)  # (non-negative: zero-extended, one wide multiply)
         num += tl.sum(tu * tu, axis=1)  # (a group with a non-finite y: c is NaN)
         den += tl.sum((t * mag2).to(tl.uint32).to(tl.int64), axis=1)  # < 2³⁰
@@ -342,7 +364,10 @@ def _quantize_kernel(X, XS, PRE, SIGN_SEED, DRAW_SEED, AMAX, GS, D, S, R, C, sxr
         lo_b = _e4m3_byte(near) - (near > cc).to(tl.int32)
         hi_b = tl.minimum(lo_b + 1, 0x7E)
         lo, hi = _e4m3_from_byte(lo_b), _e4m3_from_byte(hi_b)
-        p = tl.where(hi > lo, tl.math.div_rn(cc - lo, tl.where(hi > lo, hi - lo, 1.0)), 0.0)
+        # p = (cc - lo) / (hi - lo): the neighbours' gap is a power of two (one E4M3 step), so the quotient is the
+        # product by its reciprocal, whose fp32 bits are (254 << 23) minus the gap's
+        gap = tl.where(hi > lo, hi - lo, 1.0).to(tl.int32, bitcast=True)
+        p = tl.where(hi > lo, (cc - lo) * ((254 << 23) - gap).to(tl.float32, bitcast=True), 0.0)
         u = (tl.randint(seed, r64 * (cpad // 16) + (pc * NB + b)) >> 8).to(tl.float32) * 5.960464477539063e-08
         up = u < p  # u: × 2⁻²⁴
         if STAGED:
