@@ -326,10 +326,11 @@ def test_precompiled_kernels_serve_a_real_step_without_compiling(tmp_path):
     def kernels(folder):  # compiled kernels (autotuning choices are cached in the same folder)
         return {d for d in os.listdir(folder) if (folder / d).is_dir()
                 and any(f.endswith(".cubin") for f in os.listdir(folder / d))}
-    filled = kernels(cache)
+    def launchers(folder):  # the kernels' C launchers (built with gcc)
+        return {d for d in os.listdir(folder) if (folder / d).is_dir()
+                and any(f.startswith("__triton_launcher") for f in os.listdir(folder / d))}
+    filled, built = kernels(cache), launchers(cache)
     assert len(filled) == n
-    launchers_before = {d for d in os.listdir(cache) if (cache / d).is_dir()
-                        and any(f.startswith("__triton_launcher") for f in os.listdir(cache / d))}
     r = subprocess.run(step, env={**base, "TRITON_CACHE_DIR": str(cache)}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     added = kernels(cache) - filled
@@ -339,6 +340,4 @@ def test_precompiled_kernels_serve_a_real_step_without_compiling(tmp_path):
                                       and not f.name.startswith("__grp")).read_text())["name"] for d in folders)
     assert not added, (f"{len(added)} kernels compiled on first use despite the precompile: {names(added)}; "
                        f"precompile stderr: {precompiled[-1500:]}")
-    launchers = {d for d in os.listdir(cache) if (cache / d).is_dir()
-                 and any(f.startswith("__triton_launcher") for f in os.listdir(cache / d))}
-    assert launchers == launchers_before, "the first use built C launchers (gcc) the precompile had not built"
+    assert launchers(cache) == built, "the first use built C launchers (gcc) the precompile had not built"

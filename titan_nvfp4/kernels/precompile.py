@@ -297,17 +297,17 @@ def _compile_one(args: tuple[dict, dict]) -> str | None:
     """Compile one entry for ``target`` into Triton's cache (a pool task); None, or why it failed."""
     entry, target = args
     from triton.backends.compiler import GPUTarget
+    step = ""
     try:
         src, options = source_and_options(entry)
         kernel = triton.compile(src, target=GPUTarget(target["backend"], target["arch"], target["warp_size"]),
                                 options=options)
-    except Exception as e:  # noqa: BLE001 (reported; the kernel then compiles on first use)
-        return f"{entry['module']}.{entry['name']}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    try:
+        step = "its launcher: "
         build_launcher(kernel)
-    except Exception as e:  # noqa: BLE001 (reported; the first launch builds it)
-        return f"{entry['module']}.{entry['name']}: its launcher: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return None
+        return None
+    except Exception as e:  # noqa: BLE001 (reported; the first launch then compiles what is missing)
+        first = str(e).splitlines()[0] if str(e) else ""
+        return f"{entry['module']}.{entry['name']}: {step}{type(e).__name__}: {first}"
 
 
 def build_launcher(kernel) -> bool:
