@@ -27,9 +27,10 @@ import torch
 
 #: M·(K+N) of a Linear (elements) up to which ``eager_graphs = "small"`` (recipe.py) graphs its bodies. Each graph
 #: keeps its own memory pool (the staged operands, its outputs): a few bytes per element of M·(K+N)
-#: for each layer, about 2.5 GB for the Llama3 debug model at 8192 tokens. Above this size the GPU
-#: work hides the host time anyway.
-SMALL_ELEMENTS = 1 << 24
+#: for each layer, about 2.5 GB for the Llama3 debug model at 8192 tokens. 2^26 takes in the attention
+#: Linears of the deepseek_v3 debug model (8192 × (512 + 4096) for wkv_b), whose GPU work (~0.1 ms) is still
+#: below their eager host time (~1 ms forward + backward); the 386M model's (32768 × 4096) are not host-bound.
+SMALL_ELEMENTS = 1 << 26
 
 def graphable(m: int, k: int, n: int, mode: str) -> bool:
     """Whether a Linear of M tokens, K inputs and N outputs graphs its bodies under knob value ``mode``."""

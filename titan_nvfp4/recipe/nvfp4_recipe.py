@@ -64,7 +64,7 @@ class NVFP4Recipe:
 
     eager_graphs: str = "off"
     """Eager mode only: "small" replays each NVFP4Linear's forward and backward kernels as one CUDA graph
-    per layer and shape when M·(K+N) ≤ 2^24 (the host-bound debug-model sizes; body_graphs.py), "off"
+    per layer and shape when M·(K+N) ≤ 2^26 (the host-bound debug-model sizes; body_graphs.py), "off"
     launches them one by one. The same bits either way; "small" keeps each such layer's staged operands
     allocated between steps. Under torch.compile inductor's own CUDA graphs serve instead."""
 
