@@ -633,7 +633,6 @@ def test_every_kernel_is_classified_and_the_shipped_manifests_record_it():
         for i, entry in enumerate(kernels):
             assert "experts_only" in entry and precompile.classified(entry) == entry, \
                 f"{path.name} kernel {i} ({entry['name']})"
-        assert {e["experts_only"] for e in kernels} == {True, False}
 
 
 def test_each_launch_of_a_dense_and_a_grouped_layer_is_classified_as_its_path(monkeypatch):
