@@ -22,6 +22,9 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 from titan_nvfp4.kernels import precompile  # noqa: E402
+# The kernels' modules as the rest of the suite has them (interpreted on the CPU), before tests below set
+# TRITON_INTERPRET=0 as on a GPU: start() imports them to look their entries up in the cache.
+from titan_nvfp4.kernels import expert_map, gemm, grouped_gemm, quantize, swiglu  # noqa: E402,F401
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -409,6 +412,12 @@ def test_another_triton_versions_manifest_is_skipped_with_a_log_line(monkeypatch
     (json.dumps({"format": 1, "triton": "x", "target": {"backend": "cuda", "arch": 90, "warp_size": 32},
                  "kernels": [{"module": "m"}]}), "kernel 0: expected the keys"),
     (json.dumps({"format": 1, "triton": "x", "sources": {"m.k": "h"}, "kernels": []}), "\"sources\" must map"),
+    (json.dumps({"format": 1, "triton": "x", "target": {"backend": "cuda", "arch": 90, "warp_size": 32},
+                 "kernels": [{"module": "m", "name": "k", "signature": {}, "constants": [], "attrs": [], "options": {},
+                              "experts_only": 1}]}), "kernel 0: \"experts_only\" must be true or false, got 1"),
+    (json.dumps({"format": 1, "triton": "x", "target": {"backend": "cuda", "arch": 90, "warp_size": 32},
+                 "kernels": [{"module": "m", "name": "k", "signature": {}, "constants": [], "attrs": [], "options": {},
+                              "compile_s": -1}]}), "kernel 0: \"compile_s\" must be seconds"),
 ])
 def test_a_bad_manifest_is_refused_naming_the_file(tmp_path, text, match):
     path = tmp_path / "bad.kernels.json"
@@ -431,23 +440,238 @@ def test_merge_keeps_first_use_order_once_and_refuses_mixed_targets():
     m = precompile.merge([{"format": 1, "triton": "3", "target": t, "kernels": [a, b]},
                           {"format": 1, "triton": "3", "target": t, "kernels": [b, c]}])
     assert [e["name"] for e in m["kernels"]] == ["a", "b", "c"]
+    timed = {**m, "kernels": [{**e, "compile_s": 1.0, "experts_only": False} for e in m["kernels"]]}
+    again = precompile.merge([timed, {**m, "kernels": [a, c]}])  # a timed manifest and a new recording
+    assert again["kernels"] == timed["kernels"]  # each entry once, its annotations kept
     with pytest.raises(ValueError, match="among ones for Triton 3"):
         precompile.merge([m, {**m, "target": {**t, "arch": 100}}])
 
 
 def test_conversion_starts_it_on_a_cuda_gpu_unless_the_backend_is_the_reference(monkeypatch):
     """titan_nvfp4.convert (and TorchTitan's converters, through convert_dense / the 0.3 converter) call start with
-    the current CUDA device, after converting something."""
+    the current CUDA device, after converting something: the Linears' call without the experts' kernels, the routed
+    experts' call with them."""
     import titan_nvfp4
     from titan_nvfp4 import conversion
     calls = []
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(conversion.precompile, "_started", {})
-    monkeypatch.setattr(conversion.precompile, "start", lambda device, log=None: calls.append(device))
+    monkeypatch.setattr(conversion.precompile, "start",
+                        lambda device, log=None, experts=True: calls.append((device, experts)))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(conversion, "require_backend_runs_here", lambda recipe, section: None)
     titan_nvfp4.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), filter_fqns=[])
-    assert calls == [3]
+    assert calls == [(3, False)]
     titan_nvfp4.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), filter_fqns=[], gemm_backend="reference")
-    assert calls == [3]
+    assert calls == [(3, False)]
+
+    class Experts(torch.nn.Module):  # a routed-expert module of a registered class, converted in place
+        @classmethod
+        def convert(cls, mod, recipe, layer_id, name, lora_rank):
+            pass
+    monkeypatch.setitem(conversion.EXPERT_CLASSES, Experts, Experts)
+    model = torch.nn.ModuleDict({"proj": torch.nn.Linear(64, 64), "experts": Experts()})
+    titan_nvfp4.convert(model, filter_fqns=[], experts=True)
+    assert calls == [(3, False), (3, False), (3, True)]  # (start runs once per scope: a stand-in here)
+
+
+# ---- what start compiles: only what is missing, only what the model launches, the longest first --------------------
+
+def _kernel_folder(cache: Path, name: str) -> str:
+    """The cache folder holding kernel ``name``'s compile."""
+    return next(d for d in os.listdir(cache) if (cache / d / f"{name}.json").exists())
+
+
+def _compiled(cache: Path) -> set[str]:
+    """The cache's kernel folders (its lock files left out)."""
+    return {d for d in _entries(cache) if not d.startswith("titan_nvfp4_precompile")}
+
+
+_START = """
+import json, logging, os, sys
+sys.path.insert(0, sys.argv[1])
+from titan_nvfp4.kernels import precompile, shipped_tuning
+shipped_tuning.gpu_class = lambda device_index: "sm90"
+logs = []
+handler = logging.Handler()
+handler.emit = lambda record: logs.append(record.getMessage())
+precompile.LOG.addHandler(handler)
+precompile.LOG.setLevel(logging.INFO)
+dense = precompile.start(0, experts=False)  # the Linears converted first
+moe = precompile.start(0, experts=True)  # then the routed experts: the kernels only they launch
+precompile.wait()
+precompile._started.clear()  # a new training process on the now complete cache
+again = precompile.start(0, experts=True)
+print(json.dumps({"args": [p.args if p else None for p in (dense, moe)], "rc": [dense.returncode, moe.returncode],
+                  "again": again is None, "logs": logs}))
+"""
+
+
+@needs_ptxas
+def test_start_compiles_only_the_missing_kernels_the_model_launches(recorded, tmp_path):
+    """A training process's start looks each entry up in Triton's cache: of the recorded three (the block-to-expert
+    map, which only grouped experts launch, the amax and the dequantization kernels), a dense model's start leaves
+    the first out and compiles only the amax kernel, the one missing; the routed experts' start then adds the first;
+    each compiles what it was given (the dequantization kernel is not compiled again), and a new start on the
+    complete cache starts no process at all."""
+    import shutil
+    manifest, first = recorded
+    cache = tmp_path / "cache"
+    shutil.copytree(first, cache)
+    for name in ("_block_experts_kernel", "_amax_kernel"):
+        shutil.rmtree(cache / _kernel_folder(cache, name))
+    kept = cache / _kernel_folder(cache, "_dequant_kernel")
+    stamps = {f: f.stat().st_mtime_ns for f in kept.iterdir()}
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(cache),
+           "TITAN_NVFP4_PRECOMPILE": str(manifest)}
+    env.pop("LOCAL_RANK", None)
+    r = subprocess.run([sys.executable, "-c", _START, str(ROOT)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    dense, moe = out["args"]
+    assert dense[dense.index("--only") + 1] == "1" and moe[moe.index("--only") + 1] == "0"  # amax; block-to-expert
+    assert out["rc"] == [0, 0]
+    logs = "\n".join(out["logs"])
+    assert "precompiling 1 Triton kernel specializations" in out["logs"][0] and "1 of 2 in the cache" in logs
+    assert "1 only NVFP4 grouped experts launch left out" in out["logs"][0]
+    assert out["again"] and "nothing to precompile" in out["logs"][-1] and "3 of 3 in the cache" in out["logs"][-1]
+    assert _compiled(cache) == _compiled(first)
+    assert {f: f.stat().st_mtime_ns for f in kept.iterdir()} == stamps
+
+
+def _gone(name: str, **annotations) -> dict:
+    return {"module": "titan_nvfp4.kernels.expert_map", "name": name, "signature": {}, "constants": [], "attrs": [],
+            "options": {}, **annotations}
+
+
+def test_the_pool_takes_the_longest_compiles_first():
+    """Entries with a measured compile time go first, longest first, then the others in first-use order (the order
+    the compiles are taken shows in the order of their failure lines: these kernels do not exist)."""
+    doc = {"format": 1, "triton": triton.__version__, "target": {"backend": "cuda", "arch": 90, "warp_size": 32},
+           "kernels": [_gone("a", compile_s=0.5), _gone("b"), _gone("c", compile_s=9.0), _gone("d"),
+                       _gone("e", compile_s=2.0)]}
+    done, failures = precompile.compile_all(doc, 1)
+    assert done == 0 and [f.split(":")[0].rsplit(".", 1)[1] for f in failures] == ["c", "e", "a", "b", "d"]
+    done, failures = precompile.compile_all(doc, 1, only=[3, 0, 1])
+    assert [f.split(":")[0].rsplit(".", 1)[1] for f in failures] == ["a", "d", "b"]
+
+
+def test_the_tool_refuses_a_bad_selection_in_one_line(tmp_path, monkeypatch, capsys):
+    from titan_nvfp4.tools import precompile_kernels
+    manifest = tmp_path / "m.json"
+    manifest.write_text(json.dumps({"format": 1, "triton": triton.__version__, "kernels": [_gone(n) for n in "abc"],
+                                    "target": {"backend": "cuda", "arch": 90, "warp_size": 32}}))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for bad in ("3", "0,0", "x", "-1"):
+        capsys.readouterr()
+        assert precompile_kernels.main([str(manifest), "--only", bad]) == 2
+        err = capsys.readouterr().err
+        assert f"--only {bad}: expected distinct indices of the manifest's 3 kernels" in err
+        assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "cache").exists()
+
+
+@needs_ptxas
+def test_time_writes_each_compile_time_into_the_manifest(recorded, tmp_path, monkeypatch, capsys):
+    """--time compiles each entry serially into a throwaway folder (not the cache in use) and writes compile_s and
+    experts_only into the manifest, the rest as it was; an entry that does not compile leaves the file untouched."""
+    manifest, _ = recorded
+    doc = precompile.load(manifest)
+    entry = {k: v for k, v in doc["kernels"][0].items() if k != "experts_only"}  # a manifest from before the field
+    one = tmp_path / "one.kernels.json"
+    one.write_text(json.dumps({**doc, "kernels": [entry]}))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "c"),
+           "TMPDIR": str(tmp)}
+    r = subprocess.run([sys.executable, "-m", "titan_nvfp4.tools.precompile_kernels", str(one), "--time"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    timed = precompile.load(one)
+    (got,) = timed["kernels"]
+    assert got["compile_s"] > 0 and got["experts_only"] is True
+    assert {k: v for k, v in got.items() if k not in ("compile_s", "experts_only")} == entry
+    assert {k: v for k, v in timed.items() if k != "kernels"} == {k: v for k, v in doc.items() if k != "kernels"}
+    assert os.listdir(tmp) == [] and not (tmp_path / "c").exists()
+    assert sorted(os.listdir(tmp_path)) == sorted(["one.kernels.json", "tmp"])  # no temporary file beside it
+
+    from titan_nvfp4.tools import precompile_kernels
+    broken = tmp_path / "broken.kernels.json"
+    broken.write_text(json.dumps({**doc, "kernels": [_gone("nope")]}))
+    before = broken.read_bytes()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    capsys.readouterr()
+    assert precompile_kernels.main([str(broken), "--time"]) == 2
+    err = capsys.readouterr().err
+    assert "a kernel did not compile (AttributeError" in err and "nothing written" in err
+    assert broken.read_bytes() == before
+
+
+def test_every_kernel_is_classified_and_the_shipped_manifests_record_it():
+    """Every Triton kernel of the package (a triton.jit function named *_kernel) is classified, a GROUPED-flagged one
+    has that flag, and each entry of the shipped manifests carries the class the code gives it (tools' --time
+    rewrites it)."""
+    import ast
+    from titan_nvfp4.kernels import expert_kernels as ek
+    from titan_nvfp4.kernels.shipped_tuning import TABLE_DIR
+    found, flags = set(), {}
+    for path in sorted((ROOT / "titan_nvfp4" / "kernels").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel") \
+                    and any("jit" in ast.unparse(d) for d in node.decorator_list):
+                name = f"titan_nvfp4.kernels.{path.stem}:{node.name}"
+                found.add(name)
+                flags[name] = "GROUPED" in {a.arg for a in node.args.args}
+    assert found == ek.EXPERTS_ONLY | ek.GROUPED_FLAG | ek.DENSE
+    assert {k for k, v in flags.items() if v} == ek.GROUPED_FLAG
+    manifests = sorted(TABLE_DIR.glob("*.kernels.json"))
+    assert manifests
+    for path in manifests:
+        kernels = precompile.load(path)["kernels"]
+        for i, entry in enumerate(kernels):
+            assert "experts_only" in entry and precompile.classified(entry) == entry, \
+                f"{path.name} kernel {i} ({entry['name']})"
+
+
+def test_each_launch_of_a_dense_and_a_grouped_layer_is_classified_as_its_path(monkeypatch):
+    """An NVFP4 linear (forward and backward) launches no kernel classified expert-only; NVFP4 grouped experts (the
+    SwiGLU block, forward and backward) launch only expert-only ones besides the shared staging kernel. In Triton's
+    interpreter (CPU tensors: the block-to-expert map, a CUDA launch, runs in torch there)."""
+    from titan_nvfp4.ops.backends import interpreting
+    if not interpreting():
+        pytest.skip("records launches in Triton's interpreter")
+    import inspect
+    from triton.runtime.interpreter import InterpretedFunction
+    from titan_nvfp4 import NVFP4Recipe
+    from titan_nvfp4.autograd.grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
+    from titan_nvfp4.autograd.linear_function import nvfp4_linear, sr_counter
+    from titan_nvfp4.kernels import expert_kernels as ek
+    seen, run = [], InterpretedFunction.run
+
+    def recorded_run(self, *args, grid, warmup, **kwargs):
+        bound = inspect.signature(self.fn).bind_partial(*args, **{k: v for k, v in kwargs.items()
+                                                                  if k not in ("num_warps", "num_stages")})
+        seen.append((f"{self.fn.__module__}:{self.fn.__name__}", bound.arguments))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recorded_run)
+    recipe = NVFP4Recipe(gemm_backend="emulated")  # RHT, stochastic rounding, 16x16 weight blocks
+    g = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(32, 32, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    nvfp4_linear(x, w, None, recipe).sum().backward()
+    dense = list(seen)
+    seen.clear()
+    offsets = torch.tensor([16, 32], dtype=torch.int32)
+    x = torch.randn(48, 32, generator=g).bfloat16().requires_grad_()
+    w1, w3, w2 = (torch.randn(2, 32, 32, generator=g).bfloat16().requires_grad_() for _ in range(3))
+    c = [sr_counter(recipe, i, "cpu") for i in range(3)]
+    h, h_amax = nvfp4_grouped_swiglu(x, w1, w3, offsets, recipe, (c[0], c[2]), aligned=True)
+    (y,) = nvfp4_grouped_mm_shared(h, (w2,), offsets, (None,), recipe, (c[1],), aligned=True, x_amax=h_amax)
+    y.sum().backward()
+    grouped = seen
+    assert dense and grouped
+    assert {k: ek.experts_only(k, a) for k, a in dense} == {k: False for k, _ in dense}
+    assert {k for k, a in grouped if not ek.experts_only(k, a)} == {"titan_nvfp4.kernels.gemm:_dequant_kernel"}
+    assert {k for k, _ in grouped} & ek.GROUPED_FLAG and {k for k, _ in grouped} - ek.GROUPED_FLAG - ek.DENSE

@@ -54,12 +54,13 @@ def require_backend_runs_here(recipe: NVFP4Recipe, section: str) -> None:
         raise ValueError(f"[{section}] gemm_backend = {recipe.gemm_backend!r} cannot run here: {e}") from None
 
 
-def start_precompile(recipe: NVFP4Recipe, log=LOG) -> None:
+def start_precompile(recipe: NVFP4Recipe, log=LOG, experts: bool = False) -> None:
     """Compile the shipped kernel specializations for this GPU in the background while the model is built
-    (kernels/precompile.py), when this run launches Triton kernels on a CUDA GPU."""
-    if recipe.gemm_backend != "reference" and precompile.wanted() and torch.cuda.is_available() \
+    (kernels/precompile.py), when this run launches Triton kernels on a CUDA GPU. ``experts``: called for NVFP4
+    grouped experts (the Linears' call leaves out the kernels only those launch; the experts' call adds them)."""
+    if recipe.gemm_backend != "reference" and precompile.wanted(experts) and torch.cuda.is_available() \
             and torch.version.hip is None:
-        precompile.start(torch.cuda.current_device(), log)
+        precompile.start(torch.cuda.current_device(), log, experts=experts)
 
 
 def warn_unmatched(log, section: str, key: str, patterns: list[str], fqns: list[str], what: str,
@@ -186,7 +187,7 @@ def convert_routed_experts(model: nn.Module, knobs: GroupedKnobs, steps: Section
         log.info(f"NVFP4: {section}: the experts are already converted: nothing to do")
         return []
     if report["converted"]:
-        start_precompile(recipe, log)
+        start_precompile(recipe, log, experts=True)
         experts = report["converted"] + [fqn for fqn, _ in report["skipped"]]
         warn_unmatched(log, section, "fqns", knobs.fqns, experts, "routed-expert module")
     if not report["converted"]:

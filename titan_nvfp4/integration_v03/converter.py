@@ -169,7 +169,7 @@ class NVFP4GroupedMMConfigConverter(ModelConfigConverter):
                              f"{skipped or 'the model has no GroupedExperts / GptOssGroupedExperts'}); set "
                              f"--{s}.no-enable for a model without experts")
         if converted:
-            start_precompile(r, logger)
+            start_precompile(r, logger, experts=True)
         lora = f", per-expert low-rank branch rank {self.config.lora_rank}" if self.config.lora_rank else ""
         logger.info(f"[{s}] {len(converted)} expert modules to NVFP4 (token groups padded to 16{lora}), {len(skipped)} "
                     f"kept BF16 ({', '.join(f for f, _ in skipped) or 'none'})")

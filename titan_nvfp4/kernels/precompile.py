@@ -5,7 +5,10 @@ training process. The package ships, per GPU class, a manifest of the specializa
 (titan_nvfp4/kernels/tuned/<class>.kernels.json, recorded by scripts/tune_kernels.py with the shipped autotuning
 choices in place). At conversion ``start`` launches a background process that compiles them on a pool of
 processes into Triton's on-disk cache while the model is built; the first step then loads each kernel from that
-cache. A specialization the manifest lacks compiles on first use, as before.
+cache. A specialization the manifest lacks compiles on first use, as before. ``start`` first looks each entry up in
+Triton's cache and compiles only those missing (none: no process at all), leaves out for a model without NVFP4
+grouped experts the entries only those launch (``experts_only``, expert_kernels.py), and the pool takes the longest
+compiles first (``compile_s``, measured by the tool's --time), so the slowest one does not start last.
 
 Precompiling changes no result: it is Triton's own compile of the same source, signature, constants and options,
 and the training process computes every cache key itself (a precompiled kernel it does not ask for is unused work).
@@ -37,6 +40,9 @@ import triton
 
 ENV = "TITAN_NVFP4_PRECOMPILE"
 FORMAT = 1
+#: the keys of a manifest entry: what rebuilds the compile, then what annotates it (optional)
+ENTRY_KEYS = frozenset({"module", "name", "signature", "constants", "attrs", "options"})
+ANNOTATIONS = {"experts_only": (bool,), "compile_s": (int, float)}
 #: the kernels recorded: those defined in this package's modules
 PACKAGE = "titan_nvfp4."
 LOG = logging.getLogger("titan_nvfp4")
@@ -87,8 +93,24 @@ def entry_from_hook(fn, compile: dict) -> dict | None:
     options = json.loads(compile["specialization_data"])["options"]
     # libdevice's path is this install's; the compiling process fills in its own (the key hashes the file's bytes)
     options.pop("extern_libs", None)
-    return {"module": fn.module, "name": fn.name, "signature": compile["signature"], "constants": constants,
-            "attrs": attrs, "options": options}
+    return classified({"module": fn.module, "name": fn.name, "signature": compile["signature"],
+                       "constants": constants, "attrs": attrs, "options": options})
+
+
+def classified(entry: dict) -> dict:
+    """``entry`` with its ``experts_only`` field (expert_kernels.py) set, or left out where unknown."""
+    from .expert_kernels import experts_only
+    names = list(entry["signature"])
+    values = {names[path[0]]: next(iter(v.values())) for path, v in entry["constants"]
+              if len(path) == 1 and path[0] < len(names)}
+    only = experts_only(f"{entry['module']}:{entry['name']}", values)
+    out = {k: v for k, v in entry.items() if k != "experts_only"}
+    return out if only is None else {**out, "experts_only": only}
+
+
+def identity(entry: dict) -> str:
+    """The text of what an entry compiles (its annotations left out), to tell entries apart."""
+    return json.dumps({k: entry[k] for k in ENTRY_KEYS}, sort_keys=True)
 
 
 def source_and_options(entry: dict):
@@ -237,7 +259,7 @@ def merge(manifests: list[dict]) -> dict:
             raise ValueError(f"merge: a manifest for Triton {m['triton']} on {m['target']} among ones for Triton "
                              f"{first['triton']} on {first['target']}")
         for entry in m["kernels"]:
-            text = json.dumps(entry, sort_keys=True)
+            text = identity(entry)  # a recording's entry and an annotated one of the same kernel: the first kept
             if text not in seen:
                 seen.add(text)
                 kernels.append(entry)
@@ -271,11 +293,17 @@ def load(path: Path) -> dict:
     if not (isinstance(sources, dict) and all(isinstance(k, str) and ":" in k and isinstance(v, str)
                                               for k, v in sources.items())):
         raise ValueError(f"kernel manifest {path}: \"sources\" must map \"module:kernel\" to a source hash")
-    need = {"module", "name", "signature", "constants", "attrs", "options"}
     for i, entry in enumerate(doc["kernels"]):
-        if not isinstance(entry, dict) or set(entry) != need:
-            raise ValueError(f"kernel manifest {path}: kernel {i}: expected the keys {sorted(need)}, got "
+        if not isinstance(entry, dict) or not ENTRY_KEYS <= set(entry) <= ENTRY_KEYS | set(ANNOTATIONS):
+            raise ValueError(f"kernel manifest {path}: kernel {i}: expected the keys {sorted(ENTRY_KEYS)} (and "
+                             f"optionally {sorted(ANNOTATIONS)}), got "
                              f"{sorted(entry) if isinstance(entry, dict) else entry!r}")
+        for key, types in ANNOTATIONS.items():
+            value = entry.get(key)
+            if key in entry and (type(value) not in types or (key == "compile_s" and not value >= 0)):
+                raise ValueError(f"kernel manifest {path}: kernel {i}: \"{key}\" must be "
+                                 f"{'true or false' if key == 'experts_only' else 'seconds (a number >= 0)'}, got "
+                                 f"{value!r}")
     return doc
 
 
@@ -323,22 +351,50 @@ def build_launcher(kernel) -> bool:
     return True
 
 
-def compile_all(doc: dict, workers: int) -> tuple[int, list[str]]:
-    """Compile every entry of a manifest on ``workers`` processes (forked after importing the kernels' modules, so
-    each starts warm); (kernels compiled, failures). A module that does not import (its entries are skipped) or a
-    worker that dies (the pool's remaining work is lost) is a failure line, not an exception."""
+def in_cache(entry: dict, target: dict) -> bool:
+    """Whether Triton's cache holds the kernel ``entry`` compiles to, looked up as ``triton.compile`` looks it up (the
+    metadata file in the group of the entry's cache hash; Triton makes that hash's folder, as its compile does). The
+    kernel's launcher is not looked at: where only it is missing, the first launch builds it (a gcc compile, about a
+    second per kernel signature). False for an entry that does not rebuild here (the compile then reports why)."""
+    from triton import knobs
+    from triton.runtime.cache import get_cache_manager
+    if knobs.compilation.always_compile:
+        return False
+    try:
+        src, options = source_and_options(entry)
+        key = cache_hash(src, options, target)
+    except Exception:  # noqa: BLE001 (a module or kernel gone, an interpreted kernel: left to the compile)
+        return False
+    name = f"{src.name[:150]}.json"
+    return (get_cache_manager(key).get_group(name) or {}).get(name) is not None
+
+
+def longest_first(entries: list[dict]) -> list[dict]:
+    """``entries`` by their measured compile time (``compile_s``), longest first; those without one after, in their
+    order (first use): a pool that takes the longest compile last ends that much later."""
+    return sorted(entries, key=lambda e: (0, -e["compile_s"]) if "compile_s" in e else (1, 0))
+
+
+def compile_all(doc: dict, workers: int, only: list[int] | None = None) -> tuple[int, list[str]]:
+    """Compile the entries of a manifest (``only``: those at these indices) on ``workers`` processes (forked after
+    importing the kernels' modules, so each starts warm), longest first; (kernels compiled, failures). A module that
+    does not import (its entries are skipped) or a worker that dies (the pool's remaining work is lost) is a failure
+    line, not an exception."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
+    entries = doc["kernels"] if only is None else [doc["kernels"][i] for i in only]
     failures, missing = [], set()
-    for module in dict.fromkeys(e["module"] for e in doc["kernels"]):
+    for module in dict.fromkeys(e["module"] for e in entries):
         try:
             importlib.import_module(module)
         except Exception as e:  # noqa: BLE001 (a manifest naming a module this install lacks)
             missing.add(module)
             failures.append(f"{module}: {type(e).__name__}: {e} (its kernels skipped)")
-    changed = set()
+    changed, compiled = set(), {f"{e['module']}:{e['name']}" for e in entries}
     for kernel, key in doc.get("sources", {}).items():  # "module:name" → the recording's source hash
+        if kernel not in compiled:
+            continue
         module, name = kernel.split(":", 1)
         try:
             now = kernel_function(module, name).cache_key if module not in missing else key
@@ -348,14 +404,14 @@ def compile_all(doc: dict, workers: int) -> tuple[int, list[str]]:
             changed.add((module, name))
             failures.append(f"{module}.{name}: its source (with what it calls) is not the one the manifest was "
                             f"recorded from (its entries skipped)")
-    tasks = [(e, doc["target"]) for e in doc["kernels"] if e["module"] not in missing
+    tasks = [(e, doc["target"]) for e in longest_first(entries) if e["module"] not in missing
              and (e["module"], e["name"]) not in changed]
     if workers <= 1 or len(tasks) <= 1:
         results = [_compile_one(t) for t in tasks]
     else:
         try:
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-                results = list(pool.map(_compile_one, tasks))  # in first-use order: the first step's kernels first
+                results = list(pool.map(_compile_one, tasks))  # taken in this order
         except BrokenProcessPool as e:
             return 0, failures + [f"a compile process died ({e}): the kernels compile on first use"]
     errors = [r for r in results if r is not None]
@@ -373,23 +429,68 @@ def default_workers() -> int:
 _started: dict = {}
 
 
-def wanted() -> bool:
-    """Whether ``start`` may have work: not switched off, not interpreting, not started yet (checks that need no GPU,
-    so that a caller asks for the device, which initializes CUDA, only then)."""
-    return ("proc" not in _started and os.environ.get(ENV, "1") not in ("", "0")
+def wanted(experts: bool = True) -> bool:
+    """Whether ``start`` may have work: not switched off, not interpreting, not started yet (or started for a model
+    without NVFP4 experts, and now ``experts``); checks that need no GPU, so that a caller asks for the device, which
+    initializes CUDA, only then."""
+    done = _started.get("experts")
+    return ((done is None or (experts and not done)) and os.environ.get(ENV, "1") not in ("", "0")
             and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
 
 
-def start(device_index: int | None, log=LOG) -> subprocess.Popen | None:
+def start(device_index: int | None, log=LOG, experts: bool = True) -> subprocess.Popen | None:
     """Launch the background compile of the manifest for ``device_index``'s GPU class, once per process and only on
-    a node's first rank (the others find the kernels in the same cache); None when there is nothing to do (a CPU
-    run, switched off, the interpreter, no manifest for this class, another Triton version: said in one log line).
+    a node's first rank (the others find the kernels in the same cache); the process, or None when there is nothing
+    to do (a CPU run, switched off, the interpreter, no manifest for this class, another Triton version, or every
+    kernel already in Triton's cache: said in one log line). Only the entries missing from the cache are compiled.
+    ``experts``: whether the model has NVFP4 grouped-expert layers; without them the entries only those launch are
+    left out, and a later call with ``experts`` (the experts converted after the Linears) compiles those.
 
     Where TRITON_CACHE_DIR is unset, it is set (on every rank) to Triton's default folder: otherwise inductor, on its
     first compile, points this process at a per-device folder of its own, where the precompiled kernels are not."""
-    if not wanted():
+    if not wanted(experts):
         return _started.get("proc")
-    _started["proc"] = None
+    adding = "experts" in _started  # started without the experts' entries: now those
+    _started["experts"] = experts
+    _started.setdefault("proc", None)
+    if not adding:
+        _started["manifest"] = _manifest(device_index, log)
+    if _started.get("manifest") is None or int(os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID")
+                                               or 0) != 0:
+        return None
+    path, doc = _started["manifest"]
+    picked = [i for i, e in enumerate(doc["kernels"])
+              if (e.get("experts_only") is True if adding else experts or e.get("experts_only") is not True)]
+    t0 = time.perf_counter()
+    missing = [i for i in picked if not in_cache(doc["kernels"][i], doc["target"])]
+    checked = (f"{'the NVFP4 experts: ' if adding else ''}{len(picked) - len(missing)} of {len(picked)} in the cache, "
+               f"checked in {time.perf_counter() - t0:.2f} s")
+    if not adding and len(picked) < len(doc["kernels"]):
+        checked += f"; {len(doc['kernels']) - len(picked)} only NVFP4 grouped experts launch left out"
+    cache = os.environ["TRITON_CACHE_DIR"]
+    if not missing:
+        log.info(f"NVFP4: nothing to precompile: Triton's cache {cache} holds every kernel specialization of "
+                 f"{path.name} this model launches ({checked})")
+        return _started["proc"]
+    workers = min(default_workers(), len(missing))
+    root = str(Path(__file__).resolve().parents[2])  # the titan_nvfp4 this process runs, not another on sys.path
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    only = ["--only", ",".join(map(str, missing))] if len(missing) < len(doc["kernels"]) else []
+    proc = subprocess.Popen([sys.executable, "-m", "titan_nvfp4.tools.precompile_kernels", str(path), "--workers",
+                             str(workers), "--stop-with", str(os.getpid()), *only],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env, start_new_session=True)
+    atexit.register(_stop, proc)
+    if _started["proc"] is not None:
+        _started.setdefault("earlier", []).append(_started["proc"])
+    _started["proc"] = proc
+    log.info(f"NVFP4: precompiling {len(missing)} Triton kernel specializations on {workers} processes in the "
+             f"background into {cache} ({path.name}: {checked}; {ENV}=0 turns it off)")
+    return proc
+
+
+def _manifest(device_index: int | None, log) -> tuple[Path, dict] | None:
+    """(path, document) of the manifest serving ``device_index``'s GPU class, with TRITON_CACHE_DIR set; None when
+    there is none to compile (a CPU run, none for the class, an empty one, or one of another Triton version)."""
     if device_index is None:
         return None
     from .shipped_tuning import gpu_class
@@ -406,33 +507,23 @@ def start(device_index: int | None, log=LOG) -> subprocess.Popen | None:
     if os.environ.get("TRITON_CACHE_DIR") is None:
         from triton import knobs
         os.environ["TRITON_CACHE_DIR"] = knobs.cache.dir
-    if int(os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or 0) != 0:
-        return None
-    workers = min(default_workers(), len(doc["kernels"]))
-    root = str(Path(__file__).resolve().parents[2])  # the titan_nvfp4 this process runs, not another on sys.path
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "titan_nvfp4.tools.precompile_kernels", str(path), "--workers",
-                             str(workers), "--stop-with", str(os.getpid())],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env, start_new_session=True)
-    atexit.register(_stop, proc)
-    _started["proc"] = proc
-    log.info(f"NVFP4: precompiling {len(doc['kernels'])} Triton kernel specializations on {workers} processes in "
-             f"the background into {os.environ['TRITON_CACHE_DIR']} ({path.name}; {ENV}=0 turns it off)")
-    return proc
+    return path, doc
 
 
 def wait(log=LOG, timeout: float = 300.0) -> None:
-    """Called before this process compiles its first kernel: let the background precompile it started finish (once),
+    """Called before this process compiles its first kernel: let the background precompiles it started finish (once),
     so that kernels come from the cache rather than from compiles of its own racing the pool for the CPUs."""
-    proc = _started.get("proc")
-    if proc is None or _started.get("waited"):
+    procs = [p for p in (*_started.get("earlier", ()), _started.get("proc")) if p is not None]
+    if not procs or _started.get("waited"):
         return
     _started["waited"] = True
-    if proc.poll() is not None:
+    running = [p for p in procs if p.poll() is None]
+    if not running:
         return
     t0 = time.monotonic()
     try:
-        proc.wait(timeout)
+        for p in running:
+            p.wait(max(0.0, timeout - (time.monotonic() - t0)))
     except subprocess.TimeoutExpired:
         log.warning(f"NVFP4: the background precompile still runs after {timeout:.0f} s: kernels compile on first use")
         return
