@@ -274,22 +274,37 @@ def test_the_first_compile_waits_for_the_background_precompile_once(monkeypatch,
     precompile.wait()  # none started (a CPU run, switched off): nothing to wait for
 
 
+_ONCE = """
+import json, logging, sys
+sys.path.insert(0, sys.argv[1])
+from titan_nvfp4.kernels import precompile, shipped_tuning
+shipped_tuning.gpu_class = lambda device_index: "sm90"
+logs = []
+handler = logging.Handler()
+handler.emit = lambda record: logs.append(record.getMessage())
+precompile.LOG.addHandler(handler)
+precompile.LOG.setLevel(logging.INFO)
+proc = precompile.start(0)
+same = precompile.start(0) is proc
+print(json.dumps({"forked": type(proc).__name__, "same": same, "rc": proc.wait(timeout=300), "logs": logs}))
+"""
+
+
 @needs_ptxas
-def test_start_compiles_in_the_background_once(recorded, tmp_path, monkeypatch, caplog):
+def test_start_compiles_in_the_background_once(recorded, tmp_path):
+    """A training process (here one with the kernels imported uninterpreted, as on a GPU) forks the compile once; the
+    fork fills the cache with what the first use compiles."""
     manifest, first = recorded
     cache = tmp_path / "bg"
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
-    monkeypatch.setenv("TITAN_NVFP4_PRECOMPILE", str(manifest))
-    monkeypatch.setenv("PYTHONPATH", _pythonpath())
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a GPU (the suite interprets kernels on the CPU)
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.setattr(precompile, "_started", {})
-    monkeypatch.setattr("titan_nvfp4.kernels.shipped_tuning.gpu_class", lambda device_index: "sm90")
-    with caplog.at_level(logging.INFO, logger="titan_nvfp4"):
-        proc = precompile.start(0)
-    assert proc is not None and precompile.start(0) is proc  # once per process
-    assert proc.wait(timeout=300) == 0
-    assert "precompiling 3 Triton kernel specializations" in caplog.text and f"into {cache}" in caplog.text
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(cache),
+           "TITAN_NVFP4_PRECOMPILE": str(manifest)}
+    env.pop("LOCAL_RANK", None)
+    r = subprocess.run([sys.executable, "-c", _ONCE, str(ROOT)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["forked"] == "ForkedCompile" and out["same"] and out["rc"] == 0  # once per process
+    assert "precompiling 3 Triton kernel specializations" in out["logs"][0] and f"into {cache}" in out["logs"][0]
+    assert "3 of 3 kernel specializations in Triton's cache" in r.stderr
     assert _entries(cache) - {"titan_nvfp4_precompile.lock"} == _entries(first)
 
 
@@ -319,8 +334,8 @@ def test_the_compile_ends_with_the_process_that_started_it(tmp_path):
     """A training process killed (torchrun ends its process group; the compile runs in its own session) takes its
     background compile with it: --stop-with watches the parent."""
     pid_file = tmp_path / "pid"
-    child = ("import os, sys, time; from titan_nvfp4.tools.precompile_kernels import _stop_with; "
-             f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); _stop_with(os.getppid()); time.sleep(120)")
+    child = ("import os, sys, time; from titan_nvfp4.kernels.precompile_process import stop_with; "
+             f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); stop_with(os.getppid()); time.sleep(120)")
     parent = ("import subprocess, sys, time; "
               f"subprocess.Popen([sys.executable, '-c', {child!r}], start_new_session=True); time.sleep(120)")
     env = {**os.environ, "PYTHONPATH": _pythonpath()}
@@ -503,7 +518,7 @@ moe = precompile.start(0, experts=True)  # then the routed experts: the kernels 
 precompile.wait()
 precompile._started.clear()  # a new training process on the now complete cache
 again = precompile.start(0, experts=True)
-print(json.dumps({"args": [p.args if p else None for p in (dense, moe)], "rc": [dense.returncode, moe.returncode],
+print(json.dumps({"only": [p.only if p else None for p in (dense, moe)], "rc": [dense.returncode, moe.returncode],
                   "again": again is None, "logs": logs}))
 """
 
@@ -529,8 +544,7 @@ def test_start_compiles_only_the_missing_kernels_the_model_launches(recorded, tm
     r = subprocess.run([sys.executable, "-c", _START, str(ROOT)], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
-    dense, moe = out["args"]
-    assert dense[dense.index("--only") + 1] == "1" and moe[moe.index("--only") + 1] == "0"  # amax; block-to-expert
+    assert out["only"] == [[1], [0]]  # the amax kernel; the block-to-expert map
     assert out["rc"] == [0, 0]
     logs = "\n".join(out["logs"])
     assert "precompiling 1 Triton kernel specializations" in out["logs"][0] and "1 of 2 in the cache" in logs

@@ -3,8 +3,8 @@
 A cold start otherwise compiles each kernel specialization when the first step meets it, one after another on the
 training process. The package ships, per GPU class, a manifest of the specializations its job files compile
 (titan_nvfp4/kernels/tuned/<class>.kernels.json, recorded by scripts/tune_kernels.py with the shipped autotuning
-choices in place). At conversion ``start`` launches a background process that compiles them on a pool of
-processes into Triton's on-disk cache while the model is built; the first step then loads each kernel from that
+choices in place). At conversion ``start`` forks a background process (precompile_process.py) that compiles them on a pool
+of processes into Triton's on-disk cache while the model is built; the first step then loads each kernel from that
 cache. A specialization the manifest lacks compiles on first use, as before. ``start`` first looks each entry up in
 Triton's cache and compiles only those missing (none: no process at all), leaves out for a model without NVFP4
 grouped experts the entries only those launch (``experts_only``, expert_kernels.py), and the pool takes the longest
@@ -16,7 +16,7 @@ To keep that work useful the recorder checks that each entry rebuilds the cache 
 (an entry that does not is left out and listed, with what differs, under "unfaithful"), and notes each kernel's
 source hash ("sources"): the compile skips, by name, the entries of a kernel edited since the recording.
 
-The background process is ``python -m titan_nvfp4.tools.precompile_kernels MANIFEST`` (usable by hand too).
+By hand, ``python -m titan_nvfp4.tools.precompile_kernels MANIFEST`` fills a cache folder the same way.
 TITAN_NVFP4_PRECOMPILE: unset or 1, the package's manifest for this GPU's class (none: nothing to do); 0, off; any
 other value, the path of a manifest to use on every device.
 """
@@ -32,7 +32,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -438,10 +437,10 @@ def wanted(experts: bool = True) -> bool:
             and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
 
 
-def start(device_index: int | None, log=LOG, experts: bool = True) -> subprocess.Popen | None:
-    """Launch the background compile of the manifest for ``device_index``'s GPU class, once per process and only on
-    a node's first rank (the others find the kernels in the same cache); the process, or None when there is nothing
-    to do (a CPU run, switched off, the interpreter, no manifest for this class, another Triton version, or every
+def start(device_index: int | None, log=LOG, experts: bool = True):
+    """Fork the background compile (precompile_process.py) of the manifest for ``device_index``'s GPU class, once per
+    process and only on a node's first rank (the others find the kernels in the same cache); the process, or None
+    when there is nothing to do (a CPU run, switched off, the interpreter, no manifest for this class, another Triton version, or every
     kernel already in Triton's cache: said in one log line). Only the entries missing from the cache are compiled.
     ``experts``: whether the model has NVFP4 grouped-expert layers; without them the entries only those launch are
     left out, and a later call with ``experts`` (the experts converted after the Linears) compiles those.
@@ -472,13 +471,9 @@ def start(device_index: int | None, log=LOG, experts: bool = True) -> subprocess
         log.info(f"NVFP4: nothing to precompile: Triton's cache {cache} holds every kernel specialization of "
                  f"{path.name} this model launches ({checked})")
         return _started["proc"]
+    from .precompile_process import fork  # (it imports this module)
     workers = min(default_workers(), len(missing))
-    root = str(Path(__file__).resolve().parents[2])  # the titan_nvfp4 this process runs, not another on sys.path
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    only = ["--only", ",".join(map(str, missing))] if len(missing) < len(doc["kernels"]) else []
-    proc = subprocess.Popen([sys.executable, "-m", "titan_nvfp4.tools.precompile_kernels", str(path), "--workers",
-                             str(workers), "--stop-with", str(os.getpid()), *only],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env, start_new_session=True)
+    proc = fork(doc, workers, missing if len(missing) < len(doc["kernels"]) else None)
     atexit.register(_stop, proc)
     if _started["proc"] is not None:
         _started.setdefault("earlier", []).append(_started["proc"])
@@ -530,8 +525,12 @@ def wait(log=LOG, timeout: float = 300.0) -> None:
     log.info(f"NVFP4: the first kernel launch waited {time.monotonic() - t0:.1f} s for the background precompile")
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """At exit: end a background compile still running (its pool too)."""
+def _stop(proc) -> None:
+    """At exit: end a background compile still running (its pool too; the fork itself if it has not yet made its
+    own session)."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                os.kill(proc.pid, signal.SIGTERM)

@@ -21,47 +21,18 @@ longest first. Nothing is written if an entry fails to compile.
 from __future__ import annotations
 
 import argparse
-import fcntl
-import hashlib
 import json
 import os
-import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import triton
 
-from ..kernels.precompile import classified, compile_all, default_workers, identity, load, source_and_options
+from ..kernels.precompile import classified, default_workers, load, source_and_options
+from ..kernels.precompile_process import fill, stop_with
 from .atomic import write_text
-
-LOCK_NAME = "titan_nvfp4_precompile.lock"
-
-
-def _stop_with(pid: int) -> None:
-    """End this compile (and its pool) once ``pid`` is no longer this process's parent."""
-    def watch():
-        while os.getppid() == pid:
-            time.sleep(0.5)
-        if os.getpgrp() == os.getpid():  # its own process group (as started by a training process): the pool too
-            os.killpg(0, signal.SIGKILL)
-        os._exit(1)
-    threading.Thread(target=watch, daemon=True).start()
-
-
-def _lock(cache_dir: str, name: str = LOCK_NAME):
-    """The open lock file ``name`` of ``cache_dir``, held; None if another compile holds it."""
-    os.makedirs(cache_dir, exist_ok=True)
-    f = open(os.path.join(cache_dir, name), "a")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        return None
-    return f
-
 
 def _selection(text: str, doc: dict) -> list[int]:
     """The entry indices of --only (ValueError naming the option and the value when not indices of the manifest)."""
@@ -73,14 +44,6 @@ def _selection(text: str, doc: dict) -> list[int]:
     if not only or any(not 0 <= i < n for i in only) or len(set(only)) != len(only):
         raise ValueError(f"--only {text}: expected distinct indices of the manifest's {n} kernels, comma-separated")
     return only
-
-
-def _lock_name(doc: dict, only: list[int] | None) -> str:
-    """The whole manifest's lock, or one per selection (of what the selected entries compile)."""
-    if only is None:
-        return LOCK_NAME
-    digest = hashlib.sha256("\n".join(sorted(identity(doc["kernels"][i]) for i in only)).encode()).hexdigest()
-    return LOCK_NAME.replace(".lock", f".{digest[:16]}.lock")
 
 
 def time_compiles(doc: dict) -> list[float]:
@@ -139,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure each entry's compile time serially and write it (compile_s) into the manifest")
     args = p.parse_args(argv)
     if args.stop_with is not None:
-        _stop_with(args.stop_with)
+        stop_with(args.stop_with)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("titan_nvfp4 precompile: TRITON_INTERPRET is set: the kernels run in Triton's interpreter, nothing to "
               "compile", file=sys.stderr)
@@ -160,26 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"titan_nvfp4 precompile: {e}", file=sys.stderr)
         return 2
-    from triton import knobs
-    cache_dir = knobs.cache.dir
-    try:
-        lock = _lock(cache_dir, _lock_name(doc, only))
-    except OSError as e:
-        print(f"titan_nvfp4 precompile: cache folder {cache_dir}: {e}", file=sys.stderr)
-        return 2
-    if lock is None:
-        print(f"titan_nvfp4 precompile: another precompile is filling {cache_dir}: nothing to do", file=sys.stderr)
-        return 0
-    t0 = time.perf_counter()
-    with lock:
-        done, failures = compile_all(doc, args.workers, only)
-    for f in failures[:3]:
-        print(f"titan_nvfp4 precompile: failed: {f}", file=sys.stderr)
-    failed = f" ({len(failures)} failed: they compile on first use)" if failures else ""
-    print(f"titan_nvfp4 precompile: {done} of {len(doc['kernels']) if only is None else len(only)} kernel "
-          f"specializations in Triton's cache after "
-          f"{time.perf_counter() - t0:.1f} s on {args.workers} processes{failed}", file=sys.stderr, flush=True)
-    return 0
+    return fill(doc, args.workers, only)
 
 
 if __name__ == "__main__":
