@@ -78,12 +78,11 @@ def test_replayed_bodies_give_the_eager_bits_and_step_aside_when_unsafe(capture)
 
 
 def test_graphs_only_for_small_eager_gpu_calls():
-    """The size rule, the knob's values (dense Linears only), and no graphs on the CPU or with the knob off."""
-    from titan_nvfp4.recipe.knobs import GroupedKnobs, LinearKnobs
+    """The size rule, the knob's values (both sections: test_grouped_graphs.py for the experts), and no graphs on the
+    CPU or with the knob off."""
+    from titan_nvfp4.recipe.knobs import LinearKnobs
 
     assert LinearKnobs(eager_graphs="small").build_recipe().eager_graphs == "small"
-    with pytest.raises(ValueError, match=r"\[quantize.grouped_mm.nvfp4\] eager_graphs applies to the dense"):
-        GroupedKnobs(eager_graphs="small")
     assert graphable(8192, 256, 704, "small") and not graphable(8192, 256, 704, "off")
     assert not graphable(32768, 2048, 5632, "small") and graphable(SMALL_ELEMENTS // 32, 16, 16, "small")
     with pytest.raises(ValueError, match="eager_graphs must be one of"):

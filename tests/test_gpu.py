@@ -234,6 +234,61 @@ def test_debug_model_trains_eagerly_with_graphed_bodies_as_without(tmp_path):
     assert len(losses["small"]) == 8 and losses["small"] == losses["off"], losses
 
 
+def test_moe_debug_model_trains_eagerly_with_graphed_experts_as_without():
+    """The deepseek_v3 debug model (8 × 512 tokens, bf16 autocast, AdamW) eager with ``eager_graphs = "small"`` in both
+    sections (the grouped experts' forward and backward bodies replayed as CUDA graphs too: grouped_function.py) and
+    with "off": the same losses and gradients at every step and the same parameters after them, bits included,
+    stochastic rounding on, while the token groups change every step; every expert module's two grouped GEMMs
+    captured once forward and once backward, then replayed (forward from step 2, backward from step 3)."""
+    import torch.nn.functional as F
+    from torchtitan.models.moe import utils as moe_utils
+
+    import titan_nvfp4
+    from moe_helpers import build_moe
+    from titan_nvfp4.integration.experts import NVFP4GroupedExperts
+
+    steps, align = 4, moe_utils.TOKEN_GROUP_ALIGN_SIZE_M
+    moe_utils.set_token_group_alignment_size_m(16)  # as the grouped converter sets it: the grouped kernels
+    torch.use_deterministic_algorithms(True, warn_only=True)  # TorchTitan's token combine accumulates
+    runs = {}
+    try:
+        for mode in ("off", "small"):
+            model, args = build_moe("deepseek_v3", seq=512)
+            model, _ = titan_nvfp4.convert(model, eager_graphs=mode, experts=True,
+                                           filter_fqns=["output", "router.gate", "shared_experts"])
+            model.to_empty(device="cuda")
+            torch.manual_seed(0)
+            with torch.no_grad():
+                model.init_weights(buffer_device=torch.device("cuda"))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            g = torch.Generator(device="cuda").manual_seed(1)
+            losses, grads = [], []
+            for _ in range(steps):
+                tokens = torch.randint(0, args.vocab_size, (8, 513), device="cuda", generator=g)
+                with torch.autocast("cuda", torch.bfloat16):
+                    logits = model(tokens[:, :-1])
+                loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+                loss.backward()
+                grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+            experts = [m for m in model.modules() if isinstance(m, NVFP4GroupedExperts)]
+            runs[mode] = losses, grads + [list(model.parameters())], [m.__dict__.get("_graphs_by_call", {}) for m in experts]
+    finally:
+        torch.use_deterministic_algorithms(False)
+        moe_utils.set_token_group_alignment_size_m(align)
+    (l_off, p_off, g_off), (l_small, p_small, g_small) = runs["off"], runs["small"]
+    assert l_small == l_off, (l_small, l_off)
+    for step, (a, b) in enumerate(zip(p_off, p_small)):  # the gradients of each step, then the parameters
+        assert all((u is None and v is None) or torch.equal(u, v) for u, v in zip(a, b)), f"step {step + 1}"
+    assert len(g_small) == 5 and all(not g for g in g_off)  # 5 MoE blocks
+    for calls in g_small:
+        assert sorted(calls) == ["w1", "w2"]
+        assert all((b.captures, b.replays) == (2, (steps - 1) + (steps - 2)) for b in calls.values()), \
+            [(b.captures, b.replays, b.eager) for b in calls.values()]
+
+
 @pytest.mark.parametrize("size", [16, 32, 64, 128])
 def test_ms_eden_operand_kernel_on_gpu_is_bit_identical_to_cpu_reference(size):
     """The compiled MS-EDEN kernels (codes, scales, s, staged values, amax) against the reference on the CPU,

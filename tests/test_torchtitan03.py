@@ -71,6 +71,15 @@ def test_config_parses_with_overrides():
     assert not bf16.quantize.linear.enable and bf16.quantize.linear.filter_fqns[0] == "lm_head"
 
 
+def test_eager_graphs_parses_in_both_sections():
+    """One knob, one name (test_grouped_graphs.py on 0.2): the experts' eager CUDA graphs are asked for in
+    quantize.grouped_mm as the Linears' in quantize.linear."""
+    q = parse("deepseek_v3_debug_nvfp4", "--quantize.linear.eager_graphs", "small",
+              "--quantize.grouped_mm.eager_graphs", "small").quantize
+    assert q.linear.build_recipe().eager_graphs == q.grouped_mm.build_recipe().eager_graphs == "small"
+    assert parse("deepseek_v3_debug_nvfp4").quantize.grouped_mm.build_recipe().eager_graphs == "off"
+
+
 def test_documented_configs_parse():
     """Every --config of docs/torchtitan03.md's run commands parses through ConfigManager; the MoE NVFP4 entries
     enable both sections, the others the Linears only."""
@@ -105,6 +114,8 @@ def test_documented_configs_parse():
     (["--quantize.linear.ms_eden", "True"], ["[quantize.linear] ms_eden = true replaces stochastic rounding"]),
     (["--quantize.grouped_mm.recipe", "quartet2"],
      ["[quantize.grouped_mm] ms_eden = true (from the recipe 'quartet2'): the grouped GEMMs have no MS-EDEN"]),
+    (["--quantize.grouped_mm.eager_graphs", "on"],
+     ["[quantize.grouped_mm] eager_graphs must be one of ['off', 'small'], got 'on'"]),
 ])
 def test_bad_knob_stops_the_parse_naming_it(capsys, args, words):
     with pytest.raises(SystemExit) as e:

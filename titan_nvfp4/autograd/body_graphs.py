@@ -1,4 +1,5 @@
-"""CUDA graphs of an eager NVFP4 Linear's forward and backward bodies, for the host-bound small shapes.
+"""CUDA graphs of an eager NVFP4 Linear's forward and backward bodies, for the host-bound small shapes (and of
+the routed experts' grouped GEMMs: grouped_function.py, the offsets a copied input).
 
 An eager NVFP4Linear forward+backward launches about 11 kernels through about 1 ms of Python (operand
 bookkeeping, allocations, launch arguments): at the token counts of the debug models that is several

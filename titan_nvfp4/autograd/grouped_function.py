@@ -31,8 +31,11 @@ seed per expert); with nearest-even rounding they are bit-identical.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from .body_graphs import BodyGraphs
 from ..distributed.amax import AmaxGroups, all_reduce_max, sharding_groups
 from .linear_function import (autocast_input, autocast_out_dtype, cached_rht_signs, next_sr_seed, nvfp4_from_parts,
                               nvfp4_parts, sr_counter)
@@ -168,6 +171,90 @@ def _expert_amaxes(x2d: torch.Tensor, bounds, colwise: bool, signs: torch.Tensor
     return all_reduce_max(torch.stack(rows), group)
 
 
+#: NVFP4GroupedKernelFunction's arguments before ``params``
+_FIXED_ARGS = 10
+
+
+def _kernels_forward_body(x2d, offsets, x_amax=None, *, weights, biases, recipe, signs, need_wgrad, pair, out_dtype,
+                          groups):
+    """Forward's GPU work as tensors: the outputs (one [T, 2N] for a fused W1|W3 pair, else one per weight), X's
+    wgrad operand when ``need_wgrad``, then each weight's Wᵀ; and their metadata. body_graphs.py may replay it as a
+    CUDA graph, so it casts the ``signs`` it reads itself (a cast made outside would be freed after the capture)."""
+    x_signs = signs_for_operand(signs, x2d.dtype, recipe.rht_round_to_input_dtype)
+    if groups.x is not None:  # tokens whose features are sharded: per-expert amaxes over the ranks
+        if x_amax is None:
+            x_amax = G.token_amaxes(x2d, offsets, need_wgrad, x_signs)
+        x_amax = all_reduce_max(x_amax, groups.x)
+    xq, x_col = G.quantize_tokens(x2d, offsets, True, need_wgrad, x_signs, None,
+                                  col_staged=recipe.staged_expert_activations,
+                                  four_over_six=recipe.four_over_six, amaxes=x_amax)
+    outs, metas = [], []
+    w_amaxes = [all_reduce_max(G.expert_amaxes(w), groups.weight) if groups.weight is not None else None
+                for w in weights]
+    if pair:  # W1|W3: one GEMM of both; the caller takes the halves as views
+        both, *gws = G.quantize_expert_pair(*weights, *w_amaxes, four_over_six=recipe.four_over_six)
+        n_w = weights[0].shape[1]
+        outs.append(G.gemm_rows(xq, both, offsets, 2 * n_w, 2 * n_w, 0, out_dtype, n_split=n_w))
+    else:  # (a loop, not a comprehension: a closure over xq would keep dynamo from deleting it)
+        gws = []
+        for w, b, w_amax in zip(weights, biases, w_amaxes):
+            gws.append(G.quantize_experts(w, recipe.weight_2d, w_amax, four_over_six=recipe.four_over_six))
+            outs.append(G.gemm_rows(xq, gws[-1].w, offsets, w.shape[1], w.shape[1], 0, out_dtype, b))
+    saved = list(x_col.tensors()) if x_col is not None else []
+    for gw in gws:
+        saved += list(gw.t.tensors())  # Wᵀ for dgrad; X only in its wgrad form, as the dense linear
+        metas.append((gw.t.tiles, gw.row_step, gw.col_step))
+    del xq, gws
+    return tuple(outs) + tuple(saved), (len(outs), x_col is not None, metas)
+
+
+def _kernels_backward_body(offsets, *grads, ctx, signs, saved, need_dx, wants_dw, need_dbs):
+    """Backward's GPU work as tensors: (dX, dW per weight, db per weight), None where not needed, from ``grads``:
+    the n dYs [T, N_j] and, with the amax carrier, its gradient (the dYs' per-expert amaxes). body_graphs.py may
+    replay it: the SR seeds come from the counters on the device (next_sr_seed), advanced in place."""
+    n, recipe = ctx.n, ctx.recipe
+    x_col = G.GroupedOperand(*saved[:3]) if ctx.has_x_col else None
+    saved = saved[3:] if ctx.has_x_col else saved
+    dx, dws, dbs = None, [], []
+    last_dw = -1  # (a loop: dynamo does not trace max() over a generator)
+    for j in range(n):
+        if wants_dw[j]:
+            last_dw = j
+    if wants_dw.count(True) > 1:  # saved as codes: staged once for all the wgrads that read it
+        x_col = G.staged(x_col)
+    dy_amaxes = list(grads[n]) if len(grads) > n else [None] * n
+    for j in range(n):
+        dy2d = grads[j]
+        tiles, row_step, col_step = ctx.metas[j]
+        w_t = G.GroupedOperand(*saved[3 * j:3 * j + 3], tiles)
+        dy_signs = signs_for_operand(signs, dy2d.dtype, recipe.rht_round_to_input_dtype)
+        need_dw = wants_dw[j]
+        seed = next_sr_seed(ctx.counters[j]) if recipe.stochastic_rounding else None
+        dy_amax = dy_amaxes[j]
+        if ctx.groups.grad is not None:  # dY's features sharded: per-expert amaxes over the ranks
+            if dy_amax is None:
+                dy_amax = G.token_amaxes(dy2d, offsets, need_dw, dy_signs)
+            dy_amax = all_reduce_max(dy_amax, ctx.groups.grad)
+        dyq, dy_col = G.quantize_tokens(dy2d, offsets, need_dx, need_dw, dy_signs, seed, col_staged=True,
+                                        four_over_six=recipe.four_over_six, amaxes=dy_amax,
+                                        sr_block_scale=recipe.sr_block_scale)
+        # wgrad first, dY's staged column operand dropped before dgrad allocates its output
+        dws.append(G.gemm_tokens(dy_col, x_col, offsets, ctx.w_dtypes[j]) if need_dw else None)
+        del dy_col
+        if j == last_dw:
+            x_col = None  # freed before the last dgrad allocates its output
+        if need_dx:  # summed in x's dtype (in the GEMM's epilogue), as autograd sums separate GEMMs'
+            dx = G.gemm_rows(dyq, w_t, offsets, ctx.x_shape[-1], row_step, col_step, ctx.x_dtype, add_to=dx)
+        del dyq
+        dbs.append(G.expert_bias_grad(dy2d, offsets).to(dy2d.dtype) if need_dbs[j] else None)
+    return (dx, *dws, *dbs), None
+
+
+def _leaving(tensors, replayed: bool):
+    """A graph's outputs as they leave it: copies (its next replay rewrites them), None kept."""
+    return tuple(None if t is None else t.clone() for t in tensors) if replayed else tuple(tensors)
+
+
 class NVFP4GroupedKernelFunction(torch.autograd.Function):
     """The grouped kernels for ``n`` expert weights [E, N_i, K] that read the same routed tokens x (W1
     and W3 of a SwiGLU expert): x is quantized once for all of them; one output each. With the amax
@@ -180,50 +267,49 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
     quantization needs no amax pass. ``amax_carrier``: one more output, fp32 zeros [n, 2, E + 1],
     whose gradient is taken as the per-expert amaxes of the n dYs: the consumer of the outputs (the
     fused SwiGLU, _SwiGLUAmaxFunction) computes them with the dYs and hands them back this way, so
-    dY's quantization needs no amax pass either, while each function frees its own saved tensors."""
+    dY's quantization needs no amax pass either, while each function frees its own saved tensors.
+
+    ``graphs``: the call's BodyGraphs (eager_graphs; body_graphs.py), which replay the forward and backward bodies
+    as CUDA graphs, the offsets copied in as an input (their values change every step, the token count does not);
+    None, or a sharded operand (its amaxes all-reduced between the kernels), runs them eagerly."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, recipe: NVFP4Recipe, signs: torch.Tensor | None,
                 need_wgrad: bool, n: int, groups: AmaxGroups | None, amax_carrier: bool,
-                x_amax: torch.Tensor | None, *params):
+                x_amax: torch.Tensor | None, graphs: BodyGraphs | None, *params):
         weights, biases, counters = params[:n], params[n:2 * n], params[2 * n:3 * n]
         groups = groups if groups is not None else AmaxGroups()
         out_dtype = autocast_out_dtype(x)  # see linear_function.py
         in_features = weights[0].shape[2]
         with torch.autocast(x.device.type, enabled=False):
             x2d = x.reshape(-1, in_features)
-            x_signs = signs_for_operand(signs, x.dtype, recipe.rht_round_to_input_dtype)
-            if groups.x is not None:  # tokens whose features are sharded: per-expert amaxes over the ranks
-                if x_amax is None:
-                    x_amax = G.token_amaxes(x2d, offsets, need_wgrad, x_signs)
-                x_amax = all_reduce_max(x_amax, groups.x)
-            xq, x_col = G.quantize_tokens(x2d, offsets, True, need_wgrad, x_signs, None,
-                                          col_staged=recipe.staged_expert_activations,
-                                          four_over_six=recipe.four_over_six, amaxes=x_amax)
-            outs, saved, metas = [], [offsets, signs] + (list(x_col.tensors()) if x_col is not None else []), []
-            w_amaxes = [all_reduce_max(G.expert_amaxes(w), groups.weight) if groups.weight is not None else None
-                        for w in weights]
-            if amax_carrier and _pair_fusable(recipe, weights, biases):  # W1|W3: one GEMM of both, then views
-                both, *gws = G.quantize_expert_pair(*weights, *w_amaxes, four_over_six=recipe.four_over_six)
+            pair = amax_carrier and _pair_fusable(recipe, weights, biases)
+            kw = dict(weights=weights, biases=biases, recipe=recipe, signs=signs, need_wgrad=need_wgrad, pair=pair,
+                      out_dtype=out_dtype, groups=groups)
+            copied = [x2d, offsets] + ([x_amax] if x_amax is not None else [])
+            ctx.graphs = ctx.fwd_key = None
+            if graphs is not None and not groups.sharded:
+                saving = any(ctx.needs_input_grad)  # backward will run and read what forward saves
+                key = ("fwd", x2d.shape, x2d.stride(), x2d.dtype, offsets.shape, out_dtype, need_wgrad,
+                       x_amax is not None, pair, saving)
+                tensors, meta, replayed = graphs.run(key, functools.partial(_kernels_forward_body, **kw), copied,
+                                                     [*weights, *biases, signs], ctx if saving else None)
+                tensors = _leaving(tensors[:meta[0]], replayed) + tuple(tensors[meta[0]:])  # the rest: for backward
+                ctx.graphs, ctx.fwd_key = graphs, (key if replayed and saving else None)
+            else:
+                tensors, meta = _kernels_forward_body(*copied, **kw)
+            n_outs, has_x_col, metas = meta
+            outs, saved = list(tensors[:n_outs]), [offsets, signs, *tensors[n_outs:]]
+            if pair:
                 n_w = weights[0].shape[1]
-                y = G.gemm_rows(xq, both, offsets, 2 * n_w, 2 * n_w, 0, out_dtype, n_split=n_w)
-                outs = [y[:, :n_w], y[:, n_w:]]
-            else:  # (a loop, not a comprehension: a closure over xq would keep dynamo from deleting it)
-                gws = []
-                for w, b, w_amax in zip(weights, biases, w_amaxes):
-                    gws.append(G.quantize_experts(w, recipe.weight_2d, w_amax, four_over_six=recipe.four_over_six))
-                    outs.append(G.gemm_rows(xq, gws[-1].w, offsets, w.shape[1], w.shape[1], 0, out_dtype, b))
-            for gw in gws:
-                saved += list(gw.t.tensors())  # Wᵀ for dgrad; X only in its wgrad form, as the dense linear
-                metas.append((gw.t.tiles, gw.row_step, gw.col_step))
-            del xq, gws
+                outs = [outs[0][:, :n_w], outs[0][:, n_w:]]
             outs = [o.reshape(*x.shape[:-1], o.shape[-1]) for o in outs]
             if amax_carrier:  # an absent gradient must stay None (no amaxes), not become zeros
                 outs.append(x2d.new_zeros((n, 2, offsets.numel() + 1), dtype=torch.float32))
                 ctx.set_materialize_grads(False)
         ctx.counters = counters  # advanced in place by backward: see linear_function.py
         ctx.save_for_backward(*saved)
-        ctx.n, ctx.metas, ctx.has_x_col, ctx.has_bias = n, metas, x_col is not None, [b is not None for b in biases]
+        ctx.n, ctx.metas, ctx.has_x_col, ctx.has_bias = n, metas, has_x_col, [b is not None for b in biases]
         ctx.x_shape, ctx.x_dtype, ctx.recipe, ctx.groups = x.shape, x.dtype, recipe, groups
         ctx.w_dtypes, ctx.carrier = [w.dtype for w in weights], amax_carrier
         ctx.out_shapes, ctx.out_dtype = [(*x.shape[:-1], w.shape[1]) for w in weights], out_dtype
@@ -231,51 +317,33 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        n, recipe = ctx.n, ctx.recipe
+        n = ctx.n
         offsets, signs, *saved = ctx.saved_tensors
-        x_col = G.GroupedOperand(*saved[:3]) if ctx.has_x_col else None
-        saved = saved[3:] if ctx.has_x_col else saved
         need_dx = ctx.needs_input_grad[0]
-        wants_dw = [ctx.needs_input_grad[9 + j] and x_col is not None for j in range(n)]
-        dx, dws, dbs = None, [], []
-        last_dw = -1  # (a loop: dynamo does not trace max() over a generator)
-        for j in range(n):
-            if wants_dw[j]:
-                last_dw = j
+        wants_dw = [ctx.needs_input_grad[_FIXED_ARGS + j] and ctx.has_x_col for j in range(n)]
+        need_dbs = [ctx.has_bias[j] and ctx.needs_input_grad[_FIXED_ARGS + n + j] for j in range(n)]
         with torch.autocast(offsets.device.type, enabled=False):
-            if wants_dw.count(True) > 1:  # saved as codes: staged once for all the wgrads that read it
-                x_col = G.staged(x_col)
-            dys, dy_amaxes = grads[:n], [None] * n
+            dys, carrier = grads[:n], None
             if ctx.carrier:  # the dYs' amaxes came as the carrier's gradient; a dY not given is zeros
-                dy_amaxes = list(grads[n]) if grads[n] is not None else dy_amaxes
+                carrier = grads[n]
                 dys = [dy if dy is not None else offsets.new_zeros(shape, dtype=ctx.out_dtype)
                        for dy, shape in zip(dys, ctx.out_shapes)]
-            for j, dy in enumerate(dys):
-                tiles, row_step, col_step = ctx.metas[j]
-                w_t = G.GroupedOperand(*saved[3 * j:3 * j + 3], tiles)
-                dy2d = dy.reshape(-1, dy.shape[-1])
-                dy_signs = signs_for_operand(signs, dy.dtype, recipe.rht_round_to_input_dtype)
-                need_dw = wants_dw[j]
-                need_db = ctx.has_bias[j] and ctx.needs_input_grad[9 + n + j]
-                seed = next_sr_seed(ctx.counters[j]) if recipe.stochastic_rounding else None
-                dy_amax = dy_amaxes[j]
-                if ctx.groups.grad is not None:  # dY's features sharded: per-expert amaxes over the ranks
-                    if dy_amax is None:
-                        dy_amax = G.token_amaxes(dy2d, offsets, need_dw, dy_signs)
-                    dy_amax = all_reduce_max(dy_amax, ctx.groups.grad)
-                dyq, dy_col = G.quantize_tokens(dy2d, offsets, need_dx, need_dw, dy_signs, seed, col_staged=True,
-                                                four_over_six=ctx.recipe.four_over_six, amaxes=dy_amax,
-                                                sr_block_scale=recipe.sr_block_scale)
-                # wgrad first, dY's staged column operand dropped before dgrad allocates its output
-                dws.append(G.gemm_tokens(dy_col, x_col, offsets, ctx.w_dtypes[j]) if need_dw else None)
-                del dy_col
-                if j == last_dw:
-                    x_col = None  # freed before the last dgrad allocates its output
-                if need_dx:  # summed in x's dtype (in the GEMM's epilogue), as autograd sums separate GEMMs'
-                    dx = G.gemm_rows(dyq, w_t, offsets, ctx.x_shape[-1], row_step, col_step, ctx.x_dtype, add_to=dx)
-                del dyq
-                dbs.append(G.expert_bias_grad(dy2d, offsets).to(dy.dtype) if need_db else None)
-        return (dx.reshape(ctx.x_shape) if dx is not None else None, None, None, None, None, None, None, None, None,
+            copied = [offsets, *(dy.reshape(-1, dy.shape[-1]) for dy in dys)]
+            if carrier is not None:
+                copied.append(carrier)
+            kw = dict(ctx=ctx, signs=signs, saved=saved, need_dx=need_dx, wants_dw=wants_dw, need_dbs=need_dbs)
+            if ctx.graphs is not None:
+                key = ("bwd", tuple((t.shape, t.stride(), t.dtype) for t in copied), need_dx, tuple(wants_dw),
+                       tuple(need_dbs))
+                tensors, _, replayed = ctx.graphs.run(key, functools.partial(_kernels_backward_body, **kw), copied,
+                                                      [*ctx.counters, signs, *saved])
+                if ctx.fwd_key is not None:
+                    ctx.graphs.release(ctx.fwd_key)  # the forward graph's outputs are read: free to overwrite
+                tensors = _leaving(tensors, replayed)
+            else:
+                tensors, _ = _kernels_backward_body(*copied, **kw)
+        dx, dws, dbs = tensors[0], tensors[1:1 + n], tensors[1 + n:]
+        return (dx.reshape(ctx.x_shape) if dx is not None else None, *([None] * (_FIXED_ARGS - 1)),
                 *dws, *dbs, *([None] * n))
 
 
@@ -349,40 +417,47 @@ def _check(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: t
 def nvfp4_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None,
                      recipe: NVFP4Recipe, counter: torch.Tensor | None = None,
                      signs: torch.Tensor | None = None, aligned: bool | None = None,
-                     groups: AmaxGroups | None = None) -> torch.Tensor:
+                     groups: AmaxGroups | None = None, graphs: BodyGraphs | None = None) -> torch.Tensor:
     """Functional NVFP4 grouped GEMM: x [T, K], weight [E, N, K] (nn.Linear layout per expert), bias
     [E, N] or None, offsets int [E] cumulative token counts; returns [T, N] (see the module docstring).
     ``aligned``: the caller guarantees token groups aligned to 16 (None: look at the offsets).
     ``groups``: the process groups sharding X's features, the weights and dY's features (tensor
-    parallelism of the experts), whose per-expert amaxes are then all-reduced over them."""
-    return nvfp4_grouped_mm_shared(x, (weight,), offsets, (bias,), recipe, (counter,), signs, aligned, groups)[0]
+    parallelism of the experts), whose per-expert amaxes are then all-reduced over them. ``graphs``: the call's
+    BodyGraphs, to replay the grouped kernels' bodies as CUDA graphs in eager mode (eager_graphs; body_graphs.py)."""
+    return nvfp4_grouped_mm_shared(x, (weight,), offsets, (bias,), recipe, (counter,), signs, aligned, groups,
+                                   graphs=graphs)[0]
 
 
 def nvfp4_grouped_mm_shared(x: torch.Tensor, weights, offsets: torch.Tensor, biases, recipe: NVFP4Recipe,
                             counters=None, signs: torch.Tensor | None = None,
                             aligned: bool | None = None, groups: AmaxGroups | None = None,
-                            x_amax: torch.Tensor | None = None) -> list[torch.Tensor]:
+                            x_amax: torch.Tensor | None = None, graphs: BodyGraphs | None = None) -> list[torch.Tensor]:
     """[nvfp4_grouped_mm(x, w_i, offsets, b_i, ...) for each i], with x quantized once on the grouped
     kernels (bit-identical to the separate calls). ``counters``: one SR counter per weight; ``groups``
     as in nvfp4_grouped_mm, one for all the weights. ``x_amax``: x's per-expert amaxes as
     ops.grouped.token_amaxes gives them, from the kernel that produced x (nvfp4_grouped_swiglu): the
-    grouped kernels then skip their amax pass; the per-expert path reduces its own."""
-    return _grouped(x, weights, offsets, biases, recipe, counters, signs, aligned, groups, False, x_amax)
+    grouped kernels then skip their amax pass; the per-expert path reduces its own. ``graphs`` as in
+    nvfp4_grouped_mm (the grouped kernels only)."""
+    return _grouped(x, weights, offsets, biases, recipe, counters, signs, aligned, groups, False, x_amax, graphs)
 
 
 def nvfp4_grouped_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offsets: torch.Tensor,
                          recipe: NVFP4Recipe, counters=None, signs: torch.Tensor | None = None,
                          aligned: bool | None = None, groups: AmaxGroups | None = None,
-                         h_colwise: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         h_colwise: bool = True, graphs: BodyGraphs | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(h = silu(nvfp4_grouped_mm(x, w1)) ⊙ nvfp4_grouped_mm(x, w3), h's per-expert amaxes or None):
     the first half of a SwiGLU expert. On the grouped kernels the SwiGLU runs fused with the amaxes
     of h (column ones iff ``h_colwise``, i.e. W2 needs its wgrad) for W2's nvfp4_grouped_mm_shared
-    ``x_amax``, and its backward with those of dy1, dy3; elsewhere as eager ops, amaxes None."""
+    ``x_amax``, and its backward with those of dy1, dy3; elsewhere as eager ops, amaxes None. ``graphs``: the
+    BodyGraphs of the W1|W3 GEMM (nvfp4_grouped_mm); the SwiGLU between the GEMMs runs eagerly."""
     signs = _rht_signs(recipe, signs, x.device)
     if not _use_grouped_kernels(resolve_backend(recipe.gemm_backend, x.device), offsets, aligned):
-        h1, h3 = _grouped(x, (w1, w3), offsets, (None, None), recipe, counters, signs, False, groups, False, None)
+        h1, h3 = _grouped(x, (w1, w3), offsets, (None, None), recipe, counters, signs, False, groups, False, None,
+                          None)
         return torch.nn.functional.silu(h1) * h3, None
-    h1, h3, carrier = _grouped(x, (w1, w3), offsets, (None, None), recipe, counters, signs, True, groups, True, None)
+    h1, h3, carrier = _grouped(x, (w1, w3), offsets, (None, None), recipe, counters, signs, True, groups, True, None,
+                               graphs)
     need_wgrad = torch.is_grad_enabled() and (w1.requires_grad or w3.requires_grad)
     # h, and dh's products dy1, dy3, take h1's dtype: their transforms round to it under the recipe's knob
     h_signs = signs_for_operand(signs, h1.dtype, recipe.rht_round_to_input_dtype)
@@ -396,7 +471,7 @@ def _rht_signs(recipe: NVFP4Recipe, signs: torch.Tensor | None, device) -> torch
     return signs if signs is not None else cached_rht_signs(recipe.rht_seed, device)
 
 
-def _grouped(x, weights, offsets, biases, recipe, counters, signs, aligned, groups, amax_carrier, x_amax):
+def _grouped(x, weights, offsets, biases, recipe, counters, signs, aligned, groups, amax_carrier, x_amax, graphs):
     if not isinstance(recipe, NVFP4Recipe):
         raise TypeError(f"grouped GEMM: recipe must be an NVFP4Recipe, got {type(recipe).__name__}")
     weights, biases = tuple(weights), tuple(biases)
@@ -408,9 +483,11 @@ def _grouped(x, weights, offsets, biases, recipe, counters, signs, aligned, grou
     counters = tuple(c if c is not None else sr_counter(recipe, i, x.device) for i, c in enumerate(counters))
     signs = _rht_signs(recipe, signs, x.device)
     groups = sharding_groups(groups)
+    if graphs is not None and torch.compiler.is_compiling():  # compiled: inductor's own CUDA graphs, if any
+        graphs = None
     if amax_carrier or _use_grouped_kernels(resolve_backend(recipe.gemm_backend, x.device), offsets, aligned):
         return list(NVFP4GroupedKernelFunction.apply(x, offsets, recipe, signs, need_wgrad, len(weights),
-                                                     groups, amax_carrier, x_amax, *weights,
+                                                     groups, amax_carrier, x_amax, graphs, *weights,
                                                      *biases, *counters))
     return [NVFP4GroupedMMFunction.apply(x, w, b, offsets, recipe, c, signs,
                                          torch.is_grad_enabled() and w.requires_grad, groups)

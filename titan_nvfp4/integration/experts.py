@@ -34,7 +34,7 @@ from torchtitan.models.moe.utils import indices_padding_wrapper
 
 from ..distributed.amax import AmaxGroups
 from ..distributed.tensor_parallel import local
-from ..modules.expert_groups import check_expert_dims
+from ..modules.expert_groups import check_expert_dims, experts_body_graphs
 from ..autograd.grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
 from ..modules.layer_state import NVFP4LayerState
 from ..modules.lowrank_experts import LowRankExperts, check_expert_rank, grouped_linear
@@ -90,11 +90,16 @@ class _NVFP4Experts(LowRankExperts, NVFP4LayerState):
         if self.high_precision:
             return [grouped_linear(x, w, offsets, b) for w, b in zip(weights, biases)]
         ys = nvfp4_grouped_mm_shared(x, weights, offsets, biases, self.recipe, counters, local(self.rht_signs),
-                                     groups_aligned(), groups, x_amax)
+                                     groups_aligned(), groups, x_amax, graphs=self._graphs(names[0], x, weights))
         if self.telemetry is not None:
             for name, w, y in zip(names, weights, ys):
                 measure_experts(self, name, x, w, y)
         return ys
+
+    def _graphs(self, call: str, x: torch.Tensor, weights):
+        """The BodyGraphs of grouped GEMM ``call`` under eager_graphs (expert_groups.experts_body_graphs): none when
+        the weights are DTensors (expert or tensor parallelism)."""
+        return experts_body_graphs(self, call, x, weights, isinstance(getattr(self, self.GEMMS[0]), DTensor))
 
     def _tp_groups(self) -> dict[str, AmaxGroups | None]:
         """{weight name: the AmaxGroups of its GEMM} under tensor parallelism of the experts (TorchTitan's
@@ -153,7 +158,8 @@ class NVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
             # W1 and W3 on one quantization of x, the SwiGLU fused with the amaxes of h (W2's input)
             h, h_amax = nvfp4_grouped_swiglu(x, w1, w3, offsets, self.recipe, (c[0], c[2]), local(self.rht_signs),
                                              groups_aligned(), groups.get("w1"),
-                                             h_colwise=torch.is_grad_enabled() and w2.requires_grad)
+                                             h_colwise=torch.is_grad_enabled() and w2.requires_grad,
+                                             graphs=self._graphs("w1", x, (w1, w3)))
             return self._gemms(h, (w2,), offsets, (None,), (c[1],), ("w2",), groups.get("w2"), h_amax)[0]
         # W1 and W3 read the same tokens: quantized once for both (and sharded alike under TP)
         h1, h3 = self._gemms(x, (w1, w3), offsets, (None, None), (c[0], c[2]), ("w1", "w3"), groups.get("w1"))

@@ -34,7 +34,7 @@ from torchtitan.protocols.module import Module
 
 from ..distributed.amax import AmaxGroups
 from ..distributed.tensor_parallel import local, tp_amax_groups
-from ..modules.expert_groups import check_expert_dims, pad_token_groups
+from ..modules.expert_groups import check_expert_dims, experts_body_graphs, pad_token_groups
 from ..autograd.grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
 from ..modules.layer_state import NVFP4LayerState
 from ..modules.lowrank_experts import LowRankExperts, check_expert_rank, grouped_linear
@@ -105,6 +105,8 @@ class _NVFP4Experts(LowRankExperts, NVFP4LayerState):
     tp_groups: dict[str, AmaxGroups] = {}
     #: the tensor-parallel degree of the experts (set at parallelize)
     tp_degree = 1
+    #: whether expert or tensor parallelism shards the experts (set at parallelize): no eager graphs then
+    sharded = False
     def parallelize(self, parallel_dims) -> None:
         """Place the buffers and shard as TorchTitan does (expert parallelism: whole experts per rank, nothing else
         to do); under tensor parallelism (TorchTitan's: every expert's hidden dim sharded,
@@ -116,6 +118,7 @@ class _NVFP4Experts(LowRankExperts, NVFP4LayerState):
                 "which the TorchTitan 0.3 integration does not support with a low-rank branch yet; set lora_rank = 0 "
                 "or run without expert and tensor parallelism")
         place_buffers(self, parallel_dims)
+        self.sharded = bool(parallel_dims.tp_enabled or parallel_dims.ep_enabled)
         if parallel_dims.tp_enabled:
             self.tp_groups = self._expert_tp_groups(parallel_dims)
             self.tp_degree = parallel_dims.tp
@@ -160,9 +163,15 @@ class _NVFP4Experts(LowRankExperts, NVFP4LayerState):
         if self.high_precision:
             return [grouped_linear(x, w, offsets, b) for w, b in zip(weights, biases)]
         ys = nvfp4_grouped_mm_shared(x, weights, offsets, biases, self.recipe, counters, local(self.rht_signs), True,
-                                     self.tp_groups.get(next(iter(gemms))), x_amax)
+                                     self.tp_groups.get(next(iter(gemms))), x_amax,
+                                     graphs=self._graphs(next(iter(gemms)), x, weights))
         self._measure(x, {g: (w, y) for (g, w), y in zip(gemms.items(), ys)})
         return ys
+
+    def _graphs(self, call: str, x: torch.Tensor, weights):
+        """The BodyGraphs of grouped GEMM ``call`` under eager_graphs (expert_groups.experts_body_graphs): none under
+        expert or tensor parallelism (``sharded``, set at parallelize)."""
+        return experts_body_graphs(self, call, x, weights, self.sharded)
 
     def _high_precision(self, upstream: type, x_RD: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """After the ``bf16_after_fraction`` switch: TorchTitan's own expert computation (its grouped GEMMs in the
@@ -207,7 +216,8 @@ class TitanNVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
         else:
             h, h_amax = nvfp4_grouped_swiglu(p.x, w1, w3, offsets, self.recipe, (c[0], c[2]), local(self.rht_signs),
                                              True, self.tp_groups.get("w1_EFD"),
-                                             h_colwise=torch.is_grad_enabled() and w2.requires_grad)
+                                             h_colwise=torch.is_grad_enabled() and w2.requires_grad,
+                                             graphs=self._graphs("w1_EFD", p.x, (w1, w3)))
         (y,) = self._products(h, {"w2_EDF": w2}, offsets, (None,), (c[1],), h_amax)
         return self._lowrank_add(y, "w2_EDF", h, offsets)[p.rows].type_as(x_RD)
 

@@ -1,6 +1,6 @@
 """Pieces of the routed-expert conversion shared by the TorchTitan 0.2 and 0.3 integrations (imports no
-TorchTitan): the SR stream ids of converted expert modules, the dims check of their weights, and the padding
-of token groups to a multiple of 16.
+TorchTitan): the SR stream ids of converted expert modules, the dims check of their weights, the padding
+of token groups to a multiple of 16, and the CUDA graphs of their grouped GEMMs in eager mode (eager_graphs).
 
 Padding: the grouped kernels (grouped_function.py) run without looking at the offsets on the host when every
 token group starts at a multiple of 16. ``pad_token_groups`` places expert e's rows at the start of a slot of
@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..autograd.body_graphs import BodyGraphs, graphable
 from ..distributed.tensor_parallel import Name, name_of
 from ..numerics.expert_blocks import row_experts
 
@@ -72,5 +73,22 @@ def pad_token_groups(x: torch.Tensor, counts: torch.Tensor, align: int = TOKEN_G
     return PaddedGroups(xp, padded.to(counts.dtype), rows)
 
 
+def experts_body_graphs(module, call: str, x: torch.Tensor, weights, sharded: bool) -> BodyGraphs | None:
+    """The BodyGraphs of expert module ``module``'s grouped GEMM ``call`` (named by its first weight), which reads
+    ``x`` [T, K] into ``weights`` [E, N_i, K], when its recipe's ``eager_graphs`` graphs it: eager, on a GPU, small
+    enough (graphable with N = the sum of the N_i), and the experts not ``sharded`` (under expert parallelism the
+    routed token count changes every step; under tensor parallelism amaxes are all-reduced between the kernels);
+    else None. The token count is the same every step outside expert parallelism (both integrations pad it)."""
+    mode = module.recipe.eager_graphs
+    if mode == "off" or sharded or torch.compiler.is_compiling() or not x.is_cuda:
+        return None
+    if not graphable(x.numel() // max(x.shape[-1], 1), x.shape[-1], sum(w.shape[1] for w in weights), mode):
+        return None
+    graphs = module.__dict__.setdefault("_graphs_by_call", {})
+    if call not in graphs:
+        graphs[call] = BodyGraphs()
+    return graphs[call]
+
+
 __all__ = ["GROUPED_LAYER_ID_BASE", "LAYER_IDS_PER_EXPERTS", "PaddedGroups", "TOKEN_GROUP_ALIGN", "check_expert_dims",
-           "experts_layer_id", "pad_token_groups"]
+           "experts_body_graphs", "experts_layer_id", "pad_token_groups"]

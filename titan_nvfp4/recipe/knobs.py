@@ -286,9 +286,6 @@ class GroupedKnobs(RecipeKnobs):
         self._check_fqns("fqns")
         check_rank(self.lora_rank, self.SECTION)
         self._check_count("telemetry_every")
-        if self.eager_graphs not in (None, "off"):
-            raise ValueError(f"[{self.SECTION}] eager_graphs applies to the dense Linears only (the experts' "
-                             "routed token counts change every step): set it in [quantize.linear.nvfp4]")
         RecipeKnobs.__post_init__(self)
         self._check_dense_only(self.build_recipe())
         backward = self.build_recipe().backward
@@ -299,8 +296,6 @@ class GroupedKnobs(RecipeKnobs):
     def _check_dense_only(self, recipe: NVFP4Recipe) -> None:
         """Refuse the dense-only recipe fields (DENSE_ONLY_FIELDS) by name, set here or by the preset."""
         for key, value in dense_only_values(recipe).items():
-            if key == "eager_graphs":
-                continue  # refused above with its own reason
             origin = "" if getattr(self, key) is not None else f" (from the recipe {self.recipe!r})"
             why = _DENSE_ONLY_WHY.get(key, "it applies to the dense Linears only")
             shown = str(value).lower() if isinstance(value, bool) else repr(value)

@@ -64,9 +64,11 @@ class NVFP4Recipe:
 
     eager_graphs: str = "off"
     """Eager mode only: "small" replays each NVFP4Linear's forward and backward kernels as one CUDA graph
-    per layer and shape when M·(K+N) ≤ 2^26 (the host-bound debug-model sizes; body_graphs.py), "off"
-    launches them one by one. The same bits either way; "small" keeps each such layer's staged operands
-    allocated between steps. Under torch.compile inductor's own CUDA graphs serve instead."""
+    per layer and shape when M·(K+N) ≤ 2^26 (the host-bound debug-model sizes; body_graphs.py), and so each
+    routed-expert grouped GEMM's on the grouped kernels (N: the outputs of its weights together; not under
+    expert or tensor parallelism); "off" launches them one by one. The same bits either way; "small" keeps
+    each such layer's staged operands allocated between steps. Under torch.compile inductor's own CUDA
+    graphs serve instead."""
 
     staged_expert_activations: bool = True
     """MoE grouped experts on the emulated backend: keep the wgrad operands of the routed tokens X and of
@@ -136,7 +138,7 @@ RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(NVFP4Recipe))
 #: rht_size values (the MS-EDEN kernels' Hadamard sizes)
 RHT_SIZES = (16, 32, 64, 128)
 #: fields that apply to the dense Linears only: the routed experts refuse values other than their defaults
-DENSE_ONLY_FIELDS = ("eager_graphs", "ms_eden", "rht_size", "osci_reset_every", "osci_reset_window",
+DENSE_ONLY_FIELDS = ("ms_eden", "rht_size", "osci_reset_every", "osci_reset_window",
                      "osci_reset_threshold", "osci_reset_start_fraction", "outcontrol_fraction", "outcontrol_start",
                      "outcontrol_steps")
 #: the OsciReset keys that need osci_reset_every > 0
