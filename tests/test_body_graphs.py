@@ -85,6 +85,10 @@ def test_graphs_only_for_small_eager_gpu_calls():
     assert LinearKnobs(eager_graphs="small").build_recipe().eager_graphs == "small"
     assert graphable(8192, 256, 704, "small") and not graphable(8192, 256, 704, "off")
     assert not graphable(32768, 2048, 5632, "small") and graphable(SMALL_ELEMENTS // 32, 16, 16, "small")
+    assert graphable(8192, 512, 4096, "small")  # the deepseek_v3 debug model's wkv_b: host-bound
+    assert not graphable(8192, 4096, 4096, "small")  # a Llama3-8B attention Linear: 2^26 elements but 2^38 MACs
+    assert not graphable(2048, 2048, 2 * 1408, "small", 64 * 2 * 1408 * 2048)  # DeepSeek-V3-16B experts' weights
+    assert graphable(8192, 256, 512, "small", 8 * 512 * 256)  # the debug model's experts
     with pytest.raises(ValueError, match="eager_graphs must be one of"):
         NVFP4Recipe(eager_graphs="always")
     layer = NVFP4Linear(32, 32, recipe=NVFP4Recipe(eager_graphs="small"))

@@ -284,6 +284,7 @@ handler = logging.Handler()
 handler.emit = lambda record: logs.append(record.getMessage())
 precompile.LOG.addHandler(handler)
 precompile.LOG.setLevel(logging.INFO)
+print("before the fork")  # buffered (stdout is a pipe): the fork must not write it a second time
 proc = precompile.start(0)
 same = precompile.start(0) is proc
 print(json.dumps({"forked": type(proc).__name__, "same": same, "rc": proc.wait(timeout=300), "logs": logs}))
@@ -299,13 +300,22 @@ def test_start_compiles_in_the_background_once(recorded, tmp_path):
     env = {**os.environ, "PYTHONPATH": _pythonpath(), "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(cache),
            "TITAN_NVFP4_PRECOMPILE": str(manifest)}
     env.pop("LOCAL_RANK", None)
+    env.pop("PYTHONUNBUFFERED", None)
     r = subprocess.run([sys.executable, "-c", _ONCE, str(ROOT)], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout)
+    assert r.stdout.count("before the fork") == 1
+    out = json.loads(r.stdout.splitlines()[-1])
     assert out["forked"] == "ForkedCompile" and out["same"] and out["rc"] == 0  # once per process
     assert "precompiling 3 Triton kernel specializations" in out["logs"][0] and f"into {cache}" in out["logs"][0]
     assert "3 of 3 kernel specializations in Triton's cache" in r.stderr
     assert _entries(cache) - {"titan_nvfp4_precompile.lock"} == _entries(first)
+
+
+def test_a_fork_reaped_elsewhere_counts_as_ended():
+    """poll() of a compile another waitpid already reaped (SIGCHLD ignored, a waitpid(-1)) ends it, not the caller."""
+    from titan_nvfp4.kernels.precompile_process import ForkedCompile
+    gone = ForkedCompile(os.getpid(), None)  # not a child of this process: waitpid raises ChildProcessError
+    assert gone.poll() == -1 and gone.wait(timeout=1) == -1
 
 
 def test_start_points_every_rank_at_one_cache_folder(monkeypatch, tmp_path):

@@ -27,15 +27,23 @@ from typing import Callable
 import torch
 
 #: M·(K+N) of a Linear (elements) up to which ``eager_graphs = "small"`` (recipe.py) graphs its bodies. Each graph
-#: keeps its own memory pool (the staged operands, its outputs): a few bytes per element of M·(K+N)
-#: for each layer, about 2.5 GB for the Llama3 debug model at 8192 tokens. 2^26 takes in the attention
-#: Linears of the deepseek_v3 debug model (8192 × (512 + 4096) for wkv_b), whose GPU work (~0.1 ms) is still
-#: below their eager host time (~1 ms forward + backward); the 386M model's (32768 × 4096) are not host-bound.
+#: keeps its own memory pool (the staged operands, its outputs, the weight gradient): about 10 bytes per element of
+#: M·(K+N) for each layer, 2.3 GiB for the Llama3 debug model at 8192 tokens. 2^26 takes in the attention Linears
+#: of the deepseek_v3 debug model (8192 × (512 + 4096) for wkv_b), whose GPU work is still below their eager host
+#: time (~1 ms forward + backward).
 SMALL_ELEMENTS = 1 << 26
+#: M·K·N (multiply-adds of one of its three GEMMs) up to which it does, about 0.35 ms of an H100's emulated NVFP4
+#: GEMMs for all three: above it the GPU work hides the host time, and graphing would only hold memory (a
+#: Llama3-8B attention Linear at 8192 tokens, 2^38, is left out, as the 386M model's at 32768 tokens, 2^37).
+SMALL_MACS = 1 << 35
 
-def graphable(m: int, k: int, n: int, mode: str) -> bool:
-    """Whether a Linear of M tokens, K inputs and N outputs graphs its bodies under knob value ``mode``."""
-    return mode == "small" and m * (k + n) <= SMALL_ELEMENTS
+
+def graphable(m: int, k: int, n: int, mode: str, weight_elements: int | None = None) -> bool:
+    """Whether a GEMM of M tokens, K inputs and N outputs graphs its bodies under knob value ``mode``: small in its
+    operands, its work and its weights (``weight_elements``, K·N for a Linear; all the experts' for grouped ones,
+    whose weight gradient the backward graph's pool holds)."""
+    weights = k * n if weight_elements is None else weight_elements
+    return mode == "small" and m * (k + n) <= SMALL_ELEMENTS and m * k * n <= SMALL_MACS and weights <= SMALL_ELEMENTS
 
 
 class _Entry:

@@ -6,7 +6,9 @@ started it."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import gc
 import hashlib
 import os
 import signal
@@ -98,9 +100,12 @@ class ForkedCompile:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere (SIGCHLD ignored, a waitpid(-1)): it has ended
+                pid, status = self.pid, None
             if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
+                self.returncode = -1 if status is None else os.waitstatus_to_exitcode(status)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -117,13 +122,20 @@ def fork(doc: dict, workers: int, only: list[int] | None) -> ForkedCompile:
     with this process. The child compiles (Triton's compiler, ptxas, gcc for the launchers) and touches no GPU: the
     CUDA state it inherits stays unused, and it leaves by os._exit, running none of this process's exit handlers."""
     parent = os.getpid()
+    for stream in (sys.stdout, sys.stderr):  # else the child would write this process's buffered output again
+        with contextlib.suppress(Exception):
+            stream.flush()
     with warnings.catch_warnings():  # Python warns that a fork of a threaded process may deadlock in locks the other
-        warnings.simplefilter("ignore", DeprecationWarning)  # threads held: the child takes none (say() above)
+        warnings.simplefilter("ignore", DeprecationWarning)  # threads held: the child takes none (below)
         pid = os.fork()
     if pid == 0:
         global _in_fork
         _in_fork, code = True, 1
         try:
+            gc.disable()  # no finalizer of an inherited (CUDA) object runs here
+            # streams of its own: the inherited ones' buffers and locks are the parent's (the pool's forks flush them)
+            sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)
+            sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)
             os.setsid()
             stop_with(parent)
             code = fill(doc, workers, only)

@@ -80,9 +80,10 @@ def experts_body_graphs(module, call: str, x: torch.Tensor, weights, sharded: bo
     routed token count changes every step; under tensor parallelism amaxes are all-reduced between the kernels);
     else None. The token count is the same every step outside expert parallelism (both integrations pad it)."""
     mode = module.recipe.eager_graphs
-    if mode == "off" or sharded or torch.compiler.is_compiling() or not x.is_cuda:
+    if mode == "off" or sharded or torch.compiler.is_compiling() or not x.is_cuda or not torch.is_grad_enabled():
         return None
-    if not graphable(x.numel() // max(x.shape[-1], 1), x.shape[-1], sum(w.shape[1] for w in weights), mode):
+    if not graphable(x.numel() // max(x.shape[-1], 1), x.shape[-1], sum(w.shape[1] for w in weights), mode,
+                     sum(w.numel() for w in weights)):
         return None
     graphs = module.__dict__.setdefault("_graphs_by_call", {})
     if call not in graphs:

@@ -191,7 +191,8 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
     def _body_graphs(self, x: torch.Tensor, weight: torch.Tensor, gemm: int | None) -> BodyGraphs | None:
         """The BodyGraphs of GEMM ``gemm`` of this layer when ``eager_graphs`` graphs this call (eager, on a GPU,
         small enough: body_graphs.py), else None."""
-        if self.recipe.eager_graphs == "off" or torch.compiler.is_compiling() or not x.is_cuda:
+        if self.recipe.eager_graphs == "off" or torch.compiler.is_compiling() or not x.is_cuda \
+                or not torch.is_grad_enabled():  # validation runs eagerly: no second set of graphs and pools
             return None
         if not graphable(x.numel() // max(x.shape[-1], 1), weight.shape[1], weight.shape[0], self.recipe.eager_graphs):
             return None

@@ -64,7 +64,7 @@ class NVFP4Recipe:
 
     eager_graphs: str = "off"
     """Eager mode only: "small" replays each NVFP4Linear's forward and backward kernels as one CUDA graph
-    per layer and shape when M·(K+N) ≤ 2^26 (the host-bound debug-model sizes; body_graphs.py), and so each
+    per layer and shape when small (M·(K+N) ≤ 2^26, M·K·N ≤ 2^35: the host-bound debug-model sizes; body_graphs.py), and so each
     routed-expert grouped GEMM's on the grouped kernels (N: the outputs of its weights together; not under
     expert or tensor parallelism); "off" launches them one by one. The same bits either way; "small" keeps
     each such layer's staged operands allocated between steps. Under torch.compile inductor's own CUDA
