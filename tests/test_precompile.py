@@ -311,6 +311,23 @@ def test_start_compiles_in_the_background_once(recorded, tmp_path):
     assert _entries(cache) - {"titan_nvfp4_precompile.lock"} == _entries(first)
 
 
+def test_the_first_launch_gives_up_on_a_compile_after_its_patience(monkeypatch, caplog):
+    """A compile that outlives what its entries' measured times allow (a hang) is left behind after its patience,
+    with a warning: the kernels then compile on first use."""
+    entries = [{"compile_s": 2.0}, {"compile_s": 9.0}, {}]  # untimed: 5 s
+    assert precompile.patience(entries, 2) == 60 + 4 * 9.0 and precompile.patience(entries, 1) == 60 + 4 * 16.0
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        monkeypatch.setattr(precompile, "_started", {"proc": stuck, "patience": 0.5})
+        t0 = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="titan_nvfp4"):
+            precompile.wait()
+        assert time.monotonic() - t0 < 5 and "still runs after 0 s" in caplog.text and stuck.poll() is None
+    finally:
+        stuck.kill()
+        stuck.wait()
+
+
 def test_a_fork_reaped_elsewhere_counts_as_ended():
     """poll() of a compile another waitpid already reaped (SIGCHLD ignored, a waitpid(-1)) ends it, not the caller."""
     from titan_nvfp4.kernels.precompile_process import ForkedCompile

@@ -475,6 +475,7 @@ def start(device_index: int | None, log=LOG, experts: bool = True):
     workers = min(default_workers(), len(missing))
     proc = fork(doc, workers, missing if len(missing) < len(doc["kernels"]) else None)
     atexit.register(_stop, proc)
+    _started["patience"] = _started.get("patience", 0.0) + patience([doc["kernels"][i] for i in missing], workers)
     if _started["proc"] is not None:
         _started.setdefault("earlier", []).append(_started["proc"])
     _started["proc"] = proc
@@ -505,9 +506,24 @@ def _manifest(device_index: int | None, log) -> tuple[Path, dict] | None:
     return path, doc
 
 
-def wait(log=LOG, timeout: float = 300.0) -> None:
+#: Seconds assumed for an entry without a measured compile time, and the slack of ``patience``.
+_UNTIMED_S, _SLACK_S = 5.0, 60.0
+
+
+def patience(entries: list[dict], workers: int) -> float:
+    """How long a first launch waits for the compile of ``entries`` on ``workers`` processes before it gives up on it
+    (a compile that hangs then costs a minute or two, not the step): four times the longest of the per-worker share
+    of the entries' measured compile times (``compile_s``) and the slowest entry's, plus a minute."""
+    times = [e.get("compile_s", _UNTIMED_S) for e in entries] or [0.0]
+    return _SLACK_S + 4 * max(sum(times) / max(workers, 1), max(times))
+
+
+def wait(log=LOG, timeout: float | None = None) -> None:
     """Called before this process compiles its first kernel: let the background precompiles it started finish (once),
-    so that kernels come from the cache rather than from compiles of its own racing the pool for the CPUs."""
+    so that kernels come from the cache rather than from compiles of its own racing the pool for the CPUs; at most
+    ``timeout`` seconds (default: the started compiles' ``patience``)."""
+    if timeout is None:
+        timeout = _started.get("patience", 300.0)
     procs = [p for p in (*_started.get("earlier", ()), _started.get("proc")) if p is not None]
     if not procs or _started.get("waited"):
         return
