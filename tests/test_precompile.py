@@ -274,8 +274,9 @@ def test_the_first_compile_waits_for_the_background_precompile_once(monkeypatch,
     precompile.wait()  # none started (a CPU run, switched off): nothing to wait for
 
 
-_ONCE = """
-import json, logging, sys
+#: The start of a stand-in training process on the GPU class "sm90" (argv[1]: the checkout), its log lines in ``logs``.
+_TRAINING_PROCESS = """
+import json, logging, os, sys
 sys.path.insert(0, sys.argv[1])
 from titan_nvfp4.kernels import precompile, shipped_tuning
 shipped_tuning.gpu_class = lambda device_index: "sm90"
@@ -284,6 +285,9 @@ handler = logging.Handler()
 handler.emit = lambda record: logs.append(record.getMessage())
 precompile.LOG.addHandler(handler)
 precompile.LOG.setLevel(logging.INFO)
+"""
+
+_ONCE = _TRAINING_PROCESS + """
 print("before the fork")  # buffered (stdout is a pipe): the fork must not write it a second time
 proc = precompile.start(0)
 same = precompile.start(0) is proc
@@ -530,16 +534,7 @@ def _compiled(cache: Path) -> set[str]:
     return {d for d in _entries(cache) if not d.startswith("titan_nvfp4_precompile")}
 
 
-_START = """
-import json, logging, os, sys
-sys.path.insert(0, sys.argv[1])
-from titan_nvfp4.kernels import precompile, shipped_tuning
-shipped_tuning.gpu_class = lambda device_index: "sm90"
-logs = []
-handler = logging.Handler()
-handler.emit = lambda record: logs.append(record.getMessage())
-precompile.LOG.addHandler(handler)
-precompile.LOG.setLevel(logging.INFO)
+_START = _TRAINING_PROCESS + """
 dense = precompile.start(0, experts=False)  # the Linears converted first
 moe = precompile.start(0, experts=True)  # then the routed experts: the kernels only they launch
 precompile.wait()
