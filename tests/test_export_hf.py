@@ -623,17 +623,17 @@ def test_eval_hf_gives_the_validators_loss_of_the_exported_weights(run, corpus, 
         assert abs(got["loss"] - want) <= 1e-6 * want, (out.name, got["loss"], want)
 
 
-def test_eval_hf_bad_input_is_one_line(run, corpus, capsys):
+def test_eval_hf_bad_input_is_one_line(run, corpus, nvfp4_out, capsys):
     from titan_nvfp4.tools.eval_hf import main as eval_main
 
-    flags = validation_flags(corpus)
+    flags = validation_flags(corpus)  # the cases past the first two read a real export: nvfp4_out
     cases = [
         ([str(run.tmp / "nowhere"), "--job.config_file", str(run.job), *flags], "is not a Hugging Face model folder"),
         ([str(run.assets), "--job.config_file", str(run.job), *flags], "is not a Hugging Face model folder"),
-        ([str(run.tmp / "hf_nvfp4"), *flags], "--job.config_file JOB.toml is required"),
-        ([str(run.tmp / "hf_nvfp4"), "--job.config_file", str(run.job)], "the job has no validation"),
-        ([str(run.tmp / "hf_nvfp4"), "--job.config_file", str(run.job), *flags, "--steps", "0"], "--steps 0"),
-        ([str(run.tmp / "hf_nvfp4"), "--job.config_file", str(run.job), *flags[:3], "--validation.dataset_path",
+        ([str(nvfp4_out), *flags], "--job.config_file JOB.toml is required"),
+        ([str(nvfp4_out), "--job.config_file", str(run.job)], "the job has no validation"),
+        ([str(nvfp4_out), "--job.config_file", str(run.job), *flags, "--steps", "0"], "--steps 0"),
+        ([str(nvfp4_out), "--job.config_file", str(run.job), *flags[:3], "--validation.dataset_path",
           str(run.tmp / "no_corpus")], "c4_test"),
     ]
     for argv, message in cases:
