@@ -274,7 +274,7 @@ def test_moe_debug_model_trains_eagerly_with_graphed_experts_as_without():
                 opt.zero_grad(set_to_none=True)
                 losses.append(loss.item())
             experts = [m for m in model.modules() if isinstance(m, NVFP4GroupedExperts)]
-            runs[mode] = losses, grads + [list(model.parameters())], [m.__dict__.get("_graphs_by_call", {}) for m in experts]
+            runs[mode] = losses, grads + [list(model.parameters())], [m.__dict__.get("_graphs_by_slot", {}) for m in experts]
     finally:
         torch.use_deterministic_algorithms(False)
         moe_utils.set_token_group_alignment_size_m(align)

@@ -46,6 +46,26 @@ def graphable(m: int, k: int, n: int, mode: str, weight_elements: int | None = N
     return mode == "small" and m * (k + n) <= SMALL_ELEMENTS and m * k * n <= SMALL_MACS and weights <= SMALL_ELEMENTS
 
 
+def graphs_for(owner, slot, x: torch.Tensor, k: int, n: int, mode: str,
+               weight_elements: int | None = None) -> BodyGraphs | None:
+    """The BodyGraphs of ``owner``'s (a layer's) GEMM ``slot``, kept on it, when knob value ``mode`` graphs this call
+    of X ``x`` [..., K] into N outputs: eager training on a GPU (a no-grad call, validation, would need graphs and
+    pools of its own) and ``graphable``; else None."""
+    if mode == "off" or torch.compiler.is_compiling() or not x.is_cuda or not torch.is_grad_enabled():
+        return None
+    if not graphable(x.numel() // max(x.shape[-1], 1), k, n, mode, weight_elements):
+        return None
+    graphs = owner.__dict__.setdefault("_graphs_by_slot", {})
+    if slot not in graphs:
+        graphs[slot] = BodyGraphs()
+    return graphs[slot]
+
+
+def leaving(tensors, replayed: bool) -> tuple:
+    """A body's outputs as they leave it: copies where a graph replayed them (its next replay rewrites them)."""
+    return tuple(None if t is None else t.clone() for t in tensors) if replayed else tuple(tensors)
+
+
 class _Entry:
     __slots__ = ("static_in", "ptrs", "graph", "static_out", "meta", "owner")
 

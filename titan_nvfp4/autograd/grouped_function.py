@@ -35,7 +35,7 @@ import functools
 
 import torch
 
-from .body_graphs import BodyGraphs
+from .body_graphs import BodyGraphs, leaving
 from ..distributed.amax import AmaxGroups, all_reduce_max, sharding_groups
 from .linear_function import (autocast_input, autocast_out_dtype, cached_rht_signs, next_sr_seed, nvfp4_from_parts,
                               nvfp4_parts, sr_counter)
@@ -250,11 +250,6 @@ def _kernels_backward_body(offsets, *grads, ctx, signs, saved, need_dx, wants_dw
     return (dx, *dws, *dbs), None
 
 
-def _leaving(tensors, replayed: bool):
-    """A graph's outputs as they leave it: copies (its next replay rewrites them), None kept."""
-    return tuple(None if t is None else t.clone() for t in tensors) if replayed else tuple(tensors)
-
-
 class NVFP4GroupedKernelFunction(torch.autograd.Function):
     """The grouped kernels for ``n`` expert weights [E, N_i, K] that read the same routed tokens x (W1
     and W3 of a SwiGLU expert): x is quantized once for all of them; one output each. With the amax
@@ -294,7 +289,7 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
                        x_amax is not None, pair, saving)
                 tensors, meta, replayed = graphs.run(key, functools.partial(_kernels_forward_body, **kw), copied,
                                                      [*weights, *biases, signs], ctx if saving else None)
-                tensors = _leaving(tensors[:meta[0]], replayed) + tuple(tensors[meta[0]:])  # the rest: for backward
+                tensors = leaving(tensors[:meta[0]], replayed) + tuple(tensors[meta[0]:])  # the rest: for backward
                 ctx.graphs, ctx.fwd_key = graphs, (key if replayed and saving else None)
             else:
                 tensors, meta = _kernels_forward_body(*copied, **kw)
@@ -339,7 +334,7 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
                                                       [*ctx.counters, signs, *saved])
                 if ctx.fwd_key is not None:
                     ctx.graphs.release(ctx.fwd_key)  # the forward graph's outputs are read: free to overwrite
-                tensors = _leaving(tensors, replayed)
+                tensors = leaving(tensors, replayed)
             else:
                 tensors, _ = _kernels_backward_body(*copied, **kw)
         dx, dws, dbs = tensors[0], tensors[1:1 + n], tensors[1 + n:]

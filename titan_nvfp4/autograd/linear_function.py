@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from .body_graphs import BodyGraphs
+from .body_graphs import BodyGraphs, leaving
 from .ms_eden_backward import ms_eden_backward, operand_values, saved_operand
 from ..distributed.amax import AmaxGroups, all_reduce_max, sharding_groups
 from ..distributed.fsdp_all_gather import NVFP4GatheredWeight, gathered_nvfp4
@@ -321,7 +321,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
                    high_precision_forward)
             tensors, meta, replayed = graphs.run(key, body, copied, [weight, bias, signs], ctx if saving else None)
             if replayed:
-                tensors = (tensors[0].clone(),) + tuple(tensors[1:])  # y leaves; the rest stays for backward
+                tensors = leaving(tensors[:1], True) + tuple(tensors[1:])  # y leaves; the rest stays for backward
                 ctx.fwd_key = key if saving else None
             ctx.graphs = graphs
         else:
@@ -427,7 +427,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
             if ctx.fwd_key is not None:
                 ctx.graphs.release(ctx.fwd_key)  # the forward graph's outputs are read: free to overwrite
             if replayed:  # the graph's outputs are rewritten by its next replay
-                dx, dw, db = (None if t is None else t.clone() for t in (dx, dw, db))
+                dx, dw, db = leaving((dx, dw, db), True)
         else:
             (dx, dw, db), _ = body(dy2d, dy_amax)
         if dx is not None:  # in X's autocast dtype, widened as the backward of F.linear's input cast widens it

@@ -3,8 +3,8 @@
 A cold start otherwise compiles each kernel specialization when the first step meets it, one after another on the
 training process. The package ships, per GPU class, a manifest of the specializations its job files compile
 (titan_nvfp4/kernels/tuned/<class>.kernels.json, recorded by scripts/tune_kernels.py with the shipped autotuning
-choices in place). At conversion ``start`` forks a background process (precompile_process.py) that compiles them on a pool
-of processes into Triton's on-disk cache while the model is built; the first step then loads each kernel from that
+choices in place). At conversion ``start`` forks a background process (precompile_process.py) that compiles them on
+a pool of processes into Triton's on-disk cache while the model is built; the first step then loads each kernel from that
 cache. A specialization the manifest lacks compiles on first use, as before. ``start`` first looks each entry up in
 Triton's cache and compiles only those missing (none: no process at all), leaves out for a model without NVFP4
 grouped experts the entries only those launch (``experts_only``, expert_kernels.py), and the pool takes the longest
@@ -440,8 +440,9 @@ def wanted(experts: bool = True) -> bool:
 def start(device_index: int | None, log=LOG, experts: bool = True):
     """Fork the background compile (precompile_process.py) of the manifest for ``device_index``'s GPU class, once per
     process and only on a node's first rank (the others find the kernels in the same cache); the process, or None
-    when there is nothing to do (a CPU run, switched off, the interpreter, no manifest for this class, another Triton version, or every
-    kernel already in Triton's cache: said in one log line). Only the entries missing from the cache are compiled.
+    when there is nothing to do (a CPU run, switched off, the interpreter, no manifest for this class, another Triton
+    version, or every kernel already in Triton's cache: said in one log line). Only the entries missing from the
+    cache are compiled.
     ``experts``: whether the model has NVFP4 grouped-expert layers; without them the entries only those launch are
     left out, and a later call with ``experts`` (the experts converted after the Linears) compiles those.
 

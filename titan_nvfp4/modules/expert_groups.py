@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..autograd.body_graphs import BodyGraphs, graphable
+from ..autograd.body_graphs import BodyGraphs, graphs_for
 from ..distributed.tensor_parallel import Name, name_of
 from ..numerics.expert_blocks import row_experts
 
@@ -79,16 +79,10 @@ def experts_body_graphs(module, call: str, x: torch.Tensor, weights, sharded: bo
     enough (graphable with N = the sum of the N_i), and the experts not ``sharded`` (under expert parallelism the
     routed token count changes every step; under tensor parallelism amaxes are all-reduced between the kernels);
     else None. The token count is the same every step outside expert parallelism (both integrations pad it)."""
-    mode = module.recipe.eager_graphs
-    if mode == "off" or sharded or torch.compiler.is_compiling() or not x.is_cuda or not torch.is_grad_enabled():
+    if sharded:
         return None
-    if not graphable(x.numel() // max(x.shape[-1], 1), x.shape[-1], sum(w.shape[1] for w in weights), mode,
-                     sum(w.numel() for w in weights)):
-        return None
-    graphs = module.__dict__.setdefault("_graphs_by_call", {})
-    if call not in graphs:
-        graphs[call] = BodyGraphs()
-    return graphs[call]
+    return graphs_for(module, call, x, x.shape[-1], sum(w.shape[1] for w in weights), module.recipe.eager_graphs,
+                      sum(w.numel() for w in weights))
 
 
 __all__ = ["GROUPED_LAYER_ID_BASE", "LAYER_IDS_PER_EXPERTS", "PaddedGroups", "TOKEN_GROUP_ALIGN", "check_expert_dims",

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .amax_history import activation_amax
-from ..autograd.body_graphs import BodyGraphs, graphable
+from ..autograd.body_graphs import BodyGraphs, graphs_for
 from ..distributed.tensor_parallel import local, local_tp_nvfp4_linear, tp_nvfp4_linear
 from .layer_state import NVFP4LayerState
 from ..autograd.linear_function import autocast_out_dtype, meta_linear, nvfp4_linear, x_amaxes
@@ -189,17 +189,8 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
             oc.adopt_selection(self)
 
     def _body_graphs(self, x: torch.Tensor, weight: torch.Tensor, gemm: int | None) -> BodyGraphs | None:
-        """The BodyGraphs of GEMM ``gemm`` of this layer when ``eager_graphs`` graphs this call (eager, on a GPU,
-        small enough: body_graphs.py), else None."""
-        if self.recipe.eager_graphs == "off" or torch.compiler.is_compiling() or not x.is_cuda \
-                or not torch.is_grad_enabled():  # validation runs eagerly: no second set of graphs and pools
-            return None
-        if not graphable(x.numel() // max(x.shape[-1], 1), weight.shape[1], weight.shape[0], self.recipe.eager_graphs):
-            return None
-        graphs = self.__dict__.setdefault("_graphs_by_gemm", {})
-        if gemm not in graphs:
-            graphs[gemm] = BodyGraphs()
-        return graphs[gemm]
+        """The BodyGraphs of GEMM ``gemm`` of this layer when ``eager_graphs`` graphs this call (body_graphs.py)."""
+        return graphs_for(self, gemm, x, weight.shape[1], weight.shape[0], self.recipe.eager_graphs)
 
     def _history_amax(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """X's amaxes from the layer's amax history (amax_history.py), recording this forward's."""
