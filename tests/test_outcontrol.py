@@ -339,3 +339,27 @@ def test_osci_reset_beside_it_quantizes_the_rest_on_its_own_and_never_resets_the
     assert not torch.equal(lin.weight.detach()[:, sel], before)  # trained, not snapped to a grid
     grid = forward_grid(lin, lin.weight)[:, sel]
     assert torch.equal(grid, lin.weight.detach()[:, sel].float())
+
+
+@pytest.mark.parametrize("k_sel", [1, 32, 127])
+def test_the_column_split_gives_index_selects_values_and_gradients(k_sel):
+    """autograd/column_split.py against two index_selects, the selected channels at random, first, last or all but
+    one: the same parts and the same input gradient, bit for bit (a -0.0 may come back as +0.0 through the
+    index_selects' zero-filled sum; torch.equal takes them as equal)."""
+    from titan_nvfp4.autograd.column_split import column_inverse, split_columns
+
+    g = torch.Generator().manual_seed(k_sel)
+    for sel in (torch.randperm(K, generator=g)[:k_sel].sort().values, torch.arange(k_sel),
+                torch.arange(K - k_sel, K)):
+        taken = torch.zeros(K, dtype=torch.bool)
+        taken[sel] = True
+        rest = (~taken).nonzero().reshape(-1)
+        x = torch.randn(3, 5, K, generator=g, dtype=torch.bfloat16, requires_grad=True)
+        ga, gb = torch.randn(3, 5, K - k_sel, generator=g), torch.randn(3, 5, k_sel, generator=g)
+        a, b = split_columns(x, rest, sel, column_inverse(rest, sel))
+        ((a.float() * ga).sum() + (b.float() * gb).sum()).backward()
+        ref = x.detach().clone().requires_grad_()
+        ra, rb = ref.index_select(-1, rest), ref.index_select(-1, sel)
+        ((ra.float() * ga).sum() + (rb.float() * gb).sum()).backward()
+        assert torch.equal(a, ra) and torch.equal(b, rb) and torch.equal(x.grad, ref.grad)
+        assert a.is_contiguous() and b.is_contiguous()

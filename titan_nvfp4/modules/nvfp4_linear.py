@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from .amax_history import activation_amax
 from ..autograd.body_graphs import BodyGraphs, graphs_for
+from ..autograd.column_split import split_columns
 from ..distributed.tensor_parallel import local, local_tp_nvfp4_linear, tp_nvfp4_linear
 from .layer_state import NVFP4LayerState
 from ..autograd.linear_function import autocast_out_dtype, meta_linear, nvfp4_linear, x_amaxes
@@ -158,11 +159,15 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         in NVFP4 with the layer's recipe and bias; autograd sums the two parts' gradients."""
         oc.check_supported(self, self.weight)
         sel, rest = local(self.outcontrol_index), local(self.outcontrol_rest)
-        y = mxfp8_linear(x.index_select(-1, sel), self.weight.index_select(1, sel), self.recipe.gemm_backend,
-                         high_precision_forward=self.high_precision_forward)
         if not rest.numel():  # every channel selected
+            y = mxfp8_linear(x.index_select(-1, sel), self.weight.index_select(1, sel), self.recipe.gemm_backend,
+                             high_precision_forward=self.high_precision_forward)
             return y if self.bias is None else y + self.bias.to(y.dtype)
-        return self._nvfp4_linear(x.index_select(-1, rest), self.weight.index_select(1, rest), self.bias) + y
+        inverse = local(self.outcontrol_inverse)
+        x_rest, x_sel = split_columns(x, rest, sel, inverse)
+        w_rest, w_sel = split_columns(self.weight, rest, sel, inverse)
+        y = mxfp8_linear(x_sel, w_sel, self.recipe.gemm_backend, high_precision_forward=self.high_precision_forward)
+        return self._nvfp4_linear(x_rest, w_rest, self.bias) + y
 
     def _apply(self, fn, recurse: bool = True):
         # to_empty() of a meta module leaves OutControl's buffers uninitialized: the layer starts unselected

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..autograd.column_split import column_inverse
 from ..distributed.tensor_parallel import local
 from ..numerics.mxfp8 import MX_BLOCK
 
@@ -78,6 +79,9 @@ def register_outcontrol(module: nn.Module, device) -> None:
     module.register_buffer("outcontrol_norms", torch.zeros(module.in_features, dtype=torch.float32, device=device),
                            persistent=False)
     module.register_buffer("outcontrol_rest", torch.zeros(module.in_features - k, dtype=torch.int64, device=device),
+                           persistent=False)
+    # where each input channel goes in cat(rest, selected): the gradient's one gather (autograd/column_split.py)
+    module.register_buffer("outcontrol_inverse", torch.zeros(module.in_features, dtype=torch.int64, device=device),
                            persistent=False)
     module._outcontrol_on = False
     reset_outcontrol(module)
@@ -127,6 +131,7 @@ def adopt_selection(module: nn.Module) -> bool:
         if int(taken.sum()) != k:
             raise ValueError(f"NVFP4 Linear {layer_label(module)!r}: outcontrol_index holds a channel twice")
         local(module.outcontrol_rest).copy_((~taken).nonzero().reshape(-1))
+        local(module.outcontrol_inverse).copy_(column_inverse(local(module.outcontrol_rest), idx))
     module._outcontrol_on = done
     return done
 
