@@ -2,7 +2,8 @@
 recipe in % of the baseline, the mean of the per-seed paired gaps ± s.d./√n; the share of the reference recipe's
 gap it closes, the ratio of the mean paired differences ± its delta-method standard error; and its gap estimated
 through the reference (the reference's gap over all its seeds plus the recipe's difference to it over the recipe's
-seeds), which needs fewer seeds of the recipe where it moves with the reference seed by seed. Runs of the same seed
+seeds), which needs fewer seeds of the recipe where it moves with the reference seed by seed, and fewer of the
+baseline where the baseline's seeds spread less (the reference's seeds without a baseline run correct its mean). Runs of the same seed
 share initialisation and data order, so each difference is taken within a seed before averaging over seeds."""
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ def paired_rows(stats: dict[str, dict[int, float]], baseline: str, reference: st
       better than P, 100 = as good as the baseline), ± ``closed_se_pct`` = 100·s.d.(a_s − r·b_s)/(√n·|b̄|), the
       delta-method standard error of a ratio of paired means (NaN with fewer than two seeds or b̄ = 0);
     - with a reference, for the other recipes, ``via_gap_pct`` ± ``via_se_pct``: the gap through the reference
-      (``_through_reference``) over ``via_n`` of the recipe's seeds and ``via_ref_n`` of the reference's."""
+      (``_through_reference``) over ``via_n`` of the recipe's seeds and ``via_ref_n`` of the reference's; on the
+      reference's own row, when it ran seeds the baseline did not, its gap over all of them (``_reference_gap``) over
+      ``via_n`` paired seeds and ``via_ref_n`` in all."""
     base = stats[baseline]
     rows = []
     for recipe, by_seed in stats.items():
@@ -70,6 +73,10 @@ def paired_rows(stats: dict[str, dict[int, float]], baseline: str, reference: st
                 [_gap_pct(by_seed, base, s) for s in seeds])
         ref = stats.get(reference, {}) if reference else {}
         shared = sorted(s for s in seeds if s in ref)
+        if recipe == reference and seeds and len(by_seed) > len(seeds):  # seeds without a baseline run
+            own = _reference_gap(by_seed, base)
+            row.update(via_n=own["n"], via_ref_n=own["m"], via_gap_pct=own["gap"],
+                       via_se_pct=math.sqrt(own["var"]) if own["var"] == own["var"] else float("nan"))
         if reference and recipe != reference and shared:
             row.update(_through_reference(by_seed, ref, base, shared))
             a = [ref[s] - by_seed[s] for s in shared]
@@ -83,23 +90,51 @@ def paired_rows(stats: dict[str, dict[int, float]], baseline: str, reference: st
     return rows
 
 
+def _reference_gap(p: dict, b: dict) -> dict:
+    """P's gap to B over all of P's seeds, those without a B run included: ĝ_P = ḡ + c, ḡ the mean of
+    g_s = 100·(P_s − B_s)/B_s over the n seeds both ran, c = k·(P̄_E − P̄_S) with k = 100·(m − n)/(m·B̄_S) the
+    correction of P's mean by its m − n extra seeds E (S: the paired ones; c = 0 when B ran every seed of P). Seeds are
+    independent, so Var(ĝ_P) = s_g²/n + k²·s_P²·(1/(m − n) + 1/n) − 2k·s_gP/n (s_P over P's m seeds, s_gP over S),
+    floored at k²·s_P²/(m − n), the extra seeds' share (an estimate can fall below it with few seeds).
+    Returns the estimate's parts for _through_reference and the reference's own row."""
+    paired = sorted(s for s in p if s in b)
+    extra = sorted(s for s in p if s not in b)
+    n, m = len(paired), len(paired) + len(extra)
+    g = {s: _gap_pct(p, b, s) for s in paired}
+    b_mean = statistics.fmean(b[s] for s in paired)
+    k = 100.0 * (m - n) / (m * b_mean)
+    c = k * (statistics.fmean(p[s] for s in extra) - statistics.fmean(p[s] for s in paired)) if extra else 0.0
+    out = {"g": g, "k": k, "n": n, "m": m, "gap": statistics.fmean(g.values()) + c, "var": float("nan")}
+    if n >= 2:
+        var = statistics.variance(g.values()) / n
+        if extra:
+            var_p = statistics.variance([p[s] for s in paired + extra])
+            var += (k * k * var_p * (1.0 / (m - n) + 1.0 / n)
+                    - 2.0 * k * statistics.covariance([g[s] for s in paired], [p[s] for s in paired]) / n)
+            var = max(var, k * k * var_p / (m - n))  # at least the extra seeds' own share, which S cannot cancel
+        out["var"] = var
+    return out
+
+
 def _through_reference(r: dict, p: dict, b: dict, shared: list) -> dict:
-    """R's gap to B through P: ĝ = mean of g_P over P's seeds with B (n_P) + mean of d = g_R − g_P over R's seeds
-    shared with both (n_R, a subset), g = 100·(x_s − B_s)/B_s. Seeds are independent, so
-    Var(ĝ) = Var(g_P)/n_P + Var(d)/n_R + 2·Cov(g_P, d)/n_P, each term estimated from the seeds that carry it (the
-    covariance over the n_R shared seeds), floored at Var(d)/n_R; with n_R = n_P it is the direct paired gap."""
-    p_seeds = sorted(s for s in p if s in b)
-    g_p = {s: _gap_pct(p, b, s) for s in p_seeds}
+    """R's gap to B through P: ĝ_R = ĝ_P (_reference_gap: P's gap over all its seeds) + mean of d = g_R − g_P over
+    R's n_R seeds shared with both (a subset of the n seeds P and B share). Seeds are independent, so
+    Var(ĝ_R) = Var(ĝ_P) + Var(d)/n_R + 2·Cov(g_P, d)/n − 2k·Cov(P, d)/n (the covariances over the n_R seeds; the
+    last term is the correction's, zero when B ran every seed of P), floored at Var(d)/n_R; with n_R = n = m it is
+    the direct paired gap."""
+    ref = _reference_gap(p, b)
+    g_p, n, k = ref["g"], ref["n"], ref["k"]
     d = [_gap_pct(r, b, s) - g_p[s] for s in shared]
-    n_p, n_r = len(p_seeds), len(shared)
-    out = {"via_n": n_r, "via_ref_n": n_p, "via_gap_pct": statistics.fmean(g_p.values()) + statistics.fmean(d)}
-    if n_r < 2:
+    n_r = len(shared)
+    out = {"via_n": n_r, "via_ref_n": ref["m"], "via_gap_pct": ref["gap"] + statistics.fmean(d)}
+    if n_r < 2 or n < 2:
         out["via_se_pct"] = float("nan")
         return out
-    var_p = statistics.variance(g_p.values())
     var_d = statistics.variance(d)
-    cov = statistics.covariance([g_p[s] for s in shared], d)
-    out["via_se_pct"] = math.sqrt(max(var_p / n_p + var_d / n_r + 2.0 * cov / n_p, var_d / n_r))
+    cov = statistics.covariance([g_p[s] for s in shared], d) / n
+    if k:
+        cov -= k * statistics.covariance([p[s] for s in shared], d) / n
+    out["via_se_pct"] = math.sqrt(max(ref["var"] + var_d / n_r + 2.0 * cov, var_d / n_r))
     return out
 
 
