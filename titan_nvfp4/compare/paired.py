@@ -1,10 +1,10 @@
 """Seed replicates paired across recipes (the ranking protocol, docs/results.md): per recipe, its gap to the baseline
-recipe in % of the baseline, the mean of the per-seed paired gaps ± s.d./√n; the share of the reference recipe's
-gap it closes, the ratio of the mean paired differences ± its delta-method standard error; and its gap estimated
-through the reference (the reference's gap over all its seeds plus the recipe's difference to it over the recipe's
-seeds), which needs fewer seeds of the recipe where it moves with the reference seed by seed, and fewer of the
-baseline where the baseline's seeds spread less (the reference's seeds without a baseline run correct its mean). Runs of the same seed
-share initialisation and data order, so each difference is taken within a seed before averaging over seeds."""
+recipe in % of the baseline, the mean of the per-seed paired gaps ± s.d./√n; the share of the reference recipe's gap
+it closes, the ratio of the mean paired differences ± its delta-method standard error; and its gap estimated through
+the reference (the reference's gap over all its seeds plus the recipe's difference to it over the recipe's seeds),
+which needs fewer seeds of the recipe where it moves with the reference seed by seed, and fewer of the baseline where
+the baseline's seeds spread less (the reference's seeds without a baseline run correct its mean). Runs of the same
+seed share initialisation and data order, so each difference is taken within a seed before averaging over seeds."""
 
 from __future__ import annotations
 
@@ -93,10 +93,10 @@ def paired_rows(stats: dict[str, dict[int, float]], baseline: str, reference: st
 def _reference_gap(p: dict, b: dict) -> dict:
     """P's gap to B over all of P's seeds, those without a B run included: ĝ_P = ḡ + c, ḡ the mean of
     g_s = 100·(P_s − B_s)/B_s over the n seeds both ran, c = k·(P̄_E − P̄_S) with k = 100·(m − n)/(m·B̄_S) the
-    correction of P's mean by its m − n extra seeds E (S: the paired ones; c = 0 when B ran every seed of P). Seeds are
-    independent, so Var(ĝ_P) = s_g²/n + k²·s_P²·(1/(m − n) + 1/n) − 2k·s_gP/n (s_P over P's m seeds, s_gP over S),
-    floored at k²·s_P²/(m − n), the extra seeds' share (an estimate can fall below it with few seeds).
-    Returns the estimate's parts for _through_reference and the reference's own row."""
+    correction of P's mean by its m − n extra seeds E (S: the paired ones; c = 0 when B ran every seed of P). Seeds
+    are independent, so Var(ĝ_P) = s_g²/n + k²·s_P²·(1/(m − n) + 1/n) − 2k·s_gP/n (s_P over P's m seeds, s_gP over
+    S), floored at k²·s_P²/(m − n), the extra seeds' share (an estimate can fall below it with few seeds). Returns
+    the estimate's parts for _through_reference and the reference's own row."""
     paired = sorted(s for s in p if s in b)
     extra = sorted(s for s in p if s not in b)
     n, m = len(paired), len(paired) + len(extra)
