@@ -1,7 +1,8 @@
 """Eager CUDA graphs of the NVFP4 grouped experts (``eager_graphs = "small"`` in [quantize.grouped_mm.nvfp4]): the
 grouped kernels' forward and backward bodies replayed (a stand-in capture on the CPU, graph_helpers.py) give the
 eager path's bits step after step, the offsets changing and stochastic rounding on; the knob in the grouped
-section; which calls get graphs. tests/test_gpu.py repeats it with real graphs on the deepseek_v3 debug model."""
+section; which calls get graphs. tests/test_gpu.py repeats it with real graphs on the deepseek_v3
+debug model's experts."""
 
 from __future__ import annotations
 
