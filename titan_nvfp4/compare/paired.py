@@ -62,6 +62,8 @@ def paired_rows(stats: dict[str, dict[int, float]], baseline: str, reference: st
       reference's own row, when it ran seeds the baseline did not, its gap over all of them (``_reference_gap``) over
       ``via_n`` paired seeds and ``via_ref_n`` in all."""
     base = stats[baseline]
+    ref = stats.get(reference, {}) if reference else {}
+    ref_gap = _reference_gap(ref, base) if any(s in base for s in ref) else None
     rows = []
     for recipe, by_seed in stats.items():
         if recipe == baseline:
@@ -71,14 +73,12 @@ def paired_rows(stats: dict[str, dict[int, float]], baseline: str, reference: st
         if seeds:
             row["gap_pct"], row["gap_sd_pct"], row["gap_se_pct"] = _mean_sd_se(
                 [_gap_pct(by_seed, base, s) for s in seeds])
-        ref = stats.get(reference, {}) if reference else {}
         shared = sorted(s for s in seeds if s in ref)
         if recipe == reference and seeds and len(by_seed) > len(seeds):  # seeds without a baseline run
-            own = _reference_gap(by_seed, base)
-            row.update(via_n=own["n"], via_ref_n=own["m"], via_gap_pct=own["gap"],
-                       via_se_pct=math.sqrt(own["var"]) if own["var"] == own["var"] else float("nan"))
+            row.update(via_n=ref_gap["n"], via_ref_n=ref_gap["m"], via_gap_pct=ref_gap["gap"],
+                       via_se_pct=math.sqrt(ref_gap["var"]) if ref_gap["var"] == ref_gap["var"] else float("nan"))
         if reference and recipe != reference and shared:
-            row.update(_through_reference(by_seed, ref, base, shared))
+            row.update(_through_reference(by_seed, ref_gap, base, shared))
             a = [ref[s] - by_seed[s] for s in shared]
             b = [ref[s] - base[s] for s in shared]
             b_mean = statistics.fmean(b)
@@ -104,7 +104,7 @@ def _reference_gap(p: dict, b: dict) -> dict:
     b_mean = statistics.fmean(b[s] for s in paired)
     k = 100.0 * (m - n) / (m * b_mean)
     c = k * (statistics.fmean(p[s] for s in extra) - statistics.fmean(p[s] for s in paired)) if extra else 0.0
-    out = {"g": g, "k": k, "n": n, "m": m, "gap": statistics.fmean(g.values()) + c, "var": float("nan")}
+    out = {"p": p, "g": g, "k": k, "n": n, "m": m, "gap": statistics.fmean(g.values()) + c, "var": float("nan")}
     if n >= 2:
         var = statistics.variance(g.values()) / n
         if extra:
@@ -116,14 +116,13 @@ def _reference_gap(p: dict, b: dict) -> dict:
     return out
 
 
-def _through_reference(r: dict, p: dict, b: dict, shared: list) -> dict:
-    """R's gap to B through P: ĝ_R = ĝ_P (_reference_gap: P's gap over all its seeds) + mean of d = g_R − g_P over
-    R's n_R seeds shared with both (a subset of the n seeds P and B share). Seeds are independent, so
+def _through_reference(r: dict, ref: dict, b: dict, shared: list) -> dict:
+    """R's gap to B through P: ĝ_R = ĝ_P (``ref``, _reference_gap: P's gap over all its seeds) + mean of
+    d = g_R − g_P over R's n_R seeds shared with both (a subset of the n seeds P and B share). Seeds are independent, so
     Var(ĝ_R) = Var(ĝ_P) + Var(d)/n_R + 2·Cov(g_P, d)/n − 2k·Cov(P, d)/n (the covariances over the n_R seeds; the
     last term is the correction's, zero when B ran every seed of P), floored at Var(d)/n_R; with n_R = n = m it is
     the direct paired gap."""
-    ref = _reference_gap(p, b)
-    g_p, n, k = ref["g"], ref["n"], ref["k"]
+    g_p, n, k, p = ref["g"], ref["n"], ref["k"], ref["p"]
     d = [_gap_pct(r, b, s) - g_p[s] for s in shared]
     n_r = len(shared)
     out = {"via_n": n_r, "via_ref_n": ref["m"], "via_gap_pct": ref["gap"] + statistics.fmean(d)}

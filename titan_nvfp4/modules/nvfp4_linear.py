@@ -158,15 +158,12 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         """OutControl after its selection (modules/outcontrol.py): the selected input channels in MXFP8, the rest
         in NVFP4 with the layer's recipe and bias; autograd sums the two parts' gradients."""
         oc.check_supported(self, self.weight)
-        sel, rest = local(self.outcontrol_index), local(self.outcontrol_rest)
-        if not rest.numel():  # every channel selected
-            y = mxfp8_linear(x.index_select(-1, sel), self.weight.index_select(1, sel), self.recipe.gemm_backend,
-                             high_precision_forward=self.high_precision_forward)
-            return y if self.bias is None else y + self.bias.to(y.dtype)
-        inverse = local(self.outcontrol_inverse)
+        sel, rest, inverse = local(self.outcontrol_index), local(self.outcontrol_rest), local(self.outcontrol_inverse)
         x_rest, x_sel = split_columns(x, rest, sel, inverse)
         w_rest, w_sel = split_columns(self.weight, rest, sel, inverse)
         y = mxfp8_linear(x_sel, w_sel, self.recipe.gemm_backend, high_precision_forward=self.high_precision_forward)
+        if not rest.numel():  # every channel selected
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         return self._nvfp4_linear(x_rest, w_rest, self.bias) + y
 
     def _apply(self, fn, recurse: bool = True):
