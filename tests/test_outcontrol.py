@@ -13,13 +13,21 @@ import torch
 from torch import nn
 
 import titan_nvfp4
-from titan_nvfp4.autograd.linear_function import nvfp4_linear
+from titan_nvfp4.autograd.linear_function import cached_rht_signs, next_sr_seed, nvfp4_linear, sr_counter
+from titan_nvfp4.autograd.ms_eden_backward import ms_eden_backward
+from titan_nvfp4.autograd.outcontrol_linear import outcontrol_linear
 from titan_nvfp4.autograd.mxfp8_linear import mxfp8_linear
 from titan_nvfp4.modules.outcontrol import outcontrol_channels, select_channels
 from titan_nvfp4.numerics.mxfp8 import quantize_mxfp8
+from titan_nvfp4.numerics.nvfp4 import quantize_nvfp4
+from titan_nvfp4.ops import quantize_weight
+from titan_nvfp4.ops.backends import interpreting
+from titan_nvfp4.ops.gemm import gemm_reference
+from titan_nvfp4.recipe.nvfp4_recipe import build_recipe
 
 from dist_util import run_ranks
 from job_helpers import toml_error
+from linear_helpers import assert_matches
 
 K, N, M = 128, 32, 64  # in_features, out_features, tokens per forward; 0.1 of K rounds up to 32 channels
 
@@ -123,29 +131,55 @@ def test_before_the_selection_the_layer_is_plain_nvfp4_after_it_the_split_bit_fo
         assert not torch.equal(y, nvfp4_linear(x, lin.weight, lin.bias, lin.recipe, None, lin.rht_signs))
 
 
-def test_the_gradients_are_the_mxfp8_ones_of_the_selected_columns_and_the_nvfp4_ones_of_the_rest():
+def _rebuilt(w: torch.Tensor, sel: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+    """Ŵ by hand: the forward's quantized weight, the rest columns in NVFP4 16×16 tiles (the layer's weight_2d), the
+    selected ones in MXFP8 (1×32 along K), put back in column order (fp32)."""
+    w_hat = torch.empty(w.shape, dtype=torch.float32)
+    w_hat[:, rest] = quantize_nvfp4(w[:, rest], block_shape=(16, 16)).dequantize()
+    w_hat[:, sel] = quantize_mxfp8(w[:, sel]).dequantize()
+    return w_hat
+
+
+def test_dgrad_runs_over_every_column_on_the_rebuilt_weight_and_wgrad_splits_as_the_authors_code():
+    """After the selection the backward is the authors' (TetraJet-v2 linear_mix.py): dX = dY·Ŵ in NVFP4 over all K
+    columns, Ŵ the forward's quantized weight rebuilt from its NVFP4 and MXFP8 parts and quantized again by the
+    recipe's weight quantizer (nearest, 16×16), dY the stochastically rounded rows of the call's SR stream; dW of the
+    rest columns is the NVFP4 wgrad of the same call (the rest-only nvfp4_linear's, bit for bit), of the selected
+    columns the MXFP8 product. dX by hand from the reference numerics bit for bit, and against float64 to fp32
+    accumulation; it differs from both a split dgrad and a dgrad on the unquantized W."""
     model, steps = _convert()
     lin = model.lin
     sel, rest = _selected(model, steps)
     x = _x(PLANTED, 11).requires_grad_()
     dy = torch.randn(M, N, generator=torch.Generator().manual_seed(12))
     model.zero_grad(set_to_none=True)
-    counter = lin.sr_counter.clone()  # the NVFP4 part's SR stream, as the layer will draw it
+    counter = lin.sr_counter.clone()  # the call's SR stream, as the layer will draw it
+    seed = int(next_sr_seed(counter.clone()))
     model(x).backward(dy)
-    # the NVFP4 part: nvfp4_linear on the rest columns with the layer's stream
+    # wgrad of the rest and db: nvfp4_linear on the rest columns with the layer's stream (its dX asked for too: one
+    # quantization of dY for both, as the layer's)
     xr, wr = x.detach()[:, rest].requires_grad_(), lin.weight.detach()[:, rest].requires_grad_()
     b = lin.bias.detach().clone().requires_grad_()
     nvfp4_linear(xr, wr, b, lin.recipe, counter, lin.rht_signs).backward(dy)
-    assert torch.equal(x.grad[:, rest], xr.grad) and torch.equal(lin.weight.grad[:, rest], wr.grad)
-    assert torch.equal(lin.bias.grad, b.grad)
-    # the MXFP8 part by hand: dgrad dY·W[:, sel] with blocks along N, wgrad dYᵀ·X[:, sel] with blocks along the tokens
-    xs, ws = x.detach()[:, sel], lin.weight.detach()[:, sel]
-    assert torch.equal(x.grad[:, sel], _mxfp8_product(dy, ws.t().contiguous()))
+    assert torch.equal(lin.weight.grad[:, rest], wr.grad) and torch.equal(lin.bias.grad, b.grad)
+    xs = x.detach()[:, sel]
     assert torch.equal(lin.weight.grad[:, sel], _mxfp8_product(dy.t().contiguous(), xs.t().contiguous()))
+    # dgrad by hand
+    w_dgrad = quantize_nvfp4(_rebuilt(lin.weight.detach(), sel, rest), block_shape=(16, 16))
+    dyq = quantize_nvfp4(dy, block_shape=(1, 16), stochastic=True, generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(x.grad, gemm_reference(dyq, w_dgrad.t(), torch.float32))
+    exact = (dyq.dequantize(torch.float64) @ w_dgrad.dequantize(torch.float64))
+    bound = (dyq.dequantize(torch.float64).abs() @ w_dgrad.dequantize(torch.float64).abs()) * N * 2.0**-23
+    assert ((x.grad.double() - exact).abs() <= bound + exact.abs() * 2.0**-24).all()
+    plain_w = gemm_reference(dyq, quantize_nvfp4(lin.weight.detach(), block_shape=(16, 16)).t(), torch.float32)
+    split_sel = _mxfp8_product(dy, lin.weight.detach()[:, sel].t().contiguous())
+    assert not torch.equal(x.grad, plain_w) and not torch.equal(x.grad[:, sel], split_sel)
 
 
 @pytest.mark.parametrize("backward", ["mxfp8", "bf16"])
-def test_another_backward_runs_the_rest_and_keeps_the_selected_columns_in_mxfp8(backward):
+def test_another_backward_keeps_its_format_over_every_column_and_the_selected_wgrad_in_mxfp8(backward):
+    """``backward = "mxfp8"``: the layer's whole MXFP8 backward (per column what a split computes); ``"bf16"``: dgrad
+    and the rest's wgrad in the compute dtype (fp32 here: no autocast), the selected columns' wgrad in MXFP8."""
     model, steps = _convert(backward=backward)
     lin = model.lin
     sel, rest = _selected(model, steps)
@@ -153,25 +187,31 @@ def test_another_backward_runs_the_rest_and_keeps_the_selected_columns_in_mxfp8(
     x = _x(PLANTED, 13).requires_grad_()
     dy = torch.randn(M, N, generator=torch.Generator().manual_seed(14))
     model(x).backward(dy)
-    xr, wr = x.detach()[:, rest].requires_grad_(), lin.weight.detach()[:, rest].requires_grad_()
-    nvfp4_linear(xr, wr, lin.bias.detach(), lin.recipe, None, lin.rht_signs).backward(dy)
-    assert torch.equal(x.grad[:, rest], xr.grad) and torch.equal(lin.weight.grad[:, rest], wr.grad)
-    xs, ws = x.detach()[:, sel], lin.weight.detach()[:, sel]
-    assert torch.equal(x.grad[:, sel], _mxfp8_product(dy, ws.t().contiguous()))
-    assert torch.equal(lin.weight.grad[:, sel], _mxfp8_product(dy.t().contiguous(), xs.t().contiguous()))
+    w, xd = lin.weight.detach(), x.detach()
+    if backward == "mxfp8":
+        assert torch.equal(x.grad, _mxfp8_product(dy, w.t().contiguous()))
+        assert torch.equal(lin.weight.grad, _mxfp8_product(dy.t().contiguous(), xd.t().contiguous()))
+    else:
+        assert torch.equal(x.grad, dy @ w)
+        assert torch.equal(lin.weight.grad[:, rest], dy.t() @ xd[:, rest])
+        assert torch.equal(lin.weight.grad[:, sel], _mxfp8_product(dy.t().contiguous(), xd[:, sel].t().contiguous()))
 
 
-def test_a_forward_only_switch_runs_both_parts_forward_in_high_precision():
+def test_a_forward_only_switch_runs_the_forward_in_high_precision_and_keeps_the_backward():
     model, steps = _convert(bf16_after_fraction=0.5, bf16_after_scope="forward", total_steps=8)  # switch after 4
     lin = model.lin
     sel, rest = _selected(model, steps)
     _train(model, steps, [_x(PLANTED, 4)])
     assert lin.high_precision_forward and not lin.high_precision
-    x = _x(PLANTED, 15)
-    with torch.no_grad():
-        expected = (torch.nn.functional.linear(x[:, rest], lin.weight[:, rest], lin.bias)
-                    + torch.nn.functional.linear(x[:, sel], lin.weight[:, sel]))
-        assert torch.equal(model(x), expected)
+    x = _x(PLANTED, 15).requires_grad_()
+    y = model(x)
+    assert torch.equal(y, torch.nn.functional.linear(x.detach(), lin.weight.detach(), lin.bias.detach()))
+    dy = torch.randn(M, N, generator=torch.Generator().manual_seed(16))
+    seed = int(next_sr_seed(lin.sr_counter.clone()))
+    y.backward(dy)
+    w_dgrad = quantize_nvfp4(_rebuilt(lin.weight.detach(), sel, rest), block_shape=(16, 16))
+    dyq = quantize_nvfp4(dy, block_shape=(1, 16), stochastic=True, generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(x.grad, gemm_reference(dyq, w_dgrad.t(), torch.float32))
 
 
 def test_the_mxfp8_linear_alone_matches_the_numerics_and_skips_what_is_not_needed():
@@ -341,25 +381,84 @@ def test_osci_reset_beside_it_quantizes_the_rest_on_its_own_and_never_resets_the
     assert torch.equal(grid, lin.weight.detach()[:, sel].float())
 
 
-@pytest.mark.parametrize("k_sel", [1, 32, 127])
-def test_the_column_split_gives_index_selects_values_and_gradients(k_sel):
-    """autograd/column_split.py against two index_selects, the selected channels at random, first, last or all but
-    one: the same parts and the same input gradient, bit for bit (a -0.0 may come back as +0.0 through the
-    index_selects' zero-filled sum; torch.equal takes them as equal)."""
-    from titan_nvfp4.autograd.column_split import column_inverse, split_columns
+def _leaves(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g)
+    x[:, PLANTED] *= 20.0
+    return (x.requires_grad_(), (torch.randn(N, K, generator=g) * 0.1).requires_grad_(),
+            torch.randn(N, generator=g).requires_grad_(), torch.randn(M, N, generator=g))
 
-    g = torch.Generator().manual_seed(k_sel)
-    for sel in (torch.randperm(K, generator=g)[:k_sel].sort().values, torch.arange(k_sel),
-                torch.arange(K - k_sel, K)):
-        taken = torch.zeros(K, dtype=torch.bool)
-        taken[sel] = True
-        rest = (~taken).nonzero().reshape(-1)
-        x = torch.randn(3, 5, K, generator=g, dtype=torch.bfloat16, requires_grad=True)
-        ga, gb = torch.randn(3, 5, K - k_sel, generator=g), torch.randn(3, 5, k_sel, generator=g)
-        a, b = split_columns(x, rest, sel, column_inverse(rest, sel))
-        ((a.float() * ga).sum() + (b.float() * gb).sum()).backward()
-        ref = x.detach().clone().requires_grad_()
-        ra, rb = ref.index_select(-1, rest), ref.index_select(-1, sel)
-        ((ra.float() * ga).sum() + (rb.float() * gb).sum()).backward()
-        assert torch.equal(a, ra) and torch.equal(b, rb) and torch.equal(x.grad, ref.grad)
-        assert a.is_contiguous() and b.is_contiguous()
+
+def _split():
+    sel = torch.tensor(PLANTED)
+    return sel, torch.tensor(sorted(set(range(K)) - set(PLANTED)))
+
+
+@pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(), reason="kernels need TRITON_INTERPRET=1 or a GPU")
+@pytest.mark.parametrize("weight_2d", [True, False])
+def test_the_emulated_kernels_agree_with_the_reference_backend(weight_2d):
+    """outcontrol_linear on the emulated backend (Triton kernels; their interpreter on the CPU), nearest rounding (the
+    kernels draw stochastic rounding from Philox, the reference from torch), against the reference backend: Y, dX,
+    dW and db to fp32 accumulation order (the quantized operands agree bit for bit; one code off would move a value
+    by ~1e-2 relative). With 16×16 weights the forward's W comes staged (fp16 values), from which Ŵ is rebuilt."""
+    sel, rest = _split()
+    out = {}
+    for backend in ("reference", "emulated"):
+        recipe = build_recipe("nvidia_paper", {"gemm_backend": backend, "stochastic_rounding": False,
+                                               "weight_2d": weight_2d})
+        x, w, b, dy = _leaves(21)
+        y = outcontrol_linear(x, w, b, recipe, sr_counter(recipe, 0), cached_rht_signs(recipe.rht_seed, x.device),
+                              sel, rest)
+        y.backward(dy)
+        out[backend] = (y.detach(), x.grad, w.grad, b.grad)
+    for what, ref, got in zip(("Y", "dX", "dW", "db"), out["reference"], out["emulated"]):
+        assert_matches(got, ref, what)
+
+
+@pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(), reason="kernels need TRITON_INTERPRET=1 or a GPU")
+def test_compiled_fullgraph_gives_the_eager_bits():
+    """The OutControl function under torch.compile (aot_eager, fullgraph: no graph break), emulated backend (the
+    kernels' custom ops; stochastic rounding drawn in them): the same output and gradients as eager, the SR stream
+    advanced once per backward either way."""
+    sel, rest = _split()
+    recipe = build_recipe("tetrajet2", {"gemm_backend": "emulated"})
+    signs = cached_rht_signs(recipe.rht_seed, torch.device("cpu"))
+    runs = []
+    for compiled in (False, True):
+        counter = sr_counter(recipe, 3)
+        x, w, b, dy = _leaves(22)
+
+        def f(x, w, b):
+            return outcontrol_linear(x, w, b, recipe, counter, signs, sel, rest)
+
+        fn = torch.compile(f, backend="aot_eager", fullgraph=True) if compiled else f
+        y = fn(x, w, b)
+        y.backward(dy)
+        runs.append((y.detach(), x.grad, w.grad, b.grad, counter.clone()))
+    for what, a, c in zip(("Y", "dX", "dW", "db", "counter"), *runs):
+        assert torch.equal(a, c), what
+
+
+def test_ms_eden_dgrad_runs_on_the_rebuilt_weight():
+    """With Quartet II's backward (``ms_eden``, preset quartet2) the dgrad is MS-EDEN over every column with Ŵ rebuilt
+    from the forward's quantized parts; the rest columns' wgrad is the rest-only linear's (the two GEMMs draw from
+    their own role seeds of one call seed), the selected columns' MXFP8."""
+    sel, rest = _split()
+    recipe = build_recipe("quartet2", {"gemm_backend": "reference", "rht_size": 32, "outcontrol_fraction": 0.1})
+    counter = sr_counter(recipe, 4)
+    seed = next_sr_seed(counter.clone())
+    x, w, b, dy = _leaves(23)
+    outcontrol_linear(x, w, b, recipe, counter, None, sel, rest).backward(dy)
+    wd = w.detach()
+    w_rest, _ = quantize_weight(wd[:, rest], recipe.weight_2d, "reference", four_over_six=recipe.four_over_six,
+                                transposed=False)
+    w_hat = torch.empty(N, K)
+    w_hat[:, rest] = w_rest.dequantize()
+    w_hat[:, sel] = quantize_mxfp8(wd[:, sel]).dequantize()
+    dx, _ = ms_eden_backward(dy, None, (w_hat, None), call_seed=seed, size=32, backend="reference", need_dx=True,
+                             need_dw=False, out_dtypes=(torch.float32, torch.float32))
+    assert torch.equal(x.grad, dx)
+    xr, wr = x.detach()[:, rest].requires_grad_(), wd[:, rest].clone().requires_grad_()
+    nvfp4_linear(xr, wr, None, recipe, sr_counter(recipe, 4)).backward(dy)
+    assert torch.equal(w.grad[:, rest], wr.grad)
+    assert torch.equal(w.grad[:, sel], _mxfp8_product(dy.t().contiguous(), x.detach()[:, sel].t().contiguous()))

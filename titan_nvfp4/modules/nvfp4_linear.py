@@ -14,11 +14,11 @@ from torch.distributed.tensor import DTensor
 
 from .amax_history import activation_amax
 from ..autograd.body_graphs import BodyGraphs, graphs_for
-from ..autograd.column_split import split_columns
 from ..distributed.tensor_parallel import local, local_tp_nvfp4_linear, tp_nvfp4_linear
 from .layer_state import NVFP4LayerState
 from ..autograd.linear_function import autocast_out_dtype, meta_linear, nvfp4_linear, x_amaxes
 from ..autograd.mxfp8_linear import mxfp8_linear
+from ..autograd.outcontrol_linear import outcontrol_linear
 from . import outcontrol as oc
 from ..ops import resolve_backend
 from ..recipe.nvfp4_recipe import NVFP4Recipe
@@ -155,16 +155,19 @@ class NVFP4Linear(NVFP4LayerState, nn.Linear):
         return tp_nvfp4_linear(on_shards, x, weight, bias, self.label)
 
     def _outcontrol_linear(self, x: torch.Tensor) -> torch.Tensor:
-        """OutControl after its selection (modules/outcontrol.py): the selected input channels in MXFP8, the rest
-        in NVFP4 with the layer's recipe and bias; autograd sums the two parts' gradients."""
+        """OutControl after its selection (modules/outcontrol.py, autograd/outcontrol_linear.py): the selected input
+        channels in MXFP8, the rest in NVFP4 with the layer's recipe, SR stream, RHT signs, amax history and bias;
+        dgrad over every channel."""
         oc.check_supported(self, self.weight)
-        sel, rest, inverse = local(self.outcontrol_index), local(self.outcontrol_rest), local(self.outcontrol_inverse)
-        x_rest, x_sel = split_columns(x, rest, sel, inverse)
-        w_rest, w_sel = split_columns(self.weight, rest, sel, inverse)
-        y = mxfp8_linear(x_sel, w_sel, self.recipe.gemm_backend, high_precision_forward=self.high_precision_forward)
-        if not rest.numel():  # every channel selected
+        sel, rest = local(self.outcontrol_index), local(self.outcontrol_rest)
+        if not rest.numel():  # every channel selected: the MXFP8 linear alone
+            y = mxfp8_linear(x, self.weight, self.recipe.gemm_backend, high_precision_forward=self.high_precision_forward)
             return y if self.bias is None else y + self.bias.to(y.dtype)
-        return self._nvfp4_linear(x_rest, w_rest, self.bias) + y
+        x_amax = None
+        if self.amax_history is not None:  # the history of the rest columns' amaxes, which quantize with them
+            x_amax = self._history_amax(x.index_select(-1, rest), self.weight.index_select(-1, rest))
+        return outcontrol_linear(x, self.weight, self.bias, self.recipe, local(self.sr_counter), local(self.rht_signs),
+                                 sel, rest, x_amax=x_amax, high_precision_forward=self.high_precision_forward)
 
     def _apply(self, fn, recurse: bool = True):
         # to_empty() of a meta module leaves OutControl's buffers uninitialized: the layer starts unselected

@@ -10,14 +10,12 @@ same layers, so pipeline and tensor parallelism are refused) and the k channels 
 once and for all: descending sum, a tie going to the lower channel index; stored ascending. k = round(K · fraction)
 rounded up to a multiple of 32 (MXFP8's block), at most K (the authors round up to 128 for their kernels).
 
-Then forward is Y = NVFP4(X[:, rest] W[:, rest]ᵀ) + b + MXFP8(X[:, sel] W[:, sel]ᵀ): two linears on the gathered
-columns, the NVFP4 one with the layer's recipe, SR stream, RHT signs and amax history (its operands' tensor scales
-are those of the rest columns), the MXFP8 one autograd/mxfp8_linear.py; each rounds its output to the output dtype
-and the two are added there (the authors add the FP8 GEMM into the FP4 GEMM's fp32 accumulator: one rounding fewer).
-Autograd sums the parts' gradients: wgrad of the selected columns in MXFP8, of the rest in NVFP4, and dgrad too,
-dX[:, sel] = dY·W[:, sel] in MXFP8 beside dX[:, rest] in NVFP4. The authors keep all of dgrad in FP4 (Wᵀ rebuilt from
-both parts and re-quantized); the module-level split runs the selected columns' dgrad in MXFP8, more precise, and
-keeps NVFP4LinearFunction untouched.
+Then forward is Y = NVFP4(X[:, rest] W[:, rest]ᵀ) + b + MXFP8(X[:, sel] W[:, sel]ᵀ), the NVFP4 part with the layer's
+recipe, SR stream, RHT signs and amax history (its operands' tensor scales are those of the rest columns); each part
+rounds its output to the output dtype and the two are added there (the authors add the FP8 GEMM into the FP4 GEMM's
+fp32 accumulator: one rounding fewer). The backward is the authors': dgrad one NVFP4 GEMM over every column on the
+forward's quantized weight rebuilt from both parts, wgrad NVFP4 for the rest and MXFP8 for the selected columns
+(autograd/outcontrol_linear.py).
 
 State: ``outcontrol_index`` (int64 [k], the selected channels) and ``outcontrol_done`` (bool) are persistent buffers,
 so the selection rides in the model's state dict (checkpoints, DCP); a state dict without them (BF16, HF, a run
@@ -35,7 +33,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..autograd.column_split import column_inverse
 from ..distributed.tensor_parallel import local
 from ..numerics.mxfp8 import MX_BLOCK
 
@@ -79,9 +76,6 @@ def register_outcontrol(module: nn.Module, device) -> None:
     module.register_buffer("outcontrol_norms", torch.zeros(module.in_features, dtype=torch.float32, device=device),
                            persistent=False)
     module.register_buffer("outcontrol_rest", torch.zeros(module.in_features - k, dtype=torch.int64, device=device),
-                           persistent=False)
-    # where each input channel goes in cat(rest, selected): the gradient's one gather (autograd/column_split.py)
-    module.register_buffer("outcontrol_inverse", torch.zeros(module.in_features, dtype=torch.int64, device=device),
                            persistent=False)
     module._outcontrol_on = False
     reset_outcontrol(module)
@@ -131,7 +125,6 @@ def adopt_selection(module: nn.Module) -> bool:
         if int(taken.sum()) != k:
             raise ValueError(f"NVFP4 Linear {layer_label(module)!r}: outcontrol_index holds a channel twice")
         local(module.outcontrol_rest).copy_((~taken).nonzero().reshape(-1))
-        local(module.outcontrol_inverse).copy_(column_inverse(local(module.outcontrol_rest), idx))
     module._outcontrol_on = done
     return done
 
