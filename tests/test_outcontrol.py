@@ -462,3 +462,28 @@ def test_ms_eden_dgrad_runs_on_the_rebuilt_weight():
     nvfp4_linear(xr, wr, None, recipe, sr_counter(recipe, 4)).backward(dy)
     assert torch.equal(w.grad[:, rest], wr.grad)
     assert torch.equal(w.grad[:, sel], _mxfp8_product(dy.t().contiguous(), x.detach()[:, sel].t().contiguous()))
+
+
+@pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(), reason="kernels need TRITON_INTERPRET=1 or a GPU")
+@pytest.mark.parametrize("shape", [(64, 96, 64), (70, 33, 224), (1, 130, 32)])
+def test_the_addmm_kernel_adds_the_fp32_sums_to_the_addend_and_rounds_once(shape):
+    """kernels/mxfp8_addmm.py (ops.mxfp8_gemm with an addend on a kernel backend): c + a·bᵀ with a, b BF16 values
+    of MXFP8 blocks (exact products), masked edges, against float64: the sums to fp32 accumulation (K·2⁻²⁴ of
+    Σ|products|), then c added and one rounding to BF16 (half an ulp). A 16-bit product rounded before the sum
+    (the old path) is off by up to a full ulp more."""
+    from titan_nvfp4.kernels.mxfp8_addmm import mxfp8_addmm_tensor
+
+    m, n, k = shape
+    g = torch.Generator().manual_seed(m + n + k)
+    a = quantize_mxfp8(torch.randn(m, k, generator=g) * 3).dequantize().to(torch.bfloat16)
+    b = quantize_mxfp8(torch.randn(n, k, generator=g)).dequantize().to(torch.bfloat16)
+    c = (torch.randn(m, n, generator=g) * 4).to(torch.bfloat16)
+    out = mxfp8_addmm_tensor(a, b, c)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    prods = a.double() @ b.double().t()
+    exact = prods + c.double()
+    slack = (a.double().abs() @ b.double().abs().t()) * k * 2.0**-24
+    ulp = torch.finfo(torch.bfloat16).eps
+    assert ((out.double() - exact).abs() <= exact.abs() * ulp / 2 * (1 + 1e-3) + slack * (1 + ulp)).all()
+    with pytest.raises(ValueError, match=r"mxfp8_addmm: a \(.*\).* and c \(3, 3\) do not fit"):
+        mxfp8_addmm_tensor(a, b, torch.zeros(3, 3, dtype=torch.bfloat16))

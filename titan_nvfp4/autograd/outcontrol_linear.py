@@ -3,7 +3,7 @@ channels): the selected input channels ``sel`` in MXFP8, the others ``rest`` in 
 (thu-ml/TetraJet-v2-NVFP4Training, linear_mix.py; docs/recipe_sources.md §3.3).
 
 | GEMM  | rest columns                                   | selected columns                          |
-| fprop | NVFP4 with the recipe (+ bias)                 | MXFP8, added to the NVFP4 output          |
+| fprop | NVFP4 with the recipe (+ bias), rounded        | MXFP8 fp32 sums added to it, one rounding |
 | dgrad | one GEMM over **all** columns: dY in the recipe's backward format times Ŵ, the forward's quantized   |
 |       | weight rebuilt from both parts and quantized again for dgrad (NVFP4: the recipe's weight quantizer,  |
 |       | nearest; MS-EDEN with ``ms_eden``); dX comes out in the input's column order                        |
@@ -90,7 +90,8 @@ class OutControlLinearFunction(torch.autograd.Function):
             y = torch.nn.functional.linear(x2d, weight.to(q), None if bias is None else bias.to(q))
         else:
             x_gemm = staged_for_gemms(xq, backend) if ms_eden else xq
-            y = nvfp4_gemm(x_gemm, wq, out_dtype=q, bias=bias, backend=backend) + mxfp8_gemm(x_row8, w_row8, q)
+            y = mxfp8_gemm(x_row8, w_row8, q, addend=nvfp4_gemm(x_gemm, wq, out_dtype=q, bias=bias, backend=backend),
+                           backend=backend)
 
         ctx.recipe, ctx.backend, ctx.counter, ctx.q_dtype = recipe, backend, counter, q
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.shape, x.dtype, weight.dtype, bias is not None

@@ -34,6 +34,7 @@ DENSE = frozenset({
     _K + "ms_eden:_quantize_kernel",
     _K + "mxfp8:_mxfp8_kernel",
     _K + "mxfp8:_mxfp8_cols_kernel",
+    _K + "mxfp8_addmm:_mxfp8_addmm_kernel",
     _K + "shard_encode:_tile_amax_kernel",
     _K + "shard_encode:_tile_scales_kernel",
     _K + "shard_encode:_encode_rows_kernel",

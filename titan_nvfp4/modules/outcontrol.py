@@ -11,9 +11,9 @@ once and for all: descending sum, a tie going to the lower channel index; stored
 rounded up to a multiple of 32 (MXFP8's block), at most K (the authors round up to 128 for their kernels).
 
 Then forward is Y = NVFP4(X[:, rest] W[:, rest]ᵀ) + b + MXFP8(X[:, sel] W[:, sel]ᵀ), the NVFP4 part with the layer's
-recipe, SR stream, RHT signs and amax history (its operands' tensor scales are those of the rest columns); each part
-rounds its output to the output dtype and the two are added there (the authors add the FP8 GEMM into the FP4 GEMM's
-fp32 accumulator: one rounding fewer). The backward is the authors': dgrad one NVFP4 GEMM over every column on the
+recipe, SR stream, RHT signs and amax history (its operands' tensor scales are those of the rest columns); the MXFP8
+part's fp32 sums are added to the NVFP4 part's rounded output and rounded once (the authors add the FP8 GEMM into the
+FP4 GEMM's fp32 accumulator: one rounding fewer). The backward is the authors': dgrad one NVFP4 GEMM over every column on the
 forward's quantized weight rebuilt from both parts, wgrad NVFP4 for the rest and MXFP8 for the selected columns
 (autograd/outcontrol_linear.py).
 

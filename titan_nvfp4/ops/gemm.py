@@ -44,13 +44,21 @@ def _matmul_fp32_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float().t()
 
 
-def mxfp8_gemm(a: MXFP8Tensor | torch.Tensor, b: MXFP8Tensor | torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def mxfp8_gemm(a: MXFP8Tensor | torch.Tensor, b: MXFP8Tensor | torch.Tensor, out_dtype: torch.dtype, *,
+               addend: torch.Tensor | None = None, backend: str = "reference") -> torch.Tensor:
     """a [M, C] · b [N, C]ᵀ of two MXFP8 operands (1×32 blocks along C, ops.quantize.mxfp8_operands; or
     their staged values), as an MXFP8 tensor core computes it: exact products, fp32 sums, one rounding
     to out_dtype. On a GPU the operands are dequantized to BF16 (an E4M3 element times a power of two is
     exact in BF16 unless the block's amax is below 448·2⁻¹²⁷, where BF16 subnormals drop low bits) for a
-    BF16 tensor-core GEMM with fp32 accumulation; elsewhere to fp32."""
-    return _matmul_fp32_accumulate(_mx_dequantize(a), _mx_dequantize(b)).to(out_dtype)
+    BF16 tensor-core GEMM with fp32 accumulation; elsewhere to fp32. ``addend`` [M, N]: added to the fp32
+    sums before the one rounding, the result in its dtype (out_dtype unused); on a GPU with a kernel
+    ``backend``, one Triton kernel (kernels/mxfp8_addmm.py)."""
+    a, b = _mx_dequantize(a), _mx_dequantize(b)
+    if addend is None:
+        return _matmul_fp32_accumulate(a, b).to(out_dtype)
+    if addend.is_cuda and backend in ("emulated", "native"):
+        return library.mxfp8_addmm(a.to(torch.bfloat16), b.to(torch.bfloat16), addend)
+    return (_matmul_fp32_accumulate(a, b) + addend.float()).to(addend.dtype)
 
 
 def _mx_dequantize(t: MXFP8Tensor | torch.Tensor) -> torch.Tensor:

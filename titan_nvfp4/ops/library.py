@@ -23,6 +23,7 @@ torch.library does not take keyword-only tensors, hence the split.
   titan_nvfp4::gemm         (A·Bᵀ)·gs_A·gs_B [+ bias] on the emulated or the native backend
   titan_nvfp4::stage        an operand's codes as the emulated GEMM's fp16 values, for one read by several GEMMs
   titan_nvfp4::quantize_mxfp8  rowwise and/or columnwise MXFP8 of one 2D operand
+  titan_nvfp4::mxfp8_addmm  C + A·Bᵀ of staged MXFP8 operands onto an addend (OutControl's forward)
   titan_nvfp4::*_grouped, amax_experts, grouped_gemm_*  the same for MoE experts, per-expert tensor scales
   titan_nvfp4::stage_grouped  a grouped operand's codes as the GEMMs' fp16 values, for one read by several GEMMs
   titan_nvfp4::quantize_2d_grouped_pair  W1 and W3 of SwiGLU experts staged into one buffer, for one GEMM of both
@@ -277,6 +278,20 @@ def _quantize_mxfp8_fake(x, *, rowwise, colwise, staged=False):
             x.new_empty((m, k // 32) if rowwise and not staged else (0,), dtype=e8),
             x.new_empty((k, mpad) if colwise else (0,), dtype=f8),
             x.new_empty((k, mpad // 32) if colwise and not staged else (0,), dtype=e8))
+
+
+@_op("mxfp8_addmm")
+def mxfp8_addmm(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    """c + a · bᵀ in c's dtype: a [M, K] and b [N, K] staged MXFP8 values, fp32 sums, one rounding (OutControl's
+    MXFP8 part added onto the NVFP4 part's output)."""
+    from ..kernels.mxfp8_addmm import mxfp8_addmm_tensor
+
+    return mxfp8_addmm_tensor(a, b, c)
+
+
+@mxfp8_addmm.op.register_fake
+def _mxfp8_addmm_fake(a, b, c):
+    return torch.empty_like(c, memory_format=torch.contiguous_format)
 
 
 # ----------------------------------------------------------------------------- grouped (MoE experts)
