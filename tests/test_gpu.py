@@ -402,3 +402,43 @@ def test_precompiled_kernels_serve_a_real_step_without_compiling(tmp_path):
     assert not added, (f"{len(added)} kernels compiled on first use despite the precompile: {names(added)}; "
                        f"precompile stderr: {precompiled[-1500:]}")
     assert launchers(cache) == built, "the first use built C launchers (gcc) the precompile had not built"
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_outcontrol_linear_on_the_gpu_kernels_matches_the_reference_backend(compiled):
+    """TetraJet-v2's OutControl after its selection (autograd/outcontrol_linear.py) at a Linear's size, BF16, on the
+    emulated backend's kernels (the MXFP8 addend GEMM autotuned: M·N ≥ 2²²), eager and under inductor, against the
+    reference backend on the same GPU, nearest rounding: Y, dX, dW and db within 4e-3 relative (the quantized
+    operands agree bit for bit; the GEMMs sum in other orders before their BF16 rounding, ~2e-3 apart at most; a
+    wrong column or scale moves a result by far more), the rebuilt dgrad weight included."""
+    from titan_nvfp4.autograd.linear_function import cached_rht_signs, sr_counter
+    from titan_nvfp4.autograd.outcontrol_linear import outcontrol_linear
+    from titan_nvfp4.recipe.nvfp4_recipe import build_recipe
+
+    m, k, n = 4096, 1024, 2048
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x0 = torch.randn(m, k, device="cuda", generator=g)
+    x0[:, ::9] *= 30.0  # outlier channels
+    w0 = torch.randn(n, k, device="cuda", generator=g) * 0.03
+    b0 = torch.randn(n, device="cuda", generator=g)
+    dy = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+    sel = torch.arange(0, k, 9, device="cuda")[:96].sort().values
+    taken = torch.zeros(k, dtype=torch.bool, device="cuda")
+    taken[sel] = True
+    rest = (~taken).nonzero().reshape(-1)
+    out = {}
+    for backend in ("reference", "emulated"):
+        recipe = build_recipe("nvidia_paper", {"gemm_backend": backend, "stochastic_rounding": False})
+        x, w, b = (t.bfloat16().requires_grad_() for t in (x0, w0, b0))
+
+        def f(x, w, b):
+            return outcontrol_linear(x, w, b, recipe, sr_counter(recipe, 0, "cuda"),
+                                     cached_rht_signs(recipe.rht_seed, x.device), sel, rest)
+
+        fn = torch.compile(f, fullgraph=True) if compiled and backend == "emulated" else f
+        y = fn(x, w, b)
+        y.backward(dy)
+        out[backend] = (y.detach(), x.grad, w.grad, b.grad)
+    for what, ref, got in zip(("Y", "dX", "dW", "db"), out["reference"], out["emulated"]):
+        err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+        assert err < 4e-3, f"{what}: relative error {err:.3g}"
