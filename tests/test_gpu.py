@@ -430,10 +430,10 @@ def test_outcontrol_linear_on_the_gpu_kernels_matches_the_reference_backend(comp
     for backend in ("reference", "emulated"):
         recipe = build_recipe("nvidia_paper", {"gemm_backend": backend, "stochastic_rounding": False})
         x, w, b = (t.bfloat16().requires_grad_() for t in (x0, w0, b0))
+        counter, signs = sr_counter(recipe, 0, "cuda"), cached_rht_signs(recipe.rht_seed, x.device)
 
         def f(x, w, b):
-            return outcontrol_linear(x, w, b, recipe, sr_counter(recipe, 0, "cuda"),
-                                     cached_rht_signs(recipe.rht_seed, x.device), sel, rest)
+            return outcontrol_linear(x, w, b, recipe, counter, signs, sel, rest)
 
         fn = torch.compile(f, fullgraph=True) if compiled and backend == "emulated" else f
         y = fn(x, w, b)
