@@ -711,3 +711,60 @@ def test_each_launch_of_a_dense_and_a_grouped_layer_is_classified_as_its_path(mo
     assert {k: ek.experts_only(k, a) for k, a in dense} == {k: False for k, _ in dense}
     assert {k for k, a in grouped if not ek.experts_only(k, a)} == {"titan_nvfp4.kernels.gemm:_dequant_kernel"}
     assert {k for k, _ in grouped} & ek.GROUPED_FLAG and {k for k, _ in grouped} - ek.GROUPED_FLAG - ek.DENSE
+
+
+def test_the_shipped_manifests_were_recorded_from_todays_kernel_sources():
+    """Each shipped manifest's recorded kernels have the source fingerprint of today's source (precompile.source_
+    fingerprint: the same under every Triton and its interpreter, where the manifest's own source hashes need the
+    recording's Triton). An edit to a recorded kernel, to a function of this package it calls, or above it in its file
+    (Triton's hash covers the starting line) makes the background precompile skip that kernel on every GPU: rehash
+    the manifest, or record it again when the kernel's parameters changed."""
+    from titan_nvfp4.kernels.shipped_tuning import TABLE_DIR
+    for path in sorted(TABLE_DIR.glob("*.kernels.json")):
+        doc = precompile.load(path)
+        assert set(doc.get("fingerprints", {})) == set(doc["sources"]), f"{path.name}: fingerprints and sources differ"
+        stale = [k for k, v in sorted(doc["fingerprints"].items())
+                 if precompile.source_fingerprint(precompile.jit_object(*k.split(":", 1))) != v]
+        assert not stale, (f"{path.name} was recorded from another source of {', '.join(stale)}: with Triton "
+                           f"{doc['triton']} installed, run `python -m titan_nvfp4.tools.precompile_kernels "
+                           f"titan_nvfp4/kernels/tuned/{path.name} --rehash` (same parameters) or record it again "
+                           "(scripts/tune_kernels.py)")
+
+
+def test_a_fingerprint_follows_the_source_its_start_line_and_its_callees(tmp_path, monkeypatch):
+    """source_fingerprint changes with a kernel's body, with its starting line (a line added above it) and with a
+    function of this package it calls; not with a blank line below it."""
+    import importlib
+    import textwrap
+
+    monkeypatch.setattr(precompile, "PACKAGE", "titan_nvfp4_fp_probe")  # its functions count as this package's
+
+    def fingerprint(text: str, version: int) -> str:
+        folder = tmp_path / f"v{version}"  # one module name in a folder per version: the key names the module
+        folder.mkdir()
+        (folder / "titan_nvfp4_fp_probe.py").write_text(textwrap.dedent(text))
+        monkeypatch.syspath_prepend(str(folder))
+        sys.modules.pop("titan_nvfp4_fp_probe", None)
+        importlib.import_module("titan_nvfp4_fp_probe")
+        return precompile.source_fingerprint(precompile.jit_object("titan_nvfp4_fp_probe", "_k"))
+
+    base = """
+        import triton
+        import triton.language as tl
+        C = tl.constexpr(3)
+
+        @triton.jit
+        def helper(x):
+            return x * C
+
+        @triton.jit
+        def _k(X):
+            tl.store(X, helper(tl.load(X)))
+        """
+    ref = fingerprint(base, 0)
+    assert fingerprint(base + "\n\n", 1) == ref
+    assert fingerprint(base.replace("C = tl.constexpr(3)", "# a comment\n        C = tl.constexpr(3)"), 2) != ref
+    assert fingerprint(base.replace("return x * C", "return x * C + 1"), 3) != ref
+    assert fingerprint(base.replace("tl.constexpr(3)", "tl.constexpr(4)"), 4) != ref
+    assert fingerprint(base.replace("tl.load(X)))", "tl.load(X)) + 0)"), 5) != ref
+    sys.modules.pop("titan_nvfp4_fp_probe", None)

@@ -170,6 +170,72 @@ def kernel_function(module: str, name: str):
     return obj
 
 
+#: module-level constexprs whose value is the machine's, not the source's (the interpreter flag, a Triton-version
+#: switch): a fingerprint takes their names only
+_MACHINE_CONSTEXPRS = frozenset({"INTERPRETED", "_ROWS_FIRST"})
+
+
+_JIT_TYPES = frozenset({"JITFunction", "InterpretedFunction"})  # triton.jit's object, compiled or interpreted
+
+
+def jit_object(module: str, name: str):
+    """The ``triton.jit`` object named ``name`` in ``module`` (through an autotuner or heuristics over it), compiled or
+    under Triton's interpreter (kernel_function needs the compiled kind)."""
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    while type(obj).__name__ not in _JIT_TYPES and hasattr(obj, "fn"):
+        obj = obj.fn
+    if type(obj).__name__ not in _JIT_TYPES:
+        raise TypeError(f"{module}.{name} is no triton.jit function")
+    return obj
+
+
+def source_fingerprint(jit) -> str:
+    """A hash of what Triton's own source hash (``JITFunction.cache_key``) covers, the same under every Triton version
+    and under its interpreter: the kernel's source from ``def`` and its starting line, those of every ``triton.jit``
+    function of this package it calls (by the global names its source reads, transitively; Triton's own by name)
+    and the constexpr globals it reads.
+    Recorded beside the source hash, it lets a test without the recording's Triton tell that a kernel changed since
+    (tests/test_precompile.py)."""
+    import ast
+    import inspect
+    import re
+    import textwrap
+
+    parts: dict[str, str] = {}
+
+    def visit(obj) -> None:
+        fn = obj.fn
+        key = f"{fn.__module__}:{fn.__qualname__}"
+        if key in parts:
+            return
+        parts[key] = ""
+        lines, start = inspect.getsourcelines(fn)
+        src = textwrap.dedent("".join(lines))
+        src = src[re.search(r"^def\s+\w+\s*\(", src, re.MULTILINE).start():]
+        text = [key, str(start), src]
+        tree = ast.parse(src)
+        names = sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+                       | {f"{n.value.id}.{n.attr}" for n in ast.walk(tree)
+                          if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)})
+        for name in names:
+            head, _, attr = name.partition(".")
+            value = fn.__globals__.get(head)
+            if attr:
+                value = getattr(value, attr, None) if inspect.ismodule(value) else None
+            if type(value).__name__ in _JIT_TYPES:
+                if value.fn.__module__.startswith(PACKAGE):  # Triton's own (tl.sum, ...) differ by its version
+                    visit(value)
+                text.append(f"calls {name}")
+            elif isinstance(value, triton.language.constexpr):
+                text.append(name if name in _MACHINE_CONSTEXPRS else f"{name}={value.value!r}")
+        parts[key] = hashlib.sha256("\n".join(text).encode()).hexdigest()
+
+    visit(jit)
+    return hashlib.sha256("\n".join(f"{k} {v}" for k, v in sorted(parts.items())).encode()).hexdigest()
+
+
 # ---- recording ----------------------------------------------------------------------------------------------------
 
 class Recording:
@@ -177,7 +243,8 @@ class Recording:
     in first-use order, each once; ``skipped``: this package's kernels that could not be written (a constant of
     another type, a kernel made inside a function), which then compile on first use; ``unfaithful``: entries left
     out because compiling them elsewhere would not give the kernel compiled here (with what differs); ``sources``:
-    each kernel's source hash ("module:name"), for the compile to skip a kernel edited since."""
+    each kernel's source hash ("module:name"), for the compile to skip a kernel edited since; ``fingerprints``: each
+    kernel's source_fingerprint, for a test to tell the same without this Triton."""
 
     def __init__(self):
         self.entries: list[dict] = []
@@ -185,6 +252,7 @@ class Recording:
         self.target: dict | None = None
         self.unfaithful: list[dict] = []
         self.sources: dict[str, str] = {}
+        self.fingerprints: dict[str, str] = {}
         self.environment = _environment()
         self._seen: set[str] = set()
 
@@ -211,6 +279,7 @@ class Recording:
         name, source = f"{fn.module}:{fn.name}", fn.jit_function.cache_key
         if self.sources.setdefault(name, source) != source:
             why.append(f"function: its hash changed during the recording ({self.sources[name]} then {source})")
+        self.fingerprints.setdefault(name, source_fingerprint(fn.jit_function))
         env = _environment()
         if env != self.environment:
             why.append(f"environment: cache-invalidating variables {env} at this compile, {self.environment} when "
@@ -225,7 +294,7 @@ class Recording:
         """The manifest document of what was recorded (``about``: what to note in it: job, command, date)."""
         return {"format": FORMAT, "triton": triton.__version__, "target": self.target, **about,
                 "not_recorded": sorted(self.skipped), "unfaithful": self.unfaithful, "sources": self.sources,
-                "kernels": self.entries}
+                "fingerprints": self.fingerprints, "kernels": self.entries}
 
 
 @contextlib.contextmanager
@@ -264,12 +333,15 @@ def merge(manifests: list[dict]) -> dict:
                 kernels.append(entry)
     not_recorded = sorted({k for m in manifests for k in m.get("not_recorded", [])})
     bad = [u for m in manifests for u in m.get("unfaithful", [])]
-    sources = {}
+    sources, fingerprints = {}, {}
     for m in manifests:
         for k, v in m.get("sources", {}).items():
             if sources.setdefault(k, v) != v:
                 raise ValueError(f"merge: {k} was recorded from two versions of its source")
-    return {**first, "not_recorded": not_recorded, "unfaithful": bad, "sources": sources, "kernels": kernels}
+        for k, v in m.get("fingerprints", {}).items():
+            fingerprints.setdefault(k, v)
+    return {**first, "not_recorded": not_recorded, "unfaithful": bad, "sources": sources,
+            "fingerprints": fingerprints, "kernels": kernels}
 
 
 # ---- reading and compiling ------------------------------------------------------------------------------------------
@@ -292,6 +364,10 @@ def load(path: Path) -> dict:
     if not (isinstance(sources, dict) and all(isinstance(k, str) and ":" in k and isinstance(v, str)
                                               for k, v in sources.items())):
         raise ValueError(f"kernel manifest {path}: \"sources\" must map \"module:kernel\" to a source hash")
+    fingerprints = doc.get("fingerprints", {})
+    if not (isinstance(fingerprints, dict) and all(isinstance(k, str) and ":" in k and isinstance(v, str)
+                                                   for k, v in fingerprints.items())):
+        raise ValueError(f"kernel manifest {path}: \"fingerprints\" must map \"module:kernel\" to a source fingerprint")
     for i, entry in enumerate(doc["kernels"]):
         if not isinstance(entry, dict) or not ENTRY_KEYS <= set(entry) <= ENTRY_KEYS | set(ANNOTATIONS):
             raise ValueError(f"kernel manifest {path}: kernel {i}: expected the keys {sorted(ENTRY_KEYS)} (and "

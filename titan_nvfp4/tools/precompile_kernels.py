@@ -4,6 +4,7 @@ cache folder ahead of jobs.
 
     python -m titan_nvfp4.tools.precompile_kernels MANIFEST [--workers N] [--stop-with PID] [--only I,J,...]
     python -m titan_nvfp4.tools.precompile_kernels MANIFEST --time
+    python -m titan_nvfp4.tools.precompile_kernels MANIFEST --rehash
 
 One compile of a selection per cache folder at a time (a lock file there: a second one finds it taken and exits 0;
 --only, the entries at these indices, which a training process passes for those missing from its cache, has a lock
@@ -16,6 +17,13 @@ unreadable manifest, a bad --only, one of another Triton version, or TRITON_INTE
 (no GPU needed: Triton carries ptxas), and writes each one's compile time ("compile_s", seconds on this machine,
 the kernel without its launcher) and its "experts_only" class into MANIFEST; the background compile takes the
 longest first. Nothing is written if an entry fails to compile.
+
+--rehash, after an edit to a recorded kernel (or to a file above it: Triton's source hash covers the kernel's
+starting line) that leaves its specializations as they were (same parameters and constexprs): compiles every entry
+once for the manifest's target as --time does, then writes each recorded kernel's source hash and source
+fingerprint for today's source into MANIFEST (tests/test_precompile.py fails until then). Needs the manifest's Triton
+version. Nothing is written if an entry fails to compile. An edit that changes a kernel's parameters needs a new
+recording instead (scripts/tune_kernels.py on the GPU).
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ from pathlib import Path
 
 import triton
 
-from ..kernels.precompile import classified, default_workers, load, source_and_options
+from ..kernels.precompile import (classified, default_workers, jit_object, kernel_function, load, source_and_options,
+                                  source_fingerprint)
 from ..kernels.precompile_process import fill, stop_with
 from .atomic import write_text
 
@@ -91,6 +100,31 @@ def _time(path: Path, doc: dict) -> int:
     return 0
 
 
+def _rehash(path: Path, doc: dict) -> int:
+    """--rehash: the recorded kernels' source hashes and fingerprints for today's source, written into the manifest
+    at ``path`` (atomically; nothing when an entry fails to compile)."""
+    try:
+        time_compiles(doc)
+    except Exception as e:  # noqa: BLE001 (one line naming the manifest; the file is left as it was)
+        first = str(e).splitlines()[0] if str(e) else ""
+        print(f"titan_nvfp4 precompile: {path}: a kernel did not compile ({type(e).__name__}: {first}): nothing "
+              "written", file=sys.stderr)
+        return 2
+    changed = []
+    for kernel in sorted(doc.get("sources", {})):
+        module, name = kernel.split(":", 1)
+        source = kernel_function(module, name).cache_key
+        if doc["sources"][kernel] != source:
+            changed.append(kernel)
+        doc["sources"][kernel] = source
+        doc.setdefault("fingerprints", {})[kernel] = source_fingerprint(jit_object(module, name))
+    write_text(path, json.dumps(doc, indent=1) + "\n", option="manifest")
+    print(f"titan_nvfp4 precompile: {path}: {len(doc['sources'])} kernels' source hashes and fingerprints written "
+          f"({len(changed)} hashes changed{': ' + ', '.join(changed) if changed else ''}); every entry compiled",
+          file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m titan_nvfp4.tools.precompile_kernels",
                                 description="Compile the kernels of a manifest into Triton's cache.")
@@ -100,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", metavar="I,J,...", help="compile only the entries at these indices")
     p.add_argument("--time", action="store_true",
                    help="measure each entry's compile time serially and write it (compile_s) into the manifest")
+    p.add_argument("--rehash", action="store_true",
+                   help="write the recorded kernels' source hashes and fingerprints for today's source (module docstring)")
     args = p.parse_args(argv)
     if args.stop_with is not None:
         stop_with(args.stop_with)
@@ -118,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.time:
         return _time(args.manifest, doc)
+    if args.rehash:
+        return _rehash(args.manifest, doc)
     try:
         only = None if args.only is None else _selection(args.only, doc)
     except ValueError as e:
