@@ -433,6 +433,62 @@ def test_grouped_converter_through_torchtitan(tmp_path):
     assert experts and not experts[0].recipe.stochastic_rounding
 
 
+@cpu_triton
+@pytest.mark.long
+def test_compiled_experts_body_matches_eager_and_compiles_without_a_break(cpu_histc, monkeypatch):
+    """With ``[compile] enable`` the converter hands TorchTitan's compile backend to the experts; where TorchTitan's
+    apply_compile compiled BF16's expert GEMMs (moe's _run_experts_grouped_mm, simulated here: it compiles that
+    function, never the experts module) the NVFP4 experts run their body compiled with fullgraph=True (aot_eager
+    here): the deepseek_v3 MoE block's output, input and weight gradients equal eager's, bits included, stochastic
+    rounding on (the kernels' Philox draws, interpreter), and the SR streams advance alike. gpt_oss's BF16 experts are
+    never compiled by TorchTitan 0.2.2: its NVFP4 body stays eager too."""
+    from torchtitan.models.gpt_oss.model import moe as gpt_oss_moe
+    from torchtitan.models.moe import moe as moe_module
+    from torchtitan.models.moe import utils as moe_utils
+
+    from job_helpers import parse, world1
+    from titan_nvfp4.integration.converter import NVFP4GroupedMMConverter
+
+    align = moe_utils.TOKEN_GROUP_ALIGN_SIZE_M
+    bf16_gemms = moe_module._run_experts_grouped_mm
+    runs = []
+    try:
+        for backend in (None, "aot_eager"):
+            torch._dynamo.reset()
+            args = ["--quantize.grouped_mm.nvfp4.gemm_backend", "emulated"]
+            if backend:
+                args += ["--compile.enable", "--compile.backend", backend]
+                monkeypatch.setattr(moe_module, "_run_experts_grouped_mm",
+                                    torch.compile(bf16_gemms, backend=backend, fullgraph=True))
+            conv = NVFP4GroupedMMConverter(parse(*args), world1())
+            assert conv.compile_backend == backend
+            model, margs = build_moe("deepseek_v3", n_layers=2, seq=16)
+            conv.convert(model)
+            m = model.layers["1"].moe.experts
+            assert isinstance(m, NVFP4GroupedExperts) and m.compile_backend == backend
+            model.to_empty(device="cpu")
+            torch.manual_seed(0)
+            with torch.no_grad():
+                model.init_weights(buffer_device=None)
+            moe = model.layers["1"].moe
+            x = torch.randn(1, 16, margs.dim, generator=torch.Generator().manual_seed(1), requires_grad=True)
+            y = moe(x)
+            y.square().mean().backward()
+            assert (m.__dict__.get("_compiled_run") is not None) == (backend is not None)
+            runs.append((y.detach(), x.grad, *(getattr(m, g).grad for g in m.GEMMS), m.sr_counter.clone()))
+        for i, (a, b) in enumerate(zip(*runs)):
+            assert torch.equal(a, b), i
+        gpt, _ = build_moe("gpt_oss", n_layers=1)
+        conv.convert(gpt)
+        g = next(mod for mod in gpt.modules() if isinstance(mod, NVFP4GptOssExperts))
+        assert g.compile_backend == "aot_eager" and not hasattr(gpt_oss_moe._run_experts_grouped_mm,
+                                                                "_torchdynamo_orig_callable")
+        assert g._body(torch.zeros(1)) == g._run  # eager, as BF16's gpt_oss experts
+    finally:
+        moe_utils.set_token_group_alignment_size_m(align)
+        torch._dynamo.reset()
+
+
 def test_grouped_section_rejects_bad_values(tmp_path):
     from torchtitan.config import ConfigManager
 

@@ -134,6 +134,9 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
         self.fsdp = parallel_dims is not None and parallel_dims.fsdp_enabled
         require_lowrank_for_lora_dtype(job_config)
         self.steps = SectionSteps(self.section, job_config.training.steps, logger)
+        compile_config = getattr(job_config, "compile", None)
+        self.compile_backend = (compile_config.backend if compile_config is not None and compile_config.enable
+                                and "model" in compile_config.components else None)
         if self.section.telemetry_every:
             install_metrics_hook()
         set_token_group_alignment_size_m(16)
@@ -141,6 +144,10 @@ class NVFP4GroupedMMConverter(QuantizationConverter):
 
     def convert(self, model: nn.Module) -> None:
         convert_routed_experts(model, self.section, self.steps, logger, lora_dtype=self.lora_dtype, one_dtype=self.fsdp)
+        if self.compile_backend is not None:  # compiled as TorchTitan compiles BF16's expert GEMMs (experts.py)
+            for m in model.modules():
+                if isinstance(m, tuple(EXPERT_CLASSES.values())):
+                    m.compile_backend = self.compile_backend
 
     def post_optimizer_hook(self, model) -> None:
         """The per-step core: the experts' step count and late switch."""

@@ -29,6 +29,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torchtitan.models.gpt_oss.model.moe import GptOssGroupedExperts, ScaleBiasForward, swiglu
 from torchtitan.models.gpt_oss.model.moe import indices_padding_wrapper as gpt_oss_padding_wrapper
 from torchtitan.models.moe import utils as moe_utils
+from torchtitan.models.gpt_oss.model import moe as gpt_oss_moe
+from torchtitan.models.moe import moe as moe_module
 from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.models.moe.utils import indices_padding_wrapper
 
@@ -79,6 +81,28 @@ class _NVFP4Experts(LowRankExperts, NVFP4LayerState):
         if lora_rank and device.type != "meta":
             mod.decompose_()
         return mod
+
+    #: TorchTitan's compile backend when ``[compile]`` compiles the model (the converter sets it), else None
+    compile_backend: str | None = None
+    #: (module, name) of the function BF16's expert module runs its GEMMs through
+    BF16_GEMMS: tuple = (moe_module, "_run_experts_grouped_mm")
+
+    def _body(self, x: torch.Tensor):
+        """The module's ``_run``, compiled as TorchTitan compiles BF16's expert GEMMs: its apply_compile compiles the
+        function BF16's experts run them through (BF16_GEMMS), never the experts module. So when that function is
+        compiled and ``compile_backend`` set, so is the NVFP4 body (fullgraph; under expert parallelism the routed
+        token count marked dynamic, as TorchTitan marks it); else it runs eagerly, as BF16's would."""
+        if self.compile_backend is None or torch.compiler.is_compiling():
+            return self._run
+        bf16 = getattr(*self.BF16_GEMMS, None)
+        if not (hasattr(bf16, "_torchdynamo_orig_callable") or "_dynamic" in getattr(bf16, "__qualname__", "")):
+            return self._run
+        if _expert_parallel(getattr(self, self.GEMMS[0])):
+            torch._dynamo.mark_dynamic(x, 0)
+        compiled = self.__dict__.get("_compiled_run")
+        if compiled is None:
+            compiled = self._compiled_run = torch.compile(self._run, backend=self.compile_backend, fullgraph=True)
+        return compiled
 
     def _gemms(self, x: torch.Tensor, weights, offsets: torch.Tensor, biases, counters,
                names: tuple[str, ...], groups: AmaxGroups | None = None,
@@ -146,7 +170,7 @@ class NVFP4GroupedExperts(_NVFP4Experts, GroupedExperts):
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         groups = self._tp_groups()
         self._check_lowrank_parallelism(isinstance(self.w1, DTensor))
-        run = functools.partial(self._run, groups=groups)
+        run = functools.partial(self._body(x), groups=groups)
         run = run if _expert_parallel(self.w1) else indices_padding_wrapper(run)
         return run(_local(self.w1), _local(self.w2), _local(self.w3), x, num_tokens_per_expert)
 
@@ -172,6 +196,7 @@ class NVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):
     """GptOssGroupedExperts with both expert GEMMs (and their per-expert biases) in NVFP4."""
 
     GEMMS = ("mlp1_weight", "mlp2_weight")
+    BF16_GEMMS = (gpt_oss_moe, "_run_experts_grouped_mm")  # TorchTitan 0.2.2 compiles no gpt_oss block
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         tp_degree = 1
@@ -180,7 +205,7 @@ class NVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):
             tp_degree = mesh.size(mesh.mesh_dim_names.index("tp"))
         groups = self._tp_groups()
         self._check_lowrank_parallelism(isinstance(self.mlp1_weight, DTensor))
-        run = functools.partial(self._run, groups=groups)
+        run = functools.partial(self._body(x), groups=groups)
         run = run if _expert_parallel(self.mlp1_weight) else gpt_oss_padding_wrapper(run)
         return run(_local(self.mlp1_weight), _local(self.mlp1_bias), _local(self.mlp2_weight),
                    _local(self.mlp2_bias), self.swiglu_limit, x, num_tokens_per_expert, tp_degree)
