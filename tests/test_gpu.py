@@ -442,3 +442,47 @@ def test_outcontrol_linear_on_the_gpu_kernels_matches_the_reference_backend(comp
     for what, ref, got in zip(("Y", "dX", "dW", "db"), out["reference"], out["emulated"]):
         err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
         assert err < 4e-3, f"{what}: relative error {err:.3g}"
+
+
+def test_compiled_experts_body_matches_eager_under_inductor(monkeypatch):
+    """The deepseek_v3 debug MoE block's NVFP4 experts with their body compiled by inductor (as under TorchTitan's
+    --compile.enable, which compiles BF16's expert GEMMs function: simulated here) against eager on the GPU: the same
+    output, input and weight gradients, bits included, stochastic rounding on (integration/experts.py: _body)."""
+    from torchtitan.models.moe import moe as moe_module
+    from torchtitan.models.moe import utils as moe_utils
+
+    from job_helpers import parse, world1
+    from moe_helpers import build_moe
+    from titan_nvfp4.integration.converter import NVFP4GroupedMMConverter
+
+    align = moe_utils.TOKEN_GROUP_ALIGN_SIZE_M
+    bf16_gemms = moe_module._run_experts_grouped_mm
+    runs = []
+    try:
+        for backend in (None, "inductor"):
+            torch._dynamo.reset()
+            args = []
+            if backend:
+                args = ["--compile.enable", "--compile.backend", backend]
+                monkeypatch.setattr(moe_module, "_run_experts_grouped_mm", torch.compile(bf16_gemms, fullgraph=True))
+            conv = NVFP4GroupedMMConverter(parse(*args), world1())
+            model, margs = build_moe("deepseek_v3", n_layers=2, seq=512)
+            conv.convert(model)
+            model.to_empty(device="cuda")
+            torch.manual_seed(0)
+            with torch.no_grad():
+                model.init_weights(buffer_device=torch.device("cuda"))
+            moe = model.layers["1"].moe
+            m = moe.experts
+            x = torch.randn(4, 512, margs.dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+            x.requires_grad_()
+            for _ in range(2):  # the second call replays what the first compiled
+                y = moe(x)
+                y.square().mean().backward()
+            assert (m.__dict__.get("_compiled_run") is not None) == (backend is not None)
+            runs.append((y.detach(), x.grad, *(getattr(m, g).grad for g in m.GEMMS), m.sr_counter.clone()))
+    finally:
+        moe_utils.set_token_group_alignment_size_m(align)
+        torch._dynamo.reset()
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(a, b), i
