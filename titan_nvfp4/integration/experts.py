@@ -42,6 +42,7 @@ from ..modules.layer_state import NVFP4LayerState
 from ..modules.lowrank_experts import LowRankExperts, check_expert_rank, grouped_linear
 from ..numerics.lowrank import check_rank
 from ..modules.nvfp4_linear import check_recipe
+from ..ops import resolve_backend
 from ..recipe.nvfp4_recipe import NVFP4Recipe
 from ..modules.telemetry import measure_experts
 
@@ -90,9 +91,10 @@ class _NVFP4Experts(LowRankExperts, NVFP4LayerState):
     def _body(self, x: torch.Tensor):
         """The module's ``_run``, compiled as TorchTitan compiles BF16's expert GEMMs: its apply_compile compiles the
         function BF16's experts run them through (BF16_GEMMS), never the experts module. So when that function is
-        compiled and ``compile_backend`` set, so is the NVFP4 body (fullgraph; under expert parallelism the routed
-        token count marked dynamic, as TorchTitan marks it); else it runs eagerly, as BF16's would."""
-        if self.compile_backend is None or torch.compiler.is_compiling():
+        compiled and ``compile_backend`` set, so is the NVFP4 body where it traces whole (_traceable; fullgraph;
+        under expert parallelism the routed token count marked dynamic, as TorchTitan marks it); else it runs
+        eagerly, as BF16's would."""
+        if self.compile_backend is None or torch.compiler.is_compiling() or not self._traceable(x):
             return self._run
         bf16 = getattr(*self.BF16_GEMMS, None)
         if not (hasattr(bf16, "_torchdynamo_orig_callable") or "_dynamic" in getattr(bf16, "__qualname__", "")):
@@ -119,6 +121,13 @@ class _NVFP4Experts(LowRankExperts, NVFP4LayerState):
             for name, w, y in zip(names, weights, ys):
                 measure_experts(self, name, x, w, y)
         return ys
+
+    def _traceable(self, x: torch.Tensor) -> bool:
+        """Whether the body traces whole (fullgraph): the grouped kernels' path, whose offsets stay on the device
+        (the emulated backend, aligned groups), without the low-rank branch or telemetry. The per-expert loop of the
+        other backends reads the offsets on the host."""
+        return (resolve_backend(self.recipe.gemm_backend, x.device) == "emulated" and groups_aligned()
+                and not self.lora_rank and self.telemetry is None)
 
     def _graphs(self, call: str, x: torch.Tensor, weights):
         """The BodyGraphs of grouped GEMM ``call`` under eager_graphs (expert_groups.experts_body_graphs): none when
