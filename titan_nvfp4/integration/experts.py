@@ -124,10 +124,10 @@ class _NVFP4Experts(LowRankExperts, NVFP4LayerState):
 
     def _traceable(self, x: torch.Tensor) -> bool:
         """Whether the body traces whole (fullgraph): the grouped kernels' path, whose offsets stay on the device
-        (the emulated backend, aligned groups), without the low-rank branch or telemetry. The per-expert loop of the
-        other backends reads the offsets on the host."""
+        (the emulated backend, aligned groups), without the low-rank branch or telemetry and before a bf16_after_fraction
+        switch (then eager, as before). The per-expert loop of the other backends reads the offsets on the host."""
         return (resolve_backend(self.recipe.gemm_backend, x.device) == "emulated" and groups_aligned()
-                and not self.lora_rank and self.telemetry is None)
+                and not (self.lora_rank or self.high_precision) and self.telemetry is None)
 
     def _graphs(self, call: str, x: torch.Tensor, weights):
         """The BodyGraphs of grouped GEMM ``call`` under eager_graphs (expert_groups.experts_body_graphs): none when
