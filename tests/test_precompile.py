@@ -197,14 +197,19 @@ def test_a_compile_after_the_process_changed_its_key_inputs_is_left_out(tmp_path
 
 
 @needs_ptxas
-def test_a_kernel_whose_source_changed_since_the_recording_is_skipped_by_name(recorded, tmp_path):
+@pytest.mark.parametrize("recorded_as", ["fingerprints", "sources"])
+def test_a_kernel_whose_source_changed_since_the_recording_is_skipped_by_name(recorded, tmp_path, recorded_as):
     """An edited kernel would compile under another key than the training process asks for: its entries are skipped
-    (a failure line naming it), the others compile."""
+    (a failure line naming it), the others compile. The compile compares the recorded source fingerprint, or in a
+    manifest without fingerprints (recorded before them) Triton's source hash."""
     manifest, _ = recorded
     doc = precompile.load(manifest)
-    assert set(doc["sources"]) == {"titan_nvfp4.kernels.expert_map:_block_experts_kernel",
-                                   "titan_nvfp4.kernels.quantize:_amax_kernel", "titan_nvfp4.kernels.gemm:_dequant_kernel"}
-    doc["sources"]["titan_nvfp4.kernels.quantize:_amax_kernel"] = "0" * 64
+    kernels = {"titan_nvfp4.kernels.expert_map:_block_experts_kernel", "titan_nvfp4.kernels.quantize:_amax_kernel",
+               "titan_nvfp4.kernels.gemm:_dequant_kernel"}
+    assert set(doc["sources"]) == kernels and set(doc["fingerprints"]) == kernels
+    if recorded_as == "sources":
+        del doc["fingerprints"]
+    doc[recorded_as]["titan_nvfp4.kernels.quantize:_amax_kernel"] = "0" * 64
     stale = tmp_path / "stale.json"
     stale.write_text(json.dumps(doc))
     r = _precompile_cli(stale, tmp_path / "cache")

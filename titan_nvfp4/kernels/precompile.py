@@ -14,7 +14,9 @@ Precompiling changes no result: it is Triton's own compile of the same source, s
 and the training process computes every cache key itself (a precompiled kernel it does not ask for is unused work).
 To keep that work useful the recorder checks that each entry rebuilds the cache hash of the kernel Triton compiled
 (an entry that does not is left out and listed, with what differs, under "unfaithful"), and notes each kernel's
-source hash ("sources"): the compile skips, by name, the entries of a kernel edited since the recording.
+source hash ("sources") and source fingerprint ("fingerprints", what the compile compares: Triton's hash of a kernel
+depends on the order a process hashed kernels sharing helpers in): the compile skips, by name, the entries of a
+kernel edited since the recording.
 
 By hand, ``python -m titan_nvfp4.tools.precompile_kernels MANIFEST`` fills a cache folder the same way.
 TITAN_NVFP4_PRECOMPILE: unset or 1, the package's manifest for this GPU's class (none: nothing to do); 0, off; any
@@ -158,13 +160,10 @@ def unfaithful(entry: dict, jit_fn, compile: dict, compiled: str, target: dict) 
 
 
 def kernel_function(module: str, name: str):
-    """The ``triton.jit`` function named ``name`` in ``module`` (through an autotuner or heuristics over it)."""
+    """The compiled-kind ``triton.jit`` function named ``name`` in ``module`` (through an autotuner or heuristics
+    over it; jit_object)."""
     from triton.runtime.jit import JITFunction
-    obj = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    while not isinstance(obj, JITFunction) and hasattr(obj, "fn"):
-        obj = obj.fn
+    obj = jit_object(module, name)
     if not isinstance(obj, JITFunction):
         raise TypeError(f"{module}.{name} is no triton.jit function")
     return obj
@@ -467,12 +466,20 @@ def compile_all(doc: dict, workers: int, only: list[int] | None = None) -> tuple
             missing.add(module)
             failures.append(f"{module}: {type(e).__name__}: {e} (its kernels skipped)")
     changed, compiled = set(), {f"{e['module']}:{e['name']}" for e in entries}
-    for kernel, key in doc.get("sources", {}).items():  # "module:name" → the recording's source hash
+    # the recording's source fingerprint where the manifest has one: Triton's own source hash of a kernel depends on
+    # the order the process hashed kernels sharing helpers in (the same source gave two hashes on Triton 3.6)
+    fingerprints = doc.get("fingerprints", {})
+    for kernel, key in {**doc.get("sources", {}), **fingerprints}.items():  # "module:name" → the recording's
         if kernel not in compiled:
             continue
         module, name = kernel.split(":", 1)
         try:
-            now = kernel_function(module, name).cache_key if module not in missing else key
+            if module in missing:
+                now = key
+            elif kernel in fingerprints:
+                now = source_fingerprint(jit_object(module, name))
+            else:
+                now = kernel_function(module, name).cache_key
         except (AttributeError, TypeError):  # the kernel is gone from its module
             now = None
         if now != key:
