@@ -94,6 +94,17 @@ def test_failed_run_is_reported_not_fatal(tmp_path, capsys):
     assert "nvfp4/bf16 step-time ratio: —" in out
 
 
+def test_autotuner_shared_memory_message_is_not_an_out_of_memory():
+    # inductor logs this for a flex-attention candidate it skips; the run goes on (H200, 2026-12-06)
+    skipped = (
+        "select_algorithm.py:3924] [1/0] No valid triton configs. OutOfMemoryError: out of resource: "
+        "triton_flex_attention Required: 361472 Hardware limit:232448\n"
+    )
+    r = summarize_run("x", skipped + BF16, skip=2)
+    assert "out of memory" not in r.notes
+    assert r.step_ms == pytest.approx(415.0, rel=1e-4)
+
+
 def test_tokens_override_without_init_line():
     text = "\n".join(line for line in BF16.splitlines() if "Trainer is initialized" not in line)
     assert summarize_run("x", text, skip=2).step_ms is None

@@ -19,7 +19,6 @@ rounded up to a power of two, which the autotuners key on instead of the row cou
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -731,9 +730,9 @@ def _placeholder(device: torch.device) -> torch.Tensor:
     return torch.empty(1, dtype=torch.int32, device=device)
 
 
-@functools.lru_cache(maxsize=64)
 def _expert_blocks(experts: int, blocks_per_expert: int, device: torch.device) -> torch.Tensor:
-    """int32 expert index of each 16-row block of E stacked expert weights (cached: it never changes)."""
+    """int32 expert index of each 16-row block of E stacked expert weights. Made per call, not cached: one made
+    during a CUDA-graph warm-up would stay alive in the graphs' pool, which CUDA graph trees refuse."""
     return torch.arange(experts, dtype=torch.int32, device=device).repeat_interleave(blocks_per_expert)
 
 

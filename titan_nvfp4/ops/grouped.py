@@ -9,7 +9,6 @@ carry one more slot for the rows past the last expert). Token groups must start 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,9 +56,9 @@ def expert_bias_grad(dy2d: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return onehot.float() @ dy2d.float()
 
 
-@functools.lru_cache(maxsize=64)
 def _stack_offsets(experts: int, rows: int, device: torch.device) -> torch.Tensor:
-    """Cumulative row ends of ``experts`` stacked blocks of ``rows`` rows (cached: a constant)."""
+    """Cumulative row ends of ``experts`` stacked blocks of ``rows`` rows. Made per call, not cached: one made
+    during a CUDA-graph warm-up would stay alive in the graphs' pool, which CUDA graph trees refuse."""
     return torch.arange(1, experts + 1, dtype=torch.int32, device=device) * rows
 
 

@@ -30,7 +30,9 @@ _INIT = re.compile(
     r"local batch size (?P<b>\d+), global batch size \d+, gradient accumulation steps (?P<a>\d+), "
     r"sequence length (?P<s>\d+)"
 )
-_OOM = re.compile(r"OutOfMemoryError|CUDA out of memory")
+# torch's CUDA allocator error, not Triton's "OutOfMemoryError: out of resource" (shared memory) that inductor's
+# autotuner logs for a flex-attention candidate it then skips.
+_OOM = re.compile(r"torch\.OutOfMemoryError|CUDA out of memory")
 
 
 @dataclass
