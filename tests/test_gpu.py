@@ -481,11 +481,15 @@ def test_compiled_experts_body_matches_eager_under_inductor(monkeypatch, cudagra
             x = torch.randn(4, 512, margs.dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
             x.requires_grad_()
             for _ in range(3):  # later calls replay what the first compiled (graph trees: warm-up, record, replay)
+                # gradients set to None each step, as a training loop's zero_grad does: graph outputs (dW) become
+                # the .grad tensors, which the next replay overwrites, so each step's results are cloned
+                x.grad = None
+                model.zero_grad(set_to_none=True)
                 y = moe(x)
                 y.square().mean().backward()
-                y = y.detach().clone()  # a graph's output is overwritten by its next replay
+                out = [t.detach().clone() for t in (y, x.grad, *(getattr(m, g).grad for g in m.GEMMS))]
             assert (m.__dict__.get("_compiled_run") is not None) == (backend is not None)
-            runs.append((y, x.grad, *(getattr(m, g).grad for g in m.GEMMS), m.sr_counter.clone()))
+            runs.append((*out, m.sr_counter.clone()))
     finally:
         moe_utils.set_token_group_alignment_size_m(align)
         torch._dynamo.reset()
