@@ -3,7 +3,7 @@
     python benchmarks/bench_grouped.py [--json out.json] [--shapes deepseek_v3_16b gpt_oss_20b]
                                        [--rows-kernels persistent persistent_nested tiles]
                                        [--profile] [--bf16-compiled-swiglu] [--graph] [--repeats N]
-                                       [--codes-saved]
+                                       [--codes-saved] [--requantize]
 
 Each shape is a whole routed-expert block as TorchTitan runs it: DeepSeek-V3-style SwiGLU experts
 (h = silu(x W1ᵀ) ⊙ x W3ᵀ, out = h W2ᵀ) or gpt-oss's (mlp1 with bias to 2·hidden, clamped SwiGLU,
@@ -17,7 +17,9 @@ triton.testing.do_bench, L2 flushed (benchmarks/timing.py).
 minus graph time is what launches and Python cost on top of the kernels. ``--repeats N`` times each
 (BF16, NVFP4) pair N times, interleaved, and reports the medians and the median of the N ratios (the
 BF16 block alone moves by ±3% between calls on one H100). ``--codes-saved`` adds the block with
-``staged_expert_activations = false`` (X's and h's wgrad operands saved as codes).
+``staged_expert_activations = false`` (X's and h's wgrad operands saved as codes); ``--requantize`` the block
+with ``requantize_expert_weights = true`` (no Wᵀ kept from forward: backward quantizes the weights again), and
+with both.
 """
 
 from __future__ import annotations
@@ -150,6 +152,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="interleaved (BF16, NVFP4) timings per row (medians)")
     ap.add_argument("--codes-saved", action="store_true",
                     help="also time the block with staged_expert_activations = false")
+    ap.add_argument("--requantize", action="store_true",
+                    help="also time the block with requantize_expert_weights = true, alone and with codes saved")
     args = ap.parse_args()
     require_cuda()
     gen = torch.Generator().manual_seed(0)
@@ -197,6 +201,13 @@ def main() -> None:
             cases.append(("expert block forward+backward, X and h saved as codes",
                           fwd_bwd(bf16_mm, x, ws, offsets, dy, gpt_oss),
                           fwd_bwd(nvfp4_mm_factory(codes, counters), x, ws, offsets, dy, gpt_oss)))
+        if args.requantize:
+            for what, variant in (("Wᵀ quantized again in backward", dict(requantize_expert_weights=True)),
+                                  ("Wᵀ quantized again, X and h saved as codes",
+                                   dict(requantize_expert_weights=True, staged_expert_activations=False))):
+                cases.append((f"expert block forward+backward, {what}", fwd_bwd(bf16_mm, x, ws, offsets, dy, gpt_oss),
+                              fwd_bwd(nvfp4_mm_factory(dataclasses.replace(recipe, **variant), counters), x, ws,
+                                      offsets, dy, gpt_oss)))
         if not gpt_oss:  # the fused SwiGLU's share, and BF16 with a fused SwiGLU of its own
             cases.append(("expert block forward+backward, NVFP4 SwiGLU unfused",
                           fwd_bwd(bf16_mm, x, ws, offsets, dy, gpt_oss),

@@ -104,6 +104,12 @@ def test_expert_pair_ops_pass_opcheck_and_equal_separate_ones():
     torch.library.opcheck(library.quantize_2d_grouped_pair.op, (w1, w3), dict(experts=E), test_utils=no_schema)
     d, *rest = library.quantize_2d_grouped_pair(w1, w3, experts=E)
     one = [library.quantize_2d_grouped(w, experts=E, staged=True) for w in (w1, w3)]
+    # without Wᵀ (requantize_expert_weights): the same staged rows and decode scales, the Wᵀ ones empty
+    for op, args, kw in ((library.quantize_2d_grouped_pair, (w1, w3), {}),
+                         (library.quantize_2d_grouped, (w1,), dict(staged=True))):
+        torch.library.opcheck(op.op, args, dict(experts=E, emit_transpose=False, **kw), test_utils=no_schema)
+    d_no_t, dt1, st1, gs1, *_ = library.quantize_2d_grouped_pair(w1, w3, experts=E, emit_transpose=False)
+    assert torch.equal(d_no_t, d) and torch.equal(gs1, rest[2]) and dt1.numel() == st1.numel() == 0
     for i, (d_i, _, dt, st, gs) in enumerate(one):
         assert torch.equal(d.view(E, 2, n, k)[:, i].reshape(E * n, k), d_i)
         for a, b in zip(rest[3 * i:3 * i + 3], (dt, st, gs)):
@@ -124,14 +130,16 @@ def test_expert_pair_ops_pass_opcheck_and_equal_separate_ones():
 
 
 @pytest.mark.long
-def test_compiled_grouped_swiglu_matches_eager_bit_for_bit():
+@pytest.mark.parametrize("requant", [False, True], ids=["wt_kept", "wt_requantized"])
+def test_compiled_grouped_swiglu_matches_eager_bit_for_bit(requant):
     """A SwiGLU expert's grouped kernels (W1 and W3 on one quantization of x, the fused SwiGLU, X's
     wgrad operand staged once for both wgrads) under dynamo with fullgraph=True: the same bits as
-    eager for h, dx and the three weight gradients, stochastic rounding included."""
+    eager for h, dx and the three weight gradients, stochastic rounding included; with the weights'
+    Wᵀ kept from forward or quantized again in backward (requantize_expert_weights)."""
     from titan_nvfp4.autograd.grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
     from titan_nvfp4.autograd.linear_function import sr_counter
 
-    recipe = NVFP4Recipe(gemm_backend="emulated")
+    recipe = NVFP4Recipe(gemm_backend="emulated", requantize_expert_weights=requant)
     offsets = torch.tensor([32, 32, 64], dtype=torch.int32, device=DEV)
     signs = rht_signs(recipe.rht_seed, DEV)  # as the expert module holds them (made outside the graph)
     x = _x(80, 32)

@@ -234,7 +234,8 @@ def test_debug_model_trains_eagerly_with_graphed_bodies_as_without(tmp_path):
     assert len(losses["small"]) == 8 and losses["small"] == losses["off"], losses
 
 
-def test_grouped_experts_train_eagerly_with_graphs_as_without():
+@pytest.mark.parametrize("requant", [False, True], ids=["wt_kept", "wt_requantized"])
+def test_grouped_experts_train_eagerly_with_graphs_as_without(requant):
     """The deepseek_v3 debug model's routed experts (8 of dim 256, 12,288 routed rows: 8 × 512 tokens, top-3)
     trained eagerly, bf16 autocast, AdamW, stochastic rounding on, with ``eager_graphs = "small"`` (their forward
     and backward bodies replayed as CUDA graphs: grouped_function.py) and with "off": the same outputs, input and
@@ -242,7 +243,7 @@ def test_grouped_experts_train_eagerly_with_graphs_as_without():
     every step (one of them empty); the two grouped GEMM calls each captured once forward and once backward, then
     replayed (forward from step 2, backward from step 3: its saved operands move into the forward graph's pool at
     step 2). The experts alone: the whole model's attention backward and token combine accumulate in a
-    nondeterministic order on the GPU."""
+    nondeterministic order on the GPU. Also with requantize_expert_weights (the backward graph reads the weights)."""
     from torchtitan.models.moe import utils as moe_utils
 
     import titan_nvfp4
@@ -255,7 +256,8 @@ def test_grouped_experts_train_eagerly_with_graphs_as_without():
     try:
         for mode in ("off", "small"):
             model, args = build_moe("deepseek_v3", seq=512, n_layers=2)  # a dense block, then a MoE block
-            model, _ = titan_nvfp4.convert(model, eager_graphs=mode, experts=True,
+            model, _ = titan_nvfp4.convert(model, eager_graphs=mode,
+                                           experts={"eager_graphs": mode, "requantize_expert_weights": requant},
                                            filter_fqns=["output", "router.gate", "shared_experts"])
             experts = model.layers["1"].moe.experts
             assert isinstance(experts, NVFP4GroupedExperts)

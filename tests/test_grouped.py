@@ -201,6 +201,40 @@ def test_staged_expert_activations_save_fp16_values_and_change_no_bit():
         assert torch.equal(a, c), what
 
 
+@cpu_triton
+@pytest.mark.parametrize("weight_2d", [True, False])
+def test_requantized_expert_weights_keep_no_transpose_and_change_no_bit(weight_2d):
+    """recipe.requantize_expert_weights: forward keeps no Wᵀ codes for dgrad (it saves the weights themselves,
+    which autograd holds anyway) and backward quantizes them again: y, dx, dW and db the same bits as with
+    forward's Wᵀ kept, 16×16 and 1×16 weight blocks, stochastic rounding on dY."""
+    x, w, b, offsets, dy = _case(counts=ALIGNED, tail=16, k=64, n=48)
+    runs = {}
+    for requant in (False, True):
+        recipe = dataclasses.replace(REF, gemm_backend="emulated", weight_2d=weight_2d, stochastic_rounding=True,
+                                     requantize_expert_weights=requant)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            runs[requant] = _grads(lambda x, w, b: nvfp4_grouped_mm(x, w, offsets, b, recipe), x, w, b, dy)
+        codes = [t for t in saved if t.dtype == torch.uint8]  # Xᵀ is saved staged (fp16): codes are Wᵀ's only
+        assert bool(codes) != requant, [(t.dtype, tuple(t.shape)) for t in saved]
+        assert any(t.shape == w.shape and t.dtype == w.dtype for t in saved) == requant
+    for what, a, c in zip(("y", "dx", "dW", "db"), runs[False], runs[True]):
+        assert torch.equal(a, c), what
+
+
+def test_requantize_expert_weights_knob_is_checked_and_defaults_off():
+    from titan_nvfp4.integration.job_config import NVFP4GroupedMMConfig, NVFP4LinearConfig
+
+    assert not NVFP4Recipe().requantize_expert_weights
+    assert NVFP4GroupedMMConfig(requantize_expert_weights=True).build_recipe().requantize_expert_weights
+    with pytest.raises(ValueError, match=r"\[quantize.grouped_mm.nvfp4\] requantize_expert_weights must be true or "
+                                         r"false, got 1"):
+        NVFP4GroupedMMConfig(requantize_expert_weights=1)
+    with pytest.raises(ValueError, match=r"\[quantize.linear.nvfp4\] requantize_expert_weights applies to the routed "
+                                         r"experts only"):
+        NVFP4LinearConfig(requantize_expert_weights=True)
+
+
 def test_staged_expert_activations_knob_is_checked_and_defaults_on():
     from titan_nvfp4.integration.job_config import NVFP4GroupedMMConfig, NVFP4LinearConfig
 

@@ -156,6 +156,35 @@ def test_fused_swiglu_experts_equal_the_unfused_block(monkeypatch):
 
 
 @cpu_triton
+def test_fused_swiglu_experts_requantizing_their_weights_give_the_same_bits():
+    """recipe.requantize_expert_weights on the fused block (W1|W3 as one GEMM, quantize_expert_pair, then W2):
+    no Wᵀ codes kept from forward, and outputs, every gradient and the SR counters bit-identical to keeping them."""
+    g = torch.Generator().manual_seed(5)
+    E, dim, hidden = 3, 32, 48
+    counts, tail = (32, 0, 48), 16
+    rows = sum(counts) + tail
+    offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(DEV)
+    x = torch.randn(rows, dim, generator=g).bfloat16().to(DEV)
+    w1, w3 = (torch.randn(E, hidden, dim, generator=g).mul(dim ** -0.5).bfloat16().to(DEV) for _ in range(2))
+    w2 = torch.randn(E, dim, hidden, generator=g).mul(hidden ** -0.5).bfloat16().to(DEV)
+    dy = torch.randn(rows, dim, generator=g).bfloat16().to(DEV)
+    runs = []
+    for requant in (False, True):
+        recipe = NVFP4Recipe(gemm_backend="emulated", stochastic_rounding=True, requantize_expert_weights=requant)
+        xi, w1i, w2i, w3i = (t.clone().requires_grad_() for t in (x, w1, w2, w3))
+        c1, c2, c3 = (sr_counter(recipe, i, DEV) for i in range(3))
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            h, h_amax = nvfp4_grouped_swiglu(xi, w1i, w3i, offsets, recipe, (c1, c3), aligned=True)
+            (y,) = nvfp4_grouped_mm_shared(h, (w2i,), offsets, (None,), recipe, (c2,), aligned=True, x_amax=h_amax)
+        assert any(t.dtype == torch.uint8 for t in saved) != requant  # Wᵀ codes: the only codes saved
+        y.backward(dy)
+        runs.append((y, xi.grad, w1i.grad, w2i.grad, w3i.grad, c1, c2, c3))
+    for i, (a, b) in enumerate(zip(*runs)):
+        _same(a, b, f"output {i}")
+
+
+@cpu_triton
 def test_swiglu_kernels_read_strided_halves():
     """h1 and h3 as the two column halves of one [T, 2N] GEMM output (row stride 2N): the same h, dh1,
     dh3 and amaxes as from contiguous copies."""

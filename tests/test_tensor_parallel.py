@@ -520,16 +520,19 @@ def _expert_tp_worker(rank, world, out, cls_name, recipe, state):
 
 
 # both expert layouts on the reference backend; the kernels' cross-rank amaxes (shared by the layouts) on one
-@pytest.mark.parametrize("cls_name,backend", [("deepseek_v3", "reference"), ("gpt_oss", "reference"),
-                                              ("deepseek_v3", "emulated")])
+# (and once with the weights quantized again in backward, whose amaxes are all-reduced again there)
+@pytest.mark.parametrize("cls_name,backend,requant", [("deepseek_v3", "reference", False),
+                                                      ("gpt_oss", "reference", False),
+                                                      ("deepseek_v3", "emulated", False),
+                                                      ("deepseek_v3", "emulated", True)])
 @pytest.mark.long
-def test_experts_under_tensor_parallelism_match_one_process(cls_name, backend):
+def test_experts_under_tensor_parallelism_match_one_process(cls_name, backend, requant):
     """TorchTitan's expert TP (TP without EP) on 2 gloo ranks: W1/W3 (gpt-oss mlp1) split along their
     output features, W2 (mlp2) along their input features. With the per-expert amaxes of the sharded
     operands all-reduced, every rank quantizes exactly the slices of the unsharded operands: the
     weight-gradient shards equal the one-process gradients bit for bit; the output (a sum of the two
     ranks' partial products) and dX match up to fp32 summation order."""
-    recipe = dataclasses.replace(RNE, gemm_backend=backend)
+    recipe = dataclasses.replace(RNE, gemm_backend=backend, requantize_expert_weights=requant)
     from torchtitan.models.moe import utils as moe_utils
 
     moe_utils.TOKEN_GROUP_ALIGN_SIZE_M = 16

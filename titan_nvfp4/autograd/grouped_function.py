@@ -188,24 +188,30 @@ def _kernels_forward_body(x2d, offsets, x_amax=None, *, weights, biases, recipe,
     xq, x_col = G.quantize_tokens(x2d, offsets, True, need_wgrad, x_signs, None,
                                   col_staged=recipe.staged_expert_activations,
                                   four_over_six=recipe.four_over_six, amaxes=x_amax)
-    outs, metas = [], []
-    w_amaxes = [all_reduce_max(G.expert_amaxes(w), groups.weight) if groups.weight is not None else None
-                for w in weights]
+    outs = []
+    w_amaxes = [_weight_amax(w, groups) for w in weights]
+    keep_t = not recipe.requantize_expert_weights  # else backward quantizes the weights again for dgrad
     if pair:  # W1|W3: one GEMM of both; the caller takes the halves as views
-        both, *gws = G.quantize_expert_pair(*weights, *w_amaxes, four_over_six=recipe.four_over_six)
+        both, *gws = G.quantize_expert_pair(*weights, *w_amaxes, four_over_six=recipe.four_over_six, transpose=keep_t)
         n_w = weights[0].shape[1]
         outs.append(G.gemm_rows(xq, both, offsets, 2 * n_w, 2 * n_w, 0, out_dtype, n_split=n_w))
     else:  # (a loop, not a comprehension: a closure over xq would keep dynamo from deleting it)
         gws = []
         for w, b, w_amax in zip(weights, biases, w_amaxes):
-            gws.append(G.quantize_experts(w, recipe.weight_2d, w_amax, four_over_six=recipe.four_over_six))
+            gws.append(G.quantize_experts(w, recipe.weight_2d, w_amax, four_over_six=recipe.four_over_six,
+                                          transpose=keep_t))
             outs.append(G.gemm_rows(xq, gws[-1].w, offsets, w.shape[1], w.shape[1], 0, out_dtype, b))
     saved = list(x_col.tensors()) if x_col is not None else []
-    for gw in gws:
+    metas = [G.transpose_layout(recipe.weight_2d, *w.shape[1:]) for w in weights]
+    for gw in gws if keep_t else ():
         saved += list(gw.t.tensors())  # Wᵀ for dgrad; X only in its wgrad form, as the dense linear
-        metas.append((gw.t.tiles, gw.row_step, gw.col_step))
     del xq, gws
     return tuple(outs) + tuple(saved), (len(outs), x_col is not None, metas)
+
+
+def _weight_amax(w: torch.Tensor, groups: AmaxGroups) -> torch.Tensor | None:
+    """fp32 [E]: expert weights' amaxes all-reduced over the ranks sharding them; None (the quantizer's own) unsharded."""
+    return all_reduce_max(G.expert_amaxes(w), groups.weight) if groups.weight is not None else None
 
 
 def _kernels_backward_body(offsets, *grads, ctx, signs, saved, need_dx, wants_dw, need_dbs):
@@ -226,7 +232,6 @@ def _kernels_backward_body(offsets, *grads, ctx, signs, saved, need_dx, wants_dw
     for j in range(n):
         dy2d = grads[j]
         tiles, row_step, col_step = ctx.metas[j]
-        w_t = G.GroupedOperand(*saved[3 * j:3 * j + 3], tiles)
         dy_signs = signs_for_operand(signs, dy2d.dtype, recipe.rht_round_to_input_dtype)
         need_dw = wants_dw[j]
         seed = next_sr_seed(ctx.counters[j]) if recipe.stochastic_rounding else None
@@ -244,7 +249,13 @@ def _kernels_backward_body(offsets, *grads, ctx, signs, saved, need_dx, wants_dw
         if j == last_dw:
             x_col = None  # freed before the last dgrad allocates its output
         if need_dx:  # summed in x's dtype (in the GEMM's epilogue), as autograd sums separate GEMMs'
+            if recipe.requantize_expert_weights:  # saved: the weights; their Wᵀ made again (the forward's bits)
+                w_t = G.expert_transposes(saved[j], recipe.weight_2d, _weight_amax(saved[j], ctx.groups),
+                                          four_over_six=recipe.four_over_six)
+            else:
+                w_t = G.GroupedOperand(*saved[3 * j:3 * j + 3], tiles)
             dx = G.gemm_rows(dyq, w_t, offsets, ctx.x_shape[-1], row_step, col_step, ctx.x_dtype, add_to=dx)
+            del w_t
         del dyq
         dbs.append(G.expert_bias_grad(dy2d, offsets).to(dy2d.dtype) if need_dbs[j] else None)
     return (dx, *dws, *dbs), None
@@ -255,7 +266,9 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
     and W3 of a SwiGLU expert): x is quantized once for all of them; one output each. With the amax
     carrier (the fused SwiGLU), W1 and W3 run as one GEMM of 2·N outputs (ops.grouped.quantize_expert_pair)
     whose halves are the two outputs, as views. X's wgrad operand is saved staged (fp16 values,
-    recipe.staged_expert_activations) or as codes, which backward then stages once for all the wgrads.
+    recipe.staged_expert_activations) or as codes, which backward then stages once for all the wgrads. Each weight's
+    Wᵀ for dgrad is kept from forward, or with recipe.requantize_expert_weights quantized again in backward from
+    the weight itself (saved instead: autograd's reference, no copy).
     ``params`` are the n weights, then their n biases (or None), then their n SR counters.
 
     ``x_amax``: x's per-expert amaxes (token_amaxes) from the kernel that produced x, so that x's
@@ -295,6 +308,8 @@ class NVFP4GroupedKernelFunction(torch.autograd.Function):
                 tensors, meta = _kernels_forward_body(*copied, **kw)
             n_outs, has_x_col, metas = meta
             outs, saved = list(tensors[:n_outs]), [offsets, signs, *tensors[n_outs:]]
+            if recipe.requantize_expert_weights:  # backward quantizes them again for dgrad
+                saved += weights
             if pair:
                 n_w = weights[0].shape[1]
                 outs = [outs[0][:, :n_w], outs[0][:, n_w:]]

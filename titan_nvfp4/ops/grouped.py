@@ -38,9 +38,15 @@ class GroupedWeight:
     starts at row e·row_step, column e·col_step of ``t``)."""
 
     w: GroupedOperand
-    t: GroupedOperand
+    t: GroupedOperand | None  # None: left for backward to make (expert_transposes)
     row_step: int
     col_step: int
+
+
+def transpose_layout(weight_2d: bool, n: int, k: int) -> tuple[bool, int, int]:
+    """(tiles, row_step, col_step) of the Wᵀ that quantize_experts and expert_transposes give for
+    expert weights [E, n, k]: 16×16 blocks, Wᵀ [k, E·n]; or 1×16, Wᵀ stacked as [E·k, n]."""
+    return (True, 0, n) if weight_2d else (False, k, 0)
 
 
 def expert_bias_grad(dy2d: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -108,40 +114,65 @@ def expert_amaxes(w: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_experts(w: torch.Tensor, weight_2d: bool, amax: torch.Tensor | None = None, *,
-                     four_over_six: bool = False) -> GroupedWeight:
+                     four_over_six: bool = False, transpose: bool = True) -> GroupedWeight:
     """Expert weights w [E, N, K]: 16×16 blocks (one quantization read both ways, Wᵀ = [K, E·N]; W
     itself comes staged as fp16, since only the forward GEMM reads it) or 1×16 along K for fprop and
     1×16 along N for dgrad (Wᵀ stacked as [E·K, N]). ``amax``: fp32 [E] expert amaxes to use (an
-    expert weight sharded across ranks: all-reduced) instead of w's own."""
+    expert weight sharded across ranks: all-reduced) instead of w's own. ``transpose`` False: no Wᵀ
+    (``t`` None), for a backward that makes it itself (expert_transposes)."""
     E, N, K = w.shape
     if weight_2d:
         d, s, dt, st, gs = library.quantize_2d_grouped(w.reshape(E * N, K), amax, experts=E, staged=True,
+                                                       four_over_six=four_over_six, emit_transpose=transpose)
+        return GroupedWeight(GroupedOperand(d, s, gs, True), GroupedOperand(dt, st, gs, True) if transpose else None,
+                             0, N)
+    rd, rs, _, _, gs = library.quantize_grouped(w.reshape(E * N, K), _stack_offsets(E, N, w.device),
+                                                **_weight_rows(amax, E, four_over_six))
+    t = expert_transposes(w, False, amax, four_over_six=four_over_six) if transpose else None
+    return GroupedWeight(GroupedOperand(rd, rs, gs[0]), t, K, 0)
+
+
+def expert_transposes(w: torch.Tensor, weight_2d: bool, amax: torch.Tensor | None = None, *,
+                      four_over_six: bool = False) -> GroupedOperand:
+    """Wᵀ of expert weights w [E, N, K] for dgrad, bit for bit quantize_experts' ``t`` (and
+    quantize_expert_pair's) of the same w and amax: for a backward that quantizes the weights again
+    rather than keep forward's Wᵀ (recipe.requantize_expert_weights)."""
+    E, N, K = w.shape
+    if weight_2d:  # W's codes come too (unread): fewer bytes than the forward's staged fp16 W
+        _, _, dt, st, gs = library.quantize_2d_grouped(w.reshape(E * N, K), amax, experts=E, staged=False,
                                                        four_over_six=four_over_six)
-        return GroupedWeight(GroupedOperand(d, s, gs, True), GroupedOperand(dt, st, gs, True), 0, N)
-    slots = None
-    if amax is not None:  # [row, column] slots of the stacked experts plus the (empty) tail slot
-        slots = torch.cat([amax.float().reshape(E), amax.new_zeros(1, dtype=torch.float32)]).expand(2, E + 1)
-    rows = dict(amaxes=slots, rowwise=True, colwise=False, four_over_six=four_over_six)
-    rd, rs, _, _, gs = library.quantize_grouped(w.reshape(E * N, K), _stack_offsets(E, N, w.device), **rows)
+        return GroupedOperand(dt, st, gs, True)
     wt = w.transpose(1, 2).reshape(E * K, N)
-    td, ts, _, _, gst = library.quantize_grouped(wt, _stack_offsets(E, K, w.device), **rows)
-    return GroupedWeight(GroupedOperand(rd, rs, gs[0]), GroupedOperand(td, ts, gst[0]), K, 0)
+    td, ts, _, _, gst = library.quantize_grouped(wt, _stack_offsets(E, K, w.device),
+                                                 **_weight_rows(amax, E, four_over_six))
+    return GroupedOperand(td, ts, gst[0])
+
+
+def _weight_rows(amax: torch.Tensor | None, experts: int, four_over_six: bool) -> dict:
+    """quantize_grouped's arguments for 1×16 blocks of stacked expert weights, with ``amax`` fp32 [E] as the
+    [row, column] slots of the experts plus the (empty) tail slot."""
+    slots = None
+    if amax is not None:
+        slots = torch.cat([amax.float().reshape(experts), amax.new_zeros(1, dtype=torch.float32)]).expand(2, experts + 1)
+    return dict(amaxes=slots, rowwise=True, colwise=False, four_over_six=four_over_six)
 
 
 def quantize_expert_pair(w1: torch.Tensor, w3: torch.Tensor, amax1: torch.Tensor | None = None,
-                         amax3: torch.Tensor | None = None, *,
-                         four_over_six: bool = False) -> tuple[GroupedOperand, GroupedWeight, GroupedWeight]:
+                         amax3: torch.Tensor | None = None, *, four_over_six: bool = False,
+                         transpose: bool = True) -> tuple[GroupedOperand, GroupedWeight, GroupedWeight]:
     """W1 and W3 [E, N, K] of SwiGLU experts with 16×16 blocks, as quantize_experts gives each, except
     that their staged forward values share one [E·2N, K] operand (expert e: W1_e over W3_e; decode
     scales [2, E]) for one grouped GEMM of both (gemm_rows ``n_split`` = N). Returns (that operand,
-    W1's weight, W3's weight); the weights' ``w`` is the shared operand, their ``t`` their own Wᵀ."""
+    W1's weight, W3's weight); the weights' ``w`` is the shared operand, their ``t`` their own Wᵀ
+    (None without ``transpose``)."""
     E, N, K = w1.shape
     d, dt1, st1, gs1, dt3, st3, gs3 = library.quantize_2d_grouped_pair(w1.reshape(E * N, K), w3.reshape(E * N, K),
                                                                       amax1, amax3, experts=E,
-                                                                      four_over_six=four_over_six)
+                                                                      four_over_six=four_over_six,
+                                                                      emit_transpose=transpose)
     both = GroupedOperand(d, d.new_empty((0,)), torch.stack([gs1, gs3]), True)
-    return (both, GroupedWeight(both, GroupedOperand(dt1, st1, gs1, True), 0, N),
-            GroupedWeight(both, GroupedOperand(dt3, st3, gs3, True), 0, N))
+    t1, t3 = (GroupedOperand(dt1, st1, gs1, True), GroupedOperand(dt3, st3, gs3, True)) if transpose else (None, None)
+    return both, GroupedWeight(both, t1, 0, N), GroupedWeight(both, t3, 0, N)
 
 
 def staged(op: GroupedOperand) -> GroupedOperand:
@@ -168,6 +199,6 @@ def gemm_tokens(a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, out
     return library.grouped_gemm_tokens(a.data, a.scale, b.data, b.scale, offsets, a.gs, b.gs, out_dtype=out_dtype)
 
 
-__all__ = ["GroupedOperand", "GroupedWeight", "block_experts", "expert_amaxes", "expert_bias_grad", "gemm_rows",
-           "gemm_tokens", "quantize_expert_pair", "quantize_experts", "quantize_tokens", "staged", "swiglu",
-           "swiglu_backward", "token_amaxes"]
+__all__ = ["GroupedOperand", "GroupedWeight", "block_experts", "expert_amaxes", "expert_bias_grad",
+           "expert_transposes", "gemm_rows", "gemm_tokens", "quantize_expert_pair", "quantize_experts",
+           "quantize_tokens", "staged", "swiglu", "swiglu_backward", "token_amaxes", "transpose_layout"]

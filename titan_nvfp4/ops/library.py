@@ -351,18 +351,23 @@ def _amax_experts_fake(w, *, experts):
 
 @_op("quantize_2d_grouped")
 def quantize_2d_grouped(w: Tensor, amax: Optional[Tensor] = None, *, experts: int, staged: bool = False,
-                        four_over_six: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                        four_over_six: bool = False,
+                        emit_transpose: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``quantize_2d`` of ``experts`` stacked expert weights w [E·N, K], one tensor scale each:
-    decode scales [E]; the transpose is that of the stack, [K, E·N]. ``staged``: W as the GEMM's
-    fp16 values [E·N, K] (scales empty); Wᵀ stays codes. ``amax``: fp32 [E] expert amaxes to use."""
+    decode scales [E]; the transpose is that of the stack, [K, E·N] (empty without ``emit_transpose``).
+    ``staged``: W as the GEMM's fp16 values [E·N, K] (scales empty); Wᵀ stays codes. ``amax``: fp32 [E]
+    expert amaxes to use."""
     from ..kernels.quantize import quantize_weight_2d_tensors
 
-    return quantize_weight_2d_tensors(w, amax, experts=experts, staged=staged, four_over_six=four_over_six)
+    return quantize_weight_2d_tensors(w, amax, emit_transpose, experts=experts, staged=staged,
+                                      four_over_six=four_over_six)
 
 
 @quantize_2d_grouped.op.register_fake
-def _quantize_2d_grouped_fake(w, amax=None, *, experts, staged=False, four_over_six=False):
+def _quantize_2d_grouped_fake(w, amax=None, *, experts, staged=False, four_over_six=False, emit_transpose=True):
     d, s, dt, st, _ = _quantize_2d_fake(w, staged=staged)
+    if not emit_transpose:
+        dt, st = _empty(w, torch.uint8), _empty(w, torch.float8_e4m3fn)
     return d, s, dt, st, w.new_empty((experts,), dtype=torch.float32)
 
 
@@ -371,13 +376,14 @@ _SevenTensors = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 @_op("quantize_2d_grouped_pair")
 def quantize_2d_grouped_pair(w1: Tensor, w3: Tensor, amax1: Optional[Tensor] = None, amax3: Optional[Tensor] = None,
-                             *, experts: int, four_over_six: bool = False) -> _SevenTensors:
+                             *, experts: int, four_over_six: bool = False,
+                             emit_transpose: bool = True) -> _SevenTensors:
     """``quantize_2d_grouped(staged=True)`` of two stacked expert weights of one shape [E·N, K] (W1 and
     W3 of SwiGLU experts, read by the same tokens), their staged values interleaved in one [E·2N, K]
     buffer, expert e's W1_e rows then its W3_e rows, so one grouped GEMM of 2N outputs
     (grouped_gemm_rows ``n_split``) computes both products: (staged W1|W3, W1ᵀ codes, W1ᵀ scales, W1's
-    decode scales [E], the same three for W3). The values and scales are bit for bit those of two
-    separate calls."""
+    decode scales [E], the same three for W3; the Wᵀ ones empty without ``emit_transpose``). The values
+    and scales are bit for bit those of two separate calls."""
     from ..kernels.quantize import quantize_weight_2d_tensors
 
     if w1.shape != w3.shape:
@@ -387,7 +393,7 @@ def quantize_2d_grouped_pair(w1: Tensor, w3: Tensor, amax1: Optional[Tensor] = N
     staged = torch.empty((2 * w1.shape[0], k), dtype=torch.float16, device=w1.device)
     out = [staged]
     for i, (w, amax) in enumerate(((w1, amax1), (w3, amax3))):
-        _, _, dt, st, gs = quantize_weight_2d_tensors(w, amax, experts=experts, staged=True,
+        _, _, dt, st, gs = quantize_weight_2d_tensors(w, amax, emit_transpose, experts=experts, staged=True,
                                                       four_over_six=four_over_six,
                                                       staged_into=(staged[i * n:], 2 * n))
         out += [dt, st, gs]
@@ -395,10 +401,13 @@ def quantize_2d_grouped_pair(w1: Tensor, w3: Tensor, amax1: Optional[Tensor] = N
 
 
 @quantize_2d_grouped_pair.op.register_fake
-def _quantize_2d_grouped_pair_fake(w1, w3, amax1=None, amax3=None, *, experts, four_over_six=False):
+def _quantize_2d_grouped_pair_fake(w1, w3, amax1=None, amax3=None, *, experts, four_over_six=False,
+                                   emit_transpose=True):
     out = [w1.new_empty((2 * w1.shape[0], w1.shape[1]), dtype=torch.float16)]
     for w in (w1, w3):
         _, _, dt, st, _ = _quantize_2d_fake(w, staged=True)
+        if not emit_transpose:
+            dt, st = _empty(w, torch.uint8), _empty(w, torch.float8_e4m3fn)
         out += [dt, st, w.new_empty((experts,), dtype=torch.float32)]
     return tuple(out)
 

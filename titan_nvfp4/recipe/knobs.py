@@ -195,9 +195,9 @@ class LinearKnobs(RecipeKnobs):
         self._check_count("activation_amax_history", "a non-negative integer (0 = off)")
         if not isinstance(self.fsdp_nvfp4_all_gather, bool):
             raise ValueError(f"[{s}] fsdp_nvfp4_all_gather must be true or false, got {self.fsdp_nvfp4_all_gather!r}")
-        if self.staged_expert_activations is not None:
-            raise ValueError(f"[{s}] staged_expert_activations applies to the routed experts only: set it "
-                             f"in [{self.GROUPED_SECTION}]")
+        for key in ("staged_expert_activations", "requantize_expert_weights"):
+            if getattr(self, key) is not None:
+                raise ValueError(f"[{s}] {key} applies to the routed experts only: set it in [{self.GROUPED_SECTION}]")
         RecipeKnobs.__post_init__(self)  # slots=True: no zero-argument super()
         recipe = self.build_recipe()
         self._check_all_gather(recipe)

@@ -76,6 +76,11 @@ class NVFP4Recipe:
     instead of NVFP4 codes. Backward then skips a staging pass per operand (0.2–0.4 ms of a
     DeepSeek-V3-16B-like expert block on an H100, ``benchmarks/bench_grouped.py``) at 2 bytes per
     saved element instead of 0.56, what a BF16 block saves of X and h. The same bits either way."""
+    requantize_expert_weights: bool = False
+    """MoE grouped experts on the emulated backend: quantize the expert weights again in backward for dgrad
+    instead of keeping forward's Wᵀ codes in between (about half a byte per expert parameter, which a BF16
+    block does not hold: 0.78 GiB of a 3-MoE-block DeepSeek-V3-16B-shaped job) at the price of one more
+    quantizing read of the weights per step. The same bits either way."""
 
     ms_eden: bool = False
     """Quartet II's backward (arXiv 2601.22813): dY, and W and X re-read from their forward quantization, each
@@ -128,7 +133,7 @@ class NVFP4Recipe:
 #: gemm_backend values (titan_nvfp4.ops.backends resolves them on a device)
 BACKEND_NAMES = ("auto", "reference", "emulated", "native")
 _BOOL_FIELDS = ("weight_2d", "stochastic_rounding", "rht", "rht_round_to_input_dtype", "staged_expert_activations",
-                "ms_eden")
+                "requantize_expert_weights", "ms_eden")
 BACKWARDS = ("nvfp4", "mxfp8", "bf16")
 BLOCK_SCALE_RULES = ("six", "four_over_six")
 EAGER_GRAPHS = ("off", "small")
