@@ -17,7 +17,9 @@
 #                       still uses the steps logged so far)
 #              ARMS     the arms to run, in order (default "bf16 nvfp4"); an arm "nvfp4:PRESET" runs the NVFP4 job
 #                       file with --quantize.linear.nvfp4.recipe PRESET (e.g. "bf16 nvfp4 nvfp4:quartet2"); the report
-#                       covers BF16 (its baseline) and the other arms in this order
+#                       covers BF16 (its baseline) and the other arms in this order; an arm "nvfp4=TAG" runs the
+#                       NVFP4 job file with the overrides in the variable ARGS_TAG, e.g.
+#                       ARMS="bf16 nvfp4 nvfp4=rq" ARGS_rq="--quantize.grouped_mm.nvfp4.requantize_expert_weights True"
 set -uo pipefail
 out=${OUT:-./outputs/e2e_bench}
 if [[ $# -gt 0 && $1 != -* ]]; then out=$1; shift; fi
@@ -36,19 +38,28 @@ echo "PYTORCH_ALLOC_CONF=$PYTORCH_ALLOC_CONF"
 
 # torch's CUDA allocator error only: inductor logs Triton's "OutOfMemoryError: out of resource" (shared memory) for
 # flex-attention candidates it skips, in runs that go on fine.
+arm_file() { local a=${1%%:*}; echo "${a%%=*}"; }  # the job file's suffix: bf16 or nvfp4
+arm_name() { local a=${1/:/-}; echo "${a/=/-}"; }   # in log names: nvfp4-quartet2, nvfp4-rq
 oom() { grep -qE "torch\.OutOfMemoryError|CUDA out of memory" "$1"; }
 for bs in $batches; do
   retry=0
   bs_arg=(--training.local_batch_size "$bs")
   if [[ $bs == config ]]; then bs_arg=(); fi
   for arm in ${ARMS:-bf16 nvfp4}; do
-    log="$out/${config}_${arm/:/-}_bs${bs}.log"
+    log="$out/${config}_$(arm_name "$arm")_bs${bs}.log"
     preset=()
     if [[ $arm == *:* ]]; then preset=(--quantize.linear.nvfp4.recipe "${arm#*:}"); fi
+    if [[ $arm == *=* ]]; then
+      tag=${arm#*=}
+      [[ $tag =~ ^[A-Za-z0-9_]+$ ]] || { echo "e2e_bench: arm $arm: the tag after = must be letters, digits or _"; exit 2; }
+      var="ARGS_$tag"
+      [[ -n ${!var:-} ]] || { echo "e2e_bench: arm $arm needs its overrides in the variable $var"; exit 2; }
+      read -r -a preset <<< "${!var}"
+    fi
     start=$(date +%s)
     timeout --kill-after=30 "${ARM_TIMEOUT:-240}" \
       torchrun --standalone --nproc_per_node=1 -m torchtitan.train \
-        --job.config_file "train_configs/${config}_${arm%%:*}.toml" \
+        --job.config_file "train_configs/${config}_$(arm_file "$arm").toml" \
         "${bs_arg[@]}" "${preset[@]}" "${extra[@]}" 2>&1 \
       | tee "$log" | grep --line-buffered -E "NVFP4: converted|size: .* parameters|step: +(1|2|5|10|20|30|40) |Error"
     rc=${PIPESTATUS[0]}
@@ -67,6 +78,6 @@ done
        "extra args: ${extra[*]:-none}; PYTORCH_ALLOC_CONF=$PYTORCH_ALLOC_CONF"
   echo
   logs=("$out/${config}_bf16_bs${bs}.log")  # the baseline, run here or by an earlier call into this folder
-  for arm in ${ARMS:-bf16 nvfp4}; do [[ $arm == bf16 ]] || logs+=("$out/${config}_${arm/:/-}_bs${bs}.log"); done
+  for arm in ${ARMS:-bf16 nvfp4}; do [[ $arm == bf16 ]] || logs+=("$out/${config}_$(arm_name "$arm")_bs${bs}.log"); done
   python -m titan_nvfp4.tools.e2e_report "${logs[@]}" --skip "${SKIP:-5}" --json "$out/e2e_bench.json"
 } | tee "$out/e2e_bench.md"
