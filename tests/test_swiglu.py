@@ -116,6 +116,19 @@ def test_fused_swiglu_without_columns_and_bad_inputs():
 _pair = G.quantize_expert_pair  # the real one, for the spy below
 
 
+def _expert_block(seed: int):
+    """(offsets, x, W1, W3, W2, dY) of a 3-expert SwiGLU block (dim 32, hidden 48, an empty expert, 16 tail rows)."""
+    g = torch.Generator().manual_seed(seed)
+    E, dim, hidden = 3, 32, 48
+    counts, tail = (32, 0, 48), 16
+    rows = sum(counts) + tail
+    offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(DEV)
+    x = torch.randn(rows, dim, generator=g).bfloat16().to(DEV)
+    w1, w3 = (torch.randn(E, hidden, dim, generator=g).mul(dim ** -0.5).bfloat16().to(DEV) for _ in range(2))
+    w2 = torch.randn(E, dim, hidden, generator=g).mul(hidden ** -0.5).bfloat16().to(DEV)
+    return offsets, x, w1, w3, w2, torch.randn(rows, dim, generator=g).bfloat16().to(DEV)
+
+
 @pytest.mark.long
 @cpu_triton
 def test_fused_swiglu_experts_equal_the_unfused_block(monkeypatch):
@@ -127,15 +140,7 @@ def test_fused_swiglu_experts_equal_the_unfused_block(monkeypatch):
     pairs = []
     monkeypatch.setattr(G, "quantize_expert_pair", lambda *a, **k: pairs.append(1) or _pair(*a, **k))
     recipe = NVFP4Recipe(gemm_backend="emulated", stochastic_rounding=True)  # SR: the counters must match too
-    g = torch.Generator().manual_seed(3)
-    E, dim, hidden = 3, 32, 48
-    counts, tail = (32, 0, 48), 16
-    rows = sum(counts) + tail
-    offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(DEV)
-    x = torch.randn(rows, dim, generator=g).bfloat16().to(DEV)
-    w1, w3 = (torch.randn(E, hidden, dim, generator=g).mul(dim ** -0.5).bfloat16().to(DEV) for _ in range(2))
-    w2 = torch.randn(E, dim, hidden, generator=g).mul(hidden ** -0.5).bfloat16().to(DEV)
-    dy = torch.randn(rows, dim, generator=g).bfloat16().to(DEV)
+    offsets, x, w1, w3, w2, dy = _expert_block(3)
     runs = []
     for fused in (False, True):
         xi, w1i, w2i, w3i = (t.clone().requires_grad_() for t in (x, w1, w2, w3))
@@ -154,20 +159,11 @@ def test_fused_swiglu_experts_equal_the_unfused_block(monkeypatch):
         _same(a, b, f"output {i}")
 
 
-
 @cpu_triton
 def test_fused_swiglu_experts_requantizing_their_weights_give_the_same_bits():
     """recipe.requantize_expert_weights on the fused block (W1|W3 as one GEMM, quantize_expert_pair, then W2):
     no Wᵀ codes kept from forward, and outputs, every gradient and the SR counters bit-identical to keeping them."""
-    g = torch.Generator().manual_seed(5)
-    E, dim, hidden = 3, 32, 48
-    counts, tail = (32, 0, 48), 16
-    rows = sum(counts) + tail
-    offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(DEV)
-    x = torch.randn(rows, dim, generator=g).bfloat16().to(DEV)
-    w1, w3 = (torch.randn(E, hidden, dim, generator=g).mul(dim ** -0.5).bfloat16().to(DEV) for _ in range(2))
-    w2 = torch.randn(E, dim, hidden, generator=g).mul(hidden ** -0.5).bfloat16().to(DEV)
-    dy = torch.randn(rows, dim, generator=g).bfloat16().to(DEV)
+    offsets, x, w1, w3, w2, dy = _expert_block(5)
     runs = []
     for requant in (False, True):
         recipe = NVFP4Recipe(gemm_backend="emulated", stochastic_rounding=True, requantize_expert_weights=requant)
