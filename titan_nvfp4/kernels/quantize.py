@@ -19,7 +19,6 @@ rounded up to a power of two, which the autotuners key on instead of the row cou
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
