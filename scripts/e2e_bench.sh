@@ -36,10 +36,10 @@ python -m titan_nvfp4.data.prepare > "$out/prepare.log" 2>&1 || { tail -20 "$out
 export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
 echo "PYTORCH_ALLOC_CONF=$PYTORCH_ALLOC_CONF"
 
-# torch's CUDA allocator error only: inductor logs Triton's "OutOfMemoryError: out of resource" (shared memory) for
-# flex-attention candidates it skips, in runs that go on fine.
 arm_file() { local a=${1%%:*}; echo "${a%%=*}"; }  # the job file's suffix: bf16 or nvfp4
 arm_name() { local a=${1/:/-}; echo "${a/=/-}"; }   # in log names: nvfp4-quartet2, nvfp4-rq
+# torch's CUDA allocator error only: inductor logs Triton's "OutOfMemoryError: out of resource" (shared memory) for
+# flex-attention candidates it skips, in runs that go on fine.
 oom() { grep -qE "torch\.OutOfMemoryError|CUDA out of memory" "$1"; }
 for bs in $batches; do
   retry=0
