@@ -81,6 +81,55 @@ def test_cpu_tensors_launch_through_triton():
     assert calls and calls[0][0] == (3, 1) and la.cache == {}
 
 
+def test_a_launch_through_triton_that_built_collects_its_garbage(monkeypatch):
+    """A launch the cache cannot key (a TMA descriptor argument: the grouped wgrad GEMM) goes through Triton. Where that
+    autotuned, a failed config leaves an error whose traceback holds the launch's tensors in a reference cycle (Triton
+    re-raises it from a frame that holds it): it is collected as for cached launches, once. Under CUDA-graph trees
+    those tensors sit in the graphs' pool; left to the cyclic collector they failed the trees' pool check on the
+    DeepSeek-V3-16B job's first compiled step."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(L, "_fast", lambda args: True)
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    collected = []
+    monkeypatch.setattr(L, "_collect_build_garbage", lambda device: collected.append(device) or gc.collect())
+
+    def raise_(err):
+        raise err
+
+    class Autotuner:  # benchmarks one config that fails, then keeps the other (Triton's cache of choices)
+        def __init__(self):
+            self.cache = {}
+
+        def __getitem__(self, grid):
+            def run(x, spec):
+                if spec not in self.cache:
+                    try:
+                        raise_(RuntimeError("out of resource: shared memory"))
+                    except RuntimeError:
+                        pass
+                    self.cache[spec] = "the other config"
+                return "kernel"
+            return run
+
+    la = L.Launcher.__new__(L.Launcher)
+    la.fn, la.jit, la.autotuner, la.cache = Autotuner(), object(), True, {}
+    la.names, la.constexprs, la.tune_keys = ["X", "SPEC"], set(), []
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        x = torch.zeros(4)
+        alive = weakref.ref(x)
+        assert la((1,), x, 1.5) == "kernel" and la.cache == {}  # 1.5: no key, Triton's own launch
+        del x
+        assert collected == [0] and alive() is None
+        assert la((1,), torch.zeros(4), 1.5) == "kernel" and collected == [0]  # nothing built: no collection
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 
 def _no_triton_launch(monkeypatch, *fns):

@@ -111,14 +111,13 @@ class Launcher:
         try:
             key = self._key(args, kwargs)
         except _Uncacheable:
-            return self.fn[grid](*args, **kwargs)
+            key = None
+        if key is None:  # through Triton (out of the except block: a failed config's error would chain to ours)
+            return self._build(grid, args, kwargs)
         entry = self.cache.get(key)
         if entry is None:
             precompile.wait()  # a kernel the background precompile may be compiling comes from the cache
-            built = self._built()
-            kernel = self.fn[grid](*args, **kwargs)
-            if self._built() != built:
-                _collect_build_garbage(key[0])
+            kernel = self._build(grid, args, kwargs)
             entry = self._record(kernel, args, kwargs)
             if entry is not None:
                 self.cache[key] = entry
@@ -136,6 +135,14 @@ class Launcher:
         k.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, k.function,
               k.packed_metadata, meta, enter, leave, *full)
         return k
+
+    def _build(self, grid, args, kwargs):
+        """``fn[grid](*args, **kwargs)``, then the garbage of any compile or autotuning it ran collected (_collect_build_garbage)."""
+        built = self._built()
+        kernel = self.fn[grid](*args, **kwargs)
+        if self._built() != built:
+            _collect_build_garbage(_current_device())
+        return kernel
 
     def _built(self) -> int:
         """Kernels compiled and configs tuned so far (to tell a launch that built one)."""
