@@ -81,53 +81,83 @@ def test_cpu_tensors_launch_through_triton():
     assert calls and calls[0][0] == (3, 1) and la.cache == {}
 
 
-def test_a_launch_through_triton_that_built_collects_its_garbage(monkeypatch):
-    """A launch the cache cannot key (a TMA descriptor argument: the grouped wgrad GEMM) goes through Triton. Where that
-    autotuned, a failed config leaves an error whose traceback holds the launch's tensors in a reference cycle (Triton
-    re-raises it from a frame that holds it): it is collected as for cached launches, once. Under CUDA-graph trees
-    those tensors sit in the graphs' pool; left to the cyclic collector they failed the trees' pool check on the
-    DeepSeek-V3-16B job's first compiled step."""
+def _raise(err):
+    raise err
+
+
+class _FailingAutotuner:
+    """Triton's autotuner as the launcher sees it: the first launch of a spec benchmarks a config that fails (the error
+    re-raised from a frame that holds it, as Triton does, so its traceback keeps the launch's tensors in a cycle) and
+    keeps another; ``count_failures``: it counts the failed config as ShippedAutotuner does."""
+
+    def __init__(self, count_failures: bool):
+        self.cache, self.count_failures, self.failed_configs = {}, count_failures, 0
+
+    def __getitem__(self, grid):
+        def run(x, spec):
+            if spec not in self.cache:
+                try:
+                    _raise(RuntimeError("out of resource: shared memory"))
+                except RuntimeError:
+                    self.failed_configs += self.count_failures
+                self.cache[spec] = "the other config"
+            return "kernel"
+        return run
+
+
+def _uncacheable_launches(monkeypatch, fn, collect_under_trees):
+    """Launch ``fn`` twice with an argument the cache cannot key (Triton's own launch, as for a TMA descriptor);
+    returns (whether the first launch's tensor died at once, the graph-tree collections asked for)."""
     import gc
     import weakref
 
     monkeypatch.setattr(L, "_fast", lambda args: True)
     monkeypatch.setattr(L, "_current_device", lambda: 0)
-    collected = []
-    monkeypatch.setattr(L, "_collect_build_garbage", lambda device: collected.append(device) or gc.collect())
-
-    def raise_(err):
-        raise err
-
-    class Autotuner:  # benchmarks one config that fails, then keeps the other (Triton's cache of choices)
-        def __init__(self):
-            self.cache = {}
-
-        def __getitem__(self, grid):
-            def run(x, spec):
-                if spec not in self.cache:
-                    try:
-                        raise_(RuntimeError("out of resource: shared memory"))
-                    except RuntimeError:
-                        pass
-                    self.cache[spec] = "the other config"
-                return "kernel"
-            return run
-
+    asked = []
+    monkeypatch.setattr(L, "_collect_build_garbage",
+                        lambda device: asked.append(device) or (gc.collect() if collect_under_trees else None))
     la = L.Launcher.__new__(L.Launcher)
-    la.fn, la.jit, la.autotuner, la.cache = Autotuner(), object(), True, {}
+    la.fn, la.jit, la.autotuner, la.cache = fn, object(), True, {}
     la.names, la.constexprs, la.tune_keys = ["X", "SPEC"], set(), []
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         x = torch.zeros(4)
         alive = weakref.ref(x)
-        assert la((1,), x, 1.5) == "kernel" and la.cache == {}  # 1.5: no key, Triton's own launch
+        assert la((1,), x, 1.5) == "kernel" and la.cache == {}
         del x
-        assert collected == [0] and alive() is None
-        assert la((1,), torch.zeros(4), 1.5) == "kernel" and collected == [0]  # nothing built: no collection
+        died = alive() is None
+        assert la((1,), torch.zeros(4), 1.5) == "kernel"  # nothing built: nothing more collected
+        return died, asked
     finally:
         if was_enabled:
             gc.enable()
+
+
+def test_a_launch_through_triton_that_built_collects_its_garbage_under_graph_trees(monkeypatch):
+    """A launch the cache cannot key (the grouped wgrad GEMM's TMA descriptors) goes through Triton; where that compiled
+    or autotuned, its garbage is collected as a cached launch's is, once. Under CUDA-graph trees the tensors a cycle
+    holds sit in the graphs' pool: left to the cyclic collector they failed the trees' pool check on the
+    DeepSeek-V3-16B job's first compiled step."""
+    died, asked = _uncacheable_launches(monkeypatch, _FailingAutotuner(count_failures=False), collect_under_trees=True)
+    assert died and asked == [0]
+
+
+def test_a_config_that_failed_to_benchmark_has_its_garbage_collected_in_eager_too(monkeypatch):
+    """Without graph trees a build's garbage is left to Python, except where a config failed to benchmark: its cycle
+    held 1.1 GB of the 16B expert block's tensors after the first backward, so it is collected at once."""
+    died, asked = _uncacheable_launches(monkeypatch, _FailingAutotuner(count_failures=True), collect_under_trees=False)
+    assert died and asked == []
+
+
+def test_shipped_autotuner_counts_the_configs_that_failed_to_benchmark(monkeypatch):
+    from triton.runtime.autotuner import Autotuner
+
+    tuner = L.ShippedAutotuner.__new__(L.ShippedAutotuner)
+    inf = float("inf")
+    for timings, failed in (([1.0, 0.9, 1.1], 0), ([inf, inf, inf], 1), ([2.0, 1.9, 2.1], 1), ([inf, inf, inf], 2)):
+        monkeypatch.setattr(Autotuner, "_bench", lambda self, *a, _t=timings, **k: _t)
+        assert tuner._bench(config=None) == timings and tuner.failed_configs == failed
 
 
 # ----------------------------------------------------------------------------------------------- GPU

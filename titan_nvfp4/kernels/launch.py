@@ -137,10 +137,14 @@ class Launcher:
         return k
 
     def _build(self, grid, args, kwargs):
-        """``fn[grid](*args, **kwargs)``, then the garbage of any compile or autotuning it ran collected (_collect_build_garbage)."""
-        built = self._built()
+        """``fn[grid](*args, **kwargs)``, then the garbage of any compile or autotuning it ran collected: always where
+        a config failed to benchmark (its error holds the launch's tensors in a cycle: 1.1 GB after the 16B expert
+        block's first backward), else under CUDA-graph trees (_collect_build_garbage)."""
+        built, failed = self._built(), getattr(self.fn, "failed_configs", 0)
         kernel = self.fn[grid](*args, **kwargs)
-        if self._built() != built:
+        if getattr(self.fn, "failed_configs", 0) != failed:
+            gc.collect()
+        elif self._built() != built:
             _collect_build_garbage(_current_device())
         return kernel
 
@@ -246,6 +250,13 @@ class ShippedAutotuner(Autotuner):
     benchmarking; a miss autotunes as Triton does."""
 
     shipped_hits = 0  # keys served from a table (per autotuner once set; tests and tune_kernels count them)
+    failed_configs = 0  # configs whose benchmark failed (out of resources): Launcher._build collects their garbage
+
+    def _bench(self, *args, **kwargs):
+        timings = super()._bench(*args, **kwargs)
+        if timings and timings[0] == float("inf"):  # Triton's mark of a config that could not run
+            self.failed_configs += 1
+        return timings
 
     def run(self, *args, **kwargs):
         if len(self.configs) > 1:
