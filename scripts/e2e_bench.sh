@@ -5,8 +5,9 @@
 #   [CONFIG=llama3] bash scripts/e2e_bench.sh [OUT_DIR] [TORCHTITAN_OVERRIDES...]     e.g.  ... --compile.enable
 #
 # Runs train_configs/<CONFIG>_bf16.toml then <CONFIG>_nvfp4.toml (torchrun --nproc_per_node=1) with the same
-# local batch size, tees each log into OUT_DIR (default $OUT, else ./outputs/e2e_bench), and writes the table
-# of titan_nvfp4.tools.e2e_report to OUT_DIR/e2e_bench.md (+ .json). CONFIG defaults to llama3_2b_bench
+# local batch size, tees each log into OUT_DIR (default $OUT, else ./outputs/e2e_bench) with its TensorBoard events
+# in LOG-stem.dump beside it (the report's peak active memory), and writes the table of
+# titan_nvfp4.tools.e2e_report to OUT_DIR/e2e_bench.md (+ .json). CONFIG defaults to llama3_2b_bench
 # (Llama3 "2B_bench", 386M parameters, seq 2048, 40 steps); CONFIG=llama3 is the README's debug model.
 # Environment: BATCHES  local batch sizes tried in order until both arms run without running out of
 #                       memory (2B_bench default "32 24 16"; other configs: "config", their own batch)
@@ -60,6 +61,7 @@ for bs in $batches; do
     timeout --kill-after=30 "${ARM_TIMEOUT:-240}" \
       torchrun --standalone --nproc_per_node=1 -m torchtitan.train \
         --job.config_file "train_configs/${config}_$(arm_file "$arm").toml" \
+        --metrics.enable_tensorboard --job.dump_folder "${log%.log}.dump" \
         "${bs_arg[@]}" "${preset[@]}" "${extra[@]}" 2>&1 \
       | tee "$log" | grep --line-buffered -E "NVFP4: converted|size: .* parameters|step: +(1|2|5|10|20|30|40) |Error"
     rc=${PIPESTATUS[0]}

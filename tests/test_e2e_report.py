@@ -116,3 +116,24 @@ def test_missing_log_gets_a_row(tmp_path, capsys):
     a.write_text(BF16)
     main([str(a), str(tmp_path / "nvfp4.log"), "--skip", "2"])
     assert "| nvfp4 | — | 0 | — |" in capsys.readouterr().out
+
+
+def test_peak_active_memory_from_the_tensorboard_events_beside_a_log(tmp_path, capsys):
+    """e2e_bench.sh gives each arm the dump folder LOG-stem.dump with --metrics.enable_tensorboard: the report takes
+    the peak active memory of the measured steps from its events (reserved memory keeps the first steps' peaks)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    a, b, j = tmp_path / "bf16.log", tmp_path / "nvfp4.log", tmp_path / "r.json"
+    a.write_text(BF16)
+    b.write_text(NVFP4)
+    writer = SummaryWriter(str(tmp_path / "nvfp4.dump" / "tb" / "20261206-0700"))
+    for step, active in enumerate([74.0, 50.0, 41.0, 41.5, 41.25, 41.0], start=1):  # step 1: compiles, autotuning
+        writer.add_scalar("loss_metrics/global_avg_loss", 8.0 - 0.1 * step, step)
+        writer.add_scalar("memory/max_active(GiB)", active, step)
+    writer.close()
+    main([str(a), str(b), "--skip", "2", "--json", str(j)])
+    out = capsys.readouterr().out
+    assert "| peak memory GiB (max reserved) | peak active GiB |" in out
+    assert "| 60.50 | 41.50 |" in out and "| 71.62 | — |" in out  # no dump folder beside bf16.log
+    rows = json.loads(j.read_text())["runs"]
+    assert rows[1]["peak_active_gib"] == 41.5 and rows[0]["peak_active_gib"] is None

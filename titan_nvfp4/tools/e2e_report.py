@@ -9,8 +9,11 @@ gradient accumulation steps A, sequence length S, ..." line. TorchTitan's tps is
 the last log over the wall time since it, so step time = B*A*S / tps for any log_freq (one GPU, or
 pure data parallel: with TP/CP/PP tps is divided further). The first --skip steps (compilation,
 autotuning, allocator warm-up) are left out of the medians and the peak memory. A log with a rerun appended is
-read from where its last run starts (loss_log.split_log, said in the notes column). ``--json`` is written
-atomically and may not name an input.
+read from where its last run starts (loss_log.split_log, said in the notes column). Where a folder LOG-stem.dump
+beside a log holds the run's TensorBoard events (scripts/e2e_bench.sh runs with --metrics.enable_tensorboard and
+that dump folder), the peak *active* memory of the measured steps is read from them too: reserved memory keeps
+what the first steps' compiles and autotuning once needed, and differs by half a GiB between runs of one job.
+``--json`` is written atomically and may not name an input.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 from .atomic import write_text
 from .cli import fail, parser, require_output, writing
-from .loss_log import ANSI_ESCAPES, StepMetrics, split_log
+from .loss_log import ANSI_ESCAPES, StepMetrics, split_log, tensorboard_run
 
 _INIT = re.compile(
     r"local batch size (?P<b>\d+), global batch size \d+, gradient accumulation steps (?P<a>\d+), "
@@ -44,6 +47,7 @@ class RunSummary:
     step_ms: float | None = None
     tps: float | None = None
     peak_memory_gib: float | None = None
+    peak_active_gib: float | None = None
     final_loss: float | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -56,9 +60,11 @@ def tokens_per_step(text: str) -> int | None:
     return int(m["b"]) * int(m["a"]) * int(m["s"]) if m else None
 
 
-def summarize_run(name: str, text: str, skip: int, tokens: int | None = None) -> RunSummary:
+def summarize_run(name: str, text: str, skip: int, tokens: int | None = None,
+                  active: dict[int, float] | None = None) -> RunSummary:
     """Median step time and tps, peak reserved memory and last loss of the steps after ``skip``, of the log's last
-    run (loss_log.split_log: a log with runs appended is read from where the last one restarts, with a note)."""
+    run (loss_log.split_log: a log with runs appended is read from where the last one restarts, with a note);
+    ``active``: max active memory (GiB) by logged step, whose peak over the same steps is reported too."""
     tokens = tokens or tokens_per_step(text)
     runs = split_log(text)
     steps: list[StepMetrics] = runs[-1].steps
@@ -75,11 +81,24 @@ def summarize_run(name: str, text: str, skip: int, tokens: int | None = None) ->
         return r
     r.tps = statistics.median(s.tps for s in measured)
     r.peak_memory_gib = max(s.memory_gib for s in measured)
+    seen = [active[s.step] for s in measured if s.step in (active or {})]
+    if seen:
+        r.peak_active_gib = max(seen)
     if tokens:
         r.step_ms = statistics.median(1000.0 * tokens / s.tps for s in measured)
     else:
         r.notes.append("no 'Trainer is initialized' line: step time unknown (pass --tokens-per-step)")
     return r
+
+
+def active_memory(log: Path) -> dict[int, float] | None:
+    """Max active memory (GiB) by logged step of the newest run whose TensorBoard events are in the dump folder
+    beside ``log`` (LOG-stem.dump), None without one."""
+    dump = log.with_suffix(".dump")
+    if not dump.is_dir():
+        return None
+    steps, _ = tensorboard_run(dump)
+    return {s.step: s.active_gib for s in steps if s.active_gib is not None}
 
 
 def ratio(run: RunSummary, base: RunSummary) -> float | None:
@@ -96,13 +115,14 @@ def to_markdown(runs: list[RunSummary], skip: int) -> str:
     base = runs[0]
     out = [
         f"| run | tokens/step | steps measured (after {skip}) | step time ms (median) | tokens/s (median) "
-        f"| peak memory GiB (max reserved) | final loss | step time vs {base.name} | notes |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        f"| peak memory GiB (max reserved) | peak active GiB | final loss | step time vs {base.name} | notes |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in runs:
         out.append(
             f"| {r.name} | {_fmt(r.tokens_per_step, ',')} | {r.steps_measured} | {_fmt(r.step_ms, '.1f')} "
-            f"| {_fmt(r.tps, ',.0f')} | {_fmt(r.peak_memory_gib, '.2f')} | {_fmt(r.final_loss, '.4f')} "
+            f"| {_fmt(r.tps, ',.0f')} | {_fmt(r.peak_memory_gib, '.2f')} | {_fmt(r.peak_active_gib, '.2f')} "
+            f"| {_fmt(r.final_loss, '.4f')} "
             f"| {_fmt(ratio(r, base), '.3f')}× | {'; '.join(r.notes)} |"
         )
     for r in runs[1:]:
@@ -134,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             text = p.read_text(errors="replace") if p.exists() else ""
         except OSError as e:
             fail(ap.prog, f"cannot read {p}: {e.strerror}")
-        runs.append(summarize_run(p.stem, text, args.skip, args.tokens_per_step))
+        runs.append(summarize_run(p.stem, text, args.skip, args.tokens_per_step, active_memory(p)))
         if not p.exists():
             runs[-1].notes.insert(0, "log missing")
     if not any(p.exists() for p in args.logs):

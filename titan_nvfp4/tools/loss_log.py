@@ -49,8 +49,9 @@ class StepMetrics:
     step: int
     loss: float
     grad_norm: float
-    memory_gib: float
+    memory_gib: float  # max reserved since the previous logged step
     tps: int
+    active_gib: float | None = None  # max active since the previous logged step (TensorBoard events only)
 
 
 def parse_log(text: str) -> list[StepMetrics]:
@@ -441,7 +442,8 @@ def _tensorboard_metrics(by_step: dict[int, dict[str, float]]) -> tuple[list[Ste
             validation[step] = m["validation_metrics/loss"]
         if "loss_metrics/global_avg_loss" in m:
             steps.append(StepMetrics(step, m["loss_metrics/global_avg_loss"], m.get("grad_norm", float("nan")),
-                                     m.get("memory/max_reserved(GiB)", 0.0), int(m.get("throughput(tps)", 0))))
+                                     m.get("memory/max_reserved(GiB)", 0.0), int(m.get("throughput(tps)", 0)),
+                                     m.get("memory/max_active(GiB)")))
     return steps, validation
 
 
