@@ -183,6 +183,8 @@ __device_kernel_cache() {
         mkdir -p "$dir"
         if [[ -f $cache/$name.tar.xz && ! -e $dir/.unpacked ]]; then
             tar -C "$dir" -xJf "$cache/$name.tar.xz" && touch "$dir/.unpacked"
+        elif [[ -f $cache/$name.tar.xz.part0 && ! -e $dir/.unpacked ]]; then  # packed in parts (save_kernel_cache.sh)
+            cat "$cache/$name.tar.xz.part"* | tar -C "$dir" -xJf - && touch "$dir/.unpacked"
         fi
         echo "device_setup: $var=$dir ($(find "$dir" -type f ! -name .unpacked | wc -l) cached files)"
     done

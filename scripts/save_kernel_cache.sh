@@ -2,8 +2,9 @@
 # Pack the device machine's compiled kernels (Triton's and TorchInductor's caches) for the next session,
 # which then skips the cold compile (3-5 minutes for an NVFP4 MoE debug run, ~1.5 for FlexAttention).
 # On the device, at the end of a command, after `source scripts/device_setup.sh`:
-#   bash scripts/save_kernel_cache.sh         -> $OUT/triton.tar.xz, $OUT/inductor.tar.xz (16 MiB each at most)
-# Here, afterwards:  mkdir -p .kernel_cache && cp <files_at>/*.tar.xz .kernel_cache/
+#   bash scripts/save_kernel_cache.sh         -> $OUT/triton.tar.xz, $OUT/inductor.tar.xz (one larger than 16 MiB
+#                                                as .tar.xz.part0, part1, ... of 15 MiB)
+# Here, afterwards:  mkdir -p .kernel_cache && cp <files_at>/*.tar.xz* .kernel_cache/
 # and name ".kernel_cache" in the next calls' carry (beside ".whl"). Valid for the same torch/triton and
 # GPU kind; both caches key every entry by source and options, so stale entries are only dead weight.
 set -uo pipefail
@@ -14,7 +15,8 @@ for pair in "triton:${TRITON_CACHE_DIR:-}" "inductor:${TORCHINDUCTOR_CACHE_DIR:-
   tar -C "$dir" --exclude=.unpacked -I "xz -T0 -3" -cf "$out/$name.tar.xz" . || continue  # fast: runs inside a call
   size=$(stat -c %s "$out/$name.tar.xz")
   echo "kernel cache $name: $(find "$dir" -type f ! -name .unpacked | wc -l) files, $(du -sh "$dir" | cut -f1) -> $((size / 1024)) KiB packed"
-  if (( size > 16 * 1024 * 1024 )); then
-    echo "kernel cache $name: over the 16 MiB a file may come back from \$OUT; not kept"; rm -f "$out/$name.tar.xz"
+  if (( size > 16 * 1024 * 1024 )); then  # a file comes back from $OUT up to 16 MiB: in parts of 15 MiB
+    split -b 15M -d -a 1 "$out/$name.tar.xz" "$out/$name.tar.xz.part" && rm -f "$out/$name.tar.xz" &&
+      echo "kernel cache $name: in $(ls "$out/$name.tar.xz.part"* | wc -l) parts"
   fi
 done
