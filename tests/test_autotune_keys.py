@@ -165,3 +165,30 @@ def test_a_second_process_reads_the_choices_instead_of_benchmarking(tmp_path):
     assert first > 2, first
     assert benchmarked() == 0
     assert benchmarked({"TITAN_NVFP4_AUTOTUNE_CACHE": "0"}) == first
+
+
+def test_configs_whose_tma_tiles_overflow_shared_memory_are_never_benchmarked(monkeypatch):
+    """The GEMMs' first config, 128×256×128 in 3 stages, needs 3·(128+256)·128·2 B = 288 KiB of fp16 TMA tiles: over an
+    H100's 227 KiB it fails after a compile (Triton's OutOfResources, 294,936 B on the DeepSeek-V3-16B wgrad GEMM),
+    so the prune drops it there. Tiles of an operand the kernel does not load through TMA are not counted, and where
+    nothing fits every config is kept (Triton then names the failure)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from titan_nvfp4.kernels import grouped_gemm as gg
+
+    monkeypatch.setattr(g, "_shared_memory_limit", lambda device: 232448)  # sm_90's opt-in limit
+    a16, b16 = torch.zeros(256, 256, dtype=torch.float16), torch.zeros(512, 256, dtype=torch.float16)
+    desc = {"a_desc": TensorDescriptor.from_tensor(a16, [128, 64]), "b_desc": TensorDescriptor.from_tensor(b16, [256, 64])}
+    configs = gg._configs()
+    shapes = lambda cs: [(c.kwargs["BM"], c.kwargs["BN"], c.kwargs["BK"], c.num_stages) for c in cs]  # noqa: E731
+    kept = shapes(g.tma_tiles_fit(configs, desc, TMA=True))
+    assert (128, 256, 128, 3) not in kept and kept == [s for s in shapes(configs) if s != (128, 256, 128, 3)]
+    assert shapes(g.tma_tiles_fit(configs, {"a_desc": a16, "b_desc": b16}, TMA=False)) == shapes(configs)
+    dense = g._configs()
+    assert (128, 256, 128, 3) not in shapes(g.tma_tiles_fit(dense, desc, B_TMA=True, A_STAGED=True))
+    # A from codes (not through a_desc): B's tiles alone, 3·256·128·2 B = 192 KiB, fit
+    assert shapes(g.tma_tiles_fit(dense, desc, B_TMA=True, A_STAGED=False)) == shapes(dense)
+    monkeypatch.setattr(g, "_shared_memory_limit", lambda device: 1024)
+    assert g.tma_tiles_fit(configs, desc, TMA=True) == configs
+    for tuner in (g._nvfp4_gemm_autotuned, gg._rows_autotuned, gg._tokens_autotuned):
+        assert tuner.early_config_prune is g.tma_tiles_fit

@@ -62,6 +62,35 @@ def set_b_block(nargs):
             desc.block_shape = [nargs[rows], nargs["BK"]]
 
 
+def tma_tiles_fit(configs, named_args, **kwargs):
+    """Autotune early prune: the configs whose TMA tiles fit the GPU's shared memory. Each host descriptor the kernel
+    loads (a_desc, b_desc) takes num_stages buffers of its [BM or BN, BK] tile, a lower bound of what it needs, so a config
+    dropped here would fail anyway (Triton's OutOfResources, after a compile: 128×256×128 in 3 stages of fp16 needs
+    288 KiB, an H100 has 227), and a failed config's error holds the launch's tensors in a reference cycle."""
+    fit, limit = [], None
+    for c in configs:
+        meta = {**named_args, **kwargs, **c.kwargs}
+        need, device = 0, None
+        tma = meta.get("TMA", meta.get("B_TMA", False))  # the grouped kernels' flag, the dense kernel's
+        for name, rows, used in (("a_desc", "BM", tma and meta.get("A_STAGED", True)), ("b_desc", "BN", tma)):
+            desc = meta.get(name)
+            if used and hasattr(desc, "block_shape") and hasattr(desc, "base"):
+                need += c.num_stages * meta[rows] * meta["BK"] * desc.base.element_size()
+                device = desc.base.device
+        if need and limit is None:
+            cuda_index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
+            limit = _shared_memory_limit(cuda_index or 0)
+        if not need or need <= limit:
+            fit.append(c)
+    return fit or configs  # Triton needs one: then the failure says which
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory_limit(device: int) -> int:
+    """Bytes of shared memory one program may use on this CUDA device (what Triton checks a launch against)."""
+    return triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"]
+
+
 def _configs():
     return [triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s, pre_hook=set_b_block)
             for bm, bn, bk, w, s in ((128, 256, 128, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 4, 4))]
@@ -211,7 +240,8 @@ def _nvfp4_gemm_kernel(A, SA, a_desc, B, b_desc, GSA, GSB, BIAS, C, P, M, N, K, 
 # restore_value: benchmarking runs each config several times, and a K-split launch that adds into the
 # partial sums P must not see its own earlier runs
 _nvfp4_gemm_autotuned = autotune(_configs(), key=["M", "N", "K", "A_SCALE_DIV", "B_TMA", "A_STAGED"],
-                                        restore_value=["P"])(_nvfp4_gemm_kernel)
+                                        restore_value=["P"], prune_configs_by={"early_config_prune": tma_tiles_fit}
+                                        )(_nvfp4_gemm_kernel)
 
 #: Fixed tiles for small problems on a GPU (autotuning there would only cost time).
 SMALL_TILES = {"BM": 32, "BN": 32, "BK": 32, "GROUP_M": 4}

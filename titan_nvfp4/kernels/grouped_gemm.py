@@ -29,7 +29,7 @@ from ..numerics.nvfp4 import NVFP4Tensor
 from ..numerics.operands import StagedOperand
 from .platform import interpreting
 from .gemm import (dequantize_fp16, ensure_scratch_allocator, fixed_tiles, persistent_programs, set_b_block, swizzle_tile,
-                   tma_descriptor, tma_storable, tma_supported)
+                   tma_descriptor, tma_storable, tma_supported, tma_tiles_fit)
 from .launch import autotune, cdiv, launch, next_pow2
 from .nvfp4_jit import round_to
 
@@ -201,8 +201,10 @@ def _grouped_tokens_kernel(A, a_desc, B, b_desc, OFFS, GSA, GSB, C, M, N, sam, s
              out.to(C.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-_rows_autotuned = autotune(_configs(), key=["E", "N", "K", "B_ROW_STEP", "B_COL_STEP", "TMA", "ACC"])(_grouped_rows_kernel)
-_tokens_autotuned = autotune(_configs(), key=["M", "N", "TMA"])(_grouped_tokens_kernel)
+_FIT = {"early_config_prune": tma_tiles_fit}
+_rows_autotuned = autotune(_configs(), key=["E", "N", "K", "B_ROW_STEP", "B_COL_STEP", "TMA", "ACC"],
+                           prune_configs_by=_FIT)(_grouped_rows_kernel)
+_tokens_autotuned = autotune(_configs(), key=["M", "N", "TMA"], prune_configs_by=_FIT)(_grouped_tokens_kernel)
 _rows_persistent_autotuned = autotune(_persistent_configs(), key=["E", "N", "K", "B_ROW_STEP", "B_COL_STEP",
                                                                         "FLATTEN", "ACC"])(_grouped_rows_persistent_kernel)
 
