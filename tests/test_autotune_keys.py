@@ -139,16 +139,22 @@ def test_every_autotuner_keeps_its_choices_on_disk():
 
 _TUNE_ONCE = """
 import torch
+from titan_nvfp4.kernels.grouped_gemm import grouped_gemm_tokens
 from titan_nvfp4.kernels.quantize import quantize_operand
 quantize_operand(torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16))
+a, b = (torch.randn(1024, 8192, device="cuda", dtype=torch.float16) for _ in range(2))
+offsets = torch.arange(1, 9, device="cuda", dtype=torch.int32) * 1024
+gs = torch.ones(9, device="cuda")
+grouped_gemm_tokens(a, b, offsets, gs, gs, torch.float32)  # configs with a pre-hook (TMA block shapes)
 torch.cuda.synchronize()
 """
 
 
 @pytest.mark.skipif(not GPU, reason="autotuning runs on CUDA tensors only")
 def test_a_second_process_reads_the_choices_instead_of_benchmarking(tmp_path):
-    """With an empty cache folder the first process benchmarks the amax and quantize configs; a second one
-    benchmarks nothing; with TITAN_NVFP4_AUTOTUNE_CACHE=0 a third benchmarks again (the control)."""
+    """With an empty cache folder the first process benchmarks the amax and quantize configs and the wgrad GEMM's
+    (whose configs carry a pre-hook: ShippedAutotuner keeps that choice); a second one benchmarks nothing; with
+    TITAN_NVFP4_AUTOTUNE_CACHE=0 a third benchmarks again (the control)."""
     import os
     import subprocess
     import sys

@@ -314,3 +314,41 @@ def test_host_grid_arithmetic_matches_triton():
             assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
     for n in (1, 2, 3, 15, 16, 17, 1000, 2**20 + 1):
         assert next_pow2(n) == triton.next_power_of_2(n), n
+
+
+def test_choices_among_configs_with_a_pre_hook_are_kept_on_disk(tmp_path, monkeypatch):
+    """Triton keeps no autotuning choice among configs with a pre-hook (the GEMMs set their TMA block shapes in one),
+    so every process benchmarked the GEMMs again; the choice's position among the configs is kept in Triton's cache
+    folder instead, and a second process (a second autotuner here) reads it without benchmarking."""
+    from triton.runtime.cache import get_cache_manager
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(L, "_choice_file", lambda tuner, key, configs: (get_cache_manager("c" * 64), "k.choice.json"))
+
+    def hook(nargs):
+        pass
+
+    configs = [triton.Config({"BM": 64}, pre_hook=hook), triton.Config({"BM": 128}, pre_hook=hook)]
+
+    def tuner():
+        t = L.ShippedAutotuner.__new__(L.ShippedAutotuner)
+        t.cache = {}
+        return t
+
+    benchmarks = []
+    first = tuner()
+
+    def bench():
+        benchmarks.append("first")
+        first.cache[(4096, "torch.float16")] = configs[1]
+
+    assert first.check_disk_cache((4096, "torch.float16"), configs, bench) is False and benchmarks == ["first"]
+    second = tuner()
+    assert second.check_disk_cache((4096, "torch.float16"), configs, lambda: benchmarks.append("second")) is True
+    assert second.cache[(4096, "torch.float16")] is configs[1] and benchmarks == ["first"]
+    (saved,) = list(tmp_path.rglob("k.choice.json"))
+    saved.write_text('{"index": 7}')  # a choice past the configs (edited, or another list): benchmarked again
+    third = tuner()
+    assert third.check_disk_cache((4096, "torch.float16"), configs,
+                                  lambda: third.cache.update({(4096, "torch.float16"): configs[0]})) is False
+    assert third.cache[(4096, "torch.float16")] is configs[0]

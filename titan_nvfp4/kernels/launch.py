@@ -20,7 +20,9 @@ launch hooks (profilers) are called as Triton calls them.
 from __future__ import annotations
 
 import gc
+import hashlib
 import inspect
+import json
 import os
 import sys
 
@@ -252,6 +254,30 @@ class ShippedAutotuner(Autotuner):
     shipped_hits = 0  # keys served from a table (per autotuner once set; tests and tune_kernels count them)
     failed_configs = 0  # configs whose benchmark failed (out of resources): Launcher._build collects their garbage
 
+    def check_disk_cache(self, tuning_key, configs, bench_fn):
+        """Triton keeps no choice among configs with a pre-hook (the GEMMs' TMA block shapes: it cannot serialize
+        the hook) and benchmarks them again in every process; keep the chosen config's position among ``configs``
+        instead, in Triton's cache folder under a key built as Triton builds its own."""
+        if not tuning_key or not any(c.pre_hook for c in configs):
+            return super().check_disk_cache(tuning_key, configs, bench_fn)
+        try:
+            cache, name = _choice_file(self, tuning_key, configs)
+        except Exception:  # noqa: BLE001 -- another Triton's internals: benchmark, as Triton would
+            bench_fn()
+            return False
+        path = cache.get_file(name)
+        if path:
+            with open(path) as f:
+                index = json.load(f).get("index")
+            if isinstance(index, int) and 0 <= index < len(configs):
+                self.cache[tuning_key] = configs[index]
+                return True
+        bench_fn()
+        index = configs.index(self.cache[tuning_key])
+        cache.put(json.dumps({"key": str(tuning_key), "index": index, "config": str(configs[index])}), name,
+                  binary=False)
+        return False
+
     def _bench(self, *args, **kwargs):
         timings = super()._bench(*args, **kwargs)
         if timings and timings[0] == float("inf"):  # Triton's mark of a config that could not run
@@ -269,6 +295,24 @@ class ShippedAutotuner(Autotuner):
                         self.cache[key] = config
                         self.shipped_hits += 1
         return super().run(*args, **kwargs)
+
+
+def _choice_file(tuner: Autotuner, tuning_key: tuple, configs) -> tuple:
+    """(Triton cache manager, file name) of a tuning choice, keyed as Triton's check_disk_cache keys its own: Triton,
+    the GPU target, the kernel's source, the cache-invalidating environment, the tuning key and the configs."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.cache import get_cache_manager, triton_key
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    fn = tuner.fn
+    while not isinstance(fn, JITFunction):
+        fn = fn.fn
+    parts = [triton_key(), make_backend(driver.active.get_current_target()).hash(), fn.cache_key,
+             str(sorted(get_cache_invalidating_env_vars().items())), str(tuning_key)] + [str(c) for c in configs]
+    digest = hashlib.sha256("-".join(parts).encode("utf-8")).hexdigest()
+    return get_cache_manager(digest), f"{fn.__name__[:150]}.choice.json"
 
 
 def _cuda_index(t) -> int | None:
