@@ -31,10 +31,11 @@ def moe_models():
     }
 
 
-def build_moe(name: str, seq: int = 32, score_before_experts: bool | None = None, n_layers: int | None = None):
+def build_moe(name: str, seq: int = 32, score_before_experts: bool | None = None, n_layers: int | None = None,
+              **dims):
     """TorchTitan's debug flavour of ``name`` on the meta device, its vocabulary cut to the other flavours'
     2048: gpt_oss's debug flavour keeps its tokenizer's 201,088, whose embedding and output layer would
-    take most of a CPU test's time in init_weights."""
+    take most of a CPU test's time in init_weights. ``dims``: model arguments to set (dim=1024, ...)."""
     from torchtitan.config import ConfigManager
 
     cls, args = moe_models()[name]
@@ -44,6 +45,10 @@ def build_moe(name: str, seq: int = 32, score_before_experts: bool | None = None
         args.moe_args.score_before_experts = score_before_experts
     if n_layers is not None:  # fewer blocks (deepseek_v3: the first stays dense), for the multi-process tests
         args.n_layers = n_layers
+    for field, value in dims.items():
+        if not hasattr(args, field):
+            raise AttributeError(f"build_moe: {name} has no model argument {field!r}")
+        setattr(args, field, value)
     # as TorchTitan's trainer does (max_seq_len, the MoE implementation, ...)
     args.update_from_config(ConfigManager().parse_args(["--training.seq_len", str(seq)]))
     with torch.device("meta"):

@@ -446,13 +446,15 @@ def test_outcontrol_linear_on_the_gpu_kernels_matches_the_reference_backend(comp
         assert err < 4e-3, f"{what}: relative error {err:.3g}"
 
 
-@pytest.mark.parametrize("cudagraphs", [False, True])
-def test_compiled_experts_body_matches_eager_under_inductor(monkeypatch, cudagraphs):
+@pytest.mark.parametrize("cudagraphs,tuned", [(False, False), (True, False), (True, True)])
+def test_compiled_experts_body_matches_eager_under_inductor(monkeypatch, cudagraphs, tuned):
     """The deepseek_v3 debug MoE block's NVFP4 experts with their body compiled by inductor (as under TorchTitan's
     --compile.enable, which compiles BF16's expert GEMMs function: simulated here) against eager on the GPU: the same
     output, input and weight gradients, bits included, stochastic rounding on (integration/experts.py: _body).
     With CUDA graph trees too (TORCHINDUCTOR_CUDAGRAPHS=1), which refuse a tensor the body leaves alive in their pool
-    (a cached constant first made during their warm-up failed the deepseek_v3 debug job, H200, 2026-12-06)."""
+    (a cached constant first made during their warm-up failed the deepseek_v3 debug job, H200, 2026-12-06).
+    ``tuned``: dim and expert hidden 1024 and 16k tokens, so that every grouped GEMM autotunes, with nothing shipped,
+    stored or launched before: the tuning runs inside the trees' warm-up (its garbage once failed the 16B job there)."""
     from torchtitan.models.moe import moe as moe_module
     from torchtitan.models.moe import utils as moe_utils
 
@@ -460,8 +462,11 @@ def test_compiled_experts_body_matches_eager_under_inductor(monkeypatch, cudagra
     from moe_helpers import build_moe
     from titan_nvfp4.integration.converter import NVFP4GroupedMMConverter
 
+    from titan_nvfp4.kernels import launch as L
+
     align = moe_utils.TOKEN_GROUP_ALIGN_SIZE_M
     bf16_gemms = moe_module._run_experts_grouped_mm
+    dims, batch, seq = (dict(dim=1024, moe_inter_dim=1024), 8, 2048) if tuned else ({}, 4, 512)
     runs = []
     try:
         for backend in (None, "inductor"):
@@ -471,8 +476,14 @@ def test_compiled_experts_body_matches_eager_under_inductor(monkeypatch, cudagra
                 args = ["--compile.enable", "--compile.backend", backend]
                 monkeypatch.setattr(moe_module, "_run_experts_grouped_mm", torch.compile(bf16_gemms, fullgraph=True))
                 monkeypatch.setattr(torch._inductor.config.triton, "cudagraphs", cudagraphs)
+                if tuned:  # every choice benchmarked again, in the compiled run
+                    monkeypatch.setenv("TITAN_NVFP4_SHIPPED_TUNING", "0")
+                    monkeypatch.setattr(L, "_LAUNCHERS", {})
+                    for tuner in L.TUNERS:
+                        monkeypatch.setattr(tuner, "cache", {})
+                        monkeypatch.setattr(tuner, "cache_results", False)
             conv = NVFP4GroupedMMConverter(parse(*args), world1())
-            model, margs = build_moe("deepseek_v3", n_layers=2, seq=512)
+            model, margs = build_moe("deepseek_v3", n_layers=2, seq=seq, **dims)
             conv.convert(model)
             model.to_empty(device="cuda")
             torch.manual_seed(0)
@@ -480,7 +491,7 @@ def test_compiled_experts_body_matches_eager_under_inductor(monkeypatch, cudagra
                 model.init_weights(buffer_device=torch.device("cuda"))
             moe = model.layers["1"].moe
             m = moe.experts
-            x = torch.randn(4, 512, margs.dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+            x = torch.randn(batch, seq, margs.dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
             x.requires_grad_()
             for _ in range(3):  # later calls replay what the first compiled (graph trees: warm-up, record, replay)
                 # gradients set to None each step, as a training loop's zero_grad does: graph outputs (dW) become
