@@ -11,6 +11,7 @@
 # and leaves in OUT_DIR:
 #   <arm>.log                  the training log (graph breaks and recompiles included)
 #   <arm>_trace.json.gz        rank 0's chrome trace of step 10
+#   memory_peak.md             with MEMORY=1: what is live at each arm's memory peak (below)
 set -uo pipefail
 out=$1
 shift
@@ -36,3 +37,22 @@ for arm in bf16 nvfp4; do
   rm -rf "$dump"
   grep -E "step: *1[0-2] " "$out/$arm.log" | tail -3
 done
+
+# MEMORY=1: then one more run per arm, 10 steps with allocation history (it slows every allocation, so not in the
+# time profile), and what is live at step 10's memory peak, by the code that allocated it, in OUT_DIR/memory_peak.md
+# (titan_nvfp4.tools.memory_peak; the snapshots themselves are too large to keep).
+if [[ ${MEMORY:-0} == 1 ]]; then
+  for arm in bf16 nvfp4; do
+    dump="$out/mem_$arm"
+    timeout --kill-after=30 "${ARM_TIMEOUT:-300}" \
+      torchrun --standalone --nproc_per_node=1 -m torchtitan.train --job.config_file "train_configs/${config}_${arm}.toml" \
+        --training.steps 10 --metrics.log_freq 1 --profiling.enable_memory_snapshot --profiling.profile_freq 10 \
+        --job.dump_folder "$dump" "${extra[@]}" > "$out/${arm}_memory.log" 2>&1
+    echo "$arm with allocation history: exit $?"
+    snap=$(find "$dump" -name "rank0_memory_snapshot.pickle" | sort | tail -1)
+    if [[ -n $snap ]]; then mv "$snap" "$out/$arm.pickle"; fi
+    rm -rf "$dump"
+  done
+  python -m titan_nvfp4.tools.memory_peak "$out/bf16.pickle" "$out/nvfp4.pickle" --out "$out/memory_peak.md" | head -40
+  rm -f "$out/bf16.pickle" "$out/nvfp4.pickle"
+fi

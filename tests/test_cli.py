@@ -12,6 +12,7 @@ TOOLS = {
     "titan_nvfp4.tools.loss_log": ["no_such_run.log"],
     "titan_nvfp4.tools.loss_plot": ["no_such_run.log", "--out", "x.png"],
     "titan_nvfp4.tools.e2e_report": ["no_such_run.log"],
+    "titan_nvfp4.tools.memory_peak": ["no_such_snapshot.pickle"],
     "titan_nvfp4.tools.export_dense": ["no_such_checkpoint", "out.pt"],
     "titan_nvfp4.tools.export_hf": ["no_such_checkpoint", "--job.config_file", "job.toml", "--format", "bf16", "--out",
                                     "hf"],
