@@ -24,13 +24,18 @@ mkdir -p "$out"
 source scripts/device_setup.sh > "$out/device_setup.log" 2>&1 || { cat "$out/device_setup.log"; exit 1; }
 python -m titan_nvfp4.data.prepare > "$out/prepare.log" 2>&1 || { tail -20 "$out/prepare.log"; exit 1; }
 export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
+# train ARM LOG DUMP [OVERRIDES...]: one arm's job file into the dump folder DUMP, its console into LOG
+train() {
+  local arm=$1 log=$2 dump=$3
+  shift 3
+  timeout --kill-after=30 "${ARM_TIMEOUT:-300}" \
+    torchrun --standalone --nproc_per_node=1 -m torchtitan.train --job.config_file "train_configs/${config}_${arm}.toml" \
+      "$@" --job.dump_folder "$dump" "${extra[@]}" > "$log" 2>&1
+}
 for arm in bf16 nvfp4; do
   dump="$out/dump_$arm"
-  TORCH_LOGS=graph_breaks,recompiles timeout --kill-after=30 "${ARM_TIMEOUT:-300}" \
-    torchrun --standalone --nproc_per_node=1 -m torchtitan.train --job.config_file "train_configs/${config}_${arm}.toml" \
-      --training.steps 12 --metrics.log_freq 1 \
-      --profiling.enable_profiling --profiling.profile_freq 10 --profiling.profiler_warmup 3 \
-      --profiling.profiler_active 1 --job.dump_folder "$dump" "${extra[@]}" > "$out/$arm.log" 2>&1
+  TORCH_LOGS=graph_breaks,recompiles train "$arm" "$out/$arm.log" "$dump" --training.steps 12 --metrics.log_freq 1 \
+    --profiling.enable_profiling --profiling.profile_freq 10 --profiling.profiler_warmup 3 --profiling.profiler_active 1
   echo "$arm: exit $?"
   trace=$(find "$dump" -name "rank0_trace.json" | head -1)
   if [[ -n $trace ]]; then gzip -c "$trace" > "$out/${arm}_trace.json.gz"; fi
@@ -44,10 +49,8 @@ done
 if [[ ${MEMORY:-0} == 1 ]]; then
   for arm in bf16 nvfp4; do
     dump="$out/mem_$arm"
-    timeout --kill-after=30 "${ARM_TIMEOUT:-300}" \
-      torchrun --standalone --nproc_per_node=1 -m torchtitan.train --job.config_file "train_configs/${config}_${arm}.toml" \
-        --training.steps 10 --metrics.log_freq 1 --profiling.enable_memory_snapshot --profiling.profile_freq 10 \
-        --job.dump_folder "$dump" "${extra[@]}" > "$out/${arm}_memory.log" 2>&1
+    train "$arm" "$out/${arm}_memory.log" "$dump" --training.steps 10 --metrics.log_freq 1 \
+      --profiling.enable_memory_snapshot --profiling.profile_freq 10
     echo "$arm with allocation history: exit $?"
     snap=$(find "$dump" -name "rank0_memory_snapshot.pickle" | sort | tail -1)
     if [[ -n $snap ]]; then mv "$snap" "$out/$arm.pickle"; fi
