@@ -267,7 +267,8 @@ def test_gpu_command_names_files_that_exist(item):
 
 def _e2e_bench_jobs_parse(page: Path, cmd: str, words: list[str]) -> None:
     """scripts/e2e_bench.sh runs train_configs/<CONFIG>_<arm>.toml with the command's overrides: those files exist
-    and parse with them (CONFIG defaults to llama3_2b_bench, ARMS to "bf16 nvfp4", as in the script)."""
+    and parse with them (CONFIG defaults to llama3_2b_bench, ARMS to "bf16 nvfp4", as in the script; an arm
+    "nvfp4=TAG" adds the overrides of ARGS_TAG)."""
     from torchtitan.config import ConfigManager
 
     env = dict(w.split("=", 1) for w in words[:words.index("bash")] if "=" in w)
@@ -275,8 +276,12 @@ def _e2e_bench_jobs_parse(page: Path, cmd: str, words: list[str]) -> None:
     if args and not args[0].startswith("-"):  # the output folder
         args = args[1:]
     for arm in env.get("ARMS", "bf16 nvfp4").split():
+        arm, _, tag = arm.partition("=")
         base, _, preset = arm.partition(":")  # "nvfp4:PRESET": the nvfp4 job with that recipe preset
         job = REPO / "train_configs" / f"{env.get('CONFIG', 'llama3_2b_bench')}_{base}.toml"
         assert job.is_file(), f"{page.name}: {cmd}: no job file {job.relative_to(REPO)}"
         preset_args = ["--quantize.linear.nvfp4.recipe", preset] if preset else []
+        if tag:
+            assert f"ARGS_{tag}" in env, f"{page.name}: {cmd}: arm {arm}={tag} without ARGS_{tag}"
+            preset_args += shlex.split(env[f"ARGS_{tag}"])
         ConfigManager().parse_args(["--job.config_file", str(job), *preset_args, *args])
