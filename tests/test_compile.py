@@ -343,3 +343,25 @@ def test_compiled_ms_eden_model_matches_eager_bit_for_bit():
         grads.append(g_c["0.up.weight"])
     assert not torch.equal(*grads)  # same inputs, new signs and scale draws
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_capability_compiles_to_a_constant_without_the_lru_cache_warning(monkeypatch):
+    """kernels.platform.capability under torch.compile asks torch directly (Dynamo folds it), not through its
+    lru_cache, which Dynamo warns about once per process in every compiled NVFP4 job's log."""
+    import warnings
+
+    from titan_nvfp4.kernels import platform
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def f(x):
+        return x + platform.capability(torch.device("cuda"))[0]
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = torch.compile(f, backend="eager", fullgraph=True)(torch.zeros(2))
+    torch._dynamo.reset()
+    assert torch.equal(y, torch.full((2,), 9.0))
+    assert not [w for w in caught if "lru_cache" in str(w.message)], [str(w.message) for w in caught]

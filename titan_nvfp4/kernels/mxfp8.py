@@ -17,14 +17,12 @@ ROCm round on fp32 bits.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from ..numerics.mxfp8 import MX_BLOCK, MXFP8Tensor
-from .platform import interpreting
+from .platform import capability, interpreting
 from .launch import autotune, cdiv, launch
 from .nvfp4_jit import E4M3_MAX, e4m3_round, nan_to_inf_abs
 
@@ -189,12 +187,7 @@ def hardware_e4m3(device: torch.device) -> bool:
     """Whether the kernel may round with the GPU's own E4M3 conversion: CUDA sm_89 and up (not ROCm,
     not the interpreter, which run the rounding on fp32 bits)."""
     return (device.type == "cuda" and torch.version.hip is None and not interpreting()
-            and _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9))
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+            and capability(device) >= (8, 9))
 
 
 def quantize_mxfp8_tensors(x2d: torch.Tensor, rowwise: bool = True, colwise: bool = False, staged: bool = False):

@@ -15,8 +15,12 @@ def interpreting() -> bool:
 
 
 def capability(device: torch.device) -> tuple[int, int]:
-    """A CUDA device's compute capability, asked once per device (every NVFP4 call resolves its backend)."""
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+    """A CUDA device's compute capability, asked once per device (every NVFP4 call resolves its backend). Under
+    torch.compile the plain query: Dynamo folds it to a constant, and warns about tracing through lru_cache."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.compiler.is_compiling():
+        return torch.cuda.get_device_capability(index)
+    return _capability(index)
 
 
 @functools.lru_cache(maxsize=None)
