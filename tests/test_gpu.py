@@ -446,15 +446,18 @@ def test_outcontrol_linear_on_the_gpu_kernels_matches_the_reference_backend(comp
         assert err < 4e-3, f"{what}: relative error {err:.3g}"
 
 
-@pytest.mark.parametrize("cudagraphs,tuned", [(False, False), (True, False), (True, True)])
-def test_compiled_experts_body_matches_eager_under_inductor(monkeypatch, cudagraphs, tuned):
+@pytest.mark.parametrize("cudagraphs,tuned,low_memory", [(False, False, False), (True, False, False), (True, True, False),
+                                                          (True, False, True)])
+def test_compiled_experts_body_matches_eager_under_inductor(monkeypatch, cudagraphs, tuned, low_memory):
     """The deepseek_v3 debug MoE block's NVFP4 experts with their body compiled by inductor (as under TorchTitan's
     --compile.enable, which compiles BF16's expert GEMMs function: simulated here) against eager on the GPU: the same
     output, input and weight gradients, bits included, stochastic rounding on (integration/experts.py: _body).
     With CUDA graph trees too (TORCHINDUCTOR_CUDAGRAPHS=1), which refuse a tensor the body leaves alive in their pool
     (a cached constant first made during their warm-up failed the deepseek_v3 debug job, H200, 2026-12-06).
     ``tuned``: dim and expert hidden 1024 and 16k tokens, so that every grouped GEMM autotunes, with nothing shipped,
-    stored or launched before: the tuning runs inside the trees' warm-up (its garbage once failed the 16B job there)."""
+    stored or launched before: the tuning runs inside the trees' warm-up (its garbage once failed the 16B job there).
+    ``low_memory``: ``requantize_expert_weights = true`` and ``staged_expert_activations = false`` in both runs (the
+    knobs that keep the gpt-oss-20b-shaped job's memory below BF16's)."""
     from torchtitan.models.moe import moe as moe_module
     from torchtitan.models.moe import utils as moe_utils
 
@@ -472,8 +475,11 @@ def test_compiled_experts_body_matches_eager_under_inductor(monkeypatch, cudagra
         for backend in (None, "inductor"):
             torch._dynamo.reset()
             args = []
+            if low_memory:
+                args = ["--quantize.grouped_mm.nvfp4.requantize_expert_weights", "True",
+                        "--quantize.grouped_mm.nvfp4.staged_expert_activations", "False"]
             if backend:
-                args = ["--compile.enable", "--compile.backend", backend]
+                args += ["--compile.enable", "--compile.backend", backend]
                 monkeypatch.setattr(moe_module, "_run_experts_grouped_mm", torch.compile(bf16_gemms, fullgraph=True))
                 monkeypatch.setattr(torch._inductor.config.triton, "cudagraphs", cudagraphs)
                 if tuned:  # every choice benchmarked again, in the compiled run
@@ -502,6 +508,8 @@ def test_compiled_experts_body_matches_eager_under_inductor(monkeypatch, cudagra
                 y.square().mean().backward()
                 out = [t.detach().clone() for t in (y, x.grad, *(getattr(m, g).grad for g in m.GEMMS))]
             assert (m.__dict__.get("_compiled_run") is not None) == (backend is not None)
+            assert (m.recipe.requantize_expert_weights, m.recipe.staged_expert_activations) == (low_memory,
+                                                                                                not low_memory)
             runs.append((*out, m.sr_counter.clone()))
     finally:
         moe_utils.set_token_group_alignment_size_m(align)
