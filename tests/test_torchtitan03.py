@@ -354,6 +354,24 @@ def experts_reference(kind, x, p, counts, limit=7.0):
     return torch.cat(out)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_clamped_swiglu_is_torchtitan03s_swiglu_bit_for_bit(dtype):
+    """0.3's gpt-oss swiglu ends in addcmul (one rounding): clamped_swiglu(addcmul=True), which keeps only its input
+    for backward, gives its output and input gradient bits under autograd, clamp bounds, signed zeros, infinities
+    and NaN included (tests/test_clamped_swiglu.py: the same against 0.2's formula)."""
+    from test_clamped_swiglu import _bits, _case
+
+    from titan_nvfp4.autograd.clamped_swiglu import clamped_swiglu
+
+    for scale in (0.5, 3.0, 8.0, 30.0):
+        x, dy = _case((3, 50, 96), dtype, scale, seed=int(scale * 10), device="cpu")
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = swiglu(a), clamped_swiglu(b, addcmul=True)
+        ya.backward(dy)
+        yb.backward(dy)
+        assert torch.equal(_bits(ya), _bits(yb)) and torch.equal(_bits(a.grad), _bits(b.grad)), scale
+
+
 @pytest.mark.parametrize("kind", ["swiglu", "gpt_oss"])
 def test_experts_equal_the_core_grouped_functions_on_unpadded_groups(kind):
     """The converted experts (groups padded to 16 inside) against the core's grouped functions on the unpadded

@@ -26,7 +26,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torchtitan.models.gpt_oss.model.moe import GptOssGroupedExperts, ScaleBiasForward, swiglu
+from torchtitan.models.gpt_oss.model.moe import GptOssGroupedExperts, ScaleBiasForward
 from torchtitan.models.gpt_oss.model.moe import indices_padding_wrapper as gpt_oss_padding_wrapper
 from torchtitan.models.moe import utils as moe_utils
 from torchtitan.models.gpt_oss.model import moe as gpt_oss_moe
@@ -37,6 +37,7 @@ from torchtitan.models.moe.utils import indices_padding_wrapper
 from ..distributed.amax import AmaxGroups
 from ..distributed.tensor_parallel import local
 from ..modules.expert_groups import check_expert_dims, experts_body_graphs
+from ..autograd.clamped_swiglu import clamped_swiglu
 from ..autograd.grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
 from ..modules.layer_state import NVFP4LayerState
 from ..modules.lowrank_experts import LowRankExperts, check_expert_rank, grouped_linear
@@ -226,7 +227,7 @@ class NVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):
         c = local(self.sr_counter)  # a replicated DTensor under expert parallelism
         (h,) = self._gemms(x, (mlp1_weight,), offsets, (mlp1_bias,), (c[0],), ("mlp1_weight",),
                            groups.get("mlp1_weight"))
-        h = swiglu(self._lowrank_add(h, "mlp1_weight", x, offsets), limit=swiglu_limit)
+        h = clamped_swiglu(self._lowrank_add(h, "mlp1_weight", x, offsets), limit=swiglu_limit)
         # as TorchTitan: under TP the bias is divided by the TP degree in forward only
         b2 = ScaleBiasForward.apply(mlp2_bias, tp_degree)
         (y,) = self._gemms(h, (mlp2_weight,), offsets, (b2,), (c[1],), ("mlp2_weight",), groups.get("mlp2_weight"))

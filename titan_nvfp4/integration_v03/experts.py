@@ -29,12 +29,13 @@ import spmd_types as spmd
 import torch
 import torch.nn.functional as F
 from torchtitan.models.common.moe import GroupedExperts
-from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts, ScaleBiasForward, swiglu
+from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts, ScaleBiasForward
 from torchtitan.protocols.module import Module
 
 from ..distributed.amax import AmaxGroups
 from ..distributed.tensor_parallel import local, tp_amax_groups
 from ..modules.expert_groups import check_expert_dims, experts_body_graphs, pad_token_groups
+from ..autograd.clamped_swiglu import clamped_swiglu
 from ..autograd.grouped_function import nvfp4_grouped_mm_shared, nvfp4_grouped_swiglu
 from ..modules.layer_state import NVFP4LayerState
 from ..modules.lowrank_experts import LowRankExperts, check_expert_rank, grouped_linear
@@ -251,7 +252,7 @@ class TitanNVFP4GptOssExperts(_NVFP4Experts, GptOssGroupedExperts):
         (h,) = self._products(p.x, {"mlp1_weight_EGD": w1}, offsets, (b1,), (c[0],))
         h = self._lowrank_add(h, "mlp1_weight_EGD", p.x, offsets)
         # the padding rows hold swiglu(b1): zero them, so they stay out of h's amaxes as the unpadded groups
-        h = swiglu(h, limit=self.swiglu_limit) * p.valid(h.dtype)
+        h = clamped_swiglu(h, limit=self.swiglu_limit, addcmul=True) * p.valid(h.dtype)
         if self.tp_degree > 1:  # rowwise mlp2: each rank adds b2 / tp to its partial sum, its gradient unscaled (as
             b2 = ScaleBiasForward.apply(b2, self.tp_degree, b2.dtype)  # TorchTitan's own gpt_oss experts)
         (y,) = self._products(h, {"mlp2_weight_EDF": w2}, offsets, (b2,), (c[1],))
