@@ -9,6 +9,7 @@ import inspect
 import pytest
 import torch
 
+from clamped_swiglu_cases import bits, case
 from titan_nvfp4.autograd.clamped_swiglu import ALPHA, LIMIT, clamped_swiglu
 from titan_nvfp4.integration_common.torchtitan_version import installed_generation
 
@@ -17,24 +18,6 @@ if installed_generation() == "0.2":
 
 pytestmark = pytest.mark.skipif(installed_generation() != "0.2", reason="TorchTitan 0.2's swiglu")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def _case(shape, dtype, scale, seed, device):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g) * scale
-    dy = torch.randn(*shape[:-1], shape[-1] // 2, generator=g)
-    x2, dy2 = x.view(-1, shape[-1]), dy.view(-1, shape[-1] // 2)
-    # the clamp bounds and either side of them, signed zeros, infinities and NaN; signed-zero gradients
-    x2[0, :10] = torch.tensor([LIMIT, -LIMIT, 7.0001, -7.0001, 0.0, -0.0, float("inf"), float("-inf"),
-                               float("nan"), 6.9999])
-    x2[1, :4] = torch.tensor([-7.0, 7.0, float("nan"), -0.0])
-    dy2[2, :4] = torch.tensor([-0.0, 0.0, -0.0, 0.0])
-    dy2[3] = -0.0
-    return x.to(device, dtype), dy.to(device, dtype)
 
 
 def _both(x, dy, **kw):
@@ -49,17 +32,17 @@ def _both(x, dy, **kw):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("scale", [0.5, 3.0, 8.0, 30.0])
 def test_same_bits_as_torchtitans_swiglu_under_autograd(device, dtype, scale):
-    x, dy = _case((3, 50, 96), dtype, scale, seed=int(scale * 10), device=device)
+    x, dy = case((3, 50, 96), dtype, scale, seed=int(scale * 10), device=device)
     (ya, ga), (yb, gb) = _both(x, dy)
-    assert torch.equal(_bits(ya), _bits(yb)), "output"
-    assert torch.equal(_bits(ga), _bits(gb)), f"input gradient: {int((_bits(ga) != _bits(gb)).sum())} elements differ"
+    assert torch.equal(bits(ya), bits(yb)), "output"
+    assert torch.equal(bits(ga), bits(gb)), f"input gradient: {int((bits(ga) != bits(gb)).sum())} elements differ"
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_same_bits_with_other_alpha_and_limit(device):
-    x, dy = _case((64, 32), torch.bfloat16, 4.0, seed=3, device=device)
+    x, dy = case((64, 32), torch.bfloat16, 4.0, seed=3, device=device)
     (ya, ga), (yb, gb) = _both(x, dy, alpha=1.0, limit=3.0)
-    assert torch.equal(_bits(ya), _bits(yb)) and torch.equal(_bits(ga), _bits(gb))
+    assert torch.equal(bits(ya), bits(yb)) and torch.equal(bits(ga), bits(gb))
 
 
 def test_defaults_are_torchtitans():
@@ -69,7 +52,7 @@ def test_defaults_are_torchtitans():
 
 def test_keeps_only_its_input_for_backward():
     """TorchTitan's formula keeps x and four half-width intermediates (three times x's bytes); this keeps x."""
-    x, dy = _case((128, 64), torch.bfloat16, 3.0, seed=5, device="cpu")
+    x, dy = case((128, 64), torch.bfloat16, 3.0, seed=5, device="cpu")
     counts = {}
     for name, fn in (("torchtitan", swiglu), ("ours", clamped_swiglu)):
         storages = {}
@@ -87,15 +70,15 @@ def test_keeps_only_its_input_for_backward():
 
 
 def test_without_grad_it_is_the_formula():
-    x, _ = _case((16, 32), torch.bfloat16, 3.0, seed=7, device="cpu")
+    x, _ = case((16, 32), torch.bfloat16, 3.0, seed=7, device="cpu")
     with torch.no_grad():
         y = clamped_swiglu(x.clone().requires_grad_())
-    assert y.grad_fn is None and torch.equal(_bits(y), _bits(swiglu(x)))
+    assert y.grad_fn is None and torch.equal(bits(y), bits(swiglu(x)))
 
 
 def test_compiles_whole_to_the_same_bits():
     """TorchTitan 0.3 may compile gpt-oss's expert body: the function traces with fullgraph (aot_eager here)."""
-    x, dy = _case((64, 32), torch.bfloat16, 5.0, seed=9, device="cpu")
+    x, dy = case((64, 32), torch.bfloat16, 5.0, seed=9, device="cpu")
     torch._dynamo.reset()
     try:
         xc = x.clone().requires_grad_()
@@ -104,4 +87,4 @@ def test_compiles_whole_to_the_same_bits():
     finally:
         torch._dynamo.reset()
     (ya, ga), _ = _both(x, dy)
-    assert torch.equal(_bits(ya), _bits(yc)) and torch.equal(_bits(ga), _bits(xc.grad))
+    assert torch.equal(bits(ya), bits(yc)) and torch.equal(bits(ga), bits(xc.grad))

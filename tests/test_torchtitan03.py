@@ -359,17 +359,17 @@ def test_clamped_swiglu_is_torchtitan03s_swiglu_bit_for_bit(dtype):
     """0.3's gpt-oss swiglu ends in addcmul (one rounding): clamped_swiglu(addcmul=True), which keeps only its input
     for backward, gives its output and input gradient bits under autograd, clamp bounds, signed zeros, infinities
     and NaN included (tests/test_clamped_swiglu.py: the same against 0.2's formula)."""
-    from test_clamped_swiglu import _bits, _case
+    from clamped_swiglu_cases import bits, case
 
     from titan_nvfp4.autograd.clamped_swiglu import clamped_swiglu
 
     for scale in (0.5, 3.0, 8.0, 30.0):
-        x, dy = _case((3, 50, 96), dtype, scale, seed=int(scale * 10), device="cpu")
+        x, dy = case((3, 50, 96), dtype, scale, seed=int(scale * 10), device="cpu")
         a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
         ya, yb = swiglu(a), clamped_swiglu(b, addcmul=True)
         ya.backward(dy)
         yb.backward(dy)
-        assert torch.equal(_bits(ya), _bits(yb)) and torch.equal(_bits(a.grad), _bits(b.grad)), scale
+        assert torch.equal(bits(ya), bits(yb)) and torch.equal(bits(a.grad), bits(b.grad)), scale
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "gpt_oss"])
