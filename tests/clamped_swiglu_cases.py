@@ -20,7 +20,7 @@ def case(shape, dtype, scale, seed, device):
     # the clamp bounds and either side of them, signed zeros, infinities and NaN; signed-zero gradients
     x2[0, :10] = torch.tensor([LIMIT, -LIMIT, 7.0001, -7.0001, 0.0, -0.0, float("inf"), float("-inf"),
                                float("nan"), 6.9999])
-    x2[1, :4] = torch.tensor([-7.0, 7.0, float("nan"), -0.0])
+    x2[1, :6] = torch.tensor([-7.0, 7.0, float("nan"), -0.0, 7.5, float("nan")])  # NaN in both column kinds
     dy2[2, :4] = torch.tensor([-0.0, 0.0, -0.0, 0.0])
     dy2[3] = -0.0
     return x.to(device, dtype), dy.to(device, dtype)

@@ -88,3 +88,11 @@ def test_compiles_whole_to_the_same_bits():
         torch._dynamo.reset()
     (ya, ga), _ = _both(x, dy)
     assert torch.equal(bits(ya), bits(yc)) and torch.equal(bits(ga), bits(xc.grad))
+
+
+def test_same_bits_under_autocast():
+    """TorchTitan trains one GPU under autocast: the formula's ops keep their dtypes there, forward and recomputed."""
+    x, dy = case((64, 32), torch.bfloat16, 5.0, seed=11, device="cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (ya, ga), (yb, gb) = _both(x, dy)
+    assert torch.equal(bits(ya), bits(yb)) and torch.equal(bits(ga), bits(gb))
