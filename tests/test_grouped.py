@@ -971,3 +971,34 @@ def test_grouped_lowrank_in_fp32_needs_no_grouped_mm(monkeypatch):
     assert not outs[0][1][64:].any() and not outs[0][2][1].any() and not outs[0][4][1].any()
     for i, (a, b) in enumerate(zip(*outs)):
         assert (a.double() - b).norm() <= 1e-6 * b.norm(), f"output {i}"
+
+
+def test_gpt_oss_experts_keep_only_the_swiglu_input_between_forward_and_backward(cpu_histc):
+    """The NVFP4 gpt-oss experts run the clamped SwiGLU that keeps only its input (autograd/clamped_swiglu.py): no
+    tensor of the SwiGLU's output width is saved for backward, where TorchTitan's BF16 experts save four (its eager
+    formula's intermediates). Reference backend: which tensors are saved does not depend on the GEMM backend."""
+    saved = {}
+    for arm in ("bf16", "nvfp4"):
+        torch.manual_seed(0)
+        model, args = build_moe("gpt_oss", n_layers=1)
+        if arm == "nvfp4":
+            convert_experts(model, REF, ["experts"])
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        experts = model.layers["0"].moe.experts
+        assert isinstance(experts, NVFP4GptOssExperts) == (arm == "nvfp4")
+        hidden = experts.mlp2_weight.shape[-1]
+        shapes = []
+        moe = model.layers["0"].moe
+        x = torch.randn(1, 64, args.dim, dtype=moe.router.gate.weight.dtype)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append((tuple(t.shape), t.dtype)) or t,
+                                                      lambda t: t):
+            y = moe(x)
+        y.square().mean().backward()
+        assert experts.mlp1_weight.grad is not None
+        # the SwiGLU's intermediates: activations (not codes or scales) of its output width
+        saved[arm] = [s for s in shapes if len(s[0]) == 2 and s[0][-1] == hidden
+                      and s[1] in (torch.float32, torch.bfloat16, torch.float16)]
+    assert len(saved["bf16"]) >= 4, saved["bf16"]
+    assert saved["nvfp4"] == [], saved["nvfp4"]
