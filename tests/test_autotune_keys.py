@@ -182,7 +182,7 @@ def test_configs_whose_tma_tiles_overflow_shared_memory_are_never_benchmarked(mo
 
     from titan_nvfp4.kernels import grouped_gemm as gg
 
-    monkeypatch.setattr(g, "_shared_memory_limit", lambda device: 232448)  # sm_90's opt-in limit
+    monkeypatch.setattr(g, "shared_memory", lambda device: 232448)  # sm_90's opt-in limit
     a16, b16 = torch.zeros(256, 256, dtype=torch.float16), torch.zeros(512, 256, dtype=torch.float16)
     desc = {"a_desc": TensorDescriptor.from_tensor(a16, [128, 64]), "b_desc": TensorDescriptor.from_tensor(b16, [256, 64])}
     configs = gg._configs()
@@ -194,7 +194,7 @@ def test_configs_whose_tma_tiles_overflow_shared_memory_are_never_benchmarked(mo
     assert (128, 256, 128, 3) not in shapes(g.tma_tiles_fit(dense, desc, B_TMA=True, A_STAGED=True))
     # A from codes (not through a_desc): B's tiles alone, 3·256·128·2 B = 192 KiB, fit
     assert shapes(g.tma_tiles_fit(dense, desc, B_TMA=True, A_STAGED=False)) == shapes(dense)
-    monkeypatch.setattr(g, "_shared_memory_limit", lambda device: 1024)
+    monkeypatch.setattr(g, "shared_memory", lambda device: 1024)
     assert g.tma_tiles_fit(configs, desc, TMA=True) == configs
     for tuner in (g._nvfp4_gemm_autotuned, gg._rows_autotuned, gg._tokens_autotuned):
         assert tuner.early_config_prune is g.tma_tiles_fit

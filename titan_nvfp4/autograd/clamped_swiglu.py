@@ -19,16 +19,19 @@ ALPHA = 1.702
 LIMIT = 7.0
 
 
-def _forward(x: torch.Tensor, alpha: float, limit: float, addcmul: bool):
-    """The intermediates and the output of TorchTitan's swiglu, op for op (0.2's, or 0.3's with ``addcmul``)."""
+def _intermediates(x: torch.Tensor, alpha: float, limit: float, addcmul: bool):
+    """c, σ(α·c), g = c·σ(α·c) and the last product's other factor (l + 1, or l for 0.3's ``addcmul``), op for op
+    as TorchTitan's swiglu forms them."""
     c = x[..., ::2].clamp(min=None, max=limit)
     lin = x[..., 1::2].clamp(min=-limit, max=limit)
     s = torch.sigmoid(alpha * c)
-    out_glu = c * s
-    if addcmul:
-        return c, s, out_glu, lin, torch.addcmul(out_glu, out_glu, lin)
-    lin1 = lin + 1
-    return c, s, out_glu, lin1, out_glu * lin1
+    return c, s, c * s, (lin if addcmul else lin + 1)
+
+
+def _forward(x: torch.Tensor, alpha: float, limit: float, addcmul: bool) -> torch.Tensor:
+    """TorchTitan's swiglu, op for op (0.2's, or 0.3's with ``addcmul``)."""
+    _, _, out_glu, lin1 = _intermediates(x, alpha, limit, addcmul)
+    return torch.addcmul(out_glu, out_glu, lin1) if addcmul else out_glu * lin1
 
 
 class _ClampedSwiGLU(torch.autograd.Function):
@@ -37,14 +40,14 @@ class _ClampedSwiGLU(torch.autograd.Function):
         ctx.save_for_backward(x)
         ctx.alpha, ctx.limit, ctx.addcmul = alpha, limit, addcmul
         with torch.no_grad():
-            return _forward(x, alpha, limit, addcmul)[-1]
+            return _forward(x, alpha, limit, addcmul)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         (x,) = ctx.saved_tensors
         alpha, limit = ctx.alpha, ctx.limit
         with torch.no_grad():
-            c, s, out_glu, lin1, _ = _forward(x, alpha, limit, ctx.addcmul)
+            c, s, out_glu, lin1 = _intermediates(x, alpha, limit, ctx.addcmul)
             # out_glu * lin1 (or addcmul(out_glu, out_glu, lin1), lin1 then the clamped l, whose self and tensor1
             # gradients autograd sums), then out_glu = c * s and s = sigmoid(alpha * c): each op's derivative as
             # autograd's
@@ -70,5 +73,5 @@ def clamped_swiglu(x: torch.Tensor, alpha: float = ALPHA, limit: float = LIMIT, 
     """TorchTitan's gpt-oss swiglu(x, alpha, limit) (0.3's with ``addcmul``), the same bits forward and backward,
     keeping only x for backward."""
     if not torch.is_grad_enabled() or not x.requires_grad:
-        return _forward(x, alpha, limit, addcmul)[-1]
+        return _forward(x, alpha, limit, addcmul)
     return _ClampedSwiGLU.apply(x, alpha, limit, addcmul)

@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - another Triton layout (ensure_scratch_
 
 from ..numerics.nvfp4 import NVFP4Tensor
 from ..numerics.operands import StagedOperand, check_bias
-from .platform import capability, interpreting
+from .platform import capability, interpreting, shared_memory
 from .launch import autotune, cdiv, launch, tune_bucket
 from .nvfp4_jit import e4m3_value
 
@@ -78,17 +78,10 @@ def tma_tiles_fit(configs, named_args, **kwargs):
                 need += c.num_stages * meta[rows] * meta["BK"] * desc.base.element_size()
                 device = desc.base.device
         if need and limit is None:
-            cuda_index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
-            limit = _shared_memory_limit(cuda_index or 0)
+            limit = shared_memory(device)
         if not need or need <= limit:
             fit.append(c)
     return fit or configs  # Triton needs one: then the failure says which
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_memory_limit(device: int) -> int:
-    """Bytes of shared memory one program may use on this CUDA device (what Triton checks a launch against)."""
-    return triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"]
 
 
 def _configs():
