@@ -17,6 +17,10 @@ disagreements is printed) and written atomically; the keys and benchmark runs pe
 Then each (job, mode) runs again with the new table in place, recording every kernel specialization it compiles:
 the manifest of the background precompile (kernels/precompile.py) goes beside the table as <class>.kernels.json
 (with --base, merged with the base table's manifest).
+
+A job too large to tune within one device call resumes: a tuning worker writes the choices made so far every few
+seconds, a run past --timeout is stopped, and its last snapshot goes into --out marked partial (no manifest, exit 3); the next call passes that table as --base
+with --resume, so its keys launch their listed choice and only the keys it lacks are benchmarked.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,6 +42,7 @@ JOBS = ["train_configs/llama3_nvfp4.toml", "train_configs/deepseek_v3_nvfp4.toml
         "train_configs/deepseek_v3_16b_4blocks_nvfp4.toml", "train_configs/gpt_oss_nvfp4.toml",
         "train_configs/qwen3_30b_a3b_4blocks_nvfp4.toml", "train_configs/gpt_oss_20b_4blocks_nvfp4.toml"]
 MODES = {"eager": [], "compiled": ["--compile.enable"]}
+SNAPSHOT_S = 10  # seconds between a tuning worker's snapshots of the choices made so far
 
 
 def worker(out: Path, train_args: list[str], record: bool = False) -> None:
@@ -56,37 +63,71 @@ def worker(out: Path, train_args: list[str], record: bool = False) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             write_text(out, json.dumps(rec.manifest()))
         return
-    main(Trainer)
-    kernels = {}
-    for tuner in launch.TUNERS:
-        if tuner.cache:
-            kernels[tuner.base_fn.__name__] = {
-                "configs": len(tuner.configs),
-                "choices": {shipped_tuning.key_text(k): shipped_tuning.config_entry(c) for k, c in tuner.cache.items()}}
-    if int(os.environ.get("RANK", "0")) == 0:
+
+    if int(os.environ.get("RANK", "0")) != 0:  # rank 0 writes the dump (another rank's thread would touch GPU 0)
+        main(Trainer)
+        return
+
+    def dump(partial: bool) -> None:
+        kernels = {}
+        for tuner in launch.TUNERS:
+            if tuner.cache:
+                kernels[tuner.base_fn.__name__] = {
+                    "configs": len(tuner.configs), "shipped": tuner.shipped_hits,
+                    "choices": {shipped_tuning.key_text(k): shipped_tuning.config_entry(c)
+                                for k, c in list(tuner.cache.items())}}
         write_text(out, json.dumps({"gpu_class": shipped_tuning.gpu_class(torch.cuda.current_device()),
-                                    "gpu": torch.cuda.get_device_name(), "kernels": kernels}))
+                                    "gpu": torch.cuda.get_device_name(), "partial": partial, "kernels": kernels}))
+
+    stop = threading.Event()
+
+    def snapshots():  # every finished choice is on disk within seconds: a run stopped at its timeout keeps them
+        while not stop.wait(SNAPSHOT_S):
+            dump(partial=True)
+
+    thread = threading.Thread(target=snapshots, daemon=True)
+    thread.start()
+    main(Trainer)
+    stop.set()
+    thread.join()
+    dump(partial=False)
 
 
 def run_job(job: str, mode: str, steps: int, extra: list[str], scratch: Path, timeout: int,
-            table: Path | None = None) -> dict:
-    """One (job, mode) in a fresh torchrun process with empty caches and no stored choices; its dump. With ``table``:
-    again with that table's choices (and the caches the first run filled), recording the kernels it compiles."""
+            table: Path | None = None, record: bool = False, logs: Path | None = None) -> dict:
+    """One (job, mode) in a fresh torchrun process with empty caches and no stored choices but ``table``'s (--resume);
+    its dump, marked partial when the run was stopped at ``timeout``. With ``record``: again with ``table``'s choices
+    (and the caches the first run filled), recording the kernels it compiles. The run's log goes into ``logs`` (kept)
+    or ``scratch``; it lists each kernel tuned, with the seconds it took (TRITON_PRINT_AUTOTUNING)."""
     name = f"{Path(job).stem}_{mode}"
-    run = name + (".kernels" if table else "")
-    dump, log = scratch / f"{run}.json", scratch / f"{run}.log"
-    env = {**os.environ, "TITAN_NVFP4_SHIPPED_TUNING": str(table) if table else "0", "TITAN_NVFP4_AUTOTUNE_CACHE": "0",
+    run = name + (".kernels" if record else "")
+    dump, log = scratch / f"{run}.json", (logs or scratch) / f"{run}.log"
+    env = {**os.environ, "TRITON_PRINT_AUTOTUNING": "1", "TITAN_NVFP4_SHIPPED_TUNING": str(table) if table else "0", "TITAN_NVFP4_AUTOTUNE_CACHE": "0",
            "TITAN_NVFP4_PRECOMPILE": "0",
            "TRITON_CACHE_DIR": str(scratch / f"{name}.triton"), "TORCHINDUCTOR_CACHE_DIR": str(scratch / f"{name}.inductor")}
     cmd = ["torchrun", "--standalone", "--nproc_per_node=1", str(Path(__file__).resolve()),
-           "--record" if table else "--worker", str(dump), "--",
+           "--record" if record else "--worker", str(dump), "--",
            "--job.config_file", job, "--training.steps", str(steps), *MODES[mode], *extra]
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
-    if rc != 0 or not dump.is_file():
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            rc, late = proc.wait(timeout=timeout), False
+        except subprocess.TimeoutExpired:  # torchrun hands SIGTERM on to its worker (not left running on the GPU)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                rc, late = proc.wait(timeout=60), True
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc, late = proc.wait(), True
+    got = json.loads(dump.read_text()) if dump.is_file() else None
+    if late and got is not None and got.get("partial") and not record:
+        print(f"{job} ({mode}): stopped after {timeout} s; what it tuned so far is kept", flush=True)
+        return got
+    if rc != 0 or got is None:
+        why = f"ran past --timeout {timeout} s" if late else f"failed with exit {rc}"
         tail = log.read_text().splitlines()[-15:]
-        raise SystemExit(f"tune_kernels: {job} ({mode}) failed with exit {rc}; log {log}:\n" + "\n".join(tail))
-    return json.loads(dump.read_text())
+        raise SystemExit(f"tune_kernels: {job} ({mode}) {why}; log {log}:\n" + "\n".join(tail))
+    return got
 
 
 def merge(dumps: list[tuple[str, dict]], base: dict | None) -> tuple[dict, int]:
@@ -116,9 +157,17 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="table file (default titan_nvfp4/kernels/tuned/<this GPU's class>.json)")
     p.add_argument("--base", type=Path, help="a table whose keys that these runs do not meet are kept (several calls "
                                              "of one job each build one table)")
-    p.add_argument("--timeout", type=int, default=540, help="seconds per run (default 540)")
+    p.add_argument("--resume", action="store_true", help="tune only the keys --base lacks (its choices serve the "
+                                                             "others): a partial table from a run past --timeout")
+    p.add_argument("--timeout", type=int, default=540, help="seconds per run (default 540); a tuning run past it "
+                                                            "keeps what it tuned (--out is written partial, exit 3)")
+    p.add_argument("--logs", type=Path, help="a folder to keep the runs' logs in (default: removed with the caches)")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more TorchTitan arguments, for every run")
     args = p.parse_args()
+    if args.resume and args.base is None:
+        raise SystemExit("tune_kernels: --resume needs --base (the partial table to go on from)")
+    if args.logs is not None:
+        args.logs.mkdir(parents=True, exist_ok=True)
     for job in args.jobs:
         if not (ROOT / job).is_file():
             raise SystemExit(f"tune_kernels: --jobs {job}: no such job file under {ROOT}")
@@ -151,17 +200,23 @@ def tune_and_record(args, cls: str, out: Path, base, scratch: Path) -> None:
     from titan_nvfp4.kernels import launch, shipped_tuning
     from titan_nvfp4.tools.atomic import write_text
 
-    dumps = []
+    dumps, partial = [], None
     for job in args.jobs:
         for mode in args.modes:
-            dump = run_job(job, mode, args.steps, args.extra, scratch, args.timeout)
+            if partial:
+                break
+            dump = run_job(job, mode, args.steps, args.extra, scratch, args.timeout,
+                           table=args.base.resolve() if args.resume else None, logs=args.logs)
+            if dump["partial"]:
+                partial = f"{job} ({mode})"
             if dump["gpu_class"] != cls:
                 raise SystemExit(f"tune_kernels: {job} ran on {dump['gpu_class']}, this machine is {cls}")
-            n = sum(len(k["choices"]) for k in dump["kernels"].values())
-            runs = sum(len(k["choices"]) * k["configs"] for k in dump["kernels"].values())
-            print(f"{job} ({mode}): {n} keys, {runs} benchmark runs", flush=True)
+            tuned = {name: len(k["choices"]) - k.get("shipped", 0) for name, k in dump["kernels"].items()}
+            runs = sum(tuned[name] * k["configs"] for name, k in dump["kernels"].items())
+            print(f"{job} ({mode}): {sum(tuned.values())} keys tuned, {runs} benchmark runs", flush=True)
             for name, k in sorted(dump["kernels"].items()):
-                print(f"    {name}: {len(k['choices'])} keys x {k['configs']} configs", flush=True)
+                print(f"    {name}: {tuned[name]} keys x {k['configs']} configs"
+                      + (f" (+{k['shipped']} from --base)" if k.get("shipped") else ""), flush=True)
             dumps.append((f"{job} ({mode})", dump))
     kernels, disagree = merge(dumps, base)
     doc = {"format": shipped_tuning.FORMAT, "gpu_class": cls, "gpu": dumps[0][1]["gpu"] if dumps else None,
@@ -169,6 +224,7 @@ def tune_and_record(args, cls: str, out: Path, base, scratch: Path) -> None:
            "torch": torch.__version__, "triton": triton.__version__,
            "command": "python scripts/tune_kernels.py " + " ".join(sys.argv[1:]),
            "runs": [name for name, _ in dumps] + ([f"keys kept from {args.base}"] if base else []),
+           **({"partial": f"{partial} stopped at --timeout: resume with --base {out} --resume"} if partial else {}),
            "kernels": {k: dict(sorted(v.items())) for k, v in sorted(kernels.items())}}
     write_text(out, json.dumps(doc, indent=1) + "\n", option="--out")
     shipped_tuning.clear()
@@ -180,6 +236,10 @@ def tune_and_record(args, cls: str, out: Path, base, scratch: Path) -> None:
     total = sum(len(v) for v in kernels.values())
     print(f"tune_kernels: wrote {out}: {total} keys over {len(kernels)} kernels ({disagree} keys chosen differently "
           f"by two runs: the first run's choice kept)")
+    if partial:
+        print(f"tune_kernels: {partial} was stopped at --timeout {args.timeout} s: {out} is partial and has no "
+              f"manifest; go on with --base {out} --resume", flush=True)
+        raise SystemExit(3)
     record_kernels(args, out, [(job, mode) for job in args.jobs for mode in args.modes], scratch)
 
 
@@ -201,7 +261,8 @@ def record_kernels(args, table: Path, runs: list[tuple[str, str]], scratch: Path
             print(f"tune_kernels: {kernels_path(args.base)} is for Triton {kept['triton']}: not merged", flush=True)
     try:
         for job, mode in runs:
-            got = run_job(job, mode, args.steps, args.extra, scratch, args.timeout, table=table.resolve())
+            got = run_job(job, mode, args.steps, args.extra, scratch, args.timeout, table=table.resolve(), record=True,
+                          logs=args.logs)
             print(f"{job} ({mode}): {len(got['kernels'])} kernel specializations compiled"
                   + (f"; not recordable: {', '.join(got['not_recorded'])}" if got.get("not_recorded") else ""),
                   flush=True)
@@ -209,7 +270,7 @@ def record_kernels(args, table: Path, runs: list[tuple[str, str]], scratch: Path
                 print(f"  left out, its manifest entry would compile another kernel: {u['kernel']}: "
                       + "; ".join(u["differs"]), flush=True)
             manifests.append(got)
-    except (SystemExit, subprocess.TimeoutExpired):
+    except SystemExit:
         stale = kernels_path(table)
         if stale.is_file():  # it lists the old table's choices
             stale.unlink()

@@ -1,9 +1,13 @@
-"""scripts/tune_kernels.py's worker hands TorchTitan the training arguments, not its own command line."""
+"""scripts/tune_kernels.py: the worker hands TorchTitan the training arguments; a run stopped at its timeout keeps what
+it tuned for the next call to resume from."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -23,3 +27,84 @@ def test_worker_trains_with_the_arguments_after_the_separator(tmp_path):
     # The arguments parsed, so TorchTitan built its Trainer (which then wants torchrun's LOCAL_RANK).
     assert "KeyError: 'LOCAL_RANK'" in out, out[-2000:]
     assert not (tmp_path / "d.json").exists()
+
+
+def _script():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("tune_kernels_script", REPO / "scripts" / "tune_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_run_stopped_at_the_timeout_leaves_a_partial_table_to_resume_from(tmp_path, monkeypatch):
+    # The DeepSeek-V3-16B-shaped job did not finish tuning within one device call (260 s, 2026-12-06): what a stopped
+    # run tuned must survive, and the next call must tune only what is missing.
+    import argparse
+
+    from titan_nvfp4.kernels import gemm, grouped_gemm, launch, quantize, shipped_tuning, swiglu  # noqa: F401
+
+    tuner = next(t for t in launch.TUNERS if len(t.configs) > 1)
+    name, entry = tuner.base_fn.__name__, shipped_tuning.config_entry(tuner.configs[1])
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"format": shipped_tuning.FORMAT, "kernels": {name: {"[1, 2]": entry}}}))
+    seen = []
+
+    def stopped_run(job, mode, steps, extra, scratch, timeout, table=None, record=False, logs=None):
+        seen.append((job, mode, table, record))
+        return {"gpu_class": "sm90", "gpu": "test", "partial": True,
+                "kernels": {name: {"configs": len(tuner.configs), "shipped": 1,
+                                   "choices": {"[1, 2]": entry, "[3, 4]": entry}}}}
+
+    mod = _script()
+    monkeypatch.setattr(mod, "run_job", stopped_run)
+    out = tmp_path / "sm90.json"
+    args = argparse.Namespace(jobs=["a.toml", "b.toml"], modes=["eager"], steps=2, extra=[], base=base, resume=True,
+                              timeout=5, logs=None)
+    with pytest.raises(SystemExit) as e:
+        mod.tune_and_record(args, "sm90", out, {name: {"[1, 2]": entry}}, tmp_path)
+    assert e.value.code == 3
+    assert seen == [("a.toml", "eager", base.resolve(), False)]  # the base's choices served the run; b.toml waits
+    doc = json.loads(out.read_text())
+    assert "partial" in doc and "--resume" in doc["partial"]
+    assert set(doc["kernels"][name]) == {"[1, 2]", "[3, 4]"}
+    assert not (tmp_path / "sm90.kernels.json").exists()  # no manifest for a partial table
+    shipped_tuning.clear()
+    assert len(shipped_tuning.choices(out, name, tuner.configs)) == 2
+
+
+def test_resume_needs_a_base(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "tune_kernels.py"), "--resume",
+                           "--out", str(tmp_path / "t.json")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--resume needs --base" in proc.stderr
+
+
+def test_a_run_past_its_timeout_is_stopped_and_its_last_snapshot_kept(tmp_path, monkeypatch):
+    # A stand-in torchrun whose worker has written one snapshot and then hangs (a kernel still tuning).
+    fake = tmp_path / "bin" / "torchrun"
+    fake.parent.mkdir()
+    fake.write_text(f"""#!{sys.executable}
+import json, sys, time
+dump = sys.argv[sys.argv.index("--worker") + 1]
+json.dump({{"gpu_class": "sm90", "gpu": "test", "partial": True, "kernels": {{}}}}, open(dump, "w"))
+open({str(tmp_path / "started")!r}, "w").close()
+time.sleep(600)
+""")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    mod = _script()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    got = mod.run_job("train_configs/llama3_nvfp4.toml", "eager", 2, [], tmp_path, timeout=5, logs=logs)
+    assert got["partial"] is True
+    assert (tmp_path / "started").exists() and (logs / "llama3_nvfp4_eager.log").is_file()
+
+
+def test_a_run_past_its_timeout_without_a_snapshot_fails_naming_the_job(tmp_path, monkeypatch):
+    fake = tmp_path / "bin" / "torchrun"
+    fake.parent.mkdir()
+    fake.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(600)\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(SystemExit, match=r"llama3_nvfp4.toml \(eager\) ran past --timeout 3 s"):
+        _script().run_job("train_configs/llama3_nvfp4.toml", "eager", 2, [], tmp_path, timeout=3)
