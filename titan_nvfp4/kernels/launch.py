@@ -246,13 +246,36 @@ TUNE_ON_DISK = os.environ.get("TITAN_NVFP4_AUTOTUNE_CACHE", "1") not in ("", "0"
     "cache_results" in inspect.signature(triton.autotune).parameters
 
 
+
+def tune_threads() -> int:
+    """TITAN_NVFP4_TUNE_THREADS: threads that compile an autotuned kernel's candidate configs at once before their
+    benchmark (unset: this process's share of the CPUs, at most 8; 0 or 1: one by one, as Triton does)."""
+    setting = os.environ.get("TITAN_NVFP4_TUNE_THREADS", "")
+    if setting.strip():
+        try:
+            return max(int(setting), 0)
+        except ValueError:
+            raise ValueError(f"TITAN_NVFP4_TUNE_THREADS={setting!r}: expected a whole number of threads") from None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return min(8, max(1, (os.cpu_count() or 1) // max(local, 1)))
+
+
+try:  # Triton ≥ 3.4: a JIT compile inside this mode goes to an executor and returns a future
+    from triton.runtime import _async_compile
+except ImportError:  # older Triton: candidates compile one by one inside their benchmarks
+    _async_compile = None
+
+
 class ShippedAutotuner(Autotuner):
     """An autotuner that first looks the key up in the package's table of choices for this GPU class
     (shipped_tuning): a hit is placed in the autotuner's own cache, so Triton launches that config without
-    benchmarking; a miss autotunes as Triton does."""
+    benchmarking; a miss autotunes as Triton does, its candidate configs compiled at once on a few threads first
+    (``compile_candidates``)."""
 
     shipped_hits = 0  # keys served from a table (per autotuner once set; tests and tune_kernels count them)
     failed_configs = 0  # configs whose benchmark failed (out of resources): Launcher._build collects their garbage
+    compiled_ahead = 0  # candidate configs compiled on threads before a benchmark (tests count them)
+    _ahead = False  # whether this run compiled its candidates ahead (one run benchmarks one key)
 
     def check_disk_cache(self, tuning_key, configs, bench_fn):
         """Triton keeps no choice among configs with a pre-hook (the GEMMs' TMA block shapes: it cannot serialize
@@ -278,8 +301,37 @@ class ShippedAutotuner(Autotuner):
                   binary=False)
         return False
 
-    def _bench(self, *args, **kwargs):
-        timings = super()._bench(*args, **kwargs)
+    def compile_candidates(self, args: tuple, meta: dict) -> None:
+        """Compile every config this launch would benchmark, on threads, before the first benchmark: Triton compiles
+        each inside its own benchmark, one after another, and a compile (seconds at the real MoE shapes) costs far
+        more than the benchmark. The same kernels as Triton would build (each config's pre-hook runs before its
+        specialization is taken); a compile that fails here is left to its benchmark, which reports it as Triton
+        does."""
+        threads = tune_threads()
+        if (_async_compile is None or threads <= 1 or getattr(_knobs.runtime, "interpret", False)
+                or _async_compile.active_mode.get() is not None):  # a caller's own mode (one may be active)
+            return
+        configs = self.prune_configs(meta)
+        if len(configs) < 2:
+            return
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(min(threads, len(configs)), thread_name_prefix="titan-nvfp4-tune") as pool, \
+                _async_compile.AsyncCompileMode(pool, ignore_errors=True):
+            for config in configs:
+                current = dict(meta, **config.all_kwargs())
+                if config.pre_hook:  # the GEMMs' hooks set the TMA block shapes the specialization includes
+                    config.pre_hook({**self.nargs, **current})
+                try:  # as the benchmark will call it (Triton passes grid and warmup through), compiling only
+                    self.fn.run(*args, **{"grid": (1,), **current, "warmup": True})
+                except Exception:  # noqa: BLE001 -- left to the config's benchmark, which reports it
+                    continue
+                self.compiled_ahead += 1
+
+    def _bench(self, *args, config, **meta):
+        if not self._ahead:  # the run's first benchmark: all its candidates compile together
+            self._ahead = True
+            self.compile_candidates(args, meta)
+        timings = super()._bench(*args, config=config, **meta)
         if timings and timings[0] == float("inf"):  # Triton's mark of a config that could not run
             self.failed_configs += 1
         return timings
@@ -294,7 +346,10 @@ class ShippedAutotuner(Autotuner):
                     if config is not None:
                         self.cache[key] = config
                         self.shipped_hits += 1
-        return super().run(*args, **kwargs)
+        try:
+            return super().run(*args, **kwargs)
+        finally:
+            self._ahead = False
 
 
 def _choice_file(tuner: Autotuner, tuning_key: tuple, configs) -> tuple:

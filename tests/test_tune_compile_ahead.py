@@ -1,0 +1,155 @@
+"""An autotuner's candidate configs compile together on threads before their first benchmark (launch.ShippedAutotuner
+.compile_candidates): each config's pre-hook runs before its specialization, the compiles go to Triton's async-compile
+mode (a pool thread runs them), once per key, and the choice is the one the benchmarks make either way. The kernel is
+a stand-in that records how Triton's autotuner calls it (the CPU cannot compile for a GPU and launch); a real
+kernel's candidates compiled ahead on a GPU are in tests/test_gpu.py."""
+
+import inspect
+import threading
+
+import pytest
+
+triton = pytest.importorskip("triton")
+async_compile = pytest.importorskip("triton.runtime._async_compile")
+
+from titan_nvfp4.kernels import launch as L  # noqa: E402
+
+
+@triton.jit
+def _kernel(x_ptr, n, BLOCK: triton.language.constexpr):
+    pass
+
+
+class _Recorder:
+    """Stands in for the JIT function under the autotuner: records each call, and sends a warmup's compile to the
+    active async-compile mode as JITFunction._do_compile does."""
+
+    def __init__(self, block_seen):
+        self.calls, self.block_seen, self.compiled_on = [], block_seen, []
+
+    def run(self, *args, grid, warmup, **kw):
+        mode = async_compile.active_mode.get()
+        self.calls.append(("warmup" if warmup else "run", kw["BLOCK"], mode is not None, self.block_seen[0]))
+        if warmup and mode is not None:
+            hooks = [lambda: threading.current_thread().name, lambda name: self.compiled_on.append(name)]
+            if "cleanup_fn" in inspect.signature(mode.submit).parameters:  # Triton 3.7+
+                hooks.append(lambda future_kernel: None)
+            mode.submit(("k", kw["BLOCK"], args[1]), *hooks)
+        return None
+
+
+def _tuner(monkeypatch, threads="4"):
+    block_seen = [None]
+
+    def hook(nargs):  # as the GEMMs' hooks set a TMA descriptor's block shape from the config
+        block_seen[0] = nargs["BLOCK"]
+    configs = [triton.Config({"BLOCK": b}, num_warps=4, pre_hook=hook) for b in (16, 32, 64)]
+    tuner = triton.autotune(configs, key=["n"])(_kernel)
+    tuner.__class__ = L.ShippedAutotuner  # as launch.autotune makes it, without joining launch.TUNERS
+    tuner.cache_results = False
+    fake = _Recorder(block_seen)
+    tuner.fn = fake
+    speed = {16: 3.0, 32: 1.0, 64: 2.0}
+    monkeypatch.setitem(tuner.__dict__, "do_bench", lambda call, quantiles=None: (call(), [speed[fake.calls[-1][1]]] * 3)[1])
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    monkeypatch.setenv("TITAN_NVFP4_TUNE_THREADS", threads)
+    monkeypatch.setenv(L.shipped_tuning.ENV, "0")
+    return tuner, fake
+
+
+def test_candidates_compile_on_threads_before_the_first_benchmark(monkeypatch):
+    tuner, fake = _tuner(monkeypatch)
+    tuner.run(object(), 100, grid=(1,), warmup=False)
+    warm = [c for c in fake.calls if c[0] == "warmup"]
+    assert [c[1] for c in warm] == [16, 32, 64] and all(c[2] for c in warm)  # all three, inside the mode
+    assert all(c[3] == c[1] for c in warm)  # each config's pre-hook ran before its specialization was taken
+    assert fake.calls.index(warm[-1]) < fake.calls.index(next(c for c in fake.calls if c[0] == "run"))
+    assert sorted(fake.compiled_on) and all(n.startswith("titan-nvfp4-tune") for n in fake.compiled_on)
+    assert tuner.best_config.kwargs["BLOCK"] == 32 and tuner.compiled_ahead == 3
+    assert async_compile.active_mode.get() is None  # the mode is closed again
+
+    n = len(fake.calls)
+    tuner.run(object(), 100, grid=(1,), warmup=False)  # the key is chosen: nothing compiles ahead again
+    assert [c[0] for c in fake.calls[n:]] == ["run"] and tuner.compiled_ahead == 3
+    tuner.run(object(), 300, grid=(1,), warmup=False)  # a new key: its candidates compile together
+    assert tuner.compiled_ahead == 6
+    tuner.cache.clear()  # the same key benchmarked again (a cleared cache): compiled ahead again
+    tuner.run(object(), 300, grid=(1,), warmup=False)
+    assert tuner.compiled_ahead == 9
+
+
+@pytest.mark.parametrize("threads", ["0", "1"])
+def test_one_thread_compiles_inside_the_benchmarks_as_triton_does(monkeypatch, threads):
+    tuner, fake = _tuner(monkeypatch, threads)
+    tuner.run(object(), 100, grid=(1,), warmup=False)
+    assert not [c for c in fake.calls if c[0] == "warmup"] and tuner.best_config.kwargs["BLOCK"] == 32
+
+
+def test_an_active_async_mode_of_the_caller_is_left_alone(monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+    tuner, fake = _tuner(monkeypatch)
+    with ThreadPoolExecutor(1) as pool, async_compile.AsyncCompileMode(pool):
+        tuner.run(object(), 100, grid=(1,), warmup=False)
+    assert not [c for c in fake.calls if c[0] == "warmup"] and tuner.compiled_ahead == 0
+
+
+def test_a_bad_thread_count_is_named(monkeypatch):
+    monkeypatch.setenv("TITAN_NVFP4_TUNE_THREADS", "many")
+    with pytest.raises(ValueError, match="TITAN_NVFP4_TUNE_THREADS='many'"):
+        L.tune_threads()
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="compiles and benchmarks for the GPU")
+def test_gemm_candidates_compile_ahead_on_the_gpu_with_the_same_result(monkeypatch):
+    """The TMA GEMM (configs with pre-hooks) and the grouped rows GEMM autotuned with nothing shipped or stored: every
+    compile of their kernels happens inside the async mode (none inside a benchmark), and the result is the bits of
+    the same tuning done one compile at a time."""
+    import torch
+
+    from titan_nvfp4.kernels import gemm as g
+    from titan_nvfp4.kernels import grouped_gemm as gg
+    from titan_nvfp4.numerics.nvfp4 import quantize_nvfp4
+
+    gen = torch.Generator().manual_seed(7)
+    a = quantize_nvfp4(torch.randn(2048, 1024, generator=gen).cuda().bfloat16())
+    b = quantize_nvfp4(torch.randn(1536, 1024, generator=gen).cuda().bfloat16(), block_shape=(16, 16))
+    T, K, N = 4096, 1024, 1408
+    ends = torch.tensor([0, 512, 1040, 1040, 2048, 2064, 3200, 4096], dtype=torch.int32).cuda()
+    a16, w16 = torch.randn(T, K, generator=gen).half().cuda(), torch.randn(8 * N, K, generator=gen).half().cuda()
+    gs = torch.rand(9, generator=gen).cuda() + 0.5
+    tuners = (g._nvfp4_gemm_autotuned, gg._rows_persistent_autotuned)
+    monkeypatch.setenv(L.shipped_tuning.ENV, "0")
+    monkeypatch.setattr(gg, "ROWS_KERNEL", "persistent")
+    for t in tuners:
+        monkeypatch.setattr(t, "cache_results", False)
+    compiles = []
+
+    def hook(*args, **kwargs):  # any kernel compiled during the two launches (their own quantizations are done)
+        compiles.append(async_compile.active_mode.get() is not None)
+        return False
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", hook)
+
+    def tuned(threads):
+        monkeypatch.setenv("TITAN_NVFP4_TUNE_THREADS", threads)
+        for t in tuners:
+            monkeypatch.setattr(t, "cache", {})
+            monkeypatch.setattr(L.launcher(t), "cache", {})
+        compiles.clear()
+        ahead = [t.compiled_ahead for t in tuners]
+        out = [g.nvfp4_gemm_triton(a, b, torch.float32, autotune=True, use_tma=True, stage_a=False),
+               gg.grouped_gemm_rows(a16, w16, ends, gs, gs, N, N, 0, torch.bfloat16)]
+        torch.cuda.synchronize()
+        return out, [t.compiled_ahead - n for t, n in zip(tuners, ahead)], list(compiles)
+
+    one, ahead1, _ = tuned("1")  # also compiles every other kernel of the two launches
+    assert ahead1 == [0, 0]
+    from collections import defaultdict
+    for t in tuners:  # the two kernels' compiled specializations forgotten (Triton's disk cache still serves them)
+        jit = t.fn
+        monkeypatch.setattr(jit, "device_caches", defaultdict(jit.create_binder))
+    got, ahead, during = tuned("8")
+    assert during, "no kernel compiled: the test would prove nothing"
+    assert all(n >= 2 for n in ahead), ahead  # every candidate of each key went through the mode
+    assert all(during), during  # nothing compiled inside a benchmark
+    for x, y in zip(got, one):
+        assert torch.equal(x, y)
