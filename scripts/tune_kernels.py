@@ -68,6 +68,8 @@ def worker(out: Path, train_args: list[str], record: bool = False) -> None:
         main(Trainer)
         return
 
+    device = int(os.environ.get("LOCAL_RANK", "0"))  # the snapshot thread's own current device would be 0
+
     def dump(partial: bool) -> None:
         kernels = {}
         for tuner in launch.TUNERS:
@@ -76,14 +78,19 @@ def worker(out: Path, train_args: list[str], record: bool = False) -> None:
                     "configs": len(tuner.configs), "shipped": tuner.shipped_hits,
                     "choices": {shipped_tuning.key_text(k): shipped_tuning.config_entry(c)
                                 for k, c in list(tuner.cache.items())}}
-        write_text(out, json.dumps({"gpu_class": shipped_tuning.gpu_class(torch.cuda.current_device()),
-                                    "gpu": torch.cuda.get_device_name(), "partial": partial, "kernels": kernels}))
+        if partial and not kernels:  # nothing chosen yet (and CUDA perhaps not started by the training thread)
+            return
+        write_text(out, json.dumps({"gpu_class": shipped_tuning.gpu_class(device),
+                                    "gpu": torch.cuda.get_device_name(device), "partial": partial, "kernels": kernels}))
 
     stop = threading.Event()
 
     def snapshots():  # every finished choice is on disk within seconds: a run stopped at its timeout keeps them
         while not stop.wait(SNAPSHOT_S):
-            dump(partial=True)
+            try:
+                dump(partial=True)
+            except Exception as e:  # noqa: BLE001 -- the run goes on; its final dump is written by the main thread
+                print(f"tune_kernels worker: snapshot failed: {type(e).__name__}: {e}", flush=True)
 
     thread = threading.Thread(target=snapshots, daemon=True)
     thread.start()
@@ -120,6 +127,8 @@ def run_job(job: str, mode: str, steps: int, extra: list[str], scratch: Path, ti
                 proc.kill()
                 rc, late = proc.wait(), True
     got = json.loads(dump.read_text()) if dump.is_file() else None
+    if late and got is not None and not got.get("partial", False) and not record:
+        return got  # it finished (its final dump written) while being stopped
     if late and got is not None and got.get("partial") and not record:
         print(f"{job} ({mode}): stopped after {timeout} s; what it tuned so far is kept", flush=True)
         return got
@@ -219,12 +228,18 @@ def tune_and_record(args, cls: str, out: Path, base, scratch: Path) -> None:
                       + (f" (+{k['shipped']} from --base)" if k.get("shipped") else ""), flush=True)
             dumps.append((f"{job} ({mode})", dump))
     kernels, disagree = merge(dumps, base)
+    if partial and base is not None and all(k in base.get(n, {}) for n, v in kernels.items() for k in v):
+        raise SystemExit(f"tune_kernels: {partial} tuned no key beyond --base {args.base} within --timeout "
+                         f"{args.timeout} s (its first step alone takes longer?): give a longer --timeout")
+    manifest_from = base_manifest(args.base) if args.base is not None else None
     doc = {"format": shipped_tuning.FORMAT, "gpu_class": cls, "gpu": dumps[0][1]["gpu"] if dumps else None,
            "generated": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "torch": torch.__version__, "triton": triton.__version__,
            "command": "python scripts/tune_kernels.py " + " ".join(sys.argv[1:]),
            "runs": [name for name, _ in dumps] + ([f"keys kept from {args.base}"] if base else []),
            **({"partial": f"{partial} stopped at --timeout: resume with --base {out} --resume"} if partial else {}),
+           # the manifest the finished table's will be merged onto (a partial table has none beside it)
+           **({"manifest_from": str(manifest_from)} if partial and manifest_from is not None else {}),
            "kernels": {k: dict(sorted(v.items())) for k, v in sorted(kernels.items())}}
     write_text(out, json.dumps(doc, indent=1) + "\n", option="--out")
     shipped_tuning.clear()
@@ -253,12 +268,13 @@ def record_kernels(args, table: Path, runs: list[tuple[str, str]], scratch: Path
     from titan_nvfp4.tools.atomic import write_text
 
     manifests = []
-    if args.base is not None and kernels_path(args.base).is_file():
-        kept = precompile.load(kernels_path(args.base))
+    kept_path = base_manifest(args.base) if args.base is not None else None
+    if kept_path is not None:
+        kept = precompile.load(kept_path)
         if kept["triton"] == triton.__version__:
             manifests.append(kept)
         else:
-            print(f"tune_kernels: {kernels_path(args.base)} is for Triton {kept['triton']}: not merged", flush=True)
+            print(f"tune_kernels: {kept_path} is for Triton {kept['triton']}: not merged", flush=True)
     try:
         for job, mode in runs:
             got = run_job(job, mode, args.steps, args.extra, scratch, args.timeout, table=table.resolve(), record=True,
@@ -279,12 +295,24 @@ def record_kernels(args, table: Path, runs: list[tuple[str, str]], scratch: Path
     doc = precompile.merge(manifests)
     doc.update(generated=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                command="python scripts/tune_kernels.py " + " ".join(sys.argv[1:]),
-               runs=[f"{j} ({m})" for j, m in runs] + ([f"kernels kept from {kernels_path(args.base)}"]
+               runs=[f"{j} ({m})" for j, m in runs] + ([f"kernels kept from {kept_path}"]
                                                      if len(manifests) > len(runs) else []))
     out = kernels_path(table)
     write_text(out, json.dumps(doc, indent=1) + "\n", option="--out")
     precompile.load(out)
     print(f"tune_kernels: wrote {out}: {len(doc['kernels'])} kernel specializations", flush=True)
+
+
+def base_manifest(base: Path) -> Path | None:
+    """The manifest a table built on ``base`` merges onto: the one beside it, or, for a partial table, the one its
+    own base had (its "manifest_from"); None if neither exists."""
+    if kernels_path(base).is_file():
+        return kernels_path(base)
+    try:
+        origin = json.loads(base.read_text()).get("manifest_from")
+    except (OSError, json.JSONDecodeError):
+        return None
+    return Path(origin) if origin and Path(origin).is_file() else None
 
 
 def kernels_path(table: Path) -> Path:

@@ -1,8 +1,8 @@
 """An autotuner's candidate configs compile together on threads before their first benchmark (launch.ShippedAutotuner
 .compile_candidates): each config's pre-hook runs before its specialization, the compiles go to Triton's async-compile
 mode (a pool thread runs them), once per key, and the choice is the one the benchmarks make either way. The kernel is
-a stand-in that records how Triton's autotuner calls it (the CPU cannot compile for a GPU and launch); a real
-kernel's candidates compiled ahead on a GPU are in tests/test_gpu.py."""
+a stand-in that records how Triton's autotuner calls it (the CPU cannot compile for a GPU and launch); the last test
+compiles real GEMM candidates ahead on a GPU."""
 
 import inspect
 import threading
@@ -26,12 +26,24 @@ class _Recorder:
 
     def __init__(self, block_seen):
         self.calls, self.block_seen, self.compiled_on = [], block_seen, []
+        self.fail_compile, self.fail_finish = set(), False
 
     def run(self, *args, grid, warmup, **kw):
         mode = async_compile.active_mode.get()
         self.calls.append(("warmup" if warmup else "run", kw["BLOCK"], mode is not None, self.block_seen[0]))
         if warmup and mode is not None:
-            hooks = [lambda: threading.current_thread().name, lambda name: self.compiled_on.append(name)]
+            block = kw["BLOCK"]
+
+            def compile_fn():
+                if block in self.fail_compile:
+                    raise RuntimeError(f"PTXAS error for BLOCK={block}")  # as a compile that fails on its thread
+                return threading.current_thread().name
+
+            def finish(name):
+                if self.fail_finish:
+                    raise RuntimeError("a post-compile hook failed")
+                self.compiled_on.append(name)
+            hooks = [compile_fn, finish]
             if "cleanup_fn" in inspect.signature(mode.submit).parameters:  # Triton 3.7+
                 hooks.append(lambda future_kernel: None)
             mode.submit(("k", kw["BLOCK"], args[1]), *hooks)
@@ -78,6 +90,24 @@ def test_candidates_compile_on_threads_before_the_first_benchmark(monkeypatch):
     assert tuner.compiled_ahead == 9
 
 
+def test_a_candidate_failing_to_compile_ahead_is_left_to_its_benchmark(monkeypatch):
+    tuner, fake = _tuner(monkeypatch)
+    fake.fail_compile = {64}
+    tuner.run(object(), 100, grid=(1,), warmup=False)
+    assert len(fake.compiled_on) == 2  # 16 and 32 compiled ahead; 64 failed on its thread
+    assert [c[1] for c in fake.calls if c[0] == "run"][:3] == [16, 32, 64]  # all three benchmarked, as Triton does
+    assert tuner.best_config.kwargs["BLOCK"] == 32 and async_compile.active_mode.get() is None
+
+
+def test_a_failure_while_finishing_the_compiles_leaves_no_mode_active(monkeypatch):
+    # Triton 3.6 clears its mode only after finishing every compile: later compiles would go to a shut-down pool.
+    tuner, fake = _tuner(monkeypatch)
+    fake.fail_finish = True
+    with pytest.raises(RuntimeError, match="post-compile hook"):
+        tuner.run(object(), 100, grid=(1,), warmup=False)
+    assert async_compile.active_mode.get() is None
+
+
 @pytest.mark.parametrize("threads", ["0", "1"])
 def test_one_thread_compiles_inside_the_benchmarks_as_triton_does(monkeypatch, threads):
     tuner, fake = _tuner(monkeypatch, threads)
@@ -101,9 +131,9 @@ def test_a_bad_thread_count_is_named(monkeypatch):
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="compiles and benchmarks for the GPU")
 def test_gemm_candidates_compile_ahead_on_the_gpu_with_the_same_result(monkeypatch):
-    """The TMA GEMM (configs with pre-hooks) and the grouped rows GEMM autotuned with nothing shipped or stored: every
-    compile of their kernels happens inside the async mode (none inside a benchmark), and the result is the bits of
-    the same tuning done one compile at a time."""
+    """The TMA GEMM (configs with pre-hooks) and the grouped rows GEMM autotuned with nothing shipped or stored: no
+    compile of their kernels happens inside a benchmark, and the result is the bits of the same tuning done one
+    compile at a time (every config gives the same bits: tests/test_shipped_tuning.py)."""
     import torch
 
     from titan_nvfp4.kernels import gemm as g
@@ -122,12 +152,22 @@ def test_gemm_candidates_compile_ahead_on_the_gpu_with_the_same_result(monkeypat
     monkeypatch.setattr(gg, "ROWS_KERNEL", "persistent")
     for t in tuners:
         monkeypatch.setattr(t, "cache_results", False)
-    compiles = []
+    compiles, benchmarking = [], [False]
 
-    def hook(*args, **kwargs):  # any kernel compiled during the two launches (their own quantizations are done)
-        compiles.append(async_compile.active_mode.get() is not None)
+    def hook(*args, **kwargs):  # any kernel compiled during the launches: inside a benchmark or not
+        compiles.append(benchmarking[0])
         return False
     monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", hook)
+    for t in tuners:
+        bench = t.do_bench
+
+        def timed(call, quantiles=None, _bench=bench):
+            benchmarking[0] = True
+            try:
+                return _bench(call, quantiles=quantiles)
+            finally:
+                benchmarking[0] = False
+        monkeypatch.setitem(t.__dict__, "do_bench", timed)
 
     def tuned(threads):
         monkeypatch.setenv("TITAN_NVFP4_TUNE_THREADS", threads)
@@ -147,9 +187,9 @@ def test_gemm_candidates_compile_ahead_on_the_gpu_with_the_same_result(monkeypat
     for t in tuners:  # the two kernels' compiled specializations forgotten (Triton's disk cache still serves them)
         jit = t.fn
         monkeypatch.setattr(jit, "device_caches", defaultdict(jit.create_binder))
-    got, ahead, during = tuned("8")
-    assert during, "no kernel compiled: the test would prove nothing"
+    got, ahead, inside = tuned("8")
+    assert inside, "no kernel compiled: the test would prove nothing"
     assert all(n >= 2 for n in ahead), ahead  # every candidate of each key went through the mode
-    assert all(during), during  # nothing compiled inside a benchmark
+    assert not any(inside), inside  # nothing compiled inside a benchmark
     for x, y in zip(got, one):
         assert torch.equal(x, y)

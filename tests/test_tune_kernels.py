@@ -48,6 +48,7 @@ def test_a_run_stopped_at_the_timeout_leaves_a_partial_table_to_resume_from(tmp_
     name, entry = tuner.base_fn.__name__, shipped_tuning.config_entry(tuner.configs[1])
     base = tmp_path / "base.json"
     base.write_text(json.dumps({"format": shipped_tuning.FORMAT, "kernels": {name: {"[1, 2]": entry}}}))
+    (tmp_path / "base.kernels.json").write_text("{}")  # the base table's manifest (its content is not read here)
     seen = []
 
     def stopped_run(job, mode, steps, extra, scratch, timeout, table=None, record=False, logs=None):
@@ -69,6 +70,8 @@ def test_a_run_stopped_at_the_timeout_leaves_a_partial_table_to_resume_from(tmp_
     assert "partial" in doc and "--resume" in doc["partial"]
     assert set(doc["kernels"][name]) == {"[1, 2]", "[3, 4]"}
     assert not (tmp_path / "sm90.kernels.json").exists()  # no manifest for a partial table
+    assert doc["manifest_from"] == str(tmp_path / "base.kernels.json")  # the base's, merged once the table is done
+    assert mod.base_manifest(out) == tmp_path / "base.kernels.json"
     shipped_tuning.clear()
     assert len(shipped_tuning.choices(out, name, tuner.configs)) == 2
 
@@ -108,3 +111,26 @@ def test_a_run_past_its_timeout_without_a_snapshot_fails_naming_the_job(tmp_path
     monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
     with pytest.raises(SystemExit, match=r"llama3_nvfp4.toml \(eager\) ran past --timeout 3 s"):
         _script().run_job("train_configs/llama3_nvfp4.toml", "eager", 2, [], tmp_path, timeout=3)
+
+
+def test_a_resumed_run_that_tunes_nothing_new_fails_instead_of_looping(tmp_path, monkeypatch):
+    import argparse
+
+    from titan_nvfp4.kernels import gemm, grouped_gemm, launch, quantize, shipped_tuning, swiglu  # noqa: F401
+
+    tuner = next(t for t in launch.TUNERS if len(t.configs) > 1)
+    name, entry = tuner.base_fn.__name__, shipped_tuning.config_entry(tuner.configs[0])
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"format": shipped_tuning.FORMAT, "kernels": {name: {"[1, 2]": entry}}}))
+
+    def stopped_again(*a, **k):
+        return {"gpu_class": "sm90", "gpu": "test", "partial": True,
+                "kernels": {name: {"configs": len(tuner.configs), "shipped": 1, "choices": {"[1, 2]": entry}}}}
+
+    mod = _script()
+    monkeypatch.setattr(mod, "run_job", stopped_again)
+    args = argparse.Namespace(jobs=["a.toml"], modes=["eager"], steps=2, extra=[], base=base, resume=True, timeout=5,
+                              logs=None)
+    with pytest.raises(SystemExit, match="tuned no key beyond --base"):
+        mod.tune_and_record(args, "sm90", tmp_path / "out.json", {name: {"[1, 2]": entry}}, tmp_path)
+    assert not (tmp_path / "out.json").exists()

@@ -257,7 +257,8 @@ def tune_threads() -> int:
         except ValueError:
             raise ValueError(f"TITAN_NVFP4_TUNE_THREADS={setting!r}: expected a whole number of threads") from None
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return min(8, max(1, (os.cpu_count() or 1) // max(local, 1)))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(8, max(1, cpus // max(local, 1)))
 
 
 try:  # Triton ≥ 3.4: a JIT compile inside this mode goes to an executor and returns a future
@@ -274,7 +275,7 @@ class ShippedAutotuner(Autotuner):
 
     shipped_hits = 0  # keys served from a table (per autotuner once set; tests and tune_kernels count them)
     failed_configs = 0  # configs whose benchmark failed (out of resources): Launcher._build collects their garbage
-    compiled_ahead = 0  # candidate configs compiled on threads before a benchmark (tests count them)
+    compiled_ahead = 0  # candidate configs sent to compile on threads before a benchmark (tests count them)
     _ahead = False  # whether this run compiled its candidates ahead (one run benchmarks one key)
 
     def check_disk_cache(self, tuning_key, configs, bench_fn):
@@ -315,17 +316,26 @@ class ShippedAutotuner(Autotuner):
         if len(configs) < 2:
             return
         from concurrent.futures import ThreadPoolExecutor
-        with ThreadPoolExecutor(min(threads, len(configs)), thread_name_prefix="titan-nvfp4-tune") as pool, \
-                _async_compile.AsyncCompileMode(pool, ignore_errors=True):
-            for config in configs:
-                current = dict(meta, **config.all_kwargs())
-                if config.pre_hook:  # the GEMMs' hooks set the TMA block shapes the specialization includes
-                    config.pre_hook({**self.nargs, **current})
-                try:  # as the benchmark will call it (Triton passes grid and warmup through), compiling only
-                    self.fn.run(*args, **{"grid": (1,), **current, "warmup": True})
-                except Exception:  # noqa: BLE001 -- left to the config's benchmark, which reports it
-                    continue
-                self.compiled_ahead += 1
+        with ThreadPoolExecutor(min(threads, len(configs)), thread_name_prefix="titan-nvfp4-tune") as pool:
+            mode = _async_compile.AsyncCompileMode(pool, ignore_errors=True)
+            try:
+                with mode:
+                    self._send_to_compile(configs, args, meta)
+            finally:  # Triton 3.6 leaves the mode set when finishing a compile raised: later compiles would go to
+                if _async_compile.active_mode.get() is mode:  # this pool, shut down
+                    _async_compile.active_mode.set(None)
+
+    def _send_to_compile(self, configs, args: tuple, meta: dict) -> None:
+        """Each config's compile to the active async mode, as its benchmark will call the kernel."""
+        for config in configs:
+            current = dict(meta, **config.all_kwargs())
+            if config.pre_hook:  # the GEMMs' hooks set the TMA block shapes the specialization includes
+                config.pre_hook({**self.nargs, **current})
+            try:  # as the benchmark will call it (Triton passes grid and warmup through), compiling only
+                self.fn.run(*args, **{"grid": (1,), **current, "warmup": True})
+            except Exception:  # noqa: BLE001 -- left to the config's benchmark, which reports it
+                continue
+            self.compiled_ahead += 1
 
     def _bench(self, *args, config, **meta):
         if not self._ahead:  # the run's first benchmark: all its candidates compile together
