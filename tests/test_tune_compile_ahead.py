@@ -1,7 +1,8 @@
 """An autotuner's candidate configs compile together on threads before their first benchmark (launch.ShippedAutotuner
 .compile_candidates): each config's pre-hook runs before its specialization, the compiles go to Triton's async-compile
 mode (a pool thread runs them), once per key, and the choice is the one the benchmarks make either way. The kernel is
-a stand-in that records how Triton's autotuner calls it (the CPU cannot compile for a GPU and launch); the last test
+a stand-in that records how Triton's autotuner calls it; tests/compile_ahead_sm90.py compiles two of the package's
+autotuned kernels for sm_90 on the CPU (a stand-in driver, nothing launched), ahead and one by one; the last test
 compiles real GEMM candidates ahead on a GPU."""
 
 import inspect
@@ -106,6 +107,29 @@ def test_a_failure_while_finishing_the_compiles_leaves_no_mode_active(monkeypatc
     with pytest.raises(RuntimeError, match="post-compile hook"):
         tuner.run(object(), 100, grid=(1,), warmup=False)
     assert async_compile.active_mode.get() is None
+
+
+def test_real_kernels_compiled_ahead_are_the_ones_their_benchmarks_would_compile(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "TITAN_NVFP4_TUNE_THREADS": "4",
+           "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(tests / "compile_ahead_sm90.py")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name in ("_dequant_kernel", "_nvfp4_gemm_kernel"):
+        k = got[name]
+        assert k["sent"] == len(k["configs"]) == len(k["ahead"]) >= 3, k
+        assert k["ahead"] == k["one_by_one"], name  # the same compiled kernels (Triton's hashes), one per config
+    blocks = sorted(str([c["BN"], c["BK"]]) for c in got["_nvfp4_gemm_kernel"]["configs"])
+    assert sorted(d["descs"]["b_desc"].split("[")[1].rstrip("]>") for d in got["_nvfp4_gemm_kernel"]["ahead"]) == \
+        [b.strip("[]") for b in blocks]  # each TMA config compiled for its own block shape (its pre-hook ran)
 
 
 @pytest.mark.parametrize("threads", ["0", "1"])
