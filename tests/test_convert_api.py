@@ -140,3 +140,10 @@ def test_a_plain_model_converts_and_trains(meta, caplog):
     assert {k.split("/")[1] for k in stats} == {"up", "down"} and all(v == v for v in stats.values())
     again, _ = titan_nvfp4.convert(model, filter_fqns=["head"], gemm_backend="reference")  # converting twice: a no-op
     assert again is model and type(model.head) is nn.Linear
+
+
+def test_a_bad_tune_thread_count_is_named_at_conversion(monkeypatch):
+    # Not at the first autotuned launch, minutes into a job.
+    monkeypatch.setenv("TITAN_NVFP4_TUNE_THREADS", "lots")
+    with pytest.raises(ValueError, match="TITAN_NVFP4_TUNE_THREADS='lots'"):
+        titan_nvfp4.convert(_PlainMLP(), filter_fqns=["head"], gemm_backend="auto")

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .distributed.fsdp_all_gather import wrap_weight
-from .kernels import precompile
+from .kernels import launch, precompile
 from .modules.decomposed_linear import DecomposedLinear, check_lowrank_args, lora_dtype_without_rank, redecompose
 from .modules.expert_groups import experts_layer_id
 from .modules.nvfp4_linear import NVFP4Linear, check_linear_dims
@@ -58,6 +58,8 @@ def start_precompile(recipe: NVFP4Recipe, log=LOG, experts: bool = False) -> Non
     """Compile the shipped kernel specializations for this GPU in the background while the model is built
     (kernels/precompile.py), when this run launches Triton kernels on a CUDA GPU. ``experts``: called for NVFP4
     grouped experts (the Linears' call leaves out the kernels only those launch; the experts' call adds them)."""
+    if recipe.gemm_backend != "reference":
+        launch.tune_threads()  # a bad TITAN_NVFP4_TUNE_THREADS is named now, not at the first autotuned launch
     if recipe.gemm_backend != "reference" and precompile.wanted(experts) and torch.cuda.is_available() \
             and torch.version.hip is None:
         precompile.start(torch.cuda.current_device(), log, experts=experts)
