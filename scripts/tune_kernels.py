@@ -29,6 +29,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -223,9 +224,13 @@ def tune_and_record(args, cls: str, out: Path, base, scratch: Path) -> None:
             tuned = {name: len(k["choices"]) - k.get("shipped", 0) for name, k in dump["kernels"].items()}
             runs = sum(tuned[name] * k["configs"] for name, k in dump["kernels"].items())
             print(f"{job} ({mode}): {sum(tuned.values())} keys tuned, {runs} benchmark runs", flush=True)
+            seconds = autotune_seconds((args.logs or scratch) / f"{Path(job).stem}_{mode}.log")
             for name, k in sorted(dump["kernels"].items()):
-                print(f"    {name}: {tuned[name]} keys x {k['configs']} configs"
+                spent = f", {seconds[name]:.1f} s" if name in seconds else ""
+                print(f"    {name}: {tuned[name]} keys x {k['configs']} configs{spent}"
                       + (f" (+{k['shipped']} from --base)" if k.get("shipped") else ""), flush=True)
+            if seconds:
+                print(f"    autotuning took {sum(seconds.values()):.1f} s of the run", flush=True)
             dumps.append((f"{job} ({mode})", dump))
     kernels, disagree = merge(dumps, base)
     if partial and base is not None and all(k in base.get(n, {}) for n, v in kernels.items() for k in v):
@@ -301,6 +306,17 @@ def record_kernels(args, table: Path, runs: list[tuple[str, str]], scratch: Path
     write_text(out, json.dumps(doc, indent=1) + "\n", option="--out")
     precompile.load(out)
     print(f"tune_kernels: wrote {out}: {len(doc['kernels'])} kernel specializations", flush=True)
+
+
+def autotune_seconds(log: Path) -> dict[str, float]:
+    """{kernel: seconds} its keys' autotuning took in a run's log (Triton's TRITON_PRINT_AUTOTUNING lines: compiles
+    and benchmarks of every candidate)."""
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    out: dict[str, float] = {}
+    for name, sec in re.findall(r"Triton autotuning for function (\w+),\s*with key as .*?,\s*finished after "
+                                r"([0-9.]+)s", text, flags=re.S):
+        out[name] = out.get(name, 0.0) + float(sec)
+    return out
 
 
 def base_manifest(base: Path) -> Path | None:

@@ -134,3 +134,14 @@ def test_a_resumed_run_that_tunes_nothing_new_fails_instead_of_looping(tmp_path,
     with pytest.raises(SystemExit, match="tuned no key beyond --base"):
         mod.tune_and_record(args, "sm90", tmp_path / "out.json", {name: {"[1, 2]": entry}}, tmp_path)
     assert not (tmp_path / "out.json").exists()
+
+
+def test_the_autotuning_seconds_are_read_from_tritons_lines(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text("[rank0]: step 1\nTriton autotuning for function _quantize_kernel,\nwith key as (8192, 2048, True, "
+                   "'torch.bfloat16'),\nfinished after 3.25s,\nbest config selected: BM: 32;\nnoise\n"
+                   "Triton autotuning for function _quantize_kernel,\nwith key as (4096, 2048),\nfinished after 1.5s,\n"
+                   "best config selected: x;\nTriton autotuning for function _nvfp4_gemm_kernel,\nwith key as (1, 2),\n"
+                   "finished after 0.75s,\nbest config selected: y;\n")
+    assert _script().autotune_seconds(log) == {"_quantize_kernel": 4.75, "_nvfp4_gemm_kernel": 0.75}
+    assert _script().autotune_seconds(tmp_path / "missing.log") == {}
