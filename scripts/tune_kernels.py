@@ -44,6 +44,7 @@ JOBS = ["train_configs/llama3_nvfp4.toml", "train_configs/deepseek_v3_nvfp4.toml
         "train_configs/qwen3_30b_a3b_4blocks_nvfp4.toml", "train_configs/gpt_oss_20b_4blocks_nvfp4.toml"]
 MODES = {"eager": [], "compiled": ["--compile.enable"]}
 SNAPSHOT_S = 10  # seconds between a tuning worker's snapshots of the choices made so far
+STOP_GRACE_S = 60  # seconds torchrun gets to stop its worker after SIGTERM (it kills it itself after 30)
 
 
 def worker(out: Path, train_args: list[str], record: bool = False) -> None:
@@ -51,6 +52,7 @@ def worker(out: Path, train_args: list[str], record: bool = False) -> None:
     kernel specializations compiled instead, as a precompile manifest)."""
     # Before TorchTitan's import: its ConfigManager.parse_args binds sys.argv[1:] as a default when first imported.
     sys.argv = ["torchtitan.train", *train_args]
+    Path(f"{out}.pid").write_text(str(os.getpid()))  # run_job kills it by this if torchrun cannot (its own session)
     sys.path.insert(0, str(ROOT))
     import torch
     from torchtitan.train import Trainer, main
@@ -123,10 +125,11 @@ def run_job(job: str, mode: str, steps: int, extra: list[str], scratch: Path, ti
         except subprocess.TimeoutExpired:  # torchrun hands SIGTERM on to its worker (not left running on the GPU)
             proc.send_signal(signal.SIGTERM)
             try:
-                rc, late = proc.wait(timeout=60), True
+                rc, late = proc.wait(timeout=STOP_GRACE_S), True
             except subprocess.TimeoutExpired:
                 proc.kill()
                 rc, late = proc.wait(), True
+            kill_worker(Path(f"{dump}.pid"))  # torchrun starts it in a session of its own: killing torchrun misses it
     got = json.loads(dump.read_text()) if dump.is_file() else None
     if late and got is not None and not got.get("partial", False) and not record:
         return got  # it finished (its final dump written) while being stopped
@@ -138,6 +141,21 @@ def run_job(job: str, mode: str, steps: int, extra: list[str], scratch: Path, ti
         tail = log.read_text().splitlines()[-15:]
         raise SystemExit(f"tune_kernels: {job} ({mode}) {why}; log {log}:\n" + "\n".join(tail))
     return got
+
+
+def kill_worker(pid_file: Path) -> None:
+    """SIGKILL the worker that wrote ``pid_file`` if it still runs (a stopped run must not keep the GPU)."""
+    try:
+        pid = int(pid_file.read_text())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):  # gone (or no /proc to tell a reused pid by)
+        return
+    if b"tune_kernels.py" not in cmdline:  # the pid is another process's by now
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def merge(dumps: list[tuple[str, dict]], base: dict | None) -> tuple[dict, int]:

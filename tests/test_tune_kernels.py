@@ -145,3 +145,39 @@ def test_the_autotuning_seconds_are_read_from_tritons_lines(tmp_path):
                    "finished after 0.75s,\nbest config selected: y;\n")
     assert _script().autotune_seconds(log) == {"_quantize_kernel": 4.75, "_nvfp4_gemm_kernel": 0.75}
     assert _script().autotune_seconds(tmp_path / "missing.log") == {}
+
+
+def test_a_worker_that_outlives_its_torchrun_is_killed(tmp_path, monkeypatch):
+    # torchrun starts its worker in a session of its own: if torchrun itself will not stop, killing it leaves the
+    # worker holding the GPU. The stand-in torchrun ignores SIGTERM and starts a worker that writes its pid and hangs.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    worker = bin_dir / "tune_kernels.py"
+    worker.write_text("import os, sys, time\nopen(sys.argv[1] + '.pid', 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
+    fake = bin_dir / "torchrun"
+    fake.write_text(f"""#!{sys.executable}
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+dump = sys.argv[sys.argv.index("--worker") + 1]
+subprocess.Popen([sys.executable, {str(worker)!r}, dump], start_new_session=True)
+time.sleep(600)
+""")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    mod = _script()
+    monkeypatch.setattr(mod, "STOP_GRACE_S", 1)
+    with pytest.raises(SystemExit, match="ran past --timeout"):
+        mod.run_job("train_configs/llama3_nvfp4.toml", "eager", 2, [], tmp_path, timeout=3)
+    pid = int((tmp_path / "llama3_nvfp4_eager.json.pid").read_text())
+    import time
+    for _ in range(50):  # SIGKILL is delivered at once; the zombie is reaped by init
+        try:
+            os.kill(pid, 0)
+            state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+        except (ProcessLookupError, FileNotFoundError):
+            break
+        if state == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the worker {pid} still runs")
