@@ -19,8 +19,9 @@ the manifest of the background precompile (kernels/precompile.py) goes beside th
 (with --base, merged with the base table's manifest).
 
 A job too large to tune within one device call resumes: a tuning worker writes the choices made so far every few
-seconds, a run past --timeout is stopped, and its last snapshot goes into --out marked partial (no manifest, exit 3); the next call passes that table as --base
-with --resume, so its keys launch their listed choice and only the keys it lacks are benchmarked.
+seconds, a run past --timeout is stopped, and its last snapshot goes into --out marked partial (no manifest, exit 3);
+the next call passes that table as --base with --resume, so its keys launch their listed choice and only the keys it
+lacks are benchmarked.
 """
 
 from __future__ import annotations
@@ -112,8 +113,8 @@ def run_job(job: str, mode: str, steps: int, extra: list[str], scratch: Path, ti
     name = f"{Path(job).stem}_{mode}"
     run = name + (".kernels" if record else "")
     dump, log = scratch / f"{run}.json", (logs or scratch) / f"{run}.log"
-    env = {**os.environ, "TRITON_PRINT_AUTOTUNING": "1", "TITAN_NVFP4_SHIPPED_TUNING": str(table) if table else "0", "TITAN_NVFP4_AUTOTUNE_CACHE": "0",
-           "TITAN_NVFP4_PRECOMPILE": "0",
+    env = {**os.environ, "TRITON_PRINT_AUTOTUNING": "1", "TITAN_NVFP4_SHIPPED_TUNING": str(table) if table else "0",
+           "TITAN_NVFP4_AUTOTUNE_CACHE": "0", "TITAN_NVFP4_PRECOMPILE": "0",
            "TRITON_CACHE_DIR": str(scratch / f"{name}.triton"), "TORCHINDUCTOR_CACHE_DIR": str(scratch / f"{name}.inductor")}
     cmd = ["torchrun", "--standalone", "--nproc_per_node=1", str(Path(__file__).resolve()),
            "--record" if record else "--worker", str(dump), "--",
@@ -131,10 +132,9 @@ def run_job(job: str, mode: str, steps: int, extra: list[str], scratch: Path, ti
                 rc, late = proc.wait(), True
             kill_worker(Path(f"{dump}.pid"))  # torchrun starts it in a session of its own: killing torchrun misses it
     got = json.loads(dump.read_text()) if dump.is_file() else None
-    if late and got is not None and not got.get("partial", False) and not record:
-        return got  # it finished (its final dump written) while being stopped
-    if late and got is not None and got.get("partial") and not record:
-        print(f"{job} ({mode}): stopped after {timeout} s; what it tuned so far is kept", flush=True)
+    if late and got is not None and not record:  # a snapshot, or the final dump of a run finished while stopped
+        if got.get("partial"):
+            print(f"{job} ({mode}): stopped after {timeout} s; what it tuned so far is kept", flush=True)
         return got
     if rc != 0 or got is None:
         why = f"ran past --timeout {timeout} s" if late else f"failed with exit {rc}"
@@ -229,27 +229,27 @@ def tune_and_record(args, cls: str, out: Path, base, scratch: Path) -> None:
     from titan_nvfp4.tools.atomic import write_text
 
     dumps, partial = [], None
-    for job in args.jobs:
-        for mode in args.modes:
-            if partial:
-                break
-            dump = run_job(job, mode, args.steps, args.extra, scratch, args.timeout,
-                           table=args.base.resolve() if args.resume else None, logs=args.logs)
-            if dump["partial"]:
-                partial = f"{job} ({mode})"
-            if dump["gpu_class"] != cls:
-                raise SystemExit(f"tune_kernels: {job} ran on {dump['gpu_class']}, this machine is {cls}")
-            tuned = {name: len(k["choices"]) - k.get("shipped", 0) for name, k in dump["kernels"].items()}
-            runs = sum(tuned[name] * k["configs"] for name, k in dump["kernels"].items())
-            print(f"{job} ({mode}): {sum(tuned.values())} keys tuned, {runs} benchmark runs", flush=True)
-            seconds = autotune_seconds((args.logs or scratch) / f"{Path(job).stem}_{mode}.log")
-            for name, k in sorted(dump["kernels"].items()):
-                spent = f", {seconds[name]:.1f} s" if name in seconds else ""
-                print(f"    {name}: {tuned[name]} keys x {k['configs']} configs{spent}"
-                      + (f" (+{k['shipped']} from --base)" if k.get("shipped") else ""), flush=True)
-            if seconds:
-                print(f"    autotuning took {sum(seconds.values()):.1f} s of the run", flush=True)
-            dumps.append((f"{job} ({mode})", dump))
+    pairs = [(job, mode) for job in args.jobs for mode in args.modes]
+    for job, mode in pairs:
+        if partial:  # the runs after a stopped one wait for the resumed call
+            break
+        dump = run_job(job, mode, args.steps, args.extra, scratch, args.timeout,
+                       table=args.base.resolve() if args.resume else None, logs=args.logs)
+        if dump["partial"]:
+            partial = f"{job} ({mode})"
+        if dump["gpu_class"] != cls:
+            raise SystemExit(f"tune_kernels: {job} ran on {dump['gpu_class']}, this machine is {cls}")
+        tuned = {name: len(k["choices"]) - k.get("shipped", 0) for name, k in dump["kernels"].items()}
+        runs = sum(tuned[name] * k["configs"] for name, k in dump["kernels"].items())
+        print(f"{job} ({mode}): {sum(tuned.values())} keys tuned, {runs} benchmark runs", flush=True)
+        seconds = autotune_seconds((args.logs or scratch) / f"{Path(job).stem}_{mode}.log")
+        for name, k in sorted(dump["kernels"].items()):
+            spent = f", {seconds[name]:.1f} s" if name in seconds else ""
+            print(f"    {name}: {tuned[name]} keys x {k['configs']} configs{spent}"
+                  + (f" (+{k['shipped']} from --base)" if k.get("shipped") else ""), flush=True)
+        if seconds:
+            print(f"    autotuning took {sum(seconds.values()):.1f} s of the run", flush=True)
+        dumps.append((f"{job} ({mode})", dump))
     kernels, disagree = merge(dumps, base)
     if partial and base is not None and all(k in base.get(n, {}) for n, v in kernels.items() for k in v):
         raise SystemExit(f"tune_kernels: {partial} tuned no key beyond --base {args.base} within --timeout "
@@ -278,7 +278,7 @@ def tune_and_record(args, cls: str, out: Path, base, scratch: Path) -> None:
         print(f"tune_kernels: {partial} was stopped at --timeout {args.timeout} s: {out} is partial and has no "
               f"manifest; go on with --base {out} --resume", flush=True)
         raise SystemExit(3)
-    record_kernels(args, out, [(job, mode) for job in args.jobs for mode in args.modes], scratch)
+    record_kernels(args, out, pairs, scratch)
 
 
 def record_kernels(args, table: Path, runs: list[tuple[str, str]], scratch: Path) -> None:

@@ -82,19 +82,25 @@ def test_resume_needs_a_base(tmp_path):
     assert proc.returncode != 0 and "--resume needs --base" in proc.stderr
 
 
+def _fake_torchrun(tmp_path, monkeypatch, body: str) -> Path:
+    """A stand-in ``torchrun`` (a Python script of ``body``) first on PATH; the folder it is in."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "torchrun"
+    fake.write_text(f"#!{sys.executable}\n{body}")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return bin_dir
+
+
 def test_a_run_past_its_timeout_is_stopped_and_its_last_snapshot_kept(tmp_path, monkeypatch):
     # A stand-in torchrun whose worker has written one snapshot and then hangs (a kernel still tuning).
-    fake = tmp_path / "bin" / "torchrun"
-    fake.parent.mkdir()
-    fake.write_text(f"""#!{sys.executable}
-import json, sys, time
+    _fake_torchrun(tmp_path, monkeypatch, f"""import json, sys, time
 dump = sys.argv[sys.argv.index("--worker") + 1]
 json.dump({{"gpu_class": "sm90", "gpu": "test", "partial": True, "kernels": {{}}}}, open(dump, "w"))
 open({str(tmp_path / "started")!r}, "w").close()
 time.sleep(600)
 """)
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
     mod = _script()
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -104,11 +110,7 @@ time.sleep(600)
 
 
 def test_a_run_past_its_timeout_without_a_snapshot_fails_naming_the_job(tmp_path, monkeypatch):
-    fake = tmp_path / "bin" / "torchrun"
-    fake.parent.mkdir()
-    fake.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(600)\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    _fake_torchrun(tmp_path, monkeypatch, "import time\ntime.sleep(600)\n")
     with pytest.raises(SystemExit, match=r"llama3_nvfp4.toml \(eager\) ran past --timeout 3 s"):
         _script().run_job("train_configs/llama3_nvfp4.toml", "eager", 2, [], tmp_path, timeout=3)
 
@@ -150,20 +152,14 @@ def test_the_autotuning_seconds_are_read_from_tritons_lines(tmp_path):
 def test_a_worker_that_outlives_its_torchrun_is_killed(tmp_path, monkeypatch):
     # torchrun starts its worker in a session of its own: if torchrun itself will not stop, killing it leaves the
     # worker holding the GPU. The stand-in torchrun ignores SIGTERM and starts a worker that writes its pid and hangs.
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    worker = bin_dir / "tune_kernels.py"
+    worker = tmp_path / "tune_kernels.py"
     worker.write_text("import os, sys, time\nopen(sys.argv[1] + '.pid', 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
-    fake = bin_dir / "torchrun"
-    fake.write_text(f"""#!{sys.executable}
-import signal, subprocess, sys, time
+    _fake_torchrun(tmp_path, monkeypatch, f"""import signal, subprocess, sys, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 dump = sys.argv[sys.argv.index("--worker") + 1]
 subprocess.Popen([sys.executable, {str(worker)!r}, dump], start_new_session=True)
 time.sleep(600)
 """)
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     mod = _script()
     monkeypatch.setattr(mod, "STOP_GRACE_S", 1)
     with pytest.raises(SystemExit, match="ran past --timeout"):

@@ -58,10 +58,10 @@ def start_precompile(recipe: NVFP4Recipe, log=LOG, experts: bool = False) -> Non
     """Compile the shipped kernel specializations for this GPU in the background while the model is built
     (kernels/precompile.py), when this run launches Triton kernels on a CUDA GPU. ``experts``: called for NVFP4
     grouped experts (the Linears' call leaves out the kernels only those launch; the experts' call adds them)."""
-    if recipe.gemm_backend != "reference":
-        launch.tune_threads()  # a bad TITAN_NVFP4_TUNE_THREADS is named now, not at the first autotuned launch
-    if recipe.gemm_backend != "reference" and precompile.wanted(experts) and torch.cuda.is_available() \
-            and torch.version.hip is None:
+    if recipe.gemm_backend == "reference":
+        return
+    launch.tune_threads()  # a bad TITAN_NVFP4_TUNE_THREADS is named now, not at the first autotuned launch
+    if precompile.wanted(experts) and torch.cuda.is_available() and torch.version.hip is None:
         precompile.start(torch.cuda.current_device(), log, experts=experts)
 
 

@@ -246,7 +246,6 @@ TUNE_ON_DISK = os.environ.get("TITAN_NVFP4_AUTOTUNE_CACHE", "1") not in ("", "0"
     "cache_results" in inspect.signature(triton.autotune).parameters
 
 
-
 def tune_threads() -> int:
     """TITAN_NVFP4_TUNE_THREADS: threads that compile an autotuned kernel's candidate configs at once before their
     benchmark (unset: this process's share of the CPUs, at most 8; 0 or 1: one by one, as Triton does)."""
