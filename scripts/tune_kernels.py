@@ -256,10 +256,8 @@ def tune_and_record(args, cls: str, out: Path, base, scratch: Path) -> None:
                          f"{args.timeout} s (its first step alone takes longer?): give a longer --timeout")
     manifest_from = base_manifest(args.base) if args.base is not None else None
     doc = {"format": shipped_tuning.FORMAT, "gpu_class": cls, "gpu": dumps[0][1]["gpu"] if dumps else None,
-           "generated": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "torch": torch.__version__, "triton": triton.__version__,
-           "command": "python scripts/tune_kernels.py " + " ".join(sys.argv[1:]),
-           "runs": [name for name, _ in dumps] + ([f"keys kept from {args.base}"] if base else []),
+           **provenance([name for name, _ in dumps], args.base if base else None),
            **({"partial": f"{partial} stopped at --timeout: resume with --base {out} --resume"} if partial else {}),
            # the manifest the finished table's will be merged onto (a partial table has none beside it)
            **({"manifest_from": str(manifest_from)} if partial and manifest_from is not None else {}),
@@ -316,14 +314,23 @@ def record_kernels(args, table: Path, runs: list[tuple[str, str]], scratch: Path
             print(f"tune_kernels: removed {stale}, which listed the kernels of the table before this one", flush=True)
         raise
     doc = precompile.merge(manifests)
-    doc.update(generated=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               command="python scripts/tune_kernels.py " + " ".join(sys.argv[1:]),
-               runs=[f"{j} ({m})" for j, m in runs] + ([f"kernels kept from {kept_path}"]
-                                                     if len(manifests) > len(runs) else []))
+    doc.update(provenance([f"{j} ({m})" for j, m in runs], kept_path if len(manifests) > len(runs) else None))
     out = kernels_path(table)
     write_text(out, json.dumps(doc, indent=1) + "\n", option="--out")
     precompile.load(out)
     print(f"tune_kernels: wrote {out}: {len(doc['kernels'])} kernel specializations", flush=True)
+
+
+def provenance(runs: list[str], base: Path | None) -> dict:
+    """The header of a table or manifest written now: when, by which command, from which runs; with the ``base`` it
+    was built on, that file's own header (and the ones it kept) under "earlier", so that a table tuned over several
+    calls (--base ... --resume) still names every run behind its entries."""
+    doc = {"generated": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "command": "python scripts/tune_kernels.py " + " ".join(sys.argv[1:]), "runs": runs}
+    if base is not None:
+        kept = json.loads(base.read_text())
+        doc["earlier"] = kept.get("earlier", []) + [{k: kept[k] for k in ("generated", "command", "runs") if k in kept}]
+    return doc
 
 
 def autotune_seconds(log: Path) -> dict[str, float]:

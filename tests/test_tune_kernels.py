@@ -47,7 +47,9 @@ def test_a_run_stopped_at_the_timeout_leaves_a_partial_table_to_resume_from(tmp_
     tuner = next(t for t in launch.TUNERS if len(t.configs) > 1)
     name, entry = tuner.base_fn.__name__, shipped_tuning.config_entry(tuner.configs[1])
     base = tmp_path / "base.json"
-    base.write_text(json.dumps({"format": shipped_tuning.FORMAT, "kernels": {name: {"[1, 2]": entry}}}))
+    header = {"generated": "2026-12-05 19:13 UTC", "command": "python scripts/tune_kernels.py --jobs x.toml",
+              "runs": ["x.toml (eager)"]}
+    base.write_text(json.dumps({"format": shipped_tuning.FORMAT, **header, "kernels": {name: {"[1, 2]": entry}}}))
     (tmp_path / "base.kernels.json").write_text("{}")  # the base table's manifest (its content is not read here)
     seen = []
 
@@ -68,6 +70,7 @@ def test_a_run_stopped_at_the_timeout_leaves_a_partial_table_to_resume_from(tmp_
     assert seen == [("a.toml", "eager", base.resolve(), False)]  # the base's choices served the run; b.toml waits
     doc = json.loads(out.read_text())
     assert "partial" in doc and "--resume" in doc["partial"]
+    assert doc["runs"] == ["a.toml (eager)"] and doc["earlier"] == [header]  # the base's keys keep their provenance
     assert set(doc["kernels"][name]) == {"[1, 2]", "[3, 4]"}
     assert not (tmp_path / "sm90.kernels.json").exists()  # no manifest for a partial table
     assert doc["manifest_from"] == str(tmp_path / "base.kernels.json")  # the base's, merged once the table is done
@@ -177,3 +180,17 @@ time.sleep(600)
         time.sleep(0.1)
     else:
         raise AssertionError(f"the worker {pid} still runs")
+
+
+def test_a_table_built_over_several_calls_names_every_run_behind_it(tmp_path):
+    # Session 31 resumed the shipped table (two runs of 2026-12-05) with the 16B job: the new header must not drop them.
+    mod = _script()
+    first = tmp_path / "first.json"
+    first.write_text(json.dumps({"generated": "g1", "command": "c1", "runs": ["a (eager)"], "kernels": {}}))
+    second = tmp_path / "second.json"
+    second.write_text(json.dumps({**mod.provenance(["b (eager)"], first), "kernels": {}}))
+    third = mod.provenance(["c (eager)"], second)
+    assert third["runs"] == ["c (eager)"] and third["command"].startswith("python scripts/tune_kernels.py")
+    assert [e["runs"] for e in third["earlier"]] == [["a (eager)"], ["b (eager)"]]
+    assert third["earlier"][0] == {"generated": "g1", "command": "c1", "runs": ["a (eager)"]}
+    assert "earlier" not in mod.provenance(["d (eager)"], None)
