@@ -2,7 +2,7 @@
 and writes what TorchTitan writes, metric lines on stdout or (with --metrics.enable_tensorboard) only
 TensorBoard scalars under the dump folder. --stub.offset shifts the loss; --stub.fail_at exits 1 there (in a
 run that starts at step 1: a resumed run goes on);
---stub.sleep sleeps that long per step; --stub.child starts a child process (as torchrun starts workers) and
+--stub.sleep sleeps that long per step; --stub.corpus ID logs the corpus line of a job start; --stub.child starts a child process (as torchrun starts workers) and
 writes its pid to <dump>/child.pid; --stub.worker starts one in a session of its own, as torchrun starts each
 worker, that writes a line to the log every 0.1 s, and writes its pid and the stub's to <dump>/worker.pid and
 <dump>/stub.pid. With --checkpoint.enable it saves <dump>/checkpoint/step-N every
@@ -32,6 +32,7 @@ ap.add_argument("--stub.fail_at", dest="fail_at", type=int, default=0)
 ap.add_argument("--stub.sleep", dest="sleep", type=float, default=0.0)
 ap.add_argument("--stub.child", dest="child", action="store_true")
 ap.add_argument("--stub.worker", dest="worker", action="store_true")
+ap.add_argument("--stub.corpus", dest="corpus", default="")
 args = ap.parse_args()
 dump = Path(args.dump)
 dump.mkdir(parents=True, exist_ok=True)
@@ -48,6 +49,9 @@ first = ckpts[-1] + 1 if ckpts else 1
 print(f"[titan] INFO - Starting job from {args.config} (module {args.module}), compile {args.compile}, "
       f"TORCHINDUCTOR_CUDAGRAPHS={os.environ.get('TORCHINDUCTOR_CUDAGRAPHS')}, "
       f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}, from step {first}, at {time.time():.3f}", flush=True)
+if args.corpus:  # the line titan_nvfp4.data.assets logs at each job start
+    print(f"[titan] INFO - Reusing offline assets in /assets/pysources: corpus {args.corpus} (10 documents, ~0.01M "
+          "tokens)", flush=True)
 writer = None
 if args.tb:
     from torch.utils.tensorboard import SummaryWriter

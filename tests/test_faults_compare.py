@@ -247,6 +247,36 @@ def test_logs_that_mix_runs_are_left_out_of_the_table_and_refused(tmp_path, caps
     assert state.status == "mixed" and "logs step 1 after step 40" in state.why
 
 
+def test_runs_on_another_corpus_are_left_out_of_the_table(tmp_path, capsys):
+    """A 386M ranking arm trained on 2026-12-06 on a corpus its GPU machine had rebuilt with one more package: runs
+    on another corpus than the baseline's are not tabled beside it, a log whose corpus changed between starts is
+    mixed, and logs that name no corpus are flagged where others do."""
+    a, b = "aaaaaaaaaaaa", "bbbbbbbbbbbb"
+    spec = _spec(tmp_path, nvfp4=f'"--stub.offset", "0.2", "--stub.corpus", "{b}"', third=True)
+    spec.write_text(spec.read_text().replace('common = ["--metrics.log_freq", "5"]',
+                                             f'common = ["--metrics.log_freq", "5", "--stub.corpus", "{a}"]'))
+    out = tmp_path / "out"
+    code, stdout, _ = _main([str(spec)], capsys)
+    assert code == 0 and list(_rows(out)) == ["bf16", "no_rht"], stdout
+    assert f"nvfp4 (trained on corpus {b}, not on {a}, the baseline's)" in stdout
+    state = compare.read_arm_log(compare.load_spec(spec), compare.load_spec(spec).arms[1])
+    assert state.status == "current" and state.corpus == b  # the arm's own log is sound: only the table leaves it out
+
+    log = out / "no_rht.log"
+    log.write_text(log.read_text() + f"[titan] INFO - Reusing offline assets in /assets/pysources: corpus {b} "
+                   "(10 documents, ~0.01M tokens)\n")
+    state = compare.read_arm_log(compare.load_spec(spec), compare.load_spec(spec).arms[2])
+    assert state.status == "mixed" and f"trains on corpus {a}" in state.why and f"on corpus {b}" in state.why
+
+    text = (out / "bf16.log").read_text()  # an older log: no spec line and no corpus line
+    (out / "bf16.log").write_text("".join(ln for ln in text.splitlines(keepends=True)
+                                          if "# compare: arm" not in ln and "corpus" not in ln))
+    code, stdout, _ = _main([str(spec), "--report-only"], capsys)
+    assert code == 0 and list(_rows(out)) == ["bf16", "nvfp4"], stdout
+    assert f"Corpus not logged (a log from before 2026-12-06, or another dataset), so not compared with the " \
+           f"others' {b}: bf16" in stdout
+
+
 def test_bad_runner_inputs_get_one_line(tmp_path, capsys, monkeypatch):
     """torchrun not on PATH, a spec that is a folder, --out naming a file, a log that is a folder, an output that is a
     folder: one line each naming it, no traceback."""

@@ -104,6 +104,29 @@ def test_rebuild_after_upgrade_keeps_the_users_files(corpus, caplog):
     assert build(site, path, force=True) == path and (path / "notes.txt").read_text() == "my notes"
 
 
+def test_every_start_logs_the_corpus_it_trains_on_and_another_package_changes_it(corpus, tmp_path, caplog):
+    """The 386M study's corpus changed under it on 2026-12-06 (a package the GPU machine gained): each job start now
+    logs the corpus id, the same on build and on reuse, another when a package is added."""
+    from titan_nvfp4.data.manifest import corpus_id, load_manifest
+
+    site, path = corpus
+    first = corpus_id(load_manifest(path))
+    assert re.fullmatch(r"[0-9a-f]{12}", first)
+    with caplog.at_level(logging.INFO, logger=assets.__name__):
+        build(site, path)
+    assert f"Reusing offline assets in {path}: corpus {first} (" in caplog.text
+    grown = tmp_path / "grown"
+    shutil.copytree(site, grown)
+    shutil.copytree(stdlib_root() / "html", grown / "pydantic")  # a package the list names, now installed
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=assets.__name__):
+        other = ps.ensure_pysources(tmp_path / "other", site_dirs=[grown], packages=("torch", "numpy", "pydantic"),
+                                    validation_every=VALIDATION_EVERY, min_tokens=MIN_TOKENS)
+    second = corpus_id(load_manifest(other))
+    assert second != first and f"Using offline assets in {other}: corpus {second} (" in caplog.text
+    assert "pydantic" not in ps.PACKAGES  # the study's corpus was built without it
+
+
 @pytest.mark.parametrize("name", ["tokenizer.json", "train.jsonl", "tokenizer_config.json"])
 def test_same_size_edit_is_caught_and_rebuilt(corpus, name, caplog):
     """S5: reuse checks the manifest's sha256s; a same-size edit with its mtime set back, made after this very

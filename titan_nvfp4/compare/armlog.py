@@ -21,6 +21,7 @@ _SPEC_LINE = re.compile(r"^# compare: arm (?P<arm>.*), spec (?P<hash>[0-9a-f]{16
 _ENV_WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _DUMP_FLAGS = ("--job.dump_folder", "--dump_folder")
 _RANK_PREFIX = re.compile(r"^\s*\[(\w+)\]:")  # torchrun's "[rank1]:" / "[default1]:" before each rank's lines
+_CORPUS = re.compile(r"offline assets in .*: corpus (?P<id>[0-9a-f]{12}) \(")  # data/assets.py, at each job start
 
 
 def job_digest(spec: Spec, arm: Arm) -> str:
@@ -72,6 +73,7 @@ class ArmLog:
     status: str
     steps: list[StepMetrics] = field(default_factory=list)
     why: str = ""
+    corpus: str = ""  # the corpus id its job logged ("" when it logged none: an older log, or another dataset)
 
     @property
     def tabled(self) -> bool:
@@ -128,7 +130,14 @@ def read_arm_log(spec: Spec, arm: Arm) -> ArmLog:
     heads: list[tuple[int, re.Match, str]] = []  # (line number, spec line, the command line above it)
     last_step: dict[str, int] = {}  # by rank prefix: every rank of a multi-GPU arm may log each step
     previous, before_header = "", False
+    corpora: dict[str, int] = {}  # corpus id -> the first line logging it
     for n, line in enumerate(text.splitlines(), 1):
+        if c := _CORPUS.search(line):
+            corpora.setdefault(c["id"], n)
+            if len(corpora) > 1:
+                first, then = corpora
+                return ArmLog("mixed", why=f"{log} trains on corpus {first} (line {corpora[first]}) and on corpus "
+                                           f"{then} (line {n}): its data changed between two starts")
         m = _SPEC_LINE.match(line)
         if m:
             heads.append((n, m, previous))
@@ -144,9 +153,10 @@ def read_arm_log(spec: Spec, arm: Arm) -> ArmLog:
                                                "(two runs in one log)")
                 last_step[rank] = s.step
         previous = line
+    corpus = next(iter(corpora), "")
     if not heads:
         return ArmLog("unchecked", _metrics(spec, arm, text),
-                      f"{log} has no spec line (an older runner's log, or one gathered from elsewhere)")
+                      f"{log} has no spec line (an older runner's log, or one gathered from elsewhere)", corpus)
     if before_header:
         return ArmLog("mixed", why=f"{log} has metric lines before its first header (two runs in one log)")
     if heads[0][1]["kind"] != "fresh":
@@ -157,7 +167,7 @@ def read_arm_log(spec: Spec, arm: Arm) -> ArmLog:
             return ArmLog("stale", why=f"{log} was written for arm {m['arm']!r} (line {n})")
         if m["hash"] != current:
             return ArmLog("stale", why=f"{log} ran another spec ({_changes(spec, arm, command_line, m['job'])})")
-    return ArmLog("current", _metrics(spec, arm, text))
+    return ArmLog("current", _metrics(spec, arm, text), corpus=corpus)
 
 
 def arm_metrics(spec: Spec, arm: Arm) -> list[StepMetrics]:

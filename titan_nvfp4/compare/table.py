@@ -25,6 +25,11 @@ def _notes(spec: Spec, states: dict[str, ArmLog]) -> str:
     if unchecked:
         lines.append("Not checked against this spec (no spec line: an older runner's logs, or gathered ones): "
                      + ", ".join(unchecked))
+    ids = {s.corpus for s in states.values() if s.tabled and s.corpus}
+    unlogged = [n for n, s in states.items() if s.tabled and not s.corpus]
+    if ids and unlogged:
+        lines.append(f"Corpus not logged (a log from before 2026-12-06, or another dataset), so not compared with the "
+                     f"others' {', '.join(sorted(ids))}: {', '.join(unlogged)}")
     partial = []
     for n, s in states.items():
         if s.tabled and s.steps[-1].step < spec.steps:
@@ -36,6 +41,19 @@ def _notes(spec: Spec, states: dict[str, ArmLog]) -> str:
     if missing:
         lines.append(f"No logged steps yet: {', '.join(missing)}")
     return "".join(f"\n{line}\n" for line in lines)
+
+
+def one_corpus(spec: Spec, states: dict[str, ArmLog]) -> dict[str, ArmLog]:
+    """``states`` with every arm that logged another corpus than the baseline's (than the one most arms logged, when
+    the baseline logged none) left out as stale: their losses are of other data and another tokenizer."""
+    ids = [s.corpus for s in states.values() if s.tabled and s.corpus]
+    if len(set(ids)) < 2:
+        return states
+    base = states[spec.baseline].corpus if states[spec.baseline].tabled else ""
+    keep = base or max(dict.fromkeys(ids), key=ids.count)  # a tie: the first in table order
+    whose = "the baseline's" if base else "that of most arms"
+    return {n: ArmLog("stale", why=f"trained on corpus {s.corpus}, not on {keep}, {whose}", corpus=s.corpus)
+            if s.tabled and s.corpus and s.corpus != keep else s for n, s in states.items()}
 
 
 def paired_table(spec: Spec, runs: dict, validation: dict[str, dict[int, float]]) -> str:
@@ -67,7 +85,7 @@ def report(spec: Spec) -> str:
     if spec.reference:  # the gap columns read the reference as the second run
         order = order[:1] + [a for a in order[1:] if a.name == spec.reference] + \
                 [a for a in order[1:] if a.name != spec.reference]
-    states = {a.name: read_arm_log(spec, a) for a in order}
+    states = one_corpus(spec, {a.name: read_arm_log(spec, a) for a in order})
     runs = {n: s.steps for n, s in states.items() if s.tabled}
     if spec.baseline not in runs:
         why = states[spec.baseline].why

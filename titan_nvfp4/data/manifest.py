@@ -49,6 +49,13 @@ def load_manifest(folder: str | os.PathLike) -> dict:
     return manifest
 
 
+def corpus_id(manifest: dict) -> str:
+    """Twelve hex digits naming what a run trains on: the sha256 of the data files' sha256s (both splits and the
+    tokenizer). Logged at every job start, so runs on different corpora are told apart (the comparison runner)."""
+    sha = _entries(manifest, "sha256", str, Path(MANIFEST))
+    return hashlib.sha256("".join(sha[name] for name in DATA_FILES).encode()).hexdigest()[:12]
+
+
 def _entries(manifest: dict, key: str, kind: type, path: Path) -> dict:
     value = manifest.get(key)
     if not isinstance(value, dict):

@@ -64,13 +64,16 @@ ENV_VAR = "TITAN_NVFP4_PYSOURCES_DIR"
 MIN_TOKENS_ENV_VAR = "TITAN_NVFP4_PYSOURCES_MIN_TOKENS"
 DEFAULT_DIR = "./assets/pysources"
 
-# Import names, in the order their files are read (the first copy of a duplicated file is kept).
+# Import names, in the order their files are read (the first copy of a duplicated file is kept). Adding or removing
+# one changes the corpus, its tokenizer and every loss on it. pydantic, listed here until 2026-12-06, is not: the GPU
+# image lacks it, and the export wheels of 2026-12-05 (scripts/device_requirements.txt) brought it, which changed the
+# corpus under the 386M study (built from the 52 packages here, without it).
 PACKAGES = (
     "torch", "torchgen", "functorch", "torchvision", "torchaudio", "torchao", "torchdata", "torchtitan",
     "triton", "transformers", "tokenizers", "safetensors", "accelerate", "peft", "huggingface_hub",
     "datasets", "pyarrow", "numpy", "scipy", "pandas", "sklearn", "sympy", "mpmath", "networkx",
     "matplotlib", "mpl_toolkits", "PIL", "jinja2", "markupsafe", "yaml", "pygments", "setuptools", "pip",
-    "_pytest", "pluggy", "pydantic", "fsspec", "filelock", "requests", "urllib3", "packaging", "tqdm",
+    "_pytest", "pluggy", "fsspec", "filelock", "requests", "urllib3", "packaging", "tqdm",
     "dill", "multiprocess", "aiohttp", "tensorboard", "fontTools", "einops", "click", "werkzeug",
     "pyparsing", "dateutil", "typing_extensions",
 )
