@@ -276,6 +276,15 @@ def test_runs_on_another_corpus_are_left_out_of_the_table(tmp_path, capsys):
     assert f"Corpus not logged (a log from before 2026-12-06, or another dataset), so not compared with the " \
            f"others' {b}: bf16" in stdout
 
+    text = spec.read_text().replace("baseline = ", f'corpus = "{a}"\nbaseline = ', 1)
+    spec.write_text(text)
+    pinned = compare.load_spec(spec)
+    assert all(pinned.env(arm)["TITAN_NVFP4_CORPUS"] == a for arm in pinned.arms)  # each job checks it at start
+    assert compare.read_arm_log(pinned, pinned.arms[1]).status == "current"  # the pin is no part of a run's spec
+    spec.write_text(text.replace(f'corpus = "{a}"', 'corpus = "abc"'))
+    code, _, err = _main([str(spec)], capsys)
+    assert code == 2 and "[compare] corpus must be a corpus id" in err and "'abc'" in err
+
 
 def test_bad_runner_inputs_get_one_line(tmp_path, capsys, monkeypatch):
     """torchrun not on PATH, a spec that is a folder, --out naming a file, a log that is a folder, an output that is a

@@ -127,6 +127,23 @@ def test_every_start_logs_the_corpus_it_trains_on_and_another_package_changes_it
     assert "pydantic" not in ps.PACKAGES  # the study's corpus was built without it
 
 
+def test_a_pinned_corpus_stops_a_job_on_other_data(corpus, monkeypatch):
+    """$TITAN_NVFP4_CORPUS (a comparison spec's corpus): the job trains on that corpus or fails before training,
+    naming both ids; a malformed pin names the variable."""
+    from titan_nvfp4.data.manifest import CORPUS_ENV_VAR, corpus_id, load_manifest
+
+    site, path = corpus
+    ident = corpus_id(load_manifest(path))
+    monkeypatch.setenv(CORPUS_ENV_VAR, ident)
+    assert build(site, path) == path
+    monkeypatch.setenv(CORPUS_ENV_VAR, "0" * 12)
+    with pytest.raises(AssetsError, match=f"corpus {ident} .*but {CORPUS_ENV_VAR} asks for corpus 000000000000"):
+        build(site, path)
+    monkeypatch.setenv(CORPUS_ENV_VAR, "3F9A")
+    with pytest.raises(AssetsError, match=f"{CORPUS_ENV_VAR}='3F9A': not a corpus id"):
+        build(site, path)
+
+
 @pytest.mark.parametrize("name", ["tokenizer.json", "train.jsonl", "tokenizer_config.json"])
 def test_same_size_edit_is_caught_and_rebuilt(corpus, name, caplog):
     """S5: reuse checks the manifest's sha256s; a same-size edit with its mtime set back, made after this very

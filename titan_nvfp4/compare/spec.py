@@ -6,14 +6,16 @@ try:
     import tomllib
 except ImportError:  # Python 3.10
     import tomli as tomllib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..data.manifest import CORPUS_ENV_VAR
 from .paired import recipe_of, replicate_name
 
 DEFAULT_LAUNCHER = ("torchrun", "--standalone", "--nproc_per_node=1", "-m", "torchtitan.train")
 _KEYS = {"base", "steps", "out", "last", "baseline", "reference", "common", "launcher", "timeout_s", "wandb_offline",
-         "mode", "parallel", "checkpoint_interval", "module", "paired_validations"}
+         "mode", "parallel", "checkpoint_interval", "module", "paired_validations", "corpus"}
 _SEED_FLAG = "--debug.seed"
 # mode -> (TorchTitan flags, TORCHINDUCTOR_CUDAGRAPHS)
 MODES = {"compile+cudagraphs": (("--compile.enable",), "1"), "compile": (("--compile.enable",), "0"), "eager": ((), "0")}
@@ -48,6 +50,7 @@ class Spec:
     checkpoint_interval: int = 0
     module: str = ""
     paired_validations: int = 1  # the paired table's statistic: the mean of each run's last K validation losses
+    corpus: str = ""  # the corpus id every arm must train on ($TITAN_NVFP4_CORPUS in its environment): "" any
 
     def arm_mode(self, arm: Arm) -> str:
         """The mode asked for (the arm's, else the spec's), else DEFAULT_MODE."""
@@ -58,6 +61,8 @@ class Spec:
         env = {"TORCHINDUCTOR_CUDAGRAPHS": MODES[self.arm_mode(arm)][1]}
         if self.wandb_offline:
             env["WANDB_MODE"] = "offline"
+        if self.corpus:
+            env[CORPUS_ENV_VAR] = self.corpus
         return env
 
     def log(self, arm: Arm) -> Path:
@@ -218,6 +223,10 @@ def load_spec(path: Path) -> Spec:
         raise ValueError(f"{where}: [compare] launcher must name a command, got []")
     if not isinstance(top.get("wandb_offline", False), bool):
         raise ValueError(f"{where}: [compare] wandb_offline must be true or false")
+    corpus = top.get("corpus", "")
+    if not (isinstance(corpus, str) and (corpus == "" or re.fullmatch(r"[0-9a-f]{12}", corpus))):
+        raise ValueError(f"{where}: [compare] corpus must be a corpus id (12 lowercase hex digits, as a job start "
+                         f"logs it), got {corpus!r}")
     spec = Spec(base=base, steps=steps, out=Path(top.get("out", f"outputs/compare/{path.stem}")), arms=arms,
                 last=last, baseline=top.get("baseline", "") or names[0], reference=top.get("reference", ""),
                 common=_str_list(top.get("common", []), f"{where}: [compare] common"),
@@ -226,7 +235,7 @@ def load_spec(path: Path) -> Spec:
                 mode=_mode(top["mode"], f"{where}: [compare] mode") if "mode" in top else None,
                 parallel=_count(top, "parallel", 1, 1, where),
                 checkpoint_interval=_count(top, "checkpoint_interval", 0, 0, where), module=top.get("module", ""),
-                paired_validations=_count(top, "paired_validations", 1, 1, where))
+                paired_validations=_count(top, "paired_validations", 1, 1, where), corpus=corpus)
     return spec
 
 

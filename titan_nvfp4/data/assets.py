@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .corpus import SHUFFLE_SEED, VALIDATION_EVERY, Corpus, build_corpus, jsonl_bytes
-from .manifest import DATA_FILES, MANIFEST, AssetsError, ManifestError, check_files, corpus_id, load_manifest
+from .manifest import DATA_FILES, MANIFEST, AssetsError, ManifestError, check_corpus, check_files, load_manifest
 from .tokenizer import SPECIAL_TOKENS, TRAIN_MAX_BYTES, VOCAB_SIZE, estimate_tokens, save_tokenizer, train_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -377,10 +377,12 @@ def ensure_built(
 
 
 def _log_corpus(target: Path, verb: str) -> None:
-    """The line every job start logs: which corpus it trains on ("corpus <id>", read back by the comparison runner)."""
+    """The line every job start logs: which corpus it trains on ("corpus <id>", read back by the comparison runner),
+    after checking it against ``$TITAN_NVFP4_CORPUS`` when set."""
     manifest = load_manifest(target)
+    ident = check_corpus(target, manifest)
     logger.info("%s offline assets in %s: corpus %s (%d documents, ~%.2fM tokens)", verb, target,
-                corpus_id(manifest), manifest["documents"]["total"], manifest["tokens_estimate"]["total"] / 1e6)
+                ident, manifest["documents"]["total"], manifest["tokens_estimate"]["total"] / 1e6)
 
 
 def ensure_assets(path: str | os.PathLike | None = None, force: bool = False) -> Path:

@@ -17,6 +17,9 @@ from pathlib import Path
 MANIFEST = "manifest.json"
 DATA_FILES = ("train.jsonl", "validation.jsonl", "tokenizer.json", "tokenizer_config.json")
 
+#: a corpus id (``corpus_id``) a job must train on; a job whose corpus has another id fails before training
+CORPUS_ENV_VAR = "TITAN_NVFP4_CORPUS"
+
 _hashes: dict[tuple, str] = {}  # (realpath, dev, ino, size, mtime_ns, ctime_ns) -> sha256, this process only
 
 
@@ -54,6 +57,20 @@ def corpus_id(manifest: dict) -> str:
     tokenizer). Logged at every job start, so runs on different corpora are told apart (the comparison runner)."""
     sha = _entries(manifest, "sha256", str, Path(MANIFEST))
     return hashlib.sha256("".join(sha[name] for name in DATA_FILES).encode()).hexdigest()[:12]
+
+
+def check_corpus(folder: str | os.PathLike, manifest: dict) -> str:
+    """The corpus id of ``folder``; an AssetsError naming both ids when ``$TITAN_NVFP4_CORPUS`` asks for another (a
+    series of runs pinned to one corpus, whichever machine builds it), or naming the variable when it is malformed."""
+    got = corpus_id(manifest)
+    want = os.environ.get(CORPUS_ENV_VAR, "").strip()
+    if want and not (len(want) == 12 and all(c in "0123456789abcdef" for c in want)):
+        raise AssetsError(f"{CORPUS_ENV_VAR}={want!r}: not a corpus id (12 lowercase hex digits, as job starts log)")
+    if want and got != want:
+        docs = manifest.get("documents", {}).get("total", "?")
+        raise AssetsError(f"{folder}: corpus {got} ({docs} documents), but {CORPUS_ENV_VAR} asks for corpus {want}: "
+                          f"this machine built other data (another package set or version?); unset it to train anyway")
+    return got
 
 
 def _entries(manifest: dict, key: str, kind: type, path: Path) -> dict:
