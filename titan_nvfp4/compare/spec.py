@@ -6,11 +6,10 @@ try:
     import tomllib
 except ImportError:  # Python 3.10
     import tomli as tomllib
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..data.manifest import CORPUS_ENV_VAR
+from ..data.manifest import CORPUS_ENV_VAR, CORPUS_ID
 from .paired import recipe_of, replicate_name
 
 DEFAULT_LAUNCHER = ("torchrun", "--standalone", "--nproc_per_node=1", "-m", "torchtitan.train")
@@ -224,7 +223,7 @@ def load_spec(path: Path) -> Spec:
     if not isinstance(top.get("wandb_offline", False), bool):
         raise ValueError(f"{where}: [compare] wandb_offline must be true or false")
     corpus = top.get("corpus", "")
-    if not (isinstance(corpus, str) and (corpus == "" or re.fullmatch(r"[0-9a-f]{12}", corpus))):
+    if not (isinstance(corpus, str) and (corpus == "" or CORPUS_ID.fullmatch(corpus))):
         raise ValueError(f"{where}: [compare] corpus must be a corpus id (12 lowercase hex digits, as a job start "
                          f"logs it), got {corpus!r}")
     spec = Spec(base=base, steps=steps, out=Path(top.get("out", f"outputs/compare/{path.stem}")), arms=arms,

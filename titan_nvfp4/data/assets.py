@@ -332,7 +332,7 @@ def ensure_built(
         raise AssetsError(f"{named}: is a file, not an assets directory")
     why = stale_reason(target, expected_recipe)
     if not force and why is None:
-        _log_corpus(target, "Reusing")
+        _check_and_log_corpus(target, "Reusing")
         return target
     parent, name = target.parent, target.name
     try:
@@ -342,7 +342,7 @@ def ensure_built(
     with _locked(parent / f"{name}.lock"):
         why = stale_reason(target, expected_recipe)
         if not force and why is None:  # another rank built it while we waited
-            _log_corpus(target, "Reusing (built by another process)")
+            _check_and_log_corpus(target, "Reusing (built by another process)")
             return target
         _refuse_unless_ours(target, env_var)
         _remove_leftovers(parent, name)
@@ -372,11 +372,11 @@ def ensure_built(
             manifest["tokens_estimate"]["total"] / 1e6,
             manifest["tokenizer"]["vocab_size"],
         )
-        _log_corpus(target, "Using")
+        _check_and_log_corpus(target, "Using")
     return target
 
 
-def _log_corpus(target: Path, verb: str) -> None:
+def _check_and_log_corpus(target: Path, verb: str) -> None:
     """The line every job start logs: which corpus it trains on ("corpus <id>", read back by the comparison runner),
     after checking it against ``$TITAN_NVFP4_CORPUS`` when set."""
     manifest = load_manifest(target)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 MANIFEST = "manifest.json"
@@ -19,6 +20,7 @@ DATA_FILES = ("train.jsonl", "validation.jsonl", "tokenizer.json", "tokenizer_co
 
 #: a corpus id (``corpus_id``) a job must train on; a job whose corpus has another id fails before training
 CORPUS_ENV_VAR = "TITAN_NVFP4_CORPUS"
+CORPUS_ID = re.compile(r"[0-9a-f]{12}")  # what ``corpus_id`` returns: 12 lowercase hex digits
 
 _hashes: dict[tuple, str] = {}  # (realpath, dev, ino, size, mtime_ns, ctime_ns) -> sha256, this process only
 
@@ -64,7 +66,7 @@ def check_corpus(folder: str | os.PathLike, manifest: dict) -> str:
     series of runs pinned to one corpus, whichever machine builds it), or naming the variable when it is malformed."""
     got = corpus_id(manifest)
     want = os.environ.get(CORPUS_ENV_VAR, "").strip()
-    if want and not (len(want) == 12 and all(c in "0123456789abcdef" for c in want)):
+    if want and not CORPUS_ID.fullmatch(want):
         raise AssetsError(f"{CORPUS_ENV_VAR}={want!r}: not a corpus id (12 lowercase hex digits, as job starts log)")
     if want and got != want:
         docs = manifest.get("documents", {}).get("total", "?")
