@@ -249,3 +249,24 @@ def test_registered_as_torchtitan_datasets(built, monkeypatch):
     with pytest.raises(FileNotFoundError, match="not a pysources assets directory"):
         registry.split_file(missing, "train.jsonl", ensure=calls.append, corpus_name="pysources")
     assert calls == [missing]
+
+
+def test_the_carried_wheels_leave_the_gpu_machines_corpus_as_the_386m_study_built_it():
+    """On the GPU machine pysources reads the image's packages and the wheels scripts/device_requirements.txt carries.
+    The export wheels of 2026-12-05 brought pydantic, which was on the list, and the corpus under the 386M study
+    changed (15,084 documents became 15,187, with another tokenizer): a carried wheel that the list names changes every
+    loss on it. The ones carried when the study's corpus was built (2026-11-27), and [if-missing] fallbacks of
+    packages the image has, are the only ones allowed."""
+    study = {"torchao", "torchdata", "torchtitan", "datasets", "dill", "multiprocess",  # carried since 2026-11-23
+             "pytest", "pluggy", "packaging"}  # [if-missing]: the image has its own, which the corpus reads
+    def norm(name: str) -> str:
+        return name.strip().lower().replace("-", "_").replace(".", "_")
+
+    carried = set()
+    for line in (Path(__file__).resolve().parents[1] / "scripts/device_requirements.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line:
+            carried.add(norm(line.split("==", 1)[0]))
+    listed = {norm(p).lstrip("_") for p in ps.PACKAGES}  # "_pytest" is the pytest wheel's
+    assert carried & listed <= study, (f"carried wheels {sorted(carried & listed - study)} are on pysources.PACKAGES: "
+                                       "on the GPU machine they would change the corpus of every pysources run")
