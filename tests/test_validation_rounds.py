@@ -71,3 +71,31 @@ def test_every_validation_round_reads_the_same_batches(split, steps):
         validate_on_cpu(validator, model, step)
     want = _expected(cfg, split, model, None if steps == -1 else steps)
     assert logged == [want] * 3  # unpatched: three different losses (steps 3), a failure in round 2 (steps -1)
+
+
+def test_a_resumed_run_validates_on_the_batches_of_an_unbroken_one(split, monkeypatch):
+    """TorchTitan checkpoints the training loader, not the validator's: a resumed process starts validating from
+    the split's start. Unpatched, its round at step 500 then read other batches than an unbroken run's third round
+    (the 386M study's arms, resumed at steps 1750, 2000 or 2250, read three different batch sets at step 3000);
+    rewound, both read the same."""
+    from torchtitan.components.validate import Validator
+
+    from titan_nvfp4.integration import torchtitan_fixes
+
+    cfg, model = _job(3), _Model()
+
+    def losses(patched: bool) -> tuple[float, float]:
+        if not patched:
+            monkeypatch.setattr(Validator, "validate", torchtitan_fixes._original_validate)
+        unbroken, logged = cpu_validator(cfg, split)
+        for step in (1, 250, 500):
+            validate_on_cpu(unbroken, model, step)
+        resumed, logged_after = cpu_validator(cfg, split)  # a new process, resumed from a checkpoint at step 400
+        validate_on_cpu(resumed, model, 500)
+        monkeypatch.undo()
+        return logged[-1], logged_after[-1]
+
+    unbroken, resumed = losses(patched=True)
+    assert unbroken == resumed == _expected(cfg, split, model, 3)
+    unbroken, resumed = losses(patched=False)
+    assert unbroken != resumed  # TorchTitan 0.2.2 on its own: the confound of the kept 386M runs
