@@ -25,7 +25,7 @@ print(build_recipe("nvidia_paper_selective", {{}}).bf16_last_blocks)
 def test_presets_and_specs_are_found_from_a_source_tree_on_pythonpath(tmp_path):
     r = subprocess.run([sys.executable, "-c", SOURCE_TREE], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.splitlines() == ["['naive_rtn', 'nvidia_paper', 'nvidia_paper_selective', 'quartet2', 'tetrajet2'] ['gpt_oss_memorize', 'llama3_2b_pysources', 'llama3_debug', 'recipe_frontier_debug', 'recipe_ranking_386m', 'sr_vs_init_386m']", "8"]
+    assert r.stdout.splitlines() == ["['naive_rtn', 'nvidia_paper', 'nvidia_paper_selective', 'quartet2', 'tetrajet2'] ['gpt_oss_memorize', 'llama3_2b_pysources', 'llama3_debug', 'recipe_frontier_debug', 'recipe_ranking_386m']", "8"]
 
 
 def test_every_preset_and_spec_is_package_data():
