@@ -257,7 +257,7 @@ def tune_and_record(args, cls: str, out: Path, base, scratch: Path) -> None:
     manifest_from = base_manifest(args.base) if args.base is not None else None
     doc = {"format": shipped_tuning.FORMAT, "gpu_class": cls, "gpu": dumps[0][1]["gpu"] if dumps else None,
            "torch": torch.__version__, "triton": triton.__version__,
-           **provenance([name for name, _ in dumps], args.base if base else None),
+           **provenance([name for name, _ in dumps], args.base),
            **({"partial": f"{partial} stopped at --timeout: resume with --base {out} --resume"} if partial else {}),
            # the manifest the finished table's will be merged onto (a partial table has none beside it)
            **({"manifest_from": str(manifest_from)} if partial and manifest_from is not None else {}),

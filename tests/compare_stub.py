@@ -1,8 +1,8 @@
 """A stand-in for `torchrun -m torchtitan.train` in tests/test_compare.py: reads the runner's arguments
 and writes what TorchTitan writes, metric lines on stdout or (with --metrics.enable_tensorboard) only
 TensorBoard scalars under the dump folder. --stub.offset shifts the loss; --stub.fail_at exits 1 there (in a
-run that starts at step 1: a resumed run goes on);
---stub.sleep sleeps that long per step; --stub.corpus ID logs the corpus line of a job start; --stub.child starts a child process (as torchrun starts workers) and
+run that starts at step 1: a resumed run goes on); --stub.sleep sleeps that long per step; --stub.corpus ID logs
+the line of a split read from corpus ID; --stub.child starts a child process (as torchrun starts workers) and
 writes its pid to <dump>/child.pid; --stub.worker starts one in a session of its own, as torchrun starts each
 worker, that writes a line to the log every 0.1 s, and writes its pid and the stub's to <dump>/worker.pid and
 <dump>/stub.pid. With --checkpoint.enable it saves <dump>/checkpoint/step-N every
@@ -49,8 +49,8 @@ first = ckpts[-1] + 1 if ckpts else 1
 print(f"[titan] INFO - Starting job from {args.config} (module {args.module}), compile {args.compile}, "
       f"TORCHINDUCTOR_CUDAGRAPHS={os.environ.get('TORCHINDUCTOR_CUDAGRAPHS')}, "
       f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}, from step {first}, at {time.time():.3f}", flush=True)
-if args.corpus:  # the line titan_nvfp4.data.assets logs at each job start
-    print(f"[titan] INFO - Reusing offline assets in /assets/pysources: corpus {args.corpus} (10 documents, ~0.01M "
+if args.corpus:  # the line titan_nvfp4.data.registry logs for each split a job reads
+    print(f"[titan] INFO - Reading train.jsonl of /assets/pysources: corpus {args.corpus} (10 documents, ~0.01M "
           "tokens)", flush=True)
 writer = None
 if args.tb:

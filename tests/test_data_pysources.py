@@ -259,14 +259,18 @@ def test_the_carried_wheels_leave_the_gpu_machines_corpus_as_the_386m_study_buil
     packages the image has, are the only ones allowed."""
     study = {"torchao", "torchdata", "torchtitan", "datasets", "dill", "multiprocess",  # carried since 2026-11-23
              "pytest", "pluggy", "packaging"}  # [if-missing]: the image has its own, which the corpus reads
+    # distribution -> import name, where the two differ
+    imports = {"pillow": "pil", "pyyaml": "yaml", "scikit_learn": "sklearn", "python_dateutil": "dateutil"}
+
     def norm(name: str) -> str:
-        return name.strip().lower().replace("-", "_").replace(".", "_")
+        name = name.strip().lower().replace("-", "_").replace(".", "_")
+        return imports.get(name, name)
 
     carried = set()
     for line in (Path(__file__).resolve().parents[1] / "scripts/device_requirements.txt").read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if "==" in line:
             carried.add(norm(line.split("==", 1)[0]))
-    listed = {norm(p).lstrip("_") for p in ps.PACKAGES}  # "_pytest" is the pytest wheel's
+    listed = {p.lower().lstrip("_") for p in ps.PACKAGES}  # "_pytest" is the pytest wheel's
     assert carried & listed <= study, (f"carried wheels {sorted(carried & listed - study)} are on pysources.PACKAGES: "
                                        "on the GPU machine they would change the corpus of every pysources run")

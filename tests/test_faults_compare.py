@@ -250,7 +250,8 @@ def test_logs_that_mix_runs_are_left_out_of_the_table_and_refused(tmp_path, caps
 def test_runs_on_another_corpus_are_left_out_of_the_table(tmp_path, capsys):
     """A 386M ranking arm trained on 2026-12-06 on a corpus its GPU machine had rebuilt with one more package: runs
     on another corpus than the baseline's are not tabled beside it, a log whose corpus changed between starts is
-    mixed, and logs that name no corpus are flagged where others do."""
+    mixed, logs that name no corpus are flagged where others do, and under a spec's corpus pin a run on another
+    corpus is stale (not done, not resumed)."""
     a, b = "aaaaaaaaaaaa", "bbbbbbbbbbbb"
     spec = _spec(tmp_path, nvfp4=f'"--stub.offset", "0.2", "--stub.corpus", "{b}"', third=True)
     spec.write_text(spec.read_text().replace('common = ["--metrics.log_freq", "5"]',
@@ -258,15 +259,19 @@ def test_runs_on_another_corpus_are_left_out_of_the_table(tmp_path, capsys):
     out = tmp_path / "out"
     code, stdout, _ = _main([str(spec)], capsys)
     assert code == 0 and list(_rows(out)) == ["bf16", "no_rht"], stdout
-    assert f"nvfp4 (trained on corpus {b}, not on {a}, the baseline's)" in stdout
+    assert f"nvfp4 (read corpus {b}, not {a}, the baseline's)" in stdout
     state = compare.read_arm_log(compare.load_spec(spec), compare.load_spec(spec).arms[1])
     assert state.status == "current" and state.corpus == b  # the arm's own log is sound: only the table leaves it out
 
     log = out / "no_rht.log"
-    log.write_text(log.read_text() + f"[titan] INFO - Reusing offline assets in /assets/pysources: corpus {b} "
-                   "(10 documents, ~0.01M tokens)\n")
+    text = log.read_text()
+    line = f"[rank0]:[titan] 2026-12-06 12:32:40,444 - titan_nvfp4.data.registry - INFO - Reading train.jsonl of " \
+           f"/x: corpus {a} (15084 documents, ~93.51M tokens)\n"  # a resumed start: the same corpus again
+    log.write_text(text + line)
+    assert compare.read_arm_log(compare.load_spec(spec), compare.load_spec(spec).arms[2]).status == "current"
+    log.write_text(text + line.replace(a, b))
     state = compare.read_arm_log(compare.load_spec(spec), compare.load_spec(spec).arms[2])
-    assert state.status == "mixed" and f"trains on corpus {a}" in state.why and f"on corpus {b}" in state.why
+    assert state.status == "mixed" and f"reads train.jsonl of corpus {a}" in state.why and f"of corpus {b}" in state.why
 
     text = (out / "bf16.log").read_text()  # an older log: no spec line and no corpus line
     (out / "bf16.log").write_text("".join(ln for ln in text.splitlines(keepends=True)
@@ -280,10 +285,32 @@ def test_runs_on_another_corpus_are_left_out_of_the_table(tmp_path, capsys):
     spec.write_text(text)
     pinned = compare.load_spec(spec)
     assert all(pinned.env(arm)["TITAN_NVFP4_CORPUS"] == a for arm in pinned.arms)  # each job checks it at start
-    assert compare.read_arm_log(pinned, pinned.arms[1]).status == "current"  # the pin is no part of a run's spec
+    state = compare.read_arm_log(pinned, pinned.arms[1])
+    assert state.status == "stale" and f"read corpus {b}, not the spec's ([compare] corpus = {a})" in state.why
+    code, _, err = _main([str(spec)], capsys)  # refused, not skipped as done: --rerun runs it on the pinned corpus
+    assert code == 2 and "arm 'nvfp4'" in err and f"read corpus {b}" in err
     spec.write_text(text.replace(f'corpus = "{a}"', 'corpus = "abc"'))
     code, _, err = _main([str(spec)], capsys)
     assert code == 2 and "[compare] corpus must be a corpus id" in err and "'abc'" in err
+
+
+def test_without_a_baseline_corpus_the_table_keeps_the_most_logged_one_and_says_so_on_a_tie(tmp_path):
+    from titan_nvfp4.compare.armlog import ArmLog
+    from titan_nvfp4.compare.table import one_corpus
+
+    spec = compare.load_spec(_spec(tmp_path, third=True))
+    run = [type("Step", (), {"step": 40})()]  # any logged step makes a state tabled
+
+    def states(*ids):
+        return {n: ArmLog("unchecked" if n == "bf16" else "current", run, corpus=c)
+                for n, c in zip(("bf16", "nvfp4", "no_rht"), ids)}
+    got = one_corpus(spec, states("", "a" * 12, "a" * 12))
+    assert all(s.status != "stale" for s in got.values())  # one corpus: nothing to leave out
+    got = one_corpus(spec, {**states("", "a" * 12, "b" * 12), "extra": ArmLog("current", run, corpus="b" * 12)})
+    assert got["nvfp4"].status == "stale" and "that of most arms" in got["nvfp4"].why
+    got = one_corpus(spec, states("", "a" * 12, "b" * 12))
+    assert got["no_rht"].status == "stale" and "that of the first arm tabled (a tie)" in got["no_rht"].why
+    assert got["nvfp4"].status == "current" and got["bf16"].status == "unchecked"
 
 
 def test_bad_runner_inputs_get_one_line(tmp_path, capsys, monkeypatch):

@@ -104,44 +104,54 @@ def test_rebuild_after_upgrade_keeps_the_users_files(corpus, caplog):
     assert build(site, path, force=True) == path and (path / "notes.txt").read_text() == "my notes"
 
 
-def test_every_start_logs_the_corpus_it_trains_on_and_another_package_changes_it(corpus, tmp_path, caplog):
-    """The 386M study's corpus changed under it on 2026-12-06 (a package the GPU machine gained): each job start now
-    logs the corpus id, the same on build and on reuse, another when a package is added."""
+def test_each_split_read_logs_its_corpus_and_another_package_changes_it(corpus, tmp_path, caplog):
+    """The 386M study's corpus changed under it on 2026-12-06 (a package the GPU machine gained): every split a job
+    reads from an assets folder now logs that folder's corpus id, the same for both splits and on every read, another
+    when a package is added; a split of a .jsonl file outside any assets folder logs none."""
     from titan_nvfp4.data.manifest import corpus_id, load_manifest
 
     site, path = corpus
     first = corpus_id(load_manifest(path))
     assert re.fullmatch(r"[0-9a-f]{12}", first)
-    with caplog.at_level(logging.INFO, logger=assets.__name__):
-        build(site, path)
-    assert f"Reusing offline assets in {path}: corpus {first} (" in caplog.text
+    with caplog.at_level(logging.INFO, logger=registry.__name__):
+        registry.load_split(str(path), "train.jsonl")
+        registry.load_split(str(path), "validation.jsonl")
+    for split in ("train.jsonl", "validation.jsonl"):
+        assert f"Reading {split} of {path}: corpus {first} (" in caplog.text
     grown = tmp_path / "grown"
     shutil.copytree(site, grown)
     shutil.copytree(stdlib_root() / "html", grown / "pydantic")  # a package the list names, now installed
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger=assets.__name__):
-        other = ps.ensure_pysources(tmp_path / "other", site_dirs=[grown], packages=("torch", "numpy", "pydantic"),
-                                    validation_every=VALIDATION_EVERY, min_tokens=MIN_TOKENS)
+    other = ps.ensure_pysources(tmp_path / "other", site_dirs=[grown], packages=("torch", "numpy", "pydantic"),
+                                validation_every=VALIDATION_EVERY, min_tokens=MIN_TOKENS)
     second = corpus_id(load_manifest(other))
-    assert second != first and f"Using offline assets in {other}: corpus {second} (" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=registry.__name__):
+        registry.load_split(str(other), "train.jsonl")
+    assert second != first and f"Reading train.jsonl of {other}: corpus {second} (" in caplog.text
+    loose = tmp_path / "loose.jsonl"
+    shutil.copy(path / "train.jsonl", loose)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=registry.__name__):
+        registry.load_split(str(loose), "train.jsonl")
+    assert "corpus" not in caplog.text
     assert "pydantic" not in ps.PACKAGES  # the study's corpus was built without it
 
 
 def test_a_pinned_corpus_stops_a_job_on_other_data(corpus, monkeypatch):
-    """$TITAN_NVFP4_CORPUS (a comparison spec's corpus): the job trains on that corpus or fails before training,
-    naming both ids; a malformed pin names the variable."""
+    """$TITAN_NVFP4_CORPUS (a comparison spec's corpus): the job reads that corpus or fails before training, naming
+    both ids; a malformed pin names the variable."""
     from titan_nvfp4.data.manifest import CORPUS_ENV_VAR, corpus_id, load_manifest
 
-    site, path = corpus
+    _, path = corpus
     ident = corpus_id(load_manifest(path))
     monkeypatch.setenv(CORPUS_ENV_VAR, ident)
-    assert build(site, path) == path
+    assert len(registry.load_split(str(path), "train.jsonl")) > 0
     monkeypatch.setenv(CORPUS_ENV_VAR, "0" * 12)
     with pytest.raises(AssetsError, match=f"corpus {ident} .*but {CORPUS_ENV_VAR} asks for corpus 000000000000"):
-        build(site, path)
+        registry.load_split(str(path), "validation.jsonl")
     monkeypatch.setenv(CORPUS_ENV_VAR, "3F9A")
     with pytest.raises(AssetsError, match=f"{CORPUS_ENV_VAR}='3F9A': not a corpus id"):
-        build(site, path)
+        registry.load_split(str(path), "train.jsonl")
 
 
 @pytest.mark.parametrize("name", ["tokenizer.json", "train.jsonl", "tokenizer_config.json"])

@@ -23,6 +23,7 @@ The spec (TOML):
     checkpoint_interval = 0                    # > 0: checkpoint every N steps; running the spec again resumes
     module = ""                                # TorchTitan 0.3: the config registry; base names are its configs
     paired_validations = 1                     # the paired table's statistic: the mean of each run's last K validations
+    corpus = ""                                # a corpus id every arm must read ($TITAN_NVFP4_CORPUS): "" any
 
     [[arm]]
     name = "bf16"
@@ -67,6 +68,9 @@ another mode, an edited job file) is refused, naming the arm and what changed, a
 line or one that mixes two runs; ``--rerun`` runs the arms afresh, each one's log and dump folder (TensorBoard
 events, checkpoints) removed first (``--only`` picks arms). The table shows only logs of this spec: partial
 ones flagged, stale or mixed ones left out and named, an older runner's log (no spec line) flagged as unchecked.
+Each split a job reads from an assets folder logs that folder's corpus id: an arm whose log names another corpus
+than the baseline's is left out of the table, one whose log names two for a split is mixed, and under ``corpus``
+one on another corpus is stale (refused; ``--rerun`` runs it on the pinned one).
 
 Each arm is locked (``<out>/.<arm>.lock``, with the owner's pid) while a runner runs it: a second runner of the
 arm is refused by name, and a lock whose owner died is taken over with a note. The trainer runs under a guard

@@ -21,7 +21,7 @@ _SPEC_LINE = re.compile(r"^# compare: arm (?P<arm>.*), spec (?P<hash>[0-9a-f]{16
 _ENV_WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _DUMP_FLAGS = ("--job.dump_folder", "--dump_folder")
 _RANK_PREFIX = re.compile(r"^\s*\[(\w+)\]:")  # torchrun's "[rank1]:" / "[default1]:" before each rank's lines
-_CORPUS = re.compile(r"offline assets in .*: corpus (?P<id>[0-9a-f]{12}) \(")  # data/assets.py, at each job start
+_CORPUS = re.compile(r"Reading (?P<split>\S+) of .*: corpus (?P<id>[0-9a-f]{12}) \(")  # data/registry.py, per split
 
 
 def job_digest(spec: Spec, arm: Arm) -> str:
@@ -73,7 +73,7 @@ class ArmLog:
     status: str
     steps: list[StepMetrics] = field(default_factory=list)
     why: str = ""
-    corpus: str = ""  # the corpus id its job logged ("" when it logged none: an older log, or another dataset)
+    corpus: str = ""  # the corpus ids its job read, "+"-joined ("" when it logged none: an older log, other data)
 
     @property
     def tabled(self) -> bool:
@@ -130,14 +130,13 @@ def read_arm_log(spec: Spec, arm: Arm) -> ArmLog:
     heads: list[tuple[int, re.Match, str]] = []  # (line number, spec line, the command line above it)
     last_step: dict[str, int] = {}  # by rank prefix: every rank of a multi-GPU arm may log each step
     previous, before_header = "", False
-    corpora: dict[str, int] = {}  # corpus id -> the first line logging it
+    corpora: dict[str, tuple[str, int]] = {}  # split file -> (corpus id, the first line logging it)
     for n, line in enumerate(text.splitlines(), 1):
         if c := _CORPUS.search(line):
-            corpora.setdefault(c["id"], n)
-            if len(corpora) > 1:
-                first, then = corpora
-                return ArmLog("mixed", why=f"{log} trains on corpus {first} (line {corpora[first]}) and on corpus "
-                                           f"{then} (line {n}): its data changed between two starts")
+            first, at = corpora.setdefault(c["split"], (c["id"], n))
+            if c["id"] != first:
+                return ArmLog("mixed", why=f"{log} reads {c['split']} of corpus {first} (line {at}) and of corpus "
+                                           f"{c['id']} (line {n}): its data changed between two starts")
         m = _SPEC_LINE.match(line)
         if m:
             heads.append((n, m, previous))
@@ -153,7 +152,7 @@ def read_arm_log(spec: Spec, arm: Arm) -> ArmLog:
                                                "(two runs in one log)")
                 last_step[rank] = s.step
         previous = line
-    corpus = next(iter(corpora), "")
+    corpus = "+".join(sorted({ident for ident, _ in corpora.values()}))
     if not heads:
         return ArmLog("unchecked", _metrics(spec, arm, text),
                       f"{log} has no spec line (an older runner's log, or one gathered from elsewhere)", corpus)
@@ -167,6 +166,9 @@ def read_arm_log(spec: Spec, arm: Arm) -> ArmLog:
             return ArmLog("stale", why=f"{log} was written for arm {m['arm']!r} (line {n})")
         if m["hash"] != current:
             return ArmLog("stale", why=f"{log} ran another spec ({_changes(spec, arm, command_line, m['job'])})")
+    if spec.corpus and corpus and corpus != spec.corpus:
+        return ArmLog("stale", why=f"{log} read corpus {corpus}, not the spec's ([compare] corpus = {spec.corpus})",
+                      corpus=corpus)
     return ArmLog("current", _metrics(spec, arm, text), corpus=corpus)
 
 

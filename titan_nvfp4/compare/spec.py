@@ -224,8 +224,8 @@ def load_spec(path: Path) -> Spec:
         raise ValueError(f"{where}: [compare] wandb_offline must be true or false")
     corpus = top.get("corpus", "")
     if not (isinstance(corpus, str) and (corpus == "" or CORPUS_ID.fullmatch(corpus))):
-        raise ValueError(f"{where}: [compare] corpus must be a corpus id (12 lowercase hex digits, as a job start "
-                         f"logs it), got {corpus!r}")
+        raise ValueError(f"{where}: [compare] corpus must be a corpus id (12 lowercase hex digits, as a job logs it "
+                         f"for each split it reads), got {corpus!r}")
     spec = Spec(base=base, steps=steps, out=Path(top.get("out", f"outputs/compare/{path.stem}")), arms=arms,
                 last=last, baseline=top.get("baseline", "") or names[0], reference=top.get("reference", ""),
                 common=_str_list(top.get("common", []), f"{where}: [compare] common"),

@@ -44,15 +44,20 @@ def _notes(spec: Spec, states: dict[str, ArmLog]) -> str:
 
 
 def one_corpus(spec: Spec, states: dict[str, ArmLog]) -> dict[str, ArmLog]:
-    """``states`` with every arm that logged another corpus than the baseline's (than the one most arms logged, when
-    the baseline logged none) left out as stale: their losses are of other data and another tokenizer."""
+    """``states`` with every arm that logged another corpus than the baseline's, else than the one most arms logged
+    (a tie: the first in table order), left out as stale: their losses are of other data. (An arm off the spec's
+    ``corpus`` pin is stale already: ``read_arm_log``.)"""
     ids = [s.corpus for s in states.values() if s.tabled and s.corpus]
     if len(set(ids)) < 2:
         return states
     base = states[spec.baseline].corpus if states[spec.baseline].tabled else ""
-    keep = base or max(dict.fromkeys(ids), key=ids.count)  # a tie: the first in table order
-    whose = "the baseline's" if base else "that of most arms"
-    return {n: ArmLog("stale", why=f"trained on corpus {s.corpus}, not on {keep}, {whose}", corpus=s.corpus)
+    if base:
+        keep, whose = base, "the baseline's"
+    else:
+        keep = max(dict.fromkeys(ids), key=ids.count)
+        whose = "that of most arms" if ids.count(keep) > max(ids.count(i) for i in set(ids) - {keep}) else \
+            "that of the first arm tabled (a tie)"
+    return {n: ArmLog("stale", why=f"read corpus {s.corpus}, not {keep}, {whose}", corpus=s.corpus)
             if s.tabled and s.corpus and s.corpus != keep else s for n, s in states.items()}
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .corpus import SHUFFLE_SEED, VALIDATION_EVERY, Corpus, build_corpus, jsonl_bytes
-from .manifest import DATA_FILES, MANIFEST, AssetsError, ManifestError, check_corpus, check_files, load_manifest
+from .manifest import DATA_FILES, MANIFEST, AssetsError, ManifestError, check_files, load_manifest
 from .tokenizer import SPECIAL_TOKENS, TRAIN_MAX_BYTES, VOCAB_SIZE, estimate_tokens, save_tokenizer, train_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -332,7 +332,7 @@ def ensure_built(
         raise AssetsError(f"{named}: is a file, not an assets directory")
     why = stale_reason(target, expected_recipe)
     if not force and why is None:
-        _check_and_log_corpus(target, "Reusing")
+        logger.debug("Reusing offline assets in %s", target)
         return target
     parent, name = target.parent, target.name
     try:
@@ -342,7 +342,7 @@ def ensure_built(
     with _locked(parent / f"{name}.lock"):
         why = stale_reason(target, expected_recipe)
         if not force and why is None:  # another rank built it while we waited
-            _check_and_log_corpus(target, "Reusing (built by another process)")
+            logger.info("Reusing offline assets in %s (built by another process)", target)
             return target
         _refuse_unless_ours(target, env_var)
         _remove_leftovers(parent, name)
@@ -372,17 +372,7 @@ def ensure_built(
             manifest["tokens_estimate"]["total"] / 1e6,
             manifest["tokenizer"]["vocab_size"],
         )
-        _check_and_log_corpus(target, "Using")
     return target
-
-
-def _check_and_log_corpus(target: Path, verb: str) -> None:
-    """The line every job start logs: which corpus it trains on ("corpus <id>", read back by the comparison runner),
-    after checking it against ``$TITAN_NVFP4_CORPUS`` when set."""
-    manifest = load_manifest(target)
-    ident = check_corpus(target, manifest)
-    logger.info("%s offline assets in %s: corpus %s (%d documents, ~%.2fM tokens)", verb, target,
-                ident, manifest["documents"]["total"], manifest["tokens_estimate"]["total"] / 1e6)
 
 
 def ensure_assets(path: str | os.PathLike | None = None, force: bool = False) -> Path:

@@ -56,7 +56,8 @@ def load_manifest(folder: str | os.PathLike) -> dict:
 
 def corpus_id(manifest: dict) -> str:
     """Twelve hex digits naming what a run trains on: the sha256 of the data files' sha256s (both splits and the
-    tokenizer). Logged at every job start, so runs on different corpora are told apart (the comparison runner)."""
+    tokenizer). Logged for each split a job reads (data/registry.py), so runs on different corpora are told apart
+    (the comparison runner)."""
     sha = _entries(manifest, "sha256", str, Path(MANIFEST))
     return hashlib.sha256("".join(sha[name] for name in DATA_FILES).encode()).hexdigest()[:12]
 
@@ -67,7 +68,7 @@ def check_corpus(folder: str | os.PathLike, manifest: dict) -> str:
     got = corpus_id(manifest)
     want = os.environ.get(CORPUS_ENV_VAR, "").strip()
     if want and not CORPUS_ID.fullmatch(want):
-        raise AssetsError(f"{CORPUS_ENV_VAR}={want!r}: not a corpus id (12 lowercase hex digits, as job starts log)")
+        raise AssetsError(f"{CORPUS_ENV_VAR}={want!r}: not a corpus id (12 lowercase hex digits, as jobs log them)")
     if want and got != want:
         docs = manifest.get("documents", {}).get("total", "?")
         raise AssetsError(f"{folder}: corpus {got} ({docs} documents), but {CORPUS_ENV_VAR} asks for corpus {want}: "

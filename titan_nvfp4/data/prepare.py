@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from .assets import ensure_assets, read_manifest
-from .manifest import AssetsError
+from .manifest import AssetsError, corpus_id, load_manifest
 from .registry import register_datasets
 
 logger = logging.getLogger(__name__)
@@ -43,10 +43,11 @@ def prepare(path: str | os.PathLike | None = None, force: bool = False) -> Path:
     data_dir = ensure_assets(path, force=force)
     register_datasets(data_dir)
     logger.info(
-        "Offline corpus and tokenizer ready in %s (%.1f s); datasets 'pystdlib', "
+        "Offline corpus and tokenizer ready in %s (%.1f s, corpus id %s); datasets 'pystdlib', "
         "'pystdlib_validation' and 'pystdlib_memorize' registered",
         data_dir,
         time.perf_counter() - t0,
+        corpus_id(load_manifest(data_dir)),
     )
     return data_dir
 

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from .assets import FORMAT_VERSION, ensure_built, manifest_matches, write_assets  # noqa: F401 (ps.manifest_matches)
-from .manifest import AssetsError
+from .manifest import AssetsError, corpus_id, load_manifest
 from .corpus import SHUFFLE_SEED, Corpus, collect_unique, split_documents
 from .registry import register_splits
 from .tokenizer import SPECIAL_TOKENS, VOCAB_SIZE, training_sample
@@ -374,6 +374,6 @@ def prepare_pysources(path: str | os.PathLike | None = None, force: bool = False
     t0 = time.perf_counter()
     data_dir = ensure_pysources(path, force=force)
     register_pysources(data_dir)
-    logger.info("pysources corpus and tokenizer ready in %s (%.1f s); datasets %r and %r registered",
-                data_dir, time.perf_counter() - t0, TRAIN_NAME, VALIDATION_NAME)
+    logger.info("pysources corpus and tokenizer ready in %s (%.1f s, corpus id %s); datasets %r and %r registered",
+                data_dir, time.perf_counter() - t0, corpus_id(load_manifest(data_dir)), TRAIN_NAME, VALIDATION_NAME)
     return data_dir

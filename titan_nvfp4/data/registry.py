@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .assets import default_data_dir, ensure_assets
-from .manifest import DATA_FILES, MANIFEST, AssetsError, ManifestError, check_files, load_manifest
+from .manifest import DATA_FILES, MANIFEST, AssetsError, ManifestError, check_corpus, check_files, load_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +79,23 @@ def load_split(
     ensure: Callable[[Path], Path] | None = None,
     corpus_name: str = TRAIN_NAME,
 ):
-    """Load one split as a map-style ``datasets.Dataset`` with a single ``text`` column."""
-    return _load_jsonl(split_file(path, split_filename, ensure, corpus_name))
+    """Load one split as a map-style ``datasets.Dataset`` with a single ``text`` column; a split checked against its
+    folder's manifest logs that folder's corpus id first (``_check_and_log_corpus``)."""
+    f = split_file(path, split_filename, ensure, corpus_name)
+    if f.name in DATA_FILES and (f.parent / MANIFEST).is_file():
+        _check_and_log_corpus(f)
+    return _load_jsonl(f)
+
+
+def _check_and_log_corpus(split: Path) -> None:
+    """The line a job logs for each split it reads from an assets folder: which corpus ("corpus <id>", read back by
+    the comparison runner), after checking it against ``$TITAN_NVFP4_CORPUS`` when that is set."""
+    manifest = load_manifest(split.parent)
+    ident = check_corpus(split.parent, manifest)
+    docs = manifest.get("documents", {}).get("total", "?")
+    tokens = manifest.get("tokens_estimate", {}).get("total")
+    logger.info("Reading %s of %s: corpus %s (%s documents, %s tokens)", split.name, split.parent, ident, docs,
+                f"~{tokens / 1e6:.2f}M" if isinstance(tokens, (int, float)) else "?")
 
 
 def _load_jsonl(f: Path):
