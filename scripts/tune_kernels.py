@@ -254,7 +254,7 @@ def tune_and_record(args, cls: str, out: Path, base, scratch: Path) -> None:
     if partial and base is not None and all(k in base.get(n, {}) for n, v in kernels.items() for k in v):
         raise SystemExit(f"tune_kernels: {partial} tuned no key beyond --base {args.base} within --timeout "
                          f"{args.timeout} s (its first step alone takes longer?): give a longer --timeout")
-    manifest_from = base_manifest(args.base) if args.base is not None else None
+    manifest_from = base_manifest(args.base)
     doc = {"format": shipped_tuning.FORMAT, "gpu_class": cls, "gpu": dumps[0][1]["gpu"] if dumps else None,
            "torch": torch.__version__, "triton": triton.__version__,
            **provenance([name for name, _ in dumps], args.base),
@@ -289,7 +289,7 @@ def record_kernels(args, table: Path, runs: list[tuple[str, str]], scratch: Path
     from titan_nvfp4.tools.atomic import write_text
 
     manifests = []
-    kept_path = base_manifest(args.base) if args.base is not None else None
+    kept_path = base_manifest(args.base)
     if kept_path is not None:
         kept = precompile.load(kept_path)
         if kept["triton"] == triton.__version__:
@@ -344,9 +344,11 @@ def autotune_seconds(log: Path) -> dict[str, float]:
     return out
 
 
-def base_manifest(base: Path) -> Path | None:
+def base_manifest(base: Path | None) -> Path | None:
     """The manifest a table built on ``base`` merges onto: the one beside it, or, for a partial table, the one its
-    own base had (its "manifest_from"); None if neither exists."""
+    own base had (its "manifest_from"); None if neither exists (or no base)."""
+    if base is None:
+        return None
     if kernels_path(base).is_file():
         return kernels_path(base)
     try:
