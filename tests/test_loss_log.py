@@ -271,3 +271,21 @@ def test_loss_plot_pools_groups(tmp_path, capsys):
     with pytest.raises(SystemExit):
         plot_main(logs + ["--out", str(out), "--group", "EP2"])
     assert "--group 'EP2': expected NAME=PATTERN" in capsys.readouterr().err
+
+
+def test_two_logs_of_one_file_name_are_told_apart_by_name_equals_path(tmp_path, capsys):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, rerun = tmp_path / "a" / "nvfp4.log", tmp_path / "b" / "nvfp4.log"
+    first.write_text(_LOG)
+    rerun.write_text(_LOG.replace("5.00000", "5.50000"))
+    with pytest.raises(SystemExit):
+        main([str(first), str(rerun)])
+    err = capsys.readouterr().err
+    assert "two runs named 'nvfp4'" in err and "NAME=PATH" in err
+    main([str(first), f"rerun={rerun}", "--last", "1", "--markdown"])
+    out = capsys.readouterr().out
+    assert "| rerun | 20 |" in out and "+0.5000" in out
+    with pytest.raises(SystemExit):  # a NAME=PATH whose path is missing names that path
+        main([str(first), f"rerun={tmp_path / 'missing.log'}"])
+    assert "missing.log" in capsys.readouterr().err

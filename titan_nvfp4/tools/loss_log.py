@@ -17,7 +17,7 @@ and validated step the mean, standard deviation and range, and against the first
 of the means with its standard error (Welch) and the share of cross-group pairs in which the group is lower.
 ``--train-windows 10-50,60-100`` adds the same table for each run's mean training loss over those steps:
 comparable across groups only when they trained on the same batches (``titan_nvfp4.tools.emulated_dp``).
-Each log or dump folder is read as one run: a log with a rerun appended (``tee -a``) from where its last run
+A RUN given as ``NAME=PATH`` takes that name (two logs of one file name). Each log or dump folder is read as one run: a log with a rerun appended (``tee -a``) from where its last run
 restarts at step 1 (``split_log``), a dump folder as its newest TensorBoard run (``tensorboard_runs``), with a note
 on stderr. ``--csv`` is written atomically and may not name an input.
 """
@@ -476,15 +476,26 @@ def run_name(path: Path) -> str:
     return path.name if path.is_dir() else path.stem
 
 
+def named_run(arg: Path) -> tuple[str, Path]:
+    """A RUN argument's (name, path): ``NAME=PATH`` names the run (two logs of one file name, e.g. a rerun), a bare
+    path is named by ``run_name``."""
+    name, sep, rest = str(arg).partition("=")
+    if sep and name and rest and "/" not in name and not arg.exists():
+        return name, Path(rest)
+    return run_name(arg), arg
+
+
 def read_runs(prog: str, paths: list[Path]) -> tuple[dict[str, list[StepMetrics]], dict[str, dict[int, float]]]:
-    """``read_run`` for each path, keyed by ``run_name``; a missing path, or one without training metrics (one with
-    validation lines only included), ends ``prog``. Notes on runs left out (``read_run``) go to stderr."""
-    require_inputs(prog, paths)
+    """``read_run`` for each path (or ``NAME=PATH``), keyed by its name; a missing path, or one without training
+    metrics (one with validation lines only included), ends ``prog``. Notes on runs left out (``read_run``) go to
+    stderr."""
+    named = [named_run(p) for p in paths]
+    require_inputs(prog, [p for _, p in named])
     runs, validation, seen = {}, {}, {}
-    for p in paths:
-        name = run_name(p)
+    for name, p in named:
         if name in seen:
-            fail(prog, f"two runs named {name!r} ({seen[name]} and {p}): runs are named by their file or folder name")
+            fail(prog, f"two runs named {name!r} ({seen[name]} and {p}): runs are named by their file or folder "
+                       "name; name one NAME=PATH")
         seen[name] = p
         notes: list[str] = []
         try:
@@ -517,7 +528,8 @@ def require_group_members(prog: str, runs, groups: list[tuple[str, list[str]]]) 
 def main(argv: list[str] | None = None) -> None:
     ap = parser("titan_nvfp4.tools.loss_log", __doc__)
     ap.add_argument("logs", nargs="+", type=Path, metavar="RUN",
-                    help="a training run's saved console log, or its dump folder with TensorBoard events; the first is the baseline")
+                    help="a training run's saved console log, or its dump folder with TensorBoard events, as PATH or "
+                         "NAME=PATH; the first is the baseline")
     ap.add_argument("--last", type=int, default=10, help="logged steps averaged for the final loss (default 10)")
     ap.add_argument("--markdown", action="store_true", help="print Markdown tables instead of one line per run")
     ap.add_argument("--csv", type=Path, help="also write every run's per-step metrics here")

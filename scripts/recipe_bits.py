@@ -1,0 +1,74 @@
+"""Does this checkout compute the NVFP4 recipe's bits as another commit did? Saves an NVFP4Linear's forward and
+backward outputs (the default recipe on the CPU reference path: inputs with outlier rows, fp32 and bf16, three steps
+of the stochastic-rounding stream) and compares two such files bit for bit:
+
+    python scripts/recipe_bits.py /tmp/head.pt
+    git worktree add /tmp/old 888cf56 && PYTHONPATH=/tmp/old python scripts/recipe_bits.py /tmp/old.pt
+    python scripts/recipe_bits.py --compare /tmp/old.pt /tmp/head.pt
+
+Used to tell a change in the recipe's math from run-to-run drift when a training run is repeated on newer code
+(docs/results.md, the ranking's progress). Runs on either layout of the package (flat before 2026-12, layered after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def _classes():
+    try:
+        from titan_nvfp4.modules.nvfp4_linear import NVFP4Linear
+        from titan_nvfp4.recipe import NVFP4Recipe
+    except ImportError:  # the flat package of 2026-11
+        from titan_nvfp4.nvfp4_linear import NVFP4Linear
+        from titan_nvfp4.recipe import NVFP4Recipe
+    return NVFP4Linear, NVFP4Recipe
+
+
+def record(steps: int = 3) -> dict[str, torch.Tensor]:
+    """{dtype_step_tensor: value} of y, dX and dW for ``steps`` forward+backward passes of one layer."""
+    NVFP4Linear, NVFP4Recipe = _classes()
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        torch.manual_seed(1)
+        lin = NVFP4Linear(512, 384, bias=False, recipe=NVFP4Recipe(), layer_id=3, dtype=dt)
+        for step in range(steps):
+            x = (torch.randn(256, 512) * (1 + 10 * (torch.rand(256, 1) < 0.05))).to(dt).requires_grad_()
+            y = lin(x)
+            y.backward(torch.randn_like(y))
+            for k, v in (("y", y), ("dx", x.grad), ("dw", lin.weight.grad)):
+                out[f"{dt}_{step}_{k}"] = v.detach().clone()
+            lin.weight.grad = None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="+", help="OUT.pt to record; with --compare, the two files")
+    ap.add_argument("--compare", action="store_true", help="compare two recorded files bit for bit")
+    args = ap.parse_args(argv)
+    if not args.compare:
+        if len(args.files) != 1:
+            ap.error("record takes one output file")
+        torch.save(record(), args.files[0])
+        import titan_nvfp4
+        print(f"recorded {args.files[0]} from {titan_nvfp4.__file__}")
+        return 0
+    if len(args.files) != 2:
+        ap.error("--compare takes two files")
+    a, b = (torch.load(f) for f in args.files)
+    if a.keys() != b.keys():
+        print(f"different tensors: {sorted(a.keys() ^ b.keys())}")
+        return 1
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    for k in differ:
+        print(f"{k}: max |difference| {(a[k].float() - b[k].float()).abs().max().item():.3g}")
+    print(f"{len(a) - len(differ)} of {len(a)} tensors bit-identical")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

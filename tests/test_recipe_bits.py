@@ -1,0 +1,33 @@
+"""scripts/recipe_bits.py: records an NVFP4Linear's forward and backward bits and tells two recordings apart."""
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("recipe_bits", ROOT / "scripts" / "recipe_bits.py")
+recipe_bits = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(recipe_bits)
+
+
+def test_the_same_code_records_the_same_bits_and_a_changed_bit_is_reported(tmp_path, capsys):
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    assert recipe_bits.main([str(a)]) == 0 and recipe_bits.main([str(b)]) == 0
+    assert recipe_bits.main(["--compare", str(a), str(b)]) == 0
+    assert "18 of 18 tensors bit-identical" in capsys.readouterr().out
+    rec = torch.load(b)
+    dw = rec["torch.bfloat16_2_dw"].view(torch.int16)
+    dw.view(-1)[7] ^= 1  # one ulp of one gradient element
+    torch.save(rec, b)
+    assert recipe_bits.main(["--compare", str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert "torch.bfloat16_2_dw" in out and "17 of 18" in out
+
+
+def test_the_recording_covers_forward_and_backward_of_each_dtype_and_step():
+    rec = recipe_bits.record(steps=2)
+    assert sorted(rec) == sorted(f"{dt}_{step}_{k}" for dt in (torch.float32, torch.bfloat16) for step in range(2)
+                                 for k in ("y", "dx", "dw"))
+    assert rec["torch.bfloat16_1_dw"].dtype == torch.bfloat16 and rec["torch.float32_0_y"].shape == (256, 384)
+    assert not torch.equal(rec["torch.float32_0_dw"], rec["torch.float32_1_dw"])  # each step its own inputs
