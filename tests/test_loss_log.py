@@ -286,6 +286,14 @@ def test_two_logs_of_one_file_name_are_told_apart_by_name_equals_path(tmp_path, 
     main([str(first), f"rerun={rerun}", "--last", "1", "--markdown"])
     out = capsys.readouterr().out
     assert "| rerun | 20 |" in out and "+0.5000" in out
-    with pytest.raises(SystemExit):  # a NAME=PATH whose path is missing names that path
+    with pytest.raises(SystemExit):  # a NAME=PATH whose path is missing names that path and how it was read
         main([str(first), f"rerun={tmp_path / 'missing.log'}"])
-    assert "missing.log" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "missing.log" in err and "read as NAME=PATH" in err
+    with pytest.raises(SystemExit):  # --csv may not replace an input given as NAME=PATH
+        main([str(first), f"rerun={rerun}", "--csv", str(rerun)])
+    assert rerun.read_text() == _LOG.replace("5.00000", "5.50000")
+    odd = tmp_path / "lr=3.log"  # an existing file whose name holds '=' is a path, named by its stem
+    odd.write_text(_LOG)
+    main([str(first), str(odd), "--last", "1", "--markdown"])
+    assert "| lr=3 | 20 |" in capsys.readouterr().out

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .atomic import write_text
-from .cli import fail, parser, require_inputs, require_output, writing
+from .cli import fail, parser, require_output, writing
 
 ANSI_ESCAPES = re.compile(r"\x1b\[[0-9;]*m")
 _FLOAT = r"[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"  # a garbled number is no metric line
@@ -480,9 +480,14 @@ def named_run(arg: Path) -> tuple[str, Path]:
     """A RUN argument's (name, path): ``NAME=PATH`` names the run (two logs of one file name, e.g. a rerun), a bare
     path is named by ``run_name``."""
     name, sep, rest = str(arg).partition("=")
-    if sep and name and rest and "/" not in name and not arg.exists():
+    if sep and name and rest and len(Path(name).parts) == 1 and not arg.exists():
         return name, Path(rest)
     return run_name(arg), arg
+
+
+def run_paths(args: list[Path]) -> list[Path]:
+    """The files or folders RUN arguments read (``NAME=PATH`` gives PATH): the inputs an output must not replace."""
+    return [named_run(a)[1] for a in args]
 
 
 def read_runs(prog: str, paths: list[Path]) -> tuple[dict[str, list[StepMetrics]], dict[str, dict[int, float]]]:
@@ -490,12 +495,15 @@ def read_runs(prog: str, paths: list[Path]) -> tuple[dict[str, list[StepMetrics]
     metrics (one with validation lines only included), ends ``prog``. Notes on runs left out (``read_run``) go to
     stderr."""
     named = [named_run(p) for p in paths]
-    require_inputs(prog, [p for _, p in named])
+    for arg, (name, p) in zip(paths, named):
+        if not p.exists():
+            read_as = f" (RUN {str(arg)!r} read as NAME=PATH)" if p != arg else ""
+            fail(prog, f"no such file or folder: {p}{read_as}")
     runs, validation, seen = {}, {}, {}
     for name, p in named:
         if name in seen:
-            fail(prog, f"two runs named {name!r} ({seen[name]} and {p}): runs are named by their file or folder "
-                       "name; name one NAME=PATH")
+            fail(prog, f"two runs named {name!r} ({seen[name]} and {p}): a run is named by its file or folder name "
+                       "unless given as NAME=PATH; give each a name of its own")
         seen[name] = p
         notes: list[str] = []
         try:
@@ -544,7 +552,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.last < 1:
         ap.error(f"--last must be a positive number of logged steps, got {args.last}")
     if args.csv:
-        require_output(ap.prog, args.csv, "--csv", args.logs)
+        require_output(ap.prog, args.csv, "--csv", run_paths(args.logs))
     try:
         windows = parse_windows(args.train_windows) if args.train_windows else []
     except ValueError as e:

@@ -2,7 +2,7 @@
 
     python -m titan_nvfp4.tools.loss_plot outputs/llama3_bf16.log outputs/llama3_nvfp4.log --out curves.png [--smooth 0.6]
 
-Reads saved console logs of training runs, or their dump folders' TensorBoard events (as loss_log does). Top: each run's loss per logged step (thin) and its
+Reads saved console logs of training runs, or their dump folders' TensorBoard events, named as loss_log names them (``NAME=PATH`` too). Top: each run's loss per logged step (thin) and its
 exponential moving average (thick). Bottom: loss minus the first run's at the steps both logged
 (same seed and data, so batch-to-batch noise cancels), with its moving average. Runs that validated
 (loss_log.parse_validation) add their validation losses as dashed lines with markers, in both panels.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .atomic import atomic_file
 from .cli import fail, parser, require_output, writing
-from .loss_log import StepMetrics, group_members, parse_group, read_runs, require_group_members
+from .loss_log import StepMetrics, group_members, parse_group, read_runs, require_group_members, run_paths
 
 
 def ema(values: list[float], decay: float) -> list[float]:
@@ -183,7 +183,8 @@ def plot_groups(runs: dict[str, list[StepMetrics]], groups: list[tuple[str, list
 def main(argv: list[str] | None = None) -> None:
     ap = parser("titan_nvfp4.tools.loss_plot", __doc__)
     ap.add_argument("logs", nargs="+", type=Path, metavar="RUN",
-                    help="a training run's saved console log, or its dump folder with TensorBoard events; the first is the reference")
+                    help="a training run's saved console log, or its dump folder with TensorBoard events, as PATH or NAME=PATH; "
+                         "the first is the reference")
     ap.add_argument("--out", type=Path, required=True, help="the PNG to write")
     ap.add_argument("--smooth", type=float, default=0.6, help="EMA decay per logged step (default 0.6)")
     ap.add_argument("--title", default="", help="figure title")
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     formats = FigureCanvasBase.get_supported_filetypes()
     if args.out.suffix.lower().lstrip(".") not in formats:
         fail(ap.prog, f"--out {args.out}: unknown image format {args.out.suffix!r} (one of .{', .'.join(sorted(formats))})")
-    require_output(ap.prog, args.out, "--out", args.logs)
+    require_output(ap.prog, args.out, "--out", run_paths(args.logs))
     runs, validation = read_runs(ap.prog, args.logs)
     require_group_members(ap.prog, runs, groups)
     try:

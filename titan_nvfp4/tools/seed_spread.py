@@ -3,7 +3,7 @@ batches in the same order, replicate N of each recipe sharing its initialisation
 
     python -m titan_nvfp4.tools.seed_spread bf16.log bf16_seed2.log nvfp4.log nvfp4_seed2.log --baseline bf16 --recipe nvfp4
 
-Runs are named by their file name, "<recipe>" for the first replicate and "<recipe>_seedN" for the others; replicate
+Runs are named by their file name (or NAME=PATH, as in loss_log), "<recipe>" for the first replicate and "<recipe>_seedN" for the others; replicate
 N of the recipe is paired with replicate N of the baseline. Prints four tables:
 - by validation step: each recipe's s.d. over seeds, the paired gap (recipe − baseline of the same seed, in % of the
   baseline) with its s.d. over seeds, and the correlation of the two recipes' losses across seeds;
@@ -131,7 +131,7 @@ def spikes_table(found: dict[str, list[tuple[int, float]]], k: float) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = parser("titan_nvfp4.tools.seed_spread", __doc__)
-    ap.add_argument("logs", nargs="+", type=Path, metavar="RUN", help="the seed replicates' logs of both recipes")
+    ap.add_argument("logs", nargs="+", type=Path, metavar="RUN", help="the seed replicates' logs of both recipes, as PATH or NAME=PATH")
     ap.add_argument("--baseline", required=True, help="the baseline recipe's name (e.g. bf16)")
     ap.add_argument("--recipe", required=True, help="the compared recipe's name (e.g. nvfp4)")
     ap.add_argument("--target-se", type=float, default=0.3, help="the standard error, in points of %%, to size for")
