@@ -17,9 +17,9 @@ and validated step the mean, standard deviation and range, and against the first
 of the means with its standard error (Welch) and the share of cross-group pairs in which the group is lower.
 ``--train-windows 10-50,60-100`` adds the same table for each run's mean training loss over those steps:
 comparable across groups only when they trained on the same batches (``titan_nvfp4.tools.emulated_dp``).
-A RUN given as ``NAME=PATH`` takes that name (two logs of one file name). Each log or dump folder is read as one run: a log with a rerun appended (``tee -a``) from where its last run
-restarts at step 1 (``split_log``), a dump folder as its newest TensorBoard run (``tensorboard_runs``), with a note
-on stderr. ``--csv`` is written atomically and may not name an input.
+A RUN given as ``NAME=PATH`` takes that name (two logs of one file name). Each log or dump folder is read as one
+run: a log with a rerun appended (``tee -a``) from where its last run restarts at step 1 (``split_log``), a dump
+folder as its newest TensorBoard run (``tensorboard_runs``), with a note on stderr. ``--csv`` is written atomically and may not name an input.
 """
 
 from __future__ import annotations
