@@ -62,6 +62,11 @@ def corpus_id(manifest: dict) -> str:
     return hashlib.sha256("".join(sha[name] for name in DATA_FILES).encode()).hexdigest()[:12]
 
 
+def documents_total(manifest: dict) -> object:
+    """The corpus's document count as the manifest records it ("?" when it records none), for log lines."""
+    return manifest.get("documents", {}).get("total", "?")
+
+
 def check_corpus(folder: str | os.PathLike, manifest: dict) -> str:
     """The corpus id of ``folder``; an AssetsError naming both ids when ``$TITAN_NVFP4_CORPUS`` asks for another (a
     series of runs pinned to one corpus, whichever machine builds it), or naming the variable when it is malformed."""
@@ -70,9 +75,9 @@ def check_corpus(folder: str | os.PathLike, manifest: dict) -> str:
     if want and not CORPUS_ID.fullmatch(want):
         raise AssetsError(f"{CORPUS_ENV_VAR}={want!r}: not a corpus id (12 lowercase hex digits, as jobs log them)")
     if want and got != want:
-        docs = manifest.get("documents", {}).get("total", "?")
-        raise AssetsError(f"{folder}: corpus {got} ({docs} documents), but {CORPUS_ENV_VAR} asks for corpus {want}: "
-                          f"this machine built other data (another package set or version?); unset it to train anyway")
+        raise AssetsError(f"{folder}: corpus {got} ({documents_total(manifest)} documents), but {CORPUS_ENV_VAR} "
+                          f"asks for corpus {want}: this machine built other data (another package set or version?); "
+                          "unset it to train anyway")
     return got
 
 

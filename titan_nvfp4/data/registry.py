@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .assets import default_data_dir, ensure_assets
-from .manifest import DATA_FILES, MANIFEST, AssetsError, ManifestError, check_corpus, check_files, load_manifest
+from .manifest import (DATA_FILES, MANIFEST, AssetsError, ManifestError, check_corpus, check_files, documents_total,
+                       load_manifest)
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +93,9 @@ def _check_and_log_corpus(split: Path) -> None:
     the comparison runner), after checking it against ``$TITAN_NVFP4_CORPUS`` when that is set."""
     manifest = load_manifest(split.parent)
     ident = check_corpus(split.parent, manifest)
-    docs = manifest.get("documents", {}).get("total", "?")
     tokens = manifest.get("tokens_estimate", {}).get("total")
-    logger.info("Reading %s of %s: corpus %s (%s documents, %s tokens)", split.name, split.parent, ident, docs,
+    logger.info("Reading %s of %s: corpus %s (%s documents, %s tokens)", split.name, split.parent, ident,
+                documents_total(manifest),
                 f"~{tokens / 1e6:.2f}M" if isinstance(tokens, (int, float)) else "?")
 
 

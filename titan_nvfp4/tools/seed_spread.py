@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..compare.paired import recipe_of
 from .cli import parser
-from .loss_log import named_run, read_runs
+from .loss_log import read_runs
 
 
 def _replicates(names: list[str], recipe: str) -> dict[str, str]:
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.target_se <= 0 or args.spike_k <= 0 or args.window < 1:
         ap.error("--target-se and --spike-k must be positive, --window at least 1")
     runs, val = read_runs(ap.prog, args.logs)
-    names = [named_run(p)[0] for p in args.logs]
+    names = list(runs)  # read_runs keys every run by its name, in argument order
     base, rec = _replicates(names, args.baseline), _replicates(names, args.recipe)
     keys = sorted(set(base) & set(rec), key=int)
     if len(keys) < 2:
