@@ -6,13 +6,20 @@ of the stochastic-rounding stream) and compares two such files bit for bit:
     git worktree add /tmp/old 888cf56 && PYTHONPATH=/tmp/old python scripts/recipe_bits.py /tmp/old.pt
     python scripts/recipe_bits.py --compare /tmp/old.pt /tmp/head.pt
 
+With --experts it records TorchTitan's two grouped-expert blocks instead (SwiGLU and gpt-oss's, converted to NVFP4,
+token groups with an empty expert; `--backend emulated` runs the Triton kernels, interpreted on a CPU):
+
+    python scripts/recipe_bits.py --experts --backend emulated /tmp/head_experts.pt
+
 Used to tell a change in the recipe's math from run-to-run drift when a training run is repeated on newer code
-(docs/results.md, the ranking's progress). Runs on either layout of the package (flat before 2026-12, layered after).
+(docs/results.md, the ranking's progress), and to check that a change left the experts' bits alone
+(docs/performance.md, MoE at real shapes). Runs on either layout of the package (flat before 2026-12, layered after).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -45,15 +52,61 @@ def record(steps: int = 3) -> dict[str, torch.Tensor]:
     return out
 
 
+# token counts per expert: an empty expert and groups that are not multiples of 16
+EXPERT_COUNTS = (40, 0, 72, 8, 56, 24, 16, 40)
+
+
+def record_experts(steps: int = 3, backend: str = "reference") -> dict[str, torch.Tensor]:
+    """{block_step_tensor: value} of y, dX and every parameter's gradient for ``steps`` forward+backward passes of
+    NVFP4GroupedExperts and NVFP4GptOssExperts (8 experts, dim 256)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # TorchTitan pads the token groups with a Triton kernel
+    from torchtitan.models.gpt_oss.model.moe import GptOssGroupedExperts
+    from torchtitan.models.moe.moe import GroupedExperts
+
+    from titan_nvfp4.integration.experts import NVFP4GptOssExperts, NVFP4GroupedExperts
+    from titan_nvfp4.recipe import NVFP4Recipe
+
+    blocks = {"swiglu": (NVFP4GroupedExperts, lambda: GroupedExperts(256, 176, 8, use_grouped_mm=True)),
+              "gpt_oss": (NVFP4GptOssExperts, lambda: GptOssGroupedExperts(256, 192, 8, 7.0, use_grouped_mm=True))}
+    counts = torch.tensor(EXPERT_COUNTS)
+    rows = int(counts.sum())
+    out = {}
+    for block, (cls, build) in blocks.items():
+        torch.manual_seed(1)
+        mod = build()
+        with torch.no_grad():
+            for p in mod.parameters():
+                p.normal_(0, 0.05)
+        experts = cls.convert(mod, NVFP4Recipe(gemm_backend=backend), 5, name=f"{block}.experts")
+        for step in range(steps):
+            x = (torch.randn(rows, 256) * (1 + 10 * (torch.rand(rows, 1) < 0.05))).requires_grad_()
+            y = experts(x, counts)
+            y.backward(torch.randn_like(y))
+            out[f"{block}_{step}_y"], out[f"{block}_{step}_dx"] = y.detach().clone(), x.grad.clone()
+            for name, p in experts.named_parameters():
+                out[f"{block}_{step}_d{name}"] = p.grad.clone()
+                p.grad = None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", help="OUT.pt to record; with --compare, the two files")
     ap.add_argument("--compare", action="store_true", help="compare two recorded files bit for bit")
+    ap.add_argument("--experts", action="store_true", help="record the grouped-expert blocks instead of a Linear")
+    ap.add_argument("--backend", choices=("reference", "emulated"), default="reference",
+                    help="the experts' GEMM backend (default reference; emulated: the Triton kernels)")
     args = ap.parse_args(argv)
     if not args.compare:
         if len(args.files) != 1:
             ap.error("record takes one output file")
-        torch.save(record(), args.files[0])
+        if args.backend != "reference" and not args.experts:
+            ap.error("--backend applies to --experts")
+        rec = record_experts(backend=args.backend) if args.experts else record()
+        tmp = f"{args.files[0]}.partial"
+        torch.save(rec, tmp)
+        os.replace(tmp, args.files[0])  # a failed run leaves no half-written recording
         import titan_nvfp4
         print(f"recorded {args.files[0]} from {titan_nvfp4.__file__}")
         return 0

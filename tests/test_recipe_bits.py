@@ -31,3 +31,16 @@ def test_the_recording_covers_forward_and_backward_of_each_dtype_and_step():
                                  for k in ("y", "dx", "dw"))
     assert rec["torch.bfloat16_1_dw"].dtype == torch.bfloat16 and rec["torch.float32_0_y"].shape == (256, 384)
     assert not torch.equal(rec["torch.float32_0_dw"], rec["torch.float32_1_dw"])  # each step its own inputs
+
+
+def test_the_experts_recording_covers_both_blocks_and_repeats_bit_for_bit():
+    a = recipe_bits.record_experts(steps=1)
+    grads = {"swiglu": ("w1", "w2", "w3"), "gpt_oss": ("mlp1_weight", "mlp1_bias", "mlp2_weight", "mlp2_bias")}
+    assert sorted(a) == sorted([f"{b}_0_{k}" for b, names in grads.items() for k in ("y", "dx", *(f"d{n}" for n in names))])
+    rows = sum(recipe_bits.EXPERT_COUNTS)
+    assert a["swiglu_0_y"].shape == (rows, 256) and a["swiglu_0_dw1"].shape == (8, 176, 256)
+    empty = recipe_bits.EXPERT_COUNTS.index(0)  # an expert with no tokens gets no gradient
+    assert not a["swiglu_0_dw2"][empty].any() and a["swiglu_0_dw2"][empty - 1].abs().sum() > 0
+    assert not a["gpt_oss_0_dmlp1_weight"][empty].any()
+    b = recipe_bits.record_experts(steps=1)
+    assert all(torch.equal(a[k], b[k]) for k in a)
