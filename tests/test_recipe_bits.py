@@ -36,7 +36,8 @@ def test_the_recording_covers_forward_and_backward_of_each_dtype_and_step():
 def test_the_experts_recording_covers_both_blocks_and_repeats_bit_for_bit():
     a = recipe_bits.record_experts(steps=1)
     grads = {"swiglu": ("w1", "w2", "w3"), "gpt_oss": ("mlp1_weight", "mlp1_bias", "mlp2_weight", "mlp2_bias")}
-    assert sorted(a) == sorted([f"{b}_0_{k}" for b, names in grads.items() for k in ("y", "dx", *(f"d{n}" for n in names))])
+    want = [f"{b}_0_{k}" for b, names in grads.items() for k in ("y", "dx", *(f"d{n}" for n in names))]
+    assert sorted(a) == sorted(want)
     rows = sum(recipe_bits.EXPERT_COUNTS)
     assert a["swiglu_0_y"].shape == (rows, 256) and a["swiglu_0_dw1"].shape == (8, 176, 256)
     empty = recipe_bits.EXPERT_COUNTS.index(0)  # an expert with no tokens gets no gradient
