@@ -7,7 +7,8 @@ of the stochastic-rounding stream) and compares two such files bit for bit:
     python scripts/recipe_bits.py --compare /tmp/old.pt /tmp/head.pt
 
 With --experts it records TorchTitan's two grouped-expert blocks instead (SwiGLU and gpt-oss's, converted to NVFP4,
-token groups with an empty expert; `--backend emulated` runs the Triton kernels, interpreted on a CPU):
+token groups with an empty expert; on the CPU, Triton interpreted: TorchTitan pads the token groups with a Triton
+kernel, and `--backend emulated` runs ours; it needs titan_nvfp4.integration.experts, there since 2026-11):
 
     python scripts/recipe_bits.py --experts --backend emulated /tmp/head_experts.pt
 
@@ -52,15 +53,18 @@ def record(steps: int = 3) -> dict[str, torch.Tensor]:
     return out
 
 
+WHAT = "what"  # the key naming what a file recorded (a Linear, or the experts on one backend)
+
 # token counts per expert: an empty expert and groups that are not multiples of 16
 EXPERT_COUNTS = (40, 0, 72, 8, 56, 24, 16, 40)
 
 
 def record_experts(steps: int = 3, backend: str = "reference") -> dict[str, torch.Tensor]:
     """{block_step_tensor: value} of y, dX and every parameter's gradient for ``steps`` forward+backward passes of
-    NVFP4GroupedExperts and NVFP4GptOssExperts (8 experts, dim 256)."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # TorchTitan pads the token groups with a Triton kernel
+    NVFP4GroupedExperts and NVFP4GptOssExperts (8 experts, dim 256), on the CPU with Triton interpreted."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise RuntimeError("recording the experts runs Triton kernels on CPU tensors: set TRITON_INTERPRET=1 before "
+                           "Triton is imported (the script's --experts does)")
     from torchtitan.models.gpt_oss.model.moe import GptOssGroupedExperts
     from torchtitan.models.moe.moe import GroupedExperts
 
@@ -95,24 +99,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("files", nargs="+", help="OUT.pt to record; with --compare, the two files")
     ap.add_argument("--compare", action="store_true", help="compare two recorded files bit for bit")
     ap.add_argument("--experts", action="store_true", help="record the grouped-expert blocks instead of a Linear")
-    ap.add_argument("--backend", choices=("reference", "emulated"), default="reference",
+    ap.add_argument("--backend", choices=("reference", "emulated"),
                     help="the experts' GEMM backend (default reference; emulated: the Triton kernels)")
     args = ap.parse_args(argv)
+    if args.backend and not args.experts:
+        ap.error("--backend applies to --experts")
     if not args.compare:
         if len(args.files) != 1:
             ap.error("record takes one output file")
-        if args.backend != "reference" and not args.experts:
-            ap.error("--backend applies to --experts")
-        rec = record_experts(backend=args.backend) if args.experts else record()
+        if args.experts:
+            os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton
+            rec = record_experts(backend=args.backend or "reference")
+            rec[WHAT] = f"experts, backend {args.backend or 'reference'}"
+        else:
+            rec = record()
+            rec[WHAT] = "linear"
         tmp = f"{args.files[0]}.partial"
-        torch.save(rec, tmp)
-        os.replace(tmp, args.files[0])  # a failed run leaves no half-written recording
+        try:
+            torch.save(rec, tmp)
+            os.replace(tmp, args.files[0])  # a failed run leaves no half-written recording
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
         import titan_nvfp4
         print(f"recorded {args.files[0]} from {titan_nvfp4.__file__}")
         return 0
     if len(args.files) != 2:
         ap.error("--compare takes two files")
+    if args.experts:
+        ap.error("--compare reads what each file recorded; --experts applies to recording")
     a, b = (torch.load(f) for f in args.files)
+    what = [rec.pop(WHAT, "linear") for rec in (a, b)]  # files of 2026-12-06 and before: a Linear
+    if what[0] != what[1]:
+        print(f"the files record different things: {what[0]} ({args.files[0]}) against {what[1]} ({args.files[1]})")
+        return 2
     if a.keys() != b.keys():
         print(f"different tensors: {sorted(a.keys() ^ b.keys())}")
         return 1

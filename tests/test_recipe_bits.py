@@ -1,8 +1,10 @@
 """scripts/recipe_bits.py: records an NVFP4Linear's forward and backward bits and tells two recordings apart."""
 
 import importlib.util
+import os
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +35,11 @@ def test_the_recording_covers_forward_and_backward_of_each_dtype_and_step():
     assert not torch.equal(rec["torch.float32_0_dw"], rec["torch.float32_1_dw"])  # each step its own inputs
 
 
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+                                 reason="the experts' recording runs Triton on the CPU: TRITON_INTERPRET=1")
+
+
+@interpreted
 def test_the_experts_recording_covers_both_blocks_and_repeats_bit_for_bit():
     a = recipe_bits.record_experts(steps=1)
     grads = {"swiglu": ("w1", "w2", "w3"), "gpt_oss": ("mlp1_weight", "mlp1_bias", "mlp2_weight", "mlp2_bias")}
@@ -45,3 +52,32 @@ def test_the_experts_recording_covers_both_blocks_and_repeats_bit_for_bit():
     assert not a["gpt_oss_0_dmlp1_weight"][empty].any()
     b = recipe_bits.record_experts(steps=1)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@interpreted
+def test_a_file_names_what_it_recorded_and_only_like_files_are_compared(tmp_path, capsys):
+    lin, exp = tmp_path / "linear.pt", tmp_path / "experts.pt"
+    assert recipe_bits.main([str(lin)]) == 0 and recipe_bits.main(["--experts", str(exp)]) == 0
+    assert torch.load(exp)[recipe_bits.WHAT] == "experts, backend reference"
+    assert recipe_bits.main(["--compare", str(exp), str(exp)]) == 0
+    assert "33 of 33 tensors bit-identical" in capsys.readouterr().out
+    assert recipe_bits.main(["--compare", str(lin), str(exp)]) == 2
+    assert "linear" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["experts.pt", "linear.pt"]  # no .partial left
+
+
+def test_bad_arguments_are_refused_and_a_failed_recording_writes_nothing(tmp_path, monkeypatch):
+    out = tmp_path / "x.pt"
+    with pytest.raises(SystemExit):
+        recipe_bits.main(["--backend", "emulated", str(out)])
+    with pytest.raises(SystemExit):
+        recipe_bits.main(["--compare", "--experts", str(out), str(out)])
+
+    def fail(obj, path):
+        Path(path).write_bytes(b"half a recording")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(recipe_bits.torch, "save", fail)
+    with pytest.raises(OSError):
+        recipe_bits.main([str(out)])
+    assert list(tmp_path.iterdir()) == []
