@@ -20,8 +20,10 @@ Used to tell a change in the recipe's math from run-to-run drift when a training
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -51,6 +53,16 @@ def record(steps: int = 3) -> dict[str, torch.Tensor]:
                 out[f"{dt}_{step}_{k}"] = v.detach().clone()
             lin.weight.grad = None
     return out
+
+
+def _atomic_file():
+    """This checkout's tools/atomic.atomic_file, loaded by path: PYTHONPATH may point titan_nvfp4 at an older tree
+    that lacks it (stdlib imports only)."""
+    spec = importlib.util.spec_from_file_location(
+        "_recipe_bits_atomic", Path(__file__).resolve().parents[1] / "titan_nvfp4" / "tools" / "atomic.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.atomic_file
 
 
 WHAT = "what"  # the key naming what a file recorded (a Linear, or the experts on one backend)
@@ -114,13 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rec = record()
             rec[WHAT] = "linear"
-        tmp = f"{args.files[0]}.partial"
-        try:
+        with _atomic_file()(args.files[0]) as tmp:  # a failed run leaves no half-written recording
             torch.save(rec, tmp)
-            os.replace(tmp, args.files[0])  # a failed run leaves no half-written recording
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
         import titan_nvfp4
         print(f"recorded {args.files[0]} from {titan_nvfp4.__file__}")
         return 0

@@ -1,11 +1,12 @@
 """scripts/recipe_bits.py: records an NVFP4Linear's forward and backward bits and tells two recordings apart."""
 
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
 import torch
+
+from titan_nvfp4.kernels.platform import interpreting
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("recipe_bits", ROOT / "scripts" / "recipe_bits.py")
@@ -35,7 +36,7 @@ def test_the_recording_covers_forward_and_backward_of_each_dtype_and_step():
     assert not torch.equal(rec["torch.float32_0_dw"], rec["torch.float32_1_dw"])  # each step its own inputs
 
 
-interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+interpreted = pytest.mark.skipif(not interpreting(),
                                  reason="the experts' recording runs Triton on the CPU: TRITON_INTERPRET=1")
 
 
