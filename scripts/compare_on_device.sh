@@ -59,12 +59,31 @@ if [[ $mode == call ]]; then
 fi
 
 if [[ $mode == detach ]]; then
-  rm -rf "$state" && mkdir -p "$state" && echo "$out" > "$state/out"
-  # the kernel caches' folders (device_setup.sh), for the --wait calls' packing
+  rm -rf "$state" && mkdir -p "$state/tree" "$state/cache" && echo "$out" > "$state/out"
+  # Each later device call copies the working tree here afresh and replaces the carried paths (.kernel_cache
+  # with the caches unpacked in it): an arm starting, or importing, while that happens fails (a job file or a
+  # preset briefly missing). So the runner runs from a snapshot of the tree, its outputs and corpus folders
+  # linked back here, and on copies of the kernel caches.
+  for f in * .[!.]*; do
+    [[ -e $f ]] || continue  # an unmatched glob
+    case $f in outputs | assets | .kernel_cache | .whl | .git) ;; *) cp -a "$f" "$state/tree/" || exit 1 ;; esac
+  done
+  mkdir -p outputs assets && ln -s "$PWD/outputs" "$PWD/assets" "$state/tree/" || exit 1
+  for var in TRITON_CACHE_DIR TORCHINDUCTOR_CACHE_DIR; do
+    dir=${!var:-}
+    [[ -n $dir ]] || continue
+    copy=$state/cache/${var%_CACHE_DIR}
+    if [[ -d $dir ]]; then cp -a "$dir" "$copy" || exit 1; else mkdir -p "$copy"; fi
+    export "$var=$copy"
+  done
+  IFS=: read -r -a pp <<<"${PYTHONPATH:-}"  # the checkout's entry on PYTHONPATH (device_setup.sh) -> the snapshot
+  for i in "${!pp[@]}"; do [[ ${pp[i]} == "$PWD" ]] && pp[i]=$state/tree; done
+  PYTHONPATH=$(IFS=:; echo "${pp[*]}")
+  # the kernel caches' folders, for the --wait calls' packing
   echo "export TRITON_CACHE_DIR='${TRITON_CACHE_DIR:-}' TORCHINDUCTOR_CACHE_DIR='${TORCHINDUCTOR_CACHE_DIR:-}'" > "$state/env"
-  setsid bash -c 'python -m titan_nvfp4.compare "$@" > "'"$state"'/runner.log" 2>&1; echo $? > "'"$state"'/rc"' \
+  (cd "$state/tree" && setsid bash -c 'python -m titan_nvfp4.compare "$@" > "'"$state"'/runner.log" 2>&1; echo $? > "'"$state"'/rc"' \
     compare "$spec" "$@" < /dev/null > /dev/null 2>&1 &
-  echo $! > "$state/pid"
+   echo $! > "$state/pid")
   echo "compare_on_device: runner detached (pid $(cat "$state/pid")); its output: $state/runner.log"
 fi
 

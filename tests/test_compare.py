@@ -266,22 +266,32 @@ def test_stopping_the_runner_stops_the_running_arms(tmp_path):
 def test_a_detached_run_trains_on_between_device_calls(tmp_path):
     """scripts/compare_on_device.sh --detach starts the runner in a session of its own and returns (124 while it
     runs) with the logs so far; a second --detach is refused while it runs; --wait waits for it and returns its exit
-    status with every arm's full log, the table and the plot in $OUT. Device setup and kernel-cache packing
-    stubbed; the arms are tests/compare_stub.py."""
+    status with every arm's full log, the table and the plot in $OUT. Between calls the device tool copies the
+    tree afresh and replaces the carried kernel caches: the runner runs from a snapshot and on copies of the
+    caches, so removing the tree's files and caches after --detach stops nothing (the arms' launcher is a path
+    in the tree, read when each arm starts). Device setup and kernel-cache packing stubbed; the arms are
+    tests/compare_stub.py."""
     import shutil
     import subprocess
     import tarfile
 
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
+    (repo / "tests").mkdir()
+    shutil.copy(REPO / "tests/compare_stub.py", repo / "tests")
+    (repo / ".kernel_cache/triton").mkdir(parents=True)
+    (repo / ".kernel_cache/triton/kernel.bin").write_text("compiled")
     shutil.copy(REPO / "scripts/compare_on_device.sh", repo / "scripts")
-    (repo / "scripts/device_setup.sh").write_text(f"export PYTHONPATH={REPO} TRITON_CACHE_DIR=/cache/triton\n")
-    (repo / "scripts/save_kernel_cache.sh").write_text('echo "kernel caches packed from $TRITON_CACHE_DIR"\n')
+    (repo / "scripts/device_setup.sh").write_text(
+        f'export PYTHONPATH={REPO}:$PWD TRITON_CACHE_DIR=$PWD/.kernel_cache/triton\n')
+    (repo / "scripts/save_kernel_cache.sh").write_text(
+        'echo "kernel caches packed from $TRITON_CACHE_DIR: $(ls "$TRITON_CACHE_DIR")"\n')
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin/python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # this interpreter (a venv's)
     (tmp_path / "bin/python").chmod(0o755)
     arms = ARMS.replace('"--stub.offset", "0.2"', '"--stub.offset", "0.2", "--stub.sleep", "0.25"')  # 10 s: still running at the second --detach
     spec = _spec(tmp_path, arms)
+    spec.write_text(spec.read_text().replace(str(STUB), "tests/compare_stub.py"))  # relative: read from the tree
 
     def call(*args, wait_s):
         out = tmp_path / f"OUT{len(list(tmp_path.glob('OUT*')))}"
@@ -298,9 +308,12 @@ def test_a_detached_run_trains_on_between_device_calls(tmp_path):
     assert r.returncode == 124 and "runner detached" in r.stdout, r.stdout + r.stderr
     r, _ = call("--detach", str(spec), wait_s=0)
     assert r.returncode == 1 and "still going" in r.stderr
+    shutil.rmtree(repo / "tests")  # the next call's copy of the tree, mid-way; the carry replaces .kernel_cache
+    shutil.rmtree(repo / ".kernel_cache")
     r, out = call("--wait", wait_s=100)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "kernel caches packed from /cache/triton" in r.stdout  # device_setup.sh's folders, kept from --detach
+    # the copy of device_setup.sh's cache folder that the runner used, kept from --detach
+    assert f"kernel caches packed from {tmp_path / 'state/cache/TRITON'}: kernel.bin" in r.stdout
     assert (out / "compare.md").is_file() and (out / "compare.png").is_file()
     with tarfile.open(out / "logs.tar.xz") as tar:
         logs = {Path(m.name).name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
