@@ -214,6 +214,12 @@ def test_seeds_expand_into_paired_arms_and_the_table_pairs_them(tmp_path):
     assert f"| better | 4 | {mean:+.2f} ± {se:.2f} | {sd:.2f} | {share:.0f} ± {share_se:.0f} |" in table, table
     n_mean, n_sd, n_se, *_ = _hand(stat["nvfp4"], stat["bf16"], stat["nvfp4"])
     assert f"| nvfp4 | 4 | {n_mean:+.2f} ± {n_se:.2f} | {n_sd:.2f} | (reference) |" in table
+    per_run = table.split("\n\n")[0].splitlines()
+    assert "gap to nvfp4 closed" in per_run[0]
+    gap = {line.split("|")[1].strip(): line.split("|")[6].strip() for line in per_run[2:]}
+    # a replicate of the baseline's or the reference's recipe closes no gap; another recipe's replicates do
+    assert all(gap[n] == "–" for n in gap if n.startswith(("bf16_seed", "nvfp4_seed"))), gap
+    assert all(gap[n].endswith("%") for n in gap if n.startswith("better")), gap
 
 
 def test_a_partial_replicate_waits_out_of_the_paired_table(tmp_path):

@@ -99,7 +99,9 @@ def report(spec: Spec) -> str:
     validation = {a.name: parse_validation(spec.log(a).read_text(errors="replace")) for a in order
                   if a.name in runs and spec.log(a).is_file()}
     validation = {n: v for n, v in validation.items() if v}
-    rows = summarize(runs, spec.last, gap=bool(spec.reference) and spec.reference in runs, validation=validation or None)
+    pair = {recipe_of(spec.baseline), recipe_of(spec.reference)} if spec.reference else set()
+    rows = summarize(runs, spec.last, gap=bool(spec.reference) and spec.reference in runs, validation=validation or None,
+                     no_gap={n for n in runs if recipe_of(n) in pair})  # a replicate of either closes no gap
     table = to_markdown(rows, spec.last)
     if validation:
         table += "\n" + validation_markdown(validation)

@@ -29,6 +29,7 @@ import math
 import re
 import statistics
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,11 +179,12 @@ def paired_delta(steps: list[StepMetrics], base: list[StepMetrics], last: int) -
 
 
 def summarize(runs: dict[str, list[StepMetrics]], last: int = 10, gap: bool = False,
-              validation: dict[str, dict[int, float]] | None = None) -> list[dict]:
+              validation: dict[str, dict[int, float]] | None = None, no_gap: Collection[str] = ()) -> list[dict]:
     """One row per run: steps, first/final loss (mean of the last k logged), Δ vs the first run and
-    its paired standard error, tps, memory; with ``gap``, rows from the third on get gap_closed_pct
-    against the first two; with ``validation``, runs that validated get val_step/val_loss (their last
-    validation) and val_delta (against the first run's validation at that step, NaN if it has none)."""
+    its paired standard error, tps, memory; with ``gap``, rows from the third on but those in ``no_gap``
+    (replicates of the first two) get gap_closed_pct against the first two; with ``validation``, runs that
+    validated get val_step/val_loss (their last validation) and val_delta (against the first run's
+    validation at that step, NaN if it has none)."""
     rows, base, base_steps = [], None, None
     for name, steps in runs.items():
         if not steps:
@@ -213,7 +215,7 @@ def summarize(runs: dict[str, list[StepMetrics]], last: int = 10, gap: bool = Fa
                 step = max(val)
                 r.update(val_step=step, val_loss=val[step], val_delta=val[step] - base_val.get(step, float("nan")))
     if gap and len(rows) >= 3:
-        for r in rows[2:]:
+        for r in (r for r in rows[2:] if r["run"] not in no_gap):
             r["gap_closed_pct"] = gap_closed_pct(0.0, rows[1]["delta"], r["delta"])  # the paired Δs: same steps
     return rows
 
