@@ -17,7 +17,7 @@
 # --wait call at once: a machine idle for ~30 s goes back, and the detached arms with it. Exit status: the
 # runner's once it has ended, 124 while it still runs.
 set -uo pipefail
-state=${COMPARE_STATE_DIR:-/tmp/titan_nvfp4_compare}  # the detached runner's pid, exit status, output folder
+state=$(realpath -m "${COMPARE_STATE_DIR:-/tmp/titan_nvfp4_compare}")  # the detached runner's pid, exit status, output folder
 mode=call
 if [[ ${1:-} == --detach || ${1:-} == --wait ]]; then mode=${1#--}; shift; fi
 
@@ -66,8 +66,14 @@ if [[ $mode == detach ]]; then
   # linked back here, and on copies of the kernel caches.
   for f in * .[!.]*; do
     [[ -e $f ]] || continue  # an unmatched glob
-    case $f in outputs | assets | .kernel_cache | .whl | .git) ;; *) cp -a "$f" "$state/tree/" || exit 1 ;; esac
+    [[ $state == "$PWD/$f" || $state == "$PWD/$f"/* ]] && continue  # a state folder inside the tree
+    case $f in outputs | assets | .kernel_cache | .whl | .git) ;; *) cp -a -- "$f" "$state/tree/" || exit 1 ;; esac
   done
+  # paths the snapshot would resolve elsewhere: a spec outside the tree, an output folder outside outputs/
+  [[ $spec == /* || $(realpath -m "$spec") == "$PWD"/* ]] || spec=$(realpath -m "$spec")
+  if [[ $out != /* && $(realpath -m "$out") != "$PWD"/outputs/* ]]; then
+    out=$(realpath -m "$out") && echo "$out" > "$state/out" && set -- "$@" --out "$out"
+  fi
   mkdir -p outputs assets && ln -s "$PWD/outputs" "$PWD/assets" "$state/tree/" || exit 1
   for var in TRITON_CACHE_DIR TORCHINDUCTOR_CACHE_DIR; do
     dir=${!var:-}
@@ -81,9 +87,11 @@ if [[ $mode == detach ]]; then
   PYTHONPATH=$(IFS=:; echo "${pp[*]}")
   # the kernel caches' folders, for the --wait calls' packing
   echo "export TRITON_CACHE_DIR='${TRITON_CACHE_DIR:-}' TORCHINDUCTOR_CACHE_DIR='${TORCHINDUCTOR_CACHE_DIR:-}'" > "$state/env"
-  (cd "$state/tree" && setsid bash -c 'python -m titan_nvfp4.compare "$@" > "'"$state"'/runner.log" 2>&1; echo $? > "'"$state"'/rc"' \
-    compare "$spec" "$@" < /dev/null > /dev/null 2>&1 &
-   echo $! > "$state/pid")
+  # in a subshell only for its cwd; `setsid` itself goes to the background, so $! is the runner's session leader
+  (cd "$state/tree" || exit 1
+   setsid bash -c 'python -m titan_nvfp4.compare "$@" > "'"$state"'/runner.log" 2>&1; echo $? > "'"$state"'/rc"' \
+     compare "$spec" "$@" < /dev/null > /dev/null 2>&1 &
+   echo $! > "$state/pid") || exit 1
   echo "compare_on_device: runner detached (pid $(cat "$state/pid")); its output: $state/runner.log"
 fi
 

@@ -5,6 +5,7 @@ already done, failures reported; and the spec's validation, key by key."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -298,14 +299,23 @@ def test_a_detached_run_trains_on_between_device_calls(tmp_path):
         out.mkdir()
         env = {**os.environ, "OUT": str(out), "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "WAIT_S": str(wait_s),
                "POLL_S": "1", "COMPARE_STATE_DIR": str(tmp_path / "state")}
-        r = subprocess.run(["bash", "scripts/compare_on_device.sh", *args], cwd=repo, env=env, capture_output=True,
-                           text=True, timeout=120)
-        return r, out
+        # in a session of its own, which is killed once the call returns, as the device tool may do: the runner
+        # (and the pid it recorded) must be in another
+        p = subprocess.Popen(["bash", "scripts/compare_on_device.sh", *args], cwd=repo, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        stdout, stderr = p.communicate(timeout=120)
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr), out
 
     r, _ = call("--wait", wait_s=1)
     assert r.returncode == 1 and "no detached run" in r.stderr
     r, _ = call("--detach", str(spec), "--only", "nvfp4", "bf16", wait_s=0)
     assert r.returncode == 124 and "runner detached" in r.stdout, r.stdout + r.stderr
+    pid = int((tmp_path / "state/pid").read_text())
+    assert os.getsid(pid) == pid  # the recorded pid leads the runner's own session
     r, _ = call("--detach", str(spec), wait_s=0)
     assert r.returncode == 1 and "still going" in r.stderr
     shutil.rmtree(repo / "tests")  # the next call's copy of the tree, mid-way; the carry replaces .kernel_cache

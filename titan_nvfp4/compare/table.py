@@ -99,9 +99,13 @@ def report(spec: Spec) -> str:
     validation = {a.name: parse_validation(spec.log(a).read_text(errors="replace")) for a in order
                   if a.name in runs and spec.log(a).is_file()}
     validation = {n: v for n, v in validation.items() if v}
+    # the gap closed reads the baseline and the reference as the first two rows: only arms of another recipe on
+    # their seed get one (a replicate of either closes nothing; another seed's gap mixes in the seed's spread)
     pair = {recipe_of(spec.baseline), recipe_of(spec.reference)} if spec.reference else set()
+    arms = {a.name: a for a in spec.arms}
+    no_gap = {n for n in runs if recipe_of(n) in pair or spec.seed(arms[n]) != spec.seed(arms[spec.baseline])}
     rows = summarize(runs, spec.last, gap=bool(spec.reference) and spec.reference in runs, validation=validation or None,
-                     no_gap={n for n in runs if recipe_of(n) in pair})  # a replicate of either closes no gap
+                     no_gap=no_gap)
     table = to_markdown(rows, spec.last)
     if validation:
         table += "\n" + validation_markdown(validation)

@@ -182,7 +182,7 @@ def summarize(runs: dict[str, list[StepMetrics]], last: int = 10, gap: bool = Fa
               validation: dict[str, dict[int, float]] | None = None, no_gap: Collection[str] = ()) -> list[dict]:
     """One row per run: steps, first/final loss (mean of the last k logged), Δ vs the first run and
     its paired standard error, tps, memory; with ``gap``, rows from the third on but those in ``no_gap``
-    (replicates of the first two) get gap_closed_pct against the first two; with ``validation``, runs that
+    (runs not comparable with the first two) get gap_closed_pct against the first two; with ``validation``, runs that
     validated get val_step/val_loss (their last validation) and val_delta (against the first run's
     validation at that step, NaN if it has none)."""
     rows, base, base_steps = [], None, None
