@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from titan_nvfp4 import compare
-from titan_nvfp4.compare.paired import final_validations, paired_rows, recipe_of
+from titan_nvfp4.compare.paired import final_validations, pairwise_markdown, pairwise_rows, paired_rows, recipe_of
 from titan_nvfp4.tools import seed_spread
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,6 +68,29 @@ def test_the_gap_through_the_reference_matches_a_hand_computation_and_the_direct
     assert (row["via_n"], row["via_ref_n"]) == (2, 4)
     assert row["via_gap_pct"] == pytest.approx(g_p.mean() + d.mean(), rel=1e-12)
     assert row["via_se_pct"] == pytest.approx(np.sqrt(max(var, np.var(d, ddof=1) / 2)), rel=1e-12)
+
+
+def test_the_difference_to_the_reference_and_recipe_against_recipe_match_a_hand_computation():
+    """The paired table's difference to the reference, d_s = g_R,s − g_P,s (its s.d. decides how many seeds a recipe
+    needs), and the pairwise table behind the decision rule, against numpy float64; a pair ranks only beyond 2 s.e."""
+    stats = {k: dict(zip(SEEDS, v)) for k, v in STATS.items()}
+    b, p, r = (np.asarray(STATS[k], dtype=np.float64) for k in ("bf16", "nvfp4", "better"))
+    g_p, g_r = 100 * (p - b) / b, 100 * (r - b) / b
+    d = g_r - g_p
+    row = {x["recipe"]: x for x in paired_rows(stats, "bf16", "nvfp4")}["better"]
+    assert row["diff_pct"] == pytest.approx(d.mean(), rel=1e-12)
+    assert row["diff_sd_pct"] == pytest.approx(np.std(d, ddof=1), rel=1e-12)
+    assert row["diff_se_pct"] == pytest.approx(np.std(d, ddof=1) / 2, rel=1e-12)
+    pair = pairwise_rows(stats, "bf16")
+    assert [(x["a"], x["b"], x["n"]) for x in pair] == [("nvfp4", "better", 4)]
+    assert pair[0]["diff_pct"] == pytest.approx(-d.mean(), rel=1e-12)
+    assert pair[0]["diff_se_pct"] == pytest.approx(np.std(d, ddof=1) / 2, rel=1e-12)
+    assert abs(d.mean()) > 2 * np.std(d, ddof=1) / 2 and pair[0]["above"] == "better"  # lower loss beyond 2 s.e.
+    assert "| nvfp4 − better | 4 |" in pairwise_markdown(pair, "bf16") and "| better |" in pairwise_markdown(pair, "bf16")
+    stats["better"] = {s: stats["nvfp4"][s] + (0.001 if s % 2 else -0.001) for s in SEEDS}  # within the noise
+    assert pairwise_rows(stats, "bf16")[0]["above"] == ""
+    del stats["better"][43], stats["better"][44], stats["better"][45]  # one seed shared: no pair
+    assert pairwise_rows(stats, "bf16") == [] and pairwise_markdown([], "bf16") == ""
 
 
 def test_the_gap_through_the_reference_is_unbiased_and_its_standard_error_calibrated():

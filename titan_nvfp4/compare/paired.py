@@ -57,6 +57,8 @@ def paired_rows(stats: dict[str, dict[int, float]], baseline: str, reference: st
       ``closed_pct`` = 100·ā/b̄ with a_s = P_s − R_s, b_s = P_s − B_s (the share of P's gap that R closes: 0 = no
       better than P, 100 = as good as the baseline), ± ``closed_se_pct`` = 100·s.d.(a_s − r·b_s)/(√n·|b̄|), the
       delta-method standard error of a ratio of paired means (NaN with fewer than two seeds or b̄ = 0);
+    - with a reference, for the other recipes, ``diff_pct`` ± ``diff_se_pct`` (s.d. ``diff_sd_pct``): the mean of
+      d_s = g_R,s − g_P,s, the recipe's paired difference to the reference, over the seeds all three share;
     - with a reference, for the other recipes, ``via_gap_pct`` ± ``via_se_pct``: the gap through the reference
       (``_through_reference``) over ``via_n`` of the recipe's seeds and ``via_ref_n`` of the reference's; on the
       reference's own row, when it ran seeds the baseline did not, its gap over all of them (``_reference_gap``) over
@@ -126,6 +128,7 @@ def _through_reference(r: dict, ref: dict, b: dict, shared: list) -> dict:
     d = [_gap_pct(r, b, s) - g_p[s] for s in shared]
     n_r = len(shared)
     out = {"via_n": n_r, "via_ref_n": ref["m"], "via_gap_pct": ref["gap"] + statistics.fmean(d)}
+    out["diff_pct"], out["diff_sd_pct"], out["diff_se_pct"] = _mean_sd_se(d)  # d's s.d. sets the seeds R needs
     if n_r < 2 or n < 2:
         out["via_se_pct"] = float("nan")
         return out
@@ -135,6 +138,37 @@ def _through_reference(r: dict, ref: dict, b: dict, shared: list) -> dict:
         cov -= k * statistics.covariance([p[s] for s in shared], d) / n
     out["via_se_pct"] = math.sqrt(max(ref["var"] + var_d / n_r + 2.0 * cov, var_d / n_r))
     return out
+
+
+def pairwise_rows(stats: dict[str, dict[int, float]], baseline: str) -> list[dict]:
+    """Every two recipes but the baseline, on the ``n`` seeds both share with the baseline (at least two): the mean of
+    the per-seed difference of their gaps, g_A,s − g_B,s (in points of the baseline), ± s.d./√n; ``above`` when it
+    exceeds twice its standard error (the protocol's decision rule), naming the recipe with the lower loss."""
+    base = stats[baseline]
+    recipes = [r for r in stats if r != baseline]
+    rows = []
+    for i, a in enumerate(recipes):
+        for b in recipes[i + 1:]:
+            seeds = sorted(s for s in stats[a] if s in stats[b] and s in base)
+            if len(seeds) < 2:
+                continue
+            diff, sd, se = _mean_sd_se([_gap_pct(stats[a], base, s) - _gap_pct(stats[b], base, s) for s in seeds])
+            rows.append({"a": a, "b": b, "n": len(seeds), "diff_pct": diff, "diff_sd_pct": sd, "diff_se_pct": se,
+                         "above": (b if diff > 0 else a) if abs(diff) > 2 * se else ""})
+    return rows
+
+
+def pairwise_markdown(rows: list[dict], baseline: str) -> str:
+    """The pairwise table of ``pairwise_rows`` ("" when no two recipes share two seeds with the baseline)."""
+    if not rows:
+        return ""
+    head = (f"Recipe against recipe, paired by seed (gap of the first minus gap of the second, in % of {baseline}, "
+            "mean ± s.d./√n over the seeds both ran; a recipe ranks above the other beyond twice the standard "
+            "error):\n\n| recipes | seeds | difference, % ± s.e. | s.d., % | ranks above |\n"
+            "| --- | ---: | ---: | ---: | --- |\n")
+    return head + "".join(
+        f"| {r['a']} − {r['b']} | {r['n']} | {r['diff_pct']:+.2f} ± {r['diff_se_pct']:.2f} | {r['diff_sd_pct']:.2f} | "
+        f"{r['above'] or '–'} |\n" for r in rows)
 
 
 def _pm(value: float, se: float, fmt: str, se_fmt: str) -> str:
@@ -150,8 +184,8 @@ def paired_markdown(rows: list[dict], baseline: str, reference: str, statistic: 
                                     "it over the recipe's" if reference else "") + "):\n\n"
             f"| recipe | seeds | gap to {baseline}, % ± s.e. | s.d. of the per-seed gaps, % |"
             + (f" share of {reference}'s gap closed, % ± s.e. | gap through {reference}, % ± s.e. (seeds) |"
-               if reference else "")
-            + "\n| --- | ---: | ---: | ---: |" + (" ---: | ---: |" if reference else "") + "\n")
+               f" difference to {reference}, % ± s.e. (s.d.) |" if reference else "")
+            + "\n| --- | ---: | ---: | ---: |" + (" ---: | ---: | ---: |" if reference else "") + "\n")
     body = ""
     for r in rows:
         if not r["n"]:
@@ -167,6 +201,8 @@ def paired_markdown(rows: list[dict], baseline: str, reference: str, statistic: 
                       if "closed_pct" in r else "")
             via = ("" if "via_gap_pct" not in r else _pm(r["via_gap_pct"], r["via_se_pct"], "+.2f", ".2f")
                    + f" ({r['via_n']} / {r['via_ref_n']})")
-            extra = f" {closed} | {via} |"
+            diff = ("" if "diff_pct" not in r else _pm(r["diff_pct"], r["diff_se_pct"], "+.2f", ".2f")
+                    + ("" if r["diff_sd_pct"] != r["diff_sd_pct"] else f" ({r['diff_sd_pct']:.2f})"))
+            extra = f" {closed} | {via} | {diff} |"
         body += f"| {r['recipe']} | {r['n']} | {gap} | {sd} |{extra}\n"
     return head + body

@@ -10,7 +10,7 @@ from ..tools.atomic import atomic_file, write_text
 from ..tools.loss_log import parse_validation, summarize, to_markdown, validation_markdown, write_csv
 from .armlog import ArmLog, read_arm_log
 from .lock import holder
-from .paired import final_validations, paired_markdown, paired_rows, recipe_of
+from .paired import final_validations, pairwise_markdown, pairwise_rows, paired_markdown, paired_rows, recipe_of
 from .spec import Spec
 
 
@@ -81,7 +81,9 @@ def paired_table(spec: Spec, runs: dict, validation: dict[str, dict[int, float]]
     if not any(r["n"] > 1 for r in rows):
         return ""
     what = "the last validation loss" if k == 1 else f"the mean of the last {k} validation losses"
-    return paired_markdown(rows, baseline, reference if reference in stats else "", what)
+    pairwise = pairwise_markdown(pairwise_rows(stats, baseline), baseline)
+    return paired_markdown(rows, baseline, reference if reference in stats else "", what) + \
+        ("\n" + pairwise if pairwise else "")
 
 
 def report(spec: Spec) -> str:
