@@ -59,6 +59,20 @@ if [[ $mode == call ]]; then
 fi
 
 if [[ $mode == detach ]]; then
+  if [[ $state == / || $PWD == "$state" || $PWD == "$state"/* ]]; then
+    echo "compare_on_device: COMPARE_STATE_DIR=$state holds this tree; name a folder of its own" >&2; exit 1
+  fi
+  # the spec as the snapshot holds it (one outside the tree as it is); the output folder under outputs/ or outside
+  # the tree: elsewhere in it, each device call's fresh copy may replace what the arms write
+  spec=$(realpath -m "$spec")
+  [[ $spec == "$PWD"/* && $spec != "$PWD"/outputs/* ]] && spec=$state/tree/${spec#"$PWD"/}
+  absout=$(realpath -m "$out")
+  if [[ $absout == "$PWD"/* && $absout != "$PWD"/outputs/* ]]; then
+    echo "compare_on_device: --detach writes the arms' logs to $out, inside the tree, which each device call copies" \
+      "afresh: use a folder under outputs/ (or outside the tree)" >&2
+    exit 1
+  fi
+  [[ $out == /* || $absout == "$PWD"/outputs/* ]] || { out=$absout && set -- "$@" --out "$out"; }
   rm -rf "$state" && mkdir -p "$state/tree" "$state/cache" && echo "$out" > "$state/out"
   # Each later device call copies the working tree here afresh and replaces the carried paths (.kernel_cache
   # with the caches unpacked in it): an arm starting, or importing, while that happens fails (a job file or a
@@ -69,11 +83,6 @@ if [[ $mode == detach ]]; then
     [[ $state == "$PWD/$f" || $state == "$PWD/$f"/* ]] && continue  # a state folder inside the tree
     case $f in outputs | assets | .kernel_cache | .whl | .git) ;; *) cp -a -- "$f" "$state/tree/" || exit 1 ;; esac
   done
-  # paths the snapshot would resolve elsewhere: a spec outside the tree, an output folder outside outputs/
-  [[ $spec == /* || $(realpath -m "$spec") == "$PWD"/* ]] || spec=$(realpath -m "$spec")
-  if [[ $out != /* && $(realpath -m "$out") != "$PWD"/outputs/* ]]; then
-    out=$(realpath -m "$out") && echo "$out" > "$state/out" && set -- "$@" --out "$out"
-  fi
   mkdir -p outputs assets && ln -s "$PWD/outputs" "$PWD/assets" "$state/tree/" || exit 1
   for var in TRITON_CACHE_DIR TORCHINDUCTOR_CACHE_DIR; do
     dir=${!var:-}
@@ -89,7 +98,7 @@ if [[ $mode == detach ]]; then
   echo "export TRITON_CACHE_DIR='${TRITON_CACHE_DIR:-}' TORCHINDUCTOR_CACHE_DIR='${TORCHINDUCTOR_CACHE_DIR:-}'" > "$state/env"
   # in a subshell only for its cwd; `setsid` itself goes to the background, so $! is the runner's session leader
   (cd "$state/tree" || exit 1
-   setsid bash -c 'python -m titan_nvfp4.compare "$@" > "'"$state"'/runner.log" 2>&1; echo $? > "'"$state"'/rc"' \
+   STATE=$state setsid bash -c 'python -m titan_nvfp4.compare "$@" > "$STATE/runner.log" 2>&1; echo $? > "$STATE/rc"' \
      compare "$spec" "$@" < /dev/null > /dev/null 2>&1 &
    echo $! > "$state/pid") || exit 1
   echo "compare_on_device: runner detached (pid $(cat "$state/pid")); its output: $state/runner.log"

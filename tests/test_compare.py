@@ -294,11 +294,11 @@ def test_a_detached_run_trains_on_between_device_calls(tmp_path):
     spec = _spec(tmp_path, arms)
     spec.write_text(spec.read_text().replace(str(STUB), "tests/compare_stub.py"))  # relative: read from the tree
 
-    def call(*args, wait_s):
+    def call(*args, wait_s, state=tmp_path / "state"):
         out = tmp_path / f"OUT{len(list(tmp_path.glob('OUT*')))}"
         out.mkdir()
         env = {**os.environ, "OUT": str(out), "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "WAIT_S": str(wait_s),
-               "POLL_S": "1", "COMPARE_STATE_DIR": str(tmp_path / "state")}
+               "POLL_S": "1", "COMPARE_STATE_DIR": str(state)}
         # in a session of its own, which is killed once the call returns, as the device tool may do: the runner
         # (and the pid it recorded) must be in another
         p = subprocess.Popen(["bash", "scripts/compare_on_device.sh", *args], cwd=repo, env=env, text=True,
@@ -312,6 +312,11 @@ def test_a_detached_run_trains_on_between_device_calls(tmp_path):
 
     r, _ = call("--wait", wait_s=1)
     assert r.returncode == 1 and "no detached run" in r.stderr
+    # refused before anything starts: logs inside the tree but outside outputs/, a state folder holding the tree
+    r, _ = call("--detach", str(spec), "--out", "docs/ranking", wait_s=0)
+    assert r.returncode == 1 and "use a folder under outputs/" in r.stderr and not (tmp_path / "state").exists()
+    r, _ = call("--detach", str(spec), wait_s=0, state=tmp_path)
+    assert r.returncode == 1 and "holds this tree" in r.stderr and (repo / "scripts/compare_on_device.sh").is_file()
     r, _ = call("--detach", str(spec), "--only", "nvfp4", "bf16", wait_s=0)
     assert r.returncode == 124 and "runner detached" in r.stdout, r.stdout + r.stderr
     pid = int((tmp_path / "state/pid").read_text())

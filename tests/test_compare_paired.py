@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from titan_nvfp4 import compare
-from titan_nvfp4.compare.paired import final_validations, pairwise_markdown, pairwise_rows, paired_rows, recipe_of
+from titan_nvfp4.compare.paired import (final_validations, pairwise_markdown, pairwise_rows, paired_markdown,
+                                        paired_rows, recipe_of, t95)
 from titan_nvfp4.tools import seed_spread
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,13 +85,37 @@ def test_the_difference_to_the_reference_and_recipe_against_recipe_match_a_hand_
     pair = pairwise_rows(stats, "bf16")
     assert [(x["a"], x["b"], x["n"]) for x in pair] == [("nvfp4", "better", 4)]
     assert pair[0]["diff_pct"] == pytest.approx(-d.mean(), rel=1e-12)
+    assert pair[0]["diff_sd_pct"] == pytest.approx(np.std(d, ddof=1), rel=1e-12)
     assert pair[0]["diff_se_pct"] == pytest.approx(np.std(d, ddof=1) / 2, rel=1e-12)
-    assert abs(d.mean()) > 2 * np.std(d, ddof=1) / 2 and pair[0]["above"] == "better"  # lower loss beyond 2 s.e.
+    assert abs(d.mean()) > t95(3) * np.std(d, ddof=1) / 2 and pair[0]["above"] == "better"  # the lower loss
+    # the other order names the first recipe; within the noise, neither
+    flipped = pairwise_rows({"bf16": stats["bf16"], "better": stats["better"], "nvfp4": stats["nvfp4"]}, "bf16")
+    assert (flipped[0]["a"], flipped[0]["above"]) == ("better", "better")
+    assert flipped[0]["diff_pct"] == pytest.approx(d.mean(), rel=1e-12)
+    for text in (pairwise_markdown(pair, "bf16"), paired_markdown(paired_rows(stats, "bf16", "nvfp4"), "bf16", "nvfp4",
+                                                                  "the last validation loss")):
+        lines = [line for line in text.splitlines() if line.startswith("|")]
+        assert len({line.count("|") for line in lines}) == 1, lines  # every row has the header's columns
     assert "| nvfp4 − better | 4 |" in pairwise_markdown(pair, "bf16") and "| better |" in pairwise_markdown(pair, "bf16")
     stats["better"] = {s: stats["nvfp4"][s] + (0.001 if s % 2 else -0.001) for s in SEEDS}  # within the noise
     assert pairwise_rows(stats, "bf16")[0]["above"] == ""
     del stats["better"][43], stats["better"][44], stats["better"][45]  # one seed shared: no pair
     assert pairwise_rows(stats, "bf16") == [] and pairwise_markdown([], "bf16") == ""
+
+
+def test_t95_is_the_two_sided_90_percent_point_of_students_t():
+    """Against the t density integrated in float64 (no table involved): P(|T| > t95(df)) = 0.10 within 2·10⁻⁵."""
+    import math
+
+    for df in [*range(1, 41), 60, 120]:
+        t = t95(df)
+        x = np.linspace(0.0, t, 200_001)
+        c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+        density = c * (1 + x * x / df) ** (-(df + 1) / 2)
+        tail = 1.0 - 2.0 * float(np.sum((density[1:] + density[:-1]) / 2 * np.diff(x)))
+        assert tail == pytest.approx(0.10, abs=2e-5), (df, t, tail)
+    with pytest.raises(ValueError, match="at least 1"):
+        t95(0)
 
 
 def test_the_gap_through_the_reference_is_unbiased_and_its_standard_error_calibrated():
@@ -237,6 +262,7 @@ def test_seeds_expand_into_paired_arms_and_the_table_pairs_them(tmp_path):
     assert f"| better | 4 | {mean:+.2f} ± {se:.2f} | {sd:.2f} | {share:.0f} ± {share_se:.0f} |" in table, table
     n_mean, n_sd, n_se, *_ = _hand(stat["nvfp4"], stat["bf16"], stat["nvfp4"])
     assert f"| nvfp4 | 4 | {n_mean:+.2f} ± {n_se:.2f} | {n_sd:.2f} | (reference) |" in table
+    assert "Recipe against recipe" in table and "| nvfp4 − better | 4 |" in table  # the decision rule's table
     per_run = table.split("\n\n")[0].splitlines()
     assert "gap to nvfp4 closed" in per_run[0]
     gap = {line.split("|")[1].strip(): line.split("|")[6].strip() for line in per_run[2:]}

@@ -140,10 +140,28 @@ def _through_reference(r: dict, ref: dict, b: dict, shared: list) -> dict:
     return out
 
 
+#: Student's t at 0.95 (a two-sided 90% test) for 1-30 degrees of freedom (tests check them by integrating the density)
+_T95 = (6.3138, 2.9200, 2.3534, 2.1318, 2.0150, 1.9432, 1.8946, 1.8595, 1.8331, 1.8125, 1.7959, 1.7823, 1.7709,
+        1.7613, 1.7531, 1.7459, 1.7396, 1.7341, 1.7291, 1.7247, 1.7207, 1.7171, 1.7139, 1.7109, 1.7081, 1.7056,
+        1.7033, 1.7011, 1.6991, 1.6973)
+
+
+def t95(df: int) -> float:
+    """The two-sided 90% critical value of Student's t with ``df`` degrees of freedom (beyond 30, its Cornish-Fisher
+    expansion around the normal's 1.6449, within 10⁻⁴)."""
+    if df < 1:
+        raise ValueError(f"t95: degrees of freedom must be at least 1, got {df}")
+    if df <= len(_T95):
+        return _T95[df - 1]
+    z = 1.6448536
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df * df)
+
+
 def pairwise_rows(stats: dict[str, dict[int, float]], baseline: str) -> list[dict]:
     """Every two recipes but the baseline, on the ``n`` seeds both share with the baseline (at least two): the mean of
-    the per-seed difference of their gaps, g_A,s − g_B,s (in points of the baseline), ± s.d./√n; ``above`` when it
-    exceeds twice its standard error (the protocol's decision rule), naming the recipe with the lower loss."""
+    the per-seed difference of their gaps, g_A,s − g_B,s (in points of the baseline), ± s.d./√n; ``above`` names the
+    recipe with the lower loss when the difference exceeds t95(n − 1) standard errors (the protocol's decision rule:
+    about twice at its 6 seeds, far more at 2, where twice would call a winner by chance one time in three)."""
     base = stats[baseline]
     recipes = [r for r in stats if r != baseline]
     rows = []
@@ -154,7 +172,7 @@ def pairwise_rows(stats: dict[str, dict[int, float]], baseline: str) -> list[dic
                 continue
             diff, sd, se = _mean_sd_se([_gap_pct(stats[a], base, s) - _gap_pct(stats[b], base, s) for s in seeds])
             rows.append({"a": a, "b": b, "n": len(seeds), "diff_pct": diff, "diff_sd_pct": sd, "diff_se_pct": se,
-                         "above": (b if diff > 0 else a) if abs(diff) > 2 * se else ""})
+                         "above": (b if diff > 0 else a) if abs(diff) > t95(len(seeds) - 1) * se else ""})
     return rows
 
 
@@ -163,8 +181,9 @@ def pairwise_markdown(rows: list[dict], baseline: str) -> str:
     if not rows:
         return ""
     head = (f"Recipe against recipe, paired by seed (gap of the first minus gap of the second, in % of {baseline}, "
-            "mean ± s.d./√n over the seeds both ran; a recipe ranks above the other beyond twice the standard "
-            "error):\n\n| recipes | seeds | difference, % ± s.e. | s.d., % | ranks above |\n"
+            f"mean ± s.d./√n over the seeds both ran with {baseline}; a recipe ranks above the other beyond a "
+            "two-sided 90% t test, 2.02 standard errors at 6 seeds):\n\n"
+            "| recipes | seeds | difference, % ± s.e. | s.d., % | ranks above |\n"
             "| --- | ---: | ---: | ---: | --- |\n")
     return head + "".join(
         f"| {r['a']} − {r['b']} | {r['n']} | {r['diff_pct']:+.2f} ± {r['diff_se_pct']:.2f} | {r['diff_sd_pct']:.2f} | "
@@ -177,11 +196,13 @@ def _pm(value: float, se: float, fmt: str, se_fmt: str) -> str:
 
 def paired_markdown(rows: list[dict], baseline: str, reference: str, statistic: str) -> str:
     """The paired table: recipe, seeds, gap to the baseline in % ± s.e. (and its s.d.), share of the reference's gap
-    closed ± s.e., and the gap through the reference ± s.e. (seeds of the recipe / of the reference)."""
+    closed ± s.e., the gap through the reference ± s.e. (seeds of the recipe / of the reference), and the recipe's
+    difference to the reference, recipe minus reference, ± s.e. (s.d.: what sets the seeds a recipe needs)."""
     head = (f"Paired by seed against {baseline} ({statistic}; per seed the gap in % of {baseline}, then the mean ± "
             "s.d./√n over seeds" + (f"; the share of {reference}'s gap closed, paired on the same seeds; the gap "
                                     f"through {reference}: its gap over all its seeds plus the recipe's difference to "
-                                    "it over the recipe's" if reference else "") + "):\n\n"
+                                    f"it over the recipe's; the difference to {reference}: the recipe's gap minus "
+                                    f"{reference}'s, seed by seed" if reference else "") + "):\n\n"
             f"| recipe | seeds | gap to {baseline}, % ± s.e. | s.d. of the per-seed gaps, % |"
             + (f" share of {reference}'s gap closed, % ± s.e. | gap through {reference}, % ± s.e. (seeds) |"
                f" difference to {reference}, % ± s.e. (s.d.) |" if reference else "")
