@@ -334,3 +334,74 @@ def test_a_detached_run_trains_on_between_device_calls(tmp_path):
         logs = {Path(m.name).name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
     assert set(logs) == {"nvfp4.log", "bf16.log"}
     assert all("step: 40 " in text for text in logs.values())
+
+
+def test_logs_brought_back_from_a_device_call_are_judged_before_they_land(tmp_path, capsys):
+    """--import-logs takes each arm's log from a tar (a device call's logs.tar.xz) or a folder into the output folder
+    only if it is a run of this spec with more logged steps than the log there, which it must continue unless
+    --replace-logs; stale logs, unknown arms, failed starts and logs with fewer steps are left out, by name."""
+    import re
+    import tarfile
+
+    arms = ARMS.split("[[arm]]\nname = \"half_way\"")[0]  # nvfp4 and bf16, both logging metric lines
+    spec = _spec(tmp_path, arms)
+    assert compare.main([str(spec)]) == 0
+    run = tmp_path / "out"
+    full = {n: (run / f"{n}.log").read_text() for n in ("nvfp4", "bf16")}
+    archive = tmp_path / "logs.tar.xz"
+    with tarfile.open(archive, "w:xz") as tar:
+        for n in full:
+            tar.add(run / f"{n}.log", arcname=f"./{n}.log")
+    capsys.readouterr()
+
+    def imported(source, *extra):
+        rc = compare.main([str(spec), "--import-logs", str(source), "--out", str(tmp_path / "home"), *extra])
+        return rc, [line for line in capsys.readouterr().out.splitlines() if line.startswith("compare: ")]
+
+    rc, lines = imported(archive)
+    assert rc == 0 and lines[:2] == ["compare: nvfp4: imported, step 40 of 40 (complete)",
+                                     "compare: bf16: imported, step 40 of 40 (complete)"], lines
+    assert {n: (tmp_path / "home" / f"{n}.log").read_text() for n in full} == full
+    assert "+0.2000" in (tmp_path / "home/compare.md").read_text()  # the table, from the imported logs
+    rc, lines = imported(archive)
+    assert "compare: bf16: kept the log there (step 40; the incoming one reaches step 40)" in lines
+
+    # a partial log is continued by the complete one; a log of another run of the arm needs --replace-logs
+    cut = full["bf16"][: full["bf16"].index("step: 25 ")]
+    cut = cut[: cut.rindex("\n") + 1]
+    (tmp_path / "home/bf16.log").write_text(cut)
+    rc, lines = imported(archive)
+    assert "compare: bf16: imported, step 40 of 40 (complete)" in lines
+    other = cut.replace("loss:", "loss:  9", 1)  # the same steps, other numbers: another run
+    (tmp_path / "home/bf16.log").write_text(other)
+    rc, lines = imported(archive)
+    assert any(line.startswith("compare: bf16: skipped, the log there holds another run") for line in lines)
+    assert (tmp_path / "home/bf16.log").read_text() == other
+    rc, lines = imported(archive, "--replace-logs")
+    assert (tmp_path / "home/bf16.log").read_text() == full["bf16"]
+
+    # a folder source: another spec's log, an arm the spec lacks, a failed start, and --only
+    folder = tmp_path / "incoming"
+    folder.mkdir()
+    stale = re.sub(r"spec [0-9a-f]{16}", "spec " + "0" * 16, full["nvfp4"].replace("--training.steps 40",
+                                                                                  "--training.steps 30"))
+    (folder / "nvfp4.log").write_text(stale)  # as a run of the spec with 30 steps would have logged it
+    (folder / "stranger.log").write_text(full["bf16"])
+    (folder / "bf16.log").write_text(full["bf16"][: full["bf16"].index("step:")])
+    (tmp_path / "home/nvfp4.log").unlink()
+    (tmp_path / "home/bf16.log").unlink()
+    rc, lines = imported(folder)
+    assert any(line.startswith("compare: nvfp4: skipped, stale:") and "--training.steps 30 → 40" in line
+               for line in lines), lines
+    assert "compare: stranger: skipped, not an arm of this spec" in lines
+    assert "compare: bf16: skipped, no logged step (a run that failed at its start)" in lines
+    assert not (tmp_path / "home/nvfp4.log").exists() and not (tmp_path / "home/bf16.log").exists()
+    rc, lines = imported(archive, "--only", "nvfp4")
+    assert (tmp_path / "home/nvfp4.log").is_file() and not (tmp_path / "home/bf16.log").exists()
+
+    for argv, why in (([str(spec), "--import-logs", str(tmp_path / "none.tar")], "no such file or folder"),
+                      ([str(spec), "--import-logs", str(spec)], "not a readable tar archive"),
+                      ([str(spec), "--replace-logs"], "--replace-logs goes with --import-logs")):
+        with pytest.raises(SystemExit):
+            compare.main(argv)
+        assert why in capsys.readouterr().err

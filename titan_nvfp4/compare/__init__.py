@@ -3,6 +3,7 @@ with the same seed and data one after another, then a table, a CSV and a plot.
 
     python -m titan_nvfp4.compare configs/compare/llama3_debug.toml [--only ARM ...] [--rerun] [--report-only] [--out DIR]
     python -m titan_nvfp4.compare llama3_debug          # a spec shipped with the package, by name
+    python -m titan_nvfp4.compare SPEC --import-logs logs.tar.xz [--replace-logs]   # logs from another machine
 
 Job-file paths in a spec are relative to the current directory: run it from a titan-nvfp4 checkout.
 

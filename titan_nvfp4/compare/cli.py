@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..recipe import shipped_compare_specs
 from ..tools.cli import fail, parser
+from .importer import import_logs
 from .runner import Refused, run_selected
 from .spec import DEFAULT_MODE, MODES, check_arm_args, load_spec
 from .table import report
@@ -43,12 +44,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=None, metavar="S",
                     help="stop each arm after S seconds, instead of the spec's timeout_s (a checkpointed arm resumes later)")
     ap.add_argument("--report-only", action="store_true", help="write the table and plot from existing logs")
+    ap.add_argument("--import-logs", type=Path, default=None, metavar="SOURCE",
+                    help="bring the arms' logs from SOURCE (a tar archive such as a device call's logs.tar.xz, or a "
+                         "folder) into the output folder, each only if it is a run of this spec with more steps than "
+                         "the log there; then write the table (no arm runs)")
+    ap.add_argument("--replace-logs", action="store_true",
+                    help="with --import-logs: let an incoming log replace one of another run of the arm")
     ap.add_argument("--out", type=Path, default=None, help="logs, table and plot here instead of [compare] out")
     ap.add_argument("--parallel", type=int, default=None, metavar="N",
                     help="arms at once, each on its own GPU, instead of the spec's parallel")
     ap.add_argument("--mode", choices=list(MODES), default=None,
                     help=f"how every arm runs, instead of the spec's mode (default {DEFAULT_MODE})")
     args = ap.parse_args(argv)
+    if args.replace_logs and args.import_logs is None:
+        fail(PROG, "--replace-logs goes with --import-logs")
+    if args.import_logs is not None and args.rerun:
+        fail(PROG, "--import-logs runs no arm: drop --rerun")
+    args.report_only |= args.import_logs is not None
     args.spec = resolve_spec(args.spec)
     try:
         spec = load_spec(args.spec)
@@ -85,6 +97,15 @@ def main(argv: list[str] | None = None) -> int:
             spec.out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             fail(PROG, f"out folder {spec.out}: cannot create it: {e.strerror or e}")
+    elif args.import_logs is not None:
+        try:
+            spec.out.mkdir(parents=True, exist_ok=True)
+            for line in import_logs(spec, args.import_logs, args.only, args.replace_logs):
+                print(f"compare: {line}")
+        except OSError as e:
+            fail(PROG, f"out folder {spec.out}: {e.strerror or e}")
+        except ValueError as e:
+            fail(PROG, str(e))
     elif not spec.out.is_dir():
         fail(PROG, f"out folder {spec.out} does not exist: nothing to report")
     failed = []

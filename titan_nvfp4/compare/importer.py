@@ -1,0 +1,89 @@
+"""Bring arms' logs back from another machine (a device call's ``logs.tar.xz``, or a folder of logs) into a spec's
+output folder, judged like the runner judges them: only a run of this spec comes in, and it never replaces a log
+that holds as many steps or more, nor, without ``replace``, a log of another run of the arm."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tarfile
+import tempfile
+from pathlib import Path
+
+from ..tools.atomic import write_text
+from .armlog import ArmLog, read_arm_log
+from .spec import Arm, Spec
+
+_LOG_NAME = re.compile(r"^[A-Za-z0-9_.+-]+\.log$")
+
+
+def _incoming_logs(source: Path, into: Path) -> list[Path]:
+    """The ``<name>.log`` files of ``source`` (a tar archive, compressed or not, or a folder), copied flat into
+    ``into``; members that are not plain files, or whose names are not plain log names, are left out."""
+    if source.is_dir():
+        found = [p for p in sorted(source.iterdir()) if p.is_file() and _LOG_NAME.match(p.name)]
+        for p in found:
+            (into / p.name).write_bytes(p.read_bytes())
+        return [into / p.name for p in found]
+    if not source.is_file():
+        raise ValueError(f"--import-logs {source}: no such file or folder")
+    try:
+        with tarfile.open(source) as tar:
+            out = []
+            for m in tar.getmembers():
+                name = Path(m.name).name
+                if not m.isfile() or not _LOG_NAME.match(name) or (into / name).exists():
+                    continue
+                data = tar.extractfile(m).read()
+                (into / name).write_bytes(data)
+                out.append(into / name)
+            return out
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise ValueError(f"--import-logs {source}: not a readable tar archive or folder ({e})") from None
+
+
+def _last_step(state: ArmLog) -> int:
+    return state.steps[-1].step if state.steps else 0
+
+
+def import_logs(spec: Spec, source: Path, only: list[str] | None = None, replace: bool = False) -> list[str]:
+    """Copy each arm's log from ``source`` into ``spec.out`` when it is a run of this spec with more logged steps
+    than the log there (which it continues, or, with ``replace``, supersedes); returns one line per log found,
+    saying what happened to it and why. Each log is written atomically."""
+    arms: dict[str, Arm] = {a.name: a for a in spec.arms}
+    lines = []
+    with tempfile.TemporaryDirectory(prefix="titan_nvfp4_import_") as tmp:
+        staging = dataclasses.replace(spec, out=Path(tmp))
+        for path in _incoming_logs(source, Path(tmp)):
+            name = path.name[: -len(".log")]
+            if name not in arms:
+                lines.append(f"{name}: skipped, not an arm of this spec")
+                continue
+            if only is not None and name not in only:
+                continue
+            arm = arms[name]
+            new = read_arm_log(staging, arm)
+            if new.status != "current":
+                lines.append(f"{name}: skipped, {new.status}: {new.why}")
+                continue
+            if not new.steps:
+                lines.append(f"{name}: skipped, no logged step (a run that failed at its start)")
+                continue
+            old = read_arm_log(spec, arm)
+            text = path.read_text(errors="replace")
+            if old.status != "none":
+                held = spec.log(arm).read_text(errors="replace") if spec.log(arm).is_file() else ""
+                if old.status == "current" and _last_step(old) >= _last_step(new):
+                    lines.append(f"{name}: kept the log there (step {_last_step(old)}; the incoming one reaches "
+                                 f"step {_last_step(new)})")
+                    continue
+                continues = bool(held) and text.startswith(held)
+                if not continues and old.steps and not replace:
+                    lines.append(f"{name}: skipped, the log there holds another run of the arm ({old.status}, step "
+                                 f"{_last_step(old)}); --replace-logs puts the incoming one (step {_last_step(new)}) "
+                                 "in its place")
+                    continue
+            write_text(spec.log(arm), text, f"the log of arm {name}")
+            done = "complete" if _last_step(new) >= spec.steps else "partial"
+            lines.append(f"{name}: imported, step {_last_step(new)} of {spec.steps} ({done})")
+    return lines
