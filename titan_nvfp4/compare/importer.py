@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..tools.atomic import write_text
 from .armlog import ArmLog, read_arm_log
-from .spec import Arm, Spec
+from .spec import Spec
 
 _LOG_NAME = re.compile(r"^[A-Za-z0-9_.+-]+\.log$")
 
@@ -50,7 +50,7 @@ def import_logs(spec: Spec, source: Path, only: list[str] | None = None, replace
     """Copy each arm's log from ``source`` into ``spec.out`` when it is a run of this spec with more logged steps
     than the log there (which it continues, or, with ``replace``, supersedes); returns one line per log found,
     saying what happened to it and why. Each log is written atomically."""
-    arms: dict[str, Arm] = {a.name: a for a in spec.arms}
+    arms = spec.by_name()
     lines = []
     with tempfile.TemporaryDirectory(prefix="titan_nvfp4_import_") as tmp:
         staging = dataclasses.replace(spec, out=Path(tmp))

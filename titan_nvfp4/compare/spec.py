@@ -64,6 +64,10 @@ class Spec:
             env[CORPUS_ENV_VAR] = self.corpus
         return env
 
+    def by_name(self) -> dict[str, Arm]:
+        """The arms by name, in the spec's order."""
+        return {a.name: a for a in self.arms}
+
     def log(self, arm: Arm) -> Path:
         return self.out / f"{arm.name}.log"
 

@@ -16,7 +16,7 @@ from .spec import Spec
 
 def _notes(spec: Spec, states: dict[str, ArmLog]) -> str:
     """The lines under the table: arms left out and why, unchecked, partial (and who runs them now), not logged."""
-    arms = {a.name: a for a in spec.arms}
+    arms = spec.by_name()
     lines = []
     left_out = [f"{n} ({s.why})" for n, s in states.items() if s.status in ("stale", "mixed")]
     if left_out:
@@ -104,7 +104,7 @@ def report(spec: Spec) -> str:
     # the gap closed reads the baseline and the reference as the first two rows: only arms of another recipe on
     # their seed get one (a replicate of either closes nothing; another seed's gap mixes in the seed's spread)
     pair = {recipe_of(spec.baseline), recipe_of(spec.reference)} if spec.reference else set()
-    arms = {a.name: a for a in spec.arms}
+    arms = spec.by_name()
     no_gap = {n for n in runs if recipe_of(n) in pair or spec.seed(arms[n]) != spec.seed(arms[spec.baseline])}
     rows = summarize(runs, spec.last, gap=bool(spec.reference) and spec.reference in runs, validation=validation or None,
                      no_gap=no_gap)
