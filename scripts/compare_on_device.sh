@@ -13,31 +13,60 @@
 # --detach: the runner starts in a process session of its own, which the device tool leaves running when a call
 # returns, so the arms train on between calls (no restart, no reload, no recompile: a 10,000-step arm of ~1,400 s
 # fits one lease). This call and each --wait call wait up to WAIT_S seconds (default 540) or until the runner
-# ends, print every arm's latest step each POLL_S seconds (60) and leave the logs so far in $OUT. Issue the next
-# --wait call at once: a machine idle for ~30 s goes back, and the detached arms with it. Exit status: the
-# runner's once it has ended, 124 while it still runs.
+# ends, print every arm's latest step and pack the logs so far into $OUT each POLL_S seconds (60), and on a
+# signal. Issue the next --wait call at once: a machine idle for ~30 s goes back, and the detached arms with it.
+# Exit status: the runner's once it has ended, 124 while it still runs, 1 if it ended without one (killed).
+# The runner's state lives in COMPARE_STATE_DIR (/tmp/titan_nvfp4_compare), which each --detach replaces: only a
+# folder this script made (it holds .compare_on_device_state), or an empty or new one, and never the logs' folder.
 set -uo pipefail
 state=$(realpath -m "${COMPARE_STATE_DIR:-/tmp/titan_nvfp4_compare}")  # the detached runner's pid, exit status, output folder
 mode=call
 if [[ ${1:-} == --detach || ${1:-} == --wait ]]; then mode=${1#--}; shift; fi
 
+pack_logs() {  # the logs of folder $1 into $OUT/logs.tar.xz, whole or not at all (written aside, then renamed)
+  [[ -n ${OUT:-} && -d $1 ]] && compgen -G "$1/*.log" > /dev/null || return 0
+  local rc
+  (cd "$1" && tar --warning=no-file-changed -cJf "$OUT/.logs.tar.xz.tmp" ./*.log); rc=$?
+  # GNU tar's status 1: a log grew while it was read (an arm still running); the archive holds what was there
+  if (( rc <= 1 )); then mv -f "$OUT/.logs.tar.xz.tmp" "$OUT/logs.tar.xz"; else rm -f "$OUT/.logs.tar.xz.tmp"; return 1; fi
+}
+
 pack() {  # the logs, table and plot of folder $1 into $OUT, and the kernel caches
   [[ -n ${OUT:-} && -d $1 ]] || return 0
-  (cd "$1" && tar -cJf "$OUT/logs.tar.xz" ./*.log) && cp "$1"/compare.md "$1"/compare.png "$OUT"/ 2>/dev/null
+  pack_logs "$1"
+  cp "$1"/compare.md "$1"/compare.png "$OUT"/ 2>/dev/null
   bash scripts/save_kernel_cache.sh
 }
 
 out_of() {  # the output folder of spec $1 with runner arguments ${@:2} (--out overrides the spec's)
   local out prev="" a
   out=$(python -c "import sys; from pathlib import Path; from titan_nvfp4.compare import load_spec; print(load_spec(Path(sys.argv[1])).out)" "$1") || return 1
-  for a in "${@:2}"; do [[ $prev == --out ]] && out=$a; prev=$a; done
+  for a in "${@:2}"; do
+    [[ $prev == --out ]] && out=$a
+    [[ $a == --out=* ]] && out=${a#--out=}
+    prev=$a
+  done
   echo "$out"
 }
 
+marker=.compare_on_device_state  # in each state folder this script made: the only folders it removes
+if [[ $mode == detach ]]; then
+  if [[ -f $state/pid ]] && kill -0 "$(cat "$state/pid")" 2>/dev/null; then
+    echo "compare_on_device: a detached run is still going (pid $(cat "$state/pid")); use --wait" >&2; exit 1
+  fi
+  if [[ $state == / || $PWD == "$state" || $PWD == "$state"/* ]]; then
+    echo "compare_on_device: COMPARE_STATE_DIR=$state holds this tree; name a folder of its own" >&2; exit 1
+  fi
+  if [[ -d $state && ! -f $state/$marker ]] && [[ -n $(ls -A "$state") ]]; then
+    echo "compare_on_device: COMPARE_STATE_DIR=$state is a folder this script did not make (no $marker in it);" \
+      "name a new or empty one" >&2
+    exit 1
+  fi
+  # the previous run's state goes first: a --detach that fails below leaves none for --wait to report as this one
+  rm -rf "$state" || exit 1
+fi
 if [[ $mode == wait ]]; then
   [[ -f $state/pid ]] || { echo "compare_on_device: no detached run on this machine (start one with --detach)" >&2; exit 1; }
-elif [[ $mode == detach && -f $state/pid ]] && kill -0 "$(cat "$state/pid")" 2>/dev/null; then
-  echo "compare_on_device: a detached run is still going (pid $(cat "$state/pid")); use --wait" >&2; exit 1
 else
   spec=${1:?usage: bash scripts/compare_on_device.sh [--detach] SPEC [runner arguments] | --wait}
   shift
@@ -59,9 +88,6 @@ if [[ $mode == call ]]; then
 fi
 
 if [[ $mode == detach ]]; then
-  if [[ $state == / || $PWD == "$state" || $PWD == "$state"/* ]]; then
-    echo "compare_on_device: COMPARE_STATE_DIR=$state holds this tree; name a folder of its own" >&2; exit 1
-  fi
   # the spec as the snapshot holds it (one outside the tree as it is); the output folder under outputs/ or outside
   # the tree: elsewhere in it, each device call's fresh copy may replace what the arms write
   spec=$(realpath -m "$spec")
@@ -72,8 +98,13 @@ if [[ $mode == detach ]]; then
       "afresh: use a folder under outputs/ (or outside the tree)" >&2
     exit 1
   fi
+  if [[ $absout == "$state" || $absout == "$state"/* ]]; then
+    echo "compare_on_device: the logs' folder $out is inside COMPARE_STATE_DIR=$state, which the next --detach" \
+      "removes" >&2
+    exit 1
+  fi
   [[ $out == /* || $absout == "$PWD"/outputs/* ]] || { out=$absout && set -- "$@" --out "$out"; }
-  rm -rf "$state" && mkdir -p "$state/tree" "$state/cache" && echo "$out" > "$state/out"
+  mkdir -p "$state/tree" "$state/cache" && touch "$state/$marker" && echo "$out" > "$state/out" || exit 1
   # Each later device call copies the working tree here afresh and replaces the carried paths (.kernel_cache
   # with the caches unpacked in it): an arm starting, or importing, while that happens fails (a job file or a
   # preset briefly missing). So the runner runs from a snapshot of the tree, its outputs and corpus folders
@@ -106,6 +137,9 @@ fi
 
 out=$(cat "$state/out")
 source "$state/env"
+# a call cut short (the device tool's time limit, a signal) still leaves the logs so far in $OUT
+trap 'echo "compare_on_device: stopped by a signal; packing what the arms logged so far"; pack "$out"; exit 124' TERM INT
+pid=$(cat "$state/pid")
 progress() {
   echo "== $(date -u +%T) ($((SECONDS - t0)) s)"
   local log
@@ -114,14 +148,22 @@ progress() {
   done
 }
 t0=$SECONDS next=${POLL_S:-60}
-fresh=0  # whether the last poll printed
+fresh=0 dead=0  # whether the last poll printed; whether the runner ended without writing its exit status
 while [[ ! -f $state/rc ]] && (( SECONDS - t0 < ${WAIT_S:-540} )); do
   sleep 2
   fresh=0
-  if (( SECONDS - t0 >= next )); then progress; fresh=1; next=$((next + ${POLL_S:-60})); fi
+  if [[ ! -f $state/rc ]] && ! kill -0 "$pid" 2>/dev/null; then
+    sleep 1; [[ -f $state/rc ]] || { dead=1; break; }
+  fi
+  if (( SECONDS - t0 >= next )); then progress; pack_logs "$out"; fresh=1; next=$((next + ${POLL_S:-60})); fi
 done
 (( fresh )) || progress
 tail -n 3 "$state/runner.log" 2>/dev/null
 pack "$out"
 if [[ -f $state/rc ]]; then exit "$(cat "$state/rc")"; fi
+if (( dead )); then
+  echo "compare_on_device: the runner (pid $pid) ended without an exit status (killed?); its arms stopped with it." \
+    "Start them again with --detach (each resumes from its last checkpoint on this machine)" >&2
+  exit 1
+fi
 exit 124

@@ -12,7 +12,9 @@ out=${OUT:?no \$OUT}
 for pair in "triton:${TRITON_CACHE_DIR:-}" "inductor:${TORCHINDUCTOR_CACHE_DIR:-}"; do
   name=${pair%%:*} dir=${pair#*:}
   [[ -n $dir && -d $dir ]] || { echo "kernel cache: no $name cache dir (source scripts/device_setup.sh first)"; continue; }
-  tar -C "$dir" --exclude=.unpacked -I "xz -T0 -3" -cf "$out/$name.tar.xz" . || continue  # fast: runs inside a call
+  # fast: runs inside a call. GNU tar's status 1: a file changed while read (a runner still compiling); kept
+  tar -C "$dir" --exclude=.unpacked --warning=no-file-changed -I "xz -T0 -3" -cf "$out/$name.tar.xz" .
+  (( $? <= 1 )) || { rm -f "$out/$name.tar.xz"; continue; }
   size=$(stat -c %s "$out/$name.tar.xz")
   echo "kernel cache $name: $(find "$dir" -type f ! -name .unpacked | wc -l) files, $(du -sh "$dir" | cut -f1) -> $((size / 1024)) KiB packed"
   if (( size > 16 * 1024 * 1024 )); then  # a file comes back from $OUT up to 16 MiB: in parts of 15 MiB

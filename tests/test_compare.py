@@ -264,17 +264,12 @@ def test_stopping_the_runner_stops_the_running_arms(tmp_path):
     assert _stops(pid)
 
 
-def test_a_detached_run_trains_on_between_device_calls(tmp_path):
-    """scripts/compare_on_device.sh --detach starts the runner in a session of its own and returns (124 while it
-    runs) with the logs so far; a second --detach is refused while it runs; --wait waits for it and returns its exit
-    status with every arm's full log, the table and the plot in $OUT. Between calls the device tool copies the
-    tree afresh and replaces the carried kernel caches: the runner runs from a snapshot and on copies of the
-    caches, so removing the tree's files and caches after --detach stops nothing (the arms' launcher is a path
-    in the tree, read when each arm starts). Device setup and kernel-cache packing stubbed; the arms are
-    tests/compare_stub.py."""
+def _device_tree(tmp_path: Path, sleep_s: str = "0.25"):
+    """A tree as the device tool copies it (scripts/compare_on_device.sh, device setup and kernel-cache packing
+    stubbed, the arms tests/compare_stub.py sleeping ``sleep_s`` a step) and ``call(*args, wait_s)``, one device
+    call: in a session of its own, killed once the call returns, as the device tool may do."""
     import shutil
     import subprocess
-    import tarfile
 
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
@@ -290,26 +285,49 @@ def test_a_detached_run_trains_on_between_device_calls(tmp_path):
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin/python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # this interpreter (a venv's)
     (tmp_path / "bin/python").chmod(0o755)
-    arms = ARMS.replace('"--stub.offset", "0.2"', '"--stub.offset", "0.2", "--stub.sleep", "0.25"')  # 10 s: still running at the second --detach
+    arms = ARMS.replace('"--stub.offset", "0.2"', f'"--stub.offset", "0.2", "--stub.sleep", "{sleep_s}"')
     spec = _spec(tmp_path, arms)
     spec.write_text(spec.read_text().replace(str(STUB), "tests/compare_stub.py"))  # relative: read from the tree
 
-    def call(*args, wait_s, state=tmp_path / "state"):
+    def call(*args, wait_s, state=tmp_path / "state", stop_after_s=None):
         out = tmp_path / f"OUT{len(list(tmp_path.glob('OUT*')))}"
         out.mkdir()
         env = {**os.environ, "OUT": str(out), "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "WAIT_S": str(wait_s),
                "POLL_S": "1", "COMPARE_STATE_DIR": str(state)}
-        # in a session of its own, which is killed once the call returns, as the device tool may do: the runner
-        # (and the pid it recorded) must be in another
         p = subprocess.Popen(["bash", "scripts/compare_on_device.sh", *args], cwd=repo, env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-        stdout, stderr = p.communicate(timeout=120)
+        try:
+            stdout, stderr = p.communicate(timeout=stop_after_s if stop_after_s is not None else 120)
+        except subprocess.TimeoutExpired:  # the device tool's time limit: SIGTERM to the call
+            p.send_signal(signal.SIGTERM)
+            stdout, stderr = p.communicate(timeout=60)
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr), out
 
+    return repo, spec, call
+
+
+def _packed_logs(out: Path) -> dict[str, str]:
+    import tarfile
+
+    with tarfile.open(out / "logs.tar.xz") as tar:
+        return {Path(m.name).name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+
+
+def test_a_detached_run_trains_on_between_device_calls(tmp_path):
+    """scripts/compare_on_device.sh --detach starts the runner in a session of its own and returns (124 while it
+    runs) with the logs so far; a second --detach is refused while it runs; --wait waits for it and returns its exit
+    status with every arm's full log, the table and the plot in $OUT. Between calls the device tool copies the
+    tree afresh and replaces the carried kernel caches: the runner runs from a snapshot and on copies of the
+    caches, so removing the tree's files and caches after --detach stops nothing (the arms' launcher is a path
+    in the tree, read when each arm starts). Device setup and kernel-cache packing stubbed; the arms are
+    tests/compare_stub.py."""
+    import shutil
+
+    repo, spec, call = _device_tree(tmp_path)  # each step 0.25 s: still running at the second --detach
     r, _ = call("--wait", wait_s=1)
     assert r.returncode == 1 and "no detached run" in r.stderr
     # refused before anything starts: logs inside the tree but outside outputs/, a state folder holding the tree
@@ -330,10 +348,41 @@ def test_a_detached_run_trains_on_between_device_calls(tmp_path):
     # the copy of device_setup.sh's cache folder that the runner used, kept from --detach
     assert f"kernel caches packed from {tmp_path / 'state/cache/TRITON'}: kernel.bin" in r.stdout
     assert (out / "compare.md").is_file() and (out / "compare.png").is_file()
-    with tarfile.open(out / "logs.tar.xz") as tar:
-        logs = {Path(m.name).name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+    logs = _packed_logs(out)
     assert set(logs) == {"nvfp4.log", "bf16.log"}
     assert all("step: 40 " in text for text in logs.values())
+
+
+def test_a_detached_run_killed_cut_short_or_misdirected_loses_no_log(tmp_path):
+    """compare_on_device.sh removes only state folders it made, never a logs' folder inside one, and reads --out=DIR
+    as the runner does; a --wait cut short by a signal still packs the logs so far; a runner killed without an exit
+    status is reported at once (not waited on until WAIT_S), with the logs; a --detach that fails leaves no earlier
+    run's state for --wait to report as its own."""
+    _, spec, call = _device_tree(tmp_path, sleep_s="0.5")  # 40 steps: 20 s an arm
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "results.log").write_text("keep")
+    r, _ = call("--detach", str(spec), wait_s=0, state=mine)
+    assert r.returncode == 1 and "did not make" in r.stderr and (mine / "results.log").read_text() == "keep"
+    r, _ = call("--detach", str(spec), "--out", str(tmp_path / "state/logs"), wait_s=0)
+    assert r.returncode == 1 and "inside COMPARE_STATE_DIR" in r.stderr, r.stderr
+    r, _ = call("--detach", str(spec), "--out=docs/ranking", wait_s=0)
+    assert r.returncode == 1 and "use a folder under outputs/" in r.stderr, r.stderr
+
+    r, _ = call("--detach", str(spec), "--only", "nvfp4", wait_s=0)
+    assert r.returncode == 124, r.stdout + r.stderr
+    r, out = call("--wait", wait_s=100, stop_after_s=5)  # the device tool's limit: SIGTERM
+    assert r.returncode == 124 and "stopped by a signal" in r.stdout, r.stdout + r.stderr
+    assert "step:" in _packed_logs(out)["nvfp4.log"]
+    pid = int((tmp_path / "state/pid").read_text())
+    os.killpg(pid, signal.SIGKILL)  # the runner's session, killed: no exit status written
+    r, out = call("--wait", wait_s=100)
+    assert r.returncode == 1 and "ended without an exit status" in r.stderr, r.stdout + r.stderr
+    assert "step:" in _packed_logs(out)["nvfp4.log"]
+    r, _ = call("--detach", str(spec), "--out", "docs/ranking", wait_s=0)  # refused after the old state went
+    assert r.returncode == 1
+    r, _ = call("--wait", wait_s=1)
+    assert r.returncode == 1 and "no detached run" in r.stderr
 
 
 def test_logs_brought_back_from_a_device_call_are_judged_before_they_land(tmp_path, capsys):
@@ -364,7 +413,14 @@ def test_logs_brought_back_from_a_device_call_are_judged_before_they_land(tmp_pa
     assert {n: (tmp_path / "home" / f"{n}.log").read_text() for n in full} == full
     assert "+0.2000" in (tmp_path / "home/compare.md").read_text()  # the table, from the imported logs
     rc, lines = imported(archive)
-    assert "compare: bf16: kept the log there (step 40; the incoming one reaches step 40)" in lines
+    assert "compare: bf16: already there (the same log, step 40)" in lines
+    # the same run's log, cut after its last step but before the lines after it (a final validation, the end):
+    # the full one continues it, though it reaches no further step
+    tail = full["bf16"].rindex("step: 40 ")
+    (tmp_path / "home/bf16.log").write_text(full["bf16"][: full["bf16"].index("\n", tail) + 1])
+    rc, lines = imported(archive)
+    assert "compare: bf16: imported, step 40 of 40 (complete)" in lines
+    assert (tmp_path / "home/bf16.log").read_text() == full["bf16"]
 
     # a partial log is continued by the complete one; a log of another run of the arm needs --replace-logs
     cut = full["bf16"][: full["bf16"].index("step: 25 ")]
@@ -379,6 +435,28 @@ def test_logs_brought_back_from_a_device_call_are_judged_before_they_land(tmp_pa
     assert (tmp_path / "home/bf16.log").read_text() == other
     rc, lines = imported(archive, "--replace-logs")
     assert (tmp_path / "home/bf16.log").read_text() == full["bf16"]
+    # a finished log of another spec there (stale: it carries no steps a table may show) is another run all the same
+    finished_elsewhere = re.sub(r"spec [0-9a-f]{16}", "spec " + "0" * 16, full["bf16"])
+    (tmp_path / "home/bf16.log").write_text(finished_elsewhere)
+    cut_archive = tmp_path / "cut.tar"
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut/bf16.log").write_text(cut)
+    with tarfile.open(cut_archive, "w") as tar:
+        tar.add(tmp_path / "cut/bf16.log", arcname="bf16.log")
+    rc, lines = imported(cut_archive)
+    assert any(line.startswith("compare: bf16: skipped, the log there holds another run of the arm (stale:")
+               for line in lines), lines
+    assert (tmp_path / "home/bf16.log").read_text() == finished_elsewhere
+    rc, lines = imported(archive, "--replace-logs")
+    assert (tmp_path / "home/bf16.log").read_text() == full["bf16"]
+    # two members of one name (a hand-made archive): which is the arm's cannot be told
+    twice = tmp_path / "twice.tar"
+    with tarfile.open(twice, "w") as tar:
+        tar.add(tmp_path / "cut/bf16.log", arcname="sub/bf16.log")
+        tar.add(run / "bf16.log", arcname="./bf16.log")
+    with pytest.raises(SystemExit):
+        imported(twice)
+    assert "holds two logs named bf16.log (sub/bf16.log and ./bf16.log)" in capsys.readouterr().err
 
     # a folder source: another spec's log, an arm the spec lacks, a failed start, and --only
     folder = tmp_path / "incoming"
@@ -401,7 +479,8 @@ def test_logs_brought_back_from_a_device_call_are_judged_before_they_land(tmp_pa
 
     for argv, why in (([str(spec), "--import-logs", str(tmp_path / "none.tar")], "no such file or folder"),
                       ([str(spec), "--import-logs", str(spec)], "not a readable tar archive"),
-                      ([str(spec), "--replace-logs"], "--replace-logs goes with --import-logs")):
+                      ([str(spec), "--replace-logs"], "--replace-logs goes with --import-logs"),
+                      ([str(spec), "--ou", str(tmp_path)], "unrecognized arguments: --ou")):
         with pytest.raises(SystemExit):
             compare.main(argv)
         assert why in capsys.readouterr().err

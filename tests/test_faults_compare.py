@@ -278,8 +278,8 @@ def test_runs_on_another_corpus_are_left_out_of_the_table(tmp_path, capsys):
                                           if "# compare: arm" not in ln and "corpus" not in ln))
     code, stdout, _ = _main([str(spec), "--report-only"], capsys)
     assert code == 0 and list(_rows(out)) == ["bf16", "nvfp4"], stdout
-    assert f"Corpus not logged (a log from before 2026-12-06, or another dataset), so not compared with the " \
-           f"others' {b}: bf16" in stdout
+    assert f"Corpus not logged (a log from before 2026-12-06, or another dataset), so not checked against the " \
+           f"others' {b} (tabled all the same; [compare] corpus would leave them out): bf16" in stdout
 
     text = spec.read_text().replace("baseline = ", f'corpus = "{a}"\nbaseline = ', 1)
     spec.write_text(text)
@@ -287,6 +287,16 @@ def test_runs_on_another_corpus_are_left_out_of_the_table(tmp_path, capsys):
     assert all(pinned.env(arm)["TITAN_NVFP4_CORPUS"] == a for arm in pinned.arms)  # each job checks it at start
     state = compare.read_arm_log(pinned, pinned.arms[1])
     assert state.status == "stale" and f"read corpus {b}, not the spec's ([compare] corpus = {a})" in state.why
+    # under the pin, a log that trained without naming a corpus proves nothing about its data: stale, with or
+    # without a spec line (the first 386M ranking arm on the rebuilt corpus predates the corpus line)
+    state = compare.read_arm_log(pinned, pinned.arms[0])
+    assert state.status == "stale" and "names no corpus" in state.why, state
+    text_no_rht = (out / "no_rht.log").read_text()
+    (out / "no_rht.log").write_text("".join(ln for ln in text_no_rht.splitlines(keepends=True) if "corpus" not in ln))
+    state = compare.read_arm_log(pinned, pinned.arms[2])
+    assert state.status == "stale" and "names no corpus" in state.why and not compare.is_done(pinned, pinned.arms[2])
+    (out / "no_rht.log").write_text("".join(ln for ln in text_no_rht.splitlines(keepends=True) if f"corpus {b}" not in ln))
+    assert compare.read_arm_log(pinned, pinned.arms[2]).status == "current"  # its corpus named: on the pin
     code, _, err = _main([str(spec)], capsys)  # refused, not skipped as done: --rerun runs it on the pinned corpus
     assert code == 2 and "arm 'nvfp4'" in err and f"read corpus {b}" in err
     spec.write_text(text.replace(f'corpus = "{a}"', 'corpus = "abc"'))

@@ -71,7 +71,8 @@ events, checkpoints) removed first (``--only`` picks arms). The table shows only
 ones flagged, stale or mixed ones left out and named, an older runner's log (no spec line) flagged as unchecked.
 Each split a job reads from an assets folder logs that folder's corpus id: an arm whose log names another corpus
 than the baseline's is left out of the table, one whose log names two for a split is mixed, and under ``corpus``
-one on another corpus is stale (refused; ``--rerun`` runs it on the pinned one).
+one on another corpus, or one that trained without naming any, is stale (refused; ``--rerun`` runs it on the
+pinned one).
 
 Each arm is locked (``<out>/.<arm>.lock``, with the owner's pid) while a runner runs it: a second runner of the
 arm is refused by name, and a lock whose owner died is taken over with a note. The trainer runs under a guard

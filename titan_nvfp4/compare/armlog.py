@@ -9,6 +9,7 @@ import hashlib
 import json
 import re
 import shlex
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from ..tools.loss_log import StepMetrics, parse_log, tensorboard_run
@@ -114,6 +115,17 @@ def _metrics(spec: Spec, arm: Arm, text: str) -> list[StepMetrics]:
     return parse_log(text) or tensorboard_run(spec.dump(arm))[0]
 
 
+def _off_pin(spec: Spec, log: Path, corpus: str, trained: bool) -> str:
+    """Why a log is off the spec's ``corpus`` pin ("" when it is not): it names another corpus, or it logged steps
+    without naming one, so nothing shows which data they were of."""
+    if not spec.corpus or corpus == spec.corpus or not (corpus or trained):
+        return ""
+    if corpus:
+        return f"{log} read corpus {corpus}, not the spec's ([compare] corpus = {spec.corpus})"
+    return (f"{log} names no corpus, so nothing shows it read the spec's ([compare] corpus = {spec.corpus}; a job "
+            "logs one for each split it reads since 2026-12-06)")
+
+
 def read_arm_log(spec: Spec, arm: Arm) -> ArmLog:
     """Read and judge ``arm``'s log against the spec as it is now."""
     log = spec.log(arm)
@@ -154,7 +166,10 @@ def read_arm_log(spec: Spec, arm: Arm) -> ArmLog:
         previous = line
     corpus = "+".join(sorted({ident for ident, _ in corpora.values()}))
     if not heads:
-        return ArmLog("unchecked", _metrics(spec, arm, text),
+        steps = _metrics(spec, arm, text)
+        if off := _off_pin(spec, log, corpus, bool(steps)):
+            return ArmLog("stale", why=off, corpus=corpus)
+        return ArmLog("unchecked", steps,
                       f"{log} has no spec line (an older runner's log, or one gathered from elsewhere)", corpus)
     if before_header:
         return ArmLog("mixed", why=f"{log} has metric lines before its first header (two runs in one log)")
@@ -166,10 +181,10 @@ def read_arm_log(spec: Spec, arm: Arm) -> ArmLog:
             return ArmLog("stale", why=f"{log} was written for arm {m['arm']!r} (line {n})")
         if m["hash"] != current:
             return ArmLog("stale", why=f"{log} ran another spec ({_changes(spec, arm, command_line, m['job'])})")
-    if spec.corpus and corpus and corpus != spec.corpus:
-        return ArmLog("stale", why=f"{log} read corpus {corpus}, not the spec's ([compare] corpus = {spec.corpus})",
-                      corpus=corpus)
-    return ArmLog("current", _metrics(spec, arm, text), corpus=corpus)
+    steps = _metrics(spec, arm, text)
+    if off := _off_pin(spec, log, corpus, bool(steps)):
+        return ArmLog("stale", why=off, corpus=corpus)
+    return ArmLog("current", steps, corpus=corpus)
 
 
 def arm_metrics(spec: Spec, arm: Arm) -> list[StepMetrics]:

@@ -36,6 +36,7 @@ def resolve_spec(name: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = parser("titan_nvfp4.compare", sys.modules[__package__].__doc__)
+    ap.allow_abbrev = False  # scripts/compare_on_device.sh reads --out as spelled out: no other spelling may move it
     ap.add_argument("spec", help="a comparison spec (.toml file), or the name of a shipped one: "
                                  + ", ".join(sorted(shipped_compare_specs())))
     ap.add_argument("--only", nargs="+", default=None, metavar="ARM", help="run these arms and no others")
@@ -46,10 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report-only", action="store_true", help="write the table and plot from existing logs")
     ap.add_argument("--import-logs", type=Path, default=None, metavar="SOURCE",
                     help="bring the arms' logs from SOURCE (a tar archive such as a device call's logs.tar.xz, or a "
-                         "folder) into the output folder, each only if it is a run of this spec with more steps than "
-                         "the log there; then write the table (no arm runs)")
+                         "folder) into the output folder, each only if it is a run of this spec that continues the log "
+                         "there (or finds none); then write the table (no arm runs)")
     ap.add_argument("--replace-logs", action="store_true",
-                    help="with --import-logs: let an incoming log replace one of another run of the arm")
+                    help="with --import-logs: let an incoming log replace one of another run of the arm that has "
+                         "fewer logged steps")
     ap.add_argument("--out", type=Path, default=None, help="logs, table and plot here instead of [compare] out")
     ap.add_argument("--parallel", type=int, default=None, metavar="N",
                     help="arms at once, each on its own GPU, instead of the spec's parallel")

@@ -1,6 +1,6 @@
 """Bring arms' logs back from another machine (a device call's ``logs.tar.xz``, or a folder of logs) into a spec's
-output folder, judged like the runner judges them: only a run of this spec comes in, and it never replaces a log
-that holds as many steps or more, nor, without ``replace``, a log of another run of the arm."""
+output folder, judged like the runner judges them: only a run of this spec comes in, and a log there is only ever
+replaced by its own continuation, or, with ``replace``, by another run of the arm with more steps."""
 
 from __future__ import annotations
 
@@ -29,11 +29,15 @@ def _incoming_logs(source: Path, into: Path) -> list[Path]:
         raise ValueError(f"--import-logs {source}: no such file or folder")
     try:
         with tarfile.open(source) as tar:
-            out = []
+            out, seen = [], {}
             for m in tar.getmembers():
                 name = Path(m.name).name
-                if not m.isfile() or not _LOG_NAME.match(name) or (into / name).exists():
+                if not m.isfile() or not _LOG_NAME.match(name):
                     continue
+                if name in seen:
+                    raise ValueError(f"--import-logs {source}: holds two logs named {name} ({seen[name]} and "
+                                     f"{m.name}): which is the arm's cannot be told")
+                seen[name] = m.name
                 data = tar.extractfile(m).read()
                 (into / name).write_bytes(data)
                 out.append(into / name)
@@ -47,9 +51,9 @@ def _last_step(state: ArmLog) -> int:
 
 
 def import_logs(spec: Spec, source: Path, only: list[str] | None = None, replace: bool = False) -> list[str]:
-    """Copy each arm's log from ``source`` into ``spec.out`` when it is a run of this spec with more logged steps
-    than the log there (which it continues, or, with ``replace``, supersedes); returns one line per log found,
-    saying what happened to it and why. Each log is written atomically."""
+    """Copy each arm's log from ``source`` into ``spec.out`` when it is a run of this spec that continues the log
+    there (or there is none); with ``replace``, also one that has more logged steps than another run there. Returns
+    one line per log found, saying what happened to it and why. Each log is written atomically."""
     arms = spec.by_name()
     lines = []
     with tempfile.TemporaryDirectory(prefix="titan_nvfp4_import_") as tmp:
@@ -69,19 +73,24 @@ def import_logs(spec: Spec, source: Path, only: list[str] | None = None, replace
             if not new.steps:
                 lines.append(f"{name}: skipped, no logged step (a run that failed at its start)")
                 continue
-            old = read_arm_log(spec, arm)
             text = path.read_text(errors="replace")
-            if old.status != "none":
-                held = spec.log(arm).read_text(errors="replace") if spec.log(arm).is_file() else ""
+            old = read_arm_log(spec, arm)
+            held = spec.log(arm).read_text(errors="replace") if spec.log(arm).is_file() else ""
+            if held and text == held:
+                lines.append(f"{name}: already there (the same log, step {_last_step(new)})")
+                continue
+            if old.status != "none" and not (held and text.startswith(held)):
+                if old.steps:
+                    there = f"{old.status}, step {_last_step(old)}"
+                else:
+                    there = f"{old.status}: {old.why}" if old.why else "a run that logged no step"
                 if old.status == "current" and _last_step(old) >= _last_step(new):
-                    lines.append(f"{name}: kept the log there (step {_last_step(old)}; the incoming one reaches "
-                                 f"step {_last_step(new)})")
+                    lines.append(f"{name}: kept the log there, another run of the arm (step {_last_step(old)}; the "
+                                 f"incoming one reaches step {_last_step(new)})")
                     continue
-                continues = bool(held) and text.startswith(held)
-                if not continues and old.steps and not replace:
-                    lines.append(f"{name}: skipped, the log there holds another run of the arm ({old.status}, step "
-                                 f"{_last_step(old)}); --replace-logs puts the incoming one (step {_last_step(new)}) "
-                                 "in its place")
+                if not replace:
+                    lines.append(f"{name}: skipped, the log there holds another run of the arm ({there}); "
+                                 f"--replace-logs puts the incoming one (step {_last_step(new)}) in its place")
                     continue
             write_text(spec.log(arm), text, f"the log of arm {name}")
             done = "complete" if _last_step(new) >= spec.steps else "partial"

@@ -28,8 +28,9 @@ def _notes(spec: Spec, states: dict[str, ArmLog]) -> str:
     ids = {s.corpus for s in states.values() if s.tabled and s.corpus}
     unlogged = [n for n, s in states.items() if s.tabled and not s.corpus]
     if ids and unlogged:
-        lines.append(f"Corpus not logged (a log from before 2026-12-06, or another dataset), so not compared with the "
-                     f"others' {', '.join(sorted(ids))}: {', '.join(unlogged)}")
+        lines.append(f"Corpus not logged (a log from before 2026-12-06, or another dataset), so not checked against "
+                     f"the others' {', '.join(sorted(ids))} (tabled all the same; [compare] corpus would leave them "
+                     f"out): {', '.join(unlogged)}")
     partial = []
     for n, s in states.items():
         if s.tabled and s.steps[-1].step < spec.steps:
