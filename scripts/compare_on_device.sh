@@ -24,7 +24,7 @@ mode=call
 if [[ ${1:-} == --detach || ${1:-} == --wait ]]; then mode=${1#--}; shift; fi
 
 pack_logs() {  # the logs of folder $1 into $OUT/logs.tar.xz, whole or not at all (written aside, then renamed)
-  [[ -n ${OUT:-} && -d $1 ]] && compgen -G "$1/*.log" > /dev/null || return 0
+  [[ -n ${OUT:-} && -d $1 ]] && (cd "$1" && compgen -G '*.log' > /dev/null) || return 0
   local rc
   (cd "$1" && tar --warning=no-file-changed -cJf "$OUT/.logs.tar.xz.tmp" ./*.log); rc=$?
   # GNU tar's status 1: a log grew while it was read (an arm still running); the archive holds what was there
@@ -57,7 +57,7 @@ if [[ $mode == detach ]]; then
   if [[ $state == / || $PWD == "$state" || $PWD == "$state"/* ]]; then
     echo "compare_on_device: COMPARE_STATE_DIR=$state holds this tree; name a folder of its own" >&2; exit 1
   fi
-  if [[ -d $state && ! -f $state/$marker ]] && [[ -n $(ls -A "$state") ]]; then
+  if [[ -e $state && ! -d $state ]] || { [[ -d $state && ! -f $state/$marker ]] && [[ -n $(ls -A "$state") ]]; }; then
     echo "compare_on_device: COMPARE_STATE_DIR=$state is a folder this script did not make (no $marker in it);" \
       "name a new or empty one" >&2
     exit 1
@@ -92,6 +92,7 @@ if [[ $mode == detach ]]; then
   # the tree: elsewhere in it, each device call's fresh copy may replace what the arms write
   spec=$(realpath -m "$spec")
   [[ $spec == "$PWD"/* && $spec != "$PWD"/outputs/* ]] && spec=$state/tree/${spec#"$PWD"/}
+  [[ -n $out ]] || { echo "compare_on_device: --out names no folder" >&2; exit 1; }
   absout=$(realpath -m "$out")
   if [[ $absout == "$PWD"/* && $absout != "$PWD"/outputs/* ]]; then
     echo "compare_on_device: --detach writes the arms' logs to $out, inside the tree, which each device call copies" \

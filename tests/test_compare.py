@@ -84,6 +84,18 @@ def test_runner_end_to_end_with_logs_and_tensorboard(tmp_path, capsys):
     gathered = (other / "compare.md").read_text()
     assert "No logged steps yet: half_way" in gathered and "+0.2000 ± 0.0000" in gathered
 
+    # under a corpus pin, TensorBoard events show no corpus: an arm whose losses only they hold is stale, its log
+    # there (a header, no metric line) or not
+    import dataclasses
+
+    pinned = dataclasses.replace(compare.load_spec(spec), corpus="a" * 12)
+    arm = pinned.by_name()["half_way"]
+    assert compare.read_arm_log(pinned, arm).status == "stale"
+    (tmp_path / "out/half_way.log").unlink()
+    state = compare.read_arm_log(pinned, arm)
+    assert state.status == "stale" and "only TensorBoard events, which name no corpus" in state.why, state
+    assert compare.read_arm_log(compare.load_spec(spec), arm).status == "unchecked"  # no pin: flagged, tabled
+
 
 def test_a_failing_arm_is_reported_and_the_others_still_tabled(tmp_path, capsys):
     arms = ARMS.replace('overrides = ["--stub.offset", "0.2"]', 'overrides = ["--stub.offset", "0.2", "--stub.fail_at", "12"]')
@@ -368,6 +380,11 @@ def test_a_detached_run_killed_cut_short_or_misdirected_loses_no_log(tmp_path):
     assert r.returncode == 1 and "inside COMPARE_STATE_DIR" in r.stderr, r.stderr
     r, _ = call("--detach", str(spec), "--out=docs/ranking", wait_s=0)
     assert r.returncode == 1 and "use a folder under outputs/" in r.stderr, r.stderr
+    r, _ = call("--detach", str(spec), "--out=", wait_s=0)
+    assert r.returncode == 1 and "--out names no folder" in r.stderr, r.stderr
+    (tmp_path / "a_file").write_text("keep")
+    r, _ = call("--detach", str(spec), wait_s=0, state=tmp_path / "a_file")
+    assert r.returncode == 1 and "did not make" in r.stderr and (tmp_path / "a_file").read_text() == "keep"
 
     r, _ = call("--detach", str(spec), "--only", "nvfp4", wait_s=0)
     assert r.returncode == 124, r.stdout + r.stderr
@@ -435,6 +452,9 @@ def test_logs_brought_back_from_a_device_call_are_judged_before_they_land(tmp_pa
     assert (tmp_path / "home/bf16.log").read_text() == other
     rc, lines = imported(archive, "--replace-logs")
     assert (tmp_path / "home/bf16.log").read_text() == full["bf16"]
+    (tmp_path / "home/bf16.log").write_text("")  # an empty log there: continued by any
+    rc, lines = imported(archive)
+    assert "compare: bf16: imported, step 40 of 40 (complete)" in lines
     # a finished log of another spec there (stale: it carries no steps a table may show) is another run all the same
     finished_elsewhere = re.sub(r"spec [0-9a-f]{16}", "spec " + "0" * 16, full["bf16"])
     (tmp_path / "home/bf16.log").write_text(finished_elsewhere)

@@ -131,7 +131,12 @@ def read_arm_log(spec: Spec, arm: Arm) -> ArmLog:
     log = spec.log(arm)
     if not log.exists():
         steps = tensorboard_run(spec.dump(arm))[0]
-        return ArmLog("unchecked", steps, f"no log {log}, only TensorBoard events") if steps else ArmLog("none")
+        if not steps:
+            return ArmLog("none")
+        if spec.corpus:
+            return ArmLog("stale", why=f"no log {log}, only TensorBoard events, which name no corpus: nothing shows "
+                                       f"they are of the spec's ([compare] corpus = {spec.corpus})")
+        return ArmLog("unchecked", steps, f"no log {log}, only TensorBoard events")
     if not log.is_file():
         return ArmLog("mixed", why=f"{log} is not a file")
     data = log.read_bytes()

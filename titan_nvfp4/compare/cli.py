@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                          "folder) into the output folder, each only if it is a run of this spec that continues the log "
                          "there (or finds none); then write the table (no arm runs)")
     ap.add_argument("--replace-logs", action="store_true",
-                    help="with --import-logs: let an incoming log replace one of another run of the arm that has "
-                         "fewer logged steps")
+                    help="with --import-logs: let an incoming log replace one of another run of the arm (never a "
+                         "run of this spec with as many logged steps or more)")
     ap.add_argument("--out", type=Path, default=None, help="logs, table and plot here instead of [compare] out")
     ap.add_argument("--parallel", type=int, default=None, metavar="N",
                     help="arms at once, each on its own GPU, instead of the spec's parallel")

@@ -1,6 +1,7 @@
 """Bring arms' logs back from another machine (a device call's ``logs.tar.xz``, or a folder of logs) into a spec's
 output folder, judged like the runner judges them: only a run of this spec comes in, and a log there is only ever
-replaced by its own continuation, or, with ``replace``, by another run of the arm with more steps."""
+replaced by its own continuation, or, with ``replace``, by another run of the arm (never a run of this spec with as
+many steps or more)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def _last_step(state: ArmLog) -> int:
 
 def import_logs(spec: Spec, source: Path, only: list[str] | None = None, replace: bool = False) -> list[str]:
     """Copy each arm's log from ``source`` into ``spec.out`` when it is a run of this spec that continues the log
-    there (or there is none); with ``replace``, also one that has more logged steps than another run there. Returns
+    there (or there is none); with ``replace``, also one that replaces another run there, unless that is a run of
+    this spec with as many logged steps or more. Returns
     one line per log found, saying what happened to it and why. Each log is written atomically."""
     arms = spec.by_name()
     lines = []
@@ -79,14 +81,14 @@ def import_logs(spec: Spec, source: Path, only: list[str] | None = None, replace
             if held and text == held:
                 lines.append(f"{name}: already there (the same log, step {_last_step(new)})")
                 continue
-            if old.status != "none" and not (held and text.startswith(held)):
+            if old.status != "none" and not (spec.log(arm).is_file() and text.startswith(held)):
                 if old.steps:
                     there = f"{old.status}, step {_last_step(old)}"
                 else:
                     there = f"{old.status}: {old.why}" if old.why else "a run that logged no step"
                 if old.status == "current" and _last_step(old) >= _last_step(new):
-                    lines.append(f"{name}: kept the log there, another run of the arm (step {_last_step(old)}; the "
-                                 f"incoming one reaches step {_last_step(new)})")
+                    lines.append(f"{name}: kept the log there (step {_last_step(old)}; the incoming one reaches step "
+                                 f"{_last_step(new)}: an earlier copy of it, or another run)")
                     continue
                 if not replace:
                     lines.append(f"{name}: skipped, the log there holds another run of the arm ({there}); "
