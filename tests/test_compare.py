@@ -489,8 +489,8 @@ def test_logs_brought_back_from_a_device_call_are_judged_before_they_land(tmp_pa
     (tmp_path / "home/nvfp4.log").unlink()
     (tmp_path / "home/bf16.log").unlink()
     rc, lines = imported(folder)
-    assert any(line.startswith("compare: nvfp4: skipped, stale:") and "--training.steps 30 → 40" in line
-               for line in lines), lines
+    assert any(line.startswith(f"compare: nvfp4: skipped, stale: {folder}: nvfp4.log ran another spec")
+               and "--training.steps 30 → 40" in line for line in lines), lines
     assert "compare: stranger: skipped, not an arm of this spec" in lines
     assert "compare: bf16: skipped, no logged step (a run that failed at its start)" in lines
     assert not (tmp_path / "home/nvfp4.log").exists() and not (tmp_path / "home/bf16.log").exists()

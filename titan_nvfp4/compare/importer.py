@@ -69,8 +69,8 @@ def import_logs(spec: Spec, source: Path, only: list[str] | None = None, replace
                 continue
             arm = arms[name]
             new = read_arm_log(staging, arm)
-            if new.status != "current":
-                lines.append(f"{name}: skipped, {new.status}: {new.why}")
+            if new.status != "current":  # its reason names the log as it came in, not the staging copy
+                lines.append(f"{name}: skipped, {new.status}: {new.why.replace(str(path), f'{source}: {path.name}')}")
                 continue
             if not new.steps:
                 lines.append(f"{name}: skipped, no logged step (a run that failed at its start)")
