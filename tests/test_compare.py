@@ -370,7 +370,7 @@ def test_a_detached_run_killed_cut_short_or_misdirected_loses_no_log(tmp_path):
     as the runner does; a --wait cut short by a signal still packs the logs so far; a runner killed without an exit
     status is reported at once (not waited on until WAIT_S), with the logs; a --detach that fails leaves no earlier
     run's state for --wait to report as its own."""
-    _, spec, call = _device_tree(tmp_path, sleep_s="0.5")  # 40 steps: 20 s an arm
+    _, spec, call = _device_tree(tmp_path, sleep_s="1.0")  # 40 steps: 40 s an arm, killed long before
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "results.log").write_text("keep")
@@ -388,7 +388,12 @@ def test_a_detached_run_killed_cut_short_or_misdirected_loses_no_log(tmp_path):
 
     r, _ = call("--detach", str(spec), "--only", "nvfp4", wait_s=0)
     assert r.returncode == 124, r.stdout + r.stderr
-    r, out = call("--wait", wait_s=100, stop_after_s=5)  # the device tool's limit: SIGTERM
+    import time
+
+    log, deadline = tmp_path / "out/nvfp4.log", time.time() + 90
+    while not (log.is_file() and "step:" in log.read_text()) and time.time() < deadline:  # a loaded machine
+        time.sleep(0.5)
+    r, out = call("--wait", wait_s=100, stop_after_s=3)  # the device tool's limit: SIGTERM
     assert r.returncode == 124 and "stopped by a signal" in r.stdout, r.stdout + r.stderr
     assert "step:" in _packed_logs(out)["nvfp4.log"]
     pid = int((tmp_path / "state/pid").read_text())
