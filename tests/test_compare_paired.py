@@ -11,7 +11,7 @@ import pytest
 
 from titan_nvfp4 import compare
 from titan_nvfp4.compare.paired import (final_validations, pairwise_markdown, pairwise_rows, paired_markdown,
-                                        paired_rows, recipe_of, t95)
+                                        paired_rows, recipe_of, seeds_for, t95, target_markdown)
 from titan_nvfp4.tools import seed_spread
 
 REPO = Path(__file__).resolve().parents[1]
@@ -268,6 +268,37 @@ def test_seeds_expand_into_paired_arms_and_the_table_pairs_them(tmp_path):
     gap = {line.split("|")[1].strip(): line.split("|")[6].strip() for line in per_run[2:]}
     # only another recipe's arm on the pair's seed closes a gap: not a replicate of either, not another seed
     assert {n for n, v in gap.items() if v != "–"} == {"better"} and gap["better"].endswith("%"), gap
+
+
+def test_the_target_standard_error_line_says_which_gaps_meet_it_and_the_seeds_the_others_need(tmp_path):
+    """[compare] target_se: each gap's standard error against the target and, above it, ⌈(s.d./target)²⌉ seeds for
+    the direct paired gap; the first paired row of the 386M ranking (2026-12-06): s.d. 0.88 points, 9 seeds."""
+    assert seeds_for(0.8769, 0.3) == 9 and seeds_for(0.3, 0.3) == 2 and seeds_for(0.6, 0.3) == 4
+    assert seeds_for(0.0, 0.3) == 2 and seeds_for(1.22, 0.3) == 17  # the protocol's fallback
+    with pytest.raises(ValueError, match="must be positive"):
+        seeds_for(1.0, 0.0)
+    ranking = {"bf16": {42: 1.4967, 43: 1.4884}, "nvfp4": {42: 1.5071, 43: 1.5172}, "once": {42: 1.50}}
+    line = target_markdown(paired_rows(ranking, "bf16", "nvfp4"), 0.3)
+    g = 100 * (np.array([1.5071, 1.5172]) / np.array([1.4967, 1.4884]) - 1)
+    se, sd = np.std(g, ddof=1) / np.sqrt(2), np.std(g, ddof=1)
+    assert line == ("Standard error of each gap against the target of 0.30 points ([compare] target_se): nvfp4 "
+                    f"{se:.2f} (direct): the direct paired gap needs about {int(np.ceil((sd / 0.3) ** 2))} seeds at its "
+                    f"s.d. of {sd:.2f} (has 2); once no spread yet (1 seed paired).\n"), line
+    stats = {k: dict(zip(SEEDS, v)) for k, v in STATS.items()}
+    rows = paired_rows(stats, "bf16", "nvfp4")
+    line = target_markdown(rows, 5.0)  # a loose target: every gap meets it, "better" through the reference
+    assert "nvfp4 " in line and ": met; better " in line and "(through the reference): met." in line, line
+
+    spec = compare.load_spec(_spec(tmp_path, "target_se = 0.3"))
+    assert spec.target_se == 0.3
+    (tmp_path / "out").mkdir()
+    for recipe, values in STATS.items():
+        for i, v in enumerate(values):
+            _log(tmp_path / "out" / f"{recipe}{'' if i == 0 else f'_seed{i + 1}'}.log", {100: v}, 0.0)
+    assert target_markdown(rows, 0.3) in compare.report(spec)
+    for bad in ("-0.1", '"0.3"', "true"):
+        with pytest.raises(ValueError, match=r"\[compare\] target_se must be a non-negative number"):
+            compare.load_spec(_spec(tmp_path, f"target_se = {bad}"))
 
 
 def test_a_partial_replicate_waits_out_of_the_paired_table(tmp_path):

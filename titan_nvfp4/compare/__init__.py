@@ -25,6 +25,7 @@ The spec (TOML):
     module = ""                                # TorchTitan 0.3: the config registry; base names are its configs
     paired_validations = 1                     # the paired table's statistic: the mean of each run's last K validations
     corpus = ""                                # a corpus id every arm must read ($TITAN_NVFP4_CORPUS): "" any
+    target_se = 0                              # > 0: the paired table checks each gap's s.e. against it (points)
 
     [[arm]]
     name = "bf16"
@@ -60,7 +61,9 @@ first replicate is the plain arm). Arms named that way by hand count alike; an a
 adds a paired one (docs/results.md, "Ranking protocol"): per recipe, over the seeds it shares with the baseline's
 recipe, the mean of the per-seed gaps in % of the baseline ± s.d./√n, and the share of the reference recipe's gap it
 closes, the ratio of the mean paired differences ± its delta-method standard error; each run's statistic is the mean
-of its last ``paired_validations`` validation losses, and a run below ``steps`` waits out of it.
+of its last ``paired_validations`` validation losses, and a run below ``steps`` waits out of it. With ``target_se``
+a line under it gives each gap's standard error against that target and, while above it, the seeds the direct
+paired gap needs at the spread seen so far.
 
 Each arm's log starts with its variables and full command, then a line with the arm's spec hash (its command
 with the dump folder aside, its mode's variables and its job file's sha256). An arm whose log is a run of this

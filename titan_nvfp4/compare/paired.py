@@ -227,3 +227,29 @@ def paired_markdown(rows: list[dict], baseline: str, reference: str, statistic: 
             extra = f" {closed} | {via} | {diff} |"
         body += f"| {r['recipe']} | {r['n']} | {gap} | {sd} |{extra}\n"
     return head + body
+
+
+def seeds_for(sd: float, target: float) -> int:
+    """The seeds a mean of per-seed values spreading by ``sd`` needs for a standard error of at most ``target``:
+    ⌈(sd/target)²⌉, at least 2 (one seed gives no spread)."""
+    if not target > 0:
+        raise ValueError(f"seeds_for: the target standard error must be positive, got {target!r}")
+    return max(2, math.ceil((sd / target) ** 2 - 1e-9))
+
+
+def target_markdown(rows: list[dict], target: float) -> str:
+    """The line under the paired table for ``[compare] target_se``: each recipe's gap standard error (through the
+    reference where the table gives one, else the direct paired gap's) against ``target``, and while above it the
+    seeds its direct paired gap needs at the spread seen so far (``seeds_for``: an estimate from few seeds)."""
+    parts = []
+    for r in rows:
+        if r["n"] < 2:
+            parts.append(f"{r['recipe']} no spread yet ({r['n']} seed{'s' * (r['n'] != 1)} paired)")
+            continue
+        via = r.get("via_se_pct", float("nan"))
+        se, how = (via, "through the reference") if via == via else (r["gap_se_pct"], "direct")
+        verdict = "met" if se <= target else (f"the direct paired gap needs about {seeds_for(r['gap_sd_pct'], target)} "
+                                              f"seeds at its s.d. of {r['gap_sd_pct']:.2f} (has {r['n']})")
+        parts.append(f"{r['recipe']} {se:.2f} ({how}): {verdict}")
+    return (f"Standard error of each gap against the target of {target:.2f} points ([compare] target_se): "
+            + "; ".join(parts) + ".\n")

@@ -14,7 +14,7 @@ from .paired import recipe_of, replicate_name
 
 DEFAULT_LAUNCHER = ("torchrun", "--standalone", "--nproc_per_node=1", "-m", "torchtitan.train")
 _KEYS = {"base", "steps", "out", "last", "baseline", "reference", "common", "launcher", "timeout_s", "wandb_offline",
-         "mode", "parallel", "checkpoint_interval", "module", "paired_validations", "corpus"}
+         "mode", "parallel", "checkpoint_interval", "module", "paired_validations", "corpus", "target_se"}
 _SEED_FLAG = "--debug.seed"
 # mode -> (TorchTitan flags, TORCHINDUCTOR_CUDAGRAPHS)
 MODES = {"compile+cudagraphs": (("--compile.enable",), "1"), "compile": (("--compile.enable",), "0"), "eager": ((), "0")}
@@ -50,6 +50,7 @@ class Spec:
     module: str = ""
     paired_validations: int = 1  # the paired table's statistic: the mean of each run's last K validation losses
     corpus: str = ""  # the corpus id every arm must train on ($TITAN_NVFP4_CORPUS in its environment): "" any
+    target_se: float = 0.0  # the paired table's target standard error of a gap, in points: > 0 adds a line on it
 
     def arm_mode(self, arm: Arm) -> str:
         """The mode asked for (the arm's, else the spec's), else DEFAULT_MODE."""
@@ -230,6 +231,10 @@ def load_spec(path: Path) -> Spec:
     if not (isinstance(corpus, str) and (corpus == "" or CORPUS_ID.fullmatch(corpus))):
         raise ValueError(f"{where}: [compare] corpus must be a corpus id (12 lowercase hex digits, as a job logs it "
                          f"for each split it reads), got {corpus!r}")
+    target_se = top.get("target_se", 0.0)
+    if isinstance(target_se, bool) or not isinstance(target_se, (int, float)) or not 0 <= target_se < float("inf"):
+        raise ValueError(f"{where}: [compare] target_se must be a non-negative number of points (0: no target), got "
+                         f"{target_se!r}")
     spec = Spec(base=base, steps=steps, out=Path(top.get("out", f"outputs/compare/{path.stem}")), arms=arms,
                 last=last, baseline=top.get("baseline", "") or names[0], reference=top.get("reference", ""),
                 common=_str_list(top.get("common", []), f"{where}: [compare] common"),
@@ -238,7 +243,8 @@ def load_spec(path: Path) -> Spec:
                 mode=_mode(top["mode"], f"{where}: [compare] mode") if "mode" in top else None,
                 parallel=_count(top, "parallel", 1, 1, where),
                 checkpoint_interval=_count(top, "checkpoint_interval", 0, 0, where), module=top.get("module", ""),
-                paired_validations=_count(top, "paired_validations", 1, 1, where), corpus=corpus)
+                paired_validations=_count(top, "paired_validations", 1, 1, where), corpus=corpus,
+                target_se=float(target_se))
     return spec
 
 

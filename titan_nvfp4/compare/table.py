@@ -10,7 +10,8 @@ from ..tools.atomic import atomic_file, write_text
 from ..tools.loss_log import parse_validation, summarize, to_markdown, validation_markdown, write_csv
 from .armlog import ArmLog, read_arm_log
 from .lock import holder
-from .paired import final_validations, pairwise_markdown, pairwise_rows, paired_markdown, paired_rows, recipe_of
+from .paired import (final_validations, pairwise_markdown, pairwise_rows, paired_markdown, paired_rows, recipe_of,
+                     target_markdown)
 from .spec import Spec
 
 
@@ -83,7 +84,8 @@ def paired_table(spec: Spec, runs: dict, validation: dict[str, dict[int, float]]
         return ""
     what = "the last validation loss" if k == 1 else f"the mean of the last {k} validation losses"
     pairwise = pairwise_markdown(pairwise_rows(stats, baseline), baseline)
-    return paired_markdown(rows, baseline, reference if reference in stats else "", what) + \
+    target = "\n" + target_markdown(rows, spec.target_se) if spec.target_se else ""
+    return paired_markdown(rows, baseline, reference if reference in stats else "", what) + target + \
         ("\n" + pairwise if pairwise else "")
 
 
