@@ -9,7 +9,8 @@ N of the recipe is paired with replicate N of the baseline. Prints four tables:
   baseline) with its s.d. over seeds, and the correlation of the two recipes' losses across seeds;
 - the paired training-loss gap of each seed by window of steps (when the spread arises);
 - candidate statistics (the last K validations, the training loss over the last M steps): both recipes' s.d., the
-  mean paired gap ± s.d./√n, and the seeds a standard error of ``--target-se`` points needs, ⌈(s.d./target)²⌉;
+  mean paired gap ± s.d./√n, and the seeds a standard error of ``--target-se`` points needs (``seeds_for``:
+  ⌈(s.d./target)²⌉, at least 2);
 - loss spikes per run: logged training losses more than ``--spike-k`` robust s.d. above their running median, taken
   on the run's loss minus the median of all given runs at that step (the batch's own difficulty, which every run
   shares, removed); the robust s.d. is 1.4826 × the median absolute deviation over ±50 logged steps.
@@ -21,7 +22,7 @@ import math
 import statistics
 from pathlib import Path
 
-from ..compare.paired import recipe_of
+from ..compare.paired import recipe_of, seeds_for
 from .cli import parser
 from .loss_log import read_runs
 
@@ -96,7 +97,7 @@ def statistics_table(runs: dict, val: dict, pairs: list[tuple[str, str]], target
         b, r = [f(p[0]) for p in pairs], [f(p[1]) for p in pairs]
         g = _gaps(b, r)
         sd = _sd(g)
-        need = math.ceil((sd / target) ** 2) if sd == sd else "—"
+        need = seeds_for(sd, target) if sd == sd else "—"
         out += (f"| {name} | {_sd(b):.4f} | {_sd(r):.4f} | {statistics.fmean(g):+.2f} ± {sd / math.sqrt(len(g)):.2f} | "
                 f"{sd:.2f} | {need} |\n")
     return out
