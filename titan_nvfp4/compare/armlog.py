@@ -9,8 +9,8 @@ import hashlib
 import json
 import re
 import shlex
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..tools.loss_log import StepMetrics, parse_log, tensorboard_run
 from .spec import Arm, Spec

@@ -54,8 +54,8 @@ def _last_step(state: ArmLog) -> int:
 def import_logs(spec: Spec, source: Path, only: list[str] | None = None, replace: bool = False) -> list[str]:
     """Copy each arm's log from ``source`` into ``spec.out`` when it is a run of this spec that continues the log
     there (or there is none); with ``replace``, also one that replaces another run there, unless that is a run of
-    this spec with as many logged steps or more. Returns
-    one line per log found, saying what happened to it and why. Each log is written atomically."""
+    this spec with as many logged steps or more. Returns one line per log found, saying what happened to it and why.
+    Each log is written atomically."""
     arms = spec.by_name()
     lines = []
     with tempfile.TemporaryDirectory(prefix="titan_nvfp4_import_") as tmp:
