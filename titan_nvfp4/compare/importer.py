@@ -77,11 +77,12 @@ def import_logs(spec: Spec, source: Path, only: list[str] | None = None, replace
                 continue
             text = path.read_text(errors="replace")
             old = read_arm_log(spec, arm)
-            held = spec.log(arm).read_text(errors="replace") if spec.log(arm).is_file() else ""
+            there_file = spec.log(arm).is_file()
+            held = spec.log(arm).read_text(errors="replace") if there_file else ""
             if held and text == held:
                 lines.append(f"{name}: already there (the same log, step {_last_step(new)})")
                 continue
-            if old.status != "none" and not (spec.log(arm).is_file() and text.startswith(held)):
+            if old.status != "none" and not (there_file and text.startswith(held)):
                 if old.steps:
                     there = f"{old.status}, step {_last_step(old)}"
                 else:

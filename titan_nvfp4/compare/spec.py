@@ -145,6 +145,14 @@ def _mode(value, where: str) -> str:
     return value
 
 
+def _nonnegative(top: dict, key: str, where: str, what: str = "number") -> float:
+    """``[compare] key``, a finite number >= 0 (default 0); ``what`` names it in the error."""
+    value = top.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(f"{where}: [compare] {key} must be a non-negative {what}, got {value!r}")
+    return value
+
+
 def _count(top: dict, key: str, default: int | None, low: int, where: str) -> int:
     value = top.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -220,9 +228,7 @@ def load_spec(path: Path) -> Spec:
     if not top.get("module") and not base.is_file():
         raise ValueError(f"{where}: [compare] base = {str(base)!r}: " + ("a folder, not a job file" if base.is_dir() else
                          "no such job file (paths are relative to the current directory)"))
-    timeout = top.get("timeout_s", 0)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
-        raise ValueError(f"{where}: [compare] timeout_s must be a non-negative number, got {timeout!r}")
+    timeout = _nonnegative(top, "timeout_s", where)
     if "launcher" in top and not top["launcher"]:
         raise ValueError(f"{where}: [compare] launcher must name a command, got []")
     if not isinstance(top.get("wandb_offline", False), bool):
@@ -231,10 +237,7 @@ def load_spec(path: Path) -> Spec:
     if not (isinstance(corpus, str) and (corpus == "" or CORPUS_ID.fullmatch(corpus))):
         raise ValueError(f"{where}: [compare] corpus must be a corpus id (12 lowercase hex digits, as a job logs it "
                          f"for each split it reads), got {corpus!r}")
-    target_se = top.get("target_se", 0.0)
-    if isinstance(target_se, bool) or not isinstance(target_se, (int, float)) or not 0 <= target_se < float("inf"):
-        raise ValueError(f"{where}: [compare] target_se must be a non-negative number of points (0: no target), got "
-                         f"{target_se!r}")
+    target_se = _nonnegative(top, "target_se", where, "number of points (0: no target)")
     spec = Spec(base=base, steps=steps, out=Path(top.get("out", f"outputs/compare/{path.stem}")), arms=arms,
                 last=last, baseline=top.get("baseline", "") or names[0], reference=top.get("reference", ""),
                 common=_str_list(top.get("common", []), f"{where}: [compare] common"),
