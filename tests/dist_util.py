@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import socket
 
+import torch
 import torch.multiprocessing as mp
 
 import triton_interp  # noqa: F401  (in the ranks too: they import this module to run _entry)
@@ -37,7 +38,12 @@ def free_port() -> int:
 
 def spawn(fn, args: tuple, nprocs: int, preload: list[str] = PRELOAD) -> None:
     """``torch.multiprocessing.spawn``'s contract (fn(rank, *args), errors re-raised) from the preloaded fork server
-    (one per test process: the first call's ``preload`` is the one it keeps; its hash seed is not this process's)."""
+    (one per test process: the first call's ``preload`` is the one it keeps; its hash seed is not this process's).
+    On a GPU machine the ranks are spawned instead: a rank forked from a server whose imports touched CUDA cannot
+    use CUDA ("Cannot re-initialize CUDA in forked subprocess", seen on an H100, 2026-12-06)."""
+    if torch.cuda.is_available():
+        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="spawn")
+        return
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     seed = os.environ.get("PYTHONHASHSEED")
     os.environ["PYTHONHASHSEED"] = "2" if seed == "1" else "1"  # what the server starts with, if this call starts it
