@@ -48,12 +48,13 @@ def parsed_job():
     return parse()  # once: TorchTitan's parser takes about a second
 
 
-def job_cfg_for(keys: dict | None, folder: str, initial: str | None):
+def job_cfg_for(keys: dict | None, folder: str, initial: str | None, initial_model_only: bool = True):
     """The job file's config with a CheckpointManager on ``folder`` (saving every step) and these
     [quantize.linear.nvfp4] keys (the section rebuilt, so its checks run as at parse time)."""
     cfg = copy.deepcopy(parsed_job())
     ck = cfg.checkpoint
     ck.enable, ck.folder, ck.interval, ck.keep_latest_k, ck.initial_load_path = True, folder, 1, 0, initial
+    ck.initial_load_model_only = initial_model_only
     cfg.quantize.linear.nvfp4 = dataclasses.replace(cfg.quantize.linear.nvfp4, **(keys or {}))
     return cfg
 
@@ -61,10 +62,13 @@ def job_cfg_for(keys: dict | None, folder: str, initial: str | None):
 class Job:
     """A TorchTitan job as far as checkpoints go: the tiny Llama3 (BF16 when ``keys`` is None, else
     converted with these [quantize.linear.nvfp4] keys), AdamW, LR schedule and train_state, with a
-    CheckpointManager on ``tmp/folder``; ``initial``: checkpoint.initial_load_path (model only); ``args``: the model's."""
+    CheckpointManager on ``tmp/folder``; ``initial``: checkpoint.initial_load_path (model only unless
+    ``initial_model_only`` is False: the whole training state, as a branching comparison arm loads it); ``args``: the
+    model's."""
 
-    def __init__(self, tmp, keys=LORA, folder="ckpt", initial=None, dims=None, shard=None, seed=0, args=ARGS):
-        cfg = job_cfg_for(keys, folder, initial)
+    def __init__(self, tmp, keys=LORA, folder="ckpt", initial=None, dims=None, shard=None, seed=0, args=ARGS,
+                 initial_model_only=True):
+        cfg = job_cfg_for(keys, folder, initial, initial_model_only)
         dims = dims or world1()
         with torch.device("meta"):
             self.model = Transformer(copy.deepcopy(args))

@@ -5,11 +5,14 @@ run that starts at step 1: a resumed run goes on); --stub.sleep sleeps that long
 the line of a split read from corpus ID; --stub.child starts a child process (as torchrun starts workers) and
 writes its pid to <dump>/child.pid; --stub.worker starts one in a session of its own, as torchrun starts each
 worker, that writes a line to the log every 0.1 s, and writes its pid and the stub's to <dump>/worker.pid and
-<dump>/stub.pid. With --checkpoint.enable it saves <dump>/checkpoint/step-N every
---checkpoint.interval steps and resumes after the latest one, as TorchTitan does."""
+<dump>/stub.pid. With --checkpoint.enable it saves <dump>/checkpoint/step-N (a .metadata file last) every
+--checkpoint.interval steps, keeps the latest --checkpoint.keep_latest_k, and resumes after the latest one, or,
+with none, after the step of --checkpoint.initial_load_path (with --checkpoint.no_initial_load_model_only), as
+TorchTitan does."""
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -27,6 +30,9 @@ ap.add_argument("--compile.enable", dest="compile", action="store_true")
 ap.add_argument("--checkpoint.enable", dest="ckpt", action="store_true")
 ap.add_argument("--checkpoint.interval", dest="interval", type=int, default=500)
 ap.add_argument("--checkpoint.keep_latest_k", dest="keep", type=int, default=0)
+ap.add_argument("--checkpoint.initial_load_path", dest="initial", default="")
+ap.add_argument("--checkpoint.no_initial_load_model_only", dest="full_initial", action="store_true")
+ap.add_argument("--debug.seed", dest="seed", type=int, default=42)  # shifts the loss by 0.003 a seed from 42
 ap.add_argument("--stub.offset", dest="offset", type=float, default=0.0)
 ap.add_argument("--stub.fail_at", dest="fail_at", type=int, default=0)
 ap.add_argument("--stub.sleep", dest="sleep", type=float, default=0.0)
@@ -34,6 +40,7 @@ ap.add_argument("--stub.child", dest="child", action="store_true")
 ap.add_argument("--stub.worker", dest="worker", action="store_true")
 ap.add_argument("--stub.corpus", dest="corpus", default="")
 args = ap.parse_args()
+args.offset += 0.003 * (args.seed - 42)
 dump = Path(args.dump)
 dump.mkdir(parents=True, exist_ok=True)
 if args.child:
@@ -46,6 +53,11 @@ if args.worker:
     (dump / "worker.pid").write_text(str(worker.pid))
 ckpts = sorted(int(p.name[5:]) for p in (dump / "checkpoint").glob("step-*")) if args.ckpt else []
 first = ckpts[-1] + 1 if ckpts else 1
+if args.ckpt and not ckpts and args.initial:
+    if not Path(args.initial).is_dir():
+        print("ValueError: checkpoint.initial_load_path is specified but the path is not valid.", flush=True)
+        sys.exit(1)
+    first = int(Path(args.initial).name[5:]) + 1 if args.full_initial else 1
 print(f"[titan] INFO - Starting job from {args.config} (module {args.module}), compile {args.compile}, "
       f"TORCHINDUCTOR_CUDAGRAPHS={os.environ.get('TORCHINDUCTOR_CUDAGRAPHS')}, "
       f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}, from step {first}, at {time.time():.3f}", flush=True)
@@ -63,7 +75,13 @@ for step in range(first, args.steps + 1):
         print("Traceback: stub failure", flush=True)
         sys.exit(1)
     if args.ckpt and step % args.interval == 0:
-        (dump / "checkpoint" / f"step-{step}").mkdir(parents=True, exist_ok=True)
+        saved = dump / "checkpoint" / f"step-{step}"
+        saved.mkdir(parents=True, exist_ok=True)
+        (saved / "__0_0.distcp").write_text(f"state at step {step}")
+        (saved / ".metadata").write_text("written last")
+        old = sorted((p for p in (dump / "checkpoint").glob("step-*")), key=lambda p: int(p.name[5:]))
+        for gone in old[:-args.keep] if args.keep > 0 else []:
+            shutil.rmtree(gone)
     if step % args.freq and step != 1:
         continue
     loss = 8.0 / step ** 0.5 + args.offset + 0.01 * ((step * 7919) % 13 - 6) / 6  # shared "batch noise"

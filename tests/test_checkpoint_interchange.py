@@ -199,6 +199,27 @@ def test_resume_with_a_stateless_knob_changed_continues(tmp_path):
         assert torch.isfinite(b.step(tokens(2))), knob
 
 
+def test_a_branch_from_another_runs_checkpoint_continues_that_run_bit_exactly(tmp_path):
+    """A comparison arm that branches (compare: branch_from) loads another run's step folder with
+    --checkpoint.initial_load_path and --checkpoint.no_initial_load_model_only into a fresh folder of its own:
+    the whole training state (weights, AdamW moments, LR schedule, step, SR counts), so with the same recipe its
+    next step is the other run's to the bit, and it saves into its own folder."""
+    a = Job(tmp_path, REF, folder="parent")
+    a.step(tokens(1))
+    path = a.save()
+    loss2 = a.step(tokens(2))
+    b = Job(tmp_path, REF, folder="branch", initial=path, initial_model_only=False, seed=7)  # another init
+    b.load()
+    assert b.trainer.step == 1 and int(b.linear("attention.wq").sr_counter[1]) == 1
+    assert torch.equal(b.step(tokens(2)), loss2)
+    for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(p, q), n
+    assert b.save() == str(tmp_path / "branch") + "/step-2"
+    model_only = Job(tmp_path, REF, folder="model_only", initial=path, seed=7)  # TorchTitan's default: weights only
+    model_only.load()
+    assert model_only.trainer.step == 0
+
+
 def test_resume_with_other_bf16_blocks_and_filter_fqns(tmp_path):
     """bf16_first_blocks and filter_fqns changed on resume (same model keys): a layer that became BF16
     drops its SR counts, a newly converted one starts its streams at zero, the others keep theirs."""

@@ -39,6 +39,11 @@ The spec (TOML):
     name = "quartet2"                          # seed replicates: arms quartet2, quartet2_seed2, quartet2_seed3
     overrides = ["--quantize.linear.nvfp4.recipe", "quartet2"]
     seeds = [42, 43, 44]                       # each adds --debug.seed S (none for the job file's own seed)
+    [[arm]]
+    name = "switch"                            # starts from nvfp4's checkpoint of step 500 (the same seed's)
+    overrides = ["--quantize.linear.nvfp4.bf16_after_fraction", "0.4"]
+    branch_from = "nvfp4"
+    branch_step = 500                          # a multiple of checkpoint_interval (> 0), below steps
 
 Modes: ``compile+cudagraphs`` (the fastest on a GPU) runs each arm with ``--compile.enable`` and
 TORCHINDUCTOR_CUDAGRAPHS=1 (Inductor's CUDA graph trees, which remove the host time of the NVFP4 launches);
@@ -50,6 +55,15 @@ GPU count (several slots may share a GPU). With ``checkpoint_interval = N`` each
 under its dump folder (TorchTitan's DCP: model, optimizer, schedule, data position), and an arm stopped
 before ``steps`` (``timeout_s``, a lost machine) resumes from its latest checkpoint when the spec runs again,
 its log continued; later log lines for a step win. ``timeout_s`` stops all of an arm's processes.
+
+Branches: an arm with ``branch_from`` and ``branch_step`` starts from that arm's (with seeds: the replicate of the
+same seed's) checkpoint of that step, the whole training state (``--checkpoint.initial_load_path``,
+``--checkpoint.no_initial_load_model_only``), so the two share every bit up to it and differ by what the branch
+changes after it, not by the drift of two separate runs. The runner keeps the parent's checkpoint of that step as
+hard links under ``<out>/<parent>/branch/`` while the parent trains (TorchTitan keeps only its latest two), runs the
+branches after every other arm, and writes into a branch's log the length and sha256 of its parent's log at that
+moment: a branch whose parent's log is another run is stale. The checkpoint stays on the machine: a branch runs in
+the same call as its parent (or later on the same machine), else it is refused.
 
 TorchTitan 0.3 (a config registry instead of job files): ``module = "titan_nvfp4.integration_v03.configs"``, and
 each ``base`` names a config of it (``base = "llama3_debug_nvfp4"``); an arm runs ``--module M --config BASE``.

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..tools.loss_log import StepMetrics, parse_log, tensorboard_run
-from .spec import Arm, Spec
+from .spec import BRANCH_FLAG, Arm, Spec
 
 #: the variables ``Spec.env`` sets that change what an arm computes (its GPU and thread count do not)
 RUN_ENV = ("TORCHINDUCTOR_CUDAGRAPHS", "WANDB_MODE")
@@ -22,6 +22,8 @@ _SPEC_LINE = re.compile(r"^# compare: arm (?P<arm>.*), spec (?P<hash>[0-9a-f]{16
 _ENV_WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _DUMP_FLAGS = ("--job.dump_folder", "--dump_folder")
 _RANK_PREFIX = re.compile(r"^\s*\[(\w+)\]:")  # torchrun's "[rank1]:" / "[default1]:" before each rank's lines
+_BRANCH_LINE = re.compile(r"^# compare: branch of (?P<parent>\S+) at step (?P<step>[0-9]+), whose log's first "
+                          r"(?P<bytes>[0-9]+) bytes have sha256 (?P<sha>[0-9a-f]{16})\s*$")
 _CORPUS = re.compile(r"Reading (?P<split>\S+) of .*: corpus (?P<id>[0-9a-f]{12}) \(")  # data/registry.py, per split
 
 
@@ -42,6 +44,8 @@ def _relocatable(command: list[str]) -> list[str]:
     for i, w in enumerate(words[:-1]):
         if w in _DUMP_FLAGS:
             words[i + 1] = "<out>/<arm>"
+        elif w == BRANCH_FLAG:  # <out>/<parent>/branch/step-N
+            words[i + 1] = "/".join(["<out>", *Path(words[i + 1]).parts[-3:]])
     return words
 
 
@@ -64,6 +68,37 @@ def header(spec: Spec, arm: Arm, env: dict[str, str], resumed: bool) -> str:
     command = shlex.join([*(f"{k}={v}" for k, v in env.items()), *spec.command(arm)])
     return (f"# {command}\n# compare: arm {arm.name}, spec {spec_hash(ident)}, job file {ident['job']}, "
             f"{'resumed' if resumed else 'fresh'}\n")
+
+
+def log_stamp(log: Path) -> dict:
+    """What identifies the run a log holds so far: its length and the sha256 of its bytes (a log only grows)."""
+    data = log.read_bytes()
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()[:16]}
+
+
+def branch_line(arm: Arm, stamp: dict) -> str:
+    """The line a branching arm's log carries after its first header: the run of its parent it started from."""
+    return (f"# compare: branch of {arm.branch_from} at step {arm.branch_step}, whose log's first {stamp['bytes']} "
+            f"bytes have sha256 {stamp['sha256']}\n")
+
+
+def _branch_mismatch(spec: Spec, arm: Arm, text: str) -> str:
+    """Why a branching arm's log does not pair with its parent's log in the folder ("" when it does): the parent's
+    log must start with the bytes it had when the arm's checkpoint was taken from it."""
+    m = next((m for line in text.splitlines() if (m := _BRANCH_LINE.match(line))), None)
+    if m is None:
+        return f"{spec.log(arm)} does not say which run of {arm.branch_from!r} it branched from"
+    parent_log = spec.out / f"{arm.branch_from}.log"
+    n = int(m["bytes"])
+    try:
+        head = parent_log.read_bytes()[:n] if parent_log.is_file() else b""
+    except OSError:
+        head = b""
+    if m["parent"] != arm.branch_from or int(m["step"]) != arm.branch_step or len(head) < n or \
+            hashlib.sha256(head).hexdigest()[:16] != m["sha"]:
+        return (f"{spec.log(arm)} branched from a run of {m['parent']!r} at step {m['step']} that {parent_log} does "
+                "not hold (another run of it, or none): the two do not pair")
+    return ""
 
 
 @dataclass
@@ -189,6 +224,8 @@ def read_arm_log(spec: Spec, arm: Arm) -> ArmLog:
     steps = _metrics(spec, arm, text)
     if off := _off_pin(spec, log, corpus, bool(steps)):
         return ArmLog("stale", why=off, corpus=corpus)
+    if arm.branch_from and (why := _branch_mismatch(spec, arm, text)):
+        return ArmLog("stale", why=why, corpus=corpus)
     return ArmLog("current", steps, corpus=corpus)
 
 

@@ -4,6 +4,7 @@ fresh start, and its trainer run under a guard (guard.py) with its log and lock 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import queue
 import shutil
@@ -15,12 +16,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .armlog import arm_metrics, header, read_arm_log
+from ..tools.atomic import write_text
+from .armlog import arm_metrics, branch_line, header, log_stamp, read_arm_log
 from .lock import ArmLock, Busy, acquire, check_log_free, stray_writers
 from .spec import Arm, Spec
 
 GUARD = Path(__file__).with_name("guard.py")
 GRACE_S = 30  # SIGTERM to SIGKILL, for an arm's processes (torchrun's own grace for its workers)
+BRANCH_POLL_S = 2.0  # how often a parent arm's checkpoint folder is looked at (its saves are minutes apart)
 
 
 class Refused(Exception):
@@ -69,6 +72,48 @@ def clear_outputs(spec: Spec, arm: Arm) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # a file system without hard links
+        shutil.copy2(src, dst)
+
+
+def keep_branch_points(spec: Spec, parent: Arm) -> None:
+    """Keep each checkpoint of ``parent`` that an arm branches from, once TorchTitan has written it whole (its
+    ``.metadata`` comes last), as hard links under its branch folder (TorchTitan removes its own step folder when it
+    keeps only the latest ones), with the stamp of the parent's log so far beside it (``armlog.branch_line``)."""
+    for step in sorted({a.branch_step for a in spec.branches(parent)}):
+        kept = spec.branch_point(parent.name, step)
+        saved = spec.dump(parent) / "checkpoint" / f"step-{step}"
+        if kept.is_dir() or not (saved / ".metadata").is_file():
+            continue
+        partial = kept.with_name(f".{kept.name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(saved, partial, copy_function=_link_or_copy)
+        write_text(kept.with_name(f"{kept.name}.json"), json.dumps(log_stamp(spec.log(parent))), "a branch stamp")
+        os.replace(partial, kept)
+
+
+def _keep_while_running(spec: Spec, parent: Arm, done: threading.Event) -> None:
+    """Poll for ``parent``'s branch points while it trains (its step folder may go before it ends)."""
+    while not done.wait(BRANCH_POLL_S):
+        try:
+            keep_branch_points(spec, parent)
+        except OSError as e:
+            print(f"compare: arm {parent.name!r}: cannot keep its branch checkpoint yet: {e}", file=sys.stderr,
+                  flush=True)
+
+
+def branch_stamp(spec: Spec, arm: Arm) -> dict | None:
+    """The stamp of the parent's run that ``arm`` branches from, None while its checkpoint is not kept here."""
+    kept = spec.branch_point(arm.branch_from, arm.branch_step)
+    try:
+        return json.loads(kept.with_name(f"{kept.name}.json").read_text()) if (kept / ".metadata").is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
 def stop(procs: list[subprocess.Popen], grace_s: float = GRACE_S + 10) -> None:
     """SIGTERM to each arm's process group (its guard, which stops everything under it, and torchrun), SIGKILL to
     a group whose guard outlives ``grace_s``."""
@@ -107,6 +152,13 @@ def run_arm(spec: Spec, arm: Arm, index: int, gpu: str | None = None, resume: bo
         # tokens/s with 4 threads each, in part because the BF16 arms finished meanwhile)
         extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.parallel))
     env = {**os.environ, **extra}
+    stamp = branch_stamp(spec, arm) if arm.branch_from and not resume else None
+    if arm.branch_from and not resume and stamp is None:
+        print(f"[{index}/{len(spec.arms)}] {arm.name}: not run: the checkpoint of {arm.branch_from!r} at step "
+              f"{arm.branch_step} it starts from is not in {spec.branch_point(arm.branch_from, arm.branch_step)} (kept "
+              f"while {arm.branch_from!r} trains: run both in one call, --only {arm.branch_from} {arm.name})",
+              flush=True)
+        return 1
     start = time.time()
     # O_APPEND: every process of the arm appends, so no writer's offset can leave a hole of NUL bytes; the flock
     # travels with the open file to every process given it as stdout, and marks the log as written until the last
@@ -118,7 +170,7 @@ def run_arm(spec: Spec, arm: Arm, index: int, gpu: str | None = None, resume: bo
             return 1
         if not resume:
             log.truncate(0)
-        log.write(header(spec, arm, extra, resume))
+        log.write(header(spec, arm, extra, resume) + (branch_line(arm, stamp) if stamp else ""))
         log.flush()
         guard_end, runner_end = os.pipe()  # only this process holds runner_end: the guard reads EOF when it is gone
         try:
@@ -134,15 +186,24 @@ def run_arm(spec: Spec, arm: Arm, index: int, gpu: str | None = None, resume: bo
             if lock:
                 lock.record(guard=proc.pid)
             LIVE.add(proc)
+            done = threading.Event()
+            if spec.branches(arm):
+                threading.Thread(target=_keep_while_running, args=(spec, arm, done), daemon=True).start()
             try:
                 rc = proc.wait(timeout=spec.timeout_s or None)
             except subprocess.TimeoutExpired:
                 stop([proc])
                 rc = 124
             finally:
+                done.set()
                 LIVE.discard(proc)
         finally:
             os.close(runner_end)
+    if spec.branches(arm):
+        try:
+            keep_branch_points(spec, arm)
+        except OSError as e:
+            print(f"compare: arm {arm.name!r}: cannot keep its branch checkpoint: {e}", file=sys.stderr, flush=True)
     strays = stray_writers(spec, arm)
     if strays:
         print(f"compare: arm {arm.name!r}: pids {', '.join(map(str, strays))} still write its log after its guard "
@@ -244,10 +305,23 @@ def run_selected(spec: Spec, selected: list[tuple[int, Arm]], rerun: bool) -> li
         if todo and shutil.which(spec.launcher[0]) is None:
             raise Refused(f"[compare] launcher: {spec.launcher[0]!r} is not on PATH (activate the environment that "
                           "has it, or give its full path)")
+        running = {arm.name for _, arm in todo}
+        for _, arm in todo:
+            if plans[arm.name] == "fresh" and arm.branch_from and arm.branch_from not in running and \
+                    branch_stamp(spec, arm) is None:
+                refused.append(f"arm {arm.name!r} starts from the checkpoint of {arm.branch_from!r} at step "
+                               f"{arm.branch_step}, which is not kept in {spec.branch_point(arm.branch_from, arm.branch_step)}"
+                               f" (the runner keeps it while {arm.branch_from!r} trains): run both, --only "
+                               f"{arm.branch_from} {arm.name} (with --rerun if {arm.branch_from!r} is done)")
+        if refused:
+            raise Refused("; ".join(refused))
         for _, arm in todo:
             if plans[arm.name] == "fresh":
                 clear_outputs(spec, arm)
-        return run_arms(spec, todo, frozenset(n for n, p in plans.items() if p == "resume"), locks)
+        resume = frozenset(n for n, p in plans.items() if p == "resume")
+        # the arms that start from another's checkpoint go after every other (their parents keep it as they train)
+        failed = run_arms(spec, [t for t in todo if not t[1].branch_from], resume, locks)
+        return failed + run_arms(spec, [t for t in todo if t[1].branch_from], resume, locks)
     finally:
         for lock in locks.values():
             lock.release()

@@ -16,6 +16,7 @@ DEFAULT_LAUNCHER = ("torchrun", "--standalone", "--nproc_per_node=1", "-m", "tor
 _KEYS = {"base", "steps", "out", "last", "baseline", "reference", "common", "launcher", "timeout_s", "wandb_offline",
          "mode", "parallel", "checkpoint_interval", "module", "paired_validations", "corpus", "target_se"}
 _SEED_FLAG = "--debug.seed"
+BRANCH_FLAG = "--checkpoint.initial_load_path"
 # mode -> (TorchTitan flags, TORCHINDUCTOR_CUDAGRAPHS)
 MODES = {"compile+cudagraphs": (("--compile.enable",), "1"), "compile": (("--compile.enable",), "0"), "eager": ((), "0")}
 DEFAULT_MODE = "compile+cudagraphs"
@@ -29,6 +30,8 @@ class Arm:
     overrides: list[str] = field(default_factory=list)
     base: Path | None = None  # the spec's base when None (a config name under a module)
     mode: str | None = None   # the spec's mode when None
+    branch_from: str = ""  # the arm (of the same seed) whose checkpoint of ``branch_step`` this one starts from
+    branch_step: int = 0
 
 
 @dataclass
@@ -76,6 +79,15 @@ class Spec:
         """The arm's dump folder: TensorBoard events, checkpoints, whatever else its trainer writes."""
         return self.out / arm.name
 
+    def branch_point(self, parent: str, step: int) -> Path:
+        """Where the runner keeps arm ``parent``'s checkpoint of ``step`` for the arms that branch from it (its own
+        step folder goes when TorchTitan keeps only the latest ones)."""
+        return self.out / parent / "branch" / f"step-{step}"
+
+    def branches(self, parent: Arm) -> list[Arm]:
+        """The arms that start from ``parent``'s checkpoint."""
+        return [a for a in self.arms if a.branch_from == parent.name]
+
     def seed(self, arm: Arm) -> int | None:
         """The arm's ``--debug.seed``: the last one in its flags, else its job file's ``[debug] seed`` (None when
         neither says, e.g. under a config registry)."""
@@ -101,6 +113,9 @@ class Spec:
         base = str(arm.base or self.base)
         job = (["--module", self.module, "--config", base] if self.module else ["--job.config_file", base])
         dump = "--dump_folder" if self.module else "--job.dump_folder"  # 0.3 moved it to the top level
+        if arm.branch_from:  # TorchTitan loads the whole training state there while the arm has no checkpoint
+            ckpt += [BRANCH_FLAG, str(self.branch_point(arm.branch_from, arm.branch_step)),
+                     "--checkpoint.no_initial_load_model_only"]
         return [*self.launcher, *job, "--training.steps", str(self.steps), dump, str(self.dump(arm)),
                 *MODES[self.arm_mode(arm)][0], *ckpt, *self.common, *arm.overrides]
 
@@ -130,7 +145,7 @@ def _replicates(arm: Arm, seeds, job: Path | None, where: str) -> list[Arm]:
                          "take those names)")
     own = _job_seed(job)
     return [Arm(replicate_name(arm.name, i), arm.overrides + ([] if s == own else [_SEED_FLAG, str(s)]), arm.base,
-                arm.mode) for i, s in enumerate(seeds)]
+                arm.mode, arm.branch_from, arm.branch_step) for i, s in enumerate(seeds)]
 
 
 def _str_list(value, where: str) -> list[str]:
@@ -192,7 +207,7 @@ def load_spec(path: Path) -> Spec:
     for i, a in enumerate(raw.get("arm", [])):
         if not isinstance(a, dict) or not isinstance(a.get("name"), str) or not a["name"]:
             raise ValueError(f"{where}: [[arm]] number {i + 1} needs a name")
-        bad = set(a) - {"name", "overrides", "base", "mode", "seeds"}
+        bad = set(a) - {"name", "overrides", "base", "mode", "seeds", "branch_from", "branch_step"}
         if bad:
             raise ValueError(f"{where}: arm {a['name']!r} has unknown keys {sorted(bad)}")
         if "/" in a["name"] or "\\" in a["name"] or a["name"].startswith(".") or a["name"] in [x.name for x in arms]:
@@ -206,7 +221,8 @@ def load_spec(path: Path) -> Spec:
         if arm_base is not None and not top.get("module") and not arm_base.is_file():
             raise ValueError(f"{where}: arm {a['name']!r} base = {str(arm_base)!r}: no such job file (paths are relative to the current directory)")
         arm = Arm(a["name"], _str_list(a.get("overrides", []), f"{where}: arm {a['name']!r} overrides"), arm_base,
-                  _mode(a.get("mode"), f"{where}: arm {a['name']!r} mode") if "mode" in a else None)
+                  _mode(a.get("mode"), f"{where}: arm {a['name']!r} mode") if "mode" in a else None,
+                  *_branch_keys(a, where))
         if "seeds" not in a:
             arms.append(arm)
             continue
@@ -238,6 +254,7 @@ def load_spec(path: Path) -> Spec:
         raise ValueError(f"{where}: [compare] corpus must be a corpus id (12 lowercase hex digits, as a job logs it "
                          f"for each split it reads), got {corpus!r}")
     target_se = _nonnegative(top, "target_se", where, "number of points (0: no target)")
+    checkpoint_interval = _count(top, "checkpoint_interval", 0, 0, where)
     spec = Spec(base=base, steps=steps, out=Path(top.get("out", f"outputs/compare/{path.stem}")), arms=arms,
                 last=last, baseline=top.get("baseline", "") or names[0], reference=top.get("reference", ""),
                 common=_str_list(top.get("common", []), f"{where}: [compare] common"),
@@ -245,10 +262,52 @@ def load_spec(path: Path) -> Spec:
                 timeout_s=timeout, wandb_offline=top.get("wandb_offline", False),
                 mode=_mode(top["mode"], f"{where}: [compare] mode") if "mode" in top else None,
                 parallel=_count(top, "parallel", 1, 1, where),
-                checkpoint_interval=_count(top, "checkpoint_interval", 0, 0, where), module=top.get("module", ""),
+                checkpoint_interval=checkpoint_interval, module=top.get("module", ""),
                 paired_validations=_count(top, "paired_validations", 1, 1, where), corpus=corpus,
                 target_se=float(target_se))
+    _resolve_branches(spec, where)
     return spec
+
+
+def _branch_keys(a: dict, where: str) -> tuple[str, int]:
+    """An [[arm]]'s ``branch_from`` (an arm name) and ``branch_step``, both or neither."""
+    if ("branch_from" in a) != ("branch_step" in a):
+        raise ValueError(f"{where}: arm {a['name']!r} needs both branch_from and branch_step, or neither")
+    if "branch_from" not in a:
+        return "", 0
+    parent, step = a["branch_from"], a["branch_step"]
+    if not isinstance(parent, str) or not parent:
+        raise ValueError(f"{where}: arm {a['name']!r} branch_from must name an arm, got {parent!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"{where}: arm {a['name']!r} branch_step must be an integer >= 1, got {step!r}")
+    return parent, step
+
+
+def _resolve_branches(spec: Spec, where: str) -> None:
+    """Point each branching arm at its parent's replicate of the same seed, and check that the parent is a plain arm
+    that saves a checkpoint at the branch step."""
+    for arm in spec.arms:
+        if not arm.branch_from:
+            continue
+        given = arm.branch_from
+        if arm.branch_step >= spec.steps:
+            raise ValueError(f"{where}: arm {arm.name!r} branch_step = {arm.branch_step} must be below [compare] "
+                             f"steps = {spec.steps}")
+        if not spec.checkpoint_interval or arm.branch_step % spec.checkpoint_interval:
+            raise ValueError(f"{where}: arm {arm.name!r} branch_step = {arm.branch_step} must be a multiple of "
+                             f"[compare] checkpoint_interval = {spec.checkpoint_interval} (the steps its parent saves)")
+        seed = spec.seed(arm)
+        parents = [a for a in spec.arms if given in (a.name, recipe_of(a.name)) and a is not arm]
+        same_seed = [a for a in parents if spec.seed(a) == seed]
+        if not parents:
+            raise ValueError(f"{where}: arm {arm.name!r} branch_from = {given!r} is not an arm")
+        if not same_seed:
+            raise ValueError(f"{where}: arm {arm.name!r} (seed {seed}) branches from {given!r}, which has no arm of "
+                             f"seed {seed} (its seeds: {sorted(spec.seed(a) for a in parents)})")
+        parent = same_seed[0]
+        if parent.branch_from:
+            raise ValueError(f"{where}: arm {arm.name!r} branches from {parent.name!r}, which branches itself")
+        arm.branch_from = parent.name
 
 
 def check_arm_args(spec: Spec, where: str, arms: list[Arm] | None = None) -> None:

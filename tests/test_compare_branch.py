@@ -1,0 +1,137 @@
+"""Arms that start from another arm's checkpoint (``branch_from``, ``branch_step``), end to end with the stub
+trainer (tests/compare_stub.py): the runner keeps the parent's checkpoint of that step as it trains, starts the
+branch from it after every other arm, records which run of the parent it branched from, and judges the branch
+stale once the parent's log holds another run; the spec's checks, key by key."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_nvfp4 import compare
+from titan_nvfp4.compare import runner
+from titan_nvfp4.compare.armlog import identity, read_arm_log
+
+STUB = str(Path(__file__).with_name("compare_stub.py"))
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _spec(tmp_path: Path, branch: str = 'branch_from = "nvfp4"\nbranch_step = 10', seeds: str = "[42, 43]",
+          extra: str = "checkpoint_interval = 10") -> Path:
+    p = tmp_path / "spec.toml"
+    p.write_text(f"""
+[compare]
+base = "{REPO / 'train_configs/llama3_nvfp4.toml'}"
+steps = 40
+out = "{tmp_path / 'out'}"
+last = 3
+baseline = "bf16"
+reference = "nvfp4"
+common = ["--metrics.log_freq", "5"]
+launcher = ["{sys.executable}", "{STUB}"]
+{extra}
+[[arm]]
+name = "bf16"
+base = "{REPO / 'train_configs/llama3_bf16.toml'}"
+seeds = [42, 43]
+[[arm]]
+name = "nvfp4"
+overrides = ["--stub.offset", "0.2", "--stub.sleep", "0.03"]
+seeds = [42, 43]
+[[arm]]
+name = "switch"
+overrides = ["--stub.offset", "0.1"]
+seeds = {seeds}
+{branch}
+""")
+    return p
+
+
+@pytest.fixture
+def fast_poll(monkeypatch):
+    monkeypatch.setattr(runner, "BRANCH_POLL_S", 0.02)  # the stub saves every 0.3 s, TorchTitan every few minutes
+
+
+def test_a_branch_starts_from_its_parents_checkpoint_after_the_other_arms(tmp_path, capsys, fast_poll):
+    spec_path = _spec(tmp_path)
+    assert compare.main([str(spec_path)]) == 0
+    out = capsys.readouterr().out
+    order = [line.split("]")[1].split(":")[0].strip() for line in out.splitlines() if ": exit 0" in line]
+    assert order == ["bf16", "bf16_seed2", "nvfp4", "nvfp4_seed2", "switch", "switch_seed2"]
+    spec = compare.load_spec(spec_path)
+    arms = spec.by_name()
+    assert arms["switch_seed2"].branch_from == "nvfp4_seed2"  # the parent's replicate of the same seed
+    # TorchTitan kept only steps 30 and 40; the runner kept 10, whole, as hard links
+    out_dir = tmp_path / "out"
+    assert sorted(p.name for p in (out_dir / "nvfp4/checkpoint").iterdir()) == ["step-30", "step-40"]
+    kept = out_dir / "nvfp4/branch/step-10"
+    assert (kept / ".metadata").is_file() and (kept / "__0_0.distcp").read_text() == "state at step 10"
+    log = (out_dir / "switch_seed2.log").read_text()
+    assert "--checkpoint.initial_load_path " + str(kept).replace("nvfp4/", "nvfp4_seed2/") in log
+    assert "# compare: branch of nvfp4_seed2 at step 10, whose log's first " in log
+    assert "from step 11," in log and " step: 10 " not in log and " step: 40 " in log
+    state = read_arm_log(spec, arms["switch_seed2"])
+    assert state.status == "current" and state.steps[0].step == 15  # log_freq 5: steps 15, 20, ... 40
+    table = (out_dir / "compare.md").read_text()
+    assert "| switch | 2 | " in table  # paired with bf16 on both seeds
+    # the branch's identity does not depend on where the out folder is
+    assert "<out>/nvfp4/branch/step-10" in identity(spec, arms["switch"])["command"]
+
+
+def test_a_branch_of_a_parent_run_no_longer_there_is_stale_and_refused(tmp_path, capsys, fast_poll):
+    spec_path = _spec(tmp_path, seeds="[42]")
+    assert compare.main([str(spec_path)]) == 0
+    spec = compare.load_spec(spec_path)
+    assert compare.main([str(spec_path), "--only", "nvfp4", "--rerun"]) == 0  # another run of the parent
+    capsys.readouterr()
+    state = read_arm_log(spec, spec.by_name()["switch"])
+    assert state.status == "stale" and "do not pair" in state.why and "nvfp4.log" in state.why
+    assert "| switch |" not in (tmp_path / "out/compare.md").read_text()
+    # the rerun kept its own step 10: --rerun of the branch alone starts it from that run, which then pairs
+    assert compare.main([str(spec_path), "--only", "switch", "--rerun"]) == 0
+    assert read_arm_log(spec, spec.by_name()["switch"]).status == "current"
+
+
+def test_a_branch_whose_parent_checkpoint_is_not_kept_is_refused_naming_it(tmp_path, capsys, fast_poll):
+    spec_path = _spec(tmp_path, seeds="[42]")
+    assert compare.main([str(spec_path), "--only", "bf16", "nvfp4"]) == 0
+    import shutil
+
+    shutil.rmtree(tmp_path / "out/nvfp4/branch")  # another machine: the parent's log came back, its checkpoint not
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        compare.main([str(spec_path), "--only", "switch"])
+    err = capsys.readouterr().err
+    assert "arm 'switch' starts from the checkpoint of 'nvfp4' at step 10" in err and "--only nvfp4 switch" in err
+    assert not (tmp_path / "out/switch.log").exists()
+
+
+def test_a_parent_that_stops_before_the_branch_step_leaves_the_branch_unrun(tmp_path, capsys, fast_poll):
+    spec_path = _spec(tmp_path, seeds="[42]")
+    text = spec_path.read_text().replace('"--stub.sleep", "0.03"', '"--stub.fail_at", "5"')
+    spec_path.write_text(text)
+    assert compare.main([str(spec_path)]) == 1
+    out = capsys.readouterr().out
+    assert "switch: not run: the checkpoint of 'nvfp4' at step 10 it starts from is not in" in out
+
+
+@pytest.mark.parametrize("branch,seeds,extra,needles", [
+    ('branch_from = "nvfp4"', "[42]", "checkpoint_interval = 10", ["'switch'", "both branch_from and branch_step"]),
+    ('branch_from = "nvfp4"\nbranch_step = 15', "[42]", "checkpoint_interval = 10",
+     ["branch_step = 15", "multiple of [compare] checkpoint_interval = 10"]),
+    ('branch_from = "nvfp4"\nbranch_step = 10', "[42]", "", ["checkpoint_interval = 0"]),
+    ('branch_from = "nvfp4"\nbranch_step = 40', "[42]", "checkpoint_interval = 10", ["branch_step = 40", "below"]),
+    ('branch_from = "fp8"\nbranch_step = 10', "[42]", "checkpoint_interval = 10", ["branch_from = 'fp8' is not an arm"]),
+    ('branch_from = "nvfp4"\nbranch_step = 10', "[44]", "checkpoint_interval = 10",
+     ["(seed 44) branches from 'nvfp4'", "no arm of seed 44", "[42, 43]"]),
+    ('branch_from = "nvfp4"\nbranch_step = "10"', "[42]", "checkpoint_interval = 10", ["branch_step", "'10'"]),
+    ('branch_from = "switch"\nbranch_step = 10', "[42]", "checkpoint_interval = 10", ["'switch' branch_from = 'switch'"]),
+], ids=["step_missing", "step_not_saved", "no_checkpoints", "step_past_end", "no_parent", "no_parent_seed",
+        "step_not_int", "itself"])
+def test_bad_branches_are_refused_by_key(tmp_path, branch, seeds, extra, needles):
+    with pytest.raises(ValueError) as e:
+        compare.load_spec(_spec(tmp_path, branch, seeds, extra))
+    for needle in needles:
+        assert needle in str(e.value), (needle, str(e.value))
