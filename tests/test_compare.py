@@ -13,25 +13,11 @@ import pytest
 
 from titan_nvfp4 import compare
 
-STUB = str(Path(__file__).with_name("compare_stub.py"))
-REPO = Path(__file__).resolve().parents[1]
+from compare_helpers import REPO, STUB, write_spec
 
 
 def _spec(tmp_path: Path, arms: str, extra: str = "") -> Path:
-    p = tmp_path / "spec.toml"
-    p.write_text(f"""
-[compare]
-base = "{REPO / 'train_configs/llama3_nvfp4.toml'}"
-steps = 40
-out = "{tmp_path / 'out'}"
-last = 3
-baseline = "bf16"
-reference = "nvfp4"
-common = ["--metrics.log_freq", "5"]
-launcher = ["{sys.executable}", "{STUB}"]
-{extra}
-{arms}""")
-    return p
+    return write_spec(tmp_path, arms, extra)
 
 
 ARMS = """

@@ -5,7 +5,6 @@ stale once the parent's log holds another run; the spec's checks, key by key."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,24 +13,12 @@ from titan_nvfp4 import compare
 from titan_nvfp4.compare import runner
 from titan_nvfp4.compare.armlog import identity, read_arm_log
 
-STUB = str(Path(__file__).with_name("compare_stub.py"))
-REPO = Path(__file__).resolve().parents[1]
+from compare_helpers import REPO, write_spec
 
 
 def _spec(tmp_path: Path, branch: str = 'branch_from = "nvfp4"\nbranch_step = 10', seeds: str = "[42, 43]",
           extra: str = "checkpoint_interval = 10") -> Path:
-    p = tmp_path / "spec.toml"
-    p.write_text(f"""
-[compare]
-base = "{REPO / 'train_configs/llama3_nvfp4.toml'}"
-steps = 40
-out = "{tmp_path / 'out'}"
-last = 3
-baseline = "bf16"
-reference = "nvfp4"
-common = ["--metrics.log_freq", "5"]
-launcher = ["{sys.executable}", "{STUB}"]
-{extra}
+    return write_spec(tmp_path, f"""
 [[arm]]
 name = "bf16"
 base = "{REPO / 'train_configs/llama3_bf16.toml'}"
@@ -45,8 +32,7 @@ name = "switch"
 overrides = ["--stub.offset", "0.1"]
 seeds = {seeds}
 {branch}
-""")
-    return p
+""", extra)
 
 
 @pytest.fixture
