@@ -1,13 +1,14 @@
 """A stand-in for `torchrun -m torchtitan.train` in tests/test_compare.py: reads the runner's arguments
 and writes what TorchTitan writes, metric lines on stdout or (with --metrics.enable_tensorboard) only
 TensorBoard scalars under the dump folder. --stub.offset shifts the loss; --stub.fail_at exits 1 there (in a
-run that starts at step 1: a resumed run goes on); --stub.sleep sleeps that long per step; --stub.corpus ID logs
-the line of a split read from corpus ID; --stub.child starts a child process (as torchrun starts workers) and
-writes its pid to <dump>/child.pid; --stub.worker starts one in a session of its own, as torchrun starts each
-worker, that writes a line to the log every 0.1 s, and writes its pid and the stub's to <dump>/worker.pid and
-<dump>/stub.pid. With --checkpoint.enable it saves <dump>/checkpoint/step-N (a .metadata file last) every
---checkpoint.interval steps, keeps the latest --checkpoint.keep_latest_k, and resumes after the latest one, or,
-with none, after the step of --checkpoint.initial_load_path (with --checkpoint.no_initial_load_model_only), as
+run not resumed from its own checkpoint: a resumed run goes on); --stub.progress draws a progress bar (a carriage
+return inside a line); --stub.sleep sleeps that long per step; --stub.corpus ID logs the line of a split read from
+corpus ID; --stub.child starts a child process (as torchrun starts workers) and writes its pid to
+<dump>/child.pid; --stub.worker starts one in a session of its own, as torchrun starts each worker, that writes a
+line to the log every 0.1 s, and writes its pid and the stub's to <dump>/worker.pid and <dump>/stub.pid. With
+--checkpoint.enable it saves <dump>/checkpoint/step-N (a .metadata file last) every --checkpoint.interval steps,
+keeps the latest --checkpoint.keep_latest_k, and resumes after the latest whole one, or, without a checkpoint
+folder, after the step of --checkpoint.initial_load_path (with --checkpoint.no_initial_load_model_only), as
 TorchTitan does."""
 
 import argparse
@@ -39,6 +40,7 @@ ap.add_argument("--stub.sleep", dest="sleep", type=float, default=0.0)
 ap.add_argument("--stub.child", dest="child", action="store_true")
 ap.add_argument("--stub.worker", dest="worker", action="store_true")
 ap.add_argument("--stub.corpus", dest="corpus", default="")
+ap.add_argument("--stub.progress", dest="progress", action="store_true")
 args = ap.parse_args()
 args.offset += 0.003 * (args.seed - 42)
 dump = Path(args.dump)
@@ -51,9 +53,12 @@ if args.worker:
                                "time.sleep(0.1)"], start_new_session=True)
     (dump / "stub.pid").write_text(str(os.getpid()))
     (dump / "worker.pid").write_text(str(worker.pid))
-ckpts = sorted(int(p.name[5:]) for p in (dump / "checkpoint").glob("step-*")) if args.ckpt else []
+# TorchTitan: a step folder counts once its .metadata is written; an existing checkpoint folder, even without one,
+# means this run's own (initial_load_path ignored, so a cut-short save starts the job at step 1)
+ckpts = sorted(int(p.parent.name[5:]) for p in (dump / "checkpoint").glob("step-*/.metadata")) if args.ckpt else []
+own = args.ckpt and (dump / "checkpoint").exists()
 first = ckpts[-1] + 1 if ckpts else 1
-if args.ckpt and not ckpts and args.initial:
+if args.ckpt and not own and args.initial:
     if not Path(args.initial).is_dir():
         print("ValueError: checkpoint.initial_load_path is specified but the path is not valid.", flush=True)
         sys.exit(1)
@@ -61,6 +66,8 @@ if args.ckpt and not ckpts and args.initial:
 print(f"[titan] INFO - Starting job from {args.config} (module {args.module}), compile {args.compile}, "
       f"TORCHINDUCTOR_CUDAGRAPHS={os.environ.get('TORCHINDUCTOR_CUDAGRAPHS')}, "
       f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}, from step {first}, at {time.time():.3f}", flush=True)
+if args.progress:  # a progress bar, as the datasets library draws one: carriage returns inside a line
+    print("Generating train split: 0 examples\rGenerating train split: 10 examples", flush=True)
 if args.corpus:  # the line titan_nvfp4.data.registry logs for each split a job reads
     print(f"[titan] INFO - Reading train.jsonl of /assets/pysources: corpus {args.corpus} (10 documents, ~0.01M "
           "tokens)", flush=True)
@@ -71,7 +78,7 @@ if args.tb:
     writer = SummaryWriter(f"{args.dump}/tb/20261123-0000")
 for step in range(first, args.steps + 1):
     time.sleep(args.sleep)
-    if step == args.fail_at and first == 1:
+    if step == args.fail_at and not ckpts:  # not in a run resumed from its own checkpoint
         print("Traceback: stub failure", flush=True)
         sys.exit(1)
     if args.ckpt and step % args.interval == 0:

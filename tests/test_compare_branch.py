@@ -17,21 +17,23 @@ from compare_helpers import REPO, write_spec
 
 
 def _spec(tmp_path: Path, branch: str = 'branch_from = "nvfp4"\nbranch_step = 10', seeds: str = "[42, 43]",
-          extra: str = "checkpoint_interval = 10") -> Path:
+          extra: str = "checkpoint_interval = 10", switch: str = "") -> Path:
+    """The branching arm first in the spec (the runner still runs it last), with ``switch`` added to its overrides;
+    the parent draws a progress bar (a carriage return in its log, inside the stamped bytes)."""
     return write_spec(tmp_path, f"""
+[[arm]]
+name = "switch"
+overrides = ["--stub.offset", "0.1"{switch}]
+seeds = {seeds}
+{branch}
 [[arm]]
 name = "bf16"
 base = "{REPO / 'train_configs/llama3_bf16.toml'}"
 seeds = [42, 43]
 [[arm]]
 name = "nvfp4"
-overrides = ["--stub.offset", "0.2", "--stub.sleep", "0.03"]
+overrides = ["--stub.offset", "0.2", "--stub.sleep", "0.03", "--stub.progress"]
 seeds = [42, 43]
-[[arm]]
-name = "switch"
-overrides = ["--stub.offset", "0.1"]
-seeds = {seeds}
-{branch}
 """, extra)
 
 
@@ -75,6 +77,9 @@ def test_a_branch_of_a_parent_run_no_longer_there_is_stale_and_refused(tmp_path,
     state = read_arm_log(spec, spec.by_name()["switch"])
     assert state.status == "stale" and "do not pair" in state.why and "nvfp4.log" in state.why
     assert "| switch |" not in (tmp_path / "out/compare.md").read_text()
+    with pytest.raises(SystemExit):
+        compare.main([str(spec_path), "--only", "switch"])
+    assert "--rerun starts it afresh" in capsys.readouterr().err
     # the rerun kept its own step 10: --rerun of the branch alone starts it from that run, which then pairs
     assert compare.main([str(spec_path), "--only", "switch", "--rerun"]) == 0
     assert read_arm_log(spec, spec.by_name()["switch"]).status == "current"
@@ -121,3 +126,53 @@ def test_bad_branches_are_refused_by_key(tmp_path, branch, seeds, extra, needles
         compare.load_spec(_spec(tmp_path, branch, seeds, extra))
     for needle in needles:
         assert needle in str(e.value), (needle, str(e.value))
+
+
+def test_a_branch_whose_parent_changed_in_the_spec_is_stale(tmp_path, fast_poll):
+    spec_path = _spec(tmp_path, seeds="[42]")
+    assert compare.main([str(spec_path)]) == 0
+    spec_path.write_text(spec_path.read_text().replace('"--stub.offset", "0.2"', '"--stub.offset", "0.3"'))
+    spec = compare.load_spec(spec_path)
+    state = read_arm_log(spec, spec.by_name()["switch"])
+    assert state.status == "stale" and "not a run of this spec" in state.why and "first 10 steps" in state.why
+
+
+def test_a_branch_resumes_from_its_own_checkpoint_and_restarts_from_the_kept_one_before_it(tmp_path, capsys,
+                                                                                         fast_poll):
+    spec_path = _spec(tmp_path, seeds="[42]", switch=', "--stub.fail_at", "25"')
+    assert compare.main([str(spec_path)]) == 1  # the branch saves its step 20, then stops at 25
+    capsys.readouterr()
+    assert compare.main([str(spec_path), "--only", "switch"]) == 0
+    assert "(resumed)" in capsys.readouterr().out
+    log = (tmp_path / "out/switch.log").read_text()
+    assert "from step 11," in log and "from step 21," in log and log.count("# compare: branch of nvfp4") == 1
+    spec = compare.load_spec(spec_path)
+    assert read_arm_log(spec, spec.by_name()["switch"]).status == "current"
+    # stopped before its own first save (step 15), or with a save cut short (no .metadata): fresh from the kept point
+    spec_path.write_text(spec_path.read_text().replace('"--stub.fail_at", "25"', '"--stub.fail_at", "15"'))
+    assert compare.main([str(spec_path), "--only", "switch", "--rerun"]) == 1  # the edited arm: afresh
+    (tmp_path / "out/switch/checkpoint/step-10").mkdir(parents=True)  # a save cut short by a kill
+    capsys.readouterr()
+    assert compare.main([str(spec_path), "--only", "switch"]) == 1
+    assert "(resumed)" not in capsys.readouterr().out
+    log = (tmp_path / "out/switch.log").read_text()
+    assert log.count("from step 11,") == 1 and "from step 1," not in log and ", fresh" in log
+
+
+def test_a_branch_and_its_parent_brought_back_together_still_pair_wherever_they_land(tmp_path, capsys, fast_poll):
+    """Logs go through a tar as bytes (the parent's progress bar's carriage return included, which text mode would
+    turn into a newline and break the stamp), and into another out folder (--out)."""
+    import tarfile
+
+    spec_path = _spec(tmp_path, seeds="[42]")
+    assert compare.main([str(spec_path)]) == 0
+    assert b"\r" in (tmp_path / "out/nvfp4.log").read_bytes()
+    with tarfile.open(tmp_path / "logs.tar.xz", "w:xz") as tar:
+        for log in (tmp_path / "out").glob("*.log"):
+            tar.add(log, arcname=f"./{log.name}")
+    home = tmp_path / "kept"
+    capsys.readouterr()
+    assert compare.main([str(spec_path), "--import-logs", str(tmp_path / "logs.tar.xz"), "--out", str(home)]) == 0
+    assert "switch: imported, step 40 of 40 (complete)" in capsys.readouterr().out
+    assert (home / "nvfp4.log").read_bytes() == (tmp_path / "out/nvfp4.log").read_bytes()
+    assert "| switch | 40 |" in (home / "compare.md").read_text()

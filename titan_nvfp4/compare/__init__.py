@@ -59,10 +59,12 @@ its log continued; later log lines for a step win. ``timeout_s`` stops all of an
 Branches: an arm with ``branch_from`` and ``branch_step`` starts from that arm's (with seeds: the replicate of the
 same seed's) checkpoint of that step, the whole training state (``--checkpoint.initial_load_path``,
 ``--checkpoint.no_initial_load_model_only``), so the two share every bit up to it and differ by what the branch
-changes after it, not by the drift of two separate runs. The runner keeps the parent's checkpoint of that step as
-hard links under ``<out>/<parent>/branch/`` while the parent trains (TorchTitan keeps only its latest two), runs the
-branches after every other arm, and writes into a branch's log the length and sha256 of its parent's log at that
-moment: a branch whose parent's log is another run is stale. The checkpoint stays on the machine: a branch runs in
+changes after it, not by the drift of two separate runs. After the step a branch trains with the spec's base (or its
+own) and its own overrides, not its parent's: repeat the parent's overrides where it should differ by one knob. The
+runner keeps the parent's checkpoint of that step as hard links under ``<out>/<parent>/branch/`` while the parent
+trains (TorchTitan keeps only its latest two), runs the branches after every other arm, and writes into a branch's
+log the length and sha256 of its parent's log at that moment: a branch whose parent's log is another run, or not a
+run of the spec as it is now, is stale. The checkpoint stays on the machine: a branch runs in
 the same call as its parent (or later on the same machine), else it is refused.
 
 TorchTitan 0.3 (a config registry instead of job files): ``module = "titan_nvfp4.integration_v03.configs"``, and

@@ -38,13 +38,14 @@ def job_digest(spec: Spec, arm: Arm) -> str:
         raise ValueError(f"arm {arm.name!r}: cannot read its job file {path}: {e.strerror}") from None
 
 
-def _relocatable(command: list[str]) -> list[str]:
-    """``command`` with its dump folder left out: a log moved or gathered elsewhere (``--out``) is the same run."""
+def _relocatable(command: list[str], branch: bool = False) -> list[str]:
+    """``command`` with its dump folder left out (and a branching arm's kept checkpoint, under the out folder too): a
+    log moved or gathered elsewhere (``--out``) is the same run."""
     words = list(command)
     for i, w in enumerate(words[:-1]):
         if w in _DUMP_FLAGS:
             words[i + 1] = "<out>/<arm>"
-        elif w == BRANCH_FLAG:  # <out>/<parent>/branch/step-N
+        elif w == BRANCH_FLAG and branch:  # the runner's <out>/<parent>/branch/step-N (a user's own path stays)
             words[i + 1] = "/".join(["<out>", *Path(words[i + 1]).parts[-3:]])
     return words
 
@@ -53,7 +54,7 @@ def identity(spec: Spec, arm: Arm) -> dict:
     """What makes a run of ``arm`` this spec's: its command (dump folder aside), its variables of RUN_ENV and its
     job file's contents."""
     env = spec.env(arm)
-    return {"command": _relocatable(spec.command(arm)), "env": {k: env[k] for k in RUN_ENV if k in env},
+    return {"command": _relocatable(spec.command(arm), bool(arm.branch_from)), "env": {k: env[k] for k in RUN_ENV if k in env},
             "job": job_digest(spec, arm)}
 
 
@@ -84,11 +85,17 @@ def branch_line(arm: Arm, stamp: dict) -> str:
 
 def _branch_mismatch(spec: Spec, arm: Arm, text: str) -> str:
     """Why a branching arm's log does not pair with its parent's log in the folder ("" when it does): the parent's
-    log must start with the bytes it had when the arm's checkpoint was taken from it."""
+    log must be a run of the spec as it is now, and start with the bytes it had when the arm's checkpoint was taken
+    from it."""
     m = next((m for line in text.splitlines() if (m := _BRANCH_LINE.match(line))), None)
     if m is None:
         return f"{spec.log(arm)} does not say which run of {arm.branch_from!r} it branched from"
     parent_log = spec.out / f"{arm.branch_from}.log"
+    parent = read_arm_log(spec, spec.by_name()[arm.branch_from])
+    if parent.status != "current":
+        return (f"{spec.log(arm)} branched from {arm.branch_from!r}, whose log {parent_log} is not a run of this spec "
+                f"({parent.status}{': ' + parent.why if parent.why else ''}): its first {arm.branch_step} steps are "
+                "not the spec's")
     n = int(m["bytes"])
     try:
         head = parent_log.read_bytes()[:n] if parent_log.is_file() else b""
@@ -132,7 +139,7 @@ def _changes(spec: Spec, arm: Arm, command_line: str, job: str) -> str:
              if env.get(k) != now["env"].get(k)]
     if job != now["job"]:
         found.append(f"the job file {spec.job_file(arm)} changed")
-    old, new = _relocatable(words), now["command"]
+    old, new = _relocatable(words, bool(arm.branch_from)), now["command"]
     for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=old, b=new, autojunk=False).get_opcodes():
         flag = old[i1 - 1] + " " if 0 < i1 < len(old) and old[i1 - 1].startswith("-") and \
             not old[i1].startswith("-") else ""

@@ -11,7 +11,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from ..tools.atomic import write_text
+from ..tools.atomic import write_bytes
 from .armlog import ArmLog, read_arm_log
 from .spec import Spec
 
@@ -75,14 +75,14 @@ def import_logs(spec: Spec, source: Path, only: list[str] | None = None, replace
             if not new.steps:
                 lines.append(f"{name}: skipped, no logged step (a run that failed at its start)")
                 continue
-            text = path.read_text(errors="replace")
+            data = path.read_bytes()  # bytes as they came: a branch's stamp is the sha256 of its parent's log
             old = read_arm_log(spec, arm)
             there_file = spec.log(arm).is_file()
-            held = spec.log(arm).read_text(errors="replace") if there_file else ""
-            if held and text == held:
+            held = spec.log(arm).read_bytes() if there_file else b""
+            if held and data == held:
                 lines.append(f"{name}: already there (the same log, step {_last_step(new)})")
                 continue
-            if old.status != "none" and not (there_file and text.startswith(held)):
+            if old.status != "none" and not (there_file and data.startswith(held)):
                 if old.steps:
                     there = f"{old.status}, step {_last_step(old)}"
                 else:
@@ -95,7 +95,7 @@ def import_logs(spec: Spec, source: Path, only: list[str] | None = None, replace
                     lines.append(f"{name}: skipped, the log there holds another run of the arm ({there}); "
                                  f"--replace-logs puts the incoming one (step {_last_step(new)}) in its place")
                     continue
-            write_text(spec.log(arm), text, f"the log of arm {name}")
+            write_bytes(spec.log(arm), data, f"the log of arm {name}")
             done = "complete" if _last_step(new) >= spec.steps else "partial"
             lines.append(f"{name}: imported, step {_last_step(new)} of {spec.steps} ({done})")
     return lines

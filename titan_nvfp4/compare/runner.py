@@ -39,8 +39,10 @@ class Interrupted(KeyboardInterrupt):
 
 
 def has_checkpoint(spec: Spec, arm: Arm) -> bool:
-    """Whether the arm will load a checkpoint: checkpointing on and a step folder saved under its dump folder."""
-    return spec.checkpoint_interval > 0 and any(spec.dump(arm).glob("checkpoint/step-*"))
+    """Whether the arm will load a checkpoint: checkpointing on and a whole step folder (its ``.metadata`` is written
+    last) under its dump folder. A folder cut short by a kill is not one: TorchTitan would start afresh from step 1
+    (and a branch without its parent's state), so the arm starts fresh instead, its outputs cleared."""
+    return spec.checkpoint_interval > 0 and any(spec.dump(arm).glob("checkpoint/step-*/.metadata"))
 
 
 def plan(spec: Spec, arm: Arm, rerun: bool) -> str:
@@ -155,9 +157,9 @@ def run_arm(spec: Spec, arm: Arm, index: int, gpu: str | None = None, resume: bo
     stamp = branch_stamp(spec, arm) if arm.branch_from and not resume else None
     if arm.branch_from and not resume and stamp is None:
         print(f"[{index}/{len(spec.arms)}] {arm.name}: not run: the checkpoint of {arm.branch_from!r} at step "
-              f"{arm.branch_step} it starts from is not in {spec.branch_point(arm.branch_from, arm.branch_step)} (kept "
-              f"while {arm.branch_from!r} trains: run both in one call, --only {arm.branch_from} {arm.name})",
-              flush=True)
+              f"{arm.branch_step} it starts from is not in {spec.branch_point(arm.branch_from, arm.branch_step)}: "
+              f"{arm.branch_from!r} did not save it here (it stopped before step {arm.branch_step}, or could not be "
+              f"kept: see above)", flush=True)
         return 1
     start = time.time()
     # O_APPEND: every process of the arm appends, so no writer's offset can leave a hole of NUL bytes; the flock
@@ -187,8 +189,10 @@ def run_arm(spec: Spec, arm: Arm, index: int, gpu: str | None = None, resume: bo
                 lock.record(guard=proc.pid)
             LIVE.add(proc)
             done = threading.Event()
+            keeper = None
             if spec.branches(arm):
-                threading.Thread(target=_keep_while_running, args=(spec, arm, done), daemon=True).start()
+                keeper = threading.Thread(target=_keep_while_running, args=(spec, arm, done), daemon=True)
+                keeper.start()
             try:
                 rc = proc.wait(timeout=spec.timeout_s or None)
             except subprocess.TimeoutExpired:
@@ -196,6 +200,8 @@ def run_arm(spec: Spec, arm: Arm, index: int, gpu: str | None = None, resume: bo
                 rc = 124
             finally:
                 done.set()
+                if keeper is not None:
+                    keeper.join()  # one keeper at a time: the last look below must not race a poll's copy
                 LIVE.discard(proc)
         finally:
             os.close(runner_end)

@@ -297,7 +297,9 @@ def _resolve_branches(spec: Spec, where: str) -> None:
             raise ValueError(f"{where}: arm {arm.name!r} branch_step = {arm.branch_step} must be a multiple of "
                              f"[compare] checkpoint_interval = {spec.checkpoint_interval} (the steps its parent saves)")
         seed = spec.seed(arm)
-        parents = [a for a in spec.arms if given in (a.name, recipe_of(a.name)) and a is not arm]
+        if given in (arm.name, recipe_of(arm.name)):
+            raise ValueError(f"{where}: arm {arm.name!r} branch_from = {given!r} branches from itself")
+        parents = [a for a in spec.arms if given in (a.name, recipe_of(a.name))]
         same_seed = [a for a in parents if spec.seed(a) == seed]
         if not parents:
             raise ValueError(f"{where}: arm {arm.name!r} branch_from = {given!r} is not an arm")
