@@ -114,7 +114,8 @@ class Spec:
         job = (["--module", self.module, "--config", base] if self.module else ["--job.config_file", base])
         dump = "--dump_folder" if self.module else "--job.dump_folder"  # 0.3 moved it to the top level
         if arm.branch_from:  # TorchTitan loads the whole training state there while the arm has no checkpoint
-            ckpt += [BRANCH_FLAG, str(self.branch_point(arm.branch_from, arm.branch_step)),
+            # (absolute: TorchTitan 0.3 takes no other)
+            ckpt += [BRANCH_FLAG, str(self.branch_point(arm.branch_from, arm.branch_step).absolute()),
                      "--checkpoint.no_initial_load_model_only"]
         return [*self.launcher, *job, "--training.steps", str(self.steps), dump, str(self.dump(arm)),
                 *MODES[self.arm_mode(arm)][0], *ckpt, *self.common, *arm.overrides]
