@@ -1494,16 +1494,23 @@ def test_nvfp4_all_gather_outside_its_backend_stops_naming_the_knob():
 
 def test_comparison_spec_arms_parse_through_the_03_config_manager(tmp_path):
     """The comparison runner on 0.3 (`module = ...`): every arm's command parses through 0.3's ConfigManager before
-    anything trains, and a misspelt override stops it naming the arm."""
+    anything trains (a branch's whole-state initial load included: 0.3 takes only an absolute path), and a misspelt
+    override stops it naming the arm."""
+    from torchtitan.config import ConfigManager
+
     from titan_nvfp4 import compare
 
     spec = tmp_path / "spec.toml"
     arms = ('[[arm]]\nname = "bf16"\nbase = "llama3_debug_bf16"\n[[arm]]\nname = "nvfp4"\n'
-            '[[arm]]\nname = "no_sr"\noverrides = ["--quantize.linear.stochastic_rounding", "False"]\n')
-    spec.write_text(f'[compare]\nmodule = "{MODULE}"\nbase = "llama3_debug_nvfp4"\nsteps = 10\nout = "{tmp_path}/out"\n'
+            '[[arm]]\nname = "no_sr"\noverrides = ["--quantize.linear.stochastic_rounding", "False"]\n'
+            'branch_from = "nvfp4"\nbranch_step = 5\n')
+    spec.write_text(f'[compare]\nmodule = "{MODULE}"\nbase = "llama3_debug_nvfp4"\nsteps = 10\nout = "out"\n'
                     f'checkpoint_interval = 5\n{arms}')
     s = compare.load_spec(spec)
     compare.check_arm_args(s, str(spec))
+    branch = s.by_name()["no_sr"]
+    ckpt = ConfigManager().parse_args(s.command(branch)[len(s.launcher):]).checkpoint
+    assert ckpt.initial_load_path == str(Path("out/nvfp4/branch/step-5").absolute()) and not ckpt.initial_load_model_only
     spec.write_text(spec.read_text().replace("stochastic_rounding", "stochastic_roundin"))
     with pytest.raises(ValueError, match="arm 'no_sr': TorchTitan rejects its arguments"):
         compare.check_arm_args(compare.load_spec(spec), str(spec))
