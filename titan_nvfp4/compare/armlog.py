@@ -54,8 +54,8 @@ def identity(spec: Spec, arm: Arm) -> dict:
     """What makes a run of ``arm`` this spec's: its command (dump folder aside), its variables of RUN_ENV and its
     job file's contents."""
     env = spec.env(arm)
-    return {"command": _relocatable(spec.command(arm), bool(arm.branch_from)), "env": {k: env[k] for k in RUN_ENV if k in env},
-            "job": job_digest(spec, arm)}
+    return {"command": _relocatable(spec.command(arm), bool(arm.branch_from)),
+            "env": {k: env[k] for k in RUN_ENV if k in env}, "job": job_digest(spec, arm)}
 
 
 def spec_hash(ident: dict) -> str:

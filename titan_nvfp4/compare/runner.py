@@ -315,10 +315,11 @@ def run_selected(spec: Spec, selected: list[tuple[int, Arm]], rerun: bool) -> li
         for _, arm in todo:
             if plans[arm.name] == "fresh" and arm.branch_from and arm.branch_from not in running and \
                     branch_stamp(spec, arm) is None:
+                kept = spec.branch_point(arm.branch_from, arm.branch_step)
                 refused.append(f"arm {arm.name!r} starts from the checkpoint of {arm.branch_from!r} at step "
-                               f"{arm.branch_step}, which is not kept in {spec.branch_point(arm.branch_from, arm.branch_step)}"
-                               f" (the runner keeps it while {arm.branch_from!r} trains): run both, --only "
-                               f"{arm.branch_from} {arm.name} (with --rerun if {arm.branch_from!r} is done)")
+                               f"{arm.branch_step}, which is not kept in {kept} (the runner keeps it while "
+                               f"{arm.branch_from!r} trains): run both, --only {arm.branch_from} {arm.name} (with "
+                               f"--rerun if {arm.branch_from!r} is done)")
         if refused:
             raise Refused("; ".join(refused))
         for _, arm in todo:
