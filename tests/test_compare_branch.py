@@ -32,14 +32,14 @@ base = "{REPO / 'train_configs/llama3_bf16.toml'}"
 seeds = [42, 43]
 [[arm]]
 name = "nvfp4"
-overrides = ["--stub.offset", "0.2", "--stub.sleep", "0.03", "--stub.progress"]
+overrides = ["--stub.offset", "0.2", "--stub.sleep", "0.05", "--stub.progress"]
 seeds = [42, 43]
 """, extra)
 
 
 @pytest.fixture
 def fast_poll(monkeypatch):
-    monkeypatch.setattr(runner, "BRANCH_POLL_S", 0.02)  # the stub saves every 0.3 s, TorchTitan every few minutes
+    monkeypatch.setattr(runner, "BRANCH_POLL_S", 0.02)  # the stub saves every 0.5 s, TorchTitan every few minutes
 
 
 def test_a_branch_starts_from_its_parents_checkpoint_after_the_other_arms(tmp_path, capsys, fast_poll):
@@ -51,7 +51,7 @@ def test_a_branch_starts_from_its_parents_checkpoint_after_the_other_arms(tmp_pa
     spec = compare.load_spec(spec_path)
     arms = spec.by_name()
     assert arms["switch_seed2"].branch_from == "nvfp4_seed2"  # the parent's replicate of the same seed
-    # TorchTitan kept only steps 30 and 40; the runner kept 10, whole, as hard links
+    # TorchTitan kept only steps 30 and 40; the runner kept 10, whole
     out_dir = tmp_path / "out"
     assert sorted(p.name for p in (out_dir / "nvfp4/checkpoint").iterdir()) == ["step-30", "step-40"]
     kept = out_dir / "nvfp4/branch/step-10"
@@ -101,7 +101,7 @@ def test_a_branch_whose_parent_checkpoint_is_not_kept_is_refused_naming_it(tmp_p
 
 def test_a_parent_that_stops_before_the_branch_step_leaves_the_branch_unrun(tmp_path, capsys, fast_poll):
     spec_path = _spec(tmp_path, seeds="[42]")
-    text = spec_path.read_text().replace('"--stub.sleep", "0.03"', '"--stub.fail_at", "5"')
+    text = spec_path.read_text().replace('"--stub.sleep", "0.05"', '"--stub.fail_at", "5"')
     spec_path.write_text(text)
     assert compare.main([str(spec_path)]) == 1
     out = capsys.readouterr().out
