@@ -90,8 +90,9 @@ def _branch_mismatch(spec: Spec, arm: Arm, text: str) -> str:
     m = next((m for line in text.splitlines() if (m := _BRANCH_LINE.match(line))), None)
     if m is None:
         return f"{spec.log(arm)} does not say which run of {arm.branch_from!r} it branched from"
-    parent_log = spec.out / f"{arm.branch_from}.log"
-    parent = read_arm_log(spec, spec.by_name()[arm.branch_from])
+    parent_arm = spec.by_name()[arm.branch_from]
+    parent_log = spec.log(parent_arm)
+    parent = read_arm_log(spec, parent_arm)
     if parent.status != "current":
         return (f"{spec.log(arm)} branched from {arm.branch_from!r}, whose log {parent_log} is not a run of this spec "
                 f"({parent.status}{': ' + parent.why if parent.why else ''}): its first {arm.branch_step} steps are "

@@ -81,6 +81,11 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
+def _stamp_file(kept: Path) -> Path:
+    """The stamp of the parent's log beside a kept checkpoint folder."""
+    return kept.with_name(f"{kept.name}.json")
+
+
 def keep_branch_points(spec: Spec, parent: Arm) -> None:
     """Keep each checkpoint of ``parent`` that an arm branches from, once TorchTitan has written it whole (its
     ``.metadata`` comes last), as hard links under its branch folder (TorchTitan removes its own step folder when it
@@ -93,7 +98,7 @@ def keep_branch_points(spec: Spec, parent: Arm) -> None:
         partial = kept.with_name(f".{kept.name}.partial")
         shutil.rmtree(partial, ignore_errors=True)
         shutil.copytree(saved, partial, copy_function=_link_or_copy)
-        write_text(kept.with_name(f"{kept.name}.json"), json.dumps(log_stamp(spec.log(parent))), "a branch stamp")
+        write_text(_stamp_file(kept), json.dumps(log_stamp(spec.log(parent))), "a branch stamp")
         os.replace(partial, kept)
 
 
@@ -111,7 +116,7 @@ def branch_stamp(spec: Spec, arm: Arm) -> dict | None:
     """The stamp of the parent's run that ``arm`` branches from, None while its checkpoint is not kept here."""
     kept = spec.branch_point(arm.branch_from, arm.branch_step)
     try:
-        return json.loads(kept.with_name(f"{kept.name}.json").read_text()) if (kept / ".metadata").is_file() else None
+        return json.loads(_stamp_file(kept).read_text()) if (kept / ".metadata").is_file() else None
     except (OSError, ValueError):
         return None
 
@@ -154,13 +159,15 @@ def run_arm(spec: Spec, arm: Arm, index: int, gpu: str | None = None, resume: bo
         # tokens/s with 4 threads each, in part because the BF16 arms finished meanwhile)
         extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.parallel))
     env = {**os.environ, **extra}
-    stamp = branch_stamp(spec, arm) if arm.branch_from and not resume else None
-    if arm.branch_from and not resume and stamp is None:
+    starts_branch = bool(arm.branch_from) and not resume
+    stamp = branch_stamp(spec, arm) if starts_branch else None
+    if starts_branch and stamp is None:
         print(f"[{index}/{len(spec.arms)}] {arm.name}: not run: the checkpoint of {arm.branch_from!r} at step "
               f"{arm.branch_step} it starts from is not in {spec.branch_point(arm.branch_from, arm.branch_step)}: "
               f"{arm.branch_from!r} did not save it here (it stopped before step {arm.branch_step}, or could not be "
               f"kept: see above)", flush=True)
         return 1
+    is_parent = bool(spec.branches(arm))
     start = time.time()
     # O_APPEND: every process of the arm appends, so no writer's offset can leave a hole of NUL bytes; the flock
     # travels with the open file to every process given it as stdout, and marks the log as written until the last
@@ -190,7 +197,7 @@ def run_arm(spec: Spec, arm: Arm, index: int, gpu: str | None = None, resume: bo
             LIVE.add(proc)
             done = threading.Event()
             keeper = None
-            if spec.branches(arm):
+            if is_parent:
                 keeper = threading.Thread(target=_keep_while_running, args=(spec, arm, done), daemon=True)
                 keeper.start()
             try:
@@ -205,7 +212,7 @@ def run_arm(spec: Spec, arm: Arm, index: int, gpu: str | None = None, resume: bo
                 LIVE.discard(proc)
         finally:
             os.close(runner_end)
-    if spec.branches(arm):
+    if is_parent:
         try:
             keep_branch_points(spec, arm)
         except OSError as e:
