@@ -142,6 +142,29 @@ def test_a_plain_model_converts_and_trains(meta, caplog):
     assert again is model and type(model.head) is nn.Linear
 
 
+@pytest.mark.parametrize("preset", ["nvidia_paper", "quartet2", "tetrajet2"])
+def test_a_sequential_keeps_its_children_and_switches_on_time(preset):
+    """The step counter is an attribute, not a child: nn.Sequential calls every child (it raised
+    NotImplementedError on the counter before), and the children and state-dict keys stay the model's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.Linear(64, 32))
+    keys, children = list(model.state_dict()), len(model)
+    extra = {"outcontrol_start": 1, "outcontrol_steps": 1} if preset == "tetrajet2" else {}
+    model, steps = titan_nvfp4.convert(model, preset, filter_fqns=["3"], gemm_backend="reference", total_steps=4,
+                                       bf16_after_fraction=0.5, bf16_after_scope="forward", **extra)
+    assert len(model) == children  # OutControl adds its selection to its layers' keys (0.outcontrol_index, ...)
+    assert [k for k in model.state_dict() if "outcontrol" not in k] == keys
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(32, 64)
+    switched = []
+    for _ in range(4):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        steps.step()
+        switched.append(model[0].precision_schedule.high_precision_forward)
+    assert switched == [False, True, True, True]  # the last half (2 of 4 steps) from the forward after step 2
+
 def test_a_bad_tune_thread_count_is_named_at_conversion(monkeypatch):
     # Not at the first autotuned launch, minutes into a job.
     monkeypatch.setenv("TITAN_NVFP4_TUNE_THREADS", "lots")

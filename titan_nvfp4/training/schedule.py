@@ -1,15 +1,15 @@
 """Optimizer-step schedules of the converters: the step count they keep, and the late switch of every
 NVFP4 layer to high precision (``bf16_after_fraction``) that it drives.
 
-TorchTitan calls a converter's post-optimizer hook with the model only. So the converter keeps its count
-in a small submodule of the model (``StepCounter``), which holds no tensors: the model's state-dict keys
-stay TorchTitan's. On resume the count comes from TorchTitan's own checkpointed step
-(integration/train_state.py sets it when the train_state loads), so the switch and the low-rank refresh
-happen at the same optimizer steps in a resumed run as in an uninterrupted one. The NVFP4 modules read
-the switch from a shared ``PrecisionSchedule``, plain bools that change once, so a compiled block
-recompiles once at the switch and never guards on the step count. ``bf16_after_scope`` says which GEMMs switch:
-all three ("forward_backward"), or the forward GEMM alone ("forward", NVIDIA arXiv 2509.25149), dgrad and wgrad
-staying NVFP4. The scope is the running job's knob: a resumed run switches with its own scope.
+TorchTitan calls a converter's post-optimizer hook with the model only. So the converter keeps its count on the
+model as a plain attribute (``StepCounter``, not a submodule): the model's children and state-dict keys stay its
+own, so an ``nn.Sequential`` still runs. On resume the count comes from TorchTitan's own checkpointed step
+(integration/train_state.py sets it when the train_state loads), so the switch and the low-rank refresh happen at
+the same optimizer steps in a resumed run as in an uninterrupted one. The NVFP4 modules read the switch from a
+shared ``PrecisionSchedule``, plain bools that change once, so a compiled block recompiles once at the switch and
+never guards on the step count. ``bf16_after_scope`` says which GEMMs switch: all three ("forward_backward"), or
+the forward GEMM alone ("forward", NVIDIA arXiv 2509.25149), dgrad and wgrad staying NVFP4. The scope is the
+running job's knob: a resumed run switches with its own scope.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import nn
 from ..recipe.knobs import SWITCH_FORWARD_BACKWARD, SWITCH_SCOPES
 
 
-#: the StepCounter submodules of the NVFP4 Linears' and the experts' converters (no tensors, no state-dict keys)
+#: the model attributes holding the NVFP4 Linears' and the experts' converters' StepCounters (no tensors, no modules)
 LINEAR_STEPS, GROUPED_STEPS = "nvfp4_linear_steps", "nvfp4_grouped_steps"
 
 
@@ -52,12 +52,11 @@ def switch_step(fraction: float, total_steps: int) -> int | None:
     return total_steps - round(fraction * total_steps)
 
 
-class StepCounter(nn.Module):
+class StepCounter:
     """A converter's optimizer-step count; ``schedule`` follows it. No tensors (no state-dict entries):
     a resumed run gets its count through ``sync`` from TorchTitan's train_state step."""
 
     def __init__(self, schedule: PrecisionSchedule | None = None) -> None:
-        super().__init__()
         self.schedule = schedule or PrecisionSchedule()
         self.count = 0
 
@@ -71,15 +70,15 @@ class StepCounter(nn.Module):
         self.count = steps
         self.schedule.at_step(steps)
 
-    def extra_repr(self) -> str:
-        return f"count={self.count}, switch_step={self.schedule.switch_step}, scope={self.schedule.scope}"
+    def __repr__(self) -> str:
+        return f"StepCounter(count={self.count}, switch_step={self.schedule.switch_step}, scope={self.schedule.scope})"
 
 
 def attach_step_counter(part: nn.Module, name: str, modules: list[nn.Module], schedule: PrecisionSchedule) -> StepCounter:
-    """Add a StepCounter following ``schedule`` as submodule ``name`` of ``part`` (a model, or a pipeline stage)
-    and share the schedule with ``modules``."""
+    """Set a StepCounter following ``schedule`` as attribute ``name`` of ``part`` (a model, or a pipeline stage)
+    and share the schedule with ``modules``. Set past ``nn.Module.__setattr__``: an attribute, never a child."""
     counter = StepCounter(schedule)
-    part.add_module(name, counter)
+    object.__setattr__(part, name, counter)
     for m in modules:
         m.precision_schedule = schedule
     return counter

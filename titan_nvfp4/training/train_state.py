@@ -35,7 +35,7 @@ from ..modules.osci_reset import margin_of, resume_windows
 from ..modules.outcontrol import sync_outcontrol
 from ..distributed.tensor_parallel import local
 from ..modules.layer_state import NVFP4LayerState
-from .schedule import StepCounter
+from .schedule import GROUPED_STEPS, LINEAR_STEPS, step_counters
 
 KEY = "nvfp4_sr_calls"
 HISTORY_KEY = "nvfp4_amax_history"  # activation_amax_history windows, same reasoning
@@ -119,10 +119,11 @@ def load_osci_margins(model_parts: list[nn.Module], margins: dict[str, torch.Ten
 
 def sync_step_counters(model_parts: list[nn.Module], step: int) -> None:
     """Set the converters' step counters (schedule.py) and amax histories to the restored optimizer step."""
+    for name in (LINEAR_STEPS, GROUPED_STEPS):
+        for _, counter in step_counters(model_parts, name):
+            counter.sync(step)
     for part in model_parts:
         for m in part.modules():
-            if isinstance(m, StepCounter):
-                m.sync(step)
             if getattr(m, "amax_history", None) is not None:
                 m.amax_history.at_step(step)
             if getattr(m, "outcontrol", None) is not None:
