@@ -165,6 +165,7 @@ def test_a_sequential_keeps_its_children_and_switches_on_time(preset):
         switched.append(model[0].precision_schedule.high_precision_forward)
     assert switched == [False, True, True, True]  # the last half (2 of 4 steps) from the forward after step 2
 
+
 def test_a_bad_tune_thread_count_is_named_at_conversion(monkeypatch):
     # Not at the first autotuned launch, minutes into a job.
     monkeypatch.setenv("TITAN_NVFP4_TUNE_THREADS", "lots")
