@@ -138,8 +138,10 @@ def test_a_plain_model_converts_and_trains(meta, caplog):
     assert steps.steps == 2 and all(m.sr_calls == 2 for m in (model.up, model.down))
     stats = steps.telemetry()
     assert {k.split("/")[1] for k in stats} == {"up", "down"} and all(v == v for v in stats.values())
-    again, _ = titan_nvfp4.convert(model, filter_fqns=["head"], gemm_backend="reference")  # converting twice: a no-op
-    assert again is model and type(model.head) is nn.Linear
+    with pytest.raises(ValueError, match=r"titan_nvfp4.convert: the model already holds NVFP4 layers \(e.g. 'up'\) "
+                       "from an earlier convert"):  # its knobs would be ignored, its step counter lost
+        titan_nvfp4.convert(model, filter_fqns=["head"], gemm_backend="reference")
+    assert type(model.head) is nn.Linear
 
 
 @pytest.mark.parametrize("preset", ["nvidia_paper", "quartet2", "tetrajet2"])
@@ -171,3 +173,67 @@ def test_a_bad_tune_thread_count_is_named_at_conversion(monkeypatch):
     monkeypatch.setenv("TITAN_NVFP4_TUNE_THREADS", "lots")
     with pytest.raises(ValueError, match="TITAN_NVFP4_TUNE_THREADS='lots'"):
         titan_nvfp4.convert(_PlainMLP(), filter_fqns=["head"], gemm_backend="auto")
+
+
+def test_a_refused_conversion_leaves_the_model_as_it_was_and_a_retry_follows_its_advice():
+    """Every layer is checked before the first swap: a retry with the error's own advice converts and schedules."""
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 100))
+    with pytest.raises(ValueError, match=r"cannot convert Linear '2' to NVFP4: out_features=100 not a multiple of 16 "
+                                         r"\(exclude it with filter_fqns\)"):
+        titan_nvfp4.convert(model, gemm_backend="reference", total_steps=4, bf16_after_fraction=0.5)
+    assert [type(m) for m in model] == [nn.Linear, nn.GELU, nn.Linear]
+    model, steps = titan_nvfp4.convert(model, gemm_backend="reference", filter_fqns=["2"], total_steps=4,
+                                       bf16_after_fraction=0.5)
+    assert [type(m) for m in model] == [NVFP4Linear, nn.GELU, nn.Linear]
+    for _ in range(2):
+        model(torch.randn(16, 64)).square().mean().backward()
+        steps.step()
+    assert model[0].high_precision  # the schedule the retry asked for
+
+
+def test_a_lora_rank_on_a_meta_model_without_init_weights_splits_when_the_user_redecomposes(caplog):
+    """docs/plain_pytorch.md: no init_weights, so the user calls redecompose after initializing; a forward before
+    that names the layer."""
+    from titan_nvfp4.modules.decomposed_linear import DecomposedLinear, redecompose
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.Linear(64, 32))
+    with caplog.at_level(logging.INFO, logger="titan_nvfp4"):
+        model, steps = titan_nvfp4.convert(model, gemm_backend="reference", filter_fqns=["3"], lora_rank=16)
+    assert "call titan_nvfp4.modules.decomposed_linear.redecompose(model) after initializing" in caplog.text
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            nn.Linear.reset_parameters(m)
+    x = torch.randn(8, 64)
+    with pytest.raises(RuntimeError, match=r"DecomposedLinear '0' used before its weights were decomposed: .*"
+                                           r"redecompose\(model\)"):
+        model(x)
+    full = model[0].weight.detach().clone()
+    redecompose(model)
+    assert isinstance(model[2], DecomposedLinear) and model[0].lora_u.abs().sum() > 0
+    torch.testing.assert_close(model[0].dense_weight(), full, rtol=1e-5, atol=1e-6)  # W = R + U·diag(σ)·V
+    model(x).square().mean().backward()
+    assert model[0].lora_u.grad is not None
+
+
+def test_a_cast_to_bf16_keeps_the_amax_windows_in_fp32_and_a_move_keeps_the_sr_counts():
+    """model.to(bfloat16) casts parameters, not the per-layer fp32 state; a copied counter (a device move) is told
+    apart from uninitialized memory (to_empty onto another device) by its streams' bases."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    model, steps = titan_nvfp4.convert(model, gemm_backend="reference", activation_amax_history=2)
+    x = torch.randn(16, 64) * 3.1
+    for _ in range(2):
+        model(x).square().mean().backward()
+        steps.step()
+    layer = model[2]
+    window, counter = layer.x_amax_history.clone(), layer.sr_counter.clone()
+    model.to(torch.bfloat16)
+    assert layer.weight.dtype == torch.bfloat16 and layer.x_amax_history.dtype == torch.float32
+    assert torch.equal(layer.x_amax_history, window) and torch.equal(layer.sr_counter, counter)
+    assert layer._counter_copied() and layer.sr_calls == 2
+    with torch.no_grad():
+        layer.sr_counter.fill_(-7)  # what uninitialized memory may hold
+    assert not layer._counter_copied()

@@ -516,3 +516,27 @@ def test_compiled_experts_body_matches_eager_under_inductor(monkeypatch, cudagra
         torch._dynamo.reset()
     for i, (a, b) in enumerate(zip(*runs)):
         assert torch.equal(a, b), i
+
+
+def test_a_device_move_keeps_the_per_step_state_and_to_empty_onto_another_device_resets_it():
+    """.cpu() / .cuda() copy the SR call counts and amax windows (a checkpoint loaded on the CPU, then moved);
+    to_empty() onto another device leaves uninitialized memory, which the layer refills as at step 0."""
+    import titan_nvfp4
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).cuda()
+    model, steps = titan_nvfp4.convert(model, gemm_backend="reference", activation_amax_history=2)
+    x = torch.randn(16, 64, device="cuda")
+    for _ in range(3):
+        model(x).square().mean().backward()
+        steps.step()
+    layer = model[2]
+    counter, window = layer.sr_counter.cpu(), layer.x_amax_history.cpu()
+    model.cpu()
+    assert torch.equal(layer.sr_counter, counter) and torch.equal(layer.x_amax_history, window)
+    model.cuda()
+    assert layer.sr_calls == 3 and torch.equal(layer.x_amax_history.cpu(), window)
+    model(x).square().mean().backward()  # the windows are ready: no amax of 0
+    model.to_empty(device="cpu")
+    assert layer.sr_calls == 0 and not layer.x_amax_history.any()

@@ -487,3 +487,49 @@ def test_the_addmm_kernel_adds_the_fp32_sums_to_the_addend_and_rounds_once(shape
     assert ((out.double() - exact).abs() <= exact.abs() * ulp / 2 * (1 + 1e-3) + slack * (1 + ulp)).all()
     with pytest.raises(ValueError, match=r"mxfp8_addmm: a \(.*\).* and c \(3, 3\) do not fit"):
         mxfp8_addmm_tensor(a, b, torch.zeros(3, 3, dtype=torch.bfloat16))
+
+
+def _losses_and_state(model, steps, xs, opt):
+    out = []
+    for x in xs:
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        steps.step()
+        out.append(loss.detach())
+    return out
+
+
+@pytest.mark.parametrize("resume_at", [2, 3])
+def test_a_resume_inside_the_window_selects_and_trains_as_the_uninterrupted_run(resume_at, caplog):
+    """start 1, steps 3: the forwards of steps 2-4 are summed. Resumed after step 2 or 3, the window's sums come back
+    with the per-step state (nvfp4_outcontrol_norms): the same selection, the same losses bit for bit. A state
+    without them restarts the sums, logged."""
+    xs = [_x(PLANTED if t % 2 else list(range(32)), t, 3.0 + t) for t in range(1, 7)]
+    knobs = {"outcontrol_steps": 3}
+    model, steps = _convert(**knobs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    whole = _losses_and_state(model, steps, xs, opt)
+    assert model.lin._outcontrol_on
+
+    model, steps = _convert(**knobs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    first = _losses_and_state(model, steps, xs[:resume_at], opt)
+    saved = (model.state_dict(), opt.state_dict(), steps.state_dict())
+    assert torch.equal(saved[2]["nvfp4_outcontrol_norms"]["lin"], model.lin.outcontrol_norms)
+    again, again_steps = _convert(**knobs)
+    again_opt = torch.optim.AdamW(again.parameters(), lr=1e-3)
+    again.load_state_dict(saved[0])
+    again_opt.load_state_dict(saved[1])
+    again_steps.load_state_dict(saved[2])
+    rest = _losses_and_state(again, again_steps, xs[resume_at:], again_opt)
+    assert torch.equal(torch.stack(first + rest), torch.stack(whole))
+    assert torch.equal(again.lin.outcontrol_index, model.lin.outcontrol_index) or not model.lin._outcontrol_on
+
+    lost, lost_steps = _convert(**knobs)
+    lost.load_state_dict(saved[0])
+    with caplog.at_level(logging.WARNING, logger="titan_nvfp4"):
+        lost_steps.load_state_dict({k: v for k, v in saved[2].items() if k != "nvfp4_outcontrol_norms"})
+    assert (f"the checkpoint of step {resume_at} has no OutControl sums for 1 layers (e.g. 'lin') inside their "
+            "window: the sums restart") in caplog.text

@@ -17,6 +17,7 @@ from .distributed.fsdp_all_gather import wrap_weight
 from .kernels import launch, precompile
 from .modules.decomposed_linear import DecomposedLinear, check_lowrank_args, lora_dtype_without_rank, redecompose
 from .modules.expert_groups import experts_layer_id
+from .modules.layer_state import NVFP4LayerState
 from .modules.nvfp4_linear import NVFP4Linear, check_linear_dims
 from .ops.backends import resolve_backend
 from .recipe.knobs import DEFAULT_FILTER_FQNS, GroupedKnobs, LinearKnobs
@@ -79,6 +80,7 @@ def convert_linears(model: nn.Module, recipe: NVFP4Recipe, filter_fqns: list[str
     returns {"converted": [...], "skipped": [(fqn, why)]}."""
     blocks = n_blocks(model)
     report: dict[str, list] = {"converted": [], "skipped": []}
+    eligible = []
     for fqn, mod in list(model.named_modules()):
         if type(mod) is not nn.Linear:
             continue
@@ -87,11 +89,14 @@ def convert_linears(model: nn.Module, recipe: NVFP4Recipe, filter_fqns: list[str
             report["skipped"].append((fqn, why))
             continue
         check_linear_dims(fqn, mod.in_features, mod.out_features)
-        parent_name, _, child = fqn.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        layer_id = len(report["converted"])
         if lora_rank:
             check_lowrank_args(fqn, lora_rank, mod.in_features, mod.out_features, lora_nvfp4, f"[{section}] lora_rank")
+        eligible.append((fqn, mod))
+    # every layer checked before the first swap: a refused conversion leaves the model as it was
+    for layer_id, (fqn, mod) in enumerate(eligible):
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if lora_rank:
             new = DecomposedLinear.from_linear(mod, recipe, layer_id, fqn, rank=lora_rank, lora_nvfp4=lora_nvfp4)
         else:
             new = NVFP4Linear.from_linear(mod, recipe, layer_id=layer_id, name=fqn)
@@ -100,23 +105,40 @@ def convert_linears(model: nn.Module, recipe: NVFP4Recipe, filter_fqns: list[str
     return report
 
 
-def convert_experts(model: nn.Module, recipe: NVFP4Recipe, fqns: list[str], lora_rank: int = 0) -> dict[str, list]:
-    """Swap (in place) every registered routed-expert module whose name contains one of ``fqns`` (with per-expert
-    low-rank factors when ``lora_rank``)."""
+def plan_experts(model: nn.Module, recipe: NVFP4Recipe, fqns: list[str]) -> tuple[list, list]:
+    """The routed-expert modules ``convert_experts`` would swap, [(fqn, module, NVFP4 class)], and those it would
+    skip, [(fqn, why)]; nothing is changed."""
     blocks = n_blocks(model)
-    report: dict[str, list] = {"converted": [], "skipped": []}
+    eligible, skipped = [], []
     for fqn, mod in list(model.named_modules()):
         cls = EXPERT_CLASSES.get(type(mod))
         if cls is None:
             continue
         if not any(f in fqn for f in fqns):
-            report["skipped"].append((fqn, f"not in fqns {fqns}"))
+            skipped.append((fqn, f"not in fqns {fqns}"))
             continue
         why = skip_reason(fqn, [], recipe, blocks)
         if why:
-            report["skipped"].append((fqn, why))
+            skipped.append((fqn, why))
             continue
-        cls.convert(mod, recipe, layer_id=experts_layer_id(len(report["converted"])), name=fqn, lora_rank=lora_rank)
+        eligible.append((fqn, mod, cls))
+    return eligible, skipped
+
+
+def check_experts_match(knobs: GroupedKnobs, skipped: list) -> None:
+    """Refuse an experts' section that would convert no module, naming what it skipped."""
+    known = ", ".join(c.__name__ for c in EXPERT_CLASSES) or "none registered (import an integration)"
+    raise ValueError(f"{knobs.SECTION}: no routed-expert module matched fqns {knobs.fqns} (skipped: "
+                     f"{skipped or f'the model has no routed-expert module of a known class: {known}'})")
+
+
+def convert_experts(model: nn.Module, recipe: NVFP4Recipe, fqns: list[str], lora_rank: int = 0) -> dict[str, list]:
+    """Swap (in place) every registered routed-expert module whose name contains one of ``fqns`` (with per-expert
+    low-rank factors when ``lora_rank``)."""
+    eligible, skipped = plan_experts(model, recipe, fqns)
+    report: dict[str, list] = {"converted": [], "skipped": skipped}
+    for i, (fqn, mod, cls) in enumerate(eligible):
+        cls.convert(mod, recipe, layer_id=experts_layer_id(i), name=fqn, lora_rank=lora_rank)
         report["converted"].append(fqn)
     return report
 
@@ -134,12 +156,20 @@ def decompose_after_init(model: nn.Module) -> None:
     closure, so pipeline parallelism's deep copies of the model call it on their own copy."""
     if not hasattr(type(model), "init_weights"):
         raise ValueError(f"lora_rank needs a model with init_weights (TorchTitan's protocol); {type(model).__name__} "
-                         "has none: call DecomposedLinear.decompose_() after initializing the weights")
+                         "has none: call titan_nvfp4.modules.decomposed_linear.redecompose(model) after initializing "
+                         "the weights")
     model.init_weights = types.MethodType(_init_weights_then_decompose, model)
 
 
-def _is_meta(model: nn.Module) -> bool:
-    return any(p.is_meta for p in model.parameters())
+def _split_after_init(model: nn.Module, log) -> None:
+    """The low-rank split of a model whose weights are still to be written: hooked into its init_weights when it
+    has one; else, on meta, the caller splits after initializing (docs/plain_pytorch.md), which is logged."""
+    if hasattr(type(model), "init_weights"):
+        decompose_after_init(model)
+    elif any(p.is_meta for p in model.parameters()):
+        log.info("NVFP4: lora_rank on a meta model without init_weights: call "
+                 "titan_nvfp4.modules.decomposed_linear.redecompose(model) after initializing its weights (a forward "
+                 "before that raises, naming the layer)")
 
 
 def convert_dense(model: nn.Module, knobs: LinearKnobs, steps: SectionSteps, log=LOG, *, one_dtype: bool = False,
@@ -171,8 +201,8 @@ def convert_dense(model: nn.Module, knobs: LinearKnobs, steps: SectionSteps, log
     log.info(f"NVFP4: converted {len(modules)} Linear layers with {recipe}{lora}")
     for fqn, why in report["skipped"]:
         log.info(f"NVFP4: kept {fqn} in high precision ({why})")
-    if knobs.lora_rank and (_is_meta(model) or hasattr(type(model), "init_weights")):
-        decompose_after_init(model)
+    if knobs.lora_rank:
+        _split_after_init(model, log)
     apply_lora_dtype(model, knobs.lora_dtype, log, one_dtype=one_dtype, scope=" converted so far")
     steps.attach([model], [modules], on_telemetry)
     return report["converted"]
@@ -193,14 +223,12 @@ def convert_routed_experts(model: nn.Module, knobs: GroupedKnobs, steps: Section
         experts = report["converted"] + [fqn for fqn, _ in report["skipped"]]
         warn_unmatched(log, section, "fqns", knobs.fqns, experts, "routed-expert module")
     if not report["converted"]:
-        known = ", ".join(c.__name__ for c in EXPERT_CLASSES) or "none registered (import an integration)"
-        raise ValueError(f"{section}: no routed-expert module matched fqns {knobs.fqns} (skipped: "
-                         f"{report['skipped'] or f'the model has no routed-expert module of a known class: {known}'})")
+        check_experts_match(knobs, report["skipped"])
     lora = f", per-expert low-rank branch rank {knobs.lora_rank}" if knobs.lora_rank else ""
     log.info(f"NVFP4: converted {len(report['converted'])} expert modules with {recipe}{lora}; "
              "token groups aligned to 16")
-    if knobs.lora_rank and (_is_meta(model) or hasattr(type(model), "init_weights")):
-        decompose_after_init(model)
+    if knobs.lora_rank:
+        _split_after_init(model, log)
     apply_lora_dtype(model, lora_dtype, log, one_dtype=one_dtype, scope=" converted so far")
     for fqn, why in report["skipped"]:
         log.info(f"NVFP4: kept experts {fqn} in high precision ({why})")
@@ -231,6 +259,11 @@ def convert(model: nn.Module, recipe: str = "nvidia_paper", *, experts: bool | d
     dict: the keys of ``[quantize.grouped_mm.nvfp4]``). ``total_steps``: the run's optimizer steps, needed by
     bf16_after_fraction and osci_reset_start_fraction. Bad values raise a ValueError naming the key and the value."""
     log = logger or LOG
+    done = next((n for n, m in model.named_modules() if isinstance(m, NVFP4LayerState)), None)
+    if done is not None:
+        raise ValueError(f"titan_nvfp4.convert: the model already holds NVFP4 layers (e.g. {done!r}) from an earlier "
+                         "convert, whose per-step object drives them: convert a model once, keeping layers in high "
+                         "precision with filter_fqns")
     linear = _knobs(LinearKnobs, "titan_nvfp4.convert keyword", {"recipe": recipe, **knobs})
     grouped = None
     if experts is not False and experts is not None:
@@ -248,14 +281,19 @@ def convert(model: nn.Module, recipe: str = "nvidia_paper", *, experts: bool | d
         raise ValueError(f"titan_nvfp4.convert: total_steps must be a non-negative integer, got {total_steps!r}")
     require_backend_runs_here(linear.build_recipe(), linear.SECTION)
     sections = [SectionSteps(linear, total_steps, log, nvfp4_all_gather=linear.fsdp_nvfp4_all_gather)]
+    if grouped is not None:  # checked before the Linears are swapped: a refused call leaves the model as it was
+        require_backend_runs_here(grouped.build_recipe(), grouped.SECTION)
+        check_block_counts(grouped.build_recipe(), n_blocks(model), grouped.SECTION)
+        eligible, skipped = plan_experts(model, grouped.build_recipe(), list(grouped.fqns))
+        if not eligible:
+            check_experts_match(grouped, skipped)
+        sections.append(SectionSteps(grouped, total_steps, log))
     convert_dense(model, linear, sections[0], log)
     if grouped is not None:
-        require_backend_runs_here(grouped.build_recipe(), grouped.SECTION)
-        sections.append(SectionSteps(grouped, total_steps, log))
         convert_routed_experts(model, grouped, sections[1], log, lora_dtype=linear.lora_dtype)
     return model, TrainingSteps(model, [s for s in sections if s.per_step])
 
 
-__all__ = ["EXPERT_CLASSES", "convert", "convert_dense", "convert_experts", "convert_linears", "convert_routed_experts",
-           "decompose_after_init", "n_blocks", "register_experts", "require_backend_runs_here",
-           "start_precompile", "warn_unmatched"]
+__all__ = ["EXPERT_CLASSES", "check_experts_match", "convert", "convert_dense", "convert_experts", "convert_linears",
+           "convert_routed_experts", "decompose_after_init", "n_blocks", "plan_experts", "register_experts",
+           "require_backend_runs_here", "start_precompile", "warn_unmatched"]

@@ -18,7 +18,8 @@ Two patches of torchtitan.components.checkpoint, applied by torchtitan_fixes.app
     Hugging Face checkpoint;
   - a checkpoint of a run without NVFP4 layers (or without some of them) resumes with zero SR counts
     for the layers it lacks; one without activation amax windows resumes with empty windows; one without
-    OsciReset margins (a run without osci_reset_every) resumes with none: a window open at its step restarts.
+    OsciReset margins (a run without osci_reset_every) resumes with none: a window open at its step restarts;
+    so do OutControl's window sums (a run without outcontrol_fraction, or written before they were saved).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torchtitan.tools.logging import logger
 
 from ..modules.decomposed_linear import RESIDUAL, LowRankState
 from .train_state import HISTORY_KEY, KEY
-from ..training.train_state import OSCI_KEY
+from ..training.train_state import OSCI_KEY, OUTCONTROL_KEY
 
 _TRAIN_STATE, _OPTIMIZER = "train_state", "optimizer"
 #: the model state-dict entries of OutControl's selection (modules/outcontrol.py)
@@ -77,7 +78,7 @@ class _TrainStateRequest:
 
     def state_dict(self):
         out = dict(self.inner.state_dict())
-        for group in (KEY, HISTORY_KEY, OSCI_KEY):
+        for group in (KEY, HISTORY_KEY, OSCI_KEY, OUTCONTROL_KEY):
             if group in out:
                 kept = {k: v for k, v in out[group].items() if f"{_TRAIN_STATE}.{group}.{k}" not in self.drop}
                 if kept:
@@ -155,6 +156,9 @@ def adapt_request(state: dict, saved: dict[str, object], checkpoint_id: str) -> 
     drop.update(missing)
     # OsciReset margins of a run without osci_reset_every: none (resume_windows logs an open window that restarts)
     margins = {f"{_TRAIN_STATE}.{OSCI_KEY}.{layer}" for layer in request.get(OSCI_KEY) or {}} - set(saved)
+    # OutControl window sums of a run without outcontrol_fraction: none (load_outcontrol_norms logs a window that
+    # restarts)
+    margins |= {f"{_TRAIN_STATE}.{OUTCONTROL_KEY}.{layer}" for layer in request.get(OUTCONTROL_KEY) or {}} - set(saved)
     if drop or margins:
         if len(drop) > len(missing):
             logger.info(f"NVFP4: checkpoint {checkpoint_id} has no SR counts for {len(drop) - len(missing)} NVFP4 "

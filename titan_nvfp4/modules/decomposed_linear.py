@@ -149,8 +149,9 @@ class LowRankState:
 
     def _check_decomposed(self) -> None:
         if not self._lora_ready:
-            raise RuntimeError(f"{type(self).__name__} used before its weights were decomposed: run init_weights (the "
-                               "converter hooks decompose_ into it), decompose_(), or load a checkpoint")
+            raise RuntimeError(f"{type(self).__name__} {getattr(self, 'layer_name', '')!r} used before its weights "
+                               "were decomposed: run init_weights (the converter hooks the split into it), "
+                               "titan_nvfp4.modules.decomposed_linear.redecompose(model), or load a checkpoint")
 
     def _apply(self, fn, recurse: bool = True):
         # materializing a meta module (TorchTitan's to_empty) leaves lora_decomposed uninitialized: the

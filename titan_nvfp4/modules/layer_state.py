@@ -15,6 +15,10 @@ from ..numerics.rht import rht_signs
 from ..recipe.nvfp4_recipe import NVFP4Recipe
 
 
+#: per-layer state kept in fp32 whatever the model's dtype: amax windows (amax_history.py), OutControl's sums
+_FP32_STATE = ("x_amax_history", "x_amax_pending", "outcontrol_norms", "outcontrol_step")
+
+
 class NVFP4LayerState(nn.Module):
     """Mixin for modules whose GEMMs run in NVFP4. ``n_gemms=None``: one GEMM, counter [2];
     else counter [n_gemms, 2], row j the stream of layer id ``layer_id + j`` (or ``stream_ids[j]``)."""
@@ -32,35 +36,53 @@ class NVFP4LayerState(nn.Module):
         self.register_buffer("rht_signs", torch.empty(16, device=device) if recipe.rht else None, persistent=False)
         self._reset_nvfp4_buffers()
 
+    def _fresh_counter(self) -> torch.Tensor:
+        """The SR counter(s) at call 0 of each stream, on the CPU (distinct per rank)."""
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if self._n_gemms is None:
+            return sr_counter(self.recipe, self.layer_id, rank=rank)
+        return torch.stack([sr_counter(self.recipe, i, rank=rank) for i in self._stream_ids])
+
     def _reset_nvfp4_buffers(self) -> None:
         """Fill the SR counter(s) (call 0 of each stream, distinct per rank) and the RHT signs (the same
         on every rank; plain ones shared by all layers: _share_signs); nothing on meta. Under tensor
         parallelism the buffers are replicated DTensors: each rank fills its local copy."""
         if self.sr_counter.is_meta:
             return
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         with torch.no_grad():
-            if self._n_gemms is None:
-                counter = sr_counter(self.recipe, self.layer_id, rank=rank)
-            else:
-                counter = torch.stack([sr_counter(self.recipe, i, rank=rank) for i in self._stream_ids])
-            local(self.sr_counter).copy_(counter)
+            local(self.sr_counter).copy_(self._fresh_counter())
             if self.rht_signs is not None and not self._share_signs():
                 local(self.rht_signs).copy_(rht_signs(self.recipe.rht_seed))
             for name in ("x_amax_history", "x_amax_pending"):  # amax_history.py, when the layer keeps one
                 if self._buffers.get(name) is not None:
                     local(self._buffers[name]).zero_()
+            if self.amax_history is not None:  # emptied windows: X's own amax until the next step fills them
+                self.amax_history.ready = False
 
     def _apply(self, fn, recurse: bool = True):
-        # to_empty() of a meta module (TorchTitan's materialization) leaves the buffers uninitialized,
-        # and so does to_empty() onto another device: refill them then (a dtype cast keeps them)
+        # to_empty() of a meta module (TorchTitan's materialization) leaves the buffers uninitialized, and so does
+        # to_empty() onto another device: refill them then. A move (.to, .cuda) copies them: the SR call counts and
+        # amax windows stay, which the streams' bases, copied alike, tell apart from uninitialized memory.
         before = self.sr_counter.device
+        fp32 = {n: b for n in _FP32_STATE if (b := self._buffers.get(n)) is not None}
         super()._apply(fn, recurse)
-        if before.type == "meta" or self.sr_counter.device != before:
+        for name, old in fp32.items():  # a dtype cast (model.to(torch.bfloat16)) keeps this state in fp32
+            new = self._buffers[name]
+            if new.dtype != old.dtype and new.is_meta == old.is_meta:
+                self._buffers[name] = old.to(device=new.device)
+        moved = self.sr_counter.device != before
+        if before.type == "meta" or (moved and not self._counter_copied()):
             self._reset_nvfp4_buffers()
         else:
-            self._share_signs()  # a dtype cast copied the signs into this layer's own tensor
+            self._share_signs()  # a dtype cast or a move copied the signs into this layer's own tensor
         return self
+
+    def _counter_copied(self) -> bool:
+        """Whether the SR counter holds this layer's stream bases (a copy), not uninitialized memory."""
+        if self.sr_counter.is_meta:
+            return False
+        counter = local(self.sr_counter).cpu()
+        return torch.equal(counter[..., 0], self._fresh_counter()[..., 0]) and bool((counter[..., 1] >= 0).all())
 
     def _share_signs(self) -> bool:
         """Point a plain (not distributed, not meta) ``rht_signs`` buffer at the one tensor of its seed and

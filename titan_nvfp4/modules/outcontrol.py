@@ -4,11 +4,12 @@ channels of a dense Linear that carry the largest activations run in MXFP8, the 
 Which channels: during a window of optimizer steps every training forward adds ‖X[:, k]‖₂ over its tokens to a
 per-channel fp32 sum. The window holds the forwards taken while the optimizer steps done so far are in
 [outcontrol_start, outcontrol_start + outcontrol_steps), TorchTitan's 1-based steps start + 1 … start + steps (the
-authors' iterations 501 … 550 with their released 501 / 50). After the window's last optimizer step the sums are added
-over all ranks (one all_reduce of every layer's sums, when torch.distributed is initialized: every rank must hold the
-same layers, so pipeline and tensor parallelism are refused) and the k channels with the largest sums are selected
-once and for all: descending sum, a tie going to the lower channel index; stored ascending. k = round(K · fraction)
-rounded up to a multiple of 32 (MXFP8's block), at most K (the authors round up to 128 for their kernels).
+authors' iterations 501 … 550 with their released 501 / 50). After each of the window's optimizer steps its sums are
+added over all ranks (one all_reduce of every layer's sums, when torch.distributed is initialized: every rank must hold
+the same layers, so pipeline and tensor parallelism are refused); after the last, the k channels with the largest
+sums are selected once and for all: descending sum, a tie going to the lower channel index; stored ascending.
+k = round(K · fraction) rounded up to a multiple of 32 (MXFP8's block), at most K (the authors round up to 128 for
+their kernels).
 
 Then forward is Y = NVFP4(X[:, rest] W[:, rest]ᵀ) + b + MXFP8(X[:, sel] W[:, sel]ᵀ), the NVFP4 part with the layer's
 recipe, SR stream, RHT signs and amax history (its operands' tensor scales are those of the rest columns); the MXFP8
@@ -19,8 +20,10 @@ forward's quantized weight rebuilt from both parts, wgrad NVFP4 for the rest and
 
 State: ``outcontrol_index`` (int64 [k], the selected channels) and ``outcontrol_done`` (bool) are persistent buffers,
 so the selection rides in the model's state dict (checkpoints, DCP); a state dict without them (BF16, HF, a run
-without the knob) leaves the layer unselected. The sums are a non-persistent buffer: a run resumed inside the window
-restarts them (the selection then sums the window's remaining steps only). ``_outcontrol_on`` is the Python twin of
+without the knob) leaves the layer unselected. The sums are non-persistent buffers: each forward adds to this step's
+(``outcontrol_step``), which after the optimizer step is summed over the ranks into the window's (``outcontrol_norms``,
+alike on every rank); those travel in the trainer's state beside the SR counts (training/train_state.py), so a run
+resumed inside the window selects what the uninterrupted one does. ``_outcontrol_on`` is the Python twin of
 ``outcontrol_done`` read in forward (no device sync, one recompile when it flips).
 """
 
@@ -73,8 +76,9 @@ def register_outcontrol(module: nn.Module, device) -> None:
         return
     module.register_buffer("outcontrol_index", torch.zeros(k, dtype=torch.int64, device=device))
     module.register_buffer("outcontrol_done", torch.zeros((), dtype=torch.bool, device=device))
-    module.register_buffer("outcontrol_norms", torch.zeros(module.in_features, dtype=torch.float32, device=device),
-                           persistent=False)
+    for name in ("outcontrol_norms", "outcontrol_step"):
+        module.register_buffer(name, torch.zeros(module.in_features, dtype=torch.float32, device=device),
+                               persistent=False)
     module.register_buffer("outcontrol_rest", torch.zeros(module.in_features - k, dtype=torch.int64, device=device),
                            persistent=False)
     module._outcontrol_on = False
@@ -93,6 +97,7 @@ def reset_outcontrol(module: nn.Module) -> None:
     local(module.outcontrol_done).fill_(False)
     local(module.outcontrol_index).copy_(torch.arange(module.outcontrol_index.shape[0]))
     local(module.outcontrol_norms).zero_()
+    local(module.outcontrol_step).zero_()
     module._outcontrol_on = False
 
 
@@ -105,9 +110,9 @@ def check_supported(module: nn.Module, weight: torch.Tensor | None = None) -> No
 
 @torch.no_grad()
 def record(module: nn.Module, x: torch.Tensor) -> None:
-    """Add ‖X[:, k]‖₂ over this forward's tokens to the layer's per-channel sums."""
+    """Add ‖X[:, k]‖₂ over this forward's tokens to the layer's per-channel sums of this optimizer step."""
     x2d = x.detach().reshape(-1, x.shape[-1])
-    module.outcontrol_norms.add_(torch.linalg.vector_norm(x2d, dim=0, dtype=torch.float32))
+    module.outcontrol_step.add_(torch.linalg.vector_norm(x2d, dim=0, dtype=torch.float32))
 
 
 @torch.no_grad()
@@ -130,24 +135,38 @@ def adopt_selection(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def select_channels(layers: list[nn.Module]) -> list[tuple[str, int, int]]:
-    """Select the channels of every unselected layer of ``layers`` from its sums (summed over all ranks first: every
-    rank calls this with the same layers); returns (layer name, k, K) of each layer selected."""
+def end_window_step(layers: list[nn.Module]) -> None:
+    """After an optimizer step of the window: add this step's sums, summed over all ranks (one all_reduce of every
+    layer's, when torch.distributed runs several: every rank calls this with the same layers), into the window's sums,
+    which every rank then holds alike (a checkpoint carries one copy: training/train_state.py)."""
     pending = [m for m in layers if has_outcontrol(m) and not m._outcontrol_on and not m.outcontrol_done.is_meta]
     if not pending:
-        return []
-    sums = [local(m.outcontrol_norms) for m in pending]
+        return
+    steps = [local(m.outcontrol_step) for m in pending]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        flat = torch.cat(sums)
+        flat = torch.cat(steps)
         dist.all_reduce(flat)
-        sums = list(flat.split([s.numel() for s in sums]))
+        for m, s in zip(pending, flat.split([s.numel() for s in steps])):
+            local(m.outcontrol_norms).add_(s)
+    else:
+        for m, s in zip(pending, steps):
+            local(m.outcontrol_norms).add_(s)
+    for s in steps:
+        s.zero_()
+
+
+@torch.no_grad()
+def select_channels(layers: list[nn.Module]) -> list[tuple[str, int, int]]:
+    """Select the channels of every unselected layer of ``layers`` from the window's sums (end_window_step: summed
+    over the ranks already); returns (layer name, k, K) of each layer selected."""
+    pending = [m for m in layers if has_outcontrol(m) and not m._outcontrol_on and not m.outcontrol_done.is_meta]
     done = []
-    for m, s in zip(pending, sums):
-        k = m.outcontrol_index.shape[0]
+    for m in pending:
+        k, s = m.outcontrol_index.shape[0], local(m.outcontrol_norms)
         order = torch.sort(s, descending=True, stable=True).indices  # ties: the lower channel first
         local(m.outcontrol_index).copy_(order[:k].sort().values)
         local(m.outcontrol_done).fill_(True)
-        local(m.outcontrol_norms).zero_()
+        s.zero_()
         adopt_selection(m)
         done.append((layer_label(m), k, m.in_features))
     return done
@@ -166,6 +185,6 @@ def sync_outcontrol(model: nn.Module | list[nn.Module]) -> None:
             adopt_selection(m)
 
 
-__all__ = ["OutControlWindow", "adopt_selection", "check_supported", "has_outcontrol", "layer_label",
-           "layers_with_outcontrol", "outcontrol_channels", "record", "register_outcontrol", "reset_outcontrol",
-           "select_channels", "sync_outcontrol"]
+__all__ = ["OutControlWindow", "adopt_selection", "check_supported", "end_window_step", "has_outcontrol",
+           "layer_label", "layers_with_outcontrol", "outcontrol_channels", "record", "register_outcontrol",
+           "reset_outcontrol", "select_channels", "sync_outcontrol"]

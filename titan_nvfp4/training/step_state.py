@@ -205,6 +205,8 @@ class SectionSteps:
         if not counters:
             return
         count, w = counters[0][1].count, self.outcontrol
+        if w.recording:  # this step's forwards were summed
+            oc.end_window_step(oc.layers_with_outcontrol(parts))
         w.at_step(count)
         if count == w.end:
             for name, k, n in oc.select_channels(oc.layers_with_outcontrol(parts)):
@@ -244,8 +246,9 @@ def apply_lora_dtype(model: Parts, lora_dtype: str, log, *, one_dtype: bool = Fa
 class TrainingSteps:
     """The per-step object a training loop drives (``titan_nvfp4.convert`` returns one): call ``step()`` after every
     ``optimizer.step()``. Its ``state_dict`` (torch.distributed.checkpoint's Stateful protocol) holds the optimizer
-    steps taken, the layers' stochastic-rounding call counts, amax windows and OsciReset margins, so a resumed run
-    continues bit for bit; ``telemetry()`` returns what telemetry_every measured since the last call."""
+    steps taken, the layers' stochastic-rounding call counts, amax windows, OsciReset margins and OutControl sums,
+    so a resumed run continues bit for bit; ``telemetry()`` returns what telemetry_every measured since the last
+    call."""
 
     def __init__(self, model: Parts, sections: list[SectionSteps]) -> None:
         self.parts = as_parts(model)

@@ -16,7 +16,9 @@ way as ``nvfp4_amax_history``: {layer fqn: fp32 [N, 2]}, identical on every rank
 (osci_reset.py, ``osci_reset_every``) as ``nvfp4_osci_margin``: {layer fqn: fp32 shaped like the weight, a DTensor
 placed like it when it is one}, present whenever the knob is on, so that the job's train_state asks DCP for them
 at every resume; the windows' W_prev is the restored weight itself. OutControl's channel selection
-(outcontrol.py) rides in the model's state dict instead (persistent buffers); a load re-reads it here.
+(outcontrol.py) rides in the model's state dict instead (persistent buffers); a load re-reads it here. Its window's
+per-channel sums (the same on every rank) travel as ``nvfp4_outcontrol_norms``: {layer fqn: fp32 [in_features]},
+present whenever the knob is on.
 
 ``install(trainer_cls)`` extends any class with TorchTitan's Trainer checkpoint interface (``state_dict``,
 ``load_state_dict``, ``model_parts``, ``step``): 0.2's Trainer (integration/train_state.py installs it on the
@@ -32,7 +34,7 @@ from torch import nn
 
 from ..modules.amax_history import layers_with_history
 from ..modules.osci_reset import margin_of, resume_windows
-from ..modules.outcontrol import sync_outcontrol
+from ..modules.outcontrol import has_outcontrol, sync_outcontrol
 from ..distributed.tensor_parallel import local
 from ..modules.layer_state import NVFP4LayerState
 from .schedule import GROUPED_STEPS, LINEAR_STEPS, step_counters
@@ -40,6 +42,7 @@ from .schedule import GROUPED_STEPS, LINEAR_STEPS, step_counters
 KEY = "nvfp4_sr_calls"
 HISTORY_KEY = "nvfp4_amax_history"  # activation_amax_history windows, same reasoning
 OSCI_KEY = "nvfp4_osci_margin"  # osci_reset_every margins (the live tensors: DCP loads into them in place)
+OUTCONTROL_KEY = "nvfp4_outcontrol_norms"  # outcontrol_fraction: the window's sums so far
 _WRAPPERS = ("._checkpoint_wrapped_module", "_checkpoint_wrapped_module.", "._orig_mod", "_orig_mod.")
 
 
@@ -117,6 +120,39 @@ def load_osci_margins(model_parts: list[nn.Module], margins: dict[str, torch.Ten
             "inside an open window: their windows restart, summing the steps from here on (osci_reset_every)")
 
 
+def outcontrol_layers(model_parts: list[nn.Module]) -> dict[str, NVFP4LayerState]:
+    """{fqn: layer} of the materialized layers with OutControl on."""
+    return {fqn: m for fqn, m in nvfp4_layers(model_parts).items()
+            if has_outcontrol(m) and not m.outcontrol_done.is_meta}
+
+
+def outcontrol_norms(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """{fqn: fp32 [in_features]} the OutControl window's per-channel sums so far (alike on every rank)."""
+    return {fqn: local(m.outcontrol_norms).cpu().clone() for fqn, m in outcontrol_layers(model_parts).items()}
+
+
+def load_outcontrol_norms(model_parts: list[nn.Module], norms: dict[str, torch.Tensor], step: int) -> None:
+    """Put saved window sums back; a run resumed inside the window from a state without them restarts its sums from
+    here (logged)."""
+    layers = outcontrol_layers(model_parts)
+    with torch.no_grad():
+        for fqn, m in layers.items():
+            local(m.outcontrol_step).zero_()
+            if fqn in norms:
+                mine = local(m.outcontrol_norms)
+                if mine.shape != norms[fqn].shape:
+                    raise ValueError(f"checkpoint's {OUTCONTROL_KEY}[{fqn!r}] has {norms[fqn].numel()} channels, the "
+                                     f"layer {mine.numel()}")
+                mine.copy_(norms[fqn])
+    lost = [fqn for fqn, m in layers.items() if fqn not in norms and not m._outcontrol_on
+            and (w := getattr(m, "outcontrol", None)) is not None and w.start < step < w.end]
+    if lost:
+        logging.getLogger("titan_nvfp4").warning(
+            f"NVFP4: the checkpoint of step {step} has no OutControl sums for {len(lost)} layers (e.g. {lost[0]!r}) "
+            "inside their window: the sums restart, and the selection sums the window's remaining steps only "
+            "(outcontrol_fraction)")
+
+
 def sync_step_counters(model_parts: list[nn.Module], step: int) -> None:
     """Set the converters' step counters (schedule.py) and amax histories to the restored optimizer step."""
     for name in (LINEAR_STEPS, GROUPED_STEPS):
@@ -132,8 +168,8 @@ def sync_step_counters(model_parts: list[nn.Module], step: int) -> None:
 
 def state_of_layers(model_parts: list[nn.Module]) -> dict:
     """What a checkpoint must carry for the NVFP4 layers beside the model's state dict: the SR call counts (KEY)
-    and, for layers that keep one, the amax windows (HISTORY_KEY) and OsciReset margins (OSCI_KEY); {} for a model
-    without NVFP4 layers."""
+    and, for layers that keep one, the amax windows (HISTORY_KEY), OsciReset margins (OSCI_KEY) and OutControl
+    window sums (OUTCONTROL_KEY); {} for a model without NVFP4 layers."""
     out = {}
     calls = sr_calls(model_parts)
     if calls:
@@ -144,6 +180,9 @@ def state_of_layers(model_parts: list[nn.Module]) -> dict:
     margins = osci_margins(model_parts)
     if margins:
         out[OSCI_KEY] = margins
+    norms = outcontrol_norms(model_parts)
+    if norms:
+        out[OUTCONTROL_KEY] = norms
     return out
 
 
@@ -161,11 +200,12 @@ def load_state_of_layers(model_parts: list[nn.Module], state: dict, step: int) -
         empty_amax_histories(model_parts)
     load_osci_margins(model_parts, state.get(OSCI_KEY) or {}, step)
     sync_outcontrol(model_parts)  # a DCP load put the selection into the buffers in place
+    load_outcontrol_norms(model_parts, state.get(OUTCONTROL_KEY) or {}, step)
 
 
 def install(trainer_cls) -> None:
-    """Extend ``trainer_cls.state_dict`` / ``load_state_dict`` (TorchTitan's Trainer) with KEY, HISTORY_KEY and
-    OSCI_KEY (idempotent)."""
+    """Extend ``trainer_cls.state_dict`` / ``load_state_dict`` (TorchTitan's Trainer) with KEY, HISTORY_KEY, OSCI_KEY
+    and OUTCONTROL_KEY (idempotent)."""
     if getattr(trainer_cls, "_nvfp4_train_state", False):
         return
     original_state_dict, original_load = trainer_cls.state_dict, trainer_cls.load_state_dict
@@ -176,7 +216,7 @@ def install(trainer_cls) -> None:
         return out
 
     def load_state_dict(self, state_dict):
-        rest = {k: v for k, v in state_dict.items() if k not in (KEY, HISTORY_KEY, OSCI_KEY)}
+        rest = {k: v for k, v in state_dict.items() if k not in (KEY, HISTORY_KEY, OSCI_KEY, OUTCONTROL_KEY)}
         original_load(self, rest)
         load_state_of_layers(getattr(self, "model_parts", []), state_dict, int(getattr(self, "step", 0)))
 
@@ -184,6 +224,7 @@ def install(trainer_cls) -> None:
     trainer_cls._nvfp4_train_state = True
 
 
-__all__ = ["HISTORY_KEY", "KEY", "OSCI_KEY", "amax_histories", "empty_amax_histories", "install", "load_amax_histories",
-           "load_osci_margins", "load_sr_calls", "load_state_of_layers", "nvfp4_layers", "osci_layers", "osci_margins",
-           "sr_calls", "state_of_layers", "sync_step_counters"]
+__all__ = ["HISTORY_KEY", "KEY", "OSCI_KEY", "OUTCONTROL_KEY", "amax_histories", "empty_amax_histories", "install",
+           "load_amax_histories", "load_osci_margins", "load_outcontrol_norms", "load_sr_calls", "load_state_of_layers",
+           "nvfp4_layers", "osci_layers", "osci_margins", "outcontrol_layers", "outcontrol_norms", "sr_calls",
+           "state_of_layers", "sync_step_counters"]
