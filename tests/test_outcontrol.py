@@ -533,3 +533,25 @@ def test_a_resume_inside_the_window_selects_and_trains_as_the_uninterrupted_run(
         lost_steps.load_state_dict({k: v for k, v in saved[2].items() if k != "nvfp4_outcontrol_norms"})
     assert (f"the checkpoint of step {resume_at} has no OutControl sums for 1 layers (e.g. 'lin') inside their "
             "window: the sums restart") in caplog.text
+
+
+def test_torchtitans_checkpoint_manager_resumes_inside_the_window_bit_for_bit(tmp_path):
+    """start 1, steps 3: saved after step 3, two of the window's three forwards summed; the resumed job's sums come
+    back from its train_state (nvfp4_outcontrol_norms), so step 4 selects the same channels and steps 4-5 train the
+    same bits."""
+    from checkpoint_helpers import REF, Job, tokens as _tokens
+
+    oc = {**REF, "outcontrol_fraction": 0.25, "outcontrol_start": 1, "outcontrol_steps": 3}
+    a = Job(tmp_path, oc)
+    for t in range(1, 4):
+        a.step(_tokens(t))
+    a.save()
+    assert not a.linear("attention.wq")._outcontrol_on
+    losses = [a.step(_tokens(t)) for t in (4, 5)]
+    b = Job(tmp_path, oc)
+    b.load()
+    assert b.trainer.step == 3 and not b.linear("attention.wq")._outcontrol_on
+    assert torch.equal(torch.stack([b.step(_tokens(t)) for t in (4, 5)]), torch.stack(losses))
+    for name in ("attention.wq", "feed_forward.w2"):
+        assert b.linear(name)._outcontrol_on
+        assert torch.equal(b.linear(name).outcontrol_index, a.linear(name).outcontrol_index)
