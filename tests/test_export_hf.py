@@ -8,7 +8,9 @@ TorchTitan's with those weights. Bad input ends in one line and leaves no folder
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
+import re
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -245,6 +247,47 @@ def test_lowrank_layers_export_the_weight_the_forward_computes_with(lora_run):
         assert torch.equal(state[hf_key], w.to(torch.bfloat16)), name
         assert not (w - m.weight).abs().max() < 1e-3, f"{name}: W, not the residual R"
     assert not any("lora" in k for k in state)
+
+
+@pytest.fixture(scope="module")
+def outcontrol_run(run):
+    """An OutControl job (the same model) that selects after step 1, two steps."""
+    tmp = run.tmp / "outcontrol"
+    tmp.mkdir()
+    job = job_toml(tmp, run.assets, extra="outcontrol_fraction = 0.1\noutcontrol_start = 0\noutcontrol_steps = 1\n")
+    model = train(tmp, job, steps=2)
+    return SimpleNamespace(tmp=tmp, job=job, model=model, ckpt=tmp / "checkpoint")
+
+
+def test_outcontrol_layers_export_in_bf16_and_are_refused_in_nvfp4(outcontrol_run, capsys):
+    """After the selection a layer's forward runs some input channels in MXFP8: compressed-tensors' NVFP4 layout
+    cannot hold it, so --format nvfp4 names the layer; BF16 holds the weight without the selection's entries."""
+    run = outcontrol_run
+    assert run.model.layers["0"].attention.wq._outcontrol_on
+    out = run.tmp / "hf"
+    nvfp4 = [str(run.ckpt), "--job.config_file", str(run.job), "--format", "nvfp4", "--out", str(out)]
+    assert ("layer 'layers.0.attention.wq' runs its OutControl-selected input channels in MXFP8 beside NVFP4"
+            in _fails(capsys, nvfp4, out))
+    export_main([str(run.ckpt), "--job.config_file", str(run.job), "--format", "bf16", "--out", str(out)])
+    state = _safetensors(out)
+    assert state and not any("outcontrol" in k for k in state)
+
+
+def test_a_checkpoint_of_another_job_file_is_refused_by_an_entry_the_model_lacks(run, lora_run, outcontrol_run,
+                                                                                  capsys):
+    """Read through the plain NVFP4 job, a low-rank run's W would be quantized after training and an OutControl
+    run's MXFP8 channels dropped; through a shallower flavor, the last block would be cut off. One line each, and
+    nothing written."""
+    out = run.tmp / "other_job"
+    plain = ["--job.config_file", str(run.job), "--format", "nvfp4", "--out", str(out)]
+    lacks = r"has '{}', which the job file's model lacks \(\d+ more such keys\): was it written by another job file"
+    assert re.search(lacks.format(r"layers\.0\.[a-z_.0-9]+\.lora_\w+"), _fails(capsys, [str(lora_run.ckpt), *plain],
+                                                                                   out))
+    assert re.search(lacks.format(r"layers\.0\.[a-z_.0-9]+\.outcontrol_(index|done)"),
+                     _fails(capsys, [str(outcontrol_run.ckpt), *plain], out))
+    llama3_args.setdefault(f"{FLAVOR}_shallow", dataclasses.replace(llama3_args[FLAVOR], n_layers=2))
+    assert re.search(lacks.format(r"layers\.2\.[a-z_.0-9]+"),
+                     _fails(capsys, [str(run.ckpt), *plain, "--model.flavor", f"{FLAVOR}_shallow"], out))
 
 
 # ------------------------------------------------------------------------------------------------ bad input

@@ -141,6 +141,11 @@ def w4a16_model(cfg, step):
         raise ValueError(f"--forward w4a16: layer {layers.lowrank[0]!r} is low-rank ([quantize.linear.nvfp4] "
                          f"lora_rank, {len(layers.lowrank)} layers): its forward adds U·diag(σ)·V to NVFP4(R), not "
                          "one NVFP4 weight (export_hf's nvfp4 export refuses it too); use --forward nvfp4 or bf16")
+    if layers.split:
+        raise ValueError(f"--forward w4a16: layer {layers.split[0]!r} runs its OutControl-selected input channels in "
+                         f"MXFP8 beside NVFP4 ([quantize.linear.nvfp4] outcontrol_fraction, {len(layers.split)} "
+                         "layers), not one NVFP4 weight (export_hf's nvfp4 export refuses it too); use --forward nvfp4 "
+                         "or bf16")
     if layers.other:
         kind = type(converted.get_submodule(layers.other[0])).__name__
         raise ValueError(f"--forward w4a16: {layers.other[0]!r} ({kind}) holds MoE experts, which export_hf's nvfp4 "

@@ -128,6 +128,10 @@ def _nvfp4_checks(layers, job, step, args) -> torch.dtype:
         fail(PROG, f"--format nvfp4: layer {layers.lowrank[0]!r} is low-rank ({job.knob} lora_rank, "
                    f"{len(layers.lowrank)} layers): its forward adds U·diag(σ)·V to NVFP4(R), which compressed-tensors' "
                    "NVFP4 layout cannot hold; export --format bf16 (W = R + U·diag(σ)·V)")
+    if layers.split:
+        fail(PROG, f"--format nvfp4: layer {layers.split[0]!r} runs its OutControl-selected input channels in MXFP8 "
+                   f"beside NVFP4 ({job.knob} outcontrol_fraction, {len(layers.split)} layers), which "
+                   "compressed-tensors' NVFP4 layout (one format per layer) cannot hold; export --format bf16")
     if args.scheme == "w4a4":
         fos = [n for n, m in layers.nvfp4.items() if m.recipe.four_over_six]
         if fos:

@@ -27,10 +27,12 @@ from .export_dense import fold_decomposed, non_finite
 class Layers:
     """The model's Linears by kind (TorchTitan names): ``nvfp4`` (NVFP4Linear, recipe kept), ``lowrank`` (their
     DecomposedLinear subset), ``plain`` (left in BF16 by the recipe: filter_fqns, BF16 blocks, the LM head), and
-    ``other``: modules with low-rank state that are not Linears (MoE experts)."""
+    ``other``: modules with low-rank state that are not Linears (MoE experts); ``split``: the NVFP4 Linears whose
+    forward runs its OutControl-selected input channels in MXFP8 (outcontrol_fraction), not one NVFP4 weight."""
 
     nvfp4: dict[str, NVFP4Linear] = field(default_factory=dict)
     lowrank: list[str] = field(default_factory=list)
+    split: list[str] = field(default_factory=list)
     plain: list[str] = field(default_factory=list)
     other: list[str] = field(default_factory=list)
 
@@ -42,6 +44,8 @@ def classify(model: nn.Module) -> Layers:
             out.nvfp4[name] = m
             if isinstance(m, DecomposedLinear) and "lora_decomposed" in m._buffers:
                 out.lowrank.append(name)
+            if getattr(m, "_outcontrol_on", False):
+                out.split.append(name)
         elif isinstance(m, nn.Linear):
             out.plain.append(name)
         elif isinstance(m, LowRankState) or type(m).__name__.startswith("NVFP4"):

@@ -129,6 +129,25 @@ def _unaliased(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+#: the top-level entries of a TorchTitan checkpoint beside the model's flat keys
+_NOT_MODEL = ("optimizer", "lr_scheduler", "lr_schedulers", "dataloader", "train_state")
+#: the model entries of an NVFP4 layer beside its weight and bias (decomposed_linear.py, outcontrol.py)
+_LAYER_STATE = ("lora_", "outcontrol_")
+
+
+def _plain_view(model: nn.Module, key: str) -> bool:
+    """Whether checkpoint entry ``key`` is the NVFP4 state of a layer (low-rank factors, OutControl's selection) that
+    ``model`` holds as a plain Linear: its ``weight`` entry is the W a BF16 Linear multiplies, the rest is not needed.
+    Into an NVFP4 layer the same entries would be dropped silently: those are refused."""
+    module, _, leaf = key.rpartition(".")
+    if not leaf.startswith(_LAYER_STATE):
+        return False
+    try:
+        return type(model.get_submodule(module)) is nn.Linear
+    except AttributeError:
+        return False
+
+
 @dataclass
 class Loaded:
     """What the checkpoint told about its weights: the dtype each model key is stored in, and whether the run
@@ -151,6 +170,12 @@ def load_weights(model: nn.Module, folder: Path) -> Loaded:
         raise ValueError(f"checkpoint {folder} has no {missing[0]!r}, which the job file's model has"
                          + (f" ({len(missing) - 1} more keys missing)" if len(missing) > 1 else "")
                          + ": was it written by another job file (model flavor, converters, lora_rank)?")
+    extra = [k for k in saved if k.split(".", 1)[0] not in _NOT_MODEL and k not in state and not _plain_view(model, k)]
+    if extra:
+        raise ValueError(f"checkpoint {folder} has {extra[0]!r}, which the job file's model lacks"
+                         + (f" ({len(extra) - 1} more such keys)" if len(extra) > 1 else "")
+                         + ": was it written by another job file (model flavor, converters, lora_rank, "
+                         "outcontrol_fraction)?")
     for key, value in state.items():
         size = getattr(saved[key], "size", None)
         if size is not None and tuple(size) != tuple(value.shape):
