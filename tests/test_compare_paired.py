@@ -203,8 +203,10 @@ def test_fewer_baseline_seeds_still_give_unbiased_calibrated_gaps():
 
 
 def test_final_validations_and_replicate_names():
-    assert final_validations({250: 2.0, 500: 1.5, 750: 1.0}, 2) == pytest.approx(1.25)
-    assert final_validations({250: 2.0}, 2) is None
+    assert final_validations({250: 2.0, 500: 1.5, 750: 1.0}, [500, 750]) == pytest.approx(1.25)
+    assert final_validations({250: 2.0}, [500, 750]) is None
+    assert final_validations({250: 2.0, 500: 1.5}, [500, 750]) is None  # a killed run's earlier one does not stand in
+    assert final_validations({500: 1.5, 750: float("nan")}, [500, 750]) is None
     assert [recipe_of(n) for n in ("bf16", "bf16_seed2", "nvfp4_fwd_bf16_0.18_seed17", "seedless")] == \
         ["bf16", "bf16", "nvfp4_fwd_bf16_0.18", "seedless"]
 
@@ -406,3 +408,31 @@ def test_the_ranking_crosses_two_initialisations_with_four_rounding_streams(tmp_
     assert streams[42] == streams[44] == {0, 1, 2, 3}
     assert all(streams[s] == {0} for s in streams if s not in (42, 44))
     assert all(spec.env(a)["TITAN_NVFP4_CORPUS"] == "3adb9d1c9f2d" for a in spec.arms)
+
+
+def test_a_cut_or_nan_last_validation_leaves_the_run_out_of_the_paired_rows_by_name(tmp_path, capsys):
+    """A kill mid-line leaves "validate step: 100  loss:  1.4" at the log's end: no value (it read as 1.4 before);
+    a run without the protocol's last validation is not paired through an earlier one, and a NaN one does not crash
+    the table (nor seed_spread): each is named under the paired rows."""
+    spec = compare.load_spec(_spec(tmp_path))
+    out = tmp_path / "out"
+    out.mkdir()
+    for recipe, values in STATS.items():
+        for i, v in enumerate(values):
+            _log(out / f"{recipe}{'' if i == 0 else f'_seed{i + 1}'}.log", {50: v + 0.2, 100: v}, 0.0)
+    cut = out / "better_seed4.log"
+    text = cut.read_text()
+    cut.write_text(text[:text.rindex("loss: ") + len("loss: 1.4")])
+    from titan_nvfp4.tools.loss_log import parse_validation
+
+    assert parse_validation(cut.read_text()) == {50: pytest.approx(STATS["better"][3] + 0.2)}
+    diverged = out / "nvfp4_seed3.log"
+    diverged.write_text(diverged.read_text().replace(f"validate step: 100  loss: {STATS['nvfp4'][2]:.4f}",
+                                                     "validate step: 100  loss: nan"))
+    table = compare.report(spec)
+    assert "| nvfp4 | 3 |" in table and "| better | 3 |" in table
+    assert ("Left out of the paired rows, without a finite validation loss at step 100: nvfp4_seed3, better_seed4"
+            in table)
+    logs = [str(out / f"{n}.log") for n in ("bf16", "bf16_seed2", "bf16_seed3", "nvfp4", "nvfp4_seed2", "nvfp4_seed3")]
+    seed_spread.main([*logs, "--baseline", "bf16", "--recipe", "nvfp4"])
+    assert "| validation loss at step 100 |" in capsys.readouterr().out

@@ -27,12 +27,14 @@ def replicate_name(recipe: str, index: int) -> str:
     return recipe if index == 0 else f"{recipe}_seed{index + 1}"
 
 
-def final_validations(validation: dict[int, float], k: int) -> float | None:
-    """The statistic of one run: the mean of its last ``k`` validation losses (by step), None with fewer than k."""
-    if len(validation) < k:
+def final_validations(validation: dict[int, float], steps: list[int]) -> float | None:
+    """The statistic of one run: the mean of its validation losses at ``steps`` (the protocol's last validations),
+    None when it lacks one of them (a killed run's last validation: an earlier one would pair with other arms' later
+    ones) or one is not finite."""
+    if not steps or any(s not in validation for s in steps):
         return None
-    steps = sorted(validation)[-k:]
-    return statistics.fmean(validation[s] for s in steps)
+    value = statistics.fmean(validation[s] for s in steps)
+    return value if math.isfinite(value) else None
 
 
 def _gap_pct(run: dict, base: dict, seed: int) -> float:

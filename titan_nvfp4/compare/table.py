@@ -68,13 +68,17 @@ def paired_table(spec: Spec, runs: dict, validation: dict[str, dict[int, float]]
     with it): each finished arm's statistic, the mean of its last ``paired_validations`` validation losses, keyed by
     recipe and seed (``paired.paired_rows``); a partial arm waits (its last validations are earlier steps)."""
     k = spec.paired_validations
+    finished = [a for a in spec.arms if a.name in runs and runs[a.name][-1].step >= spec.steps]
+    # the protocol's steps: the last k validation steps any finished arm logged
+    steps = sorted({s for a in finished for s in validation.get(a.name, {})})[-k:]
     stats: dict[str, dict[int, float]] = {}
-    for arm in spec.arms:
-        if arm.name not in runs or runs[arm.name][-1].step < spec.steps:
-            continue
-        value = final_validations(validation.get(arm.name, {}), k)
+    lacking = []
+    for arm in finished:
+        value = final_validations(validation.get(arm.name, {}), steps)
         seed = spec.seed(arm)
-        if value is not None and seed is not None:
+        if value is None:
+            lacking.append(arm.name)
+        elif seed is not None:
             stats.setdefault(recipe_of(arm.name), {})[seed] = value
     baseline, reference = recipe_of(spec.baseline), recipe_of(spec.reference) if spec.reference else ""
     if baseline not in stats:
@@ -85,7 +89,10 @@ def paired_table(spec: Spec, runs: dict, validation: dict[str, dict[int, float]]
     what = "the last validation loss" if k == 1 else f"the mean of the last {k} validation losses"
     pairwise = pairwise_markdown(pairwise_rows(stats, baseline), baseline)
     target = "\n" + target_markdown(rows, spec.target_se) if spec.target_se else ""
-    return paired_markdown(rows, baseline, reference if reference in stats else "", what) + target + \
+    left_out = ("\nLeft out of the paired rows, without a finite validation loss at step"
+                f"{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}: {', '.join(lacking)}\n"
+                if lacking else "")
+    return paired_markdown(rows, baseline, reference if reference in stats else "", what) + left_out + target + \
         ("\n" + pairwise if pairwise else "")
 
 

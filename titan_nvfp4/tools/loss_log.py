@@ -42,7 +42,8 @@ _LINE = re.compile(
     rf"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>{_FLOAT})\s+grad_norm:\s*(?P<gn>{_FLOAT})"
     r"\s+memory:\s*(?P<mem>\d+\.?\d*)GiB.*?tps:\s*(?P<tps>\d[0-9,]*)"
 )
-_VALIDATION = re.compile(rf"validate step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>{_FLOAT})(?![\w.])")
+#: the loss must be followed by whitespace (the line's end included): a line cut mid-number by a killed run is no value
+_VALIDATION = re.compile(rf"validate step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>{_FLOAT})(?=\s)")
 
 
 @dataclass
@@ -126,7 +127,7 @@ def split_log(text: str) -> list[LoggedRun]:
             runs.append(cur.done())
             cur = _RunBuilder(n, f"line {n}")
 
-    for n, line in enumerate(ANSI_ESCAPES.sub("", text).splitlines(), 1):
+    for n, line in enumerate(ANSI_ESCAPES.sub("", text).splitlines(keepends=True), 1):
         prefix = _RANK.match(line)
         if prefix:
             rank = prefix["rank"] if rank is None else rank

@@ -37,7 +37,8 @@ def _replicates(names: list[str], recipe: str) -> dict[str, str]:
 
 
 def _sd(values: list[float]) -> float:
-    return statistics.stdev(values) if len(values) > 1 else float("nan")
+    """The sample s.d.; NaN for fewer than two values or a non-finite one (a diverged run: statistics.stdev raises)."""
+    return statistics.stdev(values) if len(values) > 1 and all(map(math.isfinite, values)) else float("nan")
 
 
 def _corr(x: list[float], y: list[float]) -> float:
