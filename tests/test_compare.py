@@ -205,6 +205,16 @@ def test_bad_specs_are_refused_by_key(tmp_path, extra, arms, needles):
         assert needle in str(e.value), (needle, str(e.value))
 
 
+@pytest.mark.parametrize("launcher", ['[""]', '["  "]', '["python", ""]'])
+def test_an_empty_launcher_is_refused_at_load(tmp_path, launcher):
+    path = _spec(tmp_path, ARMS)
+    text = path.read_text()
+    start = text.index("launcher = [")
+    path.write_text(text[:start] + f"launcher = {launcher}" + text[text.index("]", start) + 1:])
+    with pytest.raises(ValueError, match=r"\[compare\] launcher must be a non-empty list of non-empty words"):
+        compare.load_spec(path)
+
+
 def test_baseline_must_be_an_arm(tmp_path):
     spec = _spec(tmp_path, ARMS).read_text().replace('baseline = "bf16"', 'baseline = "fp8"')
     (tmp_path / "spec.toml").write_text(spec)

@@ -176,3 +176,31 @@ def test_a_branch_and_its_parent_brought_back_together_still_pair_wherever_they_
     assert "switch: imported, step 40 of 40 (complete)" in capsys.readouterr().out
     assert (home / "nvfp4.log").read_bytes() == (tmp_path / "out/nvfp4.log").read_bytes()
     assert "| switch | 40 |" in (home / "compare.md").read_text()
+
+
+def test_an_imported_branch_pairs_with_the_parent_in_the_folder_not_the_one_in_the_archive(tmp_path, capsys,
+                                                                                             fast_poll):
+    """A branch alone is imported beside its parent already kept; a branch whose parent in the archive is another run
+    than the folder's (kept there: it is as long) is skipped, naming the folder's: it would not pair in the table."""
+    import shutil
+
+    spec_path = _spec(tmp_path, seeds="[42]")
+    assert compare.main([str(spec_path)]) == 0
+    home = tmp_path / "kept"
+    home.mkdir()
+    shutil.copy(tmp_path / "out/nvfp4.log", home)
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy(tmp_path / "out/switch.log", alone)
+    capsys.readouterr()
+    assert compare.main([str(spec_path), "--import-logs", str(alone), "--out", str(home), "--report-only"]) == 0
+    assert "switch: imported, step 40 of 40 (complete)" in capsys.readouterr().out
+    fresh = tmp_path / "fresh"  # holds another run of the parent, as long as the archive's
+    fresh.mkdir()
+    (fresh / "nvfp4.log").write_bytes((tmp_path / "out/nvfp4.log").read_bytes().replace(b"loss:", b"loss: ", 1))
+    capsys.readouterr()
+    assert compare.main([str(spec_path), "--import-logs", str(tmp_path / "out"), "--out", str(fresh),
+                         "--report-only"]) == 0
+    out = capsys.readouterr().out
+    assert "nvfp4: kept the log there" in out
+    assert "switch: skipped, stale" in out and str(fresh / "nvfp4.log") in out

@@ -322,7 +322,9 @@ def test_a_partial_replicate_waits_out_of_the_paired_table(tmp_path):
     ('[[arm]]\nname = "x_seed2"\nseeds = [1, 2]', ["'x_seed2'", "may not end in _seedN"]),
     ('[[arm]]\nname = "bf16_seed3"', ["'bf16_seed3'", "unique"]),
     ('[[arm]]\nname = "nvfp4_fwd"\n[[arm]]\nname = "nvfp4_fwd_seed2"\nseeds = [5]', ["may not end in _seedN"]),
-], ids=["empty", "duplicate", "not_int", "suffix", "taken_name", "suffix_plain"])
+    ('[[arm]]\nname = "nvfp4_seed9"\noverrides = ["--debug.seed", "43"]',
+     ["arms 'nvfp4_seed2' and 'nvfp4_seed9' are both replicates of 'nvfp4' on seed 43", "would keep one"]),
+], ids=["empty", "duplicate", "not_int", "suffix", "taken_name", "suffix_plain", "same_seed"])
 def test_bad_seeds_are_refused_by_arm(tmp_path, arm_extra, needles):
     with pytest.raises(ValueError) as e:
         compare.load_spec(_spec(tmp_path, arm_extra=arm_extra))

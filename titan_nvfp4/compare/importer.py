@@ -60,7 +60,10 @@ def import_logs(spec: Spec, source: Path, only: list[str] | None = None, replace
     lines = []
     with tempfile.TemporaryDirectory(prefix="titan_nvfp4_import_") as tmp:
         staging = dataclasses.replace(spec, out=Path(tmp))
-        for path in _incoming_logs(source, Path(tmp)):
+        incoming = _incoming_logs(source, Path(tmp))
+        # parents first: a branch pairs with the parent's log in the folder once the import is done
+        incoming.sort(key=lambda p: bool(getattr(arms.get(p.name[: -len(".log")]), "branch_from", "")))
+        for path in incoming:
             name = path.name[: -len(".log")]
             if name not in arms:
                 lines.append(f"{name}: skipped, not an arm of this spec")
@@ -68,9 +71,20 @@ def import_logs(spec: Spec, source: Path, only: list[str] | None = None, replace
             if only is not None and name not in only:
                 continue
             arm = arms[name]
+            why_of = {str(path): f"{source}: {path.name}"}
+            if arm.branch_from:  # checked against the parent's log in the folder, not the one in the archive
+                parent = arms[arm.branch_from]
+                staged, there = staging.log(parent), spec.log(parent)
+                staged.unlink(missing_ok=True)
+                if there.is_file():
+                    staged.write_bytes(there.read_bytes())
+                why_of[str(staged)] = str(there)
             new = read_arm_log(staging, arm)
-            if new.status != "current":  # its reason names the log as it came in, not the staging copy
-                lines.append(f"{name}: skipped, {new.status}: {new.why.replace(str(path), f'{source}: {path.name}')}")
+            if new.status != "current":  # its reason names the logs as they came in or are kept, not staging copies
+                why = new.why
+                for staged_path, shown in why_of.items():
+                    why = why.replace(staged_path, shown)
+                lines.append(f"{name}: skipped, {new.status}: {why}")
                 continue
             if not new.steps:
                 lines.append(f"{name}: skipped, no logged step (a run that failed at its start)")

@@ -259,7 +259,7 @@ def load_spec(path: Path) -> Spec:
     spec = Spec(base=base, steps=steps, out=Path(top.get("out", f"outputs/compare/{path.stem}")), arms=arms,
                 last=last, baseline=top.get("baseline", "") or names[0], reference=top.get("reference", ""),
                 common=_str_list(top.get("common", []), f"{where}: [compare] common"),
-                launcher=_str_list(top.get("launcher", list(DEFAULT_LAUNCHER)), f"{where}: [compare] launcher"),
+                launcher=_launcher(top, where),
                 timeout_s=timeout, wandb_offline=top.get("wandb_offline", False),
                 mode=_mode(top["mode"], f"{where}: [compare] mode") if "mode" in top else None,
                 parallel=_count(top, "parallel", 1, 1, where),
@@ -267,7 +267,32 @@ def load_spec(path: Path) -> Spec:
                 paired_validations=_count(top, "paired_validations", 1, 1, where), corpus=corpus,
                 target_se=float(target_se))
     _resolve_branches(spec, where)
+    _distinct_replicates(spec, where)
     return spec
+
+
+def _launcher(top: dict, where: str) -> list[str]:
+    """[compare] launcher: a non-empty list of non-empty words (the command the job runs under)."""
+    words = _str_list(top.get("launcher", list(DEFAULT_LAUNCHER)), f"{where}: [compare] launcher")
+    if not words or not all(w.strip() for w in words):
+        raise ValueError(f"{where}: [compare] launcher must be a non-empty list of non-empty words, got {words!r}")
+    return words
+
+
+def _distinct_replicates(spec: Spec, where: str) -> None:
+    """Refuse two replicates of one recipe (arms "<recipe>", "<recipe>_seedN") on one seed: the paired table keys a
+    recipe's statistic by seed and would keep only one of them."""
+    seen: dict[tuple[str, int], str] = {}
+    for arm in spec.arms:
+        seed = spec.seed(arm)
+        if seed is None:
+            continue
+        key = (recipe_of(arm.name), seed)
+        if key in seen:
+            raise ValueError(f"{where}: arms {seen[key]!r} and {arm.name!r} are both replicates of {key[0]!r} on seed "
+                             f"{seed} (--debug.seed or the job file's [debug] seed): the paired table would keep one; "
+                             "give them distinct seeds, or one a name that is not <recipe>_seedN")
+        seen[key] = arm.name
 
 
 def _branch_keys(a: dict, where: str) -> tuple[str, int]:
