@@ -315,6 +315,12 @@ def test_a_partial_replicate_waits_out_of_the_paired_table(tmp_path):
     assert "| better | 3 |" in table and "Partial (below step 100): better_seed4 at step 90" in table
 
 
+def test_a_common_seed_beside_seeds_lists_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"\[compare\] common sets --debug.seed, which would override the seed of "
+                                         r"arm 'bf16'"):
+        compare.load_spec(_spec(tmp_path, 'common = ["--debug.seed", "7"]'))
+
+
 @pytest.mark.parametrize("arm_extra,needles", [
     ('[[arm]]\nname = "x"\nseeds = []', ["arm 'x' seeds", "non-empty list"]),
     ('[[arm]]\nname = "x"\nseeds = [1, 1]', ["arm 'x' seeds", "distinct"]),

@@ -220,14 +220,19 @@ def test_nvfp4_export_loads_in_transformers_with_the_forwards_weights(run, nvfp4
 
 # ------------------------------------------------------------------------------------------------ low rank
 
+def _side_run(run, name: str, knobs: str) -> SimpleNamespace:
+    """A job of the same model with ``knobs`` added to its NVFP4 section, trained two steps in run.tmp/name."""
+    tmp = run.tmp / name
+    tmp.mkdir()
+    job = job_toml(tmp, run.assets, extra=knobs)
+    model = train(tmp, job, steps=2)
+    return SimpleNamespace(tmp=tmp, job=job, model=model, ckpt=tmp / "checkpoint")
+
+
 @pytest.fixture(scope="module")
 def lora_run(run):
     """A lora_rank 16 job (the same model), two steps."""
-    tmp = run.tmp / "lora"
-    tmp.mkdir()
-    job = job_toml(tmp, run.assets, extra="lora_rank = 16\n")
-    model = train(tmp, job, steps=2)
-    return SimpleNamespace(tmp=tmp, job=job, model=model, ckpt=tmp / "checkpoint")
+    return _side_run(run, "lora", "lora_rank = 16\n")
 
 
 def test_lowrank_layers_export_the_weight_the_forward_computes_with(lora_run):
@@ -252,11 +257,7 @@ def test_lowrank_layers_export_the_weight_the_forward_computes_with(lora_run):
 @pytest.fixture(scope="module")
 def outcontrol_run(run):
     """An OutControl job (the same model) that selects after step 1, two steps."""
-    tmp = run.tmp / "outcontrol"
-    tmp.mkdir()
-    job = job_toml(tmp, run.assets, extra="outcontrol_fraction = 0.1\noutcontrol_start = 0\noutcontrol_steps = 1\n")
-    model = train(tmp, job, steps=2)
-    return SimpleNamespace(tmp=tmp, job=job, model=model, ckpt=tmp / "checkpoint")
+    return _side_run(run, "outcontrol", "outcontrol_fraction = 0.1\noutcontrol_start = 0\noutcontrol_steps = 1\n")
 
 
 def test_outcontrol_layers_export_in_bf16_and_are_refused_in_nvfp4(outcontrol_run, capsys):

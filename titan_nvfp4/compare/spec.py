@@ -267,6 +267,11 @@ def load_spec(path: Path) -> Spec:
                 paired_validations=_count(top, "paired_validations", 1, 1, where), corpus=corpus,
                 target_se=float(target_se))
     _resolve_branches(spec, where)
+    seeded = [a["name"] for a in raw.get("arm", []) if "seeds" in a]
+    if seeded and any(w == _SEED_FLAG or w.startswith(_SEED_FLAG + "=") for w in spec.common):
+        raise ValueError(f"{where}: [compare] common sets {_SEED_FLAG}, which would override the seed of arm "
+                         f"{seeded[0]!r}'s seeds = [...] on the replicate that runs its job file's own seed: set the "
+                         "seed in each arm's seeds or overrides")
     _distinct_replicates(spec, where)
     return spec
 
