@@ -496,7 +496,7 @@ def test_compiled_experts_body_matches_eager_and_compiles_without_a_break(cpu_hi
                                     torch.compile(bf16_gemms, backend=backend, fullgraph=True))
             conv = NVFP4GroupedMMConverter(parse(*args), world1())
             assert conv.compile_backend == backend
-            model, margs = build_moe("deepseek_v3", n_layers=2, seq=16)
+            model, margs = build_moe("deepseek_v3", n_layers=2, seq=16, dim=128, moe_inter_dim=64)
             conv.convert(model)
             m = model.layers["1"].moe.experts
             assert isinstance(m, NVFP4GroupedExperts) and m.compile_backend == backend

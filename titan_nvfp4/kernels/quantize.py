@@ -684,7 +684,7 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
     dt = torch.empty((K, N // 2) if emit_transpose else (0,), dtype=torch.uint8, device=dev)
     st = torch.empty((K // 16, N // 16) if emit_transpose else (0,), dtype=torch.float8_e4m3fn, device=dev)
     if fused:
-        g, bk, warps = (_FUSED_2D["G"], _FUSED_2D["BK"], _FUSED_2D["num_warps"]) if w.is_cuda else (G_Q, BK_Q, 1)
+        g, bk, warps = (_FUSED_2D["G"], _FUSED_2D["BK"], _FUSED_2D["num_warps"]) if w.is_cuda else (G_I, BK_I, 1)
         lead, span = _FUSED_2D["LEAD"], _FUSED_2D["SPAN"]
         tq = cdiv(N // experts // 16, g) * cdiv(K, bk)
         programs = experts * (tq + cdiv(tq, span))  # every expert's quantization and amax tiles
