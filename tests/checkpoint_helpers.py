@@ -6,7 +6,7 @@ import copy
 import dataclasses
 import functools
 import torch
-import titan_nvfp4  # noqa: F401  (registers the converters, patches the CheckpointManager)
+import titan_nvfp4.integration  # noqa: F401  (registers the converters, patches the CheckpointManager)
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers

@@ -18,7 +18,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-import titan_nvfp4  # noqa: F401  (registers the converter)
+import titan_nvfp4.integration  # noqa: F401  (registers the converter)
 from torchtitan.config import ConfigManager
 from torchtitan.distributed import ParallelDims
 from torchtitan.models.llama3 import Transformer, llama3_args

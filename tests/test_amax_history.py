@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-import titan_nvfp4  # noqa: F401  (registers the converters)
+import titan_nvfp4.integration  # noqa: F401  (registers the converters)
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
 from titan_nvfp4.modules.amax_history import AmaxHistory, layers_with_history, register_buffers, roll
 from titan_nvfp4.integration import train_state

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import titan_nvfp4  # noqa: F401  (registers the converters, patches the CheckpointManager)
+import titan_nvfp4.integration  # noqa: F401  (registers the converters, patches the CheckpointManager)
 from titan_nvfp4.modules.amax_history import layers_with_history
 from titan_nvfp4.modules.decomposed_linear import DecomposedLinear
 from titan_nvfp4.autograd.linear_function import sr_counter

@@ -20,7 +20,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-import titan_nvfp4  # noqa: F401  (registers the converter)
+import titan_nvfp4.integration  # noqa: F401  (registers the converter)
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe, available_presets
 from titan_nvfp4.integration.job_config import DEFAULT_FILTER_FQNS
 from torchtitan.distributed import ParallelDims
@@ -62,16 +62,24 @@ def test_import_registers_converter_once_and_the_flavors():
     from titan_nvfp4.integration.flavors import BENCH_FLAVOR
 
     assert _registry_model_converter_cls[NAME].__name__ == "NVFP4LinearConverter"
-    # In a fresh interpreter: the converter and our llama3 flavor are absent before `import titan_nvfp4`
-    # and present after (the flavor through what TorchTitan's job-config parsing imports), and importing or
-    # re-executing the modules again does not trip TorchTitan's "already registered" assertion.
+    # In a fresh interpreter: `import titan_nvfp4` and its tools do not import TorchTitan (the tools start
+    # fast; `import titan_nvfp4` alone not even torch) and the public names load on use; the converter and our llama3 flavor are absent before
+    # `import titan_nvfp4.integration` and present after (the flavor through what TorchTitan's job-config parsing
+    # imports), and importing or re-executing the modules again does not trip TorchTitan's "already registered"
+    # assertion.
     code = "\n".join([
-        "import importlib",
+        "import importlib, sys",
+        "import titan_nvfp4",
+        "assert 'torch' not in sys.modules, sorted(sys.modules)",
+        "import titan_nvfp4.compare, titan_nvfp4.tools.loss_log",
+        "assert 'torchtitan' not in sys.modules, sorted(sys.modules)",
+        "assert titan_nvfp4.NVFP4Linear.__name__ == 'NVFP4Linear' and 'torch' in sys.modules",
+        "from titan_nvfp4 import convert",
         "from torchtitan.models.llama3 import llama3_args",
         "from torchtitan.protocols.model_converter import _registry_model_converter_cls as reg",
         "from torchtitan.protocols.train_spec import get_train_spec",
         f"assert {NAME!r} not in reg and {BENCH_FLAVOR!r} not in llama3_args",
-        "import titan_nvfp4",
+        "import titan_nvfp4.integration",
         f"cls = reg[{NAME!r}]",
         "import titan_nvfp4, titan_nvfp4.integration.job_config",
         f"print(get_train_spec('llama3').model_args[{BENCH_FLAVOR!r}].dim)",

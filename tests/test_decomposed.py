@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-import titan_nvfp4  # noqa: F401  (registers the converters)
+import titan_nvfp4.integration  # noqa: F401  (registers the converters)
 from titan_nvfp4 import NVFP4Recipe
 from titan_nvfp4.modules.decomposed_linear import DecomposedLinear
 from titan_nvfp4.autograd.linear_function import nvfp4_linear

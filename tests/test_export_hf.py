@@ -22,7 +22,7 @@ if not all(importlib.util.find_spec(m) for m in ("transformers", "compressed_ten
     pytest.skip("the export extra (transformers, compressed-tensors, safetensors) is not installed",
                 allow_module_level=True)  # found, not imported: the FSDP2 ranks import this module
 
-import titan_nvfp4  # noqa: F401  (registers the converters)
+import titan_nvfp4.integration  # noqa: F401  (registers the converters)
 import titan_nvfp4.autograd.linear_function as linear_function
 from titan_nvfp4.modules.nvfp4_linear import NVFP4Linear
 from titan_nvfp4.numerics.formats import pack_nibbles, unpack_nibbles

@@ -19,7 +19,7 @@ if not all(importlib.util.find_spec(m) for m in ("transformers", "compressed_ten
     pytest.skip("the export extra (transformers, compressed-tensors, safetensors) is not installed",
                 allow_module_level=True)
 
-import titan_nvfp4  # noqa: F401  (registers the converters)
+import titan_nvfp4.integration  # noqa: F401  (registers the converters)
 from titan_nvfp4.tools.export_hf import main as export_main
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs, deepseekv3_args
 from torchtitan.models.moe import MoEArgs

@@ -8,7 +8,7 @@ from torch import nn
 
 pytest.importorskip("torchtitan")
 
-import titan_nvfp4  # noqa: F401  (registers the converter and the flavors)
+import titan_nvfp4.integration  # noqa: F401  (registers the converter and the flavors)
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
 from titan_nvfp4.conversion import convert_linears
 from titan_nvfp4.integration.flavors import BENCH_FLAVOR, BENCH_VOCAB_SIZE, LAYERS_8B_FLAVOR

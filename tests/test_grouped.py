@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-import titan_nvfp4  # noqa: F401  (registers the converters)
+import titan_nvfp4.integration  # noqa: F401  (registers the converters)
 from titan_nvfp4 import NVFP4Recipe
 from titan_nvfp4.autograd.grouped_function import nvfp4_grouped_mm
 from titan_nvfp4.conversion import convert_experts, convert_linears

@@ -14,7 +14,7 @@ from torch import nn
 
 pytest.importorskip("torchtitan")
 
-import titan_nvfp4  # noqa: F401  (registers the converters and the flavors)
+import titan_nvfp4.integration  # noqa: F401  (registers the converters and the flavors)
 from job_helpers import parse, world1
 from titan_nvfp4 import NVFP4Linear
 from titan_nvfp4.integration import flavors

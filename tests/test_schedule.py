@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import titan_nvfp4  # noqa: F401  (registers the converters)
+import titan_nvfp4.integration  # noqa: F401  (registers the converters)
 from titan_nvfp4 import NVFP4Linear
 from titan_nvfp4.modules.decomposed_linear import DecomposedLinear
 from titan_nvfp4.training.schedule import GROUPED_STEPS, LINEAR_STEPS

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-import titan_nvfp4  # noqa: F401
+import titan_nvfp4.integration  # noqa: F401
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
 from titan_nvfp4.distributed.tensor_parallel import local
 from titan_nvfp4.numerics.rht import rht_signs

@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-import titan_nvfp4  # noqa: F401
+import titan_nvfp4.integration  # noqa: F401
 from titan_nvfp4 import NVFP4Linear, NVFP4Recipe
 from titan_nvfp4.integration import train_state
 

@@ -67,7 +67,7 @@ def find_step(path: Path) -> StepFolder:
 def parse_job(overrides: list[str], backend: str | None = "reference"):
     """TorchTitan's JobConfig from ``--job.config_file ...`` and further overrides, with the NVFP4 sections' GEMM
     backend set to ``backend`` ("reference", the CPU's, by default; None: the job's own)."""
-    import titan_nvfp4  # noqa: F401  (registers the converters and our flavors)
+    import titan_nvfp4.integration  # noqa: F401  (registers the converters and our flavors)
     from torchtitan.config import ConfigManager
 
     cfg = ConfigManager().parse_args(list(overrides))
