@@ -1,7 +1,7 @@
 """titan-nvfp4: NVFP4 (4-bit) pretraining for TorchTitan.
 
-The package itself imports nothing heavy: its public names load on first use, so the command-line tools
-(``python -m titan_nvfp4.compare``, ``titan_nvfp4.tools.*``) start without torch or TorchTitan. TorchTitan 0.2
+The package itself imports neither torch nor TorchTitan: its public names load on first use, so a command-line
+tool (``python -m titan_nvfp4.compare``, ``titan_nvfp4.tools.loss_log``) imports only what it needs. TorchTitan 0.2
 finds the `quantize.linear.nvfp4` and `quantize.grouped_mm.nvfp4` model converters once
 titan_nvfp4.integration is imported, which the job file's ``custom_config_module`` does; TorchTitan 0.3
 names titan_nvfp4.integration_v03.configs on its command line instead.
