@@ -62,8 +62,8 @@ def test_import_registers_converter_once_and_the_flavors():
     from titan_nvfp4.integration.flavors import BENCH_FLAVOR
 
     assert _registry_model_converter_cls[NAME].__name__ == "NVFP4LinearConverter"
-    # In a fresh interpreter: `import titan_nvfp4` and its tools do not import TorchTitan (the tools start
-    # fast; `import titan_nvfp4` alone not even torch) and the public names load on use; the converter and our llama3 flavor are absent before
+    # In a fresh interpreter: `import titan_nvfp4` imports no torch, its tools no TorchTitan (they start fast),
+    # and the public names load on use; the converter and our llama3 flavor are absent before
     # `import titan_nvfp4.integration` and present after (the flavor through what TorchTitan's job-config parsing
     # imports), and importing or re-executing the modules again does not trip TorchTitan's "already registered"
     # assertion.
