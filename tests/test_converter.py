@@ -8,6 +8,7 @@ import logging
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from torchtitan.protocols.model_converter import _registry_model_converter_cls, 
 from job_helpers import ROOT, edited_toml, meta_llama, parse, world1
 
 NAME = "quantize.linear.nvfp4"
+RANKING_SPEC = "configs/compare/recipe_ranking_386m.toml"  # pins a corpus
 BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
                  "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
 
@@ -62,7 +64,8 @@ def test_import_registers_converter_once_and_the_flavors():
     from titan_nvfp4.integration.flavors import BENCH_FLAVOR
 
     assert _registry_model_converter_cls[NAME].__name__ == "NVFP4LinearConverter"
-    # In a fresh interpreter: `import titan_nvfp4` imports no torch, its tools no TorchTitan (they start fast),
+    # In a fresh interpreter: `import titan_nvfp4` imports no torch, its tools no TorchTitan (they start fast; the
+    # comparison runner reads a spec that pins a corpus without torch),
     # and the public names load on use; the converter and our llama3 flavor are absent before
     # `import titan_nvfp4.integration` and present after (the flavor through what TorchTitan's job-config parsing
     # imports), and importing or re-executing the modules again does not trip TorchTitan's "already registered"
@@ -72,6 +75,9 @@ def test_import_registers_converter_once_and_the_flavors():
         "import titan_nvfp4",
         "assert 'torch' not in sys.modules, sorted(sys.modules)",
         "import titan_nvfp4.compare, titan_nvfp4.tools.loss_log",
+        "from pathlib import Path",
+        f"spec = titan_nvfp4.compare.load_spec(Path({str(Path(__file__).parents[1] / RANKING_SPEC)!r}))",
+        "assert spec.corpus and 'torch' not in sys.modules, sorted(sys.modules)",  # a corpus pin read without torch
         "assert 'torchtitan' not in sys.modules, sorted(sys.modules)",
         "assert titan_nvfp4.NVFP4Linear.__name__ == 'NVFP4Linear' and 'torch' in sys.modules",
         "from titan_nvfp4 import convert",

@@ -11,6 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "titan_nvfp4"
 #: every top-level module or sub-package of the package -> its layer; a module may import its own layer and those below
 LAYERS = {
     "configs": 0,  # the recipe presets (data)
+    "corpus_pin": 0,  # the corpus id's form and variable (no torch: a comparison spec's reader imports it)
     "numerics": 1,
     "recipe": 2,  # NVFP4Recipe, presets, the config sections' knobs, layer selection
     "kernels": 3,

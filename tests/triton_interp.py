@@ -8,7 +8,9 @@ to find builtins that the launch has already replaced: nothing is left to patch,
 3 ms a call, a quarter to a third of the interpreter's time on these kernels (hundreds of nested calls
 per program). Here a nested call inside a launch whose patch already covers the language modules
 its function sees skips that scan; every launch and any other call still patches as Triton does.
-The interpreted kernels compute the same values either way (the patched members are the same).
+The interpreted kernels compute the same values either way (the patched members are the same). Also
+kept once computed: the interpreter's numpy dtype of each Triton dtype (_get_np_dtype builds its table at every
+call).
 
 Installed by tests/conftest.py and, through dist_util's fork-server preload, in the gloo ranks.
 If Triton's interpreter changes shape (the names below are missing), nothing is patched.
@@ -60,8 +62,13 @@ def install() -> bool:
             if top[0] is None:  # the launch's own patch: as Triton does it
                 top[0] = langs(fn)
                 return original(fn)
-            if langs(fn) <= top[0]:  # a nested call: its modules are patched already
+            mods = langs(fn)
+            if mods <= top[0]:  # a nested call: its modules are patched already
                 return _NoRestore()
+            # a nested call into modules the launch did not patch (triton.language.core, from tl.randint's
+            # Philox): patched as Triton does it, once per launch (Triton keeps no handle to undo a nested call's
+            # patch, so those modules stay patched for the rest of the launch either way)
+            top[0] = top[0] | mods
         return original(fn)
 
     def call(self, *args, **kwargs):
@@ -74,7 +81,28 @@ def install() -> bool:
     patch_lang._titan_nvfp4 = True
     itp._patch_lang = patch_lang
     grid_executor.__call__ = call
+    _cache_np_dtype(itp, tl)
     return True
+
+
+def _cache_np_dtype(itp, tl) -> None:
+    """The interpreter's _get_np_dtype builds its table of numpy dtypes afresh at each of its calls (one or more per
+    interpreted op); the answer for a scalar dtype, kept once asked, is the same."""
+    original = getattr(itp, "_get_np_dtype", None)
+    if original is None:
+        return
+    known: dict = {}
+
+    def np_dtype(tt_dtype):
+        key = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(key, tl.pointer_type):
+            return original(tt_dtype)
+        hit = known.get(key)
+        if hit is None:
+            hit = known[key] = original(key)
+        return hit
+
+    itp._get_np_dtype = np_dtype
 
 
 install()

@@ -9,6 +9,7 @@ except ImportError:  # Python 3.10
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..corpus_pin import CORPUS_ENV_VAR, CORPUS_ID
 from .paired import recipe_of, replicate_name
 
 DEFAULT_LAUNCHER = ("torchrun", "--standalone", "--nproc_per_node=1", "-m", "torchtitan.train")
@@ -64,8 +65,6 @@ class Spec:
         if self.wandb_offline:
             env["WANDB_MODE"] = "offline"
         if self.corpus:
-            from ..data.manifest import CORPUS_ENV_VAR  # here: the data package registers TorchTitan's datasets
-
             env[CORPUS_ENV_VAR] = self.corpus
         return env
 
@@ -252,8 +251,6 @@ def load_spec(path: Path) -> Spec:
     if not isinstance(top.get("wandb_offline", False), bool):
         raise ValueError(f"{where}: [compare] wandb_offline must be true or false")
     corpus = top.get("corpus", "")
-    if corpus != "":  # a pin: the data package (which registers TorchTitan's datasets) is imported for it alone
-        from ..data.manifest import CORPUS_ID
     if not (isinstance(corpus, str) and (corpus == "" or CORPUS_ID.fullmatch(corpus))):
         raise ValueError(f"{where}: [compare] corpus must be a corpus id (12 lowercase hex digits, as a job logs it "
                          f"for each split it reads), got {corpus!r}")

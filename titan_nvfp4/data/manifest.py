@@ -12,15 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
+
+from ..corpus_pin import CORPUS_ENV_VAR, CORPUS_ID
 
 MANIFEST = "manifest.json"
 DATA_FILES = ("train.jsonl", "validation.jsonl", "tokenizer.json", "tokenizer_config.json")
 
-#: a corpus id (``corpus_id``) a job must train on; a job whose corpus has another id fails before training
-CORPUS_ENV_VAR = "TITAN_NVFP4_CORPUS"
-CORPUS_ID = re.compile(r"[0-9a-f]{12}")  # what ``corpus_id`` returns: 12 lowercase hex digits
 
 _hashes: dict[tuple, str] = {}  # (realpath, dev, ino, size, mtime_ns, ctime_ns) -> sha256, this process only
 

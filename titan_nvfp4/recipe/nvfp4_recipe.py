@@ -14,7 +14,6 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from ..numerics.nvfp4 import SR_BLOCK_SCALES
 
 try:
     import tomllib
@@ -177,8 +176,11 @@ def validate_field(name: str, value: Any, where: str = "quantize.linear.nvfp4") 
         raise ValueError(f"[{where}] outcontrol_fraction must be a number in [0, 1) (0 = off), got {value!r}")
     if name == "outcontrol_steps" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
         raise ValueError(f"[{where}] outcontrol_steps must be a positive integer, got {value!r}")
-    if name == "sr_block_scale" and value not in SR_BLOCK_SCALES:
-        raise ValueError(f"[{where}] sr_block_scale must be one of {list(SR_BLOCK_SCALES)}, got {value!r}")
+    if name == "sr_block_scale":
+        from ..numerics.nvfp4 import SR_BLOCK_SCALES  # here: numerics brings torch, which a spec's reader needs not
+
+        if value not in SR_BLOCK_SCALES:
+            raise ValueError(f"[{where}] sr_block_scale must be one of {list(SR_BLOCK_SCALES)}, got {value!r}")
     if name == "gemm_backend" and value not in BACKEND_NAMES:
         raise ValueError(f"[{where}] gemm_backend must be one of {list(BACKEND_NAMES)}, got {value!r}")
     if name == "rht_size" and (isinstance(value, bool) or value not in RHT_SIZES):
