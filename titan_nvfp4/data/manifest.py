@@ -19,7 +19,6 @@ from ..corpus_pin import CORPUS_ENV_VAR, CORPUS_ID
 MANIFEST = "manifest.json"
 DATA_FILES = ("train.jsonl", "validation.jsonl", "tokenizer.json", "tokenizer_config.json")
 
-
 _hashes: dict[tuple, str] = {}  # (realpath, dev, ino, size, mtime_ns, ctime_ns) -> sha256, this process only
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
