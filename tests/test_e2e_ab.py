@@ -42,7 +42,8 @@ def test_e2e_ab_runs_each_revision_from_its_copy_against_one_bf16_run(tmp_path):
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CONFIG": "llama3", "SKIP": "2",
-           "AB_WORK": str(tmp_path / "work")}
+           "AB_WORK": str(tmp_path / "work"),
+           "TITAN_NVFP4_DATA_DIR": str(tmp_path / "assets")}  # one corpus for both revisions: the second reuses it
     env.pop("TRITON_CACHE_DIR", None)
 
     r = subprocess.run(["bash", "scripts/e2e_ab.sh", "--prepare", "feature/x"], cwd=repo, env=env, capture_output=True,
