@@ -8,7 +8,6 @@ import logging
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -65,18 +64,17 @@ def test_import_registers_converter_once_and_the_flavors():
 
     assert _registry_model_converter_cls[NAME].__name__ == "NVFP4LinearConverter"
     # In a fresh interpreter: `import titan_nvfp4` imports no torch, its tools no TorchTitan (they start fast; the
-    # comparison runner reads a spec that pins a corpus without torch),
-    # and the public names load on use; the converter and our llama3 flavor are absent before
-    # `import titan_nvfp4.integration` and present after (the flavor through what TorchTitan's job-config parsing
-    # imports), and importing or re-executing the modules again does not trip TorchTitan's "already registered"
-    # assertion.
+    # comparison runner reads a spec that pins a corpus without torch), and the public names load on use; the
+    # converter and our llama3 flavor are absent before `import titan_nvfp4.integration` and present after (the
+    # flavor through what TorchTitan's job-config parsing imports), and importing or re-executing the modules again
+    # does not trip TorchTitan's "already registered" assertion.
     code = "\n".join([
         "import importlib, sys",
         "import titan_nvfp4",
         "assert 'torch' not in sys.modules, sorted(sys.modules)",
         "import titan_nvfp4.compare, titan_nvfp4.tools.loss_log",
         "from pathlib import Path",
-        f"spec = titan_nvfp4.compare.load_spec(Path({str(Path(__file__).parents[1] / RANKING_SPEC)!r}))",
+        f"spec = titan_nvfp4.compare.load_spec(Path({str(ROOT / RANKING_SPEC)!r}))",
         "assert spec.corpus and 'torch' not in sys.modules, sorted(sys.modules)",  # a corpus pin read without torch
         "assert 'torchtitan' not in sys.modules, sorted(sys.modules)",
         "assert titan_nvfp4.NVFP4Linear.__name__ == 'NVFP4Linear' and 'torch' in sys.modules",
