@@ -120,8 +120,12 @@ def test_docs_install_commands_are_the_readmes_and_test_commands_name_real_tests
     for page, cmd in ALL:
         if kind(cmd) != "ci":
             continue
-        if cmd.startswith("python -m pytest"):
-            targets = [w.split("::")[0] for w in shlex.split(cmd)[3:] if not w.startswith("-") and not w.isdigit()]
+        bare = _ENV_PREFIX.sub("", cmd)  # `TITAN_NVFP4_SLOW_TESTS=1 python -m pytest ...`: the slow tier
+        if bare.startswith("python -m pytest"):
+            words = shlex.split(bare)[3:]
+            # options' values (-n 2, -m slow, -k expr) are not targets
+            values = {i + 1 for i, w in enumerate(words) if w in ("-n", "-m", "-k", "-p")}
+            targets = [w.split("::")[0] for i, w in enumerate(words) if not w.startswith("-") and i not in values]
             assert targets and all((REPO / t).exists() for t in targets), f"{page.name}: {cmd}"
         else:
             assert cmd in readme, f"{page.name}: {cmd} is not the README's install command"

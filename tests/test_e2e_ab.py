@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 LOG = REPO / "tests" / "data" / "llama3_bf16.log"
 
@@ -17,6 +19,7 @@ def _git(repo: Path, *args: str) -> None:
                    capture_output=True)
 
 
+@pytest.mark.slow(reason="two revisions' corpus builds and four stand-in runs, 30 s on 2 cores")
 def test_e2e_ab_runs_each_revision_from_its_copy_against_one_bf16_run(tmp_path):
     repo = tmp_path / "repo"
     for d in ("scripts", "titan_nvfp4", "train_configs", "configs", "benchmarks", "tests"):

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 _TORCHRUN = r'''#!{python}
@@ -31,6 +33,7 @@ if "--profiling.enable_memory_snapshot" in args:
 '''
 
 
+@pytest.mark.slow(reason="two profiled stand-in runs, 24 s on 2 cores")
 def test_memory_peaks_of_both_arms_are_reported_and_the_snapshots_removed(tmp_path):
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)

@@ -383,7 +383,8 @@ def _ep_worker(rank, world, out, job, state, tokens):
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("world", [2, 4], ids=["ep2", "ep2xfsdp2"])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow(reason="16 s on 2 cores; ep2 in CI"))],
+                         ids=["ep2", "ep2xfsdp2"])
 def test_deepseek_v3_experts_under_expert_parallelism_match_one_process(tmp_path, cpu_histc, world):
     """EP = 2 with TorchTitan's parallelize function, on 2 gloo ranks (FSDP2 2 over the dense part) and on 4
     (the experts EP2 x FSDP2 2 on TorchTitan's efsdp mesh, the dense part FSDP2 4): each rank holds whole
@@ -703,7 +704,8 @@ def _train_worker(rank, world, out, toml, tp, dp, state, batches, ckpt, phase):
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2)], ids=["tp2", "fsdp2"])
+@pytest.mark.parametrize("tp,dp", [pytest.param(2, 1, marks=pytest.mark.slow(reason="18 s on 2 cores; fsdp2 in CI")),
+                                   (1, 2)], ids=["tp2", "fsdp2"])
 def test_dcp_checkpoint_resume_reproduces_the_run_bit_for_bit(tmp_path, tp, dp):
     """NVFP4 and DecomposedLinear layers (lora_rank 16) under TorchTitan's TP or FSDP2 plan, with
     stochastic rounding: a run resumed from a DCP checkpoint (model, AdamW state and the train_state

@@ -717,6 +717,7 @@ def test_deepseek_v3_experts_under_tensor_parallelism_match_one_process(tmp_path
 
 
 @pytest.mark.long
+@pytest.mark.slow(reason="17 s on 2 cores; deepseek_v3's experts under TP in CI")
 def test_gpt_oss_experts_under_tensor_parallelism_match_one_process(tmp_path):
     """gpt_oss_debug_nvfp4's first block at TP degree 2 through its parallelize (partial_dtensor): each expert's mlp1
     colwise (its bias with it), mlp2 rowwise with the bias added as b2 / 2 on each rank (TorchTitan's
@@ -788,8 +789,7 @@ def test_experts_under_expert_parallelism_match_one_process(tmp_path, model_name
 
 
 @pytest.mark.long
-@pytest.mark.skipif(not os.environ.get("TITAN_NVFP4_SLOW_TESTS"),
-                    reason="4 ranks, 27 s on 2 cores: left out of CI's 15 minutes (TITAN_NVFP4_SLOW_TESTS=1 runs it)")
+@pytest.mark.slow(reason="4 ranks, 27 s on 2 cores; EP and TP each run in CI")
 def test_experts_under_expert_and_tensor_parallelism(tmp_path):
     """EP 2 × TP 2 on 4 gloo ranks (deepseek_v3's first 2 blocks, partial_dtensor, sequence parallel): TorchTitan 0.3
     spreads the 8 experts over all 4 ranks, each rank holding 2 whole experts (no TP groups: every expert's scales
@@ -1058,8 +1058,7 @@ def _dcp_flat(path: Path) -> dict:
 
 
 @pytest.mark.long
-@pytest.mark.skipif(not os.environ.get("TITAN_NVFP4_SLOW_TESTS"),
-                    reason="two TorchTitan jobs, 48 s on 2 cores: left out of CI's 15 minutes (TITAN_NVFP4_SLOW_TESTS=1 runs it)")
+@pytest.mark.slow(reason="two TorchTitan jobs, 48 s on 2 cores; test_train_state_resumes_the_sr_streams_bitwise in CI")
 def test_nvfp4_trainer_resumed_from_a_checkpoint_repeats_the_run(tmp_path):
     """The whole NVFP4Trainer through TorchTitan 0.3's entry point on the CPU (llama3_debug_nvfp4's first 2 blocks with SR, a low-rank
     branch refreshed every 2 steps and 2-step amax windows, on a small offline corpus): 3 steps checkpointing every
@@ -1451,6 +1450,7 @@ def _fsdp_gather_worker(rank, world, out, tmp_path, tp=1):
 
 
 @pytest.mark.long
+@pytest.mark.slow(reason="31 s on 2 cores; the NVFP4 all-gather under TorchTitan 0.2's FSDP2 in CI")
 def test_fsdp2_nvfp4_all_gather_trains_as_the_bf16_gather(tmp_path):
     """fsdp_nvfp4_all_gather on 0.3: the 10 NVFP4 Linears' weights gather as codes through llama3's own parallelize
     (FSDP2 2 × TP 2 on 4 gloo ranks, partial_dtensor: the gather of FSDP2 alone, on the TP shards) and two SGD steps
