@@ -261,7 +261,9 @@ def _llama_worker(rank, world, out, toml, tp, dp, state, tokens):
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("tp,dp", [(2, 1), (2, 2)], ids=["tp2", "fsdp2xtp2"])
+@pytest.mark.parametrize("tp,dp", [(2, 1), pytest.param(2, 2, marks=pytest.mark.slow(
+    reason="4 ranks, 12 s on 2 cores; tp2 here, FSDP2 x TP2 in test_fsdp2_x_tp2_nvfp4_all_gather_equals_..."))],
+    ids=["tp2", "fsdp2xtp2"])
 def test_llama3_under_torchtitan_tp_plan_matches_one_process(tmp_path, tp, dp):
     from job_helpers import edited_toml, world1
 
@@ -520,12 +522,15 @@ def _expert_tp_worker(rank, world, out, cls_name, recipe, state):
     out[f"placements{rank}"] = {n: str(p.placements) for n, p in mod.named_parameters()}
 
 
+_REQUANT_SLOW = pytest.mark.slow(reason="11 s on 2 cores; the kernels' amaxes in the case before it")
+
+
 # both expert layouts on the reference backend; the kernels' cross-rank amaxes (shared by the layouts) on one
-# (and once with the weights quantized again in backward, whose amaxes are all-reduced again there)
+# (and once, in the slow tier, with the weights quantized again in backward, whose amaxes are all-reduced again)
 @pytest.mark.parametrize("cls_name,backend,requant", [("deepseek_v3", "reference", False),
                                                       ("gpt_oss", "reference", False),
                                                       ("deepseek_v3", "emulated", False),
-                                                      ("deepseek_v3", "emulated", True)])
+                                                      pytest.param("deepseek_v3", "emulated", True, marks=_REQUANT_SLOW)])
 @pytest.mark.long
 def test_experts_under_tensor_parallelism_match_one_process(cls_name, backend, requant):
     """TorchTitan's expert TP (TP without EP) on 2 gloo ranks: W1/W3 (gpt-oss mlp1) split along their

@@ -35,10 +35,9 @@ from .nvfp4_jit import (add_nibble, amax16, block_scales, e2m1_nibble, e2m1_stag
 
 G_Q = 2  # 16-row blocks per program (fixed tiles: small inputs on a GPU)
 BK_Q = 64  # features per program
-# Fixed tiles in Triton's CPU interpreter, which pays per program and per operation, not per element: larger
-# than any autotuned config's, so a test shape takes one or a few programs (8 experts of 128 x 256: 2.7 s against
-# 6.7 s at 4 x 128); every config's decomposition is tested against these tiles (tests/test_kernels.py,
-# *_every_tile_config_*)
+# Fixed tiles in Triton's CPU interpreter, which pays per program and per operation, not per element: larger than
+# any autotuned config's, so a test shape takes a few programs (8 experts of 128 x 256: 2.7 s, 6.7 s at 4 x 128);
+# every config's decomposition is tested against these tiles (tests/test_kernels.py, *_every_tile_config_*)
 G_I, BK_I = 16, 256
 
 
