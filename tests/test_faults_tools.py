@@ -51,7 +51,9 @@ def _export_writing_half_then_hanging(src: Path, out: Path, marker: Path) -> Non
         with open(f, "wb") as fh:
             fh.write(buf.getvalue()[: len(buf.getvalue()) // 2])
             fh.flush()
-        marker.write_text(str(f))
+        # whole or absent: a marker seen while it was being written read '' (a flake under CI's load, 2026-12-07)
+        marker.with_suffix(".part").write_text(str(f))
+        os.replace(marker.with_suffix(".part"), marker)
         time.sleep(120)
     torch.save = half_then_hang
     export_dense.main([str(src), str(out)])
