@@ -530,7 +530,8 @@ _REQUANT_SLOW = pytest.mark.slow(reason="11 s on 2 cores; the kernels' amaxes in
 @pytest.mark.parametrize("cls_name,backend,requant", [("deepseek_v3", "reference", False),
                                                       ("gpt_oss", "reference", False),
                                                       ("deepseek_v3", "emulated", False),
-                                                      pytest.param("deepseek_v3", "emulated", True, marks=_REQUANT_SLOW)])
+                                                      pytest.param("deepseek_v3", "emulated", True,
+                                                                   marks=_REQUANT_SLOW)])
 @pytest.mark.long
 def test_experts_under_tensor_parallelism_match_one_process(cls_name, backend, requant):
     """TorchTitan's expert TP (TP without EP) on 2 gloo ranks: W1/W3 (gpt-oss mlp1) split along their
