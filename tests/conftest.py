@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             slow = item.get_closest_marker("slow")
             if slow is not None:
-                why = slow.kwargs.get("reason") or (slow.args[0] if slow.args else "")
+                why = slow.kwargs.get("reason", "")
                 item.add_marker(pytest.mark.skip(reason=f"slow tier ({why}): TITAN_NVFP4_SLOW_TESTS=1 runs it"))
 
 
