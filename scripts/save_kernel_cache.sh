@@ -7,8 +7,10 @@
 # Here, afterwards:  mkdir -p .kernel_cache && cp <files_at>/*.tar.xz* .kernel_cache/
 # and name ".kernel_cache" in the next calls' carry (beside ".whl"). Valid for the same torch/triton and
 # GPU kind; both caches key every entry by source and options, so stale entries are only dead weight.
+# KERNEL_CACHE_LIMIT_MIB (16): the largest file that comes back from $OUT; a larger pack goes in parts of one MiB less.
 set -uo pipefail
 out=${OUT:?no \$OUT}
+limit_mib=${KERNEL_CACHE_LIMIT_MIB:-16}
 for pair in "triton:${TRITON_CACHE_DIR:-}" "inductor:${TORCHINDUCTOR_CACHE_DIR:-}"; do
   name=${pair%%:*} dir=${pair#*:}
   [[ -n $dir && -d $dir ]] || { echo "kernel cache: no $name cache dir (source scripts/device_setup.sh first)"; continue; }
@@ -17,8 +19,8 @@ for pair in "triton:${TRITON_CACHE_DIR:-}" "inductor:${TORCHINDUCTOR_CACHE_DIR:-
   (( $? <= 1 )) || { rm -f "$out/$name.tar.xz"; continue; }
   size=$(stat -c %s "$out/$name.tar.xz")
   echo "kernel cache $name: $(find "$dir" -type f ! -name .unpacked | wc -l) files, $(du -sh "$dir" | cut -f1) -> $((size / 1024)) KiB packed"
-  if (( size > 16 * 1024 * 1024 )); then  # a file comes back from $OUT up to 16 MiB: in parts of 15 MiB
-    split -b 15M -d -a 1 "$out/$name.tar.xz" "$out/$name.tar.xz.part" && rm -f "$out/$name.tar.xz" &&
+  if (( size > limit_mib * 1024 * 1024 )); then  # a file comes back from $OUT up to 16 MiB: in parts of 15 MiB
+    split -b $((limit_mib - 1))M -d -a 1 "$out/$name.tar.xz" "$out/$name.tar.xz.part" && rm -f "$out/$name.tar.xz" &&
       echo "kernel cache $name: in $(ls "$out/$name.tar.xz.part"* | wc -l) parts"
   fi
 done

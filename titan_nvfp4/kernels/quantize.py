@@ -463,6 +463,10 @@ def launch_tuned(kernel, tuned_kernel, x: torch.Tensor, rows: int, cols: int, *a
 #: `benchmarks/weight_quant_bench.py --experts 64 --n 1408 --k 2048 --configs ...` on an H100
 #: (2026-11-26; faster than the two passes at 6-33 MB per expert too).
 _FUSED_2D = {"G": 4, "BK": 128, "num_warps": 4, "LEAD": 1, "SPAN": 4}
+#: Whether Triton's CPU interpreter takes that fused launch too. Off: the interpreter pays per program, and the
+#: fused launch runs at least two per expert (an amax tile, a quantization tile) where the two passes (amaxes, then
+#: the quantization) run a few in all; the bits are the same (tests/test_kernels.py runs the fused kernel with it on).
+FUSED_2D_IN_INTERPRETER = False
 
 
 # ----------------------------------------------------------------------------------------------- launchers
@@ -659,7 +663,7 @@ def quantize_weight_2d_tensors(w: torch.Tensor, amax: torch.Tensor | None = None
     bexp = _expert_blocks(experts, N // 16 // experts, dev) if grouped else _placeholder(dev)
     # stacked experts reduce their amaxes in the quantizing launch (_quantize_2d_fused_kernel), whose
     # buffer also holds its tile counters
-    fused = grouped and amax is None and N > 0
+    fused = grouped and amax is None and N > 0 and (w.is_cuda or FUSED_2D_IN_INTERPRETER)
     buf = torch.zeros(2 * experts if fused else experts, dtype=torch.int32, device=dev)  # fp32 bits of the amaxes
     gs = torch.empty(experts, dtype=torch.float32, device=dev)
     if amax is None and N > 0 and not fused:
