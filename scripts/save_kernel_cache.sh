@@ -11,6 +11,9 @@
 set -uo pipefail
 out=${OUT:?no \$OUT}
 limit_mib=${KERNEL_CACHE_LIMIT_MIB:-16}
+if [[ ! $limit_mib =~ ^[0-9]+$ ]] || (( limit_mib < 2 )); then
+  echo "save_kernel_cache: KERNEL_CACHE_LIMIT_MIB must be a whole number of MiB, at least 2; got '$limit_mib'" >&2; exit 2
+fi
 for pair in "triton:${TRITON_CACHE_DIR:-}" "inductor:${TORCHINDUCTOR_CACHE_DIR:-}"; do
   name=${pair%%:*} dir=${pair#*:}
   [[ -n $dir && -d $dir ]] || { echo "kernel cache: no $name cache dir (source scripts/device_setup.sh first)"; continue; }
@@ -19,7 +22,7 @@ for pair in "triton:${TRITON_CACHE_DIR:-}" "inductor:${TORCHINDUCTOR_CACHE_DIR:-
   (( $? <= 1 )) || { rm -f "$out/$name.tar.xz"; continue; }
   size=$(stat -c %s "$out/$name.tar.xz")
   echo "kernel cache $name: $(find "$dir" -type f ! -name .unpacked | wc -l) files, $(du -sh "$dir" | cut -f1) -> $((size / 1024)) KiB packed"
-  if (( size > limit_mib * 1024 * 1024 )); then  # a file comes back from $OUT up to 16 MiB: in parts of 15 MiB
+  if (( size > limit_mib * 1024 * 1024 )); then  # in parts of limit_mib - 1 MiB (15 for the device tool's 16)
     split -b $((limit_mib - 1))M -d -a 1 "$out/$name.tar.xz" "$out/$name.tar.xz.part" && rm -f "$out/$name.tar.xz" &&
       echo "kernel cache $name: in $(ls "$out/$name.tar.xz.part"* | wc -l) parts"
   fi

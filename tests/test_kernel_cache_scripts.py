@@ -6,6 +6,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -48,3 +50,12 @@ def test_a_large_cache_comes_back_in_parts_and_unpacks_whole(tmp_path):
     assert (root / ".kernel_cache/triton/ab/kernel.json").read_text() == '{"name": "k"}'
     assert (root / ".kernel_cache/inductor/graph.py").read_text() == "print('graph')\n"
     assert "(2 cached files)" in r.stdout and "(1 cached files)" in r.stdout
+
+
+@pytest.mark.parametrize("value", ["1", "16M", "-3"])
+def test_a_limit_that_is_not_a_whole_number_of_mib_is_refused_naming_it(tmp_path, value):
+    env = {**os.environ, "OUT": str(tmp_path), "TRITON_CACHE_DIR": str(tmp_path), "KERNEL_CACHE_LIMIT_MIB": value}
+    r = subprocess.run(["bash", str(REPO / "scripts/save_kernel_cache.sh")], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "KERNEL_CACHE_LIMIT_MIB" in r.stderr, (r.returncode, r.stderr)
+    assert not list(tmp_path.iterdir())  # nothing packed
