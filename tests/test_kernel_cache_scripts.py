@@ -22,6 +22,12 @@ def _unpack_function(root: Path) -> Path:
     return script
 
 
+def _save_kernel_cache(env: dict) -> subprocess.CompletedProcess:
+    """scripts/save_kernel_cache.sh run with ``env``."""
+    return subprocess.run(["bash", str(REPO / "scripts/save_kernel_cache.sh")], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
 def test_a_large_cache_comes_back_in_parts_and_unpacks_whole(tmp_path):
     triton, inductor, out = tmp_path / "triton", tmp_path / "inductor", tmp_path / "out"
     for d in (triton / "ab", inductor, out):
@@ -32,8 +38,7 @@ def test_a_large_cache_comes_back_in_parts_and_unpacks_whole(tmp_path):
     (inductor / "graph.py").write_text("print('graph')\n")
     env = {**os.environ, "OUT": str(out), "TRITON_CACHE_DIR": str(triton), "TORCHINDUCTOR_CACHE_DIR": str(inductor),
            "KERNEL_CACHE_LIMIT_MIB": "3"}  # the device tool's 16 MiB, scaled down: parts of 2 MiB
-    r = subprocess.run(["bash", str(REPO / "scripts/save_kernel_cache.sh")], env=env, capture_output=True, text=True,
-                       timeout=120)
+    r = _save_kernel_cache(env)
     assert r.returncode == 0, r.stderr
     assert "kernel cache triton: in 2 parts" in r.stdout
     assert sorted(p.name for p in out.iterdir()) == ["inductor.tar.xz", "triton.tar.xz.part0", "triton.tar.xz.part1"]
@@ -55,7 +60,6 @@ def test_a_large_cache_comes_back_in_parts_and_unpacks_whole(tmp_path):
 @pytest.mark.parametrize("value", ["1", "16M", "-3"])
 def test_a_limit_that_is_not_a_whole_number_of_mib_is_refused_naming_it(tmp_path, value):
     env = {**os.environ, "OUT": str(tmp_path), "TRITON_CACHE_DIR": str(tmp_path), "KERNEL_CACHE_LIMIT_MIB": value}
-    r = subprocess.run(["bash", str(REPO / "scripts/save_kernel_cache.sh")], env=env, capture_output=True, text=True,
-                       timeout=60)
+    r = _save_kernel_cache(env)
     assert r.returncode == 2 and "KERNEL_CACHE_LIMIT_MIB" in r.stderr, (r.returncode, r.stderr)
     assert not list(tmp_path.iterdir())  # nothing packed
