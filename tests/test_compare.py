@@ -272,7 +272,7 @@ def test_stopping_the_runner_stops_the_running_arms(tmp_path):
     assert _stops(pid)
 
 
-def _device_tree(tmp_path: Path, sleep_s: str = "0.25"):
+def _device_tree(tmp_path: Path, sleep_s: str = "0.1"):
     """A tree as the device tool copies it (scripts/compare_on_device.sh, device setup and kernel-cache packing
     stubbed, the arms tests/compare_stub.py sleeping ``sleep_s`` a step) and ``call(*args, wait_s)``, one device
     call: in a session of its own, killed once the call returns, as the device tool may do."""
@@ -335,7 +335,7 @@ def test_a_detached_run_trains_on_between_device_calls(tmp_path):
     tests/compare_stub.py."""
     import shutil
 
-    repo, spec, call = _device_tree(tmp_path)  # each step 0.25 s: still running at the second --detach
+    repo, spec, call = _device_tree(tmp_path)  # each step 0.1 s: still running at the second --detach
     r, _ = call("--wait", wait_s=1)
     assert r.returncode == 1 and "no detached run" in r.stderr
     # refused before anything starts: logs inside the tree but outside outputs/, a state folder holding the tree

@@ -22,9 +22,10 @@ from graph_helpers import StandInCapture
 from moe_helpers import build_moe, cpu_triton
 
 E, D, F, T = 2, 16, 16, 48  # experts, model dim, hidden dim, routed rows (fixed, as TorchTitan pads them)
-#: the token groups of each step (multiples of 16, an expert empty, tail rows past the last): they change every
-#: step while the row count stays, so a replay reading the capture's offsets would give another step's numbers
-OFFSETS = ([16, 32], [0, 48], [32, 32], [16, 16])
+#: the token groups of each step (multiples of 16, either expert empty, tail rows past the last): they change every
+#: step while the row count stays, so a replay reading the capture's offsets would give another step's numbers;
+#: three steps: the backward's first replay is the third
+OFFSETS = ([16, 32], [0, 48], [32, 32])
 
 
 def _steps(graphed: bool):

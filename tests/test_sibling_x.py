@@ -51,8 +51,14 @@ def _step(m, x, dy, autocast=False):
     return out
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "fp32_under_bf16_autocast"])
+_EMULATED = BACKENDS[1].marks
+_FP32_EMULATED_SLOW = pytest.mark.slow(reason="5 s on 2 cores; the emulated backend under bf16 autocast in CI")
+
+
+@pytest.mark.parametrize("autocast, backend", [
+    (False, "reference"), (True, "reference"), pytest.param(False, "emulated", marks=[*_EMULATED, _FP32_EMULATED_SLOW]),
+    pytest.param(True, "emulated", marks=_EMULATED)],
+    ids=["fp32-reference", "fp32_under_bf16_autocast-reference", "fp32-emulated", "fp32_under_bf16_autocast-emulated"])
 def test_siblings_quantize_x_once_with_each_layers_bits(backend, autocast, counted, monkeypatch):
     """Under autocast the one quantization is of X's bf16 cast, made once for the three layers. On the emulated
     backend the three wgrads stage the one saved Xᵀ once."""
