@@ -111,18 +111,17 @@ def test_matches_torchao_rceil():
     assert torch.equal(_bytes(row.data), _bytes(data))
 
 
-@pytest.mark.long
 @pytest.mark.parametrize("staged", [False, True])
 def test_columns_kernel_every_tile_config_bit_identical(staged):
     """Each config the columns-only kernel's autotuner may pick (G row blocks, BK features, warps), run
     directly on a ragged input with NaN, inf and zero blocks, against the reference's column operand."""
     from titan_nvfp4.kernels import mxfp8 as k
 
-    x = _rand(200, 96, torch.float32, seed=21)
+    x = _rand(72, 96, torch.float32, seed=21)  # ragged rows and features: partial tiles on both axes
     x[0:32, 5] = 0.0
     x[40, 7] = float("nan")
     x[70, 90] = float("-inf")
-    M, K, Mpad = 200, 96, 224
+    M, K, Mpad = 72, 96, 96
     ref = quantize_mxfp8(F.pad(x.cpu().t(), (0, Mpad - M)).contiguous())
     for cfg in k._cols_autotuned.configs:
         g, bk = cfg.kwargs["G"], cfg.kwargs["BK"]
