@@ -233,7 +233,7 @@ def test_amax_and_weight_kernels_every_tile_config_bit_identical(kind):
     from titan_nvfp4.kernels import quantize as q
     from titan_nvfp4.kernels.launch import tune_bucket
 
-    x = inputs(72, 96, kind, torch.float32)  # partial tiles of 32 to 128 rows
+    x = inputs(72, 96, kind, torch.float32)  # partial tiles of 16 to 128 rows
     x[37, 10] = float("-inf")  # non-finite in x, not in x[:, 48:]: both amaxes of x become +inf
     signs = rht_signs(0, DEV)
     w = inputs(96, 208, kind, torch.float32)
