@@ -55,7 +55,8 @@ _FP32_EMULATED_SLOW = pytest.mark.slow(reason="5 s on 2 cores; the emulated back
 
 
 @pytest.mark.parametrize("autocast, backend", [
-    (False, "reference"), (True, "reference"), pytest.param(False, "emulated", marks=[_NEEDS_KERNELS, _FP32_EMULATED_SLOW]),
+    (False, "reference"), (True, "reference"),
+    pytest.param(False, "emulated", marks=[_NEEDS_KERNELS, _FP32_EMULATED_SLOW]),
     pytest.param(True, "emulated", marks=_NEEDS_KERNELS)],
     ids=["fp32-reference", "fp32_under_bf16_autocast-reference", "fp32-emulated", "fp32_under_bf16_autocast-emulated"])
 def test_siblings_quantize_x_once_with_each_layers_bits(backend, autocast, counted, monkeypatch):
