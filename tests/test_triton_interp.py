@@ -21,7 +21,7 @@ from triton.runtime import interpreter
 from titan_nvfp4.kernels.ms_eden import ms_eden_quantize_tensors
 x = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
 outs = [ms_eden_quantize_tensors(x, None, 7, 2**40 + 3, None, size=size, staged=staged)
-        for size in (16, 32) for staged in (False, True)]
+        for size, staged in ((16, False), (32, True))]
 print(getattr(interpreter._patch_lang, "_titan_nvfp4", False))
 print(" ".join(t.view(torch.uint8).numpy().tobytes().hex() for out in outs for t in out))
 """
