@@ -5,6 +5,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # test-only helpers such as nvfp4_twin
 
+import inspect_cache  # noqa: E402,F401  (a class's source read once per file state: TorchTitan's config parses)
+
 # Every cached kernel launch is checked against the kernel Triton itself would launch
 # (titan_nvfp4/kernels/launch.py, CHECK): a cache key that misses a specialization fails the test.
 os.environ.setdefault("TITAN_NVFP4_LAUNCH_CHECK", "1")

@@ -15,6 +15,7 @@ import socket
 import torch
 import torch.multiprocessing as mp
 
+import inspect_cache  # noqa: F401  (in the ranks too, as triton_interp)
 import triton_interp  # noqa: F401  (in the ranks too: they import this module to run _entry)
 
 PRELOAD = [

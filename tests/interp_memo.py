@@ -130,6 +130,10 @@ def install(itp, grid_executor, launch) -> None:
     wrap("create_atomic_cas", True, True, lambda a: (a["ptr"], None))
     wrap("create_atomic_rmw", True, True, lambda a: (a["ptr"], a["mask"]))
 
+    def scalar_key(v):
+        # floats by their bits: -0.0 == 0.0 and NaN != NaN under ==, yet a kernel may tell them apart
+        return (type(v).__name__, v.hex() if isinstance(v, float) else v)
+
     def storage_bytes(storage) -> np.ndarray:
         return torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
 
@@ -158,7 +162,7 @@ def install(itp, grid_executor, launch) -> None:
                         getattr(arg, "round_f32_to_tf32", None)))
             describe(arg.base, storages, ids, out)
         elif isinstance(arg, scalars):
-            out.append((type(arg).__name__, arg))
+            out.append(scalar_key(arg))
         elif isinstance(arg, (tl.constexpr, tl.dtype, torch.dtype)):
             out.append((type(arg).__name__, repr(arg)))
         else:
@@ -192,7 +196,7 @@ def install(itp, grid_executor, launch) -> None:
         for mod in modules_of(fn):
             for k, v in vars(mod).items():
                 if isinstance(v, scalars):
-                    parts.append((k, type(v).__name__, v))
+                    parts.append((k, scalar_key(v)))
                 elif isinstance(v, (tl.constexpr, tl.dtype)):
                     parts.append((k, repr(v)))
                 elif callable(v) and not isinstance(v, type):

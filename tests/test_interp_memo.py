@@ -77,3 +77,17 @@ def test_a_changed_module_global_runs_the_kernel_again(monkeypatch):
     _launch(x, y)
     assert _counts() == (hits, runs + 1)
     assert torch.equal(y, x * 3 + 1)
+
+
+@triton.jit
+def _reciprocal_of(Y, c, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(Y + i, 1.0 / (tl.full([BLOCK], 1.0, tl.float32) * c))
+
+
+def test_scalars_equal_under_python_but_not_in_bits_are_different_launches():
+    """0.0 and -0.0 compare equal in Python, yet 1 / c tells them apart: the second launch runs."""
+    ys = [torch.empty(16) for _ in range(2)]
+    for y, c in zip(ys, (0.0, -0.0)):
+        _reciprocal_of[(1,)](y, c, BLOCK=16)
+    assert torch.equal(ys[0], torch.full((16,), float("inf"))) and torch.equal(ys[1], torch.full((16,), -float("inf")))
