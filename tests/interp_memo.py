@@ -197,7 +197,7 @@ def install(itp, grid_executor, launch) -> None:
             for k, v in vars(mod).items():
                 if isinstance(v, scalars):
                     parts.append((k, scalar_key(v)))
-                elif isinstance(v, (tl.constexpr, tl.dtype)):
+                elif isinstance(v, (tl.constexpr, tl.dtype, tuple)):  # a tuple: by its repr (-0.0 shows)
                     parts.append((k, repr(v)))
                 elif callable(v) and not isinstance(v, type):
                     parts.append((k, id(v)))
