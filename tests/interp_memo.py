@@ -59,7 +59,7 @@ def install(itp, grid_executor, launch) -> None:
     builder = itp.interpreter_builder
     recorders: list = []  # the recording of the run in progress (launches do not nest; a stack for safety)
     entries: OrderedDict = OrderedDict()  # structure key -> [recorded runs], least recently used first
-    held = [0]
+    held = 0  # bytes of stored values kept
     scalars = (int, float, bool, str, type(None), bytes)
 
     class _Recording:
@@ -225,6 +225,7 @@ def install(itp, grid_executor, launch) -> None:
         s["run_s" if what == "runs" else "saved_s"] += seconds
 
     def memo_call(self, *args, **kwargs):
+        nonlocal held
         if recorders:
             return launch(self, *args, **kwargs)
         try:
@@ -273,12 +274,12 @@ def install(itp, grid_executor, launch) -> None:
                "bytes": sum(p.nbytes + v.nbytes for p, v in wrote.values())}
         runs = entries.setdefault(key, [])
         runs.insert(0, run)
-        held[0] += run["bytes"]
+        held += run["bytes"]
         while len(runs) > PER_KEY:
-            held[0] -= runs.pop()["bytes"]
-        while held[0] > BUDGET and entries:
+            held -= runs.pop()["bytes"]
+        while held > BUDGET and entries:
             _, old = entries.popitem(last=False)
-            held[0] -= sum(r["bytes"] for r in old)
+            held -= sum(r["bytes"] for r in old)
         return result
 
     def verify(self, args, kwargs, storages, run):
