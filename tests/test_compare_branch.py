@@ -32,7 +32,7 @@ base = "{REPO / 'train_configs/llama3_bf16.toml'}"
 seeds = [42, 43]
 [[arm]]
 name = "nvfp4"
-overrides = ["--stub.offset", "0.2", "--stub.sleep", "0.05", "--stub.progress"]
+overrides = ["--stub.offset", "0.2", "--stub.sleep", "0.02", "--stub.progress"]
 seeds = [42, 43]
 """, extra)
 
@@ -101,7 +101,7 @@ def test_a_branch_whose_parent_checkpoint_is_not_kept_is_refused_naming_it(tmp_p
 
 def test_a_parent_that_stops_before_the_branch_step_leaves_the_branch_unrun(tmp_path, capsys, fast_poll):
     spec_path = _spec(tmp_path, seeds="[42]")
-    text = spec_path.read_text().replace('"--stub.sleep", "0.05"', '"--stub.fail_at", "5"')
+    text = spec_path.read_text().replace('"--stub.sleep", "0.02"', '"--stub.fail_at", "5"')
     spec_path.write_text(text)
     assert compare.main([str(spec_path)]) == 1
     out = capsys.readouterr().out
