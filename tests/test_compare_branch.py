@@ -39,7 +39,7 @@ seeds = [42, 43]
 
 @pytest.fixture
 def fast_poll(monkeypatch):
-    monkeypatch.setattr(runner, "BRANCH_POLL_S", 0.02)  # the stub saves every 0.5 s, TorchTitan every few minutes
+    monkeypatch.setattr(runner, "BRANCH_POLL_S", 0.02)  # the stub saves every 0.2 s, TorchTitan every few minutes
 
 
 def test_a_branch_starts_from_its_parents_checkpoint_after_the_other_arms(tmp_path, capsys, fast_poll):
