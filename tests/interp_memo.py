@@ -301,5 +301,4 @@ def install(itp, grid_executor, launch) -> None:
             with open(os.path.join(folder, f"{os.getpid()}.json"), "w") as f:
                 json.dump(STATS, f)
         atexit.register(write_stats)
-    memo_call.interp_memo = True
     grid_executor.__call__ = memo_call
