@@ -123,15 +123,17 @@ def test_the_gradient_is_unbiased_at_the_one_over_root_n_rate():
 
 
 @pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(), reason="kernels need TRITON_INTERPRET=1 or a GPU")
-def test_the_emulated_kernels_agree_with_the_reference_backend():
+@pytest.mark.parametrize("high_precision_forward", [False, True], ids=["nvfp4_forward", "forward_switched"])
+def test_the_emulated_kernels_agree_with_the_reference_backend(high_precision_forward):
     """The emulated backend's operands are the reference's bit for bit (test_ms_eden_kernel.py pins the quantizer);
     its GEMMs accumulate in another order, so Y, dX and dW agree to fp32 rounding. A single scale drawn otherwise would
-    move dW by ~1e-3 relative, far above that."""
+    move dW by ~1e-3 relative, far above that. After a forward-only switch (quartet2 with bf16_after_scope =
+    "forward") the backward re-quantizes W and X themselves on both backends alike."""
     x, w, dy = _inputs(2)
     out = {}
     for backend in ("reference", "emulated"):
         recipe = _recipe(backend, rht_size=64)
-        out[backend] = _run(recipe, x, w, dy, sr_counter(recipe, 5))
+        out[backend] = _run(recipe, x, w, dy, sr_counter(recipe, 5), high_precision_forward=high_precision_forward)
     for what, a, b in zip(("Y", "dX", "dW"), out["reference"][:3], out["emulated"][:3]):
         assert_matches(b, a, what)
 
