@@ -324,8 +324,10 @@ def test_ms_eden_ops_pass_opcheck():
 @pytest.mark.long
 def test_compiled_ms_eden_model_matches_eager_bit_for_bit():
     """quartet2's backward (MS-EDEN, seeds from the SR counter on the device) compiles with fullgraph into one graph
-    shared by the blocks and draws the same bits as eager, afresh each step."""
+    shared by the blocks and draws the same bits as eager, afresh each step; after a forward-only switch
+    (bf16_after_scope = "forward", the ranking's best combination) one more graph does, still bit for bit."""
     from titan_nvfp4.recipe.nvfp4_recipe import build_recipe
+    from titan_nvfp4.training.schedule import PrecisionSchedule
 
     recipe = build_recipe("quartet2", {"gemm_backend": "emulated", "rht_size": 32})
     eager = _model(recipe)
@@ -345,6 +347,20 @@ def test_compiled_ms_eden_model_matches_eager_bit_for_bit():
         grads.append(g_c["0.proj.weight"])
     assert not torch.equal(*grads)  # same inputs, new signs and scale draws
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    switch = PrecisionSchedule(2, "forward")
+    assert switch.at_step(2) and switch.high_precision_forward and not switch.high_precision_backward
+    for model in (eager, compiled_twin):
+        for blk in model:
+            blk.proj.precision_schedule = switch
+    y_e, dx_e, g_e = _step(eager, x, dy)
+    y_c, dx_c, g_c = _step(compiled_twin, x, dy)
+    want = x
+    for blk in eager:  # the forward is F.linear's now
+        want = want + torch.nn.functional.linear(torch.nn.functional.gelu(want), blk.proj.weight, blk.proj.bias)
+    assert torch.equal(y_e, want.detach())
+    assert torch.equal(y_e, y_c) and torch.equal(dx_e, dx_c), "after the switch"
+    assert all(torch.equal(g_e[name], g_c[name]) for name in g_e), "after the switch"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
 def test_capability_compiles_to_a_constant_without_the_lru_cache_warning(monkeypatch):
