@@ -20,6 +20,7 @@ from titan_nvfp4.autograd.linear_function import nvfp4_linear, sr_counter
 from titan_nvfp4.modules.decomposed_linear import DecomposedLinear
 from titan_nvfp4.numerics.rht import rht_signs
 from titan_nvfp4.ops.backends import interpreting
+from titan_nvfp4.recipe.nvfp4_recipe import build_recipe, load_preset
 from titan_nvfp4.training.schedule import LINEAR_STEPS, PrecisionSchedule
 from graph_helpers import StandInCapture
 from job_helpers import edited_toml, parse, world1
@@ -64,7 +65,7 @@ def test_the_experts_refuse_the_forward_scope_by_name(tmp_path):
 def test_the_toml_and_the_command_line_set_the_scope(tmp_path):
     cfg = parse(toml=edited_toml(tmp_path, add=("bf16_after_fraction = 0.2", 'bf16_after_scope = "forward"')))
     assert cfg.quantize.linear.nvfp4.bf16_after_scope == "forward"
-    assert parse().quantize.linear.nvfp4.bf16_after_scope == "forward_backward"  # the default
+    assert parse().quantize.linear.nvfp4.switch() == (0.0, "forward_backward")  # the default: no switch
     cli = parse("--quantize.linear.nvfp4.bf16_after_fraction", "0.2", "--quantize.linear.nvfp4.bf16_after_scope",
                 "forward")
     assert cli.quantize.linear.nvfp4.bf16_after_scope == "forward"
@@ -298,3 +299,67 @@ def test_the_plain_api_resume_switches_at_the_same_step():
     assert _flags(again) == [(False, False)] * 2
     steps2.step()
     assert _flags(again) == [(True, False)] * 2
+
+
+# ------------------------------------------------------------------------------ 5. a preset that carries the switch
+
+def _switch_preset(tmp_path, *lines, name="switched.toml"):
+    """A recipe file: quartet2's fields plus ``lines`` (its precision switch), as a `recommended` preset would be."""
+    fields = "".join(f"{k} = {v!r}\n".replace("'", '"').replace("True", "true").replace("False", "false")
+                     for k, v in load_preset("quartet2").items())
+    path = tmp_path / name
+    path.write_text(fields + "".join(f"{x}\n" for x in lines))
+    return path
+
+
+def test_a_preset_sets_the_switch_and_the_section_overrides_it(tmp_path):
+    preset = _switch_preset(tmp_path, "bf16_after_fraction = 0.18", 'bf16_after_scope = "forward"')
+    section = parse(toml=edited_toml(tmp_path, {"recipe": f'"{preset}"'})).quantize.linear.nvfp4
+    assert section.switch() == (0.18, "forward")
+    assert section.build_recipe() == build_recipe("quartet2", section.overrides()), "the switch stays out of it"
+    cli = parse("--quantize.linear.nvfp4.recipe", str(preset), "--quantize.linear.nvfp4.bf16_after_scope",
+                "forward_backward").quantize.linear.nvfp4
+    assert cli.switch() == (0.18, "forward_backward")
+    off = parse("--quantize.linear.nvfp4.recipe", str(preset), "--quantize.linear.nvfp4.bf16_after_fraction",
+                "0").quantize.linear.nvfp4
+    assert off.switch() == (0.0, "forward"), "fraction 0 turns the preset's switch off; its scope is then inert"
+    assert parse("--quantize.linear.nvfp4.recipe", "quartet2").quantize.linear.nvfp4.switch() == \
+        (0.0, "forward_backward")
+
+
+def test_the_plain_api_runs_a_presets_switch(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="test_switch_scope")
+    preset = _switch_preset(tmp_path, "bf16_after_fraction = 0.5", 'bf16_after_scope = "forward"')
+    log = logging.getLogger("test_switch_scope")
+    model, steps = titan_nvfp4.convert(_tiny(), str(preset), total_steps=STEPS, gemm_backend="reference",
+                                       rht_size=16, logger=log)
+    assert "bf16_after_scope = forward; dgrad and wgrad stay NVFP4" in caplog.text
+    steps.step()
+    steps.step()
+    assert _flags(model) == [(True, False)] * 2 and model.a.recipe.ms_eden
+    with pytest.raises(ValueError, match=r"bf16_after_fraction = 0.5 needs the run's total number of optimizer "
+                                         r"steps"):
+        titan_nvfp4.convert(_tiny(), str(preset), gemm_backend="reference", rht_size=16)
+
+
+@pytest.mark.parametrize("lines, needle", [
+    (("bf16_after_fraction = 1.5",), "bf16_after_fraction must be a number in [0, 1], got 1.5 (from the recipe"),
+    (("bf16_after_fraction = 0.2", 'bf16_after_scope = "fwd"'),
+     "bf16_after_scope must be one of ['forward_backward', 'forward'], got 'fwd' (from the recipe"),
+], ids=["fraction", "scope"])
+def test_a_presets_bad_switch_is_refused_naming_the_recipe(tmp_path, lines, needle):
+    preset = _switch_preset(tmp_path, *lines)
+    with pytest.raises(ValueError) as e:
+        parse(toml=edited_toml(tmp_path, {"recipe": f'"{preset}"'}))
+    assert needle in str(e.value) and str(preset) in str(e.value), str(e.value)
+
+
+def test_the_experts_refuse_a_presets_forward_scope_unless_turned_off(tmp_path):
+    preset = _switch_preset(tmp_path, "bf16_after_fraction = 0.2", 'bf16_after_scope = "forward"')
+    grouped = (f'recipe = "{preset}"', "ms_eden = false", "rht_size = 16")
+    with pytest.raises(ValueError, match=r"\[quantize.grouped_mm.nvfp4\] bf16_after_scope = 'forward' \(from the "
+                                         r"recipe .*switched.toml'\): the routed experts switch forward and backward"):
+        parse(toml=_grouped_toml(tmp_path, *grouped))
+    cfg = parse(toml=_grouped_toml(tmp_path, *grouped, "bf16_after_fraction = 0"))
+    assert cfg.quantize.grouped_mm.nvfp4.switch() == (0, "forward")
+

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from ..numerics.lowrank import check_rank
-from .nvfp4_recipe import NVFP4Recipe, build_recipe, dense_only_values, validate_field
+from .nvfp4_recipe import NVFP4Recipe, build_recipe, dense_only_values, preset_schedule, validate_field
 
 DEFAULT_FILTER_FQNS = ("output", "router.gate", "shared_experts")  # TorchTitan 0.2's LM head is `output`
 
@@ -84,14 +84,28 @@ def _nonneg_int(value) -> bool:
 class RecipeKnobs(RecipeOverrides):
     """The recipe preset and per-field overrides, shared by the dense and the grouped sections."""
 
-    bf16_after_fraction: float = 0.0
+    bf16_after_fraction: Optional[float] = None
     """Switch this section's NVFP4 layers to high precision (BF16 under TorchTitan's mixed precision)
     for the last fraction of training.steps (0 = never; 1 = from the start, a control arm with the
-    same modules)."""
-    bf16_after_scope: str = SWITCH_FORWARD_BACKWARD
+    same modules). Unset: the preset's, else 0."""
+    bf16_after_scope: Optional[str] = None
     """What the bf16_after_fraction switch moves to high precision: "forward_backward", all three GEMMs (the
     layers then run F.linear); "forward", the forward GEMM only, while dgrad and wgrad keep the NVFP4 recipe
-    (NVIDIA, arXiv 2509.25149). Dense Linears only; needs bf16_after_fraction > 0."""
+    (NVIDIA, arXiv 2509.25149). Dense Linears only; needs bf16_after_fraction > 0. Unset: the preset's, else
+    "forward_backward"."""
+
+    def switch(self) -> tuple[float, str]:
+        """The section's precision switch (bf16_after_fraction, bf16_after_scope): each key as set here, else as the
+        preset sets it, else 0 (never) and "forward_backward"."""
+        preset = preset_schedule(self.recipe)
+        fraction = self.bf16_after_fraction
+        scope = self.bf16_after_scope
+        return (preset.get("bf16_after_fraction", 0.0) if fraction is None else fraction,
+                preset.get("bf16_after_scope", SWITCH_FORWARD_BACKWARD) if scope is None else scope)
+
+    def _origin(self, key: str) -> str:
+        """Where the switch key ``key`` comes from, for an error message: "" when set in the section."""
+        return "" if getattr(self, key) is not None else f" (from the recipe {self.recipe!r})"
 
     def _check_fqns(self, key: str) -> None:
         value = getattr(self, key)
@@ -107,18 +121,20 @@ class RecipeKnobs(RecipeOverrides):
             raise ValueError(f"[{self.SECTION}] {key} must be {what}, got {value!r}")
 
     def __post_init__(self) -> None:
-        f = self.bf16_after_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
-            raise ValueError(f"[{self.SECTION}] bf16_after_fraction must be a number in [0, 1], got {f!r}")
-        if self.bf16_after_scope not in SWITCH_SCOPES:
-            raise ValueError(f"[{self.SECTION}] bf16_after_scope must be one of {list(SWITCH_SCOPES)}, got "
-                             f"{self.bf16_after_scope!r}")
-        if self.bf16_after_scope != SWITCH_FORWARD_BACKWARD and not f:
-            raise ValueError(f"[{self.SECTION}] bf16_after_scope = {self.bf16_after_scope!r} needs "
-                             "bf16_after_fraction > 0 (it sets what that switch moves to high precision)")
         if not isinstance(self.recipe, str) or not self.recipe.strip():
             raise ValueError(f"[{self.SECTION}] recipe must be a preset name or a path to a .toml file, "
                              f"got {self.recipe!r}")
+        f, scope = self.switch()  # an unknown preset fails here, at parse time
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
+            raise ValueError(f"[{self.SECTION}] bf16_after_fraction must be a number in [0, 1], got {f!r}"
+                             f"{self._origin('bf16_after_fraction')}")
+        if scope not in SWITCH_SCOPES:
+            raise ValueError(f"[{self.SECTION}] bf16_after_scope must be one of {list(SWITCH_SCOPES)}, got "
+                             f"{scope!r}{self._origin('bf16_after_scope')}")
+        # a preset's scope is inert when the section turns its switch off (bf16_after_fraction = 0)
+        if scope != SWITCH_FORWARD_BACKWARD and not f and self.bf16_after_scope is not None:
+            raise ValueError(f"[{self.SECTION}] bf16_after_scope = {scope!r} needs bf16_after_fraction > 0 (it sets "
+                             "what that switch moves to high precision)")
         for name, value in self.overrides().items():
             validate_field(name, value, self.SECTION)
         self.build_recipe()  # an unknown preset fails here, at parse time
@@ -237,10 +253,11 @@ class LinearKnobs(RecipeKnobs):
         if not recipe.weight_2d:
             raise ValueError(f"[{s}] fsdp_nvfp4_all_gather = true needs weight_2d = true (16x16 weight "
                              "blocks: the gathered codes then serve forward and dgrad alike)")
-        if self.bf16_after_fraction:
+        if self.switch()[0]:
             raise ValueError(f"[{s}] fsdp_nvfp4_all_gather = true cannot be combined with bf16_after_fraction "
-                             f"= {self.bf16_after_fraction}: FSDP2 keeps the all-gather buffers of the first step "
-                             "(packed codes), so the weights cannot switch to a BF16 all-gather mid-run")
+                             f"= {self.switch()[0]}{self._origin('bf16_after_fraction')}: FSDP2 keeps the all-gather "
+                             "buffers of the first step (packed codes), so the weights cannot switch to a BF16 "
+                             "all-gather mid-run")
         if recipe.four_over_six:
             raise ValueError(f"[{s}] fsdp_nvfp4_all_gather = true does not support block_scale_rule = "
                              "\"four_over_six\" yet (a tile's choice needs the error of all its rows, which "
@@ -278,11 +295,13 @@ class GroupedKnobs(RecipeKnobs):
     nvfp4/<experts>/<weight>/<operand>/<stat> (0 = off)."""
 
     def __post_init__(self) -> None:
-        if self.bf16_after_scope == SWITCH_FORWARD:
-            raise ValueError(f"[{self.SECTION}] bf16_after_scope = {self.bf16_after_scope!r}: the routed experts "
-                             "switch forward and backward together (their grouped GEMMs have no forward-only mode): "
-                             f"set {SWITCH_FORWARD_BACKWARD!r} here (titan_nvfp4.convert: pass experts as a dict "
-                             "without it); the dense Linears take 'forward' in [quantize.linear.nvfp4]")
+        f, scope = self.switch() if isinstance(self.recipe, str) and self.recipe.strip() else (0.0, None)
+        if scope == SWITCH_FORWARD and (self.bf16_after_scope is not None or f):
+            raise ValueError(f"[{self.SECTION}] bf16_after_scope = {scope!r}{self._origin('bf16_after_scope')}: the "
+                             "routed experts switch forward and backward together (their grouped GEMMs have no "
+                             f"forward-only mode): set {SWITCH_FORWARD_BACKWARD!r} here (titan_nvfp4.convert: pass "
+                             "experts as a dict without it), or bf16_after_fraction = 0; the dense Linears take "
+                             "'forward' in [quantize.linear.nvfp4]")
         self._check_fqns("fqns")
         check_rank(self.lora_rank, self.SECTION)
         self._check_count("telemetry_every")

@@ -259,8 +259,23 @@ def shipped_compare_specs() -> dict[str, "Traversable"]:
     return _shipped("compare")
 
 
+#: the keys a preset may set beside NVFP4Recipe's fields: the late precision switch, a knob of the config section
+#: (knobs.py, which checks the values) that belongs to how some recipes train (NVIDIA, arXiv 2509.25149)
+SCHEDULE_KEYS = ("bf16_after_fraction", "bf16_after_scope")
+
+
 def load_preset(name: str) -> dict[str, Any]:
-    """The fields of preset ``name`` (a shipped name, or a path to a .toml file)."""
+    """The recipe fields of preset ``name`` (a shipped name, or a path to a .toml file)."""
+    return {k: v for k, v in _read_preset(name).items() if k not in SCHEDULE_KEYS}
+
+
+def preset_schedule(name: str) -> dict[str, Any]:
+    """The precision switch preset ``name`` sets (its SCHEDULE_KEYS present in the file; {} for most presets)."""
+    return {k: v for k, v in _read_preset(name).items() if k in SCHEDULE_KEYS}
+
+
+def _read_preset(name: str) -> dict[str, Any]:
+    """Every key of preset ``name`` but its description, the recipe fields checked."""
     path = Path(name)
     if name.endswith(".toml") and path.is_file():
         source = str(path)
@@ -285,7 +300,8 @@ def load_preset(name: str) -> dict[str, Any]:
         raise ValueError(f"[quantize.linear.nvfp4] recipe file {source}: invalid TOML: {e}") from None
     data.pop("description", None)
     for key, value in data.items():
-        validate_field(key, value, where=f"recipe preset {source}")
+        if key not in SCHEDULE_KEYS:
+            validate_field(key, value, where=f"recipe preset {source}")
     return data
 
 

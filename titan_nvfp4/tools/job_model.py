@@ -283,7 +283,7 @@ def open_job(overrides: list[str], folder: Path):
         bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, fsdp=loaded.fsdp, dtypes=loaded.dtypes,
         mixed_precision_param=cfg.training.mixed_precision_param,
         converters=f"[model] converters = {list(cfg.model.converters)}",
-        bf16_after_fraction=section.bf16_after_fraction, activation_amax_history=section.activation_amax_history,
+        bf16_after_fraction=section.switch()[0], activation_amax_history=section.activation_amax_history,
         knob="[quantize.linear.nvfp4]", calibration=lambda n: calibration_batches(cfg, spec, tokenizer, n))
 
 

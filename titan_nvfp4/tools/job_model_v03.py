@@ -110,7 +110,7 @@ def open_job(overrides: list[str], folder: Path):
         bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, fsdp=loaded.fsdp, dtypes=loaded.dtypes,
         mixed_precision_param=config.training.mixed_precision_param,
         converters=f"enabled quantize sections: {sections}",
-        bf16_after_fraction=section.bf16_after_fraction if section is not None else None,
+        bf16_after_fraction=section.switch()[0] if section is not None else None,
         activation_amax_history=section.activation_amax_history if section is not None else 0,
         knob="--quantize.linear", calibration=lambda n: calibration_batches(config, tokenizer, n))
 

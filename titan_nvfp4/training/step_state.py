@@ -47,8 +47,7 @@ class SectionSteps:
         self.what = "Linear layers" if self.dense else "expert modules"
         self.log = log
         self.total_steps = total_steps
-        self.fraction = knobs.bf16_after_fraction
-        self.scope = knobs.bf16_after_scope
+        self.fraction, self.scope = knobs.switch()
         self.telemetry_every = knobs.telemetry_every
         self.amax_history = knobs.activation_amax_history if self.dense else 0
         self.refresh_steps = knobs.lora_refresh_steps if self.dense else 0
