@@ -362,4 +362,3 @@ def test_the_experts_refuse_a_presets_forward_scope_unless_turned_off(tmp_path):
         parse(toml=_grouped_toml(tmp_path, *grouped))
     cfg = parse(toml=_grouped_toml(tmp_path, *grouped, "bf16_after_fraction = 0"))
     assert cfg.quantize.grouped_mm.nvfp4.switch() == (0, "forward")
-

@@ -124,7 +124,7 @@ class RecipeKnobs(RecipeOverrides):
         if not isinstance(self.recipe, str) or not self.recipe.strip():
             raise ValueError(f"[{self.SECTION}] recipe must be a preset name or a path to a .toml file, "
                              f"got {self.recipe!r}")
-        f, scope = self.switch()  # an unknown preset fails here, at parse time
+        f, scope = self.switch()  # reads the preset's file: an unknown preset fails here, at parse time
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
             raise ValueError(f"[{self.SECTION}] bf16_after_fraction must be a number in [0, 1], got {f!r}"
                              f"{self._origin('bf16_after_fraction')}")
@@ -137,7 +137,7 @@ class RecipeKnobs(RecipeOverrides):
                              "what that switch moves to high precision)")
         for name, value in self.overrides().items():
             validate_field(name, value, self.SECTION)
-        self.build_recipe()  # an unknown preset fails here, at parse time
+        self.build_recipe()  # the preset's fields with the overrides: a bad combination fails here
 
     def overrides(self) -> dict:
         """The recipe fields set explicitly in the job file."""
@@ -253,9 +253,10 @@ class LinearKnobs(RecipeKnobs):
         if not recipe.weight_2d:
             raise ValueError(f"[{s}] fsdp_nvfp4_all_gather = true needs weight_2d = true (16x16 weight "
                              "blocks: the gathered codes then serve forward and dgrad alike)")
-        if self.switch()[0]:
+        fraction = self.switch()[0]
+        if fraction:
             raise ValueError(f"[{s}] fsdp_nvfp4_all_gather = true cannot be combined with bf16_after_fraction "
-                             f"= {self.switch()[0]}{self._origin('bf16_after_fraction')}: FSDP2 keeps the all-gather "
+                             f"= {fraction}{self._origin('bf16_after_fraction')}: FSDP2 keeps the all-gather "
                              "buffers of the first step (packed codes), so the weights cannot switch to a BF16 "
                              "all-gather mid-run")
         if recipe.four_over_six:
