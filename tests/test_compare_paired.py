@@ -365,6 +365,19 @@ def test_ranking_spec_tables_the_kept_386m_logs_as_the_results_page_shows(tmp_pa
     assert len(rows) == 6 and all(line in page for line in rows)  # header, rule, nvfp4 and the three variants
 
 
+def test_the_ranking_table_is_what_its_kept_logs_give(tmp_path, monkeypatch):
+    """docs/results/recipe_ranking_386m/compare.md, as kept, is the runner's report over the logs kept beside it
+    (the results page's command): an arm's log brought in without its table, or a table edited by hand, fails."""
+    from titan_nvfp4.compare.cli import main
+
+    kept = REPO / "docs/results/recipe_ranking_386m"
+    for log in kept.glob("*.log"):
+        shutil.copy(log, tmp_path)
+    monkeypatch.chdir(REPO)
+    assert main(["configs/compare/recipe_ranking_386m.toml", "--report-only", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "compare.md").read_text() == (kept / "compare.md").read_text()
+
+
 def _kept_runs(spec):
     from titan_nvfp4.tools.loss_log import read_run
 
