@@ -7,6 +7,7 @@ key and the value; a resumed run switches at the same step with the scope of the
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from titan_nvfp4.autograd.linear_function import nvfp4_linear, sr_counter
 from titan_nvfp4.modules.decomposed_linear import DecomposedLinear
 from titan_nvfp4.numerics.rht import rht_signs
 from titan_nvfp4.ops.backends import interpreting
-from titan_nvfp4.recipe.nvfp4_recipe import build_recipe, load_preset
+from titan_nvfp4.recipe.nvfp4_recipe import build_recipe
 from titan_nvfp4.training.schedule import LINEAR_STEPS, PrecisionSchedule
 from graph_helpers import StandInCapture
 from job_helpers import edited_toml, parse, world1
@@ -28,6 +29,7 @@ from linear_helpers import assert_matches, reference
 from fake_trainer import FakeTrainer  # TorchTitan's Trainer checkpoint interface, with our extension
 
 K, N, STEPS = 64, 48, 4
+QUARTET2 = Path(__file__).resolve().parents[1] / "configs" / "quartet2.toml"
 REF = 'gemm_backend = "reference"'
 
 
@@ -304,11 +306,9 @@ def test_the_plain_api_resume_switches_at_the_same_step():
 # ------------------------------------------------------------------------------ 5. a preset that carries the switch
 
 def _switch_preset(tmp_path, *lines, name="switched.toml"):
-    """A recipe file: quartet2's fields plus ``lines`` (its precision switch), as a `recommended` preset would be."""
-    fields = "".join(f"{k} = {v!r}\n".replace("'", '"').replace("True", "true").replace("False", "false")
-                     for k, v in load_preset("quartet2").items())
+    """A recipe file: the quartet2 preset's plus ``lines`` (its precision switch), as a `recommended` preset would be."""
     path = tmp_path / name
-    path.write_text(fields + "".join(f"{x}\n" for x in lines))
+    path.write_text(QUARTET2.read_text() + "".join(f"{x}\n" for x in lines))
     return path
 
 
