@@ -306,7 +306,7 @@ def test_the_plain_api_resume_switches_at_the_same_step():
 # ------------------------------------------------------------------------------ 5. a preset that carries the switch
 
 def _switch_preset(tmp_path, *lines, name="switched.toml"):
-    """A recipe file: the quartet2 preset's plus ``lines`` (its precision switch), as a `recommended` preset would be."""
+    """A recipe file: the quartet2 preset's plus ``lines`` (its precision switch), as `recommended` might be."""
     path = tmp_path / name
     path.write_text(QUARTET2.read_text() + "".join(f"{x}\n" for x in lines))
     return path
